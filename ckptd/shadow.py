@@ -1,0 +1,75 @@
+"""The shadow model: the trainer's parameters and optimizer state, kept on the CPU.
+
+Built from the plan and a starting checkpoint (the initial state, iteration -1, or
+any committed checkpoint to resume from), it applies one committed iteration's
+reduced gradients with the trainer's exact optimizer semantics (ckptd.optim).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointError
+from .optim import AdamState, lr_at, optimizer_step
+from .plan import Plan
+
+
+class ShadowModel:
+    def __init__(self, plan: Plan, start: dict):
+        if plan.optimizer is None:
+            raise CheckpointError("the plan has no optimizer: there is no model to shadow")
+        self.plan = plan
+        self.names = [p.name for p in plan.parameters]
+        model = start.get("model") or {}
+        missing = [n for n in self.names if n not in model]
+        if missing:
+            raise CheckpointError(f"starting state lacks parameters {missing[:5]}")
+        self.params = []
+        for p in plan.parameters:
+            t = model[p.name].detach().clone().contiguous()
+            if tuple(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != p.dtype:
+                raise CheckpointError(f"starting state: {p.name} is {t.dtype}{list(t.shape)}, "
+                                      f"plan says {p.dtype}{list(p.shape)}")
+            self.params.append(t)
+        self.iteration = int(start.get("iteration", -1))
+        opt = start.get("optimizer")
+        if opt and opt.get("state"):
+            st = opt["state"]
+            self.state = AdamState(
+                step=[st[n]["step"].clone() for n in self.names],
+                exp_avg=[st[n]["exp_avg"].clone() for n in self.names],
+                exp_avg_sq=[st[n]["exp_avg_sq"].clone() for n in self.names],
+                max_exp_avg_sq=[st[n]["max_exp_avg_sq"].clone() for n in self.names]
+                if plan.optimizer.amsgrad else [])
+        else:
+            self.state = AdamState.zeros_like(self.params, plan.optimizer.amsgrad)
+        self.lr = None
+
+    def grads_from_buckets(self, iteration: int, buffers: list[np.ndarray]) -> list[torch.Tensor]:
+        """Per-parameter gradient views of the reduced bucket buffers (DDP's grad views)."""
+        by_name = {}
+        for b, buf in enumerate(buffers):
+            t = torch.from_numpy(buf)
+            for name, start, end in self.plan.param_ranges(iteration, b):
+                by_name[name] = t[start:end].view(self.plan.param(name).shape)
+        return [by_name[n] for n in self.names]
+
+    def apply(self, iteration: int, buffers: list[np.ndarray]):
+        if iteration != self.iteration + 1:
+            raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
+        grads = self.grads_from_buckets(iteration, buffers)
+        self.lr = lr_at(self.plan.optimizer, iteration)
+        optimizer_step(self.params, grads, self.state, self.plan.optimizer, self.lr)
+        self.iteration = iteration
+
+    def model_state(self) -> dict:
+        return {n: p.clone() for n, p in zip(self.names, self.params)}
+
+    def optimizer_state(self) -> dict:
+        st = {}
+        for i, n in enumerate(self.names):
+            st[n] = {"step": self.state.step[i].clone(), "exp_avg": self.state.exp_avg[i].clone(),
+                     "exp_avg_sq": self.state.exp_avg_sq[i].clone()}
+            if self.state.max_exp_avg_sq:
+                st[n]["max_exp_avg_sq"] = self.state.max_exp_avg_sq[i].clone()
+        return {"lr": self.lr, "state": st}

@@ -159,6 +159,7 @@ class Send:
     wire_bytes: int
     step: int
     chunk: int  # ring chunk index (which rank finishes reducing it)
+    ring_step: int  # 0 for the loop's first send, which carries the sender's own values
 
 
 @dataclass(frozen=True)
@@ -341,12 +342,12 @@ class RingSchedule:
                 dst = cfg.next_rank(bid, src)
                 conn = (src, dst, bid)
                 for at in loops:
-                    for phase, chunk in ring_steps(cfg.nranks, idx):
+                    for k, (phase, chunk) in enumerate(ring_steps(cfg.nranks, idx)):
                         off, nelem = at(chunk)
                         for s_off, s_n in self._slices(nelem, itemsize):
                             self._emit(conn, Send(b, phase, off + s_off, s_n,
                                                   wire_bytes(cfg.protocol, s_n, itemsize),
-                                                  len(self.sends[conn]), chunk))
+                                                  len(self.sends[conn]), chunk, k))
 
     def _slices(self, nelem: int, itemsize: int):
         """Simple sends a chunk as SlicePerChunk slices, empty ones included.

@@ -1,0 +1,91 @@
+"""Assemble: per-iteration gradient buffers, filled from any number of mirror streams.
+
+Every allgather packet that survives checking is copied into its iteration's bucket
+buffers, and the elements it covers are marked in that stream's coverage map. Two
+intact copies of one element must agree bit for bit; if they do not, the iteration is
+poisoned (something is wrong with the plan or the capture) and is never committed.
+An iteration is complete when the union of all streams covers every element.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .schedule import Bucket
+
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) runs of True in a boolean array."""
+    if not mask.any():
+        return []
+    d = np.diff(np.concatenate(([0], mask.view(np.int8), [0])))
+    return list(zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()))
+
+
+@dataclass
+class Missing:
+    bucket: int
+    start: int
+    end: int
+    params: list[tuple[str, int, int]]  # (name, first element, end) within each parameter
+
+
+@dataclass
+class IterationAssembly:
+    iteration: int
+    buckets: list[Bucket]
+    nstreams: int
+    data: list[np.ndarray] = field(init=False)  # raw bit patterns, so compares are exact
+    covered: list[np.ndarray] = field(init=False)
+    by_stream: list[list[np.ndarray]] = field(init=False)
+    conflicts: list[tuple[int, int, int, int]] = field(default_factory=list)  # (stream, bucket, start, end)
+    packets: int = 0
+    bytes: int = 0
+
+    def __post_init__(self):
+        self.data = [np.zeros(b.count, _BITS[b.dtype.itemsize]) for b in self.buckets]
+        self.covered = [np.zeros(b.count, bool) for b in self.buckets]
+        self.by_stream = [[np.zeros(b.count, bool) for b in self.buckets] for _ in range(self.nstreams)]
+
+    def place(self, stream: int, bucket: int, start: int, raw: bytes | memoryview):
+        """Copy raw little-endian element bytes to bucket[start:...]."""
+        vals = np.frombuffer(raw, self.data[bucket].dtype.newbyteorder("<"))
+        end = start + len(vals)
+        if end > len(self.data[bucket]):
+            raise IndexError(f"bucket {bucket}: elements [{start}, {end}) past its end")
+        cov = self.covered[bucket][start:end]
+        dst = self.data[bucket][start:end]
+        if cov.any() and not np.array_equal(dst[cov], vals[cov]):
+            self.conflicts.append((stream, bucket, start, end))
+            return
+        dst[:] = vals
+        cov[:] = True
+        self.by_stream[stream][bucket][start:end] = True
+        self.packets += 1
+        self.bytes += len(raw)
+
+    @property
+    def complete(self) -> bool:
+        return not self.conflicts and all(c.all() for c in self.covered)
+
+    def coverage(self, stream: int | None = None) -> float:
+        total = sum(b.count for b in self.buckets)
+        maps = self.covered if stream is None else self.by_stream[stream]
+        return (sum(int(m.sum()) for m in maps) / total) if total else 1.0
+
+    def missing(self, param_ranges) -> list[Missing]:
+        """Exact element ranges no stream delivered, with the parameters they fall in."""
+        out = []
+        for b, cov in enumerate(self.covered):
+            for s, e in ranges(~cov):
+                hit = [(n, max(s, ps) - ps, min(e, pe) - ps) for n, ps, pe in param_ranges(b)
+                       if ps < e and s < pe]
+                out.append(Missing(b, s, e, hit))
+        return out
+
+    def gradients(self) -> list[np.ndarray]:
+        """The reduced buckets, as their element type."""
+        return [d.view(b.dtype) for d, b in zip(self.data, self.buckets)]

@@ -1,0 +1,249 @@
+"""Place: which schedule message and byte range a RoCE packet is.
+
+A flow is (source IP, destination IP, destination QP). The plan names the ranks'
+addresses, so a flow's hop (sender rank -> receiver rank) is known at once; which
+channel and QP of that hop it is, and which PSN its first message started at, are
+learned from the traffic (`FlowBinder`): every RDMA message head carries its length
+(RETH DMA length, and the immediate NCCL writes), and the schedule says which
+lengths each QP's messages have. A flow binds to the (channel, QP) whose message
+sequence explains every head seen, at the earliest message that does; flows that
+no candidate explains are some other traffic between the same hosts and are counted,
+not used. When several QPs of a hop carry identical sequences, they are told apart
+by QP number: NCCL connects channels in order, so the receiver's QPNs grow with the
+channel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import Plan
+from .psn import psn_diff, psn_unwrap
+from .schedule import FlowSchedule, Message, RingSchedule
+
+# Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
+# WRITE_ONLY (10) without an immediate, ACKs are 17.
+WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = 6, 7, 8, 9, 10, 11
+DATA_OPCODES = {WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY_IMM}
+HEAD_OPCODES = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
+IMM_OPCODES = {WRITE_LAST_IMM, WRITE_ONLY_IMM}
+
+PENDING_LIMIT = 20000  # packets held per hop while its flows are not yet bound
+MIN_HEADS = 3  # message heads a flow must show before it is bound by its lengths alone
+
+
+@dataclass
+class Packet:
+    """What Place needs of one decoded RoCE write packet."""
+
+    stream: int
+    frame_no: int
+    src: str
+    dst: str
+    dqp: int
+    opcode: int
+    psn: int
+    dma_len: int | None
+    imm: bytes | None
+    payload: memoryview
+
+    @property
+    def flow(self):
+        return (self.src, self.dst, self.dqp)
+
+
+@dataclass
+class Location:
+    iteration: int
+    message: Message
+    index: int  # packet index within the message
+    sched: FlowSchedule
+    pos: int  # packet position in the flow since the first message of iteration 0
+
+
+class FlowTimeline:
+    """A QP's message sequence over all iterations: iteration 0's layout, then the
+    rebuilt layout repeated."""
+
+    def __init__(self, first: FlowSchedule, rebuilt: FlowSchedule):
+        self.first, self.rebuilt = first, rebuilt
+
+    def locate(self, pos: int) -> tuple[int, FlowSchedule, int, int] | None:
+        """(iteration, schedule, message index, packet index) at flow position pos."""
+        if pos < 0:
+            return None
+        if pos < self.first.npkts:
+            m, i = self.first.locate(pos)
+            return 0, self.first, m, i
+        if self.rebuilt.npkts == 0:
+            return None
+        it, local = divmod(pos - self.first.npkts, self.rebuilt.npkts)
+        m, i = self.rebuilt.locate(local)
+        return it + 1, self.rebuilt, m, i
+
+    def iteration_start(self, iteration: int) -> int:
+        if iteration == 0:
+            return 0
+        return self.first.npkts + (iteration - 1) * self.rebuilt.npkts
+
+    def head_at(self, pos: int) -> Message | None:
+        """The message starting exactly at pos, if one does."""
+        loc = self.locate(pos)
+        if loc is None or loc[3] != 0:
+            return None
+        return loc[1].messages[loc[2]]
+
+
+@dataclass
+class FlowBinding:
+    key: tuple[str, str, int]
+    conn: tuple[int, int, int]  # (sender, receiver, channel)
+    qp: int
+    timeline: FlowTimeline
+    base: int  # unwrapped PSN of the first packet of iteration 0's first message
+    last: int  # unwrapped PSN of the newest packet, the anchor for unwrapping the next
+
+
+@dataclass
+class _Candidate:
+    packets: list = field(default_factory=list)
+    heads: list = field(default_factory=list)  # (rel, dma_len) of FIRST/ONLY packets
+    imms: list = field(default_factory=list)  # (rel, imm bytes) of *_WITH_IMM packets
+    first_psn: int | None = None
+    min_rel: int = 0
+
+
+class FlowBinder:
+    """Learns which (channel, QP) every data flow is and where its PSNs start."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        first, rebuilt = plan.schedule(0), plan.schedule(1)
+        self.imm_big_endian = plan.ring.imm_big_endian
+        self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows}
+        # Only QPs that carry at least one message can ever be seen.
+        self.expected: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (s, d, c, q), tl in sorted(self.timelines.items()):
+            if tl.first.npkts or tl.rebuilt.npkts:
+                self.expected.setdefault((s, d), []).append((c, q))
+        self.bound: dict[tuple, FlowBinding] = {}
+        self.unrelated: set[tuple] = set()
+        self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
+        self.errors: list[str] = []
+
+    # -- learning -----------------------------------------------------------------
+    def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
+        s, d = self.plan.rank_of(pkt.src), self.plan.rank_of(pkt.dst)
+        if s is None or d is None or (s, d) not in self.expected:
+            return None
+        return s, d
+
+    def offer(self, hop, pkt: Packet) -> list[tuple[FlowBinding, Packet]]:
+        """Hold a packet of a not-yet-bound flow; returns packets released by a binding."""
+        if self._hop_full(hop):
+            self.unrelated.add(pkt.flow)  # every QP of this hop is bound: not the job's
+            return []
+        flows = self.pending.setdefault(hop, {})
+        cand = flows.get(pkt.flow)
+        if cand is None:
+            cand = flows[pkt.flow] = _Candidate(first_psn=pkt.psn)
+        rel = psn_diff(pkt.psn, cand.first_psn)
+        cand.min_rel = min(cand.min_rel, rel)
+        cand.packets.append(pkt)
+        if pkt.dma_len is not None:
+            cand.heads.append((rel, pkt.dma_len))
+        if pkt.imm is not None:
+            cand.imms.append((rel, pkt.imm))
+        ready = sum(len(c.heads) >= MIN_HEADS for c in flows.values())
+        held = sum(len(c.packets) for c in flows.values())
+        if ready >= len(self.expected[hop]) - self._bound_count(hop) or held > PENDING_LIMIT:
+            return self._bind(hop, final=held > PENDING_LIMIT)
+        return []
+
+    def _bound_count(self, hop) -> int:
+        return sum(1 for b in self.bound.values() if b.conn[:2] == hop)
+
+    def _hop_full(self, hop) -> bool:
+        return self._bound_count(hop) == len(self.expected[hop])
+
+    def flush(self) -> list[tuple[FlowBinding, Packet]]:
+        """End of input: bind what can be bound with the evidence there is."""
+        out = []
+        for hop in list(self.pending):
+            out += self._bind(hop, final=True)
+        return out
+
+    def _bind(self, hop, final: bool) -> list[tuple[FlowBinding, Packet]]:
+        """Bind the flows that showed enough heads (all of them when final), in QPN
+        order, each to the first free (channel, QP) whose schedule explains it."""
+        flows = self.pending.get(hop, {})
+        taken = {(b.conn[2], b.qp) for b in self.bound.values() if b.conn[:2] == hop}
+        released = []
+        for key in sorted(flows, key=lambda k: k[2]):  # QPN order = channel order
+            cand = flows[key]
+            if not final and len(cand.heads) < MIN_HEADS:
+                continue
+            del flows[key]
+            for c, q in self.expected[hop]:
+                if (c, q) in taken:
+                    continue
+                base_rel = self._align(self.timelines[hop + (c, q)], cand)
+                if base_rel is None:
+                    continue
+                taken.add((c, q))
+                base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
+                b = FlowBinding(key, hop + (c,), q, self.timelines[hop + (c, q)], base,
+                                cand.first_psn)
+                self.bound[key] = b
+                released += [(b, p) for p in cand.packets]
+                break
+            else:
+                if cand.heads and not self._hop_full(hop):
+                    self.errors.append(
+                        f"flow {key[0]} -> {key[1]} QP {key[2]:#x}: its message lengths "
+                        f"{[h[1] for h in sorted(cand.heads)[:6]]} match no free channel/QP "
+                        f"of hop rank {hop[0]} -> {hop[1]} in the plan's schedule")
+                self.unrelated.add(key)
+        if not flows:
+            self.pending.pop(hop, None)
+        return released
+
+    def _align(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
+        """Relative PSN of message 0 of iteration 0 for this flow, if the schedule
+        explains every message head and immediate the flow showed."""
+        if not cand.heads:
+            return None
+        heads = sorted(cand.heads)
+        rel0, len0 = heads[0]
+        for k, msg in enumerate(tl.first.messages):
+            if msg.wire_len != len0:
+                continue
+            base_rel = rel0 - tl.first.starts[k]
+            if base_rel > cand.min_rel:
+                continue  # a packet of this flow would lie before the job's first message
+            if all(self._head_ok(tl, rel - base_rel, n) for rel, n in heads) and \
+                    all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms):
+                return base_rel
+        return None
+
+    @staticmethod
+    def _head_ok(tl: FlowTimeline, pos: int, dma_len: int) -> bool:
+        msg = tl.head_at(pos)
+        return msg is not None and msg.wire_len == dma_len
+
+    def _imm_ok(self, tl: FlowTimeline, pos: int, imm: bytes) -> bool:
+        loc = tl.locate(pos)
+        if loc is None:
+            return False
+        msg = loc[1].messages[loc[2]]
+        return loc[3] == msg.npkts - 1 and imm == msg.imm.to_bytes(4, "big" if self.imm_big_endian else "little")
+
+    # -- placing ------------------------------------------------------------------
+    def locate(self, b: FlowBinding, psn: int) -> Location | None:
+        """Where a bound flow's packet lies; None if before the job's first message."""
+        u = psn_unwrap(psn, b.last)
+        b.last = max(b.last, u)
+        loc = b.timeline.locate(u - b.base)
+        if loc is None:
+            return None
+        it, sched, m, i = loc
+        return Location(it, sched.messages[m], i, sched, u - b.base)

@@ -1,0 +1,241 @@
+"""The one pipeline: source -> decode -> place -> assemble -> apply -> keep.
+
+    source    frames of every mirror stream, merged in capture-time order
+    decode    parsers.roce.decode_frame; frames that are not RoCE writes are counted here
+    place     ckptd.extract.Extractor: flow binding, PSN -> schedule message, checks
+    assemble  ckptd.assemble.IterationAssembly per iteration, from any number of streams
+    apply     ckptd.shadow.ShadowModel, only for complete iterations, only in order
+    keep      checkpoint files (ckptd.checkpoint), gradient dumps, the per-iteration report
+
+A pcap file and (later) a capture ring are two sources of the same frames; nothing
+after `source` knows which it got. An iteration is finalized once some flow has
+reached two iterations beyond it (NCCL cannot start iteration t+2's allreduce before
+every rank finished t's, so nothing of t can still be on the wire) or the input ends.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from parsers.capture import CaptureError, CapturedFrame, open_capture
+from parsers.roce import FrameClass, decode_frame
+
+from .assemble import IterationAssembly, Missing
+from .checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
+from .extract import Extractor, Placement
+from .flows import DATA_OPCODES, Packet
+from .plan import Plan
+from .schedule import AG, RS
+from .shadow import ShadowModel
+
+FINALIZE_LAG = 2
+
+
+# -- source --------------------------------------------------------------------------
+def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, CapturedFrame]]:
+    """(stream index, frame) of every file, merged by timestamp; one file, one stream.
+
+    A file whose structure breaks mid-way ends its stream there, reported in errors."""
+    def one(k, path):
+        try:
+            for fr in open_capture(path):
+                yield (fr.ts_ns or 0, k, fr.index), (k, fr)
+        except (CaptureError, OSError) as e:
+            errors.append(str(e))
+    for _, item in heapq.merge(*(one(k, p) for k, p in enumerate(paths)), key=lambda x: x[0]):
+        yield item
+
+
+# -- decode --------------------------------------------------------------------------
+def decode(frames: Iterable[tuple[int, CapturedFrame]], classes: list[Counter]) -> Iterator[Packet]:
+    """RoCE RDMA-write packets with an intact ICRC; everything else is counted by class."""
+    for stream, fr in frames:
+        f = decode_frame(fr.data, fr.linktype, fr.origlen)
+        classes[stream]["frames"] += 1
+        classes[stream][f.cls.value] += 1
+        if f.cls is not FrameClass.ROCE_DATA:
+            continue
+        if f.bth.opcode not in DATA_OPCODES:
+            classes[stream]["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
+            continue
+        yield Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
+                     f.bth.psn, f.reth.dma_len if f.reth is not None else None,
+                     f.immdt.raw if f.immdt is not None else None,
+                     memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len])
+
+
+# -- report --------------------------------------------------------------------------
+@dataclass
+class IterationReport:
+    iteration: int
+    status: str  # committed | unrecoverable | conflict | complete-not-applied | incomplete-not-applied
+    packets: int = 0
+    grad_bytes: int = 0
+    coverage: list[float] = field(default_factory=list)  # per stream
+    loss: list[float | None] = field(default_factory=list)  # per stream, None: saw nothing
+    missing: list[Missing] = field(default_factory=list)
+    note: str = ""
+    exact: bool | None = None  # against a reference checkpoint, when one was given
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "committed"
+
+
+@dataclass
+class ReplayOptions:
+    out: str | None = None  # checkpoint directory
+    reference: str | None = None  # trainer's checkpoints to compare each commit with
+    dump_gradients: str | None = None
+    resume: str | None = None  # a checkpoint to restart the shadow from after a gap
+    stream_names: list[str] | None = None
+
+
+class Pipeline:
+    """Wires the stages; `run` drives every frame through and reports each iteration."""
+
+    def __init__(self, plan: Plan, start: dict | None, nstreams: int, opts: ReplayOptions,
+                 on_iteration: Callable[[IterationReport], None] | None = None):
+        self.plan, self.opts, self.nstreams = plan, opts, nstreams
+        self.extract = Extractor(plan)
+        self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
+        self.resume = load_checkpoint(opts.resume) if opts.resume else None
+        self.stopped_after: int | None = None  # shadow stops advancing after a gap
+        self.open: dict[int, IterationAssembly] = {}
+        self.rs_open: dict[int, dict] = {}
+        self.pos_seen: dict[tuple[int, int], set] = {}
+        self.highest = -1
+        self.done = -1
+        self.late = 0
+        self.classes = [Counter() for _ in range(nstreams)]
+        self.errors: list[str] = []
+        self.reports: list[IterationReport] = []
+        self.on_iteration = on_iteration
+        for d in (opts.out, opts.dump_gradients):
+            if d:
+                Path(d).mkdir(parents=True, exist_ok=True)
+
+    # -- driving -------------------------------------------------------------------
+    def run(self, frames: Iterable[tuple[int, CapturedFrame]]) -> list[IterationReport]:
+        for pkt in decode(frames, self.classes):
+            for pl in self.extract.feed(pkt):
+                self._assemble(pl, pkt)
+        for pl in self.extract.flush():
+            self._assemble(pl, None)
+        last = self.highest
+        if self.plan.iterations is not None:
+            last = max(last, self.plan.iterations - 1)
+        self._finalize_through(last)
+        return self.reports
+
+    def _assemble(self, pl: Placement, pkt: Packet | None):
+        it = pl.iteration
+        if it <= self.done:
+            self.late += 1
+            return
+        asm = self.open.get(it)
+        if asm is None:
+            asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
+        if pl.phase == AG:
+            asm.place(pl.stream, pl.bucket, pl.start, pl.raw)
+        elif self.opts.dump_gradients and pl.ring_step == 0:
+            # a loop's first reduce-scatter send carries the sender's own values
+            self.rs_open.setdefault(it, {}).setdefault(pl.sender, []).append(pl)
+        if it > self.highest:
+            self.highest = it
+            self._finalize_through(it - FINALIZE_LAG)
+
+    # -- finalize, apply, keep -------------------------------------------------------
+    def _finalize_through(self, upto: int):
+        while self.done < upto:
+            it = self.done + 1
+            asm = self.open.pop(it, None) or IterationAssembly(it, self.plan.buckets(it), self.nstreams)
+            self.done = it
+            self._finalize(asm)
+
+    def _finalize(self, asm: IterationAssembly):
+        it = asm.iteration
+        rep = IterationReport(it, "", asm.packets, asm.bytes,
+                              [asm.coverage(s) for s in range(self.nstreams)])
+        if self.opts.dump_gradients:
+            self._dump(asm)
+        if asm.conflicts:
+            s, b, lo, hi = asm.conflicts[0]
+            rep.status = "conflict"
+            rep.note = (f"{len(asm.conflicts)} packets disagree with another stream's intact copy "
+                        f"(first: stream {s}, bucket {b}, elements [{lo}, {hi})): plan or capture is wrong")
+        elif not asm.complete:
+            rep.missing = asm.missing(lambda b: self.plan.param_ranges(it, b))
+            rep.status = "unrecoverable"
+        if self.shadow is None:
+            rep.status = rep.status or "complete"
+        elif rep.status:
+            if self.stopped_after is None:
+                self.stopped_after = it - 1
+                rep.note += f" shadow stops at iteration {it - 1}" + \
+                    (f" until resumed from {self.opts.resume}" if self.resume else "")
+        else:
+            self._apply(asm, rep)
+        self.reports.append(rep)
+        if self.on_iteration:
+            self.on_iteration(rep)
+
+    def _apply(self, asm: IterationAssembly, rep: IterationReport):
+        it = asm.iteration
+        if self.stopped_after is not None:
+            if self.resume is not None and int(self.resume.get("iteration", -2)) == it - 1:
+                self.shadow = ShadowModel(self.plan, self.resume)
+                self.stopped_after = None
+                rep.note = f"resumed from {self.opts.resume}"
+            else:
+                rep.status = "complete-not-applied"
+                rep.note = f"shadow stopped at iteration {self.stopped_after}"
+                return
+        self.shadow.apply(it, asm.gradients())
+        rep.status = "committed"
+        if self.opts.out:
+            save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
+                            self.shadow.model_state(), self.shadow.optimizer_state())
+        if self.opts.reference:
+            ref_path = Path(self.opts.reference) / checkpoint_name(it)
+            if ref_path.exists():
+                mine = {"iteration": it, "model": self.shadow.model_state(),
+                        "optimizer": self.shadow.optimizer_state()}
+                diffs = diff_checkpoints(mine, load_checkpoint(ref_path), limit=3)
+                rep.exact = not diffs
+                if diffs:
+                    rep.note = "differs from reference: " + "; ".join(diffs)
+
+    def _dump(self, asm: IterationAssembly):
+        d = Path(self.opts.dump_gradients)
+        for b, grad in enumerate(asm.gradients()):
+            np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}.npy", grad)
+            np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}_coverage.npy", asm.covered[b])
+        for sender, pls in self.rs_open.pop(asm.iteration, {}).items():
+            for b, bucket in enumerate(asm.buckets):
+                vals = np.zeros(bucket.count, bucket.dtype)
+                cov = np.zeros(bucket.count, bool)
+                for pl in pls:
+                    if pl.bucket == b:
+                        v = np.frombuffer(pl.raw, bucket.dtype.newbyteorder("<"))
+                        vals[pl.start:pl.start + len(v)] = v
+                        cov[pl.start:pl.start + len(v)] = True
+                stem = f"iter_{asm.iteration:06d}_bucket_{b:03d}_rs_rank{sender}"
+                np.save(d / f"{stem}.npy", vals)
+                np.save(d / f"{stem}_coverage.npy", cov)
+
+
+def replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
+           on_iteration=None) -> Pipeline:
+    for p in paths:
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{p}: no such capture file")
+    pipe = Pipeline(plan, start, len(paths), opts, on_iteration)
+    pipe.run(file_source(paths, pipe.errors))
+    return pipe

@@ -57,6 +57,8 @@ class Extractor:
         self.flag_base: dict[tuple[int, int, int], int] = {}
         self.counters: Counter = Counter()
         self.examples: list[str] = []
+        # (stream, iteration) -> {flow: set of packet positions received intact}
+        self.received: dict[tuple[int, int], dict[tuple, set]] = {}
 
     def _reject(self, reason: str, pkt: Packet, detail: str):
         self.counters[reason] += 1
@@ -100,6 +102,8 @@ class Extractor:
         if bad:
             self._reject("schedule_mismatch", pkt, bad)
             return []
+        self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(
+            b.key, set()).add(loc.pos)
         msg, send = loc.message, loc.message.send
         cfg = self.cfg
         woff = msg.wire_offset + loc.index * cfg.mtu  # wire byte offset within the send
@@ -131,6 +135,19 @@ class Extractor:
             return []
         return [Placement(pkt.stream, loc.iteration, send.phase, send.bucket,
                           send.offset + doff // itemsize, data, b.conn[0], send.ring_step)]
+
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Fraction of the packets of the flows this stream saw in an iteration that did
+        not reach it intact (lost, corrupted or rejected); None if it saw none. Forgets
+        the iteration's bookkeeping."""
+        flows = self.received.pop((stream, iteration), None)
+        if not flows:
+            return None
+        expected = 0
+        for key, got in flows.items():
+            tl = self.binder.bound[key].timeline
+            expected += (tl.first if iteration == 0 else tl.rebuilt).npkts
+        return 1.0 - sum(len(g) for g in flows.values()) / expected
 
     def _check(self, loc: Location, pkt: Packet) -> str | None:
         """Why a packet cannot be the message the schedule puts at its PSN, or None."""

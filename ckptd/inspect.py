@@ -13,7 +13,9 @@ it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as
     flows         one record per (src IP, dst IP, BTH dest QP), in order of first
                   appearance: src, dst, dest_qp, packets, messages (FIRST/ONLY seen),
                   payload_bytes, opcodes {name: count}, first_psn/last_psn (request
-                  packets only), last_ack_psn/last_msn (ACKs), dma_lengths and imm (hex)
+                  packets only), last_ack_psn/last_msn (ACKs), psn_gaps/psn_missing
+                  (forward PSN jumps within one file: packets not in the capture) and
+                  psn_repeats (retransmissions), RC/UC only; dma_lengths and imm (hex)
                   (first few, in order), udp_sports, icrc_invalid, files {path: packets},
                   first_ts_ns/last_ts_ns
     errors        capture-file errors ("file: frame N: ..."); the frames before the
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ckptd.psn import psn_diff
 from parsers.capture import CaptureError, open_capture
 from parsers.roce import FrameClass, decode_frame
 
@@ -42,6 +45,10 @@ class _Flow:
         self.opcodes = Counter()
         self.first_psn = self.last_psn = None   # request packets only (see add)
         self.last_ack_psn = self.last_msn = None
+        self.psn_gaps = 0          # request PSN jumped forward: packets the capture lacks
+        self.psn_missing = 0       # how many PSNs those jumps skipped
+        self.psn_repeats = 0       # request PSN not after the previous: retransmission
+        self._last_psn_in = {}     # path -> last request PSN seen in that file
         self.dma_lengths = []      # RETH DMA lengths, first few, in order
         self.imm = []              # ImmDt raw bytes (hex), first few, in order
         self.sports = []           # UDP source ports seen, first few
@@ -65,6 +72,18 @@ class _Flow:
             if self.first_psn is None:
                 self.first_psn = d.bth.psn
             self.last_psn = d.bth.psn
+            # PSN continuity is a property of one RC/UC connection seen by one capture:
+            # UD PSNs are per sender (QP 1 hears many), and two files may be two mirrors.
+            if d.opcode.transport in ("RC", "UC"):
+                prev = self._last_psn_in.get(path)
+                if prev is not None:
+                    step = psn_diff(d.bth.psn, prev)
+                    if step > 1:
+                        self.psn_gaps += 1
+                        self.psn_missing += step - 1
+                    elif step < 1:
+                        self.psn_repeats += 1
+                self._last_psn_in[path] = d.bth.psn
         self.payload_bytes += d.payload_len or 0
         if d.reth is not None and len(self.dma_lengths) < MAX_LISTED:
             self.dma_lengths.append(d.reth.dma_len)
@@ -86,6 +105,8 @@ class _Flow:
             "opcodes": dict(self.opcodes),
             "first_psn": self.first_psn, "last_psn": self.last_psn,
             "last_ack_psn": self.last_ack_psn, "last_msn": self.last_msn,
+            "psn_gaps": self.psn_gaps, "psn_missing": self.psn_missing,
+            "psn_repeats": self.psn_repeats,
             "dma_lengths": self.dma_lengths,
             "imm": self.imm,
             "udp_sports": self.sports,
@@ -194,8 +215,8 @@ def format_inspect(result: dict) -> str:
             rows.append([f["src"], f["dst"], f["dest_qp"], f["packets"], f["messages"],
                          f["payload_bytes"],
                          "" if f["first_psn"] is None else f"{f['first_psn']}-{f['last_psn']}",
-                         f["icrc_invalid"] or "", dma, ops])
-        out += _table(["src", "dst", "QP", "pkts", "msgs", "bytes", "PSN", "badICRC",
+                         f["psn_missing"] or "", f["icrc_invalid"] or "", dma, ops])
+        out += _table(["src", "dst", "QP", "pkts", "msgs", "bytes", "PSN", "lost", "badICRC",
                        "DMA lengths", "opcodes"], rows)
     if result["errors"]:
         out.append("")

@@ -162,7 +162,8 @@ class Pipeline:
     def _finalize(self, asm: IterationAssembly):
         it = asm.iteration
         rep = IterationReport(it, "", asm.packets, asm.bytes,
-                              [asm.coverage(s) for s in range(self.nstreams)])
+                              [asm.coverage(s) for s in range(self.nstreams)],
+                              [self.extract.stream_loss(s, it) for s in range(self.nstreams)])
         if self.opts.dump_gradients:
             self._dump(asm)
         if asm.conflicts:

@@ -1,0 +1,27 @@
+"""Shared by the tests: synthesize a scenario and replay it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckptd.checkpoint import load_checkpoint
+from ckptd.pipeline import ReplayOptions, replay
+from ckptd.plan import load_plan
+from ckptd.synth import SynthOptions, synthesize
+
+
+def synth(tmp: Path, **kw) -> SynthOptions:
+    kw.setdefault("model", "tiny")
+    opts = SynthOptions(out=str(tmp), **kw)
+    synthesize(opts)
+    return opts
+
+
+def pcaps(tmp: Path) -> list[str]:
+    return sorted(str(p) for p in (Path(tmp) / "mirrors").glob("*.pcap"))
+
+
+def run_replay(tmp: Path, paths=None, **kw):
+    tmp = Path(tmp)
+    plan = load_plan(tmp / "plan.json")
+    opts = ReplayOptions(out=str(tmp / "out"), reference=str(tmp / "reference"), **kw)
+    return replay(plan, paths or pcaps(tmp), load_checkpoint(tmp / "init.pt"), opts)

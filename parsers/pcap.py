@@ -1,0 +1,111 @@
+"""Classic libpcap files: reader (both byte orders, micro- and nanosecond magics) and a
+nanosecond writer.
+
+File header (24 B): magic u32, version u16.u16, thiszone i32, sigfigs u32, snaplen u32,
+linktype u32.  Each record: ts_sec u32, ts_frac u32 (us or ns by magic), caplen u32,
+origlen u32, then caplen bytes.  The writer writes little-endian unless told otherwise;
+the reader takes either.
+"""
+from __future__ import annotations
+
+import struct
+from typing import BinaryIO, Iterable, Iterator
+
+from .captured import LINKTYPE_ETHERNET, CaptureError, CapturedFrame
+
+MAGIC_US = 0xA1B2C3D4
+MAGIC_NS = 0xA1B23C4D
+_MAGICS = {  # first 4 bytes as written in the file -> (byte order, ns per tick)
+    struct.pack("<I", MAGIC_US): ("<", 1000),
+    struct.pack(">I", MAGIC_US): (">", 1000),
+    struct.pack("<I", MAGIC_NS): ("<", 1),
+    struct.pack(">I", MAGIC_NS): (">", 1),
+}
+_MAX_RECORD = 1 << 28   # a caplen above this is a corrupt header, not a packet
+
+
+def is_pcap(head: bytes) -> bool:
+    return head[:4] in _MAGICS
+
+
+def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
+    """Frames of an open pcap file; `name` goes into error messages."""
+    head = f.read(24)
+    if len(head) < 4 or head[:4] not in _MAGICS:
+        raise CaptureError(f"{name}: not a pcap file (magic {head[:4].hex() or 'missing'})")
+    order, tick_ns = _MAGICS[head[:4]]
+    if len(head) < 24:
+        raise CaptureError(f"{name}: pcap file header truncated ({len(head)} of 24 bytes)")
+    _, _, _, _, _snaplen, network = struct.unpack(order + "HHiIII", head[4:])
+    # Bits 16-31 can carry FCS-length flags (pcap spec); the link type is the low 16.
+    linktype = network & 0xFFFF
+    record = struct.Struct(order + "IIII")
+    index = 0
+    while True:
+        rec = f.read(16)
+        if not rec:
+            return
+        index += 1
+        if len(rec) < 16:
+            raise CaptureError(f"{name}: frame {index}: record header truncated "
+                               f"({len(rec)} of 16 bytes) at end of file")
+        sec, frac, caplen, origlen = record.unpack(rec)
+        if caplen > _MAX_RECORD:
+            raise CaptureError(f"{name}: frame {index}: implausible captured length {caplen}")
+        data = f.read(caplen)
+        if len(data) < caplen:
+            raise CaptureError(f"{name}: frame {index}: record truncated: header says "
+                               f"{caplen} bytes, file has {len(data)}")
+        yield CapturedFrame(index, sec * 1_000_000_000 + frac * tick_ns, linktype,
+                            caplen, origlen, data, 0)
+
+
+def read_pcap(path) -> Iterator[CapturedFrame]:
+    with open(path, "rb") as f:
+        yield from iter_pcap(f, str(path))
+
+
+class PcapWriter:
+    """Writes a nanosecond-resolution pcap: `w.write(data, ts_ns)` per frame."""
+
+    def __init__(self, f: BinaryIO, linktype: int = LINKTYPE_ETHERNET, snaplen: int = 262144,
+                 nanosecond: bool = True, byteorder: str = "<"):
+        self.f = f
+        self.nanosecond = nanosecond
+        self.order = byteorder
+        self.snaplen = snaplen
+        magic = MAGIC_NS if nanosecond else MAGIC_US
+        f.write(struct.pack(byteorder + "IHHiIII", magic, 2, 4, 0, 0, snaplen, linktype))
+
+    def write(self, data: bytes, ts_ns: int = 0, origlen: int | None = None) -> None:
+        origlen = len(data) if origlen is None else origlen
+        data = bytes(data[:self.snaplen])
+        sec, frac = divmod(ts_ns, 1_000_000_000)
+        if not self.nanosecond:
+            frac //= 1000
+        self.f.write(struct.pack(self.order + "IIII", sec, frac, len(data), origlen))
+        self.f.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.flush()
+
+
+def write_pcap(path, frames: Iterable, linktype: int = LINKTYPE_ETHERNET,
+               nanosecond: bool = True) -> int:
+    """Write frames to `path`; each item is bytes, (ts_ns, bytes), or a CapturedFrame.
+    Returns the number written."""
+    n = 0
+    with open(path, "wb") as f:
+        w = PcapWriter(f, linktype=linktype, nanosecond=nanosecond)
+        for item in frames:
+            if isinstance(item, CapturedFrame):
+                w.write(item.data, item.ts_ns or 0, item.origlen)
+            elif isinstance(item, tuple):
+                w.write(item[1], item[0])
+            else:
+                w.write(item, 0)
+            n += 1
+    return n

@@ -1,0 +1,160 @@
+"""pcapng reader (https://www.ietf.org/archive/id/draft-ietf-opsawg-pcapng-03.html).
+
+A file is a sequence of blocks: type u32, total length u32, body, total length u32
+again, padded to 4 bytes.  A Section Header Block (SHB) starts each section and fixes
+its byte order (the byte-order magic 0x1A2B3C4D); Interface Description Blocks (IDB)
+declare interfaces in order (id 0, 1, ...), each with its own link type and timestamp
+resolution (option if_tsresol, default microseconds); packets come in Enhanced Packet
+Blocks (EPB), Simple Packet Blocks (SPB, interface 0, no timestamp) or the obsolete
+Packet Block (PB).  Blocks of any other type are skipped, as the format asks.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+from .captured import CaptureError, CapturedFrame
+
+BT_SHB = 0x0A0D0D0A      # reads the same in both byte orders, on purpose
+BT_IDB = 0x00000001
+BT_PB = 0x00000002       # obsolete Packet Block
+BT_SPB = 0x00000003
+BT_EPB = 0x00000006
+BYTE_ORDER_MAGIC = 0x1A2B3C4D
+
+OPT_END = 0
+OPT_IF_TSRESOL = 9
+OPT_IF_TSOFFSET = 14
+_MAX_BLOCK = 1 << 28
+
+
+def is_pcapng(head: bytes) -> bool:
+    return head[:4] == b"\x0a\x0d\x0d\x0a"
+
+
+@dataclass
+class Interface:
+    linktype: int
+    snaplen: int
+    tsresol: int = 6          # raw if_tsresol byte: MSB 0 -> 10**-v s, MSB 1 -> 2**-v s
+    tsoffset: int = 0         # seconds added to every timestamp
+
+    def to_ns(self, ticks: int) -> int:
+        v = self.tsresol & 0x7F
+        if self.tsresol & 0x80:
+            ns = (ticks * 1_000_000_000) >> v
+        elif v <= 9:
+            ns = ticks * 10 ** (9 - v)
+        else:
+            ns = ticks // 10 ** (v - 9)
+        return ns + self.tsoffset * 1_000_000_000
+
+
+def _options(body: bytes, order: str) -> Iterator[tuple[int, bytes]]:
+    """(code, value) for each option in an options area; stops at opt_endofopt."""
+    pos = 0
+    while pos + 4 <= len(body):
+        code, length = struct.unpack_from(order + "HH", body, pos)
+        if code == OPT_END:
+            return
+        yield code, body[pos + 4:pos + 4 + length]
+        pos += 4 + ((length + 3) & ~3)
+
+
+def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
+    """Frames of an open pcapng file; `name` goes into error messages."""
+    order = None
+    interfaces: list[Interface] = []
+    block_no = 0
+    frame_no = 0
+
+    btype = None
+
+    def fail(msg):
+        # Name the frame the broken block holds, or the last good one before it.
+        where = (f"frame {frame_no + 1}" if btype in (BT_EPB, BT_PB, BT_SPB)
+                 else f"after frame {frame_no}")
+        raise CaptureError(f"{name}: block {block_no} ({where}): {msg}")
+
+    while True:
+        head = f.read(12)   # type, length, and (for an SHB) the byte-order magic
+        if not head:
+            return
+        block_no += 1
+        btype = None
+        if len(head) < 8:
+            fail(f"block header truncated ({len(head)} of 8 bytes) at end of file")
+        if head[:4] == b"\x0a\x0d\x0d\x0a":
+            if len(head) < 12:
+                fail("section header truncated")
+            if struct.unpack("<I", head[8:12])[0] == BYTE_ORDER_MAGIC:
+                order = "<"
+            elif struct.unpack(">I", head[8:12])[0] == BYTE_ORDER_MAGIC:
+                order = ">"
+            else:
+                fail(f"bad byte-order magic {head[8:12].hex()}")
+            interfaces = []            # interface ids restart in every section
+        elif order is None:
+            raise CaptureError(f"{name}: not a pcapng file (first block type "
+                               f"{head[:4].hex()}, expected a section header 0a0d0d0a)")
+        btype, blen = struct.unpack(order + "II", head[:8])
+        if blen < 12 or blen % 4 or blen > _MAX_BLOCK:
+            fail(f"bad block length {blen} (block type {btype:#x})")
+        rest = f.read(blen - len(head))
+        if len(rest) < blen - len(head):
+            fail(f"block truncated: length says {blen} bytes, file has "
+                 f"{len(head) + len(rest)} (block type {btype:#x})")
+        block = head + rest
+        if struct.unpack(order + "I", block[-4:])[0] != blen:
+            fail(f"trailing block length differs from leading {blen}")
+        body = block[8:-4]
+
+        if btype == BT_IDB:
+            if len(body) < 8:
+                fail("interface description block too short")
+            linktype, _, snaplen = struct.unpack_from(order + "HHI", body)
+            iface = Interface(linktype, snaplen)
+            for code, value in _options(body[8:], order):
+                if code == OPT_IF_TSRESOL and value:
+                    iface.tsresol = value[0]
+                elif code == OPT_IF_TSOFFSET and len(value) == 8:
+                    iface.tsoffset = struct.unpack(order + "q", value)[0]
+            interfaces.append(iface)
+        elif btype in (BT_EPB, BT_PB):
+            if btype == BT_EPB:
+                if len(body) < 20:
+                    fail("enhanced packet block too short")
+                if_id, ts_hi, ts_lo, caplen, origlen = struct.unpack_from(order + "IIIII", body)
+            else:
+                if len(body) < 20:
+                    fail("packet block too short")
+                if_id, _drops, ts_hi, ts_lo, caplen, origlen = struct.unpack_from(
+                    order + "HHIIII", body)
+            if if_id >= len(interfaces):
+                fail(f"names interface {if_id}, only {len(interfaces)} declared")
+            if 20 + caplen > len(body):
+                fail(f"captured length {caplen} overruns its block")
+            frame_no += 1
+            iface = interfaces[if_id]
+            yield CapturedFrame(frame_no, iface.to_ns((ts_hi << 32) | ts_lo), iface.linktype,
+                                caplen, origlen, bytes(body[20:20 + caplen]), if_id)
+        elif btype == BT_SPB:
+            if not interfaces:
+                fail("simple packet block before any interface")
+            if len(body) < 4:
+                fail("simple packet block too short")
+            frame_no += 1
+            (origlen,) = struct.unpack_from(order + "I", body)
+            iface = interfaces[0]
+            caplen = min(origlen, len(body) - 4)
+            if iface.snaplen:
+                caplen = min(caplen, iface.snaplen)
+            yield CapturedFrame(frame_no, None, iface.linktype, caplen, origlen,
+                                bytes(body[4:4 + caplen]), 0)
+        # SHB handled above; name resolution, statistics, custom and unknown blocks: skip.
+
+
+def read_pcapng(path) -> Iterator[CapturedFrame]:
+    with open(path, "rb") as f:
+        yield from iter_pcapng(f, str(path))

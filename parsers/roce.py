@@ -1,0 +1,237 @@
+"""decode_frame: one captured frame -> RoceFrame, the full RoCEv2 decode.
+
+    link layer (Ethernet [+ tags] | raw IP | Linux SLL/SLL2)
+    -> IPv4 | IPv6 [+ extension headers] -> UDP dst 4791 -> BTH
+    -> extension headers the opcode calls for -> payload -> pad -> ICRC
+
+decode_frame never raises: every frame gets a FrameClass, and `reason` says why it got
+it when that is not obvious.  Classes, checked in this order (first match wins):
+
+    MALFORMED       the headers are there but impossible: wrong IP version for the link
+                    type, UDP length beyond the IP packet or too small for BTH + ICRC,
+                    extension headers + pad longer than the packet, payload bytes on
+                    an opcode that carries none, or data that is not bytes at all.  This
+                    wins over TRUNCATED: the bytes that were captured already say so.
+    TRUNCATED       caplen < origlen, or the bytes end before the headers or before the
+                    length the IP/UDP headers announce.  Fields are still filled in as
+                    far as the bytes go, so a snap-length-cut RoCE frame still shows
+                    its BTH (`is_roce` tells whether UDP dst 4791 was seen).
+    OTHER           not RoCEv2: non-IP, not UDP, UDP to a port other than 4791, an IP
+                    fragment, or a link type this module does not decode.
+    UNKNOWN_OPCODE  UDP/4791 whose BTH opcode is not in parsers.opcodes (the ICRC is
+                    still checked: it does not depend on the opcode).
+    BAD_ICRC        a known opcode whose ICRC does not match.
+    ROCE_ACK        feedback with no data: RC ACKNOWLEDGE (ACK/NAK/RNR NAK), ATOMIC
+                    ACKNOWLEDGE, and CNP (congestion notification: it flows back to the
+                    sender like an ACK and moves no data).
+    ROCE_DATA       every other known opcode: sends, RDMA writes, read requests and
+                    responses, atomics, UD sends.
+
+Addresses: RoceFrame.src / .dst are `ipaddress.IPv4Address` / `IPv6Address` objects
+(str() gives the canonical text, e.g. 'fe80::1'); None when there is no IP header.
+"""
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass, field
+
+from . import icrc as _icrc
+from .aeth import AETH
+from .bth import BTH
+from .captured import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
+                       LINKTYPE_LINUX_SLL2, LINKTYPE_RAW)
+from .deth import DETH
+from .ethernet import ETH_TYPE_IPV4, ETH_TYPE_IPV6, Ethernet, parse_tags
+from .header import Malformed, NeedData
+from .immdt import ImmDt
+from .ipv4 import PROTO_UDP, IPv4
+from .ipv6 import IPv6
+from .opcodes import EXT_LEN, Opcode, lookup
+from .reth import RETH
+from .sll import SLL, SLL2
+from .udp import ROCEV2_PORT, UDP
+
+BTH_LEN = BTH.LEN
+ICRC_LEN = 4
+
+
+class FrameClass(str, enum.Enum):
+    """What a frame is.  A str enum, so counts keyed by it serialise as JSON as-is."""
+    ROCE_DATA = "roce_data"
+    ROCE_ACK = "roce_ack"
+    OTHER = "other"
+    TRUNCATED = "truncated"
+    BAD_ICRC = "bad_icrc"
+    UNKNOWN_OPCODE = "unknown_opcode"
+    MALFORMED = "malformed"
+
+    def __str__(self):
+        return self.value
+
+
+@dataclass(slots=True)
+class RoceFrame:
+    cls: FrameClass
+    data: bytes
+    linktype: int
+    reason: str = ""
+    eth: Ethernet | None = None          # Ethernet header with .tags (linktype 1 only)
+    vlan: list = field(default_factory=list)   # VlanTag objects, outermost first
+    ip: IPv4 | IPv6 | None = None
+    src: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    dst: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    udp: UDP | None = None
+    bth: BTH | None = None
+    opcode: Opcode | None = None
+    reth: RETH | None = None
+    aeth: AETH | None = None
+    immdt: ImmDt | None = None
+    deth: DETH | None = None
+    ip_offset: int | None = None
+    udp_offset: int | None = None
+    bth_offset: int | None = None
+    payload_offset: int | None = None    # first payload byte in `data`
+    payload_len: int | None = None       # excludes pad and ICRC
+    icrc_offset: int | None = None
+    icrc_ok: bool | None = None          # None: not computed (not RoCE, or cut off)
+
+    @property
+    def is_roce(self) -> bool:
+        """UDP to port 4791 was seen (whatever the class)."""
+        return self.udp is not None and self.udp.dport == ROCEV2_PORT
+
+    @property
+    def sport(self) -> int | None:
+        """UDP source port: RoCEv2 flow entropy, constant per QP on most NICs."""
+        return self.udp.sport if self.udp is not None else None
+
+    @property
+    def payload(self) -> bytes:
+        if self.payload_offset is None or self.payload_len is None:
+            return b""
+        return self.data[self.payload_offset:self.payload_offset + self.payload_len]
+
+
+def decode_frame(data, linktype: int = LINKTYPE_ETHERNET, origlen: int | None = None) -> RoceFrame:
+    """Decode one captured frame; never raises.  `origlen` is the on-the-wire length from
+    the capture record (a frame shorter than it is TRUNCATED)."""
+    f = RoceFrame(FrameClass.OTHER, data, linktype)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        f.cls, f.reason = FrameClass.MALFORMED, f"frame data is {type(data).__name__}, not bytes"
+        return f
+    try:
+        _decode(f, data, linktype)
+    except NeedData as e:
+        f.cls, f.reason = FrameClass.TRUNCATED, str(e)
+    except Malformed as e:
+        f.cls, f.reason = FrameClass.MALFORMED, str(e)
+    except Exception as e:  # the contract is "never raises"; say loudly that it was a bug
+        f.cls, f.reason = FrameClass.MALFORMED, f"decoder error: {type(e).__name__}: {e}"
+    if origlen is not None and len(data) < origlen and f.cls is not FrameClass.MALFORMED:
+        f.cls = FrameClass.TRUNCATED
+        f.reason = f"captured {len(data)} of {origlen} bytes" + (f"; {f.reason}" if f.reason else "")
+    return f
+
+
+def _link(f: RoceFrame, data, linktype: int) -> tuple[int | None, int]:
+    """(EtherType or IP version marker, offset of the network header)."""
+    if linktype == LINKTYPE_ETHERNET:
+        f.eth = Ethernet.unpack(data)
+        f.vlan = f.eth.tags
+        return f.eth.ethertype, f.eth.hdr_len
+    if linktype in (LINKTYPE_RAW, LINKTYPE_IPV4, LINKTYPE_IPV6):
+        if not data:
+            raise NeedData("empty raw-IP frame")
+        version = data[0] >> 4
+        want = {LINKTYPE_IPV4: 4, LINKTYPE_IPV6: 6}.get(linktype, version)
+        if version != want:
+            raise Malformed(f"IP version {version} on link type {linktype}")
+        return {4: ETH_TYPE_IPV4, 6: ETH_TYPE_IPV6}.get(version), 0
+    if linktype in (LINKTYPE_LINUX_SLL, LINKTYPE_LINUX_SLL2):
+        hdr = (SLL if linktype == LINKTYPE_LINUX_SLL else SLL2).unpack(data)
+        f.vlan, ethertype, offset = parse_tags(data, hdr.LEN, hdr.protocol)
+        return ethertype, offset
+    return None, 0
+
+
+def _decode(f: RoceFrame, data, linktype: int) -> None:
+    ethertype, off = _link(f, data, linktype)
+    if ethertype == ETH_TYPE_IPV4:
+        ip = IPv4.unpack(data, off)
+        proto = ip.proto
+    elif ethertype == ETH_TYPE_IPV6:
+        ip = IPv6.unpack(data, off)
+        proto = ip.proto
+    else:
+        f.reason = (f"link type {linktype} not decoded" if ethertype is None
+                    else f"EtherType {ethertype:#06x}")
+        return
+    f.ip, f.ip_offset, f.src, f.dst = ip, off, ip.src_addr, ip.dst_addr
+    if proto != PROTO_UDP:
+        f.reason = f"IP protocol {proto}"
+        return
+    if ip.is_fragment:
+        f.reason = "IP fragment"
+        return
+    ip_end = off + ip.total_len     # Ethernet may pad past this; the IP length rules
+    udp_off = off + ip.hdr_len
+    f.udp = udp = UDP.unpack(data, udp_off)
+    f.udp_offset = udp_off
+    if udp.dport != ROCEV2_PORT:
+        f.reason = f"UDP port {udp.dport}"
+        return
+    udp_end = udp_off + udp.ulen
+    if udp_end > ip_end:
+        raise Malformed(f"UDP length {udp.ulen} overruns the IP packet ({ip_end - udp_off} B)")
+    if udp.ulen < UDP.LEN + BTH_LEN + ICRC_LEN:
+        raise Malformed(f"UDP length {udp.ulen} too small for BTH and ICRC")
+
+    # BTH and extension headers are read from whatever was captured, so that a frame
+    # cut by the snap length still says what it was.
+    bth_off = udp_off + UDP.LEN
+    f.bth = bth = BTH.unpack(data, bth_off)
+    f.bth_offset = bth_off
+    f.opcode = op = lookup(bth.opcode)
+    f.icrc_offset = icrc_off = udp_end - ICRC_LEN
+    if op.known:
+        # Lengths come from the headers alone, so impossible ones are MALFORMED even
+        # when the capture is cut short.
+        payload_off = bth_off + BTH_LEN + op.ext_len
+        payload_len = icrc_off - bth.padcnt - payload_off
+        if payload_len < 0:
+            raise Malformed(f"{op.name}: headers ({BTH_LEN + op.ext_len} B) and pad ({bth.padcnt}) "
+                            f"exceed the UDP payload ({udp.ulen - UDP.LEN - ICRC_LEN} B before ICRC)")
+        if payload_len and not op.payload:
+            raise Malformed(f"{op.name} carries no payload but has {payload_len} bytes")
+        _extension_headers(f, data, bth_off + BTH_LEN, op)
+    if ip_end > len(data):
+        raise NeedData(f"IP packet ends at byte {ip_end}, frame has {len(data)}")
+
+    f.icrc_ok = _icrc.verify(data, off, udp_off, icrc_off)
+    if not op.known:
+        f.cls, f.reason = FrameClass.UNKNOWN_OPCODE, f"opcode {bth.opcode:#04x}"
+        return
+    f.payload_offset, f.payload_len = payload_off, payload_len
+    if not f.icrc_ok:
+        f.cls, f.reason = FrameClass.BAD_ICRC, (f"ICRC {_icrc.stored(data, icrc_off):#010x}, "
+                                                f"expected {_icrc.compute(data, off, udp_off, icrc_off):#010x}")
+    elif op.is_ack:
+        f.cls = FrameClass.ROCE_ACK
+    else:
+        f.cls = FrameClass.ROCE_DATA
+
+
+_DECODED = {"RETH": ("reth", RETH), "AETH": ("aeth", AETH), "IMMDT": ("immdt", ImmDt),
+            "DETH": ("deth", DETH)}
+
+
+def _extension_headers(f: RoceFrame, data, off: int, op: Opcode) -> None:
+    for name in op.headers:
+        if name in _DECODED:
+            attr, cls = _DECODED[name]
+            setattr(f, attr, cls.unpack(data, off))
+        off += EXT_LEN[name]
+
+
+__all__ = ["decode_frame", "RoceFrame", "FrameClass"]

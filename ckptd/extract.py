@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .flows import (HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
+from .flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
                     WRITE_ONLY_IMM, FlowBinder, FlowBinding, Location, Packet)
 from .plan import Plan
 from .schedule import AG, LL_LINE, RS
@@ -68,6 +68,10 @@ class Extractor:
 
     def feed(self, pkt: Packet) -> list[Placement]:
         """All placements a packet (and any packets its arrival releases) yield."""
+        if pkt.opcode == ACK:
+            self.counters["acks"] += 1
+            self.binder.note_ack(pkt)
+            return []
         b = self.binder.bound.get(pkt.flow)
         if b is not None:
             return self._place(b, pkt)

@@ -14,6 +14,7 @@ channel.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from .plan import Plan
@@ -27,8 +28,11 @@ DATA_OPCODES = {WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONL
 HEAD_OPCODES = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
 IMM_OPCODES = {WRITE_LAST_IMM, WRITE_ONLY_IMM}
 
+ACK = 17
 PENDING_LIMIT = 20000  # packets held per hop while its flows are not yet bound
 MIN_HEADS = 3  # message heads a flow must show before it is bound by its lengths alone
+ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked for
+RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Packet:
     dma_len: int | None
     imm: bytes | None
     payload: memoryview
+    sport: int = 0  # UDP source port: one per RC connection, the same both ways
 
     @property
     def flow(self):
@@ -109,6 +114,7 @@ class _Candidate:
     heads: list = field(default_factory=list)  # (rel, dma_len) of FIRST/ONLY packets
     imms: list = field(default_factory=list)  # (rel, imm bytes) of *_WITH_IMM packets
     first_psn: int | None = None
+    sport: int = 0
     min_rel: int = 0
 
 
@@ -128,7 +134,9 @@ class FlowBinder:
         self.bound: dict[tuple, FlowBinding] = {}
         self.unrelated: set[tuple] = set()
         self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
+        self.acks: dict[tuple[int, int], deque] = {}
         self.errors: list[str] = []
+        self.notes: list[str] = []
 
     # -- learning -----------------------------------------------------------------
     def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
@@ -136,6 +144,28 @@ class FlowBinder:
         if s is None or d is None or (s, d) not in self.expected:
             return None
         return s, d
+
+    def note_ack(self, pkt: Packet):
+        """An ACK from receiver to sender proves the data PSN it acknowledges was sent.
+
+        That is what tells a flow whose first message was lost on every mirror from
+        one whose first message we saw: its first data packet then comes after an
+        ACK, and no alignment may put the job's first message after that PSN. An ACK
+        belongs to the data flow of the same hop with the same UDP source port (RoCE
+        derives the port from both QPNs, so both directions of a connection share it)."""
+        s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
+        hop = (s, d)
+        if hop not in self.expected or self._hop_full(hop):
+            return
+        self.acks.setdefault(hop, deque(maxlen=RECENT_ACKS)).append((pkt.sport, pkt.psn))
+        for cand in self.pending.get(hop, {}).values():
+            self._ack_evidence(cand, pkt.sport, pkt.psn)
+
+    @staticmethod
+    def _ack_evidence(cand: "_Candidate", sport: int, psn: int):
+        rel = psn_diff(psn, cand.first_psn)
+        if sport == cand.sport and -ACK_WINDOW <= rel < 0:
+            cand.min_rel = min(cand.min_rel, rel)
 
     def offer(self, hop, pkt: Packet) -> list[tuple[FlowBinding, Packet]]:
         """Hold a packet of a not-yet-bound flow; returns packets released by a binding."""
@@ -145,7 +175,9 @@ class FlowBinder:
         flows = self.pending.setdefault(hop, {})
         cand = flows.get(pkt.flow)
         if cand is None:
-            cand = flows[pkt.flow] = _Candidate(first_psn=pkt.psn)
+            cand = flows[pkt.flow] = _Candidate(first_psn=pkt.psn, sport=pkt.sport)
+            for sport, psn in self.acks.get(hop, ()):
+                self._ack_evidence(cand, sport, psn)
         rel = psn_diff(pkt.psn, cand.first_psn)
         cand.min_rel = min(cand.min_rel, rel)
         cand.packets.append(pkt)
@@ -222,6 +254,9 @@ class FlowBinder:
                 continue  # a packet of this flow would lie before the job's first message
             if all(self._head_ok(tl, rel - base_rel, n) for rel, n in heads) and \
                     all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms):
+                if k > 0:
+                    self.notes.append(f"a flow starts at message {k} of the schedule: its first "
+                                      "messages reached no mirror (lengths and ACKs place it)")
                 return base_rel
         return None
 

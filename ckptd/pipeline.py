@@ -29,7 +29,7 @@ from parsers.roce import FrameClass, decode_frame
 from .assemble import IterationAssembly, Missing
 from .checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
 from .extract import Extractor, Placement
-from .flows import DATA_OPCODES, Packet
+from .flows import ACK, DATA_OPCODES, Packet
 from .plan import Plan
 from .schedule import AG, RS
 from .shadow import ShadowModel
@@ -54,11 +54,15 @@ def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, Capt
 
 # -- decode --------------------------------------------------------------------------
 def decode(frames: Iterable[tuple[int, CapturedFrame]], classes: list[Counter]) -> Iterator[Packet]:
-    """RoCE RDMA-write packets with an intact ICRC; everything else is counted by class."""
+    """RoCE RDMA-write packets and ACKs with an intact ICRC; the rest is counted by class."""
     for stream, fr in frames:
         f = decode_frame(fr.data, fr.linktype, fr.origlen)
         classes[stream]["frames"] += 1
         classes[stream][f.cls.value] += 1
+        if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
+            yield Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
+                         f.bth.psn, None, None, memoryview(b""), f.udp.sport)
+            continue
         if f.cls is not FrameClass.ROCE_DATA:
             continue
         if f.bth.opcode not in DATA_OPCODES:
@@ -67,7 +71,8 @@ def decode(frames: Iterable[tuple[int, CapturedFrame]], classes: list[Counter]) 
         yield Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
                      f.bth.psn, f.reth.dma_len if f.reth is not None else None,
                      f.immdt.raw if f.immdt is not None else None,
-                     memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len])
+                     memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len],
+                     f.udp.sport)
 
 
 # -- report --------------------------------------------------------------------------

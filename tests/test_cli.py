@@ -1,0 +1,111 @@
+"""The command line, as a user runs it."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ckptd.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from ckptd.cli import main
+
+from helpers import pcaps, synth
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    synth(d, ranks=2, channels=2, protocol="ll", mtu=1024, iterations=3, mirrors=2)
+    return d
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "ckptd", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("demo", "synth", "replay", "inspect", "verify", "plan"):
+        assert cmd in out.stdout
+
+
+def test_replay_prints_a_line_per_iteration(run, tmp_path, capsys):
+    rc = main(["replay", "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"),
+               "--out", str(tmp_path), "--reference", str(run / "reference")] + pcaps(run))
+    out = capsys.readouterr().out
+    assert rc == 0
+    for t in range(3):
+        assert f"iteration {t:>4}: committed" in out
+        assert (tmp_path / checkpoint_name(t)).exists()
+    assert out.count("bit-exact") == 3 and "NOT bit-exact" not in out
+    assert "coverage[mirror0=" in out and "loss[mirror0=" in out
+    assert "3 iterations, 3 committed, 0 not recovered" in out
+
+
+def test_inspect_json(run, capsys):
+    assert main(["inspect", "--json"] + pcaps(run)) == 0
+    res = json.loads(capsys.readouterr().out)
+    for key in ("frames", "roce_frames", "icrc_valid", "icrc_invalid", "flows"):
+        assert key in res
+    assert res["icrc_invalid"] == 0 and res["roce_frames"] > 0
+    assert res["frames"] >= res["roce_frames"]
+
+
+def test_inspect_real_captures_counts(flowcheck_dir, capsys):
+    assert main(["inspect", "--json"] + sorted(str(p) for p in flowcheck_dir.glob("*.pcapng"))) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["roce_frames"], res["icrc_valid"], res["icrc_invalid"]) == (4681, 4674, 7)
+
+
+def test_verify(run, tmp_path, capsys):
+    a = run / "reference" / checkpoint_name(1)
+    assert main(["verify", str(a), str(a)]) == 0
+    doc = load_checkpoint(a)
+    name = next(iter(doc["model"]))
+    doc["model"][name] = doc["model"][name].clone()
+    doc["model"][name].view(-1)[3] = torch.nextafter(doc["model"][name].view(-1)[3], torch.tensor(1e9))
+    save_checkpoint(tmp_path / "b.pt", doc["iteration"], doc["model"], doc["optimizer"])
+    capsys.readouterr()
+    assert main(["verify", str(a), str(tmp_path / "b.pt")]) == 1
+    out = capsys.readouterr().out
+    assert f"model.{name}: 1 of" in out and "flat index 3" in out
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    assert main(["verify", str(a), str(tmp_path / "junk.pt")]) == 2
+
+
+def test_replay_errors_are_clear(run, capsys):
+    assert main(["replay", "--plan", str(run / "missing.json"), "x.pcap"]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["replay", "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"),
+                 str(run / "nope.pcap")]) == 2
+    assert "nope.pcap" in capsys.readouterr().err
+
+
+def build_model():
+    from ckptd.synth.model import build_model as b
+    return b("tiny", 0)
+
+
+def sample_batch():
+    from ckptd.synth.model import shard_batches
+    return shard_batches(build_model(), 0, 0, 0)
+
+
+def test_plan_from_a_torch_model(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+               "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02",
+               "--protocol", "ll", "--out", str(out)])
+    assert rc == 0
+    from ckptd.plan import load_plan
+    plan = load_plan(out)
+    model = build_model()
+    assert [p.name for p in plan.parameters] == [n for n, _ in model.named_parameters()]
+    assert len(plan.buckets_first) > 1 and plan.ring.protocol == "ll"
+    # DDP's first layout reduces the last layers first
+    assert plan.buckets_first[0].params[-1] == plan.parameters[-1].name
+
+
+def test_demo_small(capsys):
+    rc = main(["demo", "--model", "tiny", "--iterations", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("bit-exact") == 2

@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from ckptd.plan import PlanError, load_plan, plan_from_json
+
+from helpers import synth
+
+
+@pytest.fixture(scope="module")
+def plan_doc(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan")
+    synth(d, ranks=3, channels=2, iterations=1)
+    return json.loads((d / "plan.json").read_text())
+
+
+def test_round_trip(plan_doc, tmp_path):
+    plan = plan_from_json(plan_doc)
+    plan.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text()) == plan_doc
+    assert plan.nranks == 3 and plan.ring.channels == 2
+    assert sum(plan.bucket_count(b) for b in plan.buckets_first) == sum(p.numel for p in plan.parameters)
+    assert plan.layout(0) != plan.layout(1)  # DDP rebuilt its buckets after iteration 0
+
+
+def _broken(doc, change):
+    doc = json.loads(json.dumps(doc))
+    change(doc)
+    return doc
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(format="other"), "not a ckptd plan"),
+    (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d["buckets"]["first"][0]["params"].append("nope"), "unknown parameter 'nope'"),
+    (lambda d: d["buckets"]["first"].pop(), "exactly once"),
+    (lambda d: d["ring"].update(protocol="ll128"), "LL128"),
+    (lambda d: d["ring"].update(nccl_version="2.27"), "2.22"),
+    (lambda d: d["ranks"].pop(), "ranks 0..2"),
+    (lambda d: d["ranks"][0].update(addr="not-an-ip"), "not-an-ip"),
+    (lambda d: d["optimizer"].update(kind="sgd"), "optimizer.kind"),
+    (lambda d: d["parameters"][0].update(dtype="complex64"), "complex64"),
+])
+def test_bad_plans_name_the_field(plan_doc, change, message):
+    with pytest.raises(PlanError, match=message):
+        plan_from_json(_broken(plan_doc, change), "p.json")
+
+
+def test_unreadable_file(tmp_path):
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(PlanError, match="x.json"):
+        load_plan(tmp_path / "x.json")

@@ -44,8 +44,11 @@ class IterationAssembly:
     conflicts: list[tuple[int, int, int, int]] = field(default_factory=list)  # (stream, bucket, start, end)
     packets: int = 0
     bytes: int = 0
+    ncovered: int = 0  # elements covered so far, kept as packets land: completeness is O(1)
+    last_packet: float = 0.0  # monotonic time of the newest placement (commit lag)
 
     def __post_init__(self):
+        self.total = sum(b.count for b in self.buckets)
         self.data = [np.zeros(b.count, _BITS[b.dtype.itemsize]) for b in self.buckets]
         self.covered = [np.zeros(b.count, bool) for b in self.buckets]
         self.by_stream = [[np.zeros(b.count, bool) for b in self.buckets] for _ in range(self.nstreams)]
@@ -62,6 +65,7 @@ class IterationAssembly:
             self.conflicts.append((stream, bucket, start, end))
             return
         dst[:] = vals
+        self.ncovered += len(cov) - int(np.count_nonzero(cov))
         cov[:] = True
         self.by_stream[stream][bucket][start:end] = True
         self.packets += 1
@@ -69,7 +73,7 @@ class IterationAssembly:
 
     @property
     def complete(self) -> bool:
-        return not self.conflicts and all(c.all() for c in self.covered)
+        return not self.conflicts and self.ncovered == self.total
 
     def coverage(self, stream: int | None = None) -> float:
         total = sum(b.count for b in self.buckets)

@@ -7,15 +7,18 @@
     apply     ckptd.shadow.ShadowModel, only for complete iterations, only in order
     keep      checkpoint files (ckptd.checkpoint), gradient dumps, the per-iteration report
 
-A pcap file and (later) a capture ring are two sources of the same frames; nothing
-after `source` knows which it got. An iteration is finalized once some flow has
-reached two iterations beyond it (NCCL cannot start iteration t+2's allreduce before
-every rank finished t's, so nothing of t can still be on the wire) or the input ends.
+A pcap file and a capture ring are two sources of the same frames; nothing after
+`source` knows which it got. An iteration is committed the moment its last missing
+element arrives (and every earlier one is done); one that stays incomplete is given
+up once some flow has reached two iterations beyond it (NCCL cannot start iteration
+t+2's allreduce before every rank finished t's, so nothing of t can still be on the
+wire) or the input ends.
 """
 from __future__ import annotations
 
 import heapq
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +90,7 @@ class IterationReport:
     missing: list[Missing] = field(default_factory=list)
     note: str = ""
     exact: bool | None = None  # against a reference checkpoint, when one was given
+    commit_lag: float | None = None  # seconds from the iteration's last packet to its commit
 
     @property
     def ok(self) -> bool:
@@ -127,34 +131,55 @@ class Pipeline:
                 Path(d).mkdir(parents=True, exist_ok=True)
 
     # -- driving -------------------------------------------------------------------
-    def run(self, frames: Iterable[tuple[int, CapturedFrame]]) -> list[IterationReport]:
+    def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:
+        """Drive every frame through. At the end, iterations still open are finalized
+        (reported incomplete with their missing ranges), or with abandon=True (a daemon
+        told to stop mid-iteration) reported as abandoned."""
         for pkt in decode(frames, self.classes):
             for pl in self.extract.feed(pkt):
                 self._assemble(pl, pkt)
         for pl in self.extract.flush():
             self._assemble(pl, None)
+        if abandon:
+            for it in sorted(self.open):
+                asm = self.open.pop(it)
+                self.done = max(self.done, it)
+                rep = IterationReport(it, "abandoned", asm.packets, asm.bytes,
+                                      [asm.coverage(s) for s in range(self.nstreams)],
+                                      note=f"stopped with {100 * (1 - asm.coverage()):.2f}% missing")
+                self.reports.append(rep)
+                if self.on_iteration:
+                    self.on_iteration(rep)
+            return self.reports
         last = self.highest
         if self.plan.iterations is not None:
             last = max(last, self.plan.iterations - 1)
         self._finalize_through(last)
+        self._dump_rs(upto=last)
         return self.reports
 
     def _assemble(self, pl: Placement, pkt: Packet | None):
         it = pl.iteration
-        if it <= self.done:
+        if pl.phase == RS:
+            if self.opts.dump_gradients and pl.ring_step == 0:
+                # a loop's first reduce-scatter send carries the sender's own values
+                self.rs_open.setdefault(it, {}).setdefault(pl.sender, []).append(pl)
+        elif it <= self.done:
             self.late += 1
             return
-        asm = self.open.get(it)
-        if asm is None:
-            asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
-        if pl.phase == AG:
+        else:
+            asm = self.open.get(it)
+            if asm is None:
+                asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
             asm.place(pl.stream, pl.bucket, pl.start, pl.raw)
-        elif self.opts.dump_gradients and pl.ring_step == 0:
-            # a loop's first reduce-scatter send carries the sender's own values
-            self.rs_open.setdefault(it, {}).setdefault(pl.sender, []).append(pl)
+            asm.last_packet = time.monotonic()
         if it > self.highest:
             self.highest = it
             self._finalize_through(it - FINALIZE_LAG)
+            self._dump_rs(upto=it - FINALIZE_LAG)
+        # commit complete iterations at once, in order
+        while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
+            self._finalize_through(self.done + 1)
 
     # -- finalize, apply, keep -------------------------------------------------------
     def _finalize_through(self, upto: int):
@@ -208,6 +233,8 @@ class Pipeline:
         if self.opts.out:
             save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
                             self.shadow.model_state(), self.shadow.optimizer_state())
+        if asm.last_packet:
+            rep.commit_lag = time.monotonic() - asm.last_packet
         if self.opts.reference:
             ref_path = Path(self.opts.reference) / checkpoint_name(it)
             if ref_path.exists():
@@ -223,8 +250,18 @@ class Pipeline:
         for b, grad in enumerate(asm.gradients()):
             np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}.npy", grad)
             np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}_coverage.npy", asm.covered[b])
-        for sender, pls in self.rs_open.pop(asm.iteration, {}).items():
-            for b, bucket in enumerate(asm.buckets):
+
+    def _dump_rs(self, upto: int):
+        """Each sender's own values, from its first reduce-scatter sends (diagnostics)."""
+        if not self.opts.dump_gradients:
+            return
+        d = Path(self.opts.dump_gradients)
+        for it in [i for i in self.rs_open if i <= upto]:
+            self._dump_rs_iteration(d, it, self.rs_open.pop(it))
+
+    def _dump_rs_iteration(self, d: Path, it: int, senders: dict):
+        for sender, pls in senders.items():
+            for b, bucket in enumerate(self.plan.buckets(it)):
                 vals = np.zeros(bucket.count, bucket.dtype)
                 cov = np.zeros(bucket.count, bool)
                 for pl in pls:
@@ -232,7 +269,7 @@ class Pipeline:
                         v = np.frombuffer(pl.raw, bucket.dtype.newbyteorder("<"))
                         vals[pl.start:pl.start + len(v)] = v
                         cov[pl.start:pl.start + len(v)] = True
-                stem = f"iter_{asm.iteration:06d}_bucket_{b:03d}_rs_rank{sender}"
+                stem = f"iter_{it:06d}_bucket_{b:03d}_rs_rank{sender}"
                 np.save(d / f"{stem}.npy", vals)
                 np.save(d / f"{stem}_coverage.npy", cov)
 

@@ -152,6 +152,19 @@ def cmd_demo(a) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def cmd_run(a) -> int:
+    from .daemon import ConfigError, Daemon, load_config, setup_logging
+    try:
+        cfg = load_config(a.config)
+        if a.listen:
+            cfg.listen = a.listen
+        setup_logging(a.log_level or cfg.log_level)
+        return Daemon(cfg).run()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_plan(a) -> int:
     import torch
 
@@ -247,6 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="CKPT", help="after a gap, restart the shadow from this checkpoint")
     r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")
     r.set_defaults(func=cmd_replay)
+
+    rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
+                        "iteration, serve /status and /metrics (see docs/DAEMON.md)")
+    rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
+    rn.add_argument("--listen", help="override the config's status address (default 127.0.0.1:9187)")
+    rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                    help="default: the config's, else warning (quiet)")
+    rn.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes")
     i.add_argument("--json", action="store_true")

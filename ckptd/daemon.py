@@ -1,0 +1,235 @@
+"""`ckptd run --config FILE`: the long-running daemon on a mirror-port host.
+
+The same pipeline as `ckptd replay` (ckptd.pipeline), fed by capture rings instead of
+files; the daemon's features plug in around that one loop:
+
+    capture   ckptd.capture.RingCapture per configured interface (one per mirror port)
+    status    ckptd.status: /status and /metrics, from snapshots the loop publishes
+    keep      checkpoint files, written by the pipeline as iterations commit
+    logs      one JSON object per line on stderr, warnings only unless asked
+
+SIGINT/SIGTERM stop it cleanly: capture stops, what the rings already hold is
+processed, complete iterations are committed, the iteration in flight is reported as
+abandoned (with how much of it was missing), and the last exact checkpoint stays.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import checkpoint_name, load_checkpoint
+from .pipeline import IterationReport, Pipeline, ReplayOptions
+from .plan import PlanError, load_plan
+from .status import Snapshot, StatusServer
+
+log = logging.getLogger("ckptd")
+SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class InterfaceConfig:
+    name: str  # the mirror stream's name (as in the plan's mirrors, ideally)
+    ifname: str
+    netns: str | None = None
+    block_size: int = 1 << 22
+    block_nr: int = 64
+    frame_size: int = 16384
+    retire_ms: int = 20
+
+
+@dataclass
+class DaemonConfig:
+    plan: str
+    init: str
+    out: str
+    interfaces: list[InterfaceConfig]
+    listen: str = "127.0.0.1:9187"
+    log_level: str = "warning"
+    resume: str | None = None
+    dump_gradients: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def load_config(path: str | Path) -> DaemonConfig:
+    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib
+            doc = tomllib.loads(text)
+        else:
+            import yaml
+            doc = yaml.safe_load(text)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the config must be a mapping")
+    base = path.parent
+
+    def need(key):
+        if key not in doc:
+            raise ConfigError(f"{path}: missing {key!r}")
+        return doc[key]
+
+    def rel(p):
+        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
+
+    ifs = []
+    for i, x in enumerate(need("interfaces") or []):
+        if not isinstance(x, dict) or "ifname" not in x:
+            raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
+        unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
+        ifs.append(InterfaceConfig(**{"name": x.get("name", x["ifname"]), **x}))
+    if not ifs:
+        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
+    known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients"}
+    unknown = set(doc) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
+                        interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
+                        log_level=str(doc.get("log_level", "warning")),
+                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record):
+        doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        return json.dumps(doc)
+
+
+def setup_logging(level: str):
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    log.handlers[:] = [h]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        try:
+            self.plan = load_plan(cfg.plan)
+        except PlanError as e:
+            raise ConfigError(str(e)) from e
+        self.start_state = load_checkpoint(cfg.init)
+        self.names = [i.name for i in cfg.interfaces]
+        self.stop = threading.Event()
+        self.snapshot = Snapshot()
+        self.captures: list = []
+        self.frames = 0
+        self.by_status: dict[str, int] = {}
+        self.last_report: IterationReport | None = None
+        self.unrecovered: list[dict] = []
+        self.started = time.time()
+        self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces),
+                             ReplayOptions(out=cfg.out, resume=cfg.resume,
+                                           dump_gradients=cfg.dump_gradients),
+                             on_iteration=self._on_iteration)
+
+    # -- feature hooks on the core loop ----------------------------------------------
+    def _on_iteration(self, rep: IterationReport):
+        self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
+        self.last_report = rep
+        fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
+                  "coverage": [round(c, 6) for c in rep.coverage], "note": rep.note.strip()}
+        if rep.commit_lag is not None:
+            fields["commit_lag_s"] = round(rep.commit_lag, 6)
+        if rep.status == "committed":
+            log.info("committed", extra={"fields": fields})
+        else:
+            fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
+                                  "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
+            self.unrecovered.append(fields)
+            log.warning("iteration not recovered", extra={"fields": fields})
+        self._publish()
+
+    def _counting(self, source):
+        for k, fr in source:
+            self.frames += 1
+            if self.frames % SNAPSHOT_EVERY == 0:
+                self._publish()
+            yield k, fr
+
+    def _publish(self, state: str = "running"):
+        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        last = self.last_report
+        streams = []
+        for k, name in enumerate(self.names):
+            cls = self.pipe.classes[k]
+            streams.append({"name": name, "frames": cls.get("frames", 0),
+                            "classes": {c: v for c, v in cls.items() if c != "frames"},
+                            "coverage": last.coverage[k] if last and last.coverage else None,
+                            "loss": last.loss[k] if last and last.loss else None})
+        doc = {
+            "state": state, "uptime_s": round(time.time() - self.started, 3),
+            "last_committed": committed[-1].iteration if committed else -1,
+            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(committed[-1].iteration))
+                                if committed else None),
+            "commit_lag_s": committed[-1].commit_lag if committed else None,
+            "iterations_by_status": dict(self.by_status),
+            "shadow_stopped_after": self.pipe.stopped_after,
+            "streams": streams,
+            "capture": {c.ifname: {"packets": st["packets"], "drops": st["drops"],
+                                   "delivered": st["delivered"]}
+                        for c, st in ((c, c.stats()) for c in self.captures)},
+            "extraction": dict(self.pipe.extract.counters),
+            "unrecoverable": self.unrecovered[-20:],
+        }
+        self.snapshot.publish(doc)
+
+    # -- running ---------------------------------------------------------------------
+    def open_captures(self):
+        from .capture import RingCapture
+        for i in self.cfg.interfaces:
+            self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
+                                             block_nr=i.block_nr, frame_size=i.frame_size,
+                                             retire_ms=i.retire_ms))
+
+    def run(self, source=None, install_signals: bool = True) -> int:
+        """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
+        if install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.stop.set())
+        server = StatusServer(self.snapshot, self.cfg.listen).start()
+        self.address = server.address
+        try:
+            if source is None:
+                from .capture import ring_source
+                self.open_captures()
+                source = ring_source(self.captures, self.stop, self.pipe.errors)
+            self._publish()
+            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen}})
+            self.pipe.run(self._counting(source), abandon=True)
+        finally:
+            self._publish("stopped")
+            for c in self.captures:
+                st = c.stats()
+                if st["drops"]:
+                    log.warning("kernel dropped frames", extra={"fields": st})
+                c.close()
+            server.stop()
+        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
+        log.warning("stopped", extra={"fields": {
+            "last_committed": committed[-1].iteration if committed else -1,
+            "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
+                                                    if u["status"] != "abandoned"]}})
+        for e in self.pipe.errors:
+            log.error("capture error", extra={"fields": {"error": e}})
+        return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import select
@@ -259,9 +260,12 @@ class RingCapture:
     def _open(self, block_size, block_nr, frame_size, retire_ms, fanout, bpf, outgoing):
         # Protocol 0: the socket receives nothing until bind(), so the filter and the
         # ring are in place before the first packet can arrive.
+        try:
+            socket.if_nametoindex(self.ifname)
+        except OSError:
+            raise OSError(errno.ENODEV, "no such interface") from None
         s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
         try:
-            ifindex = socket.if_nametoindex(self.ifname)
             s.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
             if bpf:
                 attach_filter(s, roce_filter())
@@ -275,7 +279,6 @@ class RingCapture:
             if fanout is not None:
                 group, mode = fanout
                 s.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
-            assert ifindex
             return s
         except BaseException:
             s.close()

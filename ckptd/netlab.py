@@ -14,7 +14,8 @@ Layout, for a plan with N ranks and K mirrors (names are <prefix>-<role>):
 
 Mirror k copies the traffic of its rank's bridge port to m<k> with tc (switch_config.
 linux): the plan's "tx" (frames the host sends) is the port's ingress, "rx" its egress.
-Loss on a mirror link is a netem qdisc on m<k>.  The bridge neither learns nor floods
+Loss on a mirror link is a netem qdisc on m<k>, or a random-drop tc filter where the
+kernel has no netem.  The bridge neither learns nor floods
 unknown unicast: static FDB entries put each host's MACs on its port, so a frame only
 ever leaves through the port of the host it is addressed to and each mirror sees
 exactly what its rule says.  IPv6 is off where it is not needed, so the kernels stay
@@ -37,7 +38,7 @@ from pathlib import Path
 from pyroute2 import IPRoute, netns as pr_netns
 
 from parsers.capture import open_capture
-from switch_config.linux import add_mirror, list_mirrors
+from switch_config.linux import add_loss, add_mirror, list_mirrors
 
 from .capture import NETNS_RUN_DIR, RingCapture, in_netns
 from .plan import Plan, load_plan
@@ -159,6 +160,7 @@ class MirrorPort:
     port: str            # mirror port in the switch namespace
     capture_ifname: str  # its peer in the checkpoint namespace
     loss: float = 0.0
+    loss_kind: str | None = None  # "netem" or "bpf" (switch_config.linux.add_loss)
     rules: list = field(default_factory=list)
 
 
@@ -245,7 +247,7 @@ class NetLab:
                 p = sw.link_lookup(ifname=m.port)[0]
                 sw.link("set", index=p, mtu=self.mtu, state="up")
                 if m.loss:
-                    sw.tc("add", "netem", index=p, loss=m.loss * 100, limit=100_000)
+                    m.loss_kind = add_loss(m.port, m.loss, netns=self.switch_ns)
         with IPRoute(netns=self.ckpt_ns, flags=0) as ck:
             for m in self.mirrors:
                 ck.link("set", index=ck.link_lookup(ifname=m.capture_ifname)[0], mtu=self.mtu, state="up")
@@ -338,8 +340,21 @@ class NetLab:
             raise errors[0]
         return results
 
+    def link_drops(self) -> dict[str, int]:
+        """Frames dropped on purpose on each mirror link so far: the injected loss,
+        counted by the mirror port's qdisc (netem, or clsact for the drop filter)."""
+        with IPRoute(netns=self.switch_ns, flags=0) as ipr:
+            ports = {l["index"]: l.get_attr("IFLA_IFNAME") for l in ipr.get_links()}
+            drops = defaultdict(int)
+            for q in ipr.get_qdiscs():
+                drops[ports.get(q["index"])] += (q.get_attr("TCA_STATS") or {}).get("drop", 0)
+        return {m.name: drops.get(m.port, 0) for m in self.mirrors}
+
+    def exists(self) -> bool:
+        return all(os.path.exists(os.path.join(NETNS_RUN_DIR, n)) for n in self.namespaces)
+
     def status(self) -> dict:
-        return lab_status(self.prefix)
+        return lab_status(self.prefix, exact=True)
 
 
 def _ifname_ok(name: str) -> bool:
@@ -347,13 +362,22 @@ def _ifname_ok(name: str) -> bool:
 
 
 # -- by prefix (for the script and for leftovers) -----------------------------------
-def lab_namespaces(prefix: str = "ckl") -> list[str]:
-    """Namespaces that look like a lab's: start with prefix, end in -sw, -ck or -h<N>."""
+def lab_namespaces(prefix: str = "ckl", exact: bool = False) -> list[str]:
+    """Namespaces of the lab named `prefix` (exact), or of every lab whose name starts
+    with `prefix`: <name>-sw, <name>-ck, <name>-h<N>.  NetLab's own unique names start
+    with "ckl", so lab_namespaces() finds every leftover of tests and scripts."""
     try:
         names = pr_netns.listnetns()
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.startswith(prefix) and ROLES.search(n))
+    out = []
+    for n in names:
+        if not ROLES.search(n):
+            continue
+        lab = ROLES.sub("", n)
+        if lab == prefix or (not exact and lab.startswith(prefix)):
+            out.append(n)
+    return sorted(out)
 
 
 def remove_namespaces(names: list[str]) -> list[str]:
@@ -365,17 +389,17 @@ def remove_namespaces(names: list[str]) -> list[str]:
     return gone
 
 
-def down(prefix: str = "ckl") -> list[str]:
-    """Remove every lab namespace with this prefix (and with it all interfaces, the
-    bridge, tc rules and qdiscs inside)."""
-    return remove_namespaces(lab_namespaces(prefix))
+def down(prefix: str = "ckl", exact: bool = False) -> list[str]:
+    """Remove the lab `prefix` (exact) or every lab starting with it: the namespaces,
+    and with them all interfaces, the bridge, tc rules and qdiscs inside."""
+    return remove_namespaces(lab_namespaces(prefix, exact))
 
 
-def lab_status(prefix: str = "ckl") -> dict:
+def lab_status(prefix: str = "ckl", exact: bool = False) -> dict:
     """Per namespace: interfaces (name, state, mtu, rx/tx packets and drops); for switch
-    namespaces also the mirror rules and qdiscs with their drop counters."""
+    namespaces also the mirror rules and the clsact / netem qdiscs with their drops."""
     out = {}
-    for ns in lab_namespaces(prefix):
+    for ns in lab_namespaces(prefix, exact):
         with IPRoute(netns=ns, flags=0) as ipr:
             links = []
             for l in ipr.get_links():
@@ -388,11 +412,16 @@ def lab_status(prefix: str = "ckl") -> dict:
             if ns.endswith("-sw"):
                 entry["mirrors"] = [r.as_dict() for r in list_mirrors(netns=ns)]
                 names = {l["index"]: l.get_attr("IFLA_IFNAME") for l in ipr.get_links()}
-                entry["qdiscs"] = [{"ifname": names.get(q["index"]), "kind": q.get_attr("TCA_KIND"),
-                                    "drops": (q.get_attr("TCA_STATS") or {}).get("drops")}
-                                   for q in ipr.get_qdiscs() if q.get_attr("TCA_KIND") in ("netem", "clsact")]
+                entry["qdiscs"] = [_qdisc(q, names) for q in ipr.get_qdiscs()
+                                   if q.get_attr("TCA_KIND") in ("netem", "clsact")]
             out[ns] = entry
     return out
+
+
+def _qdisc(q, names) -> dict:
+    st = q.get_attr("TCA_STATS") or {}
+    return {"ifname": names.get(q["index"]), "kind": q.get_attr("TCA_KIND"),
+            "packets": st.get("packets"), "drops": st.get("drop")}
 
 
 def grouped(names: list[str]) -> dict[str, list[str]]:

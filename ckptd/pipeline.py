@@ -114,6 +114,10 @@ class Pipeline:
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
         self.extract = Extractor(plan)
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
+        # Wire iteration 0 (the first allreduces of this communicator) is the training
+        # iteration after the starting state: a job restarted from checkpoint k runs
+        # iteration k+1 first. Reports, checkpoints and the lr schedule use that number.
+        self.offset = int(start.get("iteration", -1)) + 1 if start is not None else 0
         self.resume = load_checkpoint(opts.resume) if opts.resume else None
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.open: dict[int, IterationAssembly] = {}
@@ -144,7 +148,7 @@ class Pipeline:
             for it in sorted(self.open):
                 asm = self.open.pop(it)
                 self.done = max(self.done, it)
-                rep = IterationReport(it, "abandoned", asm.packets, asm.bytes,
+                rep = IterationReport(it + self.offset, "abandoned", asm.packets, asm.bytes,
                                       [asm.coverage(s) for s in range(self.nstreams)],
                                       note=f"stopped with {100 * (1 - asm.coverage()):.2f}% missing")
                 self.reports.append(rep)
@@ -152,8 +156,8 @@ class Pipeline:
                     self.on_iteration(rep)
             return self.reports
         last = self.highest
-        if self.plan.iterations is not None:
-            last = max(last, self.plan.iterations - 1)
+        if self.plan.iterations is not None:  # the job's total: missing ones are reported
+            last = max(last, self.plan.iterations - 1 - self.offset)
         self._finalize_through(last)
         self._dump_rs(upto=last)
         return self.reports
@@ -190,10 +194,11 @@ class Pipeline:
             self._finalize(asm)
 
     def _finalize(self, asm: IterationAssembly):
-        it = asm.iteration
+        wire = asm.iteration
+        it = wire + self.offset
         rep = IterationReport(it, "", asm.packets, asm.bytes,
                               [asm.coverage(s) for s in range(self.nstreams)],
-                              [self.extract.stream_loss(s, it) for s in range(self.nstreams)])
+                              [self.extract.stream_loss(s, wire) for s in range(self.nstreams)])
         if self.opts.dump_gradients:
             self._dump(asm)
         if asm.conflicts:
@@ -202,7 +207,7 @@ class Pipeline:
             rep.note = (f"{len(asm.conflicts)} packets disagree with another stream's intact copy "
                         f"(first: stream {s}, bucket {b}, elements [{lo}, {hi})): plan or capture is wrong")
         elif not asm.complete:
-            rep.missing = asm.missing(lambda b: self.plan.param_ranges(it, b))
+            rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
         if self.shadow is None:
             rep.status = rep.status or "complete"
@@ -218,7 +223,7 @@ class Pipeline:
             self.on_iteration(rep)
 
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
-        it = asm.iteration
+        it = asm.iteration + self.offset
         if self.stopped_after is not None:
             if self.resume is not None and int(self.resume.get("iteration", -2)) == it - 1:
                 self.shadow = ShadowModel(self.plan, self.resume)
@@ -228,7 +233,7 @@ class Pipeline:
                 rep.status = "complete-not-applied"
                 rep.note = f"shadow stopped at iteration {self.stopped_after}"
                 return
-        self.shadow.apply(it, asm.gradients())
+        self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
         rep.status = "committed"
         if self.opts.out:
             save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
@@ -247,9 +252,10 @@ class Pipeline:
 
     def _dump(self, asm: IterationAssembly):
         d = Path(self.opts.dump_gradients)
+        it = asm.iteration + self.offset
         for b, grad in enumerate(asm.gradients()):
-            np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}.npy", grad)
-            np.save(d / f"iter_{asm.iteration:06d}_bucket_{b:03d}_coverage.npy", asm.covered[b])
+            np.save(d / f"iter_{it:06d}_bucket_{b:03d}.npy", grad)
+            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", asm.covered[b])
 
     def _dump_rs(self, upto: int):
         """Each sender's own values, from its first reduce-scatter sends (diagnostics)."""
@@ -269,7 +275,7 @@ class Pipeline:
                         v = np.frombuffer(pl.raw, bucket.dtype.newbyteorder("<"))
                         vals[pl.start:pl.start + len(v)] = v
                         cov[pl.start:pl.start + len(v)] = True
-                stem = f"iter_{it:06d}_bucket_{b:03d}_rs_rank{sender}"
+                stem = f"iter_{it + self.offset:06d}_bucket_{b:03d}_rs_rank{sender}"
                 np.save(d / f"{stem}.npy", vals)
                 np.save(d / f"{stem}_coverage.npy", cov)
 

@@ -54,10 +54,14 @@ class ShadowModel:
                 by_name[name] = t[start:end].view(self.plan.param(name).shape)
         return [by_name[n] for n in self.names]
 
-    def apply(self, iteration: int, buffers: list[np.ndarray]):
+    def apply(self, iteration: int, buffers: list[np.ndarray], layout_iteration: int | None = None):
+        """Step with one iteration's reduced buckets. `iteration` is the training
+        iteration (it drives the lr schedule); `layout_iteration` says which bucket
+        layout the buffers follow (0: DDP's first layout), default the same."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
-        grads = self.grads_from_buckets(iteration, buffers)
+        grads = self.grads_from_buckets(iteration if layout_iteration is None else layout_iteration,
+                                        buffers)
         self.lr = lr_at(self.plan.optimizer, iteration)
         optimizer_step(self.params, grads, self.state, self.plan.optimizer, self.lr)
         self.iteration = iteration

@@ -49,6 +49,7 @@ class IterationAssembly:
 
     def __post_init__(self):
         self.total = sum(b.count for b in self.buckets)
+        self.bucket_covered = [0] * len(self.buckets)
         self.data = [np.zeros(b.count, _BITS[b.dtype.itemsize]) for b in self.buckets]
         self.covered = [np.zeros(b.count, bool) for b in self.buckets]
         self.by_stream = [[np.zeros(b.count, bool) for b in self.buckets] for _ in range(self.nstreams)]
@@ -65,7 +66,9 @@ class IterationAssembly:
             self.conflicts.append((stream, bucket, start, end))
             return
         dst[:] = vals
-        self.ncovered += len(cov) - int(np.count_nonzero(cov))
+        new = len(cov) - int(np.count_nonzero(cov))
+        self.ncovered += new
+        self.bucket_covered[bucket] += new
         cov[:] = True
         self.by_stream[stream][bucket][start:end] = True
         self.packets += 1
@@ -74,6 +77,9 @@ class IterationAssembly:
     @property
     def complete(self) -> bool:
         return not self.conflicts and self.ncovered == self.total
+
+    def bucket_complete(self, b: int) -> bool:
+        return not self.conflicts and self.bucket_covered[b] == self.buckets[b].count
 
     def coverage(self, stream: int | None = None) -> float:
         total = sum(b.count for b in self.buckets)
@@ -92,4 +98,7 @@ class IterationAssembly:
 
     def gradients(self) -> list[np.ndarray]:
         """The reduced buckets, as their element type."""
-        return [d.view(b.dtype) for d, b in zip(self.data, self.buckets)]
+        return [self.gradient(b) for b in range(len(self.buckets))]
+
+    def gradient(self, b: int) -> np.ndarray:
+        return self.data[b].view(self.buckets[b].dtype)

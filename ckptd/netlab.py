@@ -28,6 +28,7 @@ import ipaddress
 import os
 import re
 import secrets
+import shutil
 import socket
 import struct
 import threading
@@ -57,6 +58,25 @@ class NetLabError(RuntimeError):
 def unique_prefix() -> str:
     """Short (interface-name budget) and unique across parallel runs on one machine."""
     return f"ckl{os.getpid() % 0xFFFF:x}{secrets.token_hex(2)}"
+
+
+def lab_unavailable() -> str | None:
+    """Why no lab can be built here (not root, no network namespaces), or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth pairs, tc)"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    probe = f"{unique_prefix()}-probe"
+    try:
+        pr_netns.create(probe)
+    except Exception as e:  # noqa: BLE001 -- any failure means "no namespaces here"
+        return f"cannot create a network namespace: {e}"
+    finally:
+        try:
+            remove_namespaces([probe])
+        except OSError:
+            pass
+    return None
 
 
 # -- small helpers ---------------------------------------------------------------------

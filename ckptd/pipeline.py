@@ -120,6 +120,7 @@ class Pipeline:
         self.offset = int(start.get("iteration", -1)) + 1 if start is not None else 0
         self.resume = load_checkpoint(opts.resume) if opts.resume else None
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
+        self.next_bucket = 0  # buckets of iteration done+1 already stepped
         self.open: dict[int, IterationAssembly] = {}
         self.rs_open: dict[int, dict] = {}
         self.pos_seen: dict[tuple[int, int], set] = {}
@@ -177,6 +178,8 @@ class Pipeline:
                 asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
             asm.place(pl.stream, pl.bucket, pl.start, pl.raw)
             asm.last_packet = time.monotonic()
+            if it == self.done + 1:
+                self._apply_ready_buckets(asm)
         if it > self.highest:
             self.highest = it
             self._finalize_through(it - FINALIZE_LAG)
@@ -212,6 +215,7 @@ class Pipeline:
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:
+            self.next_bucket = 0  # buckets stepped so far are abandoned with the shadow
             if self.stopped_after is None:
                 self.stopped_after = it - 1
                 rep.note += f" shadow stops at iteration {it - 1}" + \
@@ -221,6 +225,20 @@ class Pipeline:
         self.reports.append(rep)
         if self.on_iteration:
             self.on_iteration(rep)
+
+    def _bucketwise(self) -> bool:
+        return (self.shadow is not None and self.stopped_after is None
+                and self.plan.optimizer.max_grad_norm is None)
+
+    def _apply_ready_buckets(self, asm: IterationAssembly):
+        """Step the shadow on each bucket of the next iteration as soon as it is whole,
+        in DDP's order, so the optimizer overlaps the traffic still to come."""
+        if not self._bucketwise():
+            return
+        while self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket):
+            self.shadow.apply_bucket(asm.iteration + self.offset, self.next_bucket,
+                                     asm.gradient(self.next_bucket), asm.iteration)
+            self.next_bucket += 1
 
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
         it = asm.iteration + self.offset
@@ -233,7 +251,12 @@ class Pipeline:
                 rep.status = "complete-not-applied"
                 rep.note = f"shadow stopped at iteration {self.stopped_after}"
                 return
-        self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
+        if self._bucketwise():
+            self._apply_ready_buckets(asm)  # whatever the last packets completed
+            self.shadow.finish_iteration(it)
+        else:
+            self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
+        self.next_bucket = 0
         rep.status = "committed"
         if self.opts.out:
             save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,

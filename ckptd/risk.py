@@ -29,8 +29,10 @@ Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring sc
     together), so each chunk it carries is P = K/(N-1) packets on it, at the same
     positions on every link (the chunk is cut into packets the same way everywhere).
   * Every mirrored copy of a packet is lost independently with probability p (the
-    mirror port's drop rate; real drops are burstier, which concentrates them into
-    fewer iterations, so this is the estimate for spread-out loss).
+    mirror port's drop rate), on every stream independently of the others.  Real
+    drops come in bursts, which packs them into fewer iterations, and streams fed
+    by the same ring at the same moments may drop together: read the result as the
+    estimate for spread-out, uncorrelated loss.
   * A packet position with c copies is lost only if all c copies are: p^c.  The
     iteration fails if any position of any chunk is lost:
 
@@ -38,8 +40,8 @@ Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring sc
                = 1 - (1 - p^(M-1))^(M*P) * (1 - p^M)^((N-M)*P)      M < N
                = 1 - (1 - p^(N-1))^(N*P)                             M >= N
 
-    M = 1 gives P_fail = 1 (one chunk is never on the mirrored link), p = 0 gives 0
-    for M >= 2.  Expected iterations between failures: 1 / P_fail (geometric).
+    M = 1 gives P_fail = 1 (the chunk of the link's receiving rank never crosses
+    it), p = 0 gives 0 for M >= 2.  Expected iterations between failures: 1 / P_fail (geometric).
 """
 
 ELEMS_PER_PACKET = 2   # the simulation's packets: small, since only coverage matters

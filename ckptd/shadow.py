@@ -20,6 +20,7 @@ class ShadowModel:
             raise CheckpointError("the plan has no optimizer: there is no model to shadow")
         self.plan = plan
         self.names = [p.name for p in plan.parameters]
+        self.index = {n: i for i, n in enumerate(self.names)}
         model = start.get("model") or {}
         missing = [n for n in self.names if n not in model]
         if missing:
@@ -44,6 +45,31 @@ class ShadowModel:
         else:
             self.state = AdamState.zeros_like(self.params, plan.optimizer.amsgrad)
         self.lr = None
+
+    def apply_bucket(self, iteration: int, b: int, buffer: np.ndarray, layout_iteration: int):
+        """Step only bucket b's parameters: as soon as DDP's bucket is reduced, while the
+        next buckets are still on the wire. Adam is elementwise per tensor, so stepping
+        bucket by bucket is bit-identical to one step over all parameters. The iteration
+        is done when `finish_iteration` is called after the last bucket; if it never
+        completes, this in-memory state is abandoned (the last checkpoint is on disk)."""
+        if iteration != self.iteration + 1:
+            raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
+        if self.plan.optimizer.max_grad_norm is not None:
+            raise RuntimeError("gradient clipping needs every bucket: use apply()")
+        flat = torch.from_numpy(buffer)
+        idx, grads = [], []
+        for name, start, end in self.plan.param_ranges(layout_iteration, b):
+            idx.append(self.index[name])
+            grads.append(flat[start:end].view(self.plan.param(name).shape))
+        st = self.state
+        sub = AdamState([st.step[i] for i in idx], [st.exp_avg[i] for i in idx],
+                        [st.exp_avg_sq[i] for i in idx],
+                        [st.max_exp_avg_sq[i] for i in idx] if st.max_exp_avg_sq else [])
+        self.lr = lr_at(self.plan.optimizer, iteration)
+        optimizer_step([self.params[i] for i in idx], grads, sub, self.plan.optimizer, self.lr)
+
+    def finish_iteration(self, iteration: int):
+        self.iteration = iteration
 
     def grads_from_buckets(self, iteration: int, buffers: list[np.ndarray]) -> list[torch.Tensor]:
         """Per-parameter gradient views of the reduced bucket buffers (DDP's grad views)."""

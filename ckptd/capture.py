@@ -178,8 +178,15 @@ def _l3_checks(base: int, tag: str) -> list[tuple]:
     ]
 
 
-def roce_filter() -> list[tuple[int, int, int, int]]:
-    """The BPF program as (code, jt, jf, k) tuples: accept UDP dport 4791 and GRE."""
+def roce_filter(snaplen: int = _ACCEPT_ALL) -> list[tuple[int, int, int, int]]:
+    """The BPF program as (code, jt, jf, k) tuples: accept UDP dport 4791 and GRE,
+    keeping `snaplen` bytes of each (a filter's return value is how much of the packet
+    the kernel copies into the ring; the wire length is still reported).
+
+    The kernel usually takes a received 802.1Q tag off into skb metadata before packet
+    sockets see the frame, so the untagged branch applies; the tagged branch serves
+    frames whose tag stayed in the data.  Either way RingCapture puts the tag back from
+    the tpacket3 header, as libpcap does."""
     return _assemble([
         (_LDH_ABS, 12),                           # EtherType (or TPID)
         (_JEQ, 0x8100, "tagged", None),
@@ -188,14 +195,10 @@ def roce_filter() -> list[tuple[int, int, int, int]]:
         (_LDH_ABS, 16),                           # EtherType after one 802.1Q tag
         *_l3_checks(18, "t"),
         "accept",
-        (_RET, _ACCEPT_ALL),
+        (_RET, snaplen),
         "drop",
         (_RET, 0),
     ])
-    # The kernel usually strips a received 802.1Q tag into skb metadata before packet
-    # sockets see the frame (so the untagged branch applies); the tagged branch serves
-    # frames whose tag stayed in the data.  Either way the tag is given back by
-    # RingCapture from the tpacket3 header, as libpcap does.
 
 
 def attach_filter(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
@@ -240,6 +243,7 @@ class RingCapture:
         self._blocks_read = 0
         self._totals = {"packets": 0, "drops": 0, "freeze_q_cnt": 0}
         self._vlan_restored = 0
+        self._errors: dict[str, int] = {}
         self._closed = False
         self._lock = threading.Lock()  # stats() may be called from another thread
         try:
@@ -268,7 +272,7 @@ class RingCapture:
         try:
             s.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
             if bpf:
-                attach_filter(s, roce_filter())
+                attach_filter(s, roce_filter(self.snaplen))
             if not outgoing:
                 s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
             frame_nr = (block_size // frame_size) * block_nr
@@ -302,10 +306,25 @@ class RingCapture:
         if not self.ready():
             if timeout is not None and timeout <= 0:
                 return []
-            self._poll.poll(None if timeout is None else max(1, int(timeout * 1000)))
+            for _, ev in self._poll.poll(None if timeout is None else max(1, int(timeout * 1000))):
+                if ev & select.POLLERR:
+                    self.take_error()
             if self._closed or not self.ready():
                 return []
         return self._take_block()
+
+    def take_error(self) -> str | None:
+        """The socket's pending error, cleared and counted (stats()["errors"]), as text.
+        The kernel flags ENETDOWN when the interface goes down (capture resumes when it
+        comes back up) and ENODEV-like states when it disappears; poll(2) keeps saying
+        POLLERR until the error is read, so readers must call this."""
+        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err:
+            return None
+        name = errno.errorcode.get(err, str(err))
+        with self._lock:
+            self._errors[name] = self._errors.get(name, 0) + 1
+        return f"{self._where}: {name} ({os.strerror(err)})"
 
     def _take_block(self) -> list[CapturedFrame]:
         mv, base = self._mv, self._block * self.block_size
@@ -374,7 +393,7 @@ class RingCapture:
                     self._totals[k] += v
             return {"ifname": self.ifname, "netns": self.netns, **self._totals,
                     "delivered": self._index, "blocks": self._blocks_read,
-                    "vlan_restored": self._vlan_restored}
+                    "vlan_restored": self._vlan_restored, "errors": dict(self._errors)}
 
     def close(self) -> None:
         if self._closed:
@@ -405,8 +424,9 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     Rings are visited round robin one block at a time, so a busy mirror cannot starve
     a quiet one; when none has a block ready, one poll(2) waits on all of them.  Order
     is arrival order per stream and block-interleaved across streams (the pipeline
-    tolerates that: it places packets by PSN, not by arrival).  A ring that fails is
-    reported in `errors` and dropped; the others go on.
+    tolerates that: it places packets by PSN, not by arrival).  Socket errors (a link
+    going down) are reported in `errors` and the stream goes on; a ring that fails is
+    reported and dropped, and the others go on.
     """
     live = list(range(len(captures)))
     poller = select.poll()
@@ -435,10 +455,15 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
                     yield k, fr
         return got
 
+    by_fd = {captures[k].fileno(): k for k in live}
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            poller.poll(int(poll_s * 1000))
+            for fd, ev in poller.poll(int(poll_s * 1000)):
+                if ev & select.POLLERR and by_fd.get(fd) in live:
+                    msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
+                    if msg:
+                        errors.append(f"capture stream {by_fd[fd]}: {msg}")
     # Stop: hand over the blocks already retired, so nothing captured is silently lost.
     deadline = time.monotonic() + 1.0
     while live and time.monotonic() < deadline:

@@ -140,7 +140,7 @@ class Daemon:
         self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces),
                              ReplayOptions(out=cfg.out, resume=cfg.resume,
                                            dump_gradients=cfg.dump_gradients),
-                             on_iteration=self._on_iteration)
+                             on_iteration=self._on_iteration, keep_reports=1000)
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -156,6 +156,7 @@ class Daemon:
             fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
                                   "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
             self.unrecovered.append(fields)
+            del self.unrecovered[:-100]
             log.warning("iteration not recovered", extra={"fields": fields})
         self._publish()
 

@@ -59,6 +59,7 @@ class Extractor:
         self.examples: list[str] = []
         # (stream, iteration) -> {flow: set of packet positions received intact}
         self.received: dict[tuple[int, int], dict[tuple, set]] = {}
+        self.done = -1  # the pipeline's newest finalized (wire) iteration
 
     def _reject(self, reason: str, pkt: Packet, detail: str):
         self.counters[reason] += 1
@@ -106,8 +107,9 @@ class Extractor:
         if bad:
             self._reject("schedule_mismatch", pkt, bad)
             return []
-        self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(
-            b.key, set()).add(loc.pos)
+        if loc.iteration > self.done:  # bookkeeping ends when the iteration is finalized
+            self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(
+                b.key, set()).add(loc.pos)
         msg, send = loc.message, loc.message.send
         cfg = self.cfg
         woff = msg.wire_offset + loc.index * cfg.mtu  # wire byte offset within the send
@@ -141,9 +143,9 @@ class Extractor:
                           send.offset + doff // itemsize, data, b.conn[0], send.ring_step)]
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
-        """Fraction of the packets of the flows this stream saw in an iteration that did
-        not reach it intact (lost, corrupted or rejected); None if it saw none. Forgets
-        the iteration's bookkeeping."""
+        """Fraction of the packets of the flows this stream saw in an iteration that had
+        not reached it intact (lost, corrupted or rejected) by the time the iteration
+        was finalized; None if it saw none. Forgets the iteration's bookkeeping."""
         flows = self.received.pop((stream, iteration), None)
         if not flows:
             return None

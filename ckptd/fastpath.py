@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +41,14 @@ from typing import Callable, Iterable
 import numpy as np
 
 from cython_ext import batch as _kernel
+from parsers import icrc
 from parsers.capture import CaptureError, CapturedFrame, capture_format, open_capture
 from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.pcap import MAGIC_NS, MAGIC_US
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from .extract import MAX_EXAMPLES, Extractor
-from .flows import DATA_OPCODES, FlowBinding, Packet
+from .flows import ACK, FlowBinding, Packet
 from .pipeline import IterationReport, Pipeline, ReplayOptions, decode
 from .plan import Plan
 
@@ -56,7 +58,7 @@ STOP_NAMES = _kernel.STOP_NAMES
 MAX_SLOTS = _kernel.MAX_SLOTS
 CONFLICT_CAP = _kernel.CONFLICT_CAP
 FLOW_BOUND, FLOW_UNRELATED = 1, 2
-STOP_CONFLICTS_FULL = STOP_NAMES.index("conflicts_full")
+ACK_QP = 0xFFFFFFFF  # dest-QP field of the kernel's ACK keys (per address pair)
 BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline.run)
 
 
@@ -380,3 +382,357 @@ class FlowTable:
                 self.fe_msg, len(self.index))
 
 
+# -- the extractor -------------------------------------------------------------------------
+class FastExtractor(Extractor):
+    """ckptd.extract.Extractor with a batch entry point served by the kernel.
+
+    It *is* the reference Extractor (binder, flag bases, counters, examples, received
+    positions all live in the inherited attributes, and `feed` is the reference method);
+    the kernel keeps copies of what it needs and its counts are folded back in by
+    `drain`. The iterations it tracks are set with `track_iteration` (and their
+    IterationAssembly, once open, with `attach`).
+    """
+
+    def __init__(self, plan: Plan, nstreams: int, *, trust_icrc: bool = False, crc: str = "auto",
+                 dump_rs: bool = False):
+        super().__init__(plan)
+        self.nstreams = nstreams
+        self.sched = compile_schedule(plan)
+        self.kernel = _kernel.BatchKernel(nstreams)
+        self.kernel.trust_icrc = trust_icrc
+        self.kernel.dump_rs = dump_rs
+        self.crc = crc if crc != "auto" else crc_choices()[0]
+        self.kernel.set_crc(*crc_setting(self.crc))
+        nconn = len(self.sched.conns)
+        self.conn_ix = {c: i for i, c in enumerate(self.sched.conns)}
+        self.fb_known = np.zeros(max(nconn, 1), np.uint8)
+        self.fb_value = np.zeros(max(nconn, 1), np.int64)
+        nb = self.sched.arrays["b_count"].shape[1]
+        self.slot_iter = np.full(MAX_SLOTS, -1, np.int64)
+        self.slot_layout = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + nstreams), np.int64)
+        self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_counts = np.zeros((MAX_SLOTS, 4), np.int64)
+        self.class_counts = np.zeros((max(nstreams, 1), len(CLASS_NAMES)), np.int64)
+        self.counter_array = np.zeros(len(COUNTER_NAMES), np.int64)
+        self.conflict_buf = np.zeros((CONFLICT_CAP, 5), np.int64)
+        self.slots: dict[int, int] = {}  # iteration -> slot
+        self.slot_recv_maps: dict[int, np.ndarray] = {}  # slot -> received map (kept alive)
+        self.slot_asm: dict[int, object] = {}  # slot -> IterationAssembly, once open
+        self.kernel.set_tables(
+            **opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu, ll=plan.ring.protocol == "ll",
+            fb_known=self.fb_known, fb_value=self.fb_value, slot_iter=self.slot_iter,
+            slot_layout=self.slot_layout, slot_has_asm=self.slot_has_asm, slot_ptr=self.slot_ptr,
+            slot_recv=self.slot_recv, slot_counts=self.slot_counts, classes=self.class_counts,
+            counters=self.counter_array, conflicts=self.conflict_buf)
+        self.table = FlowTable()
+        self.kernel.set_flow_table(*self.table.arrays())
+        self._table_flows = 0
+        self.entry_binding: dict[int, FlowBinding] = {}
+        self._seen_bound = -1
+        self._seen_unrelated = 0
+        self._seen_flag_bases = 0
+        self._ack_hops_done: set = set()
+
+    # -- the batch ---------------------------------------------------------------------------
+    def run(self, batch: Batch, start: int = 0, end: int | None = None) -> tuple[int, str, int]:
+        """Kernel pass over frames start..end-1 until the first one Python must handle
+        (see BatchKernel.run). Returns (index, reason, flow entry)."""
+        end = len(batch) if end is None else end
+        i, reason, flow = self.kernel.run(batch.buf, batch.offsets, batch.caplen, batch.origlen,
+                                          batch.stream, batch.linktype, start, end)
+        return i, STOP_NAMES[reason], flow
+
+    def drain(self, classes: list[Counter]) -> int:
+        """Fold the kernel's counts into the reference's: Extractor.counters, the
+        pipeline's per-stream classes, each open IterationAssembly's packets, bytes,
+        covered count and conflicts. Returns the late placements (Pipeline.late)."""
+        late = 0
+        for k in np.flatnonzero(self.counter_array):
+            name, v = COUNTER_NAMES[k], int(self.counter_array[k])
+            if name == "late":
+                late = v
+            else:
+                self.counters[name] += v
+        self.counter_array[:] = 0
+        for s in range(self.nstreams):
+            for k in np.flatnonzero(self.class_counts[s]):
+                classes[s][CLASS_NAMES[k]] += int(self.class_counts[s, k])
+        self.class_counts[:] = 0
+        now = time.monotonic()
+        for slot, asm in self.slot_asm.items():
+            packets, nbytes, fresh, _ = self.slot_counts[slot].tolist()
+            if packets:
+                asm.packets += packets
+                asm.bytes += nbytes
+                asm.ncovered += fresh
+                asm.last_packet = now  # Pipeline._assemble stamps every placement
+        self.slot_counts[:, :3] = 0
+        for it, s, b, lo, hi in self.conflict_buf[:self.kernel.nconflicts].tolist():
+            self.slot_asm[self.slots[it]].conflicts.append((s, b, lo, hi))
+        self.kernel.nconflicts = 0
+        return late
+
+    # -- keeping the kernel's copies right -------------------------------------------------
+    def before_python(self, entry: int):
+        """The reference is about to handle a frame of flow `entry` (-1: not known to
+        the kernel, or not parsed by it): give the binding(s) the kernel's PSN anchor."""
+        if entry < 0:
+            self.sync_all_out()
+        elif entry in self.entry_binding:
+            self.entry_binding[entry].last = int(self.table.fe_last[entry])
+
+    def after_python(self, entry: int, packets: list[Packet]):
+        """Copy what the reference changed: PSN anchors, new bindings, flows it calls
+        unrelated, hops whose ACKs it no longer needs, learned LL flag bases, and
+        whether it still keeps examples."""
+        if entry < 0:
+            for e, b in self.entry_binding.items():
+                self.table.fe_last[e] = b.last
+        elif entry in self.entry_binding:
+            self.table.fe_last[entry] = self.entry_binding[entry].last
+        binder = self.binder
+        if len(binder.bound) != self._seen_bound:
+            for key, b in binder.bound.items():
+                k = flow_key(*key)
+                if k not in self.table.index:
+                    e = self.table.add(k, FLOW_BOUND, self.sched.index[b.conn + (b.qp,)], b.base, b.last)
+                    self.entry_binding[e] = b
+            # ACKs of a hop whose flows are all bound teach the binder nothing
+            for hop in binder.expected:
+                if hop not in self._ack_hops_done and binder._hop_full(hop):
+                    self._ack_hops_done.add(hop)
+                    self._add_unrelated((self.plan.addresses[hop[1]], self.plan.addresses[hop[0]], ACK_QP))
+            self._seen_bound = len(binder.bound)
+        if len(binder.unrelated) != self._seen_unrelated:
+            for key in binder.unrelated:
+                self._add_unrelated(key)
+            self._seen_unrelated = len(binder.unrelated)
+        for p in packets:
+            if p.opcode == ACK:
+                s, d = self.plan.rank_of(p.dst), self.plan.rank_of(p.src)
+                if (s, d) not in binder.expected:  # FlowBinder.note_ack ignores it for good
+                    self._add_unrelated((p.src, p.dst, ACK_QP))
+            elif p.flow not in binder.bound and binder.hop_of(p) is None:
+                self._add_unrelated(p.flow)  # between addresses that form no hop of the job
+        if len(self.table.index) != self._table_flows:  # added (the arrays may be new)
+            self.kernel.set_flow_table(*self.table.arrays())
+            self._table_flows = len(self.table.index)
+        if len(self.flag_base) != self._seen_flag_bases:
+            for conn, base in self.flag_base.items():
+                c = self.conn_ix[conn]
+                self.fb_known[c], self.fb_value[c] = 1, base
+            self._seen_flag_bases = len(self.flag_base)
+        self.kernel.examples_open = len(self.examples) < MAX_EXAMPLES
+
+    def _add_unrelated(self, key):
+        k = flow_key(*key)
+        if k not in self.table.index:
+            self.table.add(k, FLOW_UNRELATED)
+
+    def sync_all_out(self):
+        """Every bound flow's binding gets the kernel's PSN anchor."""
+        for e, b in self.entry_binding.items():
+            b.last = int(self.table.fe_last[e])
+
+    # -- iterations the kernel tracks ------------------------------------------------------
+    def track_iteration(self, iteration: int) -> bool:
+        """Keep a received map for a live iteration; False when all slots are taken (its
+        packets then keep going through the reference path)."""
+        if iteration in self.slots:
+            return True
+        free = np.flatnonzero(self.slot_iter < 0)
+        if not len(free):
+            return False
+        slot = int(free[0])
+        layout = min(iteration, 1)
+        recv = np.zeros((self.nstreams, int(self.sched.arrays["recv_total"][layout])), np.uint8)
+        self.slot_recv[slot] = recv.ctypes.data if recv.size else 0
+        self.slot_layout[slot] = layout
+        self.slot_has_asm[slot] = 0
+        self.slot_counts[slot] = 0
+        self.slot_iter[slot] = iteration
+        self.slots[iteration] = slot
+        self.slot_recv_maps[slot] = recv
+        return True
+
+    def attach(self, iteration: int, asm):
+        """Let the kernel place into an open iteration's IterationAssembly."""
+        slot = self.slots[iteration]
+        if slot in self.slot_asm:
+            return
+        for b in range(len(asm.buckets)):
+            self.slot_ptr[slot, b, 0] = asm.data[b].ctypes.data
+            self.slot_ptr[slot, b, 1] = asm.covered[b].ctypes.data
+            for s in range(self.nstreams):
+                self.slot_ptr[slot, b, 2 + s] = asm.by_stream[s][b].ctypes.data
+        self.slot_asm[slot] = asm
+        self.slot_has_asm[slot] = 1
+
+    def refresh_uncovered(self):
+        """Elements each attached assembly still misses (Python may have placed some)."""
+        for slot, asm in self.slot_asm.items():
+            self.slot_counts[slot, 3] = asm.total - asm.ncovered
+
+    def release(self, iteration: int):
+        slot = self.slots.pop(iteration)
+        self.slot_iter[slot] = -1
+        self.slot_has_asm[slot] = 0
+        self.slot_ptr[slot] = 0
+        self.slot_recv[slot] = 0
+        self.slot_counts[slot] = 0
+        self.slot_asm.pop(slot, None)
+        del self.slot_recv_maps[slot]
+
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Extractor.stream_loss over the positions both paths received."""
+        flows = self.received.pop((stream, iteration), None) or {}
+        slot = self.slots.get(iteration)
+        if slot is None and not flows:
+            return None
+        layout = min(iteration, 1)
+        py: dict[int, tuple[set, int]] = {}
+        for key, got in flows.items():
+            b = self.binder.bound[key]
+            py[self.sched.index[b.conn + (b.qp,)]] = (got, b.timeline.iteration_start(iteration))
+        recv = self.slot_recv_maps[slot][stream] if slot is not None else None
+        expected = received = 0
+        for t in range(len(self.sched.keys)):
+            n = self.sched.npkts(layout, t)
+            lo = int(self.sched.arrays["tl_recv_off"][layout, t])
+            bits = recv[lo:lo + n] if recv is not None else np.zeros(n, np.uint8)
+            mine = py.get(t)
+            if mine is None and not bits.any():
+                continue
+            if mine is not None:
+                got, first = mine
+                bits = bits.copy()
+                bits[np.fromiter((p - first for p in got), np.int64, len(got))] = 1
+            expected += n
+            received += int(np.count_nonzero(bits))
+        if not expected:
+            return None
+        return 1.0 - received / expected
+
+
+# -- the pipeline ----------------------------------------------------------------------------
+def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
+    """The frame as trust-the-NIC mode sees it: a RoCE frame whose ICRC is wrong gets the
+    right one, so the reference decode (which always checks) classifies it as the kernel
+    does when it skips the check. Payload bytes are untouched."""
+    f = decode_frame(fr.data, fr.linktype, fr.origlen)
+    if f.cls is not FrameClass.BAD_ICRC:
+        return fr
+    data = bytearray(fr.data)
+    data[f.icrc_offset:f.icrc_offset + 4] = icrc.pack(
+        icrc.compute(data, f.ip_offset, f.udp_offset, f.icrc_offset))
+    return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, fr.caplen, fr.origlen, bytes(data),
+                         fr.interface_id)
+
+
+class FastPipeline(Pipeline):
+    """ckptd.pipeline.Pipeline with decode, place and assemble done by the kernel.
+
+    `run_batch` for each Batch, then `finish`; or `run(frames)` with the reference's
+    signature. Finalize, apply and keep are the reference's, unchanged.
+    """
+
+    def __init__(self, plan: Plan, start: dict | None, nstreams: int, opts: ReplayOptions,
+                 on_iteration: Callable[[IterationReport], None] | None = None, *,
+                 trust_icrc: bool = False, crc: str = "auto"):
+        super().__init__(plan, start, nstreams, opts, on_iteration)
+        self.extract = FastExtractor(plan, nstreams, trust_icrc=trust_icrc, crc=crc,
+                                     dump_rs=bool(opts.dump_gradients))
+        self.trust_icrc = trust_icrc
+        self.stops: Counter = Counter()  # why frames went to the reference path
+        self.kernel_frames = 0  # frames the kernel handled itself
+
+    def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:
+        chunk = []
+        for item in frames:
+            chunk.append(item)
+            if len(chunk) == BATCH_FRAMES:
+                self.run_batch(batch_from_frames(chunk))
+                chunk = []
+        if chunk:
+            self.run_batch(batch_from_frames(chunk))
+        return self.finish(abandon)
+
+    def run_batch(self, batch: Batch):
+        ex = self.extract
+        i, n = 0, len(batch)
+        while i < n:
+            j, reason, entry = ex.run(batch, i, n)
+            self.late += ex.drain(self.classes)
+            self.kernel_frames += j - i
+            i = j
+            if reason == "end":
+                break
+            self.stops[reason] += 1
+            if reason == "complete":
+                self._commit_complete()  # frame i-1 completed an iteration
+            elif reason != "conflicts_full":  # (drained: resume at the same frame)
+                self._python_frame(batch, i, entry)
+                i += 1
+            self._sync_iterations()
+
+    def finish(self, abandon: bool = False) -> list[IterationReport]:
+        """End of input: Pipeline.run's ending (flush the binder, finalize or abandon
+        what is open, dump what is kept)."""
+        self.extract.sync_all_out()
+        Pipeline.run(self, [], abandon=abandon)
+        self._sync_iterations()
+        return self.reports
+
+    def _commit_complete(self):
+        # Pipeline._assemble's ending, for a placement the kernel made
+        while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
+            self._finalize_through(self.done + 1)
+
+    def _python_frame(self, batch: Batch, i: int, entry: int):
+        """The reference path, for one frame."""
+        ex = self.extract
+        ex.before_python(entry)
+        fr = batch.frame(i)
+        if self.trust_icrc:
+            fr = trusted_frame(fr)
+        packets = []
+        for pkt in decode([(int(batch.stream[i]), fr)], self.classes):
+            packets.append(pkt)
+            for pl in ex.feed(pkt):
+                self._assemble(pl, pkt)
+        ex.after_python(entry, packets)
+
+    def _sync_iterations(self):
+        """The kernel tracks the live iterations (done < it <= highest) and places into
+        those the pipeline has opened; finalized ones are released (after _finalize read
+        their per-stream loss)."""
+        ex, k = self.extract, self.extract.kernel
+        for it in [it for it in ex.slots if it <= self.done]:
+            ex.release(it)
+        for it in range(self.done + 1, self.highest + 1):
+            if not ex.track_iteration(it):
+                break
+            if it in self.open:
+                ex.attach(it, self.open[it])
+        ex.refresh_uncovered()
+        k.done, k.highest = self.done, self.highest
+
+
+def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
+                on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto") -> FastPipeline:
+    """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps."""
+    for p in paths:
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{p}: no such capture file")
+    pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
+    batch, errors = load_captures([str(p) for p in paths])
+    pipe.errors.extend(errors)
+    pipe.run_batch(batch)
+    pipe.finish()
+    return pipe
+
+
+__all__ = ["Batch", "FastExtractor", "FastPipeline", "fast_replay", "load_capture", "load_captures",
+           "merge_batches", "batch_from_frames", "compile_schedule", "crc_choices", "trusted_frame"]

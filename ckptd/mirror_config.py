@@ -77,6 +77,11 @@ def run(a) -> int:
     except (PlanError, CablingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INPUT
+    extra = sorted(r.rank for r in cabling.ranks if r.rank >= plan.nranks)
+    if extra:
+        print(f"error: {a.cabling} places ranks {extra}, but the plan has ranks 0..{plan.nranks - 1}: "
+              "is it the cabling of another job?", file=sys.stderr)
+        return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
     try:
         sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams)
@@ -91,10 +96,14 @@ def run(a) -> int:
         print("dry run: nothing written")
         return 0
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in sorted(files.items()):
-        (out / name).write_text(text)
-        print(f"wrote {out / name}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in sorted(files.items()):
+            (out / name).write_text(text)
+            print(f"wrote {out / name}")
+    except OSError as e:
+        print(f"error: cannot write into {out}: {e}", file=sys.stderr)
+        return EXIT_INPUT
     return 0
 
 

@@ -15,14 +15,14 @@ Layout, for a plan with N ranks and K mirrors (names are <prefix>-<role>):
 Mirror k copies the traffic of its rank's bridge port to m<k> with tc (switch_config.
 linux): the plan's "tx" (frames the host sends) is the port's ingress, "rx" its egress.
 Loss on a mirror link is a netem qdisc on m<k>, or a random-drop tc filter where the
-kernel has no netem.  The bridge neither learns nor floods
-unknown unicast: static FDB entries put each host's MACs on its port, so a frame only
-ever leaves through the port of the host it is addressed to and each mirror sees
-exactly what its rule says.  IPv6 is off where it is not needed, so the kernels stay
+kernel has no netem.  The bridge neither learns nor floods unknown unicast: static FDB
+entries put each host's MACs on its port, so a frame only ever leaves through the port
+of the host it is addressed to, and each mirror sees exactly what its rule says.  IPv6 is off where it is not needed, so the kernels stay
 quiet on the mirrored ports.  Deleting the namespaces deletes everything else.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import ipaddress
 import os
@@ -99,8 +99,6 @@ def tx_checksum(ifname: str, netns: str | None = None, enable: bool | None = Non
     ethtool binary here).  veths leave UDP/TCP checksums of locally generated packets to
     "offload", which never happens, so captures would show bad checksums; off, the
     kernel computes them.  Returns the state after the call."""
-    import ctypes
-
     def call():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             if enable is not None:
@@ -204,10 +202,14 @@ class NetLab:
         unknown = set(loss) - {m.name for m in self.plan.mirrors}
         if unknown:
             raise NetLabError(f"loss given for mirrors not in the plan: {sorted(unknown)}")
-        self.mirrors = [MirrorPort(m.name, m.rank, m.direction, f"m{k}",
-                                   m.name if _ifname_ok(m.name) else f"mirror{k}",
-                                   float(loss.get(m.name, 0.0)))
-                        for k, m in enumerate(self.plan.mirrors)]
+        self.mirrors, taken = [], {"lo"}
+        for k, m in enumerate(self.plan.mirrors):
+            # The capture interface is named after the mirror when that is a valid,
+            # unused interface name, so `ckptd run` configs can say ifname: mirror0.
+            cap = m.name if _ifname_ok(m.name) and m.name not in taken else f"mirror{k}"
+            taken.add(cap)
+            self.mirrors.append(MirrorPort(m.name, m.rank, m.direction, f"m{k}", cap,
+                                           float(loss.get(m.name, 0.0))))
         self._captures: list[RingCapture] = []
         self._learned: dict[str, int] = {}
 
@@ -228,7 +230,7 @@ class NetLab:
         clash = [n for n in self.namespaces if n in existing]
         if clash:
             raise NetLabError(f"namespaces already exist: {clash} (another lab with prefix "
-                              f"{self.prefix!r}? `scripts/netlab down --prefix {self.prefix}`)")
+                              f"{self.prefix!r}? `scripts/netlab down --name {self.prefix}`)")
         try:
             self._build()
         except BaseException:
@@ -442,11 +444,3 @@ def _qdisc(q, names) -> dict:
     st = q.get_attr("TCA_STATS") or {}
     return {"ifname": names.get(q["index"]), "kind": q.get_attr("TCA_KIND"),
             "packets": st.get("packets"), "drops": st.get("drop")}
-
-
-def grouped(names: list[str]) -> dict[str, list[str]]:
-    """Lab prefixes -> their namespaces."""
-    out = defaultdict(list)
-    for n in names:
-        out[ROLES.sub("", n)].append(n)
-    return dict(out)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -110,7 +110,8 @@ class Pipeline:
     """Wires the stages; `run` drives every frame through and reports each iteration."""
 
     def __init__(self, plan: Plan, start: dict | None, nstreams: int, opts: ReplayOptions,
-                 on_iteration: Callable[[IterationReport], None] | None = None):
+                 on_iteration: Callable[[IterationReport], None] | None = None,
+                 keep_reports: int | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
         self.extract = Extractor(plan)
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
@@ -123,13 +124,13 @@ class Pipeline:
         self.next_bucket = 0  # buckets of iteration done+1 already stepped
         self.open: dict[int, IterationAssembly] = {}
         self.rs_open: dict[int, dict] = {}
-        self.pos_seen: dict[tuple[int, int], set] = {}
         self.highest = -1
         self.done = -1
         self.late = 0
         self.classes = [Counter() for _ in range(nstreams)]
         self.errors: list[str] = []
-        self.reports: list[IterationReport] = []
+        # a long-running daemon keeps only the newest reports (keep_reports)
+        self.reports: deque[IterationReport] = deque(maxlen=keep_reports)
         self.on_iteration = on_iteration
         for d in (opts.out, opts.dump_gradients):
             if d:
@@ -193,7 +194,7 @@ class Pipeline:
         while self.done < upto:
             it = self.done + 1
             asm = self.open.pop(it, None) or IterationAssembly(it, self.plan.buckets(it), self.nstreams)
-            self.done = it
+            self.done = self.extract.done = it
             self._finalize(asm)
 
     def _finalize(self, asm: IterationAssembly):

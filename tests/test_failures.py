@@ -134,5 +134,5 @@ def test_a_capture_cut_mid_record_still_replays_what_is_there(one_mirror, tmp_pa
     cut.write_bytes(data[:len(data) - 500])
     pipe = run_replay(one_mirror, [str(cut)])
     assert pipe.errors and "cut.pcap" in pipe.errors[0]
-    assert all(r.status == "committed" and r.exact for r in pipe.reports[:-1])
+    assert all(r.status == "committed" and r.exact for r in list(pipe.reports)[:-1])
     assert pipe.reports[-1].status == "unrecoverable"

@@ -58,7 +58,7 @@ def cmd_synth(a) -> int:
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
-        max_grad_norm=a.max_grad_norm)
+        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts)
     t0 = time.time()
     plan = synthesize(opts, progress=_progress("synth"))
     nparams = sum(p.numel for p in plan.parameters)
@@ -247,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--psn-wrap", action="store_true", help="start PSNs just below 2^24")
     s.add_argument("--ipv6", action="store_true")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
+    s.add_argument("--write-hosts", action="store_true",
+                   help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network)")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "
@@ -279,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("b")
     v.add_argument("--limit", type=int, default=10, help="differences to list")
     v.set_defaults(func=cmd_verify)
+
+    from . import mirror_config, risk
+    mirror_config.add_subparser(sub)
+    risk.add_subparser(sub)
 
     pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings")
     pl.add_argument("--model", required=True, help="module:function returning the nn.Module")

@@ -436,6 +436,12 @@ class FastExtractor(Extractor):
         self._ack_hops_done: set = set()
 
     # -- the batch ---------------------------------------------------------------------------
+    def classify(self, batch: Batch) -> list[str]:
+        """decode_frame's class of every frame ('encapsulated' for GRE), by the kernel."""
+        names = CLASS_NAMES + ("encapsulated",)
+        return [names[c] for c in self.kernel.classify(batch.buf, batch.offsets, batch.caplen,
+                                                       batch.origlen, batch.linktype).tolist()]
+
     def run(self, batch: Batch, start: int = 0, end: int | None = None) -> tuple[int, str, int]:
         """Kernel pass over frames start..end-1 until the first one Python must handle
         (see BatchKernel.run). Returns (index, reason, flow entry)."""
@@ -647,6 +653,7 @@ class FastPipeline(Pipeline):
         self.trust_icrc = trust_icrc
         self.stops: Counter = Counter()  # why frames went to the reference path
         self.kernel_frames = 0  # frames the kernel handled itself
+        self.kernel_seconds = 0.0  # time spent in the kernel (the rest is the reference path)
 
     def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:
         chunk = []
@@ -663,7 +670,9 @@ class FastPipeline(Pipeline):
         ex = self.extract
         i, n = 0, len(batch)
         while i < n:
+            t0 = time.perf_counter()
             j, reason, entry = ex.run(batch, i, n)
+            self.kernel_seconds += time.perf_counter() - t0
             self.late += ex.drain(self.classes)
             self.kernel_frames += j - i
             i = j

@@ -41,7 +41,8 @@ Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring sc
                = 1 - (1 - p^(N-1))^(N*P)                             M >= N
 
     M = 1 gives P_fail = 1 (the chunk of the link's receiving rank never crosses
-    it), p = 0 gives 0 for M >= 2.  Expected iterations between failures: 1 / P_fail (geometric).
+    it), p = 0 gives 0 for M >= 2.  Expected iterations between failures: 1 / P_fail
+    (the wait for a geometric event).
 """
 
 ELEMS_PER_PACKET = 2   # the simulation's packets: small, since only coverage matters

@@ -4,6 +4,15 @@
     -> IPv4 | IPv6 [+ extension headers] -> UDP dst 4791 -> BTH
     -> extension headers the opcode calls for -> payload -> pad -> ICRC
 
+A remotely mirrored frame arrives wrapped: IPv4 | IPv6 -> GRE -> [ERSPAN type II or
+III header] -> the mirrored Ethernet frame (or, ERSPAN III FT=2, its IP packet).  Such
+a frame decodes as the INNER frame: eth, vlan, ip, src, dst, udp and every *_offset
+describe the mirrored RoCE packet (offsets still count from the start of `data`, so
+`payload` and the ICRC check work unchanged), `encap` keeps the tunnel (GRE, ERSPAN
+header, outer Ethernet and IP), and `erspan_type` / `erspan_session` say which type
+and mirror session it came from.  Only one level is unwrapped; the inner frame ends
+where the outer IP packet does.
+
 decode_frame never raises: every frame gets a FrameClass, and `reason` says why it got
 it when that is not obvious.  Classes, checked in this order (first match wins):
 
@@ -17,7 +26,8 @@ it when that is not obvious.  Classes, checked in this order (first match wins):
                     far as the bytes go, so a snap-length-cut RoCE frame still shows
                     its BTH (`is_roce` tells whether UDP dst 4791 was seen).
     OTHER           not RoCEv2: non-IP, not UDP, UDP to a port other than 4791, an IP
-                    fragment, or a link type this module does not decode.
+                    fragment, a link type this module does not decode, or GRE that
+                    carries something other than a mirrored frame.
     UNKNOWN_OPCODE  UDP/4791 whose BTH opcode is not in parsers.opcodes (the ICRC is
                     still checked: it does not depend on the opcode).
     BAD_ICRC        a known opcode whose ICRC does not match.
@@ -42,7 +52,9 @@ from .bth import BTH
 from .captured import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
                        LINKTYPE_LINUX_SLL2, LINKTYPE_RAW)
 from .deth import DETH
+from .erspan import Encap, Unsupported, decapsulate
 from .ethernet import ETH_TYPE_IPV4, ETH_TYPE_IPV6, Ethernet, parse_tags
+from .gre import GRE, PROTO_GRE
 from .header import Malformed, NeedData
 from .immdt import ImmDt
 from .ipv4 import PROTO_UDP, IPv4
@@ -95,6 +107,9 @@ class RoceFrame:
     payload_len: int | None = None       # excludes pad and ICRC
     icrc_offset: int | None = None
     icrc_ok: bool | None = None          # None: not computed (not RoCE, or cut off)
+    encap: Encap | None = None           # GRE/ERSPAN wrapping, when the frame had one
+    erspan_type: int | None = None       # 1, 2 or 3; None: not ERSPAN
+    erspan_session: int | None = None    # ERSPAN II/III session id (type I has none)
 
     @property
     def is_roce(self) -> bool:
@@ -157,6 +172,12 @@ def _link(f: RoceFrame, data, linktype: int) -> tuple[int | None, int]:
 
 def _decode(f: RoceFrame, data, linktype: int) -> None:
     ethertype, off = _link(f, data, linktype)
+    _network(f, data, ethertype, off, linktype)
+
+
+def _network(f: RoceFrame, data, ethertype: int | None, off: int, linktype: int,
+             inner: bool = False) -> None:
+    """IP and everything above it; `inner` once an ERSPAN wrapping has been removed."""
     if ethertype == ETH_TYPE_IPV4:
         ip = IPv4.unpack(data, off)
         proto = ip.proto
@@ -165,9 +186,12 @@ def _decode(f: RoceFrame, data, linktype: int) -> None:
         proto = ip.proto
     else:
         f.reason = (f"link type {linktype} not decoded" if ethertype is None
-                    else f"EtherType {ethertype:#06x}")
+                    else f"EtherType {ethertype:#06x}" + (" inside the mirror tunnel" if inner else ""))
         return
     f.ip, f.ip_offset, f.src, f.dst = ip, off, ip.src_addr, ip.dst_addr
+    if proto == PROTO_GRE and not inner:
+        _decapsulate(f, data, ip, off, linktype)
+        return
     if proto != PROTO_UDP:
         f.reason = f"IP protocol {proto}"
         return
@@ -220,6 +244,50 @@ def _decode(f: RoceFrame, data, linktype: int) -> None:
         f.cls = FrameClass.ROCE_ACK
     else:
         f.cls = FrameClass.ROCE_DATA
+
+
+def _decapsulate(f: RoceFrame, data, ip, off: int, linktype: int) -> None:
+    """Unwrap GRE [+ ERSPAN] and decode the mirrored frame in place of the outer one."""
+    if ip.is_fragment:
+        f.reason = "IP fragment (GRE)"    # a mirror tunnel should never fragment
+        return
+    outer_end = off + ip.total_len
+    gre_off = off + ip.hdr_len
+    gre = GRE.unpack(data, gre_off, end=outer_end)
+    # The mirrored frame ends where the outer packet does; cutting the buffer there (a
+    # prefix, so offsets are unchanged) keeps an Ethernet trailer out of the inner frame.
+    inner = data[:outer_end] if outer_end < len(data) else data
+    try:
+        enc = decapsulate(inner, gre, gre_off)
+    except Unsupported as e:
+        f.reason = str(e)
+        return
+    except NeedData as e:
+        if outer_end <= len(data):   # every byte of the outer packet is there
+            raise Malformed(f"ERSPAN header runs past the end of its IP packet: {e}") from e
+        raise
+    enc.outer_eth, enc.outer_vlan, enc.outer_ip, enc.outer_ip_offset = f.eth, f.vlan, ip, off
+    if gre.c and outer_end <= len(data):
+        enc.gre_checksum_ok = gre.checksum_ok(data, gre_off, outer_end)
+    f.encap, f.erspan_type, f.erspan_session = enc, enc.erspan_type, enc.session
+    f.eth, f.vlan, f.ip, f.ip_offset, f.src, f.dst = None, [], None, None, None, None
+    try:
+        if enc.inner_is_ip:
+            if enc.inner_offset >= len(inner):
+                raise NeedData("ERSPAN type III IP packet is cut off")
+            version = inner[enc.inner_offset] >> 4
+            ethertype = {4: ETH_TYPE_IPV4, 6: ETH_TYPE_IPV6}.get(version)
+            if ethertype is None:
+                raise Malformed(f"ERSPAN type III says IP follows, but IP version is {version}")
+            _network(f, inner, ethertype, enc.inner_offset, linktype, inner=True)
+        else:
+            f.eth = Ethernet.unpack(inner, enc.inner_offset)
+            f.vlan = f.eth.tags
+            _network(f, inner, f.eth.ethertype, enc.inner_offset + f.eth.hdr_len, linktype, inner=True)
+    except NeedData as e:
+        if enc.truncated:
+            raise NeedData(f"{e} (the mirroring switch truncated the frame: ERSPAN T bit)") from e
+        raise
 
 
 _DECODED = {"RETH": ("reth", RETH), "AETH": ("aeth", AETH), "IMMDT": ("immdt", ImmDt),

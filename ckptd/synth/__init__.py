@@ -59,6 +59,7 @@ class SynthOptions:
     shuffle_rings: bool = False  # a different ring order per channel
     noise: bool = True  # unrelated traffic on the same ports
     mirror_direction: str = "both"
+    write_hosts: bool = False  # also hosts/rank<r>.pcap: what each rank's NIC sends (no mirror loss)
     stats: dict = field(default_factory=dict)
 
 
@@ -256,6 +257,11 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     wire = Wire(plan, opts, rng)
     files = [open(out / "mirrors" / f"{m.name}.pcap", "wb") for m in plan.mirrors]
     writers = [PcapWriter(f) for f in files]
+    hosts = []
+    if opts.write_hosts:
+        (out / "hosts").mkdir(exist_ok=True)
+        hosts = [PcapWriter(open(out / "hosts" / f"rank{r}.pcap", "wb")) for r in range(plan.nranks)]
+        files += [w.f for w in hosts]
     stats = {m.name: {"frames": 0, "lost": 0, "corrupted": 0, "duplicated": 0, "reordered": 0}
              for m in plan.mirrors}
     ts = 1_700_000_000 * 10**9
@@ -286,6 +292,8 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
             save_checkpoint(out / "reference" / checkpoint_name(t), t, m_state, o_state)
 
             frames = wire.iteration_frames(sched, payloads)
+            for i, (s, d, f) in enumerate(frames if hosts else ()):
+                hosts[s].write(f, ts + 100 * i)
             for k, mirror in enumerate(plan.mirrors):
                 seen = [(ts + 100 * i, f) for i, (s, d, f) in enumerate(frames) if mirror.sees(s, d)]
                 for when, f in impair(seen, opts, rng, stats[mirror.name]):

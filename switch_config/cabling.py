@@ -1,0 +1,268 @@
+"""The cabling file: where every rank's NIC and every checkpoint host is plugged in.
+
+YAML or JSON (format "ckptd-cabling", version 1); docs/MIRRORS.md documents it.
+Three lists:
+
+    switches    name, os (sonic|eos|nxos|comware|linux), mode (span|erspan), the
+                mirror limits of the ASIC (max_sessions, max_source_ports per session,
+                the directions it can mirror) and, for ERSPAN, the tunnel parameters
+                (src_ip, gre_type, dscp, ttl, queue, vrf, egress_port)
+    collectors  the checkpoint hosts' capture NICs: name, switch + port (where a SPAN
+                destination is), ip (where an ERSPAN tunnel ends), capacity (how many
+                mirrored link directions the port can take without dropping: a port
+                as fast as a rank's takes 1, because a ring link runs at line rate)
+    ranks       rank -> switch + port of its NIC
+
+Everything is checked here, once, so that the selection and the renderers can trust
+what they get; each error names the entry and the field.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CABLING_FORMAT = "ckptd-cabling"
+CABLING_VERSION = 1
+OSES = ("sonic", "eos", "nxos", "comware", "linux")
+MODES = ("span", "erspan")
+DIRECTIONS = ("rx", "tx", "both")
+# GRE protocols parsers/erspan.py decodes: ERSPAN II (0x88BE; type I when no sequence
+# number), ERSPAN III (0x22EB), transparent Ethernet bridging (0x6558).
+GRE_TYPES = (0x88BE, 0x22EB, 0x6558)
+
+
+class CablingError(ValueError):
+    """A cabling file that is malformed or inconsistent; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class Erspan:
+    src_ip: str
+    gre_type: int = 0x88BE
+    dscp: int = 0
+    ttl: int = 64
+    queue: int | None = None
+    vrf: str | None = None
+    egress_port: str | None = None   # H3C Comware: the monitor port the tunnel leaves by
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    os: str
+    mode: str
+    max_sessions: int | None          # None: no limit (a Linux bridge)
+    max_source_ports: int | None
+    directions: tuple[str, ...] = DIRECTIONS
+    erspan: Erspan | None = None
+    netns: str | None = None          # Linux: the namespace the bridge lives in
+
+    def supports(self, direction: str) -> bool:
+        return direction in self.directions
+
+
+@dataclass(frozen=True)
+class Collector:
+    name: str
+    switch: str | None = None
+    port: str | None = None
+    ip: str | None = None
+    capacity: int = 1
+
+
+@dataclass(frozen=True)
+class RankPort:
+    rank: int
+    switch: str
+    port: str
+
+
+@dataclass(frozen=True)
+class Cabling:
+    switches: tuple[Switch, ...]
+    collectors: tuple[Collector, ...]
+    ranks: tuple[RankPort, ...]
+
+    def switch(self, name: str) -> Switch:
+        return next(s for s in self.switches if s.name == name)
+
+    def rank(self, rank: int) -> RankPort | None:
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    def ports_of(self, switch: str) -> set[str]:
+        """Every port the file names on a switch (the SONiC validator's PORT table)."""
+        return ({r.port for r in self.ranks if r.switch == switch}
+                | {c.port for c in self.collectors if c.switch == switch and c.port}
+                | {s.erspan.egress_port for s in self.switches
+                   if s.name == switch and s.erspan and s.erspan.egress_port})
+
+
+def load_cabling(path: str | Path) -> Cabling:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CablingError(f"{path}: cannot read cabling file: {e}") from e
+    try:
+        if path.suffix.lower() == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml
+            doc = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: both say where
+        raise CablingError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from e
+    return cabling_from_doc(doc, str(path))
+
+
+def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
+    if not isinstance(doc, dict) or doc.get("format") != CABLING_FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise CablingError(f"{where}: not a ckptd cabling file (format is {got!r}, expected {CABLING_FORMAT!r})")
+    if doc.get("version") != CABLING_VERSION:
+        raise CablingError(f"{where}: cabling version {doc.get('version')!r} is not supported "
+                           f"(this ckptd reads version {CABLING_VERSION})")
+    switches = tuple(_switch(s, f"{where}: switches[{i}]") for i, s in enumerate(_list(doc, "switches", where)))
+    names = [s.name for s in switches]
+    _unique(names, f"{where}: switch names")
+    collectors = tuple(_collector(c, f"{where}: collectors[{i}]", switches)
+                       for i, c in enumerate(_list(doc, "collectors", where)))
+    _unique([c.name for c in collectors], f"{where}: collector names")
+    ranks = tuple(_rank(r, f"{where}: ranks[{i}]", names) for i, r in enumerate(_list(doc, "ranks", where)))
+    _unique([r.rank for r in ranks], f"{where}: ranks")
+    _unique([(r.switch, r.port) for r in ranks] + [(c.switch, c.port) for c in collectors if c.port],
+            f"{where}: (switch, port) pairs of ranks and collectors")
+    return Cabling(switches, collectors, ranks)
+
+
+# -- entries -------------------------------------------------------------------------
+def _switch(d, ctx) -> Switch:
+    d = _dict(d, ctx)
+    name = _str(d, "name", ctx)
+    ctx = f"{ctx} ({name})"
+    os_ = _choice(d, "os", OSES, ctx)
+    mode = _choice(d, "mode", MODES, ctx, default="span" if os_ == "linux" else None)
+    if os_ == "linux" and mode != "span":
+        raise CablingError(f"{ctx}: a Linux bridge mirrors with tc mirred, locally: mode must be span")
+    limits = {}
+    for key in ("max_sessions", "max_source_ports"):
+        if d.get(key) is None:
+            if os_ != "linux":
+                raise CablingError(f"{ctx}: {key} is required (the ASIC's limit; see your switch's "
+                                   "mirroring guide). Only a Linux bridge has no limit")
+            limits[key] = None
+        else:
+            limits[key] = _int(d, key, ctx, 1, 4096)
+    dirs = d.get("directions", list(DIRECTIONS))
+    if not isinstance(dirs, list) or not dirs or any(x not in DIRECTIONS for x in dirs):
+        raise CablingError(f"{ctx}: directions must be a non-empty list of {', '.join(DIRECTIONS)}")
+    erspan = None
+    if mode == "erspan":
+        erspan = _erspan(_dict(d.get("erspan"), f"{ctx}: erspan"), f"{ctx}: erspan")
+        if os_ == "comware" and not erspan.egress_port:
+            raise CablingError(f"{ctx}: erspan.egress_port is required on Comware: ERSPAN there is a "
+                               "local mirroring group whose monitor port sends the tunnel")
+    elif d.get("erspan") is not None:
+        raise CablingError(f"{ctx}: has erspan parameters but mode is {mode}")
+    netns = d.get("netns")
+    if netns is not None and os_ != "linux":
+        raise CablingError(f"{ctx}: netns is for Linux bridges only")
+    return Switch(name, os_, mode, limits["max_sessions"], limits["max_source_ports"],
+                  tuple(dict.fromkeys(dirs)), erspan, netns)
+
+
+def _erspan(d, ctx) -> Erspan:
+    src = _ip(d, "src_ip", ctx, required=True)
+    gre = d.get("gre_type", 0x88BE)
+    try:
+        gre = int(gre, 0) if isinstance(gre, str) else int(gre)
+    except ValueError:
+        raise CablingError(f"{ctx}: gre_type {gre!r} is not a number") from None
+    if gre not in GRE_TYPES:
+        raise CablingError(f"{ctx}: gre_type {gre:#x}: ckptd decodes "
+                           + ", ".join(f"{g:#06x}" for g in GRE_TYPES))
+    queue = d.get("queue")
+    return Erspan(src, gre, _int(d, "dscp", ctx, 0, 63, default=0), _int(d, "ttl", ctx, 1, 255, default=64),
+                  None if queue is None else _int(d, "queue", ctx, 0, 255),
+                  d.get("vrf"), d.get("egress_port"))
+
+
+def _collector(d, ctx, switches) -> Collector:
+    d = _dict(d, ctx)
+    name = _str(d, "name", ctx)
+    ctx = f"{ctx} ({name})"
+    sw = d.get("switch")
+    if sw is not None and sw not in [s.name for s in switches]:
+        raise CablingError(f"{ctx}: switch {sw!r} is not in switches")
+    port = d.get("port")
+    if (sw is None) != (port is None):
+        raise CablingError(f"{ctx}: give switch and port together (where the host's NIC is plugged in)")
+    ip = _ip(d, "ip", ctx, required=False)
+    if sw is None and ip is None:
+        raise CablingError(f"{ctx}: needs switch+port (a SPAN destination) or ip (an ERSPAN destination)")
+    return Collector(name, sw, None if port is None else str(port), ip, _int(d, "capacity", ctx, 1, 64, default=1))
+
+
+def _rank(d, ctx, switch_names) -> RankPort:
+    d = _dict(d, ctx)
+    rank = _int(d, "rank", ctx, 0, 1 << 20)
+    sw = _str(d, "switch", ctx)
+    if sw not in switch_names:
+        raise CablingError(f"{ctx}: rank {rank} is on switch {sw!r}, which is not in switches")
+    return RankPort(rank, sw, str(_str(d, "port", ctx)))
+
+
+# -- field helpers -------------------------------------------------------------------
+def _list(doc, key, where):
+    v = doc.get(key)
+    if not isinstance(v, list) or not v:
+        raise CablingError(f"{where}: {key} must be a non-empty list")
+    return v
+
+
+def _dict(d, ctx):
+    if not isinstance(d, dict):
+        raise CablingError(f"{ctx}: expected a mapping, got {type(d).__name__}")
+    return d
+
+
+def _str(d, key, ctx):
+    v = d.get(key)
+    if v is None or str(v) == "":
+        raise CablingError(f"{ctx}: {key} is required")
+    return str(v)
+
+
+def _choice(d, key, allowed, ctx, default=None):
+    v = d.get(key, default)
+    if v not in allowed:
+        raise CablingError(f"{ctx}: {key} is {v!r}; expected one of {', '.join(allowed)}")
+    return v
+
+
+def _int(d, key, ctx, lo, hi, default=None):
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise CablingError(f"{ctx}: {key} is {v!r}; expected an integer in {lo}..{hi}")
+    return v
+
+
+def _ip(d, key, ctx, required):
+    v = d.get(key)
+    if v is None:
+        if required:
+            raise CablingError(f"{ctx}: {key} is required")
+        return None
+    try:
+        return str(ipaddress.ip_address(str(v)))
+    except ValueError:
+        raise CablingError(f"{ctx}: {key} {v!r} is not an IP address") from None
+
+
+def _unique(items, what):
+    seen = set()
+    for x in items:
+        if x in seen:
+            raise CablingError(f"{what} must be unique; {x!r} appears twice")
+        seen.add(x)

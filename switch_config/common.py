@@ -1,0 +1,44 @@
+"""What every vendor renderer shares: the error type and the words that explain a session.
+
+A renderer is `render(selection, switch) -> {file suffix: text}` and must be
+deterministic (no dates, no paths): its output is checked in as golden files.
+"""
+from __future__ import annotations
+
+from .select import Selection, Session
+
+
+class RenderError(ValueError):
+    """The selection asks for something this vendor's syntax cannot say."""
+
+
+def links_seen(sel: Selection, session: Session) -> str:
+    """'0>1 (ch0), 0>2 (ch1)': the directed links a session's sources carry, per channel."""
+    out = []
+    for port, rank in zip(session.ports, session.ranks):
+        dirs = ("rx", "tx") if session.direction == "both" else (session.direction,)
+        for ch in range(sel.ring.channels):
+            ring = sel.ring.rings[ch]
+            i = ring.index(rank)
+            for d in dirs:
+                a, b = (rank, ring[(i + 1) % len(ring)]) if d == "rx" else (ring[i - 1], rank)
+                out.append(f"{a}>{b} (ch{ch})")
+    return ", ".join(dict.fromkeys(out))
+
+
+def describe(sel: Selection, session: Session) -> str:
+    """One line: which ranks, which direction, which links, to which collector."""
+    ranks = ", ".join(str(r) for r in session.ranks)
+    return (f"{session.name}: rank {ranks} {session.direction.upper()} -> {session.collector.name}; "
+            f"links {links_seen(sel, session)}")
+
+
+def header(sel: Selection, switch, comment: str, what: str) -> list[str]:
+    """Leading comment lines every text rendering starts with."""
+    return [f"{comment} ckptd mirror-config for {switch.name} ({what}), {len(sel.sessions_on(switch.name))} "
+            f"session(s): {sel.links_wanted} link(s) per ring, every chunk on >= {sel.min_streams} stream(s)"] + [
+        f"{comment}   {describe(sel, s)}" for s in sel.sessions_on(switch.name)]
+
+
+def gre_hex(value: int) -> str:
+    return f"{value:#06x}"

@@ -1,0 +1,323 @@
+"""ckptd.capture (TPACKET_V3 ring, BPF filter, fanout, statistics) and ckptd.sender.
+
+The BPF program is checked twice: by a small classic-BPF interpreter here (no root
+needed) and in the kernel between two network namespaces (root only; skipped with a
+message otherwise).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from ckptd.capture import (CaptureSetupError, RingCapture, in_netns, ring_source,
+                           roce_filter)
+from ckptd.netlab import lab_unavailable, remove_namespaces, unique_prefix
+from ckptd.sender import send_frames
+
+ROCE = 4791
+
+
+# -- frames ----------------------------------------------------------------------------
+def eth(payload: bytes, ethertype: int, vlan: int | None = None) -> bytes:
+    head = b"\x02\x00\x00\x00\x00\x02" + b"\x02\x00\x00\x00\x00\x01"
+    if vlan is not None:
+        head += struct.pack("!HH", 0x8100, vlan)
+    return head + struct.pack("!H", ethertype) + payload
+
+
+def ipv4(proto: int, body: bytes, frag: int = 0, options: bytes = b"") -> bytes:
+    ihl = 5 + len(options) // 4
+    return struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, 4 * ihl + len(body), 1, frag, 64, proto, 0,
+                       bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2])) + options + body
+
+
+def ipv6(nxt: int, body: bytes) -> bytes:
+    return struct.pack("!IHBB16s16s", 6 << 28, len(body), nxt, 64,
+                       b"\xfd" + b"\0" * 14 + b"\x01", b"\xfd" + b"\0" * 14 + b"\x02") + body
+
+
+def udp(dport: int, payload: bytes = b"\0" * 32) -> bytes:
+    return struct.pack("!HHHH", 50000, dport, 8 + len(payload), 0) + payload
+
+
+def roce_v4(n: int = 0, size: int = 64, vlan=None) -> bytes:
+    """A UDP/4791 frame whose payload carries its sequence number n."""
+    return eth(ipv4(17, udp(ROCE, struct.pack("!I", n) + b"\xab" * (size - 4))), 0x0800, vlan)
+
+
+# -- the filter, interpreted -----------------------------------------------------------
+def run_bpf(prog, pkt: bytes) -> int:
+    """Just the classic-BPF subset roce_filter uses; an out-of-packet load rejects, as in
+    the kernel."""
+    a = x = pc = 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        pc += 1
+        try:
+            if code == 0x28:
+                a = struct.unpack_from("!H", pkt, k)[0]
+            elif code == 0x30:
+                a = pkt[k]
+            elif code == 0x48:
+                a = struct.unpack_from("!H", pkt, x + k)[0]
+            elif code == 0xB1:
+                x = 4 * (pkt[k] & 0x0F)
+            elif code == 0x15:
+                pc += jt if a == k else jf
+            elif code == 0x45:
+                pc += jt if a & k else jf
+            elif code == 0x06:
+                return k
+            else:
+                raise AssertionError(f"opcode {code:#x} not interpreted")
+        except (IndexError, struct.error):
+            return 0
+
+
+CASES = [
+    ("ipv4 udp 4791", roce_v4(), True),
+    ("ipv4 udp 4790", eth(ipv4(17, udp(4790)), 0x0800), False),
+    ("ipv4 udp src port 4791 only", eth(ipv4(17, struct.pack("!HHHH", 4791, 9, 8, 0)), 0x0800), False),
+    ("ipv4 gre (erspan)", eth(ipv4(47, b"\x10\x00\x88\xbe" + b"\0" * 40), 0x0800), True),
+    ("ipv4 tcp to 4791", eth(ipv4(6, struct.pack("!HH", 1, ROCE) + b"\0" * 16), 0x0800), False),
+    ("ipv4 options then udp 4791", eth(ipv4(17, udp(ROCE), options=b"\x01\x01\x01\x00"), 0x0800), True),
+    ("ipv4 later fragment", eth(ipv4(17, udp(ROCE), frag=0x0010), 0x0800), False),
+    ("ipv4 first fragment, MF set", eth(ipv4(17, udp(ROCE), frag=0x2000), 0x0800), True),
+    ("ipv6 udp 4791", eth(ipv6(17, udp(ROCE)), 0x86DD), True),
+    ("ipv6 udp 53", eth(ipv6(17, udp(53)), 0x86DD), False),
+    ("ipv6 gre", eth(ipv6(47, b"\0" * 40), 0x86DD), True),
+    ("ipv6 hop-by-hop first", eth(ipv6(0, b"\x11\0" + b"\0" * 6 + udp(ROCE)), 0x86DD), False),
+    ("vlan ipv4 udp 4791", roce_v4(vlan=7), True),
+    ("vlan ipv4 udp 80", eth(ipv4(17, udp(80)), 0x0800, vlan=7), False),
+    ("vlan ipv6 udp 4791", eth(ipv6(17, udp(ROCE)), 0x86DD, vlan=7), True),
+    ("vlan ipv4 gre", eth(ipv4(47, b"\0" * 40), 0x0800, vlan=7), True),
+    ("arp", eth(b"\0" * 28, 0x0806), False),
+    ("truncated ipv4", eth(ipv4(17, b"")[:12], 0x0800), False),
+]
+
+
+@pytest.mark.parametrize("name,frame,accept", CASES, ids=[c[0] for c in CASES])
+def test_filter_program(name, frame, accept):
+    assert (run_bpf(roce_filter(), frame) != 0) == accept
+
+
+def test_filter_program_is_well_formed():
+    prog = roce_filter()
+    assert len(prog) < 64
+    for i, (code, jt, jf, _) in enumerate(prog):
+        if code in (0x15, 0x45):
+            assert i + 1 + max(jt, jf) < len(prog)
+    assert prog[-1][0] == 0x06 and prog[-1][3] == 0   # falls off into "drop"
+
+
+def test_ring_parameters_are_checked():
+    with pytest.raises(ValueError, match="block_size"):
+        RingCapture("lo", block_size=5000)
+    with pytest.raises(ValueError, match="fanout"):
+        RingCapture("lo", fanout=(1, "random"))
+
+
+# -- in the kernel ---------------------------------------------------------------------
+@pytest.fixture
+def link():
+    """Two namespaces joined by a veth: frames sent on tx (in ns[0]) arrive on rx (ns[1])."""
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(f"capture tests need network namespaces: {reason}")
+    from pyroute2 import IPRoute, netns
+    p = unique_prefix()
+    names = [f"{p}-a", f"{p}-b"]
+    try:
+        for n in names:
+            netns.create(n)
+        with IPRoute(netns=names[0], flags=0) as ipr:
+            ipr.link("add", ifname="tx", kind="veth", peer={"ifname": "rx", "net_ns_fd": names[1]})
+            ipr.link("set", index=ipr.link_lookup(ifname="tx")[0], mtu=9000, state="up")
+        with IPRoute(netns=names[1], flags=0) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="rx")[0], mtu=9000, state="up")
+        for n in names:  # no IPv6 chatter on the link
+            in_netns(n, lambda: open("/proc/sys/net/ipv6/conf/all/disable_ipv6", "w").write("1"))
+        yield names
+    finally:
+        remove_namespaces(names)
+
+
+def test_capture_receives_what_the_sender_sends(link):
+    frames = [roce_v4(i, size=64 + 37 * i) for i in range(200)]
+    before = time.time_ns()
+    with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=16, retire_ms=10) as cap:
+        res = send_frames(frames, "tx", link[0])
+        got = cap.drain(0.1)
+        st = cap.stats()
+    assert (res.sent, res.failed, res.bytes) == (200, 0, sum(map(len, frames)))
+    assert [f.data for f in got] == frames
+    assert [f.index for f in got] == list(range(1, 201))
+    assert all(f.linktype == 1 and f.caplen == f.origlen == len(f.data) for f in got)
+    assert all(before <= f.ts_ns <= time.time_ns() for f in got)
+    assert all(a.ts_ns <= b.ts_ns for a, b in zip(got, got[1:]))
+    assert st["packets"] == st["delivered"] == 200 and st["drops"] == 0 and st["blocks"] >= 1
+
+
+def test_kernel_filter_passes_only_roce_and_gre(link):
+    frames = [c[1] for c in CASES if not c[0].startswith("truncated")]
+    wanted = [c[1] for c in CASES if c[2]]
+    with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap, \
+            RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10, bpf=False) as raw:
+        send_frames(frames * 3, "tx", link[0])
+        got, all_ = cap.drain(0.1), raw.drain(0.05)
+        st = cap.stats()
+    # The veth takes 802.1Q tags off into metadata; RingCapture puts them back.
+    assert [f.data for f in got] == wanted * 3
+    assert len(all_) == len(frames) * 3
+    assert st["packets"] == len(wanted) * 3   # the kernel counts only what the filter passed
+    assert st["vlan_restored"] == 3 * sum(1 for c in CASES if c[2] and c[0].startswith("vlan"))
+
+
+def test_snaplen_keeps_the_wire_length(link):
+    with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10, snaplen=60) as cap:
+        send_frames([roce_v4(1, size=1000)], "tx", link[0])
+        (f,) = cap.drain(0.1)
+    assert f.caplen == len(f.data) == 60 and f.origlen == 14 + 20 + 8 + 1000 and f.truncated
+
+
+def test_overrun_ring_reports_drops(link):
+    # Two 4 KiB blocks hold a few frames; nobody reads while 300 arrive.
+    with RingCapture("rx", netns=link[1], block_size=4096, block_nr=2, frame_size=2048,
+                     retire_ms=1000) as cap:
+        res = send_frames([roce_v4(i, size=1000) for i in range(300)], "tx", link[0])
+        got = cap.drain(0.05)
+        time.sleep(0.05)
+        got += cap.drain(0.05)
+        st = cap.stats()
+    assert res.sent == 300
+    assert st["drops"] > 250 and st["freeze_q_cnt"] >= 1
+    assert st["packets"] == 300 == st["delivered"] + st["drops"] and len(got) == st["delivered"]
+
+
+def test_stats_accumulate_across_reads(link):
+    with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap:
+        for k in range(3):
+            send_frames([roce_v4(i) for i in range(10)], "tx", link[0])
+            cap.drain(0.05)
+            assert cap.stats()["packets"] == 10 * (k + 1)
+    assert cap.stats()["delivered"] == 30   # still readable after close
+
+
+def test_outgoing_frames_are_not_captured(link):
+    with RingCapture("tx", netns=link[0], block_size=1 << 16, block_nr=4, retire_ms=10) as cap, \
+            RingCapture("tx", netns=link[0], block_size=1 << 16, block_nr=4, retire_ms=10,
+                        outgoing=True) as both:
+        send_frames([roce_v4(i) for i in range(5)], "tx", link[0])
+        assert cap.drain(0.05) == [] and len(both.drain(0.05)) == 5
+
+
+def test_fanout_shares_one_interface(link):
+    kw = dict(netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10, fanout=(0x4791, "lb"))
+    with RingCapture("rx", **kw) as a, RingCapture("rx", **kw) as b:
+        send_frames([roce_v4(i) for i in range(400)], "tx", link[0])
+        ga, gb = a.drain(0.1), b.drain(0.05)
+    seq = sorted(struct.unpack_from("!I", f.data, 42)[0] for f in ga + gb)
+    assert seq == list(range(400))
+    assert 150 < len(ga) < 250   # round robin
+
+
+def test_read_block_times_out_and_blocks_stop(link):
+    with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap:
+        t = time.monotonic()
+        assert cap.read_block(0.05) == [] and cap.read_block(0) == []
+        assert time.monotonic() - t < 0.5
+        stop = threading.Event()
+        threading.Timer(0.1, stop.set).start()
+        t = time.monotonic()
+        assert list(cap.blocks(stop, poll_s=0.02)) == []
+        assert time.monotonic() - t < 1.0
+
+
+def test_ring_source_streams_in_list_order(link):
+    from pyroute2 import IPRoute
+    with IPRoute(netns=link[0], flags=0) as ipr:  # a second link between the namespaces
+        ipr.link("add", ifname="tx2", kind="veth", peer={"ifname": "rx2", "net_ns_fd": link[1]})
+        ipr.link("set", index=ipr.link_lookup(ifname="tx2")[0], state="up")
+    with IPRoute(netns=link[1], flags=0) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="rx2")[0], state="up")
+    caps = [RingCapture(i, netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=5) for i in ("rx", "rx2")]
+    stop, errors, got = threading.Event(), [], []
+    try:
+        reader = threading.Thread(target=lambda: got.extend(ring_source(caps, stop, errors, poll_s=0.01)))
+        reader.start()
+        send_frames([roce_v4(i) for i in range(70)], "tx", link[0])
+        send_frames([roce_v4(i) for i in range(30)], "tx2", link[0])
+        time.sleep(0.1)
+        stop.set()
+        reader.join(5)
+        assert not reader.is_alive()
+    finally:
+        stop.set()
+        for c in caps:
+            c.close()
+    assert errors == []
+    assert [sum(1 for k, _ in got if k == s) for s in (0, 1)] == [70, 30]
+    for s in (0, 1):
+        idx = [f.index for k, f in got if k == s]
+        assert idx == sorted(idx)
+
+
+def test_errors_name_the_interface(link):
+    with pytest.raises(CaptureSetupError, match=r"nosuch0 \(netns .*\): no such interface"):
+        RingCapture("nosuch0", netns=link[1])
+    with pytest.raises(CaptureSetupError, match="no-such-ns"):
+        RingCapture("rx", netns="no-such-ns")
+    with pytest.raises(OSError, match="nosuch0"):
+        send_frames([roce_v4()], "nosuch0", link[0])
+
+
+# -- sender timing ---------------------------------------------------------------------
+def test_sender_paces_to_a_rate_and_to_timestamps(link):
+    res = send_frames([roce_v4(i) for i in range(100)], "tx", link[0], timing="rate", pps=1000)
+    assert res.sent == 100 and 0.095 <= res.seconds < 0.3
+    stamped = [(i * 2_000_000, roce_v4(i)) for i in range(26)]   # 2 ms apart: 50 ms in all
+    res = send_frames(stamped, "tx", link[0], timing="original")
+    assert res.sent == 26 and 0.049 <= res.seconds < 0.25
+    res = send_frames(stamped, "tx", link[0], timing="original", speed=10)
+    assert res.seconds < 0.05
+    with pytest.raises(ValueError):
+        send_frames([], "tx", link[0], timing="rate")
+
+
+def test_frames_larger_than_the_mtu_are_counted_not_raised(link):
+    s = in_netns(link[0], lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0))
+    s.bind(("tx", 0))
+    try:
+        res = send_frames([roce_v4(0, size=9500), roce_v4(1)], "tx", sock=s)
+    finally:
+        s.close()
+    assert res.sent == 1 and res.failed == 1 and res.errors == {"EMSGSIZE": 1}
+
+
+def test_link_down_is_reported_and_capture_resumes(link):
+    from pyroute2 import IPRoute
+    cap = RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=5)
+    stop, errors, got = threading.Event(), [], []
+    reader = threading.Thread(target=lambda: got.extend(ring_source([cap], stop, errors, poll_s=0.01)))
+    reader.start()
+    try:
+        send_frames([roce_v4(i) for i in range(10)], "tx", link[0])
+        with IPRoute(netns=link[1], flags=0) as ipr:
+            rx = ipr.link_lookup(ifname="rx")[0]
+            ipr.link("set", index=rx, state="down")
+            time.sleep(0.1)
+            ipr.link("set", index=rx, state="up")
+        time.sleep(0.05)
+        send_frames([roce_v4(i) for i in range(10, 20)], "tx", link[0])
+        time.sleep(0.05)
+    finally:
+        stop.set()
+        reader.join(5)
+        cap.close()
+    assert [struct.unpack_from("!I", f.data, 42)[0] for _, f in got] == list(range(20))
+    assert len(errors) == 1 and "ENETDOWN" in errors[0] and "rx" in errors[0]
+    assert cap.stats()["errors"] == {"ENETDOWN": 1}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -47,10 +48,12 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.pcap import MAGIC_NS, MAGIC_US
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
-from .extract import MAX_EXAMPLES, Extractor
+from .assemble import IterationAssembly
+from .extract import MAX_EXAMPLES
 from .flows import ACK, FlowBinding, Packet
-from .pipeline import IterationReport, Pipeline, ReplayOptions, decode
+from .pipeline import IterationReport, Pipeline, ReplayOptions, RoceTransport
 from .plan import Plan
+from .schedule import AG
 
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
@@ -117,6 +120,24 @@ def fold_constants(distance_bits: int) -> tuple[int, int]:
         return sum(((r >> j) & 1) << (63 - j) for j in range(32))
 
     return reflect64(xpow(distance_bits + 63)), reflect64(xpow(distance_bits - 1))
+
+
+def reduction_constants() -> tuple[int, int, int, int]:
+    """The kernel's final 128 -> 32 bit reduction: reflect64(x^95 mod P),
+    reflect64(x^63 mod P), reflect33(floor(x^64 / P)) and reflect33(P)."""
+    poly = 0x104C11DB7
+    k95, _ = fold_constants(32)   # x^(32+63) = x^95
+    k63, _ = fold_constants(0)    # x^63
+    mu, a = 0, 1 << 64
+    while a.bit_length() >= poly.bit_length():
+        shift = a.bit_length() - poly.bit_length()
+        mu |= 1 << shift
+        a ^= poly << shift
+
+    def reflect33(v):
+        return int(f"{v:033b}"[::-1], 2)
+
+    return k95, k63, reflect33(mu), reflect33(poly)
 
 
 # -- opcode table (parsers/opcodes.py) ------------------------------------------------------
@@ -322,10 +343,12 @@ def flow_key(src: str, dst: str, dqp: int) -> bytes:
             + a.packed.ljust(16, b"\0") + b.packed.ljust(16, b"\0"))
 
 
-def _fnv1a(key: bytes) -> int:
-    h = 1469598103934665603
-    for c in key:
-        h = ((h ^ c) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+def flow_hash(key: bytes) -> int:
+    """The kernel's hash of a flow key (BatchKernel.lookup_flow)."""
+    h = 0
+    for i in range(0, len(key), 8):
+        h = ((h ^ int.from_bytes(key[i:i + 8], "little")) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
     return h
 
 
@@ -359,7 +382,7 @@ class FlowTable:
 
     def _insert(self, key: bytes, e: int):
         mask = len(self.ft_slots) - 1
-        i = _fnv1a(key) & mask
+        i = flow_hash(key) & mask
         while self.ft_slots[i] >= 0:
             i = (i + 1) & mask
         self.ft_slots[i] = e
@@ -383,11 +406,12 @@ class FlowTable:
 
 
 # -- the extractor -------------------------------------------------------------------------
-class FastExtractor(Extractor):
-    """ckptd.extract.Extractor with a batch entry point served by the kernel.
+class FastExtractor(RoceTransport):
+    """The RoCE transport (ckptd.pipeline.RoceTransport: ckptd.extract.Extractor) with a
+    batch entry point served by the kernel.
 
-    It *is* the reference Extractor (binder, flag bases, counters, examples, received
-    positions all live in the inherited attributes, and `feed` is the reference method);
+    It *is* the reference (binder, flag bases, counters, examples, received positions all
+    live in the inherited attributes; `feed` and `feed_frame` are the reference methods);
     the kernel keeps copies of what it needs and its counts are folded back in by
     `drain`. The iterations it tracks are set with `track_iteration` (and their
     IterationAssembly, once open, with `attach`).
@@ -395,6 +419,8 @@ class FastExtractor(Extractor):
 
     def __init__(self, plan: Plan, nstreams: int, *, trust_icrc: bool = False, crc: str = "auto",
                  dump_rs: bool = False):
+        if getattr(plan, "transport", "roce") != "roce":
+            raise ValueError(f"the fast path decodes RoCEv2; this plan's transport is {plan.transport}")
         super().__init__(plan)
         self.nstreams = nstreams
         self.sched = compile_schedule(plan)
@@ -413,7 +439,8 @@ class FastExtractor(Extractor):
         self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
         self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + nstreams), np.int64)
         self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
-        self.slot_counts = np.zeros((MAX_SLOTS, 4), np.int64)
+        self.slot_counts = np.zeros((MAX_SLOTS, 3), np.int64)
+        self.slot_bucket = np.zeros((MAX_SLOTS, nb, 2), np.int64)
         self.class_counts = np.zeros((max(nstreams, 1), len(CLASS_NAMES)), np.int64)
         self.counter_array = np.zeros(len(COUNTER_NAMES), np.int64)
         self.conflict_buf = np.zeros((CONFLICT_CAP, 5), np.int64)
@@ -424,7 +451,8 @@ class FastExtractor(Extractor):
             **opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu, ll=plan.ring.protocol == "ll",
             fb_known=self.fb_known, fb_value=self.fb_value, slot_iter=self.slot_iter,
             slot_layout=self.slot_layout, slot_has_asm=self.slot_has_asm, slot_ptr=self.slot_ptr,
-            slot_recv=self.slot_recv, slot_counts=self.slot_counts, classes=self.class_counts,
+            slot_recv=self.slot_recv, slot_counts=self.slot_counts, slot_bucket=self.slot_bucket,
+            classes=self.class_counts,
             counters=self.counter_array, conflicts=self.conflict_buf)
         self.table = FlowTable()
         self.kernel.set_flow_table(*self.table.arrays())
@@ -434,6 +462,8 @@ class FastExtractor(Extractor):
         self._seen_unrelated = 0
         self._seen_flag_bases = 0
         self._ack_hops_done: set = set()
+        self._batch = None
+        self._addr_text: dict[bytes, tuple[str, str]] = {}
 
     # -- the batch ---------------------------------------------------------------------------
     def classify(self, batch: Batch) -> list[str]:
@@ -445,36 +475,84 @@ class FastExtractor(Extractor):
     def run(self, batch: Batch, start: int = 0, end: int | None = None) -> tuple[int, str, int]:
         """Kernel pass over frames start..end-1 until the first one Python must handle
         (see BatchKernel.run). Returns (index, reason, flow entry)."""
-        end = len(batch) if end is None else end
-        i, reason, flow = self.kernel.run(batch.buf, batch.offsets, batch.caplen, batch.origlen,
-                                          batch.stream, batch.linktype, start, end)
+        if self._batch is not batch:
+            self.kernel.set_batch(batch.buf, batch.offsets, batch.caplen, batch.origlen,
+                                  batch.stream, batch.linktype)
+            self._batch = batch
+        i, reason, flow = self.kernel.run(start, len(batch) if end is None else end)
         return i, STOP_NAMES[reason], flow
+
+    def packet(self, batch: Batch, i: int) -> tuple[str, Packet]:
+        """The frame `run` stopped at, as ckptd.pipeline.decode_roce would return it,
+        built from what the kernel decoded (its class equals decode_frame's): (class name,
+        Packet). Only for RoCE data and ACK frames; GRE frames go through decode_roce."""
+        cls, ver, ip_off, udp_off, bth_off, pay_off, pay_len, opcode = self.kernel.last_frame()
+        off, n = int(batch.offsets[i]), int(batch.caplen[i])
+        data = batch.buf[off:off + n].tobytes()
+        src, dst = self._address(data, ip_off, ver)
+        bth = data[bth_off:bth_off + 12]
+        dqp, psn = int.from_bytes(bth[5:8], "big"), int.from_bytes(bth[9:12], "big")
+        sport = int.from_bytes(data[udp_off:udp_off + 2], "big")
+        stream, frame_no = int(batch.stream[i]), int(batch.frame_no[i])
+        if opcode == ACK:
+            return CLASS_NAMES[cls], Packet(stream, frame_no, src, dst, dqp, ACK, psn, None, None,
+                                            memoryview(b""), sport)
+        ext = bth_off + 12
+        dma_len = imm = None
+        for name in OPCODES[opcode].headers:
+            if name == "RETH":
+                dma_len = int.from_bytes(data[ext + 12:ext + 16], "big")
+            elif name == "IMMDT":
+                imm = data[ext:ext + 4]
+            ext += EXT_LEN[name]
+        return CLASS_NAMES[cls], Packet(stream, frame_no, src, dst, dqp, opcode, psn, dma_len, imm,
+                                        memoryview(data)[pay_off:pay_off + pay_len], sport)
+
+    def _address(self, data: bytes, ip_off: int, ver: int) -> tuple[str, str]:
+        # the canonical text of the addresses, as str(ipaddress) gives it (cached)
+        raw = data[ip_off + 12:ip_off + 20] if ver == 4 else data[ip_off + 8:ip_off + 40]
+        pair = self._addr_text.get(raw)
+        if pair is None:
+            h = len(raw) // 2
+            pair = self._addr_text[raw] = (str(ipaddress.ip_address(raw[:h])),
+                                           str(ipaddress.ip_address(raw[h:])))
+        return pair
 
     def drain(self, classes: list[Counter]) -> int:
         """Fold the kernel's counts into the reference's: Extractor.counters, the
         pipeline's per-stream classes, each open IterationAssembly's packets, bytes,
         covered count and conflicts. Returns the late placements (Pipeline.late)."""
         late = 0
-        for k in np.flatnonzero(self.counter_array):
-            name, v = COUNTER_NAMES[k], int(self.counter_array[k])
-            if name == "late":
-                late = v
-            else:
-                self.counters[name] += v
-        self.counter_array[:] = 0
-        for s in range(self.nstreams):
-            for k in np.flatnonzero(self.class_counts[s]):
-                classes[s][CLASS_NAMES[k]] += int(self.class_counts[s, k])
+        counts = self.counter_array.tolist()
+        if any(counts):
+            for name, v in zip(COUNTER_NAMES, counts):
+                if v:
+                    if name == "late":
+                        late = v
+                    else:
+                        self.counters[name] += v
+            self.counter_array[:] = 0
+        for s, row in enumerate(self.class_counts.tolist()):
+            if row[0]:  # frames
+                for name, v in zip(CLASS_NAMES, row):
+                    if v:
+                        classes[s][name] += v
         self.class_counts[:] = 0
+        if not self.slot_counts[:, 0].any() and not self.kernel.nconflicts:
+            return late
         now = time.monotonic()
         for slot, asm in self.slot_asm.items():
-            packets, nbytes, fresh, _ = self.slot_counts[slot].tolist()
+            packets, nbytes, _ = self.slot_counts[slot].tolist()
             if packets:
                 asm.packets += packets
                 asm.bytes += nbytes
-                asm.ncovered += fresh
                 asm.last_packet = now  # Pipeline._assemble stamps every placement
-        self.slot_counts[:, :3] = 0
+                fresh = self.slot_bucket[slot, :len(asm.buckets), 0]
+                for b in np.flatnonzero(fresh).tolist():
+                    asm.bucket_covered[b] += int(fresh[b])
+                asm.ncovered += int(fresh.sum())
+                fresh[:] = 0
+        self.slot_counts[:, :2] = 0
         for it, s, b, lo, hi in self.conflict_buf[:self.kernel.nconflicts].tolist():
             self.slot_asm[self.slots[it]].conflicts.append((s, b, lo, hi))
         self.kernel.nconflicts = 0
@@ -558,6 +636,7 @@ class FastExtractor(Extractor):
         self.slot_layout[slot] = layout
         self.slot_has_asm[slot] = 0
         self.slot_counts[slot] = 0
+        self.slot_bucket[slot] = 0
         self.slot_iter[slot] = iteration
         self.slots[iteration] = slot
         self.slot_recv_maps[slot] = recv
@@ -576,20 +655,25 @@ class FastExtractor(Extractor):
         self.slot_asm[slot] = asm
         self.slot_has_asm[slot] = 1
 
-    def refresh_uncovered(self):
-        """Elements each attached assembly still misses (Python may have placed some)."""
+    def refresh(self, notify: Callable[[object], bool]):
+        """Elements each attached assembly's buckets still miss (Python may have placed
+        some), and whether the pipeline wants to act after any placement into it."""
         for slot, asm in self.slot_asm.items():
-            self.slot_counts[slot, 3] = asm.total - asm.ncovered
+            nb = len(asm.buckets)
+            self.slot_bucket[slot, :nb, 1] = [b.count - c for b, c in zip(asm.buckets, asm.bucket_covered)]
+            self.slot_counts[slot, 2] = notify(asm)
 
     def release(self, iteration: int):
+        """Stop tracking a finalized iteration; returns its assembly, if it had one."""
         slot = self.slots.pop(iteration)
         self.slot_iter[slot] = -1
         self.slot_has_asm[slot] = 0
         self.slot_ptr[slot] = 0
         self.slot_recv[slot] = 0
         self.slot_counts[slot] = 0
-        self.slot_asm.pop(slot, None)
+        self.slot_bucket[slot] = 0
         del self.slot_recv_maps[slot]
+        return self.slot_asm.pop(slot, None)
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Extractor.stream_loss over the positions both paths received."""
@@ -623,6 +707,34 @@ class FastExtractor(Extractor):
 
 
 # -- the pipeline ----------------------------------------------------------------------------
+class ArrayPool:
+    """Zeroed arrays for IterationAssembly, reused across iterations.
+
+    A fresh array costs a page fault per page when first written, and in a VM that runs
+    at 0.6-1.5 GB/s, against ~14 GB/s to zero memory already mapped: without reuse, the
+    first writes into each iteration's ~2 x gradient-size buffers cost more than decoding
+    all of its traffic. An array comes back only when nothing else refers to it."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[np.ndarray]] = {}
+
+    def take(self, like: np.ndarray) -> np.ndarray:
+        """A zeroed array shaped like `like` (returned as is when none is free: np.zeros
+        memory is not touched yet, so that costs nothing extra)."""
+        free = self.free.get((like.shape, like.dtype.str))
+        if not free:
+            return like
+        a = free.pop()
+        a.fill(0)
+        return a
+
+    def give_back(self, arrays: list[np.ndarray]):
+        for a in arrays:
+            # referrers: the caller's list, this loop, getrefcount's argument
+            if sys.getrefcount(a) <= 3 and a.base is None:
+                self.free.setdefault((a.shape, a.dtype.str), []).append(a)
+
+
 def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
     """The frame as trust-the-NIC mode sees it: a RoCE frame whose ICRC is wrong gets the
     right one, so the reference decode (which always checks) classifies it as the kernel
@@ -651,6 +763,7 @@ class FastPipeline(Pipeline):
         self.extract = FastExtractor(plan, nstreams, trust_icrc=trust_icrc, crc=crc,
                                      dump_rs=bool(opts.dump_gradients))
         self.trust_icrc = trust_icrc
+        self.pool = ArrayPool()
         self.stops: Counter = Counter()  # why frames went to the reference path
         self.kernel_frames = 0  # frames the kernel handled itself
         self.kernel_seconds = 0.0  # time spent in the kernel (the rest is the reference path)
@@ -680,9 +793,9 @@ class FastPipeline(Pipeline):
                 break
             self.stops[reason] += 1
             if reason == "complete":
-                self._commit_complete()  # frame i-1 completed an iteration
+                self._after_placement(entry)  # frame i-1 completed a bucket of iteration `entry`
             elif reason != "conflicts_full":  # (drained: resume at the same frame)
-                self._python_frame(batch, i, entry)
+                self._python_frame(batch, i, entry, reason)
                 i += 1
             self._sync_iterations()
 
@@ -694,24 +807,59 @@ class FastPipeline(Pipeline):
         self._sync_iterations()
         return self.reports
 
-    def _commit_complete(self):
-        # Pipeline._assemble's ending, for a placement the kernel made
+    def _after_placement(self, it: int):
+        """Pipeline._assemble's ending, for an allgather placement the kernel made into
+        open iteration `it` (so it <= highest): step the shadow on the next iteration's
+        whole buckets, commit complete iterations."""
+        if it == self.done + 1:
+            self._apply_ready_buckets(self.open[it])
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
             self._finalize_through(self.done + 1)
 
-    def _python_frame(self, batch: Batch, i: int, entry: int):
-        """The reference path, for one frame."""
+    def _wants_every_placement(self, asm) -> bool:
+        """Would the reference act on a placement into asm that completes no bucket?
+        Only when asm is the next iteration and a whole bucket waits to be stepped."""
+        return (asm.iteration == self.done + 1 and self._bucketwise()
+                and self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket))
+
+    def _python_frame(self, batch: Batch, i: int, entry: int, reason: str):
+        """The reference path, for one frame (Pipeline.run's loop body): a wrapped (GRE)
+        frame goes through RoceTransport.feed_frame; one the kernel decoded becomes its
+        Packet at once (what decode_roce would return) and goes to Extractor.feed."""
         ex = self.extract
         ex.before_python(entry)
-        fr = batch.frame(i)
-        if self.trust_icrc:
-            fr = trusted_frame(fr)
-        packets = []
-        for pkt in decode([(int(batch.stream[i]), fr)], self.classes):
-            packets.append(pkt)
-            for pl in ex.feed(pkt):
-                self._assemble(pl, pkt)
+        stream = int(batch.stream[i])
+        classes = self.classes[stream]
+        classes["frames"] += 1
+        if reason == "encapsulated":
+            fr = batch.frame(i)
+            packets = []  # the kernel never looks such a flow up: nothing to register
+            placements = ex.feed_frame(stream, trusted_frame(fr) if self.trust_icrc else fr, classes)
+        else:
+            cls, pkt = ex.packet(batch, i)
+            classes[cls] += 1
+            packets = [pkt]
+            placements = ex.feed(pkt)
+        for pl in placements:
+            if pl.phase == AG and pl.iteration > self.done and pl.iteration not in self.open:
+                # what _assemble would create, with recycled arrays
+                self.open[pl.iteration] = self._new_assembly(pl.iteration)
+            self._assemble(pl)
         ex.after_python(entry, packets)
+
+    def _new_assembly(self, it: int) -> IterationAssembly:
+        asm = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
+        asm.data = [self.pool.take(a) for a in asm.data]
+        asm.covered = [self.pool.take(a) for a in asm.covered]
+        asm.by_stream = [[self.pool.take(a) for a in maps] for maps in asm.by_stream]
+        return asm
+
+    def _recycle(self, asm: IterationAssembly):
+        # referrers of a finished assembly: the caller's variable and getrefcount's argument
+        if sys.getrefcount(asm) <= 3:
+            arrays = asm.data + asm.covered + [a for maps in asm.by_stream for a in maps]
+            asm.data, asm.covered, asm.by_stream = [], [], []
+            self.pool.give_back(arrays)
 
     def _sync_iterations(self):
         """The kernel tracks the live iterations (done < it <= highest) and places into
@@ -719,13 +867,16 @@ class FastPipeline(Pipeline):
         their per-stream loss)."""
         ex, k = self.extract, self.extract.kernel
         for it in [it for it in ex.slots if it <= self.done]:
-            ex.release(it)
+            asm = ex.release(it)
+            if asm is not None:
+                self._recycle(asm)
+            del asm
         for it in range(self.done + 1, self.highest + 1):
             if not ex.track_iteration(it):
                 break
             if it in self.open:
                 ex.attach(it, self.open[it])
-        ex.refresh_uncovered()
+        ex.refresh(self._wants_every_placement)
         k.done, k.highest = self.done, self.highest
 
 

@@ -1,8 +1,11 @@
 """The one pipeline: source -> decode -> place -> assemble -> apply -> keep.
 
     source    frames of every mirror stream, merged in capture-time order
-    decode    parsers.roce.decode_frame; frames that are not RoCE writes are counted here
-    place     ckptd.extract.Extractor: flow binding, PSN -> schedule message, checks
+    decode    per transport: parsers.roce.decode_frame (NCCL over RoCEv2) or
+              parsers.tcp + ckptd.tcpstream reassembly (gloo over TCP); frames that
+              carry no collective data are counted here
+    place     per transport: ckptd.extract.Extractor (flow binding, PSN -> schedule
+              message, checks) or ckptd.gloo_extract.GlooExtractor (gloo framing and ring)
     assemble  ckptd.assemble.IterationAssembly per iteration, from any number of streams
     apply     ckptd.shadow.ShadowModel, only for complete iterations, only in order
     keep      checkpoint files (ckptd.checkpoint), gradient dumps, the per-iteration report
@@ -55,27 +58,40 @@ def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, Capt
         yield item
 
 
-# -- decode --------------------------------------------------------------------------
-def decode(frames: Iterable[tuple[int, CapturedFrame]], classes: list[Counter]) -> Iterator[Packet]:
-    """RoCE RDMA-write packets and ACKs with an intact ICRC; the rest is counted by class."""
-    for stream, fr in frames:
-        f = decode_frame(fr.data, fr.linktype, fr.origlen)
-        classes[stream]["frames"] += 1
-        classes[stream][f.cls.value] += 1
-        if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
-            yield Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
-                         f.bth.psn, None, None, memoryview(b""), f.udp.sport)
-            continue
-        if f.cls is not FrameClass.ROCE_DATA:
-            continue
-        if f.bth.opcode not in DATA_OPCODES:
-            classes[stream]["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
-            continue
-        yield Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
-                     f.bth.psn, f.reth.dma_len if f.reth is not None else None,
-                     f.immdt.raw if f.immdt is not None else None,
-                     memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len],
-                     f.udp.sport)
+# -- decode + place: one transport per kind of traffic ---------------------------------
+def decode_roce(stream: int, fr: CapturedFrame, classes: Counter) -> Packet | None:
+    """A RoCE RDMA-write packet or ACK with an intact ICRC; the rest is counted by class."""
+    f = decode_frame(fr.data, fr.linktype, fr.origlen)
+    classes[f.cls.value] += 1
+    if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
+        return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
+                      f.bth.psn, None, None, memoryview(b""), f.udp.sport)
+    if f.cls is not FrameClass.ROCE_DATA:
+        return None
+    if f.bth.opcode not in DATA_OPCODES:
+        classes["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
+        return None
+    return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
+                  f.bth.psn, f.reth.dma_len if f.reth is not None else None,
+                  f.immdt.raw if f.immdt is not None else None,
+                  memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len],
+                  f.udp.sport)
+
+
+class RoceTransport(Extractor):
+    """NCCL over RoCEv2: decode each frame (parsers.roce), place it (Extractor)."""
+
+    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
+        pkt = decode_roce(stream, fr, classes)
+        return self.feed(pkt) if pkt is not None else []
+
+
+def transport_for(plan: Plan):
+    """The decode + place stage for the plan's transport; everything after is shared."""
+    if plan.transport == "gloo":
+        from .gloo_extract import GlooExtractor
+        return GlooExtractor(plan)
+    return RoceTransport(plan)
 
 
 # -- report --------------------------------------------------------------------------
@@ -113,7 +129,7 @@ class Pipeline:
                  on_iteration: Callable[[IterationReport], None] | None = None,
                  keep_reports: int | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
-        self.extract = Extractor(plan)
+        self.extract = transport_for(plan)  # decode + place
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
         # Wire iteration 0 (the first allreduces of this communicator) is the training
         # iteration after the starting state: a job restarted from checkpoint k runs
@@ -141,11 +157,13 @@ class Pipeline:
         """Drive every frame through. At the end, iterations still open are finalized
         (reported incomplete with their missing ranges), or with abandon=True (a daemon
         told to stop mid-iteration) reported as abandoned."""
-        for pkt in decode(frames, self.classes):
-            for pl in self.extract.feed(pkt):
-                self._assemble(pl, pkt)
+        for stream, fr in frames:
+            classes = self.classes[stream]
+            classes["frames"] += 1
+            for pl in self.extract.feed_frame(stream, fr, classes):
+                self._assemble(pl)
         for pl in self.extract.flush():
-            self._assemble(pl, None)
+            self._assemble(pl)
         if abandon:
             for it in sorted(self.open):
                 asm = self.open.pop(it)
@@ -164,7 +182,7 @@ class Pipeline:
         self._dump_rs(upto=last)
         return self.reports
 
-    def _assemble(self, pl: Placement, pkt: Packet | None):
+    def _assemble(self, pl: Placement):
         it = pl.iteration
         if pl.phase == RS:
             if self.opts.dump_gradients and pl.ring_step == 0:

@@ -84,6 +84,7 @@ class Plan:
     addresses: tuple[str, ...]  # rank -> NIC address (canonical text)
     mirrors: tuple[Mirror, ...] = ()
     iterations: int | None = None
+    transport: str = "roce"  # roce: NCCL over RoCEv2 | gloo: torch.distributed gloo over TCP
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -160,6 +161,8 @@ class Plan:
         }
         if self.iterations is not None:
             doc["iterations"] = self.iterations
+        if self.transport != "roce":
+            doc["transport"] = self.transport
         return doc
 
     def save(self, path: str | Path):
@@ -285,5 +288,8 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         if mm.direction not in ("tx", "rx", "both") or not 0 <= mm.rank < nranks:
             raise PlanError(f"{where}: mirrors[{i}] needs rank in 0..{nranks - 1} and direction tx|rx|both")
         mirrors.append(mm)
+    transport = doc.get("transport", "roce")
+    if transport not in ("roce", "gloo"):
+        raise PlanError(f"{where}: transport {transport!r} is not one of roce, gloo")
     return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
-                doc.get("iterations"))
+                doc.get("iterations"), transport)

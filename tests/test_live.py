@@ -59,7 +59,7 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
             t.start()
             try:
                 time.sleep(0.5)  # rings open
-                sent = lab.send(frames, timing="rate", pps=20000)
+                sent = lab.send(frames, timing="rate", pps=6000)
                 deadline = time.time() + 240
                 while time.time() < deadline:
                     done = [r for r in daemon.pipe.reports if r.status == "committed"]

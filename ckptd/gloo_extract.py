@@ -1,0 +1,284 @@
+"""Place, for TCP/gloo: from captured frames to ckptd.extract.Placement objects.
+
+    frame -> parsers.tcp.decode_tcp_frame -> ckptd.tcpstream (one byte stream per
+    direction, mirror streams merged) -> ckptd.gloo.GlooFramer (messages) -> ranks of
+    each connection -> allreduce tag -> (iteration, bucket) -> GlooRingSchedule ->
+    Placement of every allgather element that arrived
+
+The same assembler, shadow and checkpoint stages as for NCCL/RoCE take the placements:
+ckptd.pipeline.Pipeline uses it in place of the RoCE transport when the plan says
+`"transport": "gloo"`; assemble, apply and keep are the same.
+
+Ranks of a connection. With one address per rank (the plan's), a rank is its address.
+On one host (all ranks 127.0.0.1) a rank is learned from the connection setup: the
+connecting side writes its rank as the 8-byte sequence number (gloo context.cc: the
+pair identifier it presents is its own rank), so every connecting endpoint is known,
+and the rank that owns a listening port is the one rank that neither connects to it nor
+owns another listening port (isInitiator: the larger address connects).
+
+Allreduce tags. Every collective of the process group takes the next tag, DDP's own
+broadcasts and allgathers included; the n-th allreduce tag on the wire is the n-th
+bucket allreduce (iteration 0 has len(plan.buckets(0)) of them, later ones
+len(plan.buckets(1))). A tag's place in that order is fixed once a tag MAP_LAG higher
+has been seen (ProcessGroupGloo runs at most a few collectives at once) or at flush.
+"""
+from __future__ import annotations
+
+from bisect import insort
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from parsers.capture import CapturedFrame
+from parsers.tcp import decode_tcp_frame
+
+from .extract import MAX_EXAMPLES, Placement
+from .gloo import (NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage, GlooRingSchedule,
+                   Header)
+from .plan import Plan
+from .schedule import AG, RS
+from .tcpstream import HOLE_WINDOW, TcpReassembler
+
+MAP_LAG = 8
+
+
+@dataclass
+class _Data:
+    key: tuple
+    src: int
+    dst: int
+    index: int
+    msg: GlooMessage
+
+
+class RankMap:
+    """(address, port) endpoint -> rank, from the plan or from the connection setup."""
+
+    def __init__(self, plan: Plan):
+        self.nranks = plan.nranks
+        addrs = list(plan.addresses)
+        self.by_addr = {a: r for r, a in enumerate(addrs)} if len(set(addrs)) == len(addrs) else {}
+        self.endpoint: dict[tuple[str, int], int] = {}
+        self.listeners: dict[tuple[str, int], set[int]] = defaultdict(set)
+
+    def rank(self, addr: str, port: int) -> int | None:
+        if self.by_addr:
+            return self.by_addr.get(addr)
+        return self.endpoint.get((addr, port))
+
+    def connected(self, src: tuple[str, int], dst: tuple[str, int], seq: int) -> str | None:
+        """The connector at src presented sequence number seq to the listener at dst."""
+        if not 0 <= seq < self.nranks:
+            return f"sequence number {seq} is not a rank (0..{self.nranks - 1})"
+        if self.by_addr:
+            mine = self.by_addr.get(src[0])
+            if mine is not None and mine != seq:
+                return f"{src[0]} is rank {mine} in the plan but presented {seq}"
+            return None
+        self.endpoint[src] = seq
+        self.listeners[dst].add(seq)
+        self._deduce()
+        return None
+
+    def _deduce(self):
+        owners = {ep: self.endpoint[ep] for ep in self.listeners if ep in self.endpoint}
+        changed = True
+        while changed:
+            changed = False
+            taken = set(owners.values())
+            for ep, clients in self.listeners.items():
+                if ep in owners:
+                    continue
+                cand = set(range(self.nranks)) - clients - taken
+                if len(cand) == 1:
+                    owners[ep] = self.endpoint[ep] = cand.pop()
+                    changed = True
+
+
+class GlooExtractor:
+    """The place stage for TCP/gloo (same interface as ckptd.extract.Extractor)."""
+
+    def __init__(self, plan: Plan, hole_window: int = HOLE_WINDOW, map_lag: int = MAP_LAG):
+        self.plan = plan
+        self.nranks = plan.nranks
+        self.sched = [GlooRingSchedule(self.nranks, plan.buckets(0)),
+                      GlooRingSchedule(self.nranks, plan.buckets(1))]
+        self.nb = [len(s.buckets) for s in self.sched]
+        self.lengths = self.sched[0].lengths() | self.sched[1].lengths()
+        self.reasm = TcpReassembler(hole_window)
+        self.ranks = RankMap(plan)
+        self.framers: dict[tuple, GlooFramer] = {}
+        self.lost_seen: Counter = Counter()
+        self.uncertain_upto: dict[tuple, int] = {}  # direction -> tags <= this are unplaceable
+        self.waiting: dict[tuple, list[GlooMessage]] = defaultdict(list)  # ranks not known yet
+        self.tags: list[int] = []  # allreduce tags seen, sorted
+        self.tagset: set[int] = set()
+        self.mapped: dict[int, int] = {}  # tag -> allreduce number
+        self.next_number = 0
+        self.map_pos = 0  # tags[:map_pos] are numbered
+        self.data: dict[int, list[_Data]] = defaultdict(list)  # tag -> data awaiting its mapping
+        self.counter: Counter = Counter()  # (direction, tag) -> data messages so far
+        self.map_lag = map_lag
+        self.counters: Counter = Counter()
+        self.examples: list[str] = []
+        self.other_slots: Counter = Counter()
+        self.done = -1
+        self.supplied: dict[tuple[int, int], int] = Counter()  # (stream, iteration) -> AG bytes
+        self.expected_ag = [sum(s.nbytes for per in sc.sends.values() for sends in per for s in sends
+                                if s.phase == AG) for sc in self.sched]
+
+    # -- input ---------------------------------------------------------------------
+    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
+        seg, why = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
+        if seg is None:
+            self.counters["not_tcp"] += 1
+            classes["other"] += 1
+            return []
+        self.counters["tcp_segments"] += 1
+        classes["tcp"] += 1
+        out: list[Placement] = []
+        for key, piece in self.reasm.feed(seg, stream):
+            self._messages(key, self._framer(key).feed(piece), out)
+        return out
+
+    def flush(self) -> list[Placement]:
+        out: list[Placement] = []
+        for key, piece in self.reasm.flush():
+            self._messages(key, self._framer(key).feed(piece), out)
+        for key, fr in list(self.framers.items()):
+            self._messages(key, fr.flush(), out)
+        for key in list(self.waiting):
+            for m in self.waiting.pop(key):
+                self._note(key, m, "ranks_unknown")
+        self._map(out, final=True)
+        return out
+
+    def _framer(self, key) -> GlooFramer:
+        fr = self.framers.get(key)
+        if fr is None:
+            d = self.reasm.dirs[key]
+            pre = None if not d.syn else bool(d.initiator)
+            fr = self.framers[key] = GlooFramer(pre, self._plausible)
+        return fr
+
+    def _plausible(self, h: Header) -> bool:
+        return h.length in self.lengths
+
+    # -- messages ------------------------------------------------------------------
+    def _messages(self, key, msgs: list[GlooMessage], out: list[Placement]):
+        fr = self.framers[key]
+        if fr.sequence is not None and not fr.first_header and not fr.not_gloo \
+                and not getattr(fr, "_told", False):
+            fr._told = True
+            why = self.ranks.connected((key[0], key[1]), (key[2], key[3]), fr.sequence)
+            if why:
+                self._example("bad_sequence", f"{key}: {why}")
+            for k in list(self.waiting):
+                if self._ranks(k) is not None:
+                    pend = self.waiting.pop(k)
+                    self._messages(k, pend, out)
+        if fr.counts["framing_lost"] > self.lost_seen[key]:
+            self.lost_seen[key] = fr.counts["framing_lost"]
+            self.uncertain_upto[key] = self.tags[-1] if self.tags else -1
+        if not msgs:
+            return
+        rk = self._ranks(key)
+        if rk is None:
+            self.waiting[key].extend(msgs)
+            return
+        for m in msgs:
+            self._message(key, rk, m, out)
+        self._map(out)
+
+    def _ranks(self, key):
+        s = self.ranks.rank(key[0], key[1])
+        d = self.ranks.rank(key[2], key[3])
+        return None if s is None or d is None else (s, d)
+
+    def _message(self, key, rk, m: GlooMessage, out):
+        h = m.header
+        if not h.is_allreduce:
+            self.other_slots[SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
+            return
+        t = h.tag
+        if t not in self.tagset:
+            if self.map_pos and t < self.tags[self.map_pos - 1]:
+                self._example("late_tag", f"allreduce tag {t} first seen after a higher tag was mapped")
+                return
+            self.tagset.add(t)
+            insort(self.tags, t)
+        if not h.is_data:
+            self.counters["notify_send_ready" if h.opcode == NOTIFY_SEND_READY else "notify_recv_ready"] += 1
+            return
+        src, dst = rk
+        if dst != (src - 1) % self.nranks:
+            self._example("off_ring", f"{key}: allreduce data from rank {src} to rank {dst}; "
+                                      f"gloo's ring sends only to rank {(src - 1) % self.nranks}")
+            return
+        idx = self.counter[(key, t)]
+        self.counter[(key, t)] += 1
+        if t <= self.uncertain_upto.get(key, -1):
+            self._note(key, m, "after_framing_loss")
+            return
+        self.data[t].append(_Data(key, src, dst, idx, m))
+
+    def _map(self, out: list[Placement], final: bool = False):
+        """Number the allreduce tags that can no longer be preceded by an unseen one."""
+        top = self.tags[-1] if self.tags else -1
+        while self.map_pos < len(self.tags):
+            t = self.tags[self.map_pos]
+            if not final and t + self.map_lag > top:
+                break
+            self.map_pos += 1
+            self.mapped[t] = n = self.next_number
+            self.next_number += 1
+            it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
+                                                   (n - self.nb[0]) % self.nb[1])
+            for d in self.data.pop(t, []):
+                self._place(it, b, d, out)
+
+    def _place(self, it: int, b: int, d: _Data, out: list[Placement]):
+        sched = self.sched[min(it, 1)]
+        sends = sched.connection_sends(d.src, b)
+        h = d.msg.header
+        if d.index >= len(sends):
+            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b}: data message "
+                          f"{d.index} of tag {h.tag}, the schedule has {len(sends)}")
+            return
+        send = sends[d.index]
+        if h.length != send.nbytes:
+            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b} message {d.index}: "
+                          f"{h.length} bytes, the schedule says {send.nbytes}")
+            return
+        self.counters["rs_messages" if send.phase == RS else "ag_messages"] += 1
+        if not d.msg.complete:
+            self.counters["partial_messages"] += 1
+        if send.phase != AG:
+            return
+        e = sched.buckets[b].dtype.itemsize
+        for s, en, stream in d.msg.have:
+            lo, hi = -(-s // e) * e, en // e * e
+            if hi <= lo:
+                continue
+            self.supplied[(stream, it)] += hi - lo
+            out.append(Placement(stream, it, AG, b, send.start + lo // e,
+                                 bytes(d.msg.payload[lo:hi]), d.src, d.index))
+
+    def _note(self, key, m: GlooMessage, reason: str):
+        self.counters[reason] += 1
+
+    def _example(self, reason: str, detail: str):
+        self.counters[reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(detail)
+
+    # -- reports -------------------------------------------------------------------
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Share of the iteration's allgather bytes this stream was not the first to
+        deliver (1.0 - supplied / expected); None if it supplied none."""
+        got = self.supplied.pop((stream, iteration), 0)
+        if not got:
+            return None
+        return 1.0 - got / self.expected_ag[min(iteration, 1)]
+
+    def holes(self) -> dict[tuple, list[tuple[int, int]]]:
+        return {k: d.missing() for k, d in self.reasm.dirs.items() if d.missing()}

@@ -1,0 +1,425 @@
+"""The fast path (cython_ext/batch.pyx driven by ckptd/fastpath.py) against the reference.
+
+The pure-Python pipeline is the judge: on the same captures both must produce identical
+IterationAssembly buffers, coverage (total and per stream), conflicts, packet and byte
+counts, extractor counters and examples, frame classes, per-stream loss, reports, and
+even *when* things happen (the frame at which each bucket is stepped and each iteration
+finalized).
+"""
+from __future__ import annotations
+
+import heapq
+import random
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckptd.checkpoint import load_checkpoint
+from ckptd.extract import ll_unpack
+from ckptd.fastpath import (Batch, FastExtractor, FastPipeline, batch_from_frames, crc_choices,
+                            fast_replay, fold_constants, load_capture, load_captures,
+                            reduction_constants, trusted_frame)
+from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
+from ckptd.plan import load_plan
+from cython_ext import batch as kernel
+from parsers import icrc
+from parsers.capture import CapturedFrame, open_capture
+from parsers.pcap import PcapWriter
+from parsers.roce import FrameClass, decode_frame
+
+from helpers import pcaps, synth
+
+FLOWCHECK_PLAN = Path(__file__).parent / "data" / "flowcheck_allreduce_plan.json"
+
+
+# -- running both and comparing -------------------------------------------------------------
+def _recording(cls):
+    """The pipeline class, recording every finalized assembly and the frame count at
+    each bucket step and finalize."""
+    class Recording(cls):
+        def _frames(self):
+            return sum(c["frames"] for c in self.classes)
+
+        def _finalize(self, asm):
+            self.snaps.append(dict(
+                it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
+                by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
+                conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
+                ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
+            self.events.append(("finalize", asm.iteration, self._frames()))
+            super()._finalize(asm)
+
+        def _apply_ready_buckets(self, asm):
+            before = self.next_bucket
+            super()._apply_ready_buckets(asm)
+            self.events += [("step", asm.iteration, b, self._frames()) for b in range(before, self.next_bucket)]
+
+    Recording.__name__ = cls.__name__
+    return Recording
+
+
+def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, frames=None, dumps=None,
+             **opts):
+    """(reference pipeline, fast pipeline) after replaying the same captures; `dumps`:
+    (reference's, fast one's) gradient dump directories."""
+    def new(cls, dump=None, **kw):
+        start = load_checkpoint(start_path) if start_path else None
+        p = _recording(cls)(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw)
+        p.snaps, p.events = [], []
+        return p
+
+    ref = new(Pipeline, dumps and str(dumps[0]))
+    src = frames() if frames else file_source(paths, ref.errors)
+    if trust_icrc:  # the reference with the ICRC not looked at
+        src = ((s, trusted_frame(fr)) for s, fr in src)
+    ref.run(src, abandon=abandon)
+    fast = new(FastPipeline, dumps and str(dumps[1]), trust_icrc=trust_icrc)
+    if frames:
+        fast.run(frames(), abandon=abandon)
+    else:
+        batch, errors = load_captures(paths)
+        fast.errors += errors
+        fast.run_batch(batch)
+        fast.finish(abandon)
+    return ref, fast
+
+
+def assert_same(ref, fast):
+    assert len(ref.snaps) == len(fast.snaps)
+    for a, b in zip(ref.snaps, fast.snaps):
+        for key in ("it", "conflicts", "packets", "bytes", "ncovered", "bucket_covered"):
+            assert a[key] == b[key], (a["it"], key)
+        for name in ("data", "cov"):
+            for x, y in zip(a[name], b[name]):
+                np.testing.assert_array_equal(x, y, err_msg=f"iteration {a['it']} {name}")
+        for ma, mb in zip(a["by_stream"], b["by_stream"]):
+            for x, y in zip(ma, mb):
+                np.testing.assert_array_equal(x, y, err_msg=f"iteration {a['it']} by_stream")
+    assert ref.events == fast.events
+    assert ref.extract.counters == fast.extract.counters
+    assert ref.extract.examples == fast.extract.examples
+    assert ref.extract.flag_base == fast.extract.flag_base
+    assert ref.classes == fast.classes
+    assert ref.late == fast.late
+    assert ref.errors == fast.errors
+    assert ref.highest == fast.highest and ref.done == fast.done
+
+    def rows(p):
+        return [(r.iteration, r.status, r.packets, r.grad_bytes, r.coverage, r.loss, r.missing,
+                 r.note, r.exact) for r in p.reports]
+    assert rows(ref) == rows(fast)
+
+
+def synth_pair(tmp_path, trust_icrc=False, shadow=True, **kw):
+    kw.setdefault("iterations", 3)
+    synth(tmp_path, **kw)
+    plan = load_plan(tmp_path / "plan.json")
+    opts = dict(reference=str(tmp_path / "reference")) if shadow else {}
+    return run_both(plan, pcaps(tmp_path), tmp_path / "init.pt" if shadow else None,
+                    trust_icrc=trust_icrc, **opts)
+
+
+# -- the kernel's pieces ---------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["zlib", "clmul", "vclmul"])
+def test_crc32_matches_zlib(impl):
+    if impl != "zlib" and impl not in crc_choices():
+        pytest.skip(f"this CPU cannot run the {impl} CRC")
+    rng = random.Random(1)
+    k = kernel.CRC_IMPLS.index(impl)
+    for n in list(range(0, 300)) + [1024, 4095, 4096, 4097, 65536 + 7]:
+        data = rng.randbytes(n)
+        init = rng.getrandbits(32)
+        assert kernel.crc32(np.frombuffer(data, np.uint8), init, k) == zlib.crc32(data, init), n
+
+
+def test_fold_and_reduction_constants_are_what_the_math_says():
+    for distance, pair in kernel.FOLD_CONSTANTS.items():
+        if pair != (0, 0):  # 0: not an x86 build
+            assert pair == fold_constants(distance)
+    if kernel.REDUCTION_CONSTANTS[0]:
+        assert kernel.REDUCTION_CONSTANTS == reduction_constants()
+
+
+@pytest.mark.parametrize("lines", [0, 1, 2, 3, 64, 255, 256])
+def test_ll_unpack_matches_reference(lines):
+    rng = np.random.default_rng(lines)
+    words = rng.integers(0, 2**32, (lines, 4), dtype=np.uint32)
+    words[:, 1] = words[:, 3] = 77
+    out = np.zeros(lines * 8, np.uint8)
+    assert kernel.ll_unpack_into(words.view(np.uint8).reshape(-1), out, 77)
+    data, flag, ok = ll_unpack(words.tobytes(), 77)
+    assert ok and out.tobytes() == data
+    if lines:
+        words[lines // 2, 3] = 78  # one flag off, anywhere
+        assert not kernel.ll_unpack_into(words.view(np.uint8).reshape(-1), out, 77)
+        assert not ll_unpack(words.tobytes(), 77)[2]
+
+
+def test_merge_order_is_heapq_merge_even_when_time_goes_back():
+    rng = random.Random(3)
+    streams = [[rng.randrange(50) for _ in range(rng.randrange(0, 40))] for _ in range(4)]
+    want = [(k, i) for _, k, i in heapq.merge(
+        *[[(t, k, i) for i, t in enumerate(ts)] for k, ts in enumerate(streams)],
+        key=lambda x: x)]
+    which, idx = kernel.merge_order([np.array(ts, np.int64) for ts in streams])
+    assert list(zip(which.tolist(), idx.tolist())) == want
+
+
+# -- decode: every frame gets decode_frame's class ---------------------------------------------
+def _reicrc(frame: bytearray, ip_off: int, udp_off: int):
+    end = len(frame) - 4
+    frame[end:] = icrc.pack(icrc.compute(frame, ip_off, udp_off, end))
+
+
+def _variants(frame: bytes, rng: random.Random):
+    """(link type, frame bytes, origlen) variants of an Ethernet/IPv4|IPv6 frame."""
+    eth, rest = frame[:12], frame[12:]
+    ethertype = rest[:2]
+    out = [(1, frame, len(frame))]
+    for tags in ([0x8100], [0x88A8, 0x8100], [0x9100], [0x8100, 0x8100, 0x8100]):
+        tagged = eth + b"".join(struct.pack(">HH", t, rng.randrange(4096)) for t in tags) + rest
+        out.append((1, tagged, len(tagged)))
+    ip = frame[14:]
+    out.append((101, ip, len(ip)))                                   # raw IP
+    out.append((228 if ip[0] >> 4 == 4 else 229, ip, len(ip)))      # IPv4 / IPv6 link types
+    out.append((229 if ip[0] >> 4 == 4 else 228, ip, len(ip)))      # the wrong one: malformed
+    sll = struct.pack(">HHHQ", 0, 1, 6, 0) + ethertype + ip
+    out.append((113, sll, len(sll)))
+    sll2 = ethertype + b"\0\0" + struct.pack(">IHBBQ", 3, 1, 0, 6, 0) + ip
+    out.append((276, sll2, len(sll2)))
+    if ip[0] >> 4 == 4:
+        # IPv4 options (covered by the ICRC, unmasked) and fragments
+        opt = bytearray(frame[:14] + bytes([0x46]) + frame[15:34] + b"\x01\x01\x01\x00" + frame[34:])
+        struct.pack_into(">H", opt, 16, struct.unpack_from(">H", frame, 16)[0] + 4)
+        _reicrc(opt, 14, 38)
+        out.append((1, bytes(opt), len(opt)))
+        frag = bytearray(frame)
+        frag[20] |= 0x20
+        out.append((1, bytes(frag), len(frag)))
+    else:
+        # IPv6 hop-by-hop + destination options, then a fragment header (atomic or not)
+        for ext, nxt in ((bytes([60, 0]) + b"\x01\x04\0\0\0\0" + bytes([17, 0]) + b"\x01\x04\0\0\0\0", 0),
+                         (bytes([17, 0, 0, 0, 0, 0, 0, 0]), 44), (bytes([17, 0, 0, 8, 0, 0, 0, 0]), 44)):
+            v6 = bytearray(frame[:14 + 40] + ext + frame[54:])
+            v6[14 + 6] = nxt
+            struct.pack_into(">H", v6, 18, struct.unpack_from(">H", frame, 18)[0] + len(ext))
+            _reicrc(v6, 14, 54 + len(ext))
+            out.append((1, bytes(v6), len(v6)))
+    # cut by a snap length, or cut with the record saying so
+    for cut in (10, 13, 20, 33, 41, 45, 53, 60, 70, len(frame) - 5, len(frame) - 1):
+        if cut < len(frame):
+            out.append((1, frame[:cut], len(frame)))
+            out.append((1, frame[:cut], cut))
+    # header bytes flipped
+    for _ in range(12):
+        bad = bytearray(frame)
+        pos = rng.randrange(12, min(len(frame), 80))
+        bad[pos] ^= 1 << rng.randrange(8)
+        out.append((1, bytes(bad), len(bad)))
+    # GRE (the reference unwraps it)
+    if ip[0] >> 4 == 4:
+        gre = bytearray(frame[:14] + frame[14:34])
+        gre[14 + 9] = 47
+        out.append((1, bytes(gre) + struct.pack(">HH", 0x1000, 0x88BE) + struct.pack(">I", 1)
+                    + struct.pack(">II", 0x10000001, 0) + frame, 0))
+    return out
+
+
+def test_kernel_classifies_every_frame_as_decode_frame(tmp_path):
+    synth(tmp_path, ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=1, iterations=1)
+    synth(tmp_path / "v6", ranks=2, channels=1, protocol="simple", mtu=4096, mirrors=1, iterations=1,
+          ipv6=True)
+    rng = random.Random(7)
+    frames = []
+    for path in pcaps(tmp_path) + pcaps(tmp_path / "v6"):
+        got = [fr.data for fr in open_capture(path)]
+        frames += rng.sample(got, 60)
+    items = []
+    for f in frames:
+        items += _variants(f, rng)
+    batch = batch_from_frames([(0, CapturedFrame(i + 1, 0, lt, len(d), o or len(d), d))
+                               for i, (lt, d, o) in enumerate(items)])
+    ex = FastExtractor(load_plan(tmp_path / "plan.json"), 1)
+    got = ex.classify(batch)
+    seen = set()
+    for (lt, data, origlen), cls in zip(items, got):
+        want = decode_frame(data, lt, origlen or len(data))
+        if cls == "encapsulated":
+            assert want.encap is not None or want.cls in (FrameClass.TRUNCATED, FrameClass.MALFORMED,
+                                                          FrameClass.OTHER)
+            seen.add(cls)
+            continue
+        assert cls == want.cls.value, (lt, data.hex(), want.reason)
+        seen.add(cls)
+    assert {"roce_data", "roce_ack", "truncated", "malformed", "other", "bad_icrc",
+            "encapsulated"} <= seen
+
+
+# -- source: capture files into batches --------------------------------------------------------
+@pytest.mark.parametrize("order,ns", [("<", True), (">", True), ("<", False), (">", False)])
+def test_load_capture_reads_what_open_capture_reads(tmp_path, order, ns):
+    rng = random.Random(5)
+    path = tmp_path / "x.pcap"
+    with open(path, "wb") as f:
+        w = PcapWriter(f, linktype=1, nanosecond=ns, byteorder=order)
+        for i in range(50):
+            data = rng.randbytes(rng.randrange(0, 200))
+            w.write(data, 1_700_000_000_000_000_000 + rng.randrange(10**12), origlen=len(data) + i % 3)
+    batch, err = load_capture(path, stream=2)
+    ref = list(open_capture(path))
+    assert err is None and len(batch) == len(ref)
+    for i, fr in enumerate(ref):
+        assert batch.frame(i) == fr
+    assert set(batch.stream.tolist()) == {2}
+    # cut inside the last record: the good frames, then the reference's error
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(path.read_bytes()[:-7])
+    batch, err = load_capture(cut)
+    errors = []
+    good = [fr for _, fr in file_source([str(cut)], errors)]
+    assert [batch.frame(i) for i in range(len(batch))] == good and [err] == errors
+
+
+def test_load_capture_reports_broken_files_as_file_source_does(tmp_path):
+    bad = tmp_path / "bad.pcap"
+    bad.write_bytes(b"not a capture at all")
+    batch, err = load_capture(bad)
+    errors = []
+    assert list(file_source([str(bad)], errors)) == [] and len(batch) == 0 and [err] == errors
+
+
+# -- the pipeline, end to end ---------------------------------------------------------------
+SCENARIOS = {
+    "simple-1024-1ch-2ranks-1stream-loss": dict(ranks=2, channels=1, protocol="simple", mtu=1024,
+                                                 mirrors=1, loss=1e-3),
+    "simple-1024-1ch-2ranks-2streams-loss": dict(ranks=2, channels=1, protocol="simple", mtu=1024,
+                                                  mirrors=2, loss=1e-3),
+    "ll-4096-3ch-8ranks-3streams-reorder-dup": dict(ranks=8, channels=3, protocol="ll", mtu=4096,
+                                                    mirrors=3, loss=1e-3, reorder=2e-3, duplicate=2e-3),
+    "simple-1024-3ch-8ranks-wrap-retx-corrupt": dict(ranks=8, channels=3, protocol="simple", mtu=1024,
+                                                     mirrors=2, loss=1e-3, psn_wrap=True,
+                                                     retransmit=0.02, corrupt=1e-3),
+    "ll-1024-1ch-2ranks-3streams-wrap": dict(ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=3,
+                                             loss=1e-3, psn_wrap=True, reorder=1e-3),
+    "ll-4096-1ch-4ranks-1stream": dict(ranks=4, channels=1, protocol="ll", mtu=4096, mirrors=1),
+    "simple-4096-nccl2.20-2qps-ipv6-fused": dict(ranks=4, channels=3, protocol="simple", mtu=4096,
+                                                 mirrors=3, loss=1e-3, nccl_version="2.20", qps=2,
+                                                 shuffle_rings=True, optimizer="fused", ipv6=True),
+    "ll-2048-split-qps-forloop-clip": dict(ranks=3, channels=2, protocol="ll", mtu=2048, mirrors=2,
+                                           loss=1e-3, qps=2, optimizer="for-loop", max_grad_norm=0.5,
+                                           lr_schedule="linear"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_fast_pipeline_equals_reference(tmp_path, name):
+    ref, fast = synth_pair(tmp_path, seed=sorted(SCENARIOS).index(name), **SCENARIOS[name])
+    assert_same(ref, fast)
+    assert fast.kernel_frames > 0.9 * sum(c["frames"] for c in fast.classes)
+    if SCENARIOS[name]["mirrors"] > 1:
+        assert all(r.status == "committed" and r.exact for r in fast.reports)
+
+
+@pytest.mark.parametrize("protocol,mtu", [("ll", 1024), ("simple", 4096)])
+def test_trusting_the_nic_with_corrupted_frames(tmp_path, protocol, mtu):
+    """ICRC off: corrupted payloads get through and disagree with the other streams'
+    copies (conflicts), corrupted headers are rejected past the 20 examples."""
+    ref, fast = synth_pair(tmp_path, trust_icrc=True, shadow=False, ranks=4, channels=2,
+                           protocol=protocol, mtu=mtu, mirrors=3, loss=1e-3, corrupt=2e-2,
+                           psn_wrap=protocol == "simple")
+    assert_same(ref, fast)
+    assert sum(len(s["conflicts"]) for s in ref.snaps) > 0
+    assert fast.classes[0]["bad_icrc"] == 0
+
+
+def _tagged(fr: CapturedFrame, k: int) -> CapturedFrame:
+    tags = [[0x8100], [0x88A8, 0x8100], [0x9100]][k % 3]
+    data = fr.data[:12] + b"".join(struct.pack(">HH", t, 100 + k % 7) for t in tags) + fr.data[12:]
+    return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
+
+
+def _erspan(fr: CapturedFrame, k: int) -> CapturedFrame:
+    # IPv4 / GRE (S, 0x88BE) / ERSPAN II / the mirrored frame
+    inner = fr.data
+    gre = struct.pack(">HHI", 0x1000, 0x88BE, k) + struct.pack(">II", 0x10000000 | (k % 1024) << 0, 0)
+    ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(gre) + len(inner), 0, 0x4000, 64, 47, 0,
+                     bytes([192, 0, 2, 1]), bytes([192, 0, 2, 2]))
+    data = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x08\x00" + ip + gre + inner
+    return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
+
+
+@pytest.mark.parametrize("wrap", [_tagged, _erspan])
+def test_tagged_and_mirror_tunnelled_frames(tmp_path, wrap):
+    """VLAN/QinQ tags are decoded by the kernel; GRE/ERSPAN frames take the reference's
+    decapsulation, frame by frame, with the same results."""
+    synth(tmp_path, ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=2, loss=1e-3, iterations=2)
+    plan = load_plan(tmp_path / "plan.json")
+    paths = pcaps(tmp_path)
+
+    def frames():
+        return ((s, wrap(fr, k)) for k, (s, fr) in enumerate(file_source(paths, [])))
+    ref, fast = run_both(plan, paths, frames=frames)
+    assert_same(ref, fast)
+    assert ref.extract.counters["ag_packets"] > 0
+    if wrap is _tagged:
+        assert fast.kernel_frames > 0.9 * sum(c["frames"] for c in fast.classes)
+    else:
+        assert fast.stops["encapsulated"] == sum(c["frames"] for c in fast.classes)
+
+
+def test_abandon_and_the_frame_iterator_api(tmp_path):
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=4096, mirrors=2, iterations=3)
+    plan = load_plan(tmp_path / "plan.json")
+    paths = pcaps(tmp_path)
+    total = sum(1 for _ in file_source(paths, []))
+    for fraction in (0.5, 0.6, 0.75, 0.85, 0.95):  # stop mid-iteration, with one open
+        cut = int(total * fraction)
+
+        def frames():
+            return (x for k, x in enumerate(file_source(paths, [])) if k < cut)
+        ref, fast = run_both(plan, paths, frames=frames, abandon=True)
+        assert_same(ref, fast)
+        if any(r.status == "abandoned" for r in fast.reports):
+            break
+    else:
+        pytest.fail("no cut left an iteration open")
+
+
+def test_fast_replay_writes_the_reference_checkpoints(tmp_path):
+    synth(tmp_path, ranks=3, channels=2, protocol="simple", mtu=2048, mirrors=2, loss=1e-3, iterations=4)
+    plan = load_plan(tmp_path / "plan.json")
+    opts = ReplayOptions(out=str(tmp_path / "fast"), reference=str(tmp_path / "reference"))
+    pipe = fast_replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
+    assert [r.status for r in pipe.reports] == ["committed"] * 4 and all(r.exact for r in pipe.reports)
+    ref = replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
+                 ReplayOptions(out=str(tmp_path / "ref")))
+    assert [r.loss for r in ref.reports] == [r.loss for r in pipe.reports]
+    with pytest.raises(FileNotFoundError):
+        fast_replay(plan, [str(tmp_path / "missing.pcap")], None, ReplayOptions())
+
+
+# -- the real captures ----------------------------------------------------------------------
+def test_real_flowcheck_captures(flowcheck_dir, tmp_path):
+    plan = load_plan(FLOWCHECK_PLAN)
+    files = sorted(str(p) for p in flowcheck_dir.glob("*.pcapng"))
+    assert files
+    a, b = tmp_path / "ref", tmp_path / "fast"
+    for paths in [[p] for p in files] + [files]:  # each alone, then all as streams at once
+        ref, fast = run_both(plan, paths, dumps=(a, b))  # dumps: reduce-scatter steps go via Python
+        assert_same(ref, fast)
+        names = sorted(p.name for p in a.iterdir())
+        assert names == sorted(p.name for p in b.iterdir())
+        for n in names:
+            np.testing.assert_array_equal(np.load(a / n), np.load(b / n))
+        for d in (a, b):
+            for p in d.iterdir():
+                p.unlink()
+    allreduce = [p for p in files if "allreduce" in p]
+    assert allreduce
+    got = fast_replay(plan, allreduce[:1], None, ReplayOptions(dump_gradients=str(b)))
+    grad = np.load(b / "iter_000000_bucket_000.npy")
+    np.testing.assert_array_equal(grad, 2 * (np.arange(5000) % 10))
+    assert got.extract.counters["ll_flag_mismatch"] == 0

@@ -45,6 +45,9 @@ class InterfaceConfig:
     block_nr: int = 64
     frame_size: int = 16384
     retire_ms: int = 20
+    snaplen: int = 65535
+    fanout_group: int | None = None  # several interfaces' rings can share one fanout group
+    fanout_mode: str = "hash"
 
 
 @dataclass
@@ -198,9 +201,11 @@ class Daemon:
     def open_captures(self):
         from .capture import RingCapture
         for i in self.cfg.interfaces:
+            fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
             self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
                                              block_nr=i.block_nr, frame_size=i.frame_size,
-                                             retire_ms=i.retire_ms))
+                                             retire_ms=i.retire_ms, snaplen=i.snaplen,
+                                             fanout=fanout))
 
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""

@@ -1,22 +1,26 @@
-"""Soak: many iterations through the replay pipeline, checking resident memory and that
-no iteration gets stuck.
+"""Soak: many iterations through the daemon's loop (ckptd.daemon.Daemon: pipeline, shadow,
+status snapshots, HTTP server), checking resident memory and that no iteration gets stuck.
 
     python -m benchmarks.soak [--iterations 1000] [--model tiny] [--loss 1e-3]
 
 Gradients are random (the optimizer and shadow still run for real); frames are built
-per iteration and fed straight to the pipeline as a live source would, so nothing
-accumulates on disk. Prints RSS after warm-up and at the end, and the growth ratio.
+per iteration and fed straight to the daemon as its capture rings would, so nothing
+accumulates on disk (checkpoints are written to a temporary directory and deleted as
+the run goes, as a retention policy would). Prints RSS after warm-up and at the end, and the growth ratio.
 """
 from __future__ import annotations
 
 import argparse
 import random
 import resource
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from ckptd.pipeline import Pipeline, ReplayOptions
+from ckptd.checkpoint import save_checkpoint
+from ckptd.daemon import Daemon, DaemonConfig, InterfaceConfig
 from ckptd.synth import SynthOptions, Wire, impair, make_plan
 from ckptd.synth.model import build_model
 from ckptd.synth.ring import reduce_iteration
@@ -41,8 +45,14 @@ def main():
     model = build_model(a.model, 0)
     plan = make_plan(opts, model, rng)
     wire = Wire(plan, opts, rng)
-    start = {"iteration": -1, "model": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    pipe = Pipeline(plan, start, len(plan.mirrors), ReplayOptions())
+    work = Path(tempfile.mkdtemp(prefix="ckptd-soak-"))
+    plan.save(work / "plan.json")
+    save_checkpoint(work / "init.pt", -1, {n: p.detach().clone() for n, p in model.named_parameters()}, None)
+    daemon = Daemon(DaemonConfig(plan=str(work / "plan.json"), init=str(work / "init.pt"),
+                                 out=str(work / "ck"), listen="127.0.0.1:0",
+                                 interfaces=[InterfaceConfig(m.name, f"soak{k}")
+                                             for k, m in enumerate(plan.mirrors)]))
+    pipe = daemon.pipe
     nprng = np.random.default_rng(0)
     stats = {m.name: {"frames": 0, "lost": 0, "corrupted": 0, "duplicated": 0, "reordered": 0}
              for m in plan.mirrors}
@@ -63,23 +73,27 @@ def main():
                     idx[k] += 1
                     yield k, CapturedFrame(idx[k], when, 1, len(f), len(f), f)
             ts += len(frames) + 1000
+            for old in (work / "ck").glob("iter_*.pt"):  # keep the newest few only
+                if int(old.stem[5:]) < t - 3:
+                    old.unlink()
             if t in (a.warmup, a.iterations - 1) or t % 100 == 0:
                 samples[t] = rss_mb()
 
     t0 = time.time()
-    pipe.run(source())
+    daemon.run(source=source(), install_signals=False)
     dt = time.time() - t0
     reps = pipe.reports
-    committed = sum(r.status == "committed" for r in reps)
-    stuck = [r.iteration for r in reps if r.status != "committed"]
+    committed = daemon.by_status.get("committed", 0)
+    stuck = [u["iteration"] for u in daemon.unrecovered]
     w, end = samples[a.warmup], samples[a.iterations - 1]
-    print(f"iterations {len(reps)}, committed {committed}, not committed {stuck[:10]}")
+    print(f"iterations {sum(daemon.by_status.values())}, committed {committed}, "
+          f"not committed {stuck[:10]}")
     print(f"frames lost on mirrors: {sum(s['lost'] for s in stats.values())}")
     print("RSS MiB by iteration: " + ", ".join(f"{t}:{v:.1f}" for t, v in sorted(samples.items())))
     print(f"RSS after warm-up (iteration {a.warmup}) {w:.1f} MiB, at the end {end:.1f} MiB, "
           f"growth {100 * (end / w - 1):+.2f}% (target <= +1%)")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.1f} MiB, "
-          f"{dt:.1f}s, {dt / len(reps) * 1000:.1f} ms/iteration")
+          f"{dt:.1f}s, {dt / a.iterations * 1000:.1f} ms/iteration")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,21 @@ def _progress(label: str):
     return show
 
 
+def _byte_progress(label: str):
+    """Bytes-read progress on stderr, only when it is a terminal; each iteration's own
+    line (stdout) stays clean because the bar is erased before it is printed over."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done, total):
+        pct = 100 * done / total if total else 100
+        sys.stderr.write(f"\r{label}: {pct:5.1f}% of {total / 1e6:.0f} MB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
 def _fmt_pct(x) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
@@ -84,7 +99,8 @@ def cmd_replay(a) -> int:
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=a.resume)
     t0 = time.time()
-    pipe = replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names))
+    pipe = replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
+                  progress=_byte_progress("replay"))
     reps = pipe.reports
     bad = [r for r in reps if not r.ok and r.status != "complete"]
     for k, (name, cls) in enumerate(zip(names, pipe.classes)):

@@ -1,31 +1,40 @@
 """The fast path: the batch kernel (cython_ext/batch.pyx) behind the reference pipeline.
 
-    source    load_captures: pcap/pcapng files read into one buffer, frames indexed
-              (offsets, lengths, stream ids) and merged in capture-time order -> Batch
+    source    load_captures: pcap/pcapng files read into memory, frames indexed (offsets,
+              lengths, stream ids) and merged in capture-time order -> Batch
     decode    \\
-    place      > BatchKernel.run, one pass over a Batch without the GIL
-    assemble  /  (writes straight into the open IterationAssembly arrays)
-    apply, keep   unchanged: ckptd.pipeline.Pipeline does them
+    place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
+    assemble  /  into the open IterationAssembly arrays
+    apply, keep   ckptd.pipeline.Pipeline's own, unchanged
 
 The pure-Python path (ckptd.pipeline, ckptd.extract, ckptd.flows, ckptd.assemble) stays
 the reference, and this module leans on it for every decision the kernel cannot make
 alone. The kernel stops at a frame that needs one, before changing anything for it:
 
-    unknown flow          FlowBinder (Extractor.feed) binds it, or calls it unrelated
-    iteration not open    Pipeline._assemble opens it (and may finalize older ones)
-    LL flag base unknown  Extractor learns it from this packet
-    rejection             while Extractor still records examples (the first 20)
-    reduce-scatter step 0 while gradients are dumped (Pipeline keeps those placements)
+    unknown_flow    FlowBinder (Extractor.feed) binds the flow, holds it, or calls it
+                    unrelated; the kernel then learns the binding or the verdict
+    ack             an ACK of a hop whose flows are not all bound (FlowBinder.note_ack)
+    iteration       a packet of an iteration the kernel does not track, or an allgather
+                    placement into one the pipeline has not opened, or a reduce-scatter
+                    placement beyond the highest iteration (Pipeline._assemble moves on)
+    flag_base       LL, a connection whose flag base the Extractor has not learned yet
+    example         a rejection while the Extractor still keeps examples (the first 20)
+    rs_dump         reduce-scatter step 0 while gradients are dumped
+    range           a placement past its bucket's end (the reference raises)
+    encapsulated    GRE/ERSPAN: parsers.roce unwraps it (the kernel does not)
 
-Python then runs the reference path on that one frame (parsers.roce.decode_frame,
-Extractor.feed, Pipeline._assemble), copies what changed into the kernel's tables
-(new bindings, PSN anchors, flag bases, open iterations) and resumes at the next frame.
-So every frame is processed in capture order by exactly one of the two, and buffers,
-coverage, conflicts, counters and per-stream loss come out as the reference's.
+and after a frame that completed a bucket (`complete`), so that the pipeline steps the
+shadow and commits exactly when the reference would. Python runs the reference path on
+that one frame (RoceTransport.feed_frame, or Extractor.feed on the packet the kernel
+decoded; Pipeline._assemble), copies what changed into the kernel's tables (bindings,
+PSN anchors, flag bases, live iterations) and resumes at the next frame. So every frame
+is processed in capture order by exactly one of the two, and buffers, coverage,
+conflicts, counters, loss, reports and their timing come out as the reference's
+(tests/test_fastpath.py compares them all).
 
 Entry points: `fast_replay` (ckptd.pipeline.replay's twin), `FastPipeline.run_batch` for
-batches from any source (a capture ring block is a Batch too), `FastExtractor` for the
-extractor alone.
+batches from any source (a capture-ring block is a Batch too), `FastExtractor` for the
+decode + place stage alone.
 """
 from __future__ import annotations
 

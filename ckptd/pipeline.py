@@ -323,10 +323,24 @@ class Pipeline:
 
 
 def replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
-           on_iteration=None) -> Pipeline:
+           on_iteration=None, progress: Callable[[int, int], None] | None = None) -> Pipeline:
+    """Offline replay of capture files; progress(bytes read, total bytes) now and then."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = Pipeline(plan, start, len(paths), opts, on_iteration)
-    pipe.run(file_source(paths, pipe.errors))
+    source = file_source(paths, pipe.errors)
+    if progress:
+        source = _with_progress(source, sum(os.path.getsize(p) for p in paths), progress)
+    pipe.run(source)
     return pipe
+
+
+def _with_progress(source, total: int, progress, every: int = 4096):
+    done = 0
+    for n, (k, fr) in enumerate(source, 1):
+        done += fr.caplen + 16  # record header
+        if n % every == 0:
+            progress(done, total)
+        yield k, fr
+    progress(total, total)

@@ -205,7 +205,9 @@ class Daemon:
             self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
                                              block_nr=i.block_nr, frame_size=i.frame_size,
                                              retire_ms=i.retire_ms, snaplen=i.snaplen,
-                                             fanout=fanout))
+                                             fanout=fanout,
+                                             # the kernel filter passes RoCEv2 and GRE only
+                                             bpf=self.plan.transport == "roce"))
 
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""

@@ -85,7 +85,7 @@ def plan_for(model: MLP, args, ready_order: list[int]) -> Plan:
     opt = Optimizer(kind="adamw", lr=args.lr, weight_decay=0.01, implementation="foreach")
     return Plan(tuple(Parameter(n, tuple(p.shape), "float32") for n, p in named), tuple(first),
                 tuple(rebuilt), RingConfig(args.world, (tuple(range(args.world)),)), opt,
-                tuple("127.0.0.1" for _ in range(args.world)), (), args.iterations, "gloo")
+                tuple(args.addrs or ["127.0.0.1"] * args.world), (), args.iterations, "gloo")
 
 
 def ready_order(model: MLP, args) -> list[int]:
@@ -103,9 +103,9 @@ def ready_order(model: MLP, args) -> list[int]:
 
 
 def worker(rank: int, args):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", args.ifname or "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
                            rank=rank, world_size=args.world)
     out = Path(args.out)
     model = build(args.size, args.seed)
@@ -148,7 +148,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="TCPStore port (0: pick a free one)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rank", type=int, help="run only this rank (one process per host, e.g. "
+                    "in its own network namespace); default: spawn all ranks here")
+    ap.add_argument("--master", default="127.0.0.1", help="rank 0's address (the TCPStore)")
+    ap.add_argument("--addrs", type=lambda s: s.split(","), help="every rank's address, for the plan")
+    ap.add_argument("--ifname", help="GLOO_SOCKET_IFNAME (default lo)")
     args = ap.parse_args(argv)
+    if args.rank is not None:
+        if not args.port:
+            ap.error("--rank needs --port (all ranks must agree on it)")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        worker(args.rank, args)
+        return
     args.port = args.port or free_port()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch.multiprocessing as mp

@@ -39,6 +39,7 @@ decode + place stage alone.
 from __future__ import annotations
 
 import ctypes
+import gc
 import ipaddress
 import os
 import sys
@@ -789,6 +790,19 @@ class FastPipeline(Pipeline):
         return self.finish(abandon)
 
     def run_batch(self, batch: Batch):
+        """Every frame of the batch, in order. The cyclic garbage collector is paused
+        meanwhile: while flows are being bound the binder holds thousands of packets, and
+        each full collection would walk torch's and numpy's object graphs too (the hot path
+        makes no reference cycles; collection resumes afterwards)."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            self._run_batch(batch)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _run_batch(self, batch: Batch):
         ex = self.extract
         i, n = 0, len(batch)
         while i < n:

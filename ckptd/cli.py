@@ -99,8 +99,13 @@ def cmd_replay(a) -> int:
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=a.resume)
     t0 = time.time()
-    pipe = replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
-                  progress=_byte_progress("replay"))
+    if a.fast and plan.transport == "roce":
+        from .fastpath import fast_replay
+        pipe = fast_replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
+                           trust_icrc=a.trust_icrc)
+    else:
+        pipe = replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
+                      progress=_byte_progress("replay"))
     reps = pipe.reports
     bad = [r for r in reps if not r.ok and r.status != "complete"]
     for k, (name, cls) in enumerate(zip(names, pipe.classes)):
@@ -276,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dump-gradients", metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
     r.add_argument("--resume", metavar="CKPT", help="after a gap, restart the shadow from this checkpoint")
+    r.add_argument("--fast", action="store_true",
+                   help="use the Cython batch kernel (same results; reads the captures into memory)")
+    r.add_argument("--trust-icrc", action="store_true",
+                   help="with --fast: skip ICRC checks (the NIC/switch already verified them)")
     r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")
     r.set_defaults(func=cmd_replay)
 

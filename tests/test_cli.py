@@ -109,3 +109,14 @@ def test_demo_small(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("bit-exact") == 2
+
+
+def test_replay_fast_matches_the_reference_path(run, tmp_path, capsys):
+    args = ["replay", "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"),
+            "--reference", str(run / "reference")] + pcaps(run)
+    assert main(args + ["--out", str(tmp_path / "ref")]) == 0
+    slow = capsys.readouterr().out
+    assert main(args + ["--out", str(tmp_path / "fast"), "--fast"]) == 0
+    fast = capsys.readouterr().out
+    lines = lambda text: [ln.split(" packets=")[0] for ln in text.splitlines() if ln.startswith("iteration")]
+    assert lines(fast) == lines(slow) and fast.count("bit-exact") == 3

@@ -7,7 +7,6 @@ from setuptools import Extension, setup
 from Cython.Build import cythonize
 
 extensions = [
-    Extension("cython_ext.ll", ["cython_ext/ll.pyx"], extra_compile_args=["-O3"]),
     Extension("cython_ext.batch", ["cython_ext/batch.pyx"], libraries=["z"], extra_compile_args=["-O3"]),
 ]
 

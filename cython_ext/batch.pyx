@@ -239,7 +239,7 @@ cdef extern from *:
     /* ---- NCCL LL lines: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} ----------------
      * Returns 1 when every flag of every line equals `flag`; writes the 8 data bytes of
      * each line to `out` (when out is not NULL). The same job as ckptd.extract.ll_unpack
-     * and cython_ext/ll.pyx, two lines per SSE2 step. */
+     * two lines per SSE2 step. */
     static int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *out) {
         int64_t i = 0;
         uint32_t bad = 0;

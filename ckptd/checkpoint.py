@@ -17,7 +17,7 @@ CHECKPOINT_FORMAT = "ckptd-checkpoint/1"
 
 
 class CheckpointError(ValueError):
-    pass
+    """A file that is not a readable ckptd checkpoint, or one that does not fit the plan."""
 
 
 def checkpoint_name(iteration: int) -> str:

@@ -33,7 +33,7 @@ SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is i
 
 
 class ConfigError(ValueError):
-    pass
+    """A daemon config that cannot be used; the message names the file and the key."""
 
 
 @dataclass

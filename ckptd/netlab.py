@@ -52,7 +52,7 @@ _PORT_DIRECTION = {"tx": "ingress", "rx": "egress", "both": "both"}  # host -> p
 
 
 class NetLabError(RuntimeError):
-    pass
+    """The test network could not be built or torn down; the message says which part."""
 
 
 def unique_prefix() -> str:

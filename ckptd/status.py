@@ -86,8 +86,8 @@ class StatusServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args):  # quiet: the daemon logs what matters itself
-                pass
+            def log_message(self, *args):
+                """Quiet: the daemon logs what matters itself."""
 
         self.httpd = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
         self.address = self.httpd.server_address

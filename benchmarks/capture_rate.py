@@ -2,6 +2,7 @@
 and the same for `tcpdump -w`, measured side by side on one test network.
 
     python -m benchmarks.capture_rate [--model small] [--duration 8] [--block-kb 256 --block-nr 8]
+                                      [--only daemon] [--pipeline fast|reference]
 
 A synthesized job (4 ranks, 2 channels, Simple, 4 KiB RoCE MTU, 3 mirror ports that
 see every frame, no injected loss) is replayed by the hosts of a NetLab (namespaces, a
@@ -283,7 +284,7 @@ def trial_daemon(lab, wl, a, dp: DaemonProc, t: Trial, pps_per_host: float, tmp:
     out = tmp / "ckpt"
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"plan": str(wl.run / "plan.json"), "init": str(wl.run / "init.pt"), "out": str(out),
-           "listen": "127.0.0.1:0",
+           "listen": "127.0.0.1:0", "fast": a.pipeline == "fast",
            "interfaces": [{"name": m.name, "ifname": m.capture_ifname, "netns": lab.ckpt_ns,
                            "block_size": a.block_kb * 1024, "block_nr": a.block_nr}
                           for m in lab.mirrors]}
@@ -504,6 +505,8 @@ def main(argv=None):
     ap.add_argument("--block-nr", type=int, default=8, help="blocks per ring (ring = block-kb x block-nr per interface; tcpdump -B the same)")
     ap.add_argument("--tcpdump-filter", default=TCPDUMP_FILTER, help="'' for none")
     ap.add_argument("--only", choices=("daemon", "tcpdump"), help="measure one capturer only")
+    ap.add_argument("--pipeline", choices=("fast", "reference"), default="fast",
+                    help="the daemon's pipeline: fast (FastPipeline, its default for RoCE) or reference (Pipeline)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ckptd-capture-rate"),
                     help="synthesized scenarios are kept here and reused")
@@ -520,7 +523,8 @@ def main(argv=None):
         sys.exit("tcpdump is not installed (apt-get install -y tcpdump), or pass --only daemon")
 
     t_start = time.time()
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}"
+          + (f"; daemon pipeline: {a.pipeline}" if "daemon" in capturers else ""), flush=True)
     # Frames per iteration of this scenario: from a short synth (cheap), then the pool.
     probe = load_workload(ensure_synth(a, 4))
     need = math.ceil(a.pool_pps * a.duration / probe.per_iteration()) + 1

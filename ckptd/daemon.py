@@ -4,6 +4,9 @@ The same pipeline as `ckptd replay` (ckptd.pipeline), fed by capture rings inste
 files; the daemon's features plug in around that one loop:
 
     capture   ckptd.capture.RingCapture per configured interface (one per mirror port)
+    fast      with `fast` (the default for RoCE plans) ckptd.fastpath.FastPipeline runs
+              the pipeline: ring blocks go to its Cython kernel as Batches (same reports
+              and checkpoints as the reference Pipeline, which gloo plans always use)
     status    ckptd.status: /status and /metrics, from snapshots the loop publishes
     keep      checkpoint files, written by the pipeline as iterations commit
     logs      one JSON object per line on stderr, warnings only unless asked
@@ -20,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +34,9 @@ from .status import Snapshot, StatusServer
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
+BATCH_MAX_FRAMES = 1 << 15  # fast path: ready ring blocks are joined into one Batch up to this
+SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
+KEEP_REPORTS = 1000
 
 
 class ConfigError(ValueError):
@@ -60,6 +67,7 @@ class DaemonConfig:
     log_level: str = "warning"
     resume: str | None = None
     dump_gradients: str | None = None
+    fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
     extra: dict = field(default_factory=dict)
 
 
@@ -98,14 +106,19 @@ def load_config(path: str | Path) -> DaemonConfig:
         ifs.append(InterfaceConfig(**{"name": x.get("name", x["ifname"]), **x}))
     if not ifs:
         raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
-    known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients"}
+    known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
+             "fast"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    fast = doc.get("fast")
+    if fast is not None and not isinstance(fast, bool):
+        raise ConfigError(f"{path}: 'fast' must be true or false, not {fast!r}")
     return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
                         interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
                         log_level=str(doc.get("log_level", "warning")),
-                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")))
+                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
+                        fast=fast)
 
 
 class JsonFormatter(logging.Formatter):
@@ -140,10 +153,19 @@ class Daemon:
         self.last_report: IterationReport | None = None
         self.unrecovered: list[dict] = []
         self.started = time.time()
-        self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces),
-                             ReplayOptions(out=cfg.out, resume=cfg.resume,
-                                           dump_gradients=cfg.dump_gradients),
-                             on_iteration=self._on_iteration, keep_reports=1000)
+        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients)
+        self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
+        if self.fast and self.plan.transport != "roce":
+            raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
+                              f"{self.plan.transport} (set fast: false)")
+        if self.fast:
+            from .fastpath import FastPipeline
+            self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
+                                     on_iteration=self._on_iteration)
+            self.pipe.reports = deque(maxlen=KEEP_REPORTS)  # as Pipeline's keep_reports
+        else:
+            self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
+                                 on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -170,6 +192,39 @@ class Daemon:
                 self._publish()
             yield k, fr
 
+    def _batches(self, source):
+        """Fast path: the source's frames as Batches, in order. A `_BLOCK_END` item (see
+        _BlockEnds) closes a ring block: the batch goes to the kernel then, unless another
+        block is already waiting, in which case blocks are joined (up to BATCH_MAX_FRAMES),
+        so a busy link gets big batches and a quiet one no added latency. A plain
+        frame-by-frame source is cut every SOURCE_CHUNK frames."""
+        from .fastpath import batch_from_frames
+        chunk: list = []
+        marked = False
+        for item in source:
+            if item[1] is _BLOCK_END:
+                marked = True
+                if chunk and (len(chunk) >= BATCH_MAX_FRAMES
+                              or not any(c.ready() for c in self.captures if not c._closed)):
+                    yield batch_from_frames(chunk)
+                    chunk = []
+                continue
+            chunk.append(item)
+            if len(chunk) >= (BATCH_MAX_FRAMES if marked else SOURCE_CHUNK):
+                yield batch_from_frames(chunk)
+                chunk = []
+        if chunk:
+            yield batch_from_frames(chunk)
+
+    def _run_fast(self, source):
+        for batch in self._batches(source):
+            before = self.frames
+            self.frames += len(batch)
+            self.pipe.run_batch(batch)
+            if self.frames // SNAPSHOT_EVERY != before // SNAPSHOT_EVERY:
+                self._publish()
+        self.pipe.finish(abandon=True)
+
     def _publish(self, state: str = "running"):
         committed = [r for r in self.pipe.reports if r.status == "committed"]
         last = self.last_report
@@ -193,9 +248,19 @@ class Daemon:
                                    "delivered": st["delivered"]}
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
+            "pipeline": self._pipeline_stats(),
             "unrecoverable": self.unrecovered[-20:],
         }
         self.snapshot.publish(doc)
+
+    def _pipeline_stats(self) -> dict:
+        if not self.fast:
+            return {"fast": False}
+        p = self.pipe
+        return {"fast": True, "kernel_frames": p.kernel_frames,
+                "python_frames": sum(p.stops.values()) - p.stops.get("complete", 0)
+                - p.stops.get("conflicts_full", 0),
+                "kernel_seconds": round(p.kernel_seconds, 6), "stops": dict(p.stops)}
 
     # -- running ---------------------------------------------------------------------
     def open_captures(self):
@@ -220,10 +285,18 @@ class Daemon:
             if source is None:
                 from .capture import ring_source
                 self.open_captures()
-                source = ring_source(self.captures, self.stop, self.pipe.errors)
+                if self.fast:  # each block's frames, then _BLOCK_END
+                    source = ring_source([_BlockEnds(c) for c in self.captures], self.stop,
+                                         self.pipe.errors)
+                else:
+                    source = ring_source(self.captures, self.stop, self.pipe.errors)
             self._publish()
-            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen}})
-            self.pipe.run(self._counting(source), abandon=True)
+            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
+                                                    "fast": self.fast}})
+            if self.fast:
+                self._run_fast(source)
+            else:
+                self.pipe.run(self._counting(source), abandon=True)
         finally:
             self._publish("stopped")
             for c in self.captures:
@@ -241,3 +314,27 @@ class Daemon:
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
         return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3
+
+
+class _BlockEndMark:
+    def __repr__(self):
+        return "_BLOCK_END"
+
+
+_BLOCK_END = _BlockEndMark()
+
+
+class _BlockEnds:
+    """A RingCapture whose read_block appends a (stream, _BLOCK_END) marker, so that
+    ring_source (unchanged: round robin, errors, the drain on stop) tells the fast
+    daemon where each block ends; ring_source yields it as (k, _BLOCK_END)."""
+
+    def __init__(self, capture):
+        self._capture = capture
+
+    def __getattr__(self, name):
+        return getattr(self._capture, name)
+
+    def read_block(self, timeout=0.0):
+        block = self._capture.read_block(timeout)
+        return block + [_BLOCK_END] if block else block

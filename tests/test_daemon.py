@@ -83,3 +83,59 @@ def test_config_errors_name_the_problem(run, tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="unknown keys"):
         load_config(_config(run, tmp_path, colour="blue"))
+
+
+def test_fast_daemon_matches_the_reference_daemon(run, tmp_path):
+    """The same frames through the fast daemon (FastPipeline, batches) and the reference
+    daemon (Pipeline): the same reports, counters and checkpoints; both abandon the
+    iteration in flight when stopped."""
+    from ckptd.checkpoint import diff_checkpoints, load_checkpoint
+    from ckptd.fastpath import FastPipeline
+    from ckptd.pipeline import Pipeline
+
+    frames = list(file_source(pcaps(run), []))
+    cut = len(frames) * 7 // 10  # stop mid-iteration
+
+    def go(fast):
+        d = tmp_path / ("fast" if fast else "ref")
+        d.mkdir()
+        daemon = Daemon(load_config(_config(run, d, fast="true" if fast else "false")))
+        seen = []
+        daemon.pipe.on_iteration = lambda rep: (seen.append(rep.iteration), daemon._on_iteration(rep))
+        assert daemon.fast is fast
+        assert type(daemon.pipe) is (FastPipeline if fast else Pipeline)
+        rc = daemon.run(source=iter(frames[:cut]), install_signals=False)
+        return daemon, rc, seen, d / "ck"
+
+    ref, ref_rc, ref_seen, ref_ck = go(False)
+    fast, fast_rc, fast_seen, fast_ck = go(True)
+    assert fast_rc == ref_rc == 0
+    assert fast_seen == ref_seen and fast_seen
+
+    def key(r):
+        return (r.iteration, r.status, r.packets, r.grad_bytes, r.coverage, r.loss, r.note,
+                [(m.bucket, m.start, m.end) for m in r.missing])
+    assert [key(r) for r in fast.pipe.reports] == [key(r) for r in ref.pipe.reports]
+    assert fast.pipe.reports[-1].status == "abandoned"
+    assert fast.frames == ref.frames == cut
+    assert fast.pipe.classes == ref.pipe.classes
+    assert dict(fast.pipe.extract.counters) == dict(ref.pipe.extract.counters)
+    assert fast.by_status == ref.by_status
+    a, b = fast.snapshot.get(), ref.snapshot.get()
+    for k in ("state", "last_committed", "iterations_by_status", "extraction", "shadow_stopped_after"):
+        assert a[k] == b[k], k
+    assert [(s["name"], s["frames"], s["classes"], s["coverage"]) for s in a["streams"]] == \
+        [(s["name"], s["frames"], s["classes"], s["coverage"]) for s in b["streams"]]
+    assert a["pipeline"]["fast"] and a["pipeline"]["kernel_frames"] > 0 and not b["pipeline"]["fast"]
+    names = sorted(p.name for p in ref_ck.iterdir())
+    assert names and sorted(p.name for p in fast_ck.iterdir()) == names
+    for n in names:
+        assert diff_checkpoints(load_checkpoint(fast_ck / n), load_checkpoint(ref_ck / n)) == []
+
+
+def test_fast_key_defaults_to_the_transport_and_is_checked(run, tmp_path):
+    assert load_config(_config(run, tmp_path)).fast is None
+    assert Daemon(load_config(_config(run, tmp_path))).fast  # a RoCE plan
+    assert load_config(_config(run, tmp_path, fast="false")).fast is False
+    with pytest.raises(ConfigError, match="'fast' must be true or false"):
+        load_config(_config(run, tmp_path, fast="sometimes"))

@@ -2,7 +2,8 @@
 checkpoint host, a Linux bridge as the leaf switch, tc mirror rules from
 switch_config.linux on the monitored ports, loss injected on a mirror link, every host
 sending its own synthesized frames through AF_PACKET. The daemon captures the three
-mirror ports with TPACKET_V3 rings and must write checkpoints bit-identical to the
+mirror ports with TPACKET_V3 rings, runs the fast path (FastPipeline, the default for
+RoCE) on their blocks, and must write checkpoints bit-identical to the
 trainer's and to the offline replay's."""
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
                                             block_size=1 << 20, block_nr=512, retire_ms=100)
                             for m in lab.mirrors])
             daemon = Daemon(cfg)
+            assert daemon.fast  # the default for a RoCE plan: ring blocks go to FastPipeline
             result = {}
             t = threading.Thread(target=lambda: result.setdefault(
                 "rc", daemon.run(install_signals=False)), name="daemon")
@@ -84,6 +86,7 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
     assert [r.iteration for r in reps] == list(range(ITERATIONS)), \
         [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
     assert status["last_committed"] == ITERATIONS - 1
+    assert status["pipeline"]["fast"] and status["pipeline"]["kernel_frames"] > 0, status["pipeline"]
     offline = run_replay(run)  # the synthesized captures, replayed offline
     assert all(r.status == "committed" for r in offline.reports)
     for it in range(ITERATIONS):

@@ -365,3 +365,37 @@ class GlooRingSchedule:
                 if s.phase == AG:
                     seen[s.start:s.start + s.count] += 1
         return seen
+
+
+# -- DDP's rebuilt-bucket broadcast ------------------------------------------------------
+BROADCAST_PREFIX = 0x06
+
+
+def decode_rebuilt_buckets(indices: bytes, sizes: bytes, nparams: int) -> list[list[int]] | str:
+    """The rebuilt bucket layout rank 0 broadcasts after iteration 0, or why these two
+    payloads are not it.
+
+    torch/csrc/distributed/c10d/reducer.cpp Reducer::sync_bucket_indices (called from
+    rebuild_buckets in iteration 1's forward) broadcasts two int32 tensors from rank 0,
+    one collective (one tag) each: first the flattened parameter indices of every
+    bucket followed by the number of buckets (total + 1 ints), then the number of
+    parameters in each bucket. Indices count DDP's parameters (the plan's order).
+    On the wire (gloo broadcast, slot prefix 0x06) each is one SEND_UNBOUND_BUFFER of
+    little-endian ints on the connections from the root to the other ranks.
+    """
+    if len(indices) != 4 * (nparams + 1) or len(sizes) % 4 or not sizes:
+        return f"lengths {len(indices)}, {len(sizes)} do not fit {nparams} parameters"
+    idx = list(struct.unpack(f"<{nparams + 1}i", indices))
+    nb = idx.pop()
+    sz = list(struct.unpack(f"<{len(sizes) // 4}i", sizes))
+    if nb != len(sz) or nb < 1:
+        return f"{nb} buckets announced, {len(sz)} bucket sizes sent"
+    if any(s < 1 for s in sz) or sum(sz) != nparams:
+        return f"bucket sizes {sz} do not add up to {nparams} parameters"
+    if sorted(idx) != list(range(nparams)):
+        return "the indices are not each parameter once"
+    out, at = [], 0
+    for s in sz:
+        out.append(idx[at:at + s])
+        at += s
+    return out

@@ -21,6 +21,17 @@ broadcasts and allgathers included; the n-th allreduce tag on the wire is the n-
 bucket allreduce (iteration 0 has len(plan.buckets(0)) of them, later ones
 len(plan.buckets(1))). A tag's place in that order is fixed once a tag MAP_LAG higher
 has been seen (ProcessGroupGloo runs at most a few collectives at once) or at flush.
+
+The rebuilt layout. After iteration 0 DDP rebuilds its buckets and rank 0 broadcasts
+the new layout (reducer.cpp sync_bucket_indices; ckptd.gloo.decode_rebuilt_buckets):
+two gloo broadcasts of int32s, the flattened parameter indices plus the bucket count,
+then the bucket sizes. The first pair of broadcast tags that decodes as a layout of
+the plan's parameters is it. Allreduce number len(plan.buckets(0)) (iteration 1's
+first bucket) is not numbered until that layout is known (or REBUILD_WAIT tags later,
+or at flush). With `"rebuilt": "learn"` the plan takes the wire's layout
+(Plan.learn_rebuilt); with a rebuilt layout in the plan the two are compared, and on a
+mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
+(`rebuilt_mismatch_dropped`), so nothing after iteration 0 is committed.
 """
 from __future__ import annotations
 
@@ -32,13 +43,14 @@ from parsers.capture import CapturedFrame
 from parsers.tcp import decode_tcp_frame
 
 from .extract import MAX_EXAMPLES, Placement
-from .gloo import (NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage, GlooRingSchedule,
-                   Header)
-from .plan import Plan
+from .gloo import (BROADCAST_PREFIX, NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage,
+                   GlooRingSchedule, Header, decode_rebuilt_buckets)
+from .plan import BucketLayout, Plan
 from .schedule import AG, RS
 from .tcpstream import HOLE_WINDOW, TcpReassembler
 
 MAP_LAG = 8
+REBUILD_WAIT = 64  # tags past iteration 1's first allreduce before giving up on the broadcast
 
 
 @dataclass
@@ -125,6 +137,13 @@ class GlooExtractor:
         self.supplied: dict[tuple[int, int], int] = Counter()  # (stream, iteration) -> AG bytes
         self.expected_ag = [sum(s.nbytes for per in sc.sends.values() for sends in per for s in sends
                                 if s.phase == AG) for sc in self.sched]
+        self.nparams = len(plan.parameters)
+        self.bcast: dict[int, bytes] = {}  # broadcast tag -> payload (small complete ones)
+        self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen
+        self.rebuilt_tag: int | None = None  # the indices broadcast's tag
+        self.wire_rebuilt: tuple[BucketLayout, ...] | None = None
+        if self.nparams == 0 or self.nranks < 2:
+            self.rebuilt = "not_seen"  # a bare collective: no DDP, nothing broadcast
 
     # -- input ---------------------------------------------------------------------
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
@@ -198,6 +217,8 @@ class GlooExtractor:
         h = m.header
         if not h.is_allreduce:
             self.other_slots[SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
+            if h.prefix == BROADCAST_PREFIX and h.is_data:
+                self._broadcast(key, m)
             return
         t = h.tag
         if t not in self.tagset:
@@ -221,6 +242,56 @@ class GlooExtractor:
             return
         self.data[t].append(_Data(key, src, dst, idx, m))
 
+    # -- the rebuilt layout ------------------------------------------------------------
+    def _broadcast(self, key, m: GlooMessage):
+        """Keep small broadcast payloads; the rebuilt layout is two of them."""
+        h = m.header
+        if self.rebuilt != "pending" or h.length > 4 * (self.nparams + 1) or h.length % 4:
+            return
+        if not m.complete:
+            self.counters["broadcast_partial"] += 1
+            return
+        have = self.bcast.get(h.tag)
+        if have is None:
+            self.bcast[h.tag] = bytes(m.payload)
+        elif have != bytes(m.payload):  # every receiver gets the root's bytes
+            self._example("broadcast_conflict", f"{key}: broadcast tag {h.tag} differs between copies")
+        self._resolve_rebuilt()
+
+    def _resolve_rebuilt(self):
+        for t in sorted(self.bcast):
+            if self.bcast.get(t + 1) is None or len(self.bcast[t]) != 4 * (self.nparams + 1):
+                continue
+            got = decode_rebuilt_buckets(self.bcast[t], self.bcast[t + 1], self.nparams)
+            if isinstance(got, str):
+                continue
+            names = [p.name for p in self.plan.parameters]
+            self.wire_rebuilt = tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in got)
+            self.rebuilt_tag = t
+            self.bcast.clear()
+            if self.plan.rebuilt_learn:
+                self.plan.learn_rebuilt(self.wire_rebuilt)
+                self._set_rebuilt_schedule()
+                self.counters["rebuilt_learned"] += 1
+                self.rebuilt = "ok"
+            elif tuple(self.plan.buckets_rebuilt) == self.wire_rebuilt:
+                self.counters["rebuilt_checked"] += 1
+                self.rebuilt = "ok"
+            else:
+                self.rebuilt = "mismatch"
+                self._example("rebuilt_mismatch", "DDP's rebuilt buckets (broadcast tags "
+                              f"{t}, {t + 1}) are {[list(b.params) for b in self.wire_rebuilt]}; "
+                              f"the plan says {[list(b.params) for b in self.plan.buckets_rebuilt]}: "
+                              "no iteration after 0 is placed")
+            return
+
+    def _set_rebuilt_schedule(self):
+        self.sched[1] = sc = GlooRingSchedule(self.nranks, self.plan.buckets(1))
+        self.nb[1] = len(sc.buckets)
+        self.lengths |= sc.lengths()
+        self.expected_ag[1] = sum(s.nbytes for per in sc.sends.values() for sends in per
+                                  for s in sends if s.phase == AG)
+
     def _map(self, out: list[Placement], final: bool = False):
         """Number the allreduce tags that can no longer be preceded by an unseen one."""
         top = self.tags[-1] if self.tags else -1
@@ -228,11 +299,25 @@ class GlooExtractor:
             t = self.tags[self.map_pos]
             if not final and t + self.map_lag > top:
                 break
+            if self.next_number == self.nb[0] and self.rebuilt == "pending":
+                if not final and t + REBUILD_WAIT > top:
+                    break  # iteration 1's layout is not known yet
+                self.rebuilt = "not_seen"
+                self.counters["rebuilt_not_seen"] += 1
+                if self.plan.rebuilt_learn:
+                    self._example("rebuilt_unknown", "DDP's rebuilt-bucket broadcast was not "
+                                  "decoded and the plan says learn: no iteration after 0 is placed")
             self.map_pos += 1
             self.mapped[t] = n = self.next_number
             self.next_number += 1
             it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
                                                    (n - self.nb[0]) % self.nb[1])
+            if it >= 1 and (self.rebuilt == "mismatch"
+                            or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
+                dropped = self.data.pop(t, [])
+                self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
+                              else "rebuilt_unknown_dropped"] += len(dropped)
+                continue
             for d in self.data.pop(t, []):
                 self._place(it, b, d, out)
 

@@ -85,6 +85,7 @@ class Plan:
     mirrors: tuple[Mirror, ...] = ()
     iterations: int | None = None
     transport: str = "roce"  # roce: NCCL over RoCEv2 | gloo: torch.distributed gloo over TCP
+    rebuilt_learn: bool = False  # buckets.rebuilt is "learn": taken from the wire (gloo only)
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -99,6 +100,14 @@ class Plan:
 
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
         return self.buckets_first if iteration == 0 else self.buckets_rebuilt
+
+    def learn_rebuilt(self, layout) -> None:
+        """Set the rebuilt layout learned from the wire (a plan with "rebuilt": "learn";
+        every stage reads it through layout()/buckets(), so it must be set before any
+        iteration >= 1 is placed)."""
+        if not self.rebuilt_learn:
+            raise PlanError("the plan gives buckets.rebuilt; it is checked, not learned")
+        object.__setattr__(self, "buckets_rebuilt", tuple(layout))
 
     def buckets(self, iteration: int) -> list[Bucket]:
         return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b))))
@@ -139,7 +148,8 @@ class Plan:
             "parameters": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
                            for p in self.parameters],
             "buckets": {"first": [_bucket_json(b) for b in self.buckets_first],
-                        "rebuilt": [_bucket_json(b) for b in self.buckets_rebuilt]},
+                        "rebuilt": "learn" if self.rebuilt_learn else
+                        [_bucket_json(b) for b in self.buckets_rebuilt]},
             "ring": {
                 "nranks": r.nranks, "rings": [list(x) for x in r.rings], "protocol": r.protocol,
                 "nccl_version": f"{r.nccl_version[0]}.{r.nccl_version[1]}",
@@ -231,7 +241,8 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         return tuple(out)
 
     first = buckets("first")
-    rebuilt = buckets("rebuilt") if doc["buckets"].get("rebuilt") else first
+    learn = doc["buckets"].get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
+    rebuilt = buckets("rebuilt") if doc["buckets"].get("rebuilt") and not learn else first
     for key, layout in (("first", first), ("rebuilt", rebuilt)):
         covered = [n for b in layout for n in b.params]
         if params and sorted(covered) != sorted(names):
@@ -291,5 +302,7 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
     transport = doc.get("transport", "roce")
     if transport not in ("roce", "gloo"):
         raise PlanError(f"{where}: transport {transport!r} is not one of roce, gloo")
+    if learn and (transport != "gloo" or not params):
+        raise PlanError(f'{where}: buckets.rebuilt "learn" needs transport gloo and parameters')
     return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
-                doc.get("iterations"), transport)
+                doc.get("iterations"), transport, learn)

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from ckptd.gloo import (HEADER_LEN, NOTIFY_RECV_READY, NOTIFY_SEND_READY, SEND_UNBOUND_BUFFER,
-                        GlooFramer, GlooRingSchedule, Header, message, ring_segments, slot_of)
+                        GlooFramer, GlooRingSchedule, Header, decode_rebuilt_buckets, message,
+                        ring_segments, slot_of)
 from ckptd.schedule import AG, RS, Bucket
 from ckptd.tcpstream import Direction, Piece, TcpReassembler
 from parsers.ethernet import Ethernet
@@ -220,6 +221,35 @@ def test_header_fields():
     assert h.is_allreduce and h.is_data and h.well_formed()
 
 
+def test_decode_rebuilt_buckets():
+    # reducer.cpp sync_bucket_indices: indices then the bucket count, then the sizes
+    idx = struct.pack("<6i", 4, 3, 2, 0, 1, 2)
+    assert decode_rebuilt_buckets(idx, struct.pack("<2i", 3, 2), 5) == [[4, 3, 2], [0, 1]]
+    assert isinstance(decode_rebuilt_buckets(idx, struct.pack("<2i", 3, 1), 5), str)
+    assert isinstance(decode_rebuilt_buckets(idx, struct.pack("<3i", 1, 2, 2), 5), str)
+    assert isinstance(decode_rebuilt_buckets(struct.pack("<6i", 4, 4, 2, 0, 1, 2),
+                                             struct.pack("<2i", 3, 2), 5), str)
+    assert isinstance(decode_rebuilt_buckets(idx, struct.pack("<2i", 3, 2), 6), str)
+
+
+def test_plan_rebuilt_learn_round_trip():
+    from ckptd.plan import PlanError, plan_from_json
+    doc = {"format": "ckptd-plan", "version": 1, "transport": "gloo",
+           "parameters": [{"name": "a", "shape": [2]}, {"name": "b", "shape": [3]}],
+           "buckets": {"first": [{"params": ["a", "b"]}], "rebuilt": "learn"},
+           "ring": {"nranks": 2, "nccl_version": "2.19"}, "optimizer": None,
+           "ranks": [{"rank": 0, "addr": "127.0.0.1"}, {"rank": 1, "addr": "127.0.0.1"}]}
+    plan = plan_from_json(doc)
+    assert plan.rebuilt_learn and plan.buckets_rebuilt == plan.buckets_first
+    assert plan.to_json()["buckets"]["rebuilt"] == "learn"
+    assert plan_from_json(plan.to_json()) == plan
+    with pytest.raises(PlanError, match="learn"):
+        plan_from_json({**doc, "transport": "roce"})
+    from ckptd.plan import BucketLayout
+    plan.learn_rebuilt([BucketLayout(params=("b",)), BucketLayout(params=("a",))])
+    assert [b.count for b in plan.buckets(1)] == [3, 2]
+
+
 # -- a real DDP job on gloo, captured on lo ---------------------------------------------
 def _can_capture() -> str | None:
     if os.geteuid() != 0:
@@ -257,11 +287,11 @@ def ddp_capture(tmp_path_factory):
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replay(tmp: Path, paths: list[str]):
+def _replay(tmp: Path, paths: list[str], plan=None):
     from ckptd.checkpoint import load_checkpoint
     from ckptd.pipeline import ReplayOptions, replay
     from ckptd.plan import load_plan
-    plan = load_plan(tmp / "run" / "plan.json")
+    plan = plan or load_plan(tmp / "run" / "plan.json")
     return replay(plan, paths, load_checkpoint(tmp / "run" / "init.pt"),
                        ReplayOptions(reference=str(tmp / "run" / "rank0")))
 
@@ -312,3 +342,55 @@ def test_two_lossy_mirrors_merge_and_one_alone_reports_its_holes(ddp_capture):
     bad = [r for r in alone.reports if r.status != "committed"]
     for r in bad:
         assert r.status in ("unrecoverable", "complete-not-applied", "conflict") or r.missing
+
+
+def _plan_doc(tmp: Path) -> dict:
+    import json
+    return json.loads((tmp / "run" / "plan.json").read_text())
+
+
+def test_rebuilt_layout_learned_from_the_wire(ddp_capture):
+    """DDP's rebuilt-bucket broadcast decodes to the layout the trainer's plan states,
+    and a plan that says "learn" replays bit-exact with it."""
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    from ckptd.plan import plan_from_json
+    doc = _plan_doc(tmp)
+    given = plan_from_json(doc)
+    doc["buckets"]["rebuilt"] = "learn"
+    plan = plan_from_json(doc)
+    assert plan.rebuilt_learn
+    pipe = _replay(tmp, [str(pcap)], plan)
+    ex = pipe.extract
+    assert ex.rebuilt == "ok" and ex.counters["rebuilt_learned"] == 1
+    assert ex.wire_rebuilt == given.buckets_rebuilt == plan.buckets_rebuilt
+    assert len(plan.buckets_rebuilt) == 3 and ex.rebuilt_tag == 4  # tags 4, 5 (docs/GLOO.md)
+    reps = list(pipe.reports)
+    assert [r.iteration for r in reps] == [0, 1, 2]
+    assert all(r.status == "committed" and r.exact for r in reps), \
+        [(r.status, r.note, ex.examples) for r in reps]
+    # the trainer's own plan is checked against the wire and agrees
+    checked = _replay(tmp, [str(pcap)])
+    assert checked.extract.counters["rebuilt_checked"] == 1
+    assert checked.extract.counters["rebuilt_mismatch"] == 0
+
+
+def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(ddp_capture):
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    from ckptd.plan import plan_from_json
+    doc = _plan_doc(tmp)
+    # the same bucket sizes, parameters reversed in each bucket: the ring schedule
+    # cannot tell, only the broadcast layout can
+    doc["buckets"]["rebuilt"] = [{"params": b["params"][::-1]} for b in doc["buckets"]["rebuilt"]]
+    pipe = _replay(tmp, [str(pcap)], plan_from_json(doc))
+    ex = pipe.extract
+    assert ex.rebuilt == "mismatch" and ex.counters["rebuilt_mismatch"] == 1
+    assert ex.counters["rebuilt_mismatch_dropped"] > 0
+    assert any("rebuilt buckets" in e and "the plan says" in e for e in ex.examples)
+    reps = {r.iteration: r for r in pipe.reports}
+    assert reps[0].status == "committed" and reps[0].exact
+    assert [r.iteration for r in pipe.reports if r.status == "committed"] == [0]
+    assert all(r.exact is not False for r in pipe.reports)

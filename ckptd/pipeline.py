@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import heapq
 import os
+import queue
+import threading
 import time
 from collections import Counter, deque
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -94,6 +97,49 @@ def transport_for(plan: Plan):
     return RoceTransport(plan)
 
 
+# -- apply: the optimizer on its own thread ----------------------------------------------
+class ApplyStage:
+    """Bucket steps run on a worker thread fed through a bounded queue, so the optimizer
+    (torch kernels, which release the GIL) overlaps decoding the traffic still to come.
+    A full queue makes `submit` wait (back-pressure, never a drop); `drain` waits for
+    every step submitted so far and re-raises a step's error in the caller."""
+
+    def __init__(self, depth: int = 8):
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.waits = 0  # submits that found the queue full
+        self.thread = threading.Thread(target=self._work, name="ckptd-apply", daemon=True)
+        self.thread.start()
+
+    def _work(self):
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job()
+            except BaseException as e:  # surfaced by drain()
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+    def submit(self, job: Callable[[], None]):
+        if self.queue.full():
+            self.waits += 1
+        self.queue.put(job)
+
+    def drain(self):
+        self.queue.join()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join()
+
+
 # -- report --------------------------------------------------------------------------
 @dataclass
 class IterationReport:
@@ -137,7 +183,8 @@ class Pipeline:
         self.offset = int(start.get("iteration", -1)) + 1 if start is not None else 0
         self.resume = load_checkpoint(opts.resume) if opts.resume else None
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
-        self.next_bucket = 0  # buckets of iteration done+1 already stepped
+        self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
+        self.applier = ApplyStage() if self.shadow is not None else None
         self.open: dict[int, IterationAssembly] = {}
         self.rs_open: dict[int, dict] = {}
         self.highest = -1
@@ -174,13 +221,21 @@ class Pipeline:
                 self.reports.append(rep)
                 if self.on_iteration:
                     self.on_iteration(rep)
+            self._close_applier()
             return self.reports
         last = self.highest
         if self.plan.iterations is not None:  # the job's total: missing ones are reported
             last = max(last, self.plan.iterations - 1 - self.offset)
         self._finalize_through(last)
         self._dump_rs(upto=last)
+        self._close_applier()
         return self.reports
+
+    def _close_applier(self):
+        if self.applier is not None:
+            self.applier.drain()
+            self.applier.close()
+            self.applier = None
 
     def _assemble(self, pl: Placement):
         it = pl.iteration
@@ -234,6 +289,7 @@ class Pipeline:
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:
+            self.applier.drain()
             self.next_bucket = 0  # buckets stepped so far are abandoned with the shadow
             if self.stopped_after is None:
                 self.stopped_after = it - 1
@@ -255,8 +311,9 @@ class Pipeline:
         if not self._bucketwise():
             return
         while self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket):
-            self.shadow.apply_bucket(asm.iteration + self.offset, self.next_bucket,
-                                     asm.gradient(self.next_bucket), asm.iteration)
+            self.applier.submit(partial(self.shadow.apply_bucket, asm.iteration + self.offset,
+                                        self.next_bucket, asm.gradient(self.next_bucket),
+                                        asm.iteration))
             self.next_bucket += 1
 
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
@@ -272,6 +329,7 @@ class Pipeline:
                 return
         if self._bucketwise():
             self._apply_ready_buckets(asm)  # whatever the last packets completed
+            self.applier.drain()
             self.shadow.finish_iteration(it)
         else:
             self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)

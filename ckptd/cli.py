@@ -111,7 +111,8 @@ def cmd_replay(a) -> int:
     for k, (name, cls) in enumerate(zip(names, pipe.classes)):
         print(f"stream {name}: " + ", ".join(f"{key}={v}" for key, v in sorted(cls.items())))
     c = pipe.extract.counters
-    print("extraction: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())) + f", late={pipe.late}")
+    print("extraction: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())) + f", late={pipe.late}"
+          + f", optimizer_backpressure={pipe.apply_waits}")
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
     for e in pipe.extract.binder.errors:

@@ -185,6 +185,7 @@ class Pipeline:
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
+        self.apply_waits = 0  # times extraction waited on a full optimizer queue
         self.open: dict[int, IterationAssembly] = {}
         self.rs_open: dict[int, dict] = {}
         self.highest = -1
@@ -235,6 +236,7 @@ class Pipeline:
         if self.applier is not None:
             self.applier.drain()
             self.applier.close()
+            self.apply_waits += self.applier.waits
             self.applier = None
 
     def _assemble(self, pl: Placement):

@@ -389,16 +389,9 @@ class RingSchedule:
             self.flows[conn + (q,)].add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
 
     # -- queries ------------------------------------------------------------------
-    def connections(self):
-        return list(self.sends)
-
     def steps(self, conn) -> int:
         """LL steps a connection advances by in one iteration (one per send)."""
         return len(self.sends[conn])
-
-    def hop_flows(self, src: int, dst: int) -> list[tuple[int, int]]:
-        """(channel, qp) of every QP the hop src -> dst carries, in creation order."""
-        return sorted((c, q) for (s, d, c, q) in self.flows if (s, d) == (src, dst))
 
     def ag_elements(self, b: int) -> np.ndarray:
         """How many allgather copies of each element of bucket b cross the ring (tests)."""

@@ -830,15 +830,6 @@ class FastPipeline(Pipeline):
         self._sync_iterations()
         return self.reports
 
-    def _after_placement(self, it: int):
-        """Pipeline._assemble's ending, for an allgather placement the kernel made into
-        open iteration `it` (so it <= highest): step the shadow on the next iteration's
-        whole buckets, commit complete iterations."""
-        if it == self.done + 1:
-            self._apply_ready_buckets(self.open[it])
-        while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
-            self._finalize_through(self.done + 1)
-
     def _wants_every_placement(self, asm) -> bool:
         """Would the reference act on a placement into asm that completes no bucket?
         Only when asm is the next iteration and a whole bucket waits to be stepped."""

@@ -254,13 +254,18 @@ class Pipeline:
                 asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
             asm.place(pl.stream, pl.bucket, pl.start, pl.raw)
             asm.last_packet = time.monotonic()
-            if it == self.done + 1:
-                self._apply_ready_buckets(asm)
         if it > self.highest:
             self.highest = it
             self._finalize_through(it - FINALIZE_LAG)
             self._dump_rs(upto=it - FINALIZE_LAG)
-        # commit complete iterations at once, in order
+        self._after_placement(it)
+
+    def _after_placement(self, it: int):
+        """After a placement into iteration it: step the shadow on the next iteration's
+        whole buckets, and commit complete iterations at once, in order. The fast path
+        calls this too, after each frame that completed a bucket."""
+        if it == self.done + 1 and it in self.open:
+            self._apply_ready_buckets(self.open[it])
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
             self._finalize_through(self.done + 1)
 

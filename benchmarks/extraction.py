@@ -39,7 +39,8 @@ import numpy as np
 
 from benchmarks.captures import CONFIGS, capture, mirrors
 from benchmarks.minimal_extractors import extract_dpkt, extract_scapy
-from ckptd.fastpath import FastPipeline, crc_choices, isal_crc_address, load_captures
+from ckptd.batches import load_captures
+from ckptd.fastpath import FastPipeline, crc_choices, isal_crc_address
 from ckptd.pipeline import ReplayOptions
 from ckptd.plan import load_plan
 from cython_ext import batch as kernel

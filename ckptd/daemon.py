@@ -198,7 +198,7 @@ class Daemon:
         block is already waiting, in which case blocks are joined (up to BATCH_MAX_FRAMES),
         so a busy link gets big batches and a quiet one no added latency. A plain
         frame-by-frame source is cut every SOURCE_CHUNK frames."""
-        from .fastpath import batch_from_frames
+        from .batches import batch_from_frames
         chunk: list = []
         marked = False
         for item in source:

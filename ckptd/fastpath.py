@@ -1,7 +1,7 @@
 """The fast path: the batch kernel (cython_ext/batch.pyx) behind the reference pipeline.
 
-    source    load_captures: pcap/pcapng files read into memory, frames indexed (offsets,
-              lengths, stream ids) and merged in capture-time order -> Batch
+    source    ckptd.batches: files read in chunks on a reader thread, frames indexed
+              (offsets, lengths, stream ids) and merged in capture-time order -> Batch
     decode    \\
     place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
     assemble  /  into the open IterationAssembly arrays
@@ -53,12 +53,12 @@ import numpy as np
 
 from cython_ext import batch as _kernel
 from parsers import icrc
-from parsers.capture import CaptureError, CapturedFrame, capture_format, open_capture
+from parsers.capture import CapturedFrame
 from parsers.opcodes import EXT_LEN, OPCODES
-from parsers.pcap import MAGIC_NS, MAGIC_US
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from .assemble import IterationAssembly
+from .batches import CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, stream_batches
 from .extract import MAX_EXAMPLES
 from .flows import ACK, FlowBinding, Packet
 from .pipeline import IterationReport, Pipeline, ReplayOptions, RoceTransport
@@ -238,111 +238,6 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
                             np.int64).reshape(2, len(conns)),
         b_itemsize=b_itemsize, b_count=b_count)
     return CompiledSchedule(keys, conns, {k: i for i, k in enumerate(keys)}, arrays)
-
-
-# -- source: batches of frames ---------------------------------------------------------------
-@dataclass
-class Batch:
-    """Many frames in one buffer: the unit the kernel works on. A capture file read into
-    memory and a capture-ring block are both one of these."""
-
-    buf: np.ndarray  # uint8
-    offsets: np.ndarray  # int64, where each frame starts in buf
-    caplen: np.ndarray  # int64, bytes captured
-    origlen: np.ndarray  # int64, bytes on the wire
-    stream: np.ndarray  # int32, mirror stream
-    linktype: np.ndarray  # int32, LINKTYPE_* of the frame's interface
-    frame_no: np.ndarray  # int64, frame number in its file (1-based, as Wireshark)
-    ts: np.ndarray  # int64, ns (0 where the capture has none)
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.caplen.sum())
-
-    def frame(self, i: int) -> CapturedFrame:
-        off, n = int(self.offsets[i]), int(self.caplen[i])
-        return CapturedFrame(int(self.frame_no[i]), int(self.ts[i]), int(self.linktype[i]), n,
-                             int(self.origlen[i]), self.buf[off:off + n].tobytes())
-
-
-def batch_from_frames(frames: Iterable[tuple[int, CapturedFrame]]) -> Batch:
-    """A Batch of (stream, frame) pairs, in the order given."""
-    frames = list(frames)
-    sizes = np.array([len(fr.data) for _, fr in frames], np.int64)
-    offsets = np.zeros(len(frames), np.int64)
-    if len(frames):
-        offsets[1:] = np.cumsum(sizes)[:-1]
-    buf = np.frombuffer(b"".join(fr.data for _, fr in frames), np.uint8) if frames \
-        else np.zeros(0, np.uint8)
-    return Batch(buf, offsets, sizes, np.array([fr.origlen for _, fr in frames], np.int64),
-                 np.array([s for s, _ in frames], np.int32),
-                 np.array([fr.linktype for _, fr in frames], np.int32),
-                 np.array([fr.index for _, fr in frames], np.int64),
-                 np.array([fr.ts_ns or 0 for _, fr in frames], np.int64))
-
-
-_PCAP_MAGICS = {MAGIC_US.to_bytes(4, "little"): (False, 1000), MAGIC_US.to_bytes(4, "big"): (True, 1000),
-                MAGIC_NS.to_bytes(4, "little"): (False, 1), MAGIC_NS.to_bytes(4, "big"): (True, 1)}
-
-
-def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
-    """One capture file in memory as a Batch, and the CaptureError/OSError message that
-    ended it early (None when it read to the end), as file_source would report it.
-
-    A clean pcap is indexed in place by the kernel (no per-frame Python); pcapng, and a
-    pcap with a broken record, go through the reference readers in parsers/."""
-    try:
-        fmt = capture_format(path)
-        if fmt == "pcap":
-            data = np.fromfile(path, np.uint8)
-            head = data[:24].tobytes()
-            if len(head) == 24 and head[:4] in _PCAP_MAGICS:
-                big, tick = _PCAP_MAGICS[head[:4]]
-                linktype = int.from_bytes(head[20:24], "big" if big else "little") & 0xFFFF
-                cap = max(0, (len(data) - 24) // 16)
-                arrs = [np.empty(cap, np.int64) for _ in range(5)]
-                n, clean = _kernel.index_pcap(data, 24, big, 0, *arrs)
-                if clean:
-                    offsets, caplen, origlen, sec, frac = (a[:n] for a in arrs)
-                    return Batch(data, offsets, caplen, origlen, np.full(n, stream, np.int32),
-                                 np.full(n, linktype, np.int32), np.arange(1, n + 1, dtype=np.int64),
-                                 sec * 1_000_000_000 + frac * tick), None
-    except (CaptureError, OSError) as e:
-        return batch_from_frames([]), str(e)
-    frames, error = [], None
-    try:
-        for fr in open_capture(path):
-            frames.append((stream, fr))
-    except (CaptureError, OSError) as e:
-        error = str(e)
-    return batch_from_frames(frames), error
-
-
-def merge_batches(batches: list[Batch]) -> Batch:
-    """Frames of several streams in the order ckptd.pipeline.file_source yields them
-    (heapq.merge by (time, stream, frame number))."""
-    if len(batches) == 1:
-        return batches[0]
-    which, idx = _kernel.merge_order([b.ts for b in batches])
-    base = np.cumsum([0] + [len(b.buf) for b in batches])[:-1]
-    buf = np.concatenate([b.buf for b in batches]) if batches else np.zeros(0, np.uint8)
-
-    def take(name, shift=False):
-        cat = np.concatenate([getattr(b, name) + (base[k] if shift else 0) for k, b in enumerate(batches)])
-        starts = np.cumsum([0] + [len(b) for b in batches])[:-1]
-        return cat[starts[which] + idx]
-
-    return Batch(buf, take("offsets", True), take("caplen"), take("origlen"), take("stream"),
-                 take("linktype"), take("frame_no"), take("ts"))
-
-
-def load_captures(paths: list[str]) -> tuple[Batch, list[str]]:
-    """Every file (one per stream), merged; and the errors that cut files short."""
-    loaded = [load_capture(p, k) for k, p in enumerate(paths)]
-    return merge_batches([b for b, _ in loaded]), [e for _, e in loaded if e]
 
 
 # -- the flow table the kernel reads ----------------------------------------------------------
@@ -895,18 +790,26 @@ class FastPipeline(Pipeline):
 
 
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
-                on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto") -> FastPipeline:
-    """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps."""
+                on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto",
+                chunk_bytes: int | None = None) -> FastPipeline:
+    """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps.
+    The files are read in chunks on a thread of their own (ckptd.batches.ReaderStage);
+    how often either side waited is kept in pipe.read_waits."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    batch, errors = load_captures([str(p) for p in paths])
-    pipe.errors.extend(errors)
-    pipe.run_batch(batch)
+    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors,
+                                        chunk_bytes or CHUNK_BYTES))
+    try:
+        for batch in reader:
+            pipe.run_batch(batch)
+    finally:
+        reader.close()
+    pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}
     pipe.finish()
     return pipe
 
 
-__all__ = ["Batch", "FastExtractor", "FastPipeline", "fast_replay", "load_capture", "load_captures",
-           "merge_batches", "batch_from_frames", "compile_schedule", "crc_choices", "trusted_frame"]
+__all__ = ["FastExtractor", "FastPipeline", "fast_replay", "compile_schedule", "crc_choices",
+           "trusted_frame"]

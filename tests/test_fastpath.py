@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ckptd.batches import (Batch, ReaderStage, batch_from_frames, load_capture, load_captures,
+                           stream_batches)
 from ckptd.checkpoint import load_checkpoint
 from ckptd.extract import ll_unpack
-from ckptd.fastpath import (Batch, FastExtractor, FastPipeline, batch_from_frames, crc_choices,
-                            fast_replay, fold_constants, load_capture, load_captures,
+from ckptd.fastpath import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
                             reduction_constants, trusted_frame)
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.plan import load_plan
@@ -62,9 +63,11 @@ def _recording(cls):
 
 
 def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, frames=None, dumps=None,
-             **opts):
+             chunk_bytes=None, **opts):
     """(reference pipeline, fast pipeline) after replaying the same captures; `dumps`:
-    (reference's, fast one's) gradient dump directories."""
+    (reference's, fast one's) gradient dump directories. With chunk_bytes the fast one
+    reads the files in chunks of that size on the reader thread (many Batches), else
+    all at once (one Batch)."""
     def new(cls, dump=None, **kw):
         start = load_checkpoint(start_path) if start_path else None
         p = _recording(cls)(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw)
@@ -79,6 +82,10 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     fast = new(FastPipeline, dumps and str(dumps[1]), trust_icrc=trust_icrc)
     if frames:
         fast.run(frames(), abandon=abandon)
+    elif chunk_bytes:
+        for batch in ReaderStage(stream_batches(paths, fast.errors, chunk_bytes)):
+            fast.run_batch(batch)
+        fast.finish(abandon)
     else:
         batch, errors = load_captures(paths)
         fast.errors += errors
@@ -113,13 +120,13 @@ def assert_same(ref, fast):
     assert rows(ref) == rows(fast)
 
 
-def synth_pair(tmp_path, trust_icrc=False, shadow=True, **kw):
+def synth_pair(tmp_path, trust_icrc=False, shadow=True, chunk_bytes=None, **kw):
     kw.setdefault("iterations", 3)
     synth(tmp_path, **kw)
     plan = load_plan(tmp_path / "plan.json")
     opts = dict(reference=str(tmp_path / "reference")) if shadow else {}
     return run_both(plan, pcaps(tmp_path), tmp_path / "init.pt" if shadow else None,
-                    trust_icrc=trust_icrc, **opts)
+                    trust_icrc=trust_icrc, chunk_bytes=chunk_bytes, **opts)
 
 
 # -- the kernel's pieces ---------------------------------------------------------------------
@@ -283,6 +290,54 @@ def test_load_capture_reads_what_open_capture_reads(tmp_path, order, ns):
     assert [batch.frame(i) for i in range(len(batch))] == good and [err] == errors
 
 
+def _stream_files(tmp_path, rng, n=3, frames=300):
+    """n pcap files whose times interleave, tie, and sometimes go backwards."""
+    paths = []
+    for k in range(n):
+        path = tmp_path / f"s{k}.pcap"
+        with open(path, "wb") as f:
+            w = PcapWriter(f, linktype=1, nanosecond=bool(k % 2), byteorder="<>"[k % 2])
+            t = 1_700_000_000_000_000_000
+            for i in range(frames + 37 * k):
+                t += rng.choice([0, 1000, 5000, 20000, -3000])
+                data = rng.randbytes(rng.randrange(0, 1600))
+                w.write(data, t, origlen=len(data))
+        paths.append(str(path))
+    return paths
+
+
+@pytest.mark.parametrize("chunk", [100, 4096, 70_000, 1 << 24])
+def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
+    paths = _stream_files(tmp_path, random.Random(chunk))
+    # a file cut inside its last record among them
+    errors_ref, errors = [], []
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(Path(paths[1]).read_bytes()[:-5])
+    paths[1] = str(cut)
+    want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
+    got = []
+    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk), depth=2)
+    nbatches = 0
+    for b in stage:
+        nbatches += 1
+        got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
+    assert got == want and errors == errors_ref and len(errors) == 1
+    if chunk <= 4096:
+        assert nbatches > 10
+
+
+def test_reader_stage_raises_the_readers_error_after_its_batches():
+    def batches():
+        yield batch_from_frames([])
+        raise RuntimeError("disk gone")
+    stage = ReaderStage(batches())
+    seen = []
+    with pytest.raises(RuntimeError, match="disk gone"):
+        for b in stage:
+            seen.append(b)
+    assert len(seen) == 1
+
+
 def test_load_capture_reports_broken_files_as_file_source_does(tmp_path):
     bad = tmp_path / "bad.pcap"
     bad.write_bytes(b"not a capture at all")
@@ -316,7 +371,9 @@ SCENARIOS = {
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_fast_pipeline_equals_reference(tmp_path, name):
-    ref, fast = synth_pair(tmp_path, seed=sorted(SCENARIOS).index(name), **SCENARIOS[name])
+    # every other scenario reads its files in small chunks on the reader thread
+    k = sorted(SCENARIOS).index(name)
+    ref, fast = synth_pair(tmp_path, seed=k, chunk_bytes=(200_000 if k % 2 else None), **SCENARIOS[name])
     assert_same(ref, fast)
     assert fast.kernel_frames > 0.9 * sum(c["frames"] for c in fast.classes)
     if SCENARIOS[name]["mirrors"] > 1:

@@ -97,7 +97,7 @@ def cmd_replay(a) -> int:
         return 2
     names = [Path(p).stem for p in a.pcap]
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
-                         resume=a.resume)
+                         resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from)
     t0 = time.time()
     if a.fast and plan.transport == "roce":
         from .fastpath import fast_replay
@@ -119,6 +119,9 @@ def cmd_replay(a) -> int:
         print(f"  unmatched flow: {e}")
     for e in pipe.errors:
         print(f"  capture error: {e}")
+    if pipe.joined is not None:
+        print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
+              f"{pipe.before_join} packets before it dropped)")
     committed = sum(r.ok for r in reps)
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
@@ -281,9 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reference", help="trainer checkpoints to compare each commit with")
     r.add_argument("--dump-gradients", metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
-    r.add_argument("--resume", metavar="CKPT", help="after a gap, restart the shadow from this checkpoint")
+    r.add_argument("--resume", metavar="CKPT|DIR",
+                   help="after a gap (or when joining), restart the shadow from this checkpoint, or "
+                        "from the checkpoint of the iteration needed in this directory (iter_NNNNNN.pt)")
+    r.add_argument("--join", action="store_true",
+                   help="the captures start in the middle of the job: place packets by their PSNs "
+                        "(NCCL connects every QP at PSN 0; the plan must describe all the traffic "
+                        "its QPs carried), and start at the first iteration every flow shows whole")
+    r.add_argument("--join-from", type=int, metavar="N",
+                   help="with --join (implies it): an iteration the job had already reached when the "
+                        "capture began; needed once a QP has carried over 2**24 packets (PSNs wrap)")
     r.add_argument("--fast", action="store_true",
-                   help="use the Cython batch kernel (same results; reads the captures into memory)")
+                   help="use the Cython batch kernel (same results; the files are read in chunks on a thread of their own)")
     r.add_argument("--trust-icrc", action="store_true",
                    help="with --fast: skip ICRC checks (the NIC/switch already verified them)")
     r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")

@@ -68,6 +68,8 @@ class DaemonConfig:
     resume: str | None = None
     dump_gradients: str | None = None
     fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
+    join: bool = False  # the job may already be running: align by PSN arithmetic
+    join_from: int | None = None  # joining: an iteration the job has surely reached
     extra: dict = field(default_factory=dict)
 
 
@@ -107,18 +109,23 @@ def load_config(path: str | Path) -> DaemonConfig:
     if not ifs:
         raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
-             "fast"}
+             "fast", "join", "join_from"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     fast = doc.get("fast")
     if fast is not None and not isinstance(fast, bool):
         raise ConfigError(f"{path}: 'fast' must be true or false, not {fast!r}")
+    join, join_from = doc.get("join", False), doc.get("join_from")
+    if not isinstance(join, bool):
+        raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
+    if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
+        raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
     return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
                         interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
                         log_level=str(doc.get("log_level", "warning")),
                         resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
-                        fast=fast)
+                        fast=fast, join=join or join_from is not None, join_from=join_from)
 
 
 class JsonFormatter(logging.Formatter):
@@ -153,7 +160,9 @@ class Daemon:
         self.last_report: IterationReport | None = None
         self.unrecovered: list[dict] = []
         self.started = time.time()
-        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients)
+        self._join_logged = False
+        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
+                             join=cfg.join, join_from=cfg.join_from)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
@@ -226,6 +235,10 @@ class Daemon:
         self.pipe.finish(abandon=True)
 
     def _publish(self, state: str = "running"):
+        if self.pipe.joined is not None and not self._join_logged:
+            self._join_logged = True
+            log.info("joined the running job", extra={"fields": {
+                "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
         committed = [r for r in self.pipe.reports if r.status == "committed"]
         last = self.last_report
         streams = []
@@ -243,6 +256,8 @@ class Daemon:
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
+            "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
+                      "packets_before": self.pipe.before_join} if self.cfg.join else None),
             "streams": streams,
             "capture": {c.ifname: {"packets": st["packets"], "drops": st["drops"],
                                    "delivered": st["delivered"]}
@@ -309,7 +324,7 @@ class Daemon:
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         log.warning("stopped", extra={"fields": {
             "last_committed": committed[-1].iteration if committed else -1,
-            "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
+            "joined_at": self.pipe.joined, "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
                                                     if u["status"] != "abandoned"]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})

@@ -46,10 +46,10 @@ def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bo
 
 
 class Extractor:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.cfg = plan.ring
-        self.binder = FlowBinder(plan)
+        self.binder = FlowBinder(plan, join_from)
         s0, s1 = plan.schedule(0), plan.schedule(1)
         self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.sends}
         self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
@@ -141,6 +141,11 @@ class Extractor:
             return []
         return [Placement(pkt.stream, loc.iteration, send.phase, send.bucket,
                           send.offset + doff // itemsize, data, b.conn[0], send.ring_step)]
+
+    def forget_before(self, iteration: int):
+        """Joining: bookkeeping of the iterations before the one joined ends."""
+        for key in [k for k in self.received if k[1] < iteration]:
+            del self.received[key]
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Fraction of the packets of the flows this stream saw in an iteration that had

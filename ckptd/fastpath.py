@@ -323,10 +323,10 @@ class FastExtractor(RoceTransport):
     """
 
     def __init__(self, plan: Plan, nstreams: int, *, trust_icrc: bool = False, crc: str = "auto",
-                 dump_rs: bool = False):
+                 dump_rs: bool = False, join_from: int | None = None):
         if getattr(plan, "transport", "roce") != "roce":
             raise ValueError(f"the fast path decodes RoCEv2; this plan's transport is {plan.transport}")
-        super().__init__(plan)
+        super().__init__(plan, join_from)
         self.nstreams = nstreams
         self.sched = compile_schedule(plan)
         self.kernel = _kernel.BatchKernel(nstreams)
@@ -666,7 +666,7 @@ class FastPipeline(Pipeline):
                  trust_icrc: bool = False, crc: str = "auto"):
         super().__init__(plan, start, nstreams, opts, on_iteration)
         self.extract = FastExtractor(plan, nstreams, trust_icrc=trust_icrc, crc=crc,
-                                     dump_rs=bool(opts.dump_gradients))
+                                     dump_rs=bool(opts.dump_gradients), join_from=self.join_wire)
         self.trust_icrc = trust_icrc
         self.pool = ArrayPool()
         self.stops: Counter = Counter()  # why frames went to the reference path

@@ -11,6 +11,16 @@ no candidate explains are some other traffic between the same hosts and are coun
 not used. When several QPs of a hop carry identical sequences, they are told apart
 by QP number: NCCL connects channels in order, so the receiver's QPNs grow with the
 channel.
+
+Joining a running job (`join_from` set): the first packets seen are somewhere in the
+middle of the job, so nothing about them says "iteration 0". But NCCL connects every QP
+at PSN 0 (net_ib.cc: ncclIbRtrQp rq_psn = 0, ncclIbRtsQp sq_psn = 0; every flow of the
+FlowCheck captures starts at 0), so a packet's PSN *is* its position in its QP's
+timeline, modulo 2**24: the schedule then names its iteration, message and packet, and
+the message lengths and immediates seen must agree. Positions are read as the smallest
+ones at or after iteration `join_from`'s start (PSNs wrap every 2**24 packets per QP).
+Each flow's first whole iteration is the one whose first packet position is at or after
+its earliest packet seen; the pipeline joins at the latest of these over all flows.
 """
 from __future__ import annotations
 
@@ -18,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .plan import Plan
-from .psn import psn_diff, psn_unwrap
+from .psn import PSN_MOD, psn_diff, psn_unwrap
 from .schedule import FlowSchedule, Message, RingSchedule
 
 # Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
@@ -106,6 +116,7 @@ class FlowBinding:
     timeline: FlowTimeline
     base: int  # unwrapped PSN of the first packet of iteration 0's first message
     last: int  # unwrapped PSN of the newest packet, the anchor for unwrapping the next
+    first_whole: int = 0  # first iteration whose every packet came after the first seen
 
 
 @dataclass
@@ -121,8 +132,9 @@ class _Candidate:
 class FlowBinder:
     """Learns which (channel, QP) every data flow is and where its PSNs start."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
+        self.join_from = join_from  # None: the capture starts before the job's first message
         first, rebuilt = plan.schedule(0), plan.schedule(1)
         self.imm_big_endian = plan.ring.imm_big_endian
         self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows}
@@ -218,22 +230,26 @@ class FlowBinder:
             for c, q in self.expected[hop]:
                 if (c, q) in taken:
                     continue
-                base_rel = self._align(self.timelines[hop + (c, q)], cand)
+                tl = self.timelines[hop + (c, q)]
+                base_rel = self._align(tl, cand) if self.join_from is None else self._align_at_origin(tl, cand)
                 if base_rel is None:
                     continue
                 taken.add((c, q))
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
-                b = FlowBinding(key, hop + (c,), q, self.timelines[hop + (c, q)], base,
-                                cand.first_psn)
+                b = FlowBinding(key, hop + (c,), q, tl, base, cand.first_psn,
+                                self._first_whole(tl, cand.min_rel - base_rel))
                 self.bound[key] = b
                 released += [(b, p) for p in cand.packets]
                 break
             else:
                 if cand.heads and not self._hop_full(hop):
+                    where = "in the plan's schedule" if self.join_from is None else \
+                        ("at the positions their PSNs give (joining assumes the QP has carried "
+                         "nothing but the plan's iterations since NCCL connected it at PSN 0)")
                     self.errors.append(
                         f"flow {key[0]} -> {key[1]} QP {key[2]:#x}: its message lengths "
                         f"{[h[1] for h in sorted(cand.heads)[:6]]} match no free channel/QP "
-                        f"of hop rank {hop[0]} -> {hop[1]} in the plan's schedule")
+                        f"of hop rank {hop[0]} -> {hop[1]} {where}")
                 self.unrelated.add(key)
         if not flows:
             self.pending.pop(hop, None)
@@ -259,6 +275,37 @@ class FlowBinder:
                                       "messages reached no mirror (lengths and ACKs place it)")
                 return base_rel
         return None
+
+    def _align_at_origin(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
+        """Joining: the relative PSN of message 0 of iteration 0 when the QP started at
+        PSN 0 (NCCL), taking the first position at or after iteration join_from's start
+        for the earliest packet seen; None if the heads or immediates disagree."""
+        if not cand.heads:
+            return None
+        earliest = (cand.first_psn + cand.min_rel) % PSN_MOD
+        floor = tl.iteration_start(self.join_from)
+        wraps = max(0, -(-(floor - earliest) // PSN_MOD))
+        base_rel = (cand.min_rel - (earliest + wraps * PSN_MOD))
+        if all(self._head_ok(tl, rel - base_rel, n) for rel, n in cand.heads) and \
+                all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms):
+            return base_rel
+        return None
+
+    @staticmethod
+    def _first_whole(tl: FlowTimeline, pos: int) -> int:
+        """The first iteration that starts at or after flow position pos."""
+        loc = tl.locate(pos)
+        if loc is None:
+            return 0
+        it = loc[0]
+        return it if tl.iteration_start(it) == pos else it + 1
+
+    def join_iteration(self, force: bool = False) -> int | None:
+        """Joining: the first iteration every flow was seen from its start, once every
+        flow the plan expects is bound (or, with force, over the flows bound so far)."""
+        if not self.bound or (not force and any(not self._hop_full(h) for h in self.expected)):
+            return None
+        return max(b.first_whole for b in self.bound.values())
 
     @staticmethod
     def _head_ok(tl: FlowTimeline, pos: int, dma_len: int) -> bool:

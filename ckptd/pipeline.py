@@ -16,6 +16,14 @@ element arrives (and every earlier one is done); one that stays incomplete is gi
 up once some flow has reached two iterations beyond it (NCCL cannot start iteration
 t+2's allreduce before every rank finished t's, so nothing of t can still be on the
 wire) or the input ends.
+
+Joining a running job (ReplayOptions.join): the capture starts mid-job. Flows are placed
+by PSN arithmetic from NCCL's connect PSN 0 (ckptd.flows); nothing is finalized until
+every flow is bound, then the pipeline joins at the first iteration every flow was seen
+from its start and forgets what came before. The shadow continues from the starting
+state if that is the state just before, else from the trainer's checkpoint of that
+iteration found through ReplayOptions.resume (a file or a directory of checkpoints);
+until one is found, complete iterations are reported "complete-not-applied".
 """
 from __future__ import annotations
 
@@ -89,12 +97,15 @@ class RoceTransport(Extractor):
         return self.feed(pkt) if pkt is not None else []
 
 
-def transport_for(plan: Plan):
+def transport_for(plan: Plan, join_from: int | None = None):
     """The decode + place stage for the plan's transport; everything after is shared."""
     if plan.transport == "gloo":
+        if join_from is not None:
+            raise ValueError("joining a running job needs PSN arithmetic: RoCE plans only "
+                             "(a gloo capture must start before the job's first iteration)")
         from .gloo_extract import GlooExtractor
         return GlooExtractor(plan)
-    return RoceTransport(plan)
+    return RoceTransport(plan, join_from)
 
 
 # -- apply: the optimizer on its own thread ----------------------------------------------
@@ -164,7 +175,9 @@ class ReplayOptions:
     out: str | None = None  # checkpoint directory
     reference: str | None = None  # trainer's checkpoints to compare each commit with
     dump_gradients: str | None = None
-    resume: str | None = None  # a checkpoint to restart the shadow from after a gap
+    resume: str | None = None  # a checkpoint, or a directory of them, to restart the shadow from
+    join: bool = False  # the capture starts mid-job: align on the first whole iteration
+    join_from: int | None = None  # joining: an iteration the job has reached (PSN wraps)
     stream_names: list[str] | None = None
 
 
@@ -175,13 +188,20 @@ class Pipeline:
                  on_iteration: Callable[[IterationReport], None] | None = None,
                  keep_reports: int | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
-        self.extract = transport_for(plan)  # decode + place
-        self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
         # Wire iteration 0 (the first allreduces of this communicator) is the training
         # iteration after the starting state: a job restarted from checkpoint k runs
         # iteration k+1 first. Reports, checkpoints and the lr schedule use that number.
         self.offset = int(start.get("iteration", -1)) + 1 if start is not None else 0
-        self.resume = load_checkpoint(opts.resume) if opts.resume else None
+        self.join_wire = None  # joining: the wire iteration PSN positions are read from
+        if opts.join:
+            self.join_wire = max(0, (opts.join_from if opts.join_from is not None else self.offset)
+                                 - self.offset)
+        self.joining = opts.join  # until the iteration joined at is known
+        self.joined: int | None = None  # the (training) iteration joined at
+        self.before_join = 0  # packets placed into iterations before it, dropped
+        self.extract = transport_for(plan, self.join_wire)  # decode + place
+        self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
+        self.resume = load_checkpoint(opts.resume) if opts.resume and not Path(opts.resume).is_dir() else None
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
@@ -212,6 +232,12 @@ class Pipeline:
                 self._assemble(pl)
         for pl in self.extract.flush():
             self._assemble(pl)
+        if self.joining:
+            self._try_join(force=True)
+        if self.joining:  # no flow of the job was ever bound: nothing to join
+            self.errors.append("joining: no flow of the job was recognised, no iteration joined")
+            self._close_applier()
+            return self.reports
         if abandon:
             for it in sorted(self.open):
                 asm = self.open.pop(it)
@@ -256,14 +282,41 @@ class Pipeline:
             asm.last_packet = time.monotonic()
         if it > self.highest:
             self.highest = it
-            self._finalize_through(it - FINALIZE_LAG)
-            self._dump_rs(upto=it - FINALIZE_LAG)
+            if not self.joining:
+                self._finalize_through(it - FINALIZE_LAG)
+                self._dump_rs(upto=it - FINALIZE_LAG)
+        if self.joining:
+            self._try_join()
         self._after_placement(it)
+
+    def _try_join(self, force: bool = False):
+        """Join once every flow is bound (or, with force or once the newest iteration is
+        FINALIZE_LAG past what the bound flows allow, with the flows bound so far): drop
+        what came before, and move on as if those iterations were done."""
+        binder = self.extract.binder
+        at = binder.join_iteration(force=True)
+        if at is None or (not force and binder.join_iteration() is None
+                          and self.highest < at + FINALIZE_LAG):
+            return
+        self.joining = False
+        self.joined = at + self.offset
+        for it in [i for i in self.open if i < at]:
+            self.before_join += self.open.pop(it).packets
+        for it in [i for i in self.rs_open if i < at]:
+            del self.rs_open[it]
+        self.extract.forget_before(at)
+        self.done = self.extract.done = at - 1
+        self.highest = max(self.highest, at - 1)
+        if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:
+            self.stopped_after = int(self.shadow.iteration)
+        self._finalize_through(self.highest - FINALIZE_LAG)
 
     def _after_placement(self, it: int):
         """After a placement into iteration it: step the shadow on the next iteration's
         whole buckets, and commit complete iterations at once, in order. The fast path
         calls this too, after each frame that completed a bucket."""
+        if self.joining:
+            return
         if it == self.done + 1 and it in self.open:
             self._apply_ready_buckets(self.open[it])
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
@@ -326,13 +379,15 @@ class Pipeline:
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
         it = asm.iteration + self.offset
         if self.stopped_after is not None:
-            if self.resume is not None and int(self.resume.get("iteration", -2)) == it - 1:
-                self.shadow = ShadowModel(self.plan, self.resume)
+            state = self._resume_state(it - 1)
+            if state is not None:
+                self.shadow = ShadowModel(self.plan, state)
                 self.stopped_after = None
                 rep.note = f"resumed from {self.opts.resume}"
             else:
                 rep.status = "complete-not-applied"
-                rep.note = f"shadow stopped at iteration {self.stopped_after}"
+                rep.note = f"shadow stopped at iteration {self.stopped_after}" + \
+                    (f"; no checkpoint of iteration {it - 1} in {self.opts.resume}" if self.opts.resume else "")
                 return
         if self._bucketwise():
             self._apply_ready_buckets(asm)  # whatever the last packets completed
@@ -356,6 +411,22 @@ class Pipeline:
                 rep.exact = not diffs
                 if diffs:
                     rep.note = "differs from reference: " + "; ".join(diffs)
+
+    def _resume_state(self, iteration: int) -> dict | None:
+        """A state to restart the shadow from that is exactly `iteration`: the --resume
+        checkpoint, or that iteration's checkpoint in the --resume directory."""
+        if self.resume is not None:
+            return self.resume if int(self.resume.get("iteration", -2)) == iteration else None
+        if not self.opts.resume:
+            return None
+        path = Path(self.opts.resume) / checkpoint_name(iteration)
+        if not path.exists():
+            return None
+        state = load_checkpoint(path)
+        if int(state.get("iteration", -2)) != iteration:
+            self.errors.append(f"{path}: holds iteration {state.get('iteration')}, not {iteration}")
+            return None
+        return state
 
     def _dump(self, asm: IterationAssembly):
         d = Path(self.opts.dump_gradients)

@@ -139,3 +139,33 @@ def test_fast_key_defaults_to_the_transport_and_is_checked(run, tmp_path):
     assert load_config(_config(run, tmp_path, fast="false")).fast is False
     with pytest.raises(ConfigError, match="'fast' must be true or false"):
         load_config(_config(run, tmp_path, fast="sometimes"))
+
+
+def test_join_keys(run, tmp_path):
+    cfg = load_config(_config(run, tmp_path))
+    assert cfg.join is False and cfg.join_from is None
+    cfg = load_config(_config(run, tmp_path, join_from=120))
+    assert cfg.join is True and cfg.join_from == 120  # join_from implies join
+    with pytest.raises(ConfigError, match="'join' must be true or false"):
+        load_config(_config(run, tmp_path, join="maybe"))
+    with pytest.raises(ConfigError, match="'join_from' must be an iteration number"):
+        load_config(_config(run, tmp_path, join_from="soon"))
+
+
+def test_joining_daemon_reports_where_it_joined(run, tmp_path):
+    """Fed the captures from iteration 1 on (the first frames cut away): the daemon joins
+    at 1 and, its init being iteration -1, takes the shadow from the trainer's checkpoint
+    of iteration 0 in the resume directory."""
+    paths = pcaps(run)
+    frames = list(file_source(paths, []))
+    ts = sorted({fr.ts_ns for _, fr in frames})
+    # the synthesizer leaves 5 ms between iterations: the first such gap starts iteration 1
+    first = [i for i in range(1, len(ts)) if ts[i] - ts[i - 1] > 1_000_000][0]
+    later = [(k, fr) for k, fr in frames if fr.ts_ns >= ts[first]]
+    d = Daemon(load_config(_config(run, tmp_path, join="true", resume=run / "reference")))
+    assert d.run(source=iter(later), install_signals=False) == 0
+    assert d.pipe.joined == 1
+    reps = list(d.pipe.reports)
+    assert [(r.iteration, r.status) for r in reps] == [(1, "committed"), (2, "committed"), (3, "committed")]
+    doc = json.loads(json.dumps(d.snapshot.get()))
+    assert doc["join"] == {"joining": False, "joined_at": 1, "packets_before": 0}

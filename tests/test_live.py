@@ -40,7 +40,10 @@ def run(tmp_path_factory):
     return d
 
 
-def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
+def live_daemon(run, tmp_path, *, join=False, daemon_after=0.0, sender_after=0.0):
+    """Senders and daemon on the netlab network: the daemon's thread starts daemon_after
+    seconds after the test begins, the senders' sender_after. Returns (daemon, its last
+    /status, the senders' results, the mirror links' injected drops)."""
     plan = load_plan(run / "plan.json")
     frames = {r: [(f.ts_ns, f.data) for f in read_pcap(run / "hosts" / f"rank{r}.pcap")]
               for r in range(plan.nranks)}
@@ -55,41 +58,69 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
                 # block_nr x (frames a block gets in retire_ms).
                 interfaces=[InterfaceConfig(m.name, m.capture_ifname, lab.ckpt_ns,
                                             block_size=1 << 20, block_nr=512, retire_ms=100)
-                            for m in lab.mirrors])
+                            for m in lab.mirrors],
+                # joining: the trainer's checkpoints are where the shadow picks up
+                join=join, resume=str(run / "reference") if join else None)
             daemon = Daemon(cfg)
             assert daemon.fast  # the default for a RoCE plan: ring blocks go to FastPipeline
-            result = {}
-            t = threading.Thread(target=lambda: result.setdefault(
-                "rc", daemon.run(install_signals=False)), name="daemon")
+            result, sent = {}, {}
+            t = threading.Timer(daemon_after, lambda: result.setdefault(
+                "rc", daemon.run(install_signals=False)))
+            s = threading.Timer(sender_after, lambda: sent.update(lab.send(frames, timing="rate", pps=4000)))
             t.start()
+            s.start()
             try:
-                time.sleep(0.5)  # rings open
-                sent = lab.send(frames, timing="rate", pps=4000)
                 deadline = time.time() + 240
                 while time.time() < deadline:
                     done = [r for r in daemon.pipe.reports if r.status == "committed"]
-                    if len(done) >= ITERATIONS:
+                    if done and done[-1].iteration == ITERATIONS - 1:
                         break
                     time.sleep(0.5)
+                s.join(60)
                 status = json.loads(urllib.request.urlopen(
                     f"http://127.0.0.1:{daemon.address[1]}/status").read())
                 drops = lab.link_drops()
             finally:
                 daemon.stop.set()
+                s.join(60)
                 t.join(60)
     finally:
         assert not netlab.down(prefix, exact=True)
-    assert all(s.failed == 0 for s in sent.values())
+    assert sent and all(x.failed == 0 for x in sent.values())
     assert drops["mirror1"] > 0, "loss should have been injected on mirror1's link"
     assert all(st["drops"] == 0 for st in status["capture"].values()), status["capture"]
+    assert status["pipeline"]["fast"] and status["pipeline"]["kernel_frames"] > 0, status["pipeline"]
+    return daemon, status
+
+
+def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
+    daemon, status = live_daemon(run, tmp_path, sender_after=0.5)  # rings open first
     reps = [r for r in daemon.pipe.reports if r.status == "committed"]
     assert [r.iteration for r in reps] == list(range(ITERATIONS)), \
         [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
     assert status["last_committed"] == ITERATIONS - 1
-    assert status["pipeline"]["fast"] and status["pipeline"]["kernel_frames"] > 0, status["pipeline"]
     offline = run_replay(run)  # the synthesized captures, replayed offline
     assert all(r.status == "committed" for r in offline.reports)
     for it in range(ITERATIONS):
         mine = load_checkpoint(tmp_path / "ck" / checkpoint_name(it))
         assert diff_checkpoints(mine, load_checkpoint(run / "reference" / checkpoint_name(it))) == []
         assert diff_checkpoints(mine, load_checkpoint(run / "out" / checkpoint_name(it))) == []
+
+
+def test_daemon_joins_a_running_job(run, tmp_path):
+    """The daemon starts while the job is some iterations in: it joins at the first
+    iteration every flow shows whole, picks the shadow up from the trainer's checkpoint
+    of the iteration before, and every checkpoint from there on is the trainer's."""
+    daemon, status = live_daemon(run, tmp_path, join=True, daemon_after=3.0)
+    joined = daemon.pipe.joined
+    assert joined is not None and 1 <= joined < ITERATIONS - 2, joined
+    assert status["join"]["joined_at"] == joined and not status["join"]["joining"]
+    assert daemon.pipe.before_join > 0  # it came in mid-iteration: the partial one was dropped
+    reps = list(daemon.pipe.reports)
+    assert [(r.iteration, r.status) for r in reps] == [(it, "committed") for it in range(joined, ITERATIONS)], \
+        [(r.iteration, r.status, r.note) for r in reps]
+    assert "resumed from" in reps[0].note
+    for it in range(joined, ITERATIONS):
+        mine = load_checkpoint(tmp_path / "ck" / checkpoint_name(it))
+        assert diff_checkpoints(mine, load_checkpoint(run / "reference" / checkpoint_name(it))) == []
+    assert not (tmp_path / "ck" / checkpoint_name(joined - 1)).exists()

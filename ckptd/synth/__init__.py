@@ -130,9 +130,11 @@ class Wire:
             return next_qpn[rank]
 
         def start_psn():
+            # NCCL connects every QP with sq_psn = rq_psn = 0 (net_ib.cc, ncclIbRtrQp and
+            # ncclIbRtsQp); every flow of the FlowCheck captures starts at PSN 0 too.
             if opts.psn_wrap:
                 return PSN_MOD - rng.randrange(1, 400)
-            return rng.randrange(PSN_MOD)
+            return 0
 
         sched = plan.schedule(0)
         self.data_qp, self.cts_qp, self.step_base, self.steps_done = {}, {}, {}, {}

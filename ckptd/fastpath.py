@@ -704,7 +704,7 @@ class FastPipeline(Pipeline):
             t0 = time.perf_counter()
             j, reason, entry = ex.run(batch, i, n)
             self.kernel_seconds += time.perf_counter() - t0
-            self.late += ex.drain(self.classes)
+            self._count_late(ex.drain(self.classes))
             self.kernel_frames += j - i
             i = j
             if reason == "end":

@@ -272,7 +272,7 @@ class Pipeline:
                 # a loop's first reduce-scatter send carries the sender's own values
                 self.rs_open.setdefault(it, {}).setdefault(pl.sender, []).append(pl)
         elif it <= self.done:
-            self.late += 1
+            self._count_late(1)
             return
         else:
             asm = self.open.get(it)
@@ -289,17 +289,38 @@ class Pipeline:
             self._try_join()
         self._after_placement(it)
 
+    def _count_late(self, n: int):
+        """Packets of iterations already done: late, or while joining, before the join."""
+        if self.joining:
+            self.before_join += n
+        else:
+            self.late += n
+
     def _try_join(self, force: bool = False):
         """Join once every flow is bound (or, with force or once the newest iteration is
         FINALIZE_LAG past what the bound flows allow, with the flows bound so far): drop
         what came before, and move on as if those iterations were done."""
         binder = self.extract.binder
         at = binder.join_iteration(force=True)
-        if at is None or (not force and binder.join_iteration() is None
-                          and self.highest < at + FINALIZE_LAG):
+        if at is None:
+            return
+        if not force and binder.join_iteration() is None and self.highest < at + FINALIZE_LAG:
+            # Not yet; but the join comes no earlier than `at` (the latest first whole
+            # iteration so far), so what precedes it can go now, and the fast path's
+            # kernel tracks the iterations that matter meanwhile.
+            if at - 1 > self.done:
+                self._drop_before(at)
             return
         self.joining = False
         self.joined = at + self.offset
+        self._drop_before(at)
+        if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:
+            # wait for the trainer's checkpoint of the iteration before (_resume_state)
+            self.stopped_after = int(self.shadow.iteration)
+        self._finalize_through(self.highest - FINALIZE_LAG)
+
+    def _drop_before(self, at: int):
+        """Joining: forget every iteration before `at`, as if done."""
         for it in [i for i in self.open if i < at]:
             self.before_join += self.open.pop(it).packets
         for it in [i for i in self.rs_open if i < at]:
@@ -307,9 +328,6 @@ class Pipeline:
         self.extract.forget_before(at)
         self.done = self.extract.done = at - 1
         self.highest = max(self.highest, at - 1)
-        if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:
-            self.stopped_after = int(self.shadow.iteration)
-        self._finalize_through(self.highest - FINALIZE_LAG)
 
     def _after_placement(self, it: int):
         """After a placement into iteration it: step the shadow on the next iteration's

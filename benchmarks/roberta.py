@@ -34,6 +34,7 @@ directory under /var/tmp) and are deleted at the end unless --keep.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -266,19 +267,28 @@ def structure_bytes(pipe, finishing) -> dict:
 def time_optimizer(plan: Plan, layout_iteration: int, reps: int, seed: int) -> dict:
     """ckptd.optim.optimizer_step on fresh tensors shaped like the last bucket's
     parameters, alone: once cold (state pages touched for the first time, as in
-    iteration 0) and `reps` times warm."""
+    iteration 0), then `reps` times warm; best and median. The best is the reference:
+    on these 2 shared cores a step's time varies many-fold when another process takes a
+    core in the middle of torch's 2-thread parallel regions. The same with torch on one
+    thread, for comparison."""
     last = plan.layout(layout_iteration)[-1]
     shapes = [plan.param(n).shape for n in last.params]
     params = [start_value(seed, 10_000 + i, s) for i, s in enumerate(shapes)]
     grads = [start_value(seed, 20_000 + i, s).mul_(0.01) for i, s in enumerate(shapes)]
     state = AdamState.zeros_like(params, amsgrad=False)
-    times = []
-    for k in range(reps + 1):
-        t = time.perf_counter()
-        optimizer_step(params, grads, state, plan.optimizer, lr_at(plan.optimizer, k))
-        times.append(time.perf_counter() - t)
-    return {"params": sum(int(np.prod(s)) for s in shapes), "tensors": len(shapes),
-            "cold": times[0], "warm": statistics.median(times[1:]), "warm_min": min(times[1:])}
+    out = {"params": sum(int(np.prod(s)) for s in shapes), "tensors": len(shapes)}
+    threads = torch.get_num_threads()
+    for label, n in (("", threads), ("one_thread_", 1)):
+        torch.set_num_threads(n)
+        times = []
+        for k in range(reps + 1):
+            t = time.perf_counter()
+            optimizer_step(params, grads, state, plan.optimizer, lr_at(plan.optimizer, k))
+            times.append(time.perf_counter() - t)
+        out.update({label + "cold": times[0], label + "warm": statistics.median(times[1:]),
+                    label + "warm_min": min(times[1:])})
+    torch.set_num_threads(threads)
+    return out
 
 
 def instrument() -> dict:
@@ -305,13 +315,73 @@ def instrument() -> dict:
                 spans.setdefault(label, []).append((t, time.monotonic(), what(args)))
         setattr(cls, name, timed)
 
+    from ckptd import fastpath
+    from ckptd.fastpath import FastPipeline
+
+    wrap(ShadowModel, "__init__", "shadow_init")
+    wrap(FastPipeline, "run_batch", "run_batch")
     wrap(ShadowModel, "apply_bucket", "apply_bucket", lambda a: (a[1], a[2]))
     wrap(ApplyStage, "drain", "drain")
     wrap(IterationAssembly, "coverage", "coverage", lambda a: a[0].iteration)
     wrap(FastExtractor, "stream_loss", "stream_loss", lambda a: a[2])
     wrap(Pipeline, "_finalize", "finalize", lambda a: a[1].iteration)
     wrap(Pipeline, "_apply", "apply", lambda a: a[1].iteration)
+
+    def timed_iter(it, label):
+        it = iter(it)
+        while True:
+            t = time.monotonic()
+            try:
+                b = next(it)
+            except StopIteration:
+                return
+            finally:
+                spans.setdefault(label, []).append((t, time.monotonic(), None))
+            yield b
+
+    class TimedReader(fastpath.ReaderStage):
+        """The reader stage, timing the reader thread's work (read, index, merge) and
+        the pipeline's waits for it."""
+
+        def __init__(self, batches, *args, **kw):
+            super().__init__(timed_iter(batches, "reader_busy"), *args, **kw)
+
+        def __iter__(self):
+            return timed_iter(super().__iter__(), "waiting_for_reader")
+
+    fastpath.ReaderStage = TimedReader
     return spans
+
+
+def span_total(spans: dict, label: str) -> float:
+    return sum(e - s for s, e, _ in spans.get(label, []))
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_info() -> dict:
+    """glibc's view of the heap: bytes in arenas (arena), mmapped blocks (hblkhd), in use
+    (uordblks) and free but kept in the arenas (fordblks)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        m = libc.mallinfo2()
+        return {n: getattr(m, n) for n in ("arena", "hblkhd", "uordblks", "fordblks")}
+    except (OSError, AttributeError):
+        return {}
+
+
+def smaps_rollup() -> dict:
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] in ("Rss:", "Anonymous:", "Private_Dirty:", "AnonHugePages:"):
+                out[parts[0][:-1]] = int(parts[1]) * 1024
+    return out
 
 
 def commit_breakdown(spans: dict, commits: list[dict], t0: float, offset: int = 0) -> list[dict]:
@@ -353,6 +423,7 @@ def child_main(spec_path: str) -> int:
     seed = spec["seed"]
     start = {"iteration": -1, "model": LazyModel(plan, seed), "optimizer": None}
     spans = instrument()
+    load = [os.getloadavg()]
     baseline = rss_bytes()
     sampler = RssSampler()
     commits = []
@@ -364,17 +435,23 @@ def child_main(spec_path: str) -> int:
         commits.append({"iteration": rep.iteration, "status": rep.status, "time": now - t0,
                         "commit_lag": rep.commit_lag, "packets": rep.packets,
                         "grad_bytes": rep.grad_bytes, "coverage": rep.coverage, "rss": rss_bytes(),
+                        "smaps": smaps_rollup(), "malloc": malloc_info(),
                         "structures": structure_bytes(pipe, asm) if pipe is not None else {},
                         "note": rep.note})
 
     pipe = fast_replay(plan, spec["paths"], start, ReplayOptions(stream_names=spec["names"]),
                        on_iteration=on_iteration)
     wall = time.monotonic() - t0
+    load.append(os.getloadavg())
     sampler.stop()
     hwm = vm_hwm_bytes()
     for k, c in enumerate(commits):
         lo = t0 + (commits[k - 1]["time"] if k else 0.0)
         c["peak_rss"] = sampler.peak_between(lo, t0 + c["time"])
+    heap = malloc_info()
+    rss_end = rss_bytes()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = {"rss_before": rss_end, "rss_after": rss_bytes(), "malloc_before": heap}
     names = [p.name for p in plan.parameters]
     digest = state_digest(names, pipe.shadow.params, pipe.shadow.state) if pipe.shadow else {}
     stops = dict(pipe.stops)
@@ -389,6 +466,9 @@ def child_main(spec_path: str) -> int:
         "end_structures": structure_bytes(pipe, None),
         "torch_threads": torch.get_num_threads(),
         "commit_steps": commit_breakdown(spans, commits, t0),
+        "malloc_trim": trimmed, "load_average": load,
+        "threads": {k: span_total(spans, k) for k in ("shadow_init", "run_batch", "waiting_for_reader",
+                                                       "reader_busy", "apply_bucket", "finalize")},
     }
     del pipe
     result["optimizer"] = {str(it): time_optimizer(plan, it, spec["optimizer_reps"], seed)
@@ -425,10 +505,11 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
                  f"{streams} streams, {captured / 1e9:.1f} GB of pcap ({sum(gen['frames']):,} frames), "
                  f"optimizer {plan.optimizer.kind} {plan.optimizer.implementation}, torch threads "
                  f"{res['torch_threads']}; generated in {gen['seconds']:.0f} s; replay {res['wall']:.1f} s "
-                 f"({captured / res['wall'] / 1e9:.2f} GB/s of captured bytes)")
+                 f"({captured / res['wall'] / 1e9:.2f} GB/s of captured bytes); load average "
+                 f"{res['load_average'][0][0]:.2f} at the replay's start, {res['load_average'][1][0]:.2f} at its end")
     lines.append("")
     lines.append("| iteration | status | s (commit to commit) | commit lag ms | last bucket alone ms: best "
-                 "(median, cold) | M params | lag / last bucket | RSS at commit GiB | peak RSS in iteration GiB |")
+                 "(median, cold; best on 1 thread) | M params | lag / last bucket | RSS at commit GiB | peak RSS in iteration GiB |")
     lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     prev = 0.0
     lags = []
@@ -440,7 +521,8 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
             lags.append((c["iteration"], lag, opt["warm_min"], ratio))
         lines.append(f"| {c['iteration']} | {c['status']} | {c['time'] - prev:.2f} | "
                      f"{'-' if lag is None else f'{lag * 1e3:.0f}'} | {opt['warm_min'] * 1e3:.0f} "
-                     f"({opt['warm'] * 1e3:.0f}, {opt['cold'] * 1e3:.0f}) | {opt['params'] / 1e6:.1f} | "
+                     f"({opt['warm'] * 1e3:.0f}, {opt['cold'] * 1e3:.0f}; 1 thread "
+                     f"{opt['one_thread_warm_min'] * 1e3:.0f}) | {opt['params'] / 1e6:.1f} | "
                      f"{'-' if ratio is None else f'**{ratio:.2f}**'} | {fmt_gib(c['rss'])} | "
                      f"{fmt_gib(c['peak_rss'])} |")
         prev = c["time"]
@@ -488,6 +570,23 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
                        ("received_maps", "kernel received-packet maps")):
         if key in last:
             lines.append(f"| at the last commit, {label} | {fmt_gib(last[key])} | {last[key] / ideal:.2f} |")
+    trim = res.get("malloc_trim") or {}
+    if trim:
+        heap = trim.get("malloc_before") or {}
+        if heap:
+            lines.append(f"| at the end, free memory glibc keeps in its arenas (mallinfo2 fordblks) | "
+                         f"{fmt_gib(heap['fordblks'])} | {heap['fordblks'] / ideal:.2f} |")
+        drop = trim["rss_before"] - trim["rss_after"]
+        lines.append(f"| at the end, RSS given back by malloc_trim(0) | {fmt_gib(drop)} | {drop / ideal:.2f} |")
+    th = res.get("threads") or {}
+    if th:
+        lines.append("")
+        lines.append(f"Where the replay's {res['wall']:.1f} s went: main thread in run_batch "
+                     f"{th['run_batch']:.1f} s (kernel {res['kernel_seconds']:.1f} s, the rest the "
+                     f"reference path and commits), waiting for the reader {th['waiting_for_reader']:.1f} s; "
+                     f"reader thread busy (read, index, merge) {th['reader_busy']:.1f} s; apply thread "
+                     f"(bucket steps) {th['apply_bucket']:.1f} s; building the shadow from the start state "
+                     f"{th['shadow_init']:.1f} s (inside iteration 0).")
     summary = {
         "exact": exact, "committed": sum(c["status"] == "committed" for c in commits),
         "iterations": iterations, "peak_over_ideal": hwm / ideal,
@@ -513,7 +612,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mirror-ranks", default="0,3,6", help="ranks whose switch ports are mirrored")
     ap.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="tx")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--optimizer-reps", type=int, default=5)
+    ap.add_argument("--optimizer-reps", type=int, default=15)
     ap.add_argument("--workdir", help="where the pcap files go (default: a new directory under /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (pcaps, plan, results)")
     ap.add_argument("--json", help="also write the results here")

@@ -5,6 +5,9 @@ buffers, and the elements it covers are marked in that stream's coverage map. Tw
 intact copies of one element must agree bit for bit; if they do not, the iteration is
 poisoned (something is wrong with the plan or the capture) and is never committed.
 An iteration is complete when the union of all streams covers every element.
+
+Coverage maps are bitmaps, one bit per element (element k is bit k % 8 of byte k // 8):
+at 330M parameters a byte per element per map would cost more than the gradient buffer.
 """
 from __future__ import annotations
 
@@ -15,6 +18,29 @@ import numpy as np
 from .schedule import Bucket
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def bitmap(n: int) -> np.ndarray:
+    """A clear coverage bitmap for n elements."""
+    return np.zeros((n + 7) // 8, np.uint8)
+
+
+def bits_get(bm: np.ndarray, start: int, end: int) -> np.ndarray:
+    """Elements [start, end) of a bitmap, as bools."""
+    lo = start >> 3
+    return np.unpackbits(bm[lo:(end + 7) >> 3], bitorder="little")[start - 8 * lo:end - 8 * lo].view(bool)
+
+
+def bits_set(bm: np.ndarray, start: int, end: int):
+    """Mark elements [start, end) covered."""
+    lo, hi = start >> 3, (end + 7) >> 3
+    bits = np.unpackbits(bm[lo:hi], bitorder="little")
+    bits[start - 8 * lo:end - 8 * lo] = 1
+    bm[lo:hi] = np.packbits(bits, bitorder="little")
+
+
+def bits_count(bm: np.ndarray) -> int:
+    return int(np.bitwise_count(bm).sum())
 
 
 def ranges(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -51,8 +77,8 @@ class IterationAssembly:
         self.total = sum(b.count for b in self.buckets)
         self.bucket_covered = [0] * len(self.buckets)
         self.data = [np.zeros(b.count, _BITS[b.dtype.itemsize]) for b in self.buckets]
-        self.covered = [np.zeros(b.count, bool) for b in self.buckets]
-        self.by_stream = [[np.zeros(b.count, bool) for b in self.buckets] for _ in range(self.nstreams)]
+        self.covered = [bitmap(b.count) for b in self.buckets]
+        self.by_stream = [[bitmap(b.count) for b in self.buckets] for _ in range(self.nstreams)]
 
     def place(self, stream: int, bucket: int, start: int, raw: bytes | memoryview):
         """Copy raw little-endian element bytes to bucket[start:...]."""
@@ -60,7 +86,7 @@ class IterationAssembly:
         end = start + len(vals)
         if end > len(self.data[bucket]):
             raise IndexError(f"bucket {bucket}: elements [{start}, {end}) past its end")
-        cov = self.covered[bucket][start:end]
+        cov = bits_get(self.covered[bucket], start, end)
         dst = self.data[bucket][start:end]
         if cov.any() and not np.array_equal(dst[cov], vals[cov]):
             self.conflicts.append((stream, bucket, start, end))
@@ -69,8 +95,8 @@ class IterationAssembly:
         new = len(cov) - int(np.count_nonzero(cov))
         self.ncovered += new
         self.bucket_covered[bucket] += new
-        cov[:] = True
-        self.by_stream[stream][bucket][start:end] = True
+        bits_set(self.covered[bucket], start, end)
+        bits_set(self.by_stream[stream][bucket], start, end)
         self.packets += 1
         self.bytes += len(raw)
 
@@ -84,17 +110,21 @@ class IterationAssembly:
     def coverage(self, stream: int | None = None) -> float:
         total = sum(b.count for b in self.buckets)
         maps = self.covered if stream is None else self.by_stream[stream]
-        return (sum(int(m.sum()) for m in maps) / total) if total else 1.0
+        return (sum(bits_count(m) for m in maps) / total) if total else 1.0
 
     def missing(self, param_ranges) -> list[Missing]:
         """Exact element ranges no stream delivered, with the parameters they fall in."""
         out = []
-        for b, cov in enumerate(self.covered):
-            for s, e in ranges(~cov):
+        for b in range(len(self.buckets)):
+            for s, e in ranges(~self.covered_elements(b)):
                 hit = [(n, max(s, ps) - ps, min(e, pe) - ps) for n, ps, pe in param_ranges(b)
                        if ps < e and s < pe]
                 out.append(Missing(b, s, e, hit))
         return out
+
+    def covered_elements(self, b: int) -> np.ndarray:
+        """Bucket b's coverage as one bool per element."""
+        return bits_get(self.covered[b], 0, self.buckets[b].count)
 
     def gradients(self) -> list[np.ndarray]:
         """The reduced buckets, as their element type."""

@@ -451,7 +451,7 @@ class Pipeline:
         it = asm.iteration + self.offset
         for b, grad in enumerate(asm.gradients()):
             np.save(d / f"iter_{it:06d}_bucket_{b:03d}.npy", grad)
-            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", asm.covered[b])
+            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", asm.covered_elements(b))
 
     def _dump_rs(self, upto: int):
         """Each sender's own values, from its first reduce-scatter sends (diagnostics)."""

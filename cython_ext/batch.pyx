@@ -269,19 +269,24 @@ cdef extern from *:
         return !bad;
     }
 
-    /* ---- coverage maps (numpy bool: one byte 0/1 per element) -------------------------
-     * 0: no element covered, 1: all covered, 2: some. Eight bytes at a time. */
-    static int ckptd_cover_state(const uint8_t *c, int64_t n) {
-        uint64_t any = 0, all = 0x0101010101010101ULL;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            uint64_t w; memcpy(&w, c + i, 8);
-            any |= w; all &= w;
-        }
-        uint64_t tail_all = 1;
-        for (; i < n; i++) { any |= c[i]; tail_all &= c[i]; }
-        if (!any) return 0;
-        return (all == 0x0101010101010101ULL && tail_all) ? 1 : 2;
+    /* ---- coverage bitmaps (ckptd/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
+    static inline int ckptd_bit(const uint8_t *b, int64_t k) { return (b[k >> 3] >> (k & 7)) & 1; }
+
+    /* elements of [s, s + n) covered: bit by bit to a byte boundary, then 64 at a time */
+    static int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) {
+        int64_t c = 0, k = s, e = s + n;
+        for (; k < e && (k & 7); k++) c += ckptd_bit(b, k);
+        for (; k + 64 <= e; k += 64) { uint64_t w; memcpy(&w, b + (k >> 3), 8); c += __builtin_popcountll(w); }
+        for (; k + 8 <= e; k += 8) c += __builtin_popcount(b[k >> 3]);
+        for (; k < e; k++) c += ckptd_bit(b, k);
+        return c;
+    }
+
+    static void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) {
+        int64_t k = s, e = s + n;
+        for (; k < e && (k & 7); k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
+        if (k + 8 <= e) { int64_t full = (e - k) >> 3; memset(b + (k >> 3), 0xFF, full); k += full << 3; }
+        for (; k < e; k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
     }
     """
     ctypedef uint32_t (*ckptd_crc_fn)(uint32_t, const uint8_t *, uint64_t) noexcept nogil
@@ -295,7 +300,9 @@ cdef extern from *:
     uint64_t K95, K63, CRC_MU_REFL, CRC_P_REFL
     void ckptd_crc_table_init() noexcept nogil
     int ckptd_ll_unpack(const uint8_t *inp, int64_t lines, uint32_t flag, uint8_t *out) noexcept nogil
-    int ckptd_cover_state(const uint8_t *c, int64_t n) noexcept nogil
+    int ckptd_bit(const uint8_t *b, int64_t k) noexcept nogil
+    int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) noexcept nogil
+    void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
 
 
 # -- constants shared with ckptd/fastpath.py ---------------------------------------------
@@ -1097,17 +1104,17 @@ cdef class BatchKernel:
         """Returns True when this placement completed a bucket (or the pipeline asked
         to hear of every placement into this iteration)."""
         cdef uint8_t *dst = (<uint8_t *>self.slot_ptr[slot, bucket, 0]) + start * isz
-        cdef uint8_t *cov = (<uint8_t *>self.slot_ptr[slot, bucket, 1]) + start
-        cdef uint8_t *mine = (<uint8_t *>self.slot_ptr[slot, bucket, 2 + stream]) + start
-        cdef int state = ckptd_cover_state(cov, nel)
-        cdef int64_t k, fresh = 0
+        cdef uint8_t *cov = <uint8_t *>self.slot_ptr[slot, bucket, 1]
+        cdef uint8_t *mine = <uint8_t *>self.slot_ptr[slot, bucket, 2 + stream]
+        cdef int64_t k, fresh = 0, have = ckptd_bits_count(cov, start, nel)
+        cdef int state = 0 if have == 0 else (1 if have == nel else 2)
         cdef bint conflict = False
         # two intact copies of an element must agree bit for bit
         if state == 1:
             conflict = memcmp(dst, raw, nel * isz) != 0
         elif state == 2:
             for k in range(nel):
-                if cov[k] and memcmp(dst + k * isz, raw + k * isz, isz) != 0:
+                if ckptd_bit(cov, start + k) and memcmp(dst + k * isz, raw + k * isz, isz) != 0:
                     conflict = True
                     break
         if conflict:
@@ -1120,14 +1127,10 @@ cdef class BatchKernel:
             self.nconflicts += 1
             return False
         if state != 1:                          # all covered: the bytes are there already
-            if state == 0:
-                fresh = nel
-            else:
-                for k in range(nel):
-                    fresh += cov[k] == 0
+            fresh = nel - have
             memcpy(dst, raw, nel * isz)
-            memset(cov, 1, nel)
-        memset(mine, 1, nel)
+            ckptd_bits_set(cov, start, nel)
+        ckptd_bits_set(mine, start, nel)
         self.slot_counts[slot, 0] += 1
         self.slot_counts[slot, 1] += nel * isz
         self.slot_bucket[slot, bucket, 0] += fresh     # IterationAssembly.bucket_covered

@@ -184,6 +184,8 @@ class Daemon:
                   "coverage": [round(c, 6) for c in rep.coverage], "note": rep.note.strip()}
         if rep.commit_lag is not None:
             fields["commit_lag_s"] = round(rep.commit_lag, 6)
+        if rep.write_seconds is not None:
+            fields["write_s"] = round(rep.write_seconds, 6)
         if rep.status == "committed":
             log.info("committed", extra={"fields": fields})
         else:
@@ -254,6 +256,7 @@ class Daemon:
             "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(committed[-1].iteration))
                                 if committed else None),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
+            "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,

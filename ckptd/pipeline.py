@@ -163,7 +163,9 @@ class IterationReport:
     missing: list[Missing] = field(default_factory=list)
     note: str = ""
     exact: bool | None = None  # against a reference checkpoint, when one was given
-    commit_lag: float | None = None  # seconds from the iteration's last packet to its commit
+    commit_lag: float | None = None  # seconds from the iteration's last packet until the
+    # shadow holds the iteration exactly (its checkpoint file is written after: write_seconds)
+    write_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -201,7 +203,11 @@ class Pipeline:
         self.before_join = 0  # packets placed into iterations before it, dropped
         self.extract = transport_for(plan, self.join_wire)  # decode + place
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
-        self.resume = load_checkpoint(opts.resume) if opts.resume and not Path(opts.resume).is_dir() else None
+        # a --resume file's iteration; the file is read again when needed, since the
+        # shadow takes over (and then changes) the tensors of the state it starts from
+        self.resume_iteration = None
+        if opts.resume and not Path(opts.resume).is_dir():
+            self.resume_iteration = int(load_checkpoint(opts.resume).get("iteration", -2))
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
@@ -372,7 +378,7 @@ class Pipeline:
             if self.stopped_after is None:
                 self.stopped_after = it - 1
                 rep.note += f" shadow stops at iteration {it - 1}" + \
-                    (f" until resumed from {self.opts.resume}" if self.resume else "")
+                    (f" until resumed from {self.opts.resume}" if self.opts.resume else "")
         else:
             self._apply(asm, rep)
         self.reports.append(rep)
@@ -414,17 +420,19 @@ class Pipeline:
         else:
             self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
         self.next_bucket = 0
-        rep.status = "committed"
-        if self.opts.out:
-            save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
-                            self.shadow.model_state(), self.shadow.optimizer_state())
-        if asm.last_packet:
+        if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
+        if self.opts.out:  # written from the live tensors: nothing steps the shadow meanwhile
+            t0 = time.monotonic()
+            save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
+                            self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
+            rep.write_seconds = time.monotonic() - t0
+        rep.status = "committed"
         if self.opts.reference:
             ref_path = Path(self.opts.reference) / checkpoint_name(it)
             if ref_path.exists():
-                mine = {"iteration": it, "model": self.shadow.model_state(),
-                        "optimizer": self.shadow.optimizer_state()}
+                mine = {"iteration": it, "model": self.shadow.model_state(copy=False),
+                        "optimizer": self.shadow.optimizer_state(copy=False)}
                 diffs = diff_checkpoints(mine, load_checkpoint(ref_path), limit=3)
                 rep.exact = not diffs
                 if diffs:
@@ -433,10 +441,10 @@ class Pipeline:
     def _resume_state(self, iteration: int) -> dict | None:
         """A state to restart the shadow from that is exactly `iteration`: the --resume
         checkpoint, or that iteration's checkpoint in the --resume directory."""
-        if self.resume is not None:
-            return self.resume if int(self.resume.get("iteration", -2)) == iteration else None
         if not self.opts.resume:
             return None
+        if self.resume_iteration is not None:
+            return load_checkpoint(self.opts.resume) if self.resume_iteration == iteration else None
         path = Path(self.opts.resume) / checkpoint_name(iteration)
         if not path.exists():
             return None

@@ -3,6 +3,9 @@
 Built from the plan and a starting checkpoint (the initial state, iteration -1, or
 any committed checkpoint to resume from), it applies one committed iteration's
 reduced gradients with the trainer's exact optimizer semantics (ckptd.optim).
+
+The shadow takes the starting state's tensors over instead of copying them (at 330M
+parameters a copy is 4 GB): a caller that needs its state unchanged passes a copy.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class ShadowModel:
             raise CheckpointError(f"starting state lacks parameters {missing[:5]}")
         self.params = []
         for p in plan.parameters:
-            t = model[p.name].detach().clone().contiguous()
+            t = model[p.name].detach().contiguous()
             if tuple(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != p.dtype:
                 raise CheckpointError(f"starting state: {p.name} is {t.dtype}{list(t.shape)}, "
                                       f"plan says {p.dtype}{list(p.shape)}")
@@ -37,10 +40,10 @@ class ShadowModel:
         if opt and opt.get("state"):
             st = opt["state"]
             self.state = AdamState(
-                step=[st[n]["step"].clone() for n in self.names],
-                exp_avg=[st[n]["exp_avg"].clone() for n in self.names],
-                exp_avg_sq=[st[n]["exp_avg_sq"].clone() for n in self.names],
-                max_exp_avg_sq=[st[n]["max_exp_avg_sq"].clone() for n in self.names]
+                step=[st[n]["step"] for n in self.names],
+                exp_avg=[st[n]["exp_avg"] for n in self.names],
+                exp_avg_sq=[st[n]["exp_avg_sq"] for n in self.names],
+                max_exp_avg_sq=[st[n]["max_exp_avg_sq"] for n in self.names]
                 if plan.optimizer.amsgrad else [])
         else:
             self.state = AdamState.zeros_like(self.params, plan.optimizer.amsgrad)
@@ -92,14 +95,18 @@ class ShadowModel:
         optimizer_step(self.params, grads, self.state, self.plan.optimizer, self.lr)
         self.iteration = iteration
 
-    def model_state(self) -> dict:
-        return {n: p.clone() for n, p in zip(self.names, self.params)}
+    def model_state(self, copy: bool = True) -> dict:
+        """Parameters by name; copy=False hands out the live tensors (to write or
+        compare them while nothing steps the shadow)."""
+        keep = (lambda t: t.clone()) if copy else (lambda t: t)
+        return {n: keep(p) for n, p in zip(self.names, self.params)}
 
-    def optimizer_state(self) -> dict:
+    def optimizer_state(self, copy: bool = True) -> dict:
+        keep = (lambda t: t.clone()) if copy else (lambda t: t)
         st = {}
         for i, n in enumerate(self.names):
-            st[n] = {"step": self.state.step[i].clone(), "exp_avg": self.state.exp_avg[i].clone(),
-                     "exp_avg_sq": self.state.exp_avg_sq[i].clone()}
+            st[n] = {"step": keep(self.state.step[i]), "exp_avg": keep(self.state.exp_avg[i]),
+                     "exp_avg_sq": keep(self.state.exp_avg_sq[i])}
             if self.state.max_exp_avg_sq:
-                st[n]["max_exp_avg_sq"] = self.state.max_exp_avg_sq[i].clone()
+                st[n]["max_exp_avg_sq"] = keep(self.state.max_exp_avg_sq[i])
         return {"lr": self.lr, "state": st}

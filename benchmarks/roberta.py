@@ -130,10 +130,9 @@ def start_value(seed: int, index: int, shape) -> torch.Tensor:
 
 
 class LazyModel(Mapping):
-    """The starting model state as ShadowModel reads it (start["model"]), built one
-    parameter at a time on access and not kept: a whole starting checkpoint held by the
-    caller for the length of the replay would add one more copy of the parameters to
-    the peak (see RESULTS.md)."""
+    """The starting model state as ShadowModel reads it (start["model"]), each
+    parameter built when it is read (the shadow takes the tensor over): the replay
+    process needs no 1.3 GB starting checkpoint file, and holds no second copy."""
 
     def __init__(self, plan: Plan, seed: int):
         self.index = {p.name: i for i, p in enumerate(plan.parameters)}
@@ -326,6 +325,7 @@ def instrument() -> dict:
     wrap(FastExtractor, "stream_loss", "stream_loss", lambda a: a[2])
     wrap(Pipeline, "_finalize", "finalize", lambda a: a[1].iteration)
     wrap(Pipeline, "_apply", "apply", lambda a: a[1].iteration)
+    wrap(FastPipeline, "_python_frame", "python_frame", lambda a: a[4])
 
     def timed_iter(it, label):
         it = iter(it)
@@ -467,6 +467,9 @@ def child_main(spec_path: str) -> int:
         "torch_threads": torch.get_num_threads(),
         "commit_steps": commit_breakdown(spans, commits, t0),
         "malloc_trim": trimmed, "load_average": load,
+        "python_frames": {reason: [sum(1 for *_, w in spans.get("python_frame", []) if w == reason),
+                                   sum(e - s for s, e, w in spans.get("python_frame", []) if w == reason)]
+                          for reason in {w for *_, w in spans.get("python_frame", [])}},
         "threads": {k: span_total(spans, k) for k in ("shadow_init", "run_batch", "waiting_for_reader",
                                                        "reader_busy", "apply_bucket", "finalize")},
     }
@@ -564,7 +567,7 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
     last = commits[-1]["structures"] if commits else {}
     for key, label in (("shadow", "shadow: parameters + 2 moments"),
                        ("gradient_data", "iteration buffers: gradient data"),
-                       ("covered", "iteration buffers: covered map (1 B/element)"),
+                       ("covered", "iteration buffers: covered map"),
                        ("covered_per_stream", f"iteration buffers: {streams} per-stream covered maps"),
                        ("pool", "ArrayPool (parked for reuse)"),
                        ("received_maps", "kernel received-packet maps")):
@@ -616,6 +619,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="where the pcap files go (default: a new directory under /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (pcaps, plan, results)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the replay process (diagnostics, e.g. MALLOC_MMAP_THRESHOLD_=1048576)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -645,8 +650,9 @@ def run(a) -> int:
                 "optimizer_reps": a.optimizer_reps, "result": str(work / "result.json")}
         (work / "spec.json").write_text(json.dumps(spec))
         print(f"replaying {sum(gen['file_bytes']) / 1e9:.1f} GB in a child process", flush=True)
+        env = dict(os.environ, **dict(kv.split("=", 1) for kv in a.child_env))
         proc = subprocess.run([sys.executable, "-m", "benchmarks.roberta", "--child", str(work / "spec.json")],
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=Path(__file__).resolve().parents[1], env=env)
         if proc.returncode != 0:
             print(f"error: the replay process exited with {proc.returncode}", file=sys.stderr)
             return 1
@@ -655,6 +661,10 @@ def run(a) -> int:
         summary["rusage_children_maxrss"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         print("\n".join(lines))
         print()
+        if a.child_env:
+            print(f"replay process environment: {' '.join(a.child_env)}")
+        frames_py = ", ".join(f"{k} {n} ({t:.2f} s)" for k, (n, t) in sorted(res["python_frames"].items()))
+        print(f"frames the reference path handled: {frames_py}")
         print(f"stops to the reference path: {res['stops']}; kernel frames {res['kernel_frames']:,}, "
               f"kernel {res['kernel_seconds']:.1f} s; reader waits {res['read_waits']}; "
               f"optimizer back-pressure {res['apply_waits']}; late {res['late']}")

@@ -618,6 +618,9 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer-reps", type=int, default=15)
     ap.add_argument("--workdir", help="where the pcap files go (default: a new directory under /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (pcaps, plan, results)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="replay the captures a kept --workdir holds if they were made with the same "
+                         "plan, seed and iterations (skips generating)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--child-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of the replay process (diagnostics, e.g. MALLOC_MMAP_THRESHOLD_=1048576)")
@@ -642,9 +645,19 @@ def run(a) -> int:
     print(f"{sum(p.numel for p in params) / 1e6:.1f} M parameters; writing {a.iterations} iterations "
           f"to {work}", flush=True)
     try:
-        plan.save(work / "plan.json")
-        gen = generate(plan, paths, a.iterations, a.seed,
-                       log=lambda s: print(s, file=sys.stderr, flush=True))
+        made_by = {"plan": plan.to_json(), "seed": a.seed, "iterations": a.iterations}
+        saved = work / "generate.json"
+        gen = None
+        if a.reuse and saved.exists() and all(p.exists() for p in paths):
+            doc = json.loads(saved.read_text())
+            if doc.get("made_by") == json.loads(json.dumps(made_by)):
+                gen = doc["generate"]
+                print("reusing the captures and expected state in the workdir", flush=True)
+        if gen is None:
+            plan.save(work / "plan.json")
+            gen = generate(plan, paths, a.iterations, a.seed,
+                           log=lambda s: print(s, file=sys.stderr, flush=True))
+            saved.write_text(json.dumps({"made_by": made_by, "generate": gen}))
         spec = {"plan": str(work / "plan.json"), "paths": [str(p) for p in paths],
                 "names": [m.name for m in plan.mirrors], "seed": a.seed, "iterations": a.iterations,
                 "optimizer_reps": a.optimizer_reps, "result": str(work / "result.json")}

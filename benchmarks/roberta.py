@@ -507,7 +507,8 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
                  f"{len(plan.buckets_first)} first / {len(plan.buckets_rebuilt)} rebuilt buckets, "
                  f"{streams} streams, {captured / 1e9:.1f} GB of pcap ({sum(gen['frames']):,} frames), "
                  f"optimizer {plan.optimizer.kind} {plan.optimizer.implementation}, torch threads "
-                 f"{res['torch_threads']}; generated in {gen['seconds']:.0f} s; replay {res['wall']:.1f} s "
+                 f"{res['torch_threads']}; generated in {gen['seconds']:.0f} s (peak RSS "
+                 f"{fmt_gib(gen.get('peak_rss', 0))} GiB); replay {res['wall']:.1f} s "
                  f"({captured / res['wall'] / 1e9:.2f} GB/s of captured bytes); load average "
                  f"{res['load_average'][0][0]:.2f} at the replay's start, {res['load_average'][1][0]:.2f} at its end")
     lines.append("")
@@ -657,6 +658,7 @@ def run(a) -> int:
             plan.save(work / "plan.json")
             gen = generate(plan, paths, a.iterations, a.seed,
                            log=lambda s: print(s, file=sys.stderr, flush=True))
+            gen["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             saved.write_text(json.dumps({"made_by": made_by, "generate": gen}))
         spec = {"plan": str(work / "plan.json"), "paths": [str(p) for p in paths],
                 "names": [m.name for m in plan.mirrors], "seed": a.seed, "iterations": a.iterations,

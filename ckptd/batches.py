@@ -187,7 +187,9 @@ def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors) -> I
         cap = len(data) // 16
         arrs = [np.empty(cap, np.int64) for _ in range(5)]
         n, _ = _kernel.index_pcap(data, 0, big, 0, *arrs)
-        offsets, caplen, origlen, sec, frac = (a[:n] for a in arrs)
+        # copies: the arrays are sized for a frame every 16 bytes, and a Batch lives on
+        offsets, caplen, origlen, sec, frac = (a[:n].copy() for a in arrs)
+        del arrs
         if n:
             yield Batch(data, offsets, caplen, origlen, np.full(n, stream, np.int32),
                         np.full(n, linktype, np.int32),

@@ -488,11 +488,7 @@ class FastExtractor(RoceTransport):
                 if k not in self.table.index:
                     e = self.table.add(k, FLOW_BOUND, self.sched.index[b.conn + (b.qp,)], b.base, b.last)
                     self.entry_binding[e] = b
-            # ACKs of a hop whose flows are all bound teach the binder nothing
-            for hop in binder.expected:
-                if hop not in self._ack_hops_done and binder._hop_full(hop):
-                    self._ack_hops_done.add(hop)
-                    self._add_unrelated((self.plan.addresses[hop[1]], self.plan.addresses[hop[0]], ACK_QP))
+            self._ack_hops_useless()
             self._seen_bound = len(binder.bound)
         if len(binder.unrelated) != self._seen_unrelated:
             for key in binder.unrelated:
@@ -503,6 +499,8 @@ class FastExtractor(RoceTransport):
                 s, d = self.plan.rank_of(p.dst), self.plan.rank_of(p.src)
                 if (s, d) not in binder.expected:  # FlowBinder.note_ack ignores it for good
                     self._add_unrelated((p.src, p.dst, ACK_QP))
+                elif (s, d) in binder.acks_ignored:
+                    self._ack_hops_useless()
             elif p.flow not in binder.bound and binder.hop_of(p) is None:
                 self._add_unrelated(p.flow)  # between addresses that form no hop of the job
         if len(self.table.index) != self._table_flows:  # added (the arrays may be new)
@@ -514,6 +512,14 @@ class FastExtractor(RoceTransport):
                 self.fb_known[c], self.fb_value[c] = 1, base
             self._seen_flag_bases = len(self.flag_base)
         self.kernel.examples_open = len(self.examples) < MAX_EXAMPLES
+
+    def _ack_hops_useless(self):
+        """ACKs of a hop whose flows are all bound, or whose data no mirror shows, teach
+        the binder nothing (FlowBinder.acks_useless): the kernel counts them alone."""
+        for hop in self.binder.expected:
+            if hop not in self._ack_hops_done and self.binder.acks_useless(hop):
+                self._ack_hops_done.add(hop)
+                self._add_unrelated((self.plan.addresses[hop[1]], self.plan.addresses[hop[0]], ACK_QP))
 
     def _add_unrelated(self, key):
         k = flow_key(*key)
@@ -764,8 +770,9 @@ class FastPipeline(Pipeline):
         return asm
 
     def _recycle(self, asm: IterationAssembly):
-        # referrers of a finished assembly: the caller's variable and getrefcount's argument
-        if sys.getrefcount(asm) <= 3:
+        # referrers of a finished assembly: the caller's variable and getrefcount's argument.
+        # Iteration 0's arrays follow DDP's first bucket layout, which never comes back.
+        if sys.getrefcount(asm) <= 3 and asm.iteration > 0:
             arrays = asm.data + asm.covered + [a for maps in asm.by_stream for a in maps]
             asm.data, asm.covered, asm.by_stream = [], [], []
             self.pool.give_back(arrays)

@@ -24,7 +24,7 @@ its earliest packet seen; the pipeline joins at the latest of these over all flo
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .plan import Plan
@@ -43,6 +43,7 @@ PENDING_LIMIT = 20000  # packets held per hop while its flows are not yet bound
 MIN_HEADS = 3  # message heads a flow must show before it is bound by its lengths alone
 ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked for
 RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
+ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
 
 
 @dataclass
@@ -147,6 +148,8 @@ class FlowBinder:
         self.unrelated: set[tuple] = set()
         self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
         self.acks: dict[tuple[int, int], deque] = {}
+        self.ack_count: Counter = Counter()  # per hop, while none of its data was seen
+        self.acks_ignored: set[tuple[int, int]] = set()
         self.errors: list[str] = []
         self.notes: list[str] = []
 
@@ -167,8 +170,16 @@ class FlowBinder:
         derives the port from both QPNs, so both directions of a connection share it)."""
         s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
         hop = (s, d)
-        if hop not in self.expected or self._hop_full(hop):
+        if hop not in self.expected or self.acks_useless(hop):
             return
+        if hop not in self.pending and not self._bound_count(hop):
+            self.ack_count[hop] += 1
+            if self.ack_count[hop] >= ACKS_WITHOUT_DATA:
+                # a mirror that sees only this direction (a port's transmit side): the
+                # data they acknowledge never shows up, so stop keeping them, for good
+                self.acks_ignored.add(hop)
+                self.acks.pop(hop, None)
+                return
         self.acks.setdefault(hop, deque(maxlen=RECENT_ACKS)).append((pkt.sport, pkt.psn))
         for cand in self.pending.get(hop, {}).values():
             self._ack_evidence(cand, pkt.sport, pkt.psn)
@@ -202,6 +213,10 @@ class FlowBinder:
         if ready >= len(self.expected[hop]) - self._bound_count(hop) or held > PENDING_LIMIT:
             return self._bind(hop, final=held > PENDING_LIMIT)
         return []
+
+    def acks_useless(self, hop) -> bool:
+        """Whether this hop's ACKs can teach the binder nothing any more."""
+        return hop in self.acks_ignored or self._hop_full(hop)
 
     def _bound_count(self, hop) -> int:
         return sum(1 for b in self.bound.values() if b.conn[:2] == hop)

@@ -133,6 +133,7 @@ class ApplyStage:
             except BaseException as e:  # surfaced by drain()
                 self.error = e
             finally:
+                job = None  # the job holds a bucket's gradient: let the pool have it back
                 self.queue.task_done()
 
     def submit(self, job: Callable[[], None]):
@@ -357,9 +358,7 @@ class Pipeline:
     def _finalize(self, asm: IterationAssembly):
         wire = asm.iteration
         it = wire + self.offset
-        rep = IterationReport(it, "", asm.packets, asm.bytes,
-                              [asm.coverage(s) for s in range(self.nstreams)],
-                              [self.extract.stream_loss(s, wire) for s in range(self.nstreams)])
+        rep = IterationReport(it, "", asm.packets, asm.bytes)
         if self.opts.dump_gradients:
             self._dump(asm)
         if asm.conflicts:
@@ -381,6 +380,9 @@ class Pipeline:
                     (f" until resumed from {self.opts.resume}" if self.opts.resume else "")
         else:
             self._apply(asm, rep)
+        # per-stream statistics after the commit: they do not hold it up
+        rep.coverage = [asm.coverage(s) for s in range(self.nstreams)]
+        rep.loss = [self.extract.stream_loss(s, wire) for s in range(self.nstreams)]
         self.reports.append(rep)
         if self.on_iteration:
             self.on_iteration(rep)

@@ -480,3 +480,16 @@ def test_real_flowcheck_captures(flowcheck_dir, tmp_path):
     grad = np.load(b / "iter_000000_bucket_000.npy")
     np.testing.assert_array_equal(grad, 2 * (np.arange(5000) % 10))
     assert got.extract.counters["ll_flag_mismatch"] == 0
+
+
+def test_transmit_side_mirrors_stop_holding_acks_of_unseen_hops(tmp_path, monkeypatch):
+    """A port's transmit side carries its rank's ACKs of the hop into it, whose data the
+    mirrors never show: after enough of them both paths stop keeping them, alike."""
+    import ckptd.flows
+    monkeypatch.setattr(ckptd.flows, "ACKS_WITHOUT_DATA", 20)
+    ref, fast = synth_pair(tmp_path, ranks=4, channels=2, protocol="simple", mtu=1024, mirrors=2,
+                           mirror_direction="tx", loss=1e-3, seed=5)
+    assert_same(ref, fast)
+    assert ref.extract.binder.acks_ignored and \
+        ref.extract.binder.acks_ignored == fast.extract.binder.acks_ignored
+    assert fast.stops["ack"] < 60

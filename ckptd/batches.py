@@ -13,6 +13,7 @@ error that ends a file early.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from parsers.pcap import MAGIC_NS, MAGIC_US
 CHUNK_BYTES = 32 << 20  # bytes read from a file at a time by stream_batches
 CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
 READ_DEPTH = 3  # Batches a ReaderStage may hold ready
+READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
 MAX_RECORD = 1 << 28  # a pcap record longer than this is implausible (parsers/pcap.py)
 
 
@@ -301,6 +303,12 @@ class ReaderStage:
         self.thread.start()
 
     def _work(self, batches):
+        # Reading ahead is the least urgent work: with fewer cores than stages, the
+        # optimizer's step (the commit waits for it) goes first.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+        except OSError:
+            pass  # not permitted here: the reader keeps the process's priority
         try:
             for b in batches:
                 if self.queue.full():

@@ -298,6 +298,8 @@ class ReaderStage:
         self.error: BaseException | None = None
         self.full_waits = self.empty_waits = 0
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared by pause(True)
+        self._go.set()
         self.thread = threading.Thread(target=self._work, args=(iter(batches),),
                                        name="ckptd-read", daemon=True)
         self.thread.start()
@@ -310,7 +312,11 @@ class ReaderStage:
         except OSError:
             pass  # not permitted here: the reader keeps the process's priority
         try:
-            for b in batches:
+            while True:
+                self._go.wait()
+                b = next(batches, None)
+                if b is None:
+                    break
                 if self.queue.full():
                     self.full_waits += 1
                 while not self._stop.is_set():
@@ -339,9 +345,17 @@ class ReaderStage:
         if self.error is not None:
             raise self.error
 
+    def pause(self, on: bool):
+        """Hold the reader before its next read (on=True) or let it go on."""
+        if on:
+            self._go.clear()
+        else:
+            self._go.set()
+
     def close(self):
         """Stop reading early (the consumer gives up)."""
         self._stop.set()
+        self._go.set()
         while True:
             try:
                 self.queue.get_nowait()

@@ -808,6 +808,7 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
     reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors,
                                         chunk_bytes or CHUNK_BYTES))
+    pipe.yield_to_commit = reader.pause
     try:
         for batch in reader:
             pipe.run_batch(batch)

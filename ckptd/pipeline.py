@@ -213,6 +213,11 @@ class Pipeline:
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
         self.apply_waits = 0  # times extraction waited on a full optimizer queue
+        # Called with True once an iteration's last bucket step is queued and with False
+        # when it is done: a stage that shares the cores (the file reader) pauses
+        # meanwhile, since the commit waits for that step alone.
+        self.yield_to_commit: Callable[[bool], None] | None = None
+        self._yielding = False
         self.open: dict[int, IterationAssembly] = {}
         self.rs_open: dict[int, dict] = {}
         self.highest = -1
@@ -380,6 +385,9 @@ class Pipeline:
                     (f" until resumed from {self.opts.resume}" if self.opts.resume else "")
         else:
             self._apply(asm, rep)
+        if self._yielding:
+            self._yielding = False
+            self.yield_to_commit(False)
         # per-stream statistics after the commit: they do not hold it up
         rep.coverage = [asm.coverage(s) for s in range(self.nstreams)]
         rep.loss = [self.extract.stream_loss(s, wire) for s in range(self.nstreams)]
@@ -401,6 +409,9 @@ class Pipeline:
                                         self.next_bucket, asm.gradient(self.next_bucket),
                                         asm.iteration))
             self.next_bucket += 1
+        if self.next_bucket == len(asm.buckets) and self.yield_to_commit and not self._yielding:
+            self._yielding = True
+            self.yield_to_commit(True)
 
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
         it = asm.iteration + self.offset

@@ -493,3 +493,23 @@ def test_transmit_side_mirrors_stop_holding_acks_of_unseen_hops(tmp_path, monkey
     assert ref.extract.binder.acks_ignored and \
         ref.extract.binder.acks_ignored == fast.extract.binder.acks_ignored
     assert fast.stops["ack"] < 60
+
+
+def test_reader_stage_pause_holds_the_next_read():
+    import time as _time
+    reads = []
+
+    def batches():
+        for k in range(50):
+            reads.append(k)
+            yield batch_from_frames([])
+    stage = ReaderStage(batches(), depth=1)
+    while len(reads) < 2:  # one queued, one waiting for room
+        _time.sleep(0.01)
+    stage.pause(True)
+    it = iter(stage)
+    next(it)  # room for the waiting one; the reader then stops before its next read
+    _time.sleep(0.3)
+    assert len(reads) == 2
+    stage.pause(False)
+    assert 1 + len(list(it)) == 50 and len(reads) == 50

@@ -38,7 +38,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import platform
 import re
 import shutil
 import signal
@@ -49,6 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from benchmarks.machine import machine
 
 SENDER_OK = 0.90            # achieved / target below this: the sender, not the capture, limits
 TCPDUMP_FILTER = "udp dst port 4791 or ip proto 47 or ip6 proto 47"  # what ckptd's BPF passes (untagged)
@@ -477,18 +477,6 @@ def markdown(trials: list[Trial]) -> str:
         lines.append(f"| {t.capturer} | {t.target_pps:.0f} | {t.pps:.0f} | {t.gbps:.2f} | {t.mirror_pps:.0f} | "
                      f"{t.mirror_gbps:.2f} | {t.seconds:.1f} | {t.packets} | {t.drops} | {com} | {note} |")
     return "\n".join(lines)
-
-
-def machine() -> str:
-    model = platform.processor() or "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"nproc {os.cpu_count()}, {model}, Linux {platform.release()}"
 
 
 def main(argv=None):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -44,16 +43,7 @@ from ckptd.fastpath import FastPipeline, crc_choices, isal_crc_address
 from ckptd.pipeline import ReplayOptions
 from ckptd.plan import load_plan
 from cython_ext import batch as kernel
-
-
-def machine() -> str:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, nproc {os.cpu_count()}, Python {platform.python_version()}"
+from benchmarks.machine import machine
 
 
 def pin_one_core():

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.extraction import machine
+from benchmarks.machine import machine
 from ckptd.optim import AdamState, optimizer_step
 from ckptd.plan import Optimizer
 

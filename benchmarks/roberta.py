@@ -37,7 +37,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -58,6 +57,7 @@ from ckptd.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan, load_pl
 from ckptd.schedule import RingConfig
 from ckptd.synth.bulk import BulkSynth
 from ckptd.synth.ddp import first_buckets, rebuilt_buckets
+from benchmarks.machine import machine
 
 GIB = 1 << 30
 POSITIONS = 514  # RoBERTa's max_position_embeddings (512 + padding offset)
@@ -702,18 +702,6 @@ def run(a) -> int:
                 p.unlink(missing_ok=True)
             if made:
                 shutil.rmtree(work, ignore_errors=True)
-
-
-def machine() -> str:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (f"{model}, nproc {os.cpu_count()}, {mem / GIB:.0f} GiB, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}")
 
 
 if __name__ == "__main__":

@@ -199,8 +199,7 @@ class Pipeline:
         if opts.join:
             self.join_wire = max(0, (opts.join_from if opts.join_from is not None else self.offset)
                                  - self.offset)
-        self.joining = opts.join  # until the iteration joined at is known
-        self.joined: int | None = None  # the (training) iteration joined at
+        self.joined: int | None = None  # joining: the (training) iteration joined at
         self.before_join = 0  # packets placed into iterations before it, dropped
         self.extract = transport_for(plan, self.join_wire)  # decode + place
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
@@ -301,6 +300,11 @@ class Pipeline:
             self._try_join()
         self._after_placement(it)
 
+    @property
+    def joining(self) -> bool:
+        """Joining a running job, and not yet known where."""
+        return self.opts.join and self.joined is None
+
     def _count_late(self, n: int):
         """Packets of iterations already done: late, or while joining, before the join."""
         if self.joining:
@@ -323,7 +327,6 @@ class Pipeline:
             if at - 1 > self.done:
                 self._drop_before(at)
             return
-        self.joining = False
         self.joined = at + self.offset
         self._drop_before(at)
         if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:

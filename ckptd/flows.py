@@ -283,8 +283,7 @@ class FlowBinder:
             base_rel = rel0 - tl.first.starts[k]
             if base_rel > cand.min_rel:
                 continue  # a packet of this flow would lie before the job's first message
-            if all(self._head_ok(tl, rel - base_rel, n) for rel, n in heads) and \
-                    all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms):
+            if self._explains(tl, cand, base_rel):
                 if k > 0:
                     self.notes.append(f"a flow starts at message {k} of the schedule: its first "
                                       "messages reached no mirror (lengths and ACKs place it)")
@@ -300,11 +299,14 @@ class FlowBinder:
         earliest = (cand.first_psn + cand.min_rel) % PSN_MOD
         floor = tl.iteration_start(self.join_from)
         wraps = max(0, -(-(floor - earliest) // PSN_MOD))
-        base_rel = (cand.min_rel - (earliest + wraps * PSN_MOD))
-        if all(self._head_ok(tl, rel - base_rel, n) for rel, n in cand.heads) and \
-                all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms):
-            return base_rel
-        return None
+        base_rel = cand.min_rel - (earliest + wraps * PSN_MOD)
+        return base_rel if self._explains(tl, cand, base_rel) else None
+
+    def _explains(self, tl: FlowTimeline, cand: _Candidate, base_rel: int) -> bool:
+        """Whether every message head and immediate the flow showed sits where the
+        timeline, started at relative PSN base_rel, has them."""
+        return all(self._head_ok(tl, rel - base_rel, n) for rel, n in cand.heads) and \
+            all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms)
 
     @staticmethod
     def _first_whole(tl: FlowTimeline, pos: int) -> int:

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ckptd import batches
 from ckptd.optim import AdamState, lr_at, optimizer_step
 from ckptd.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan, load_plan
 from ckptd.schedule import RingConfig
@@ -414,7 +415,6 @@ def commit_breakdown(spans: dict, commits: list[dict], t0: float, offset: int = 
 
 
 def child_main(spec_path: str) -> int:
-    from ckptd import batches
     from ckptd.fastpath import fast_replay
     from ckptd.pipeline import ReplayOptions
 
@@ -439,8 +439,11 @@ def child_main(spec_path: str) -> int:
                         "structures": structure_bytes(pipe, asm) if pipe is not None else {},
                         "note": rep.note})
 
+    # the same step alone before the replay too: on this VM the time of one step on the
+    # same shapes differs up to 2x with what the process did before it
+    before = time_optimizer(plan, min(1, spec["iterations"] - 1), 5, seed)
     pipe = fast_replay(plan, spec["paths"], start, ReplayOptions(stream_names=spec["names"]),
-                       on_iteration=on_iteration)
+                       on_iteration=on_iteration, chunk_bytes=spec["chunk_bytes"])
     wall = time.monotonic() - t0
     load.append(os.getloadavg())
     sampler.stop()
@@ -462,7 +465,7 @@ def child_main(spec_path: str) -> int:
         "apply_waits": pipe.apply_waits, "late": pipe.late, "errors": pipe.errors,
         "counters": dict(pipe.extract.counters), "binder_errors": pipe.extract.binder.errors,
         "classes": [dict(c) for c in pipe.classes],
-        "reader": {"chunk_bytes": batches.CHUNK_BYTES, "read_depth": batches.READ_DEPTH},
+        "reader": {"chunk_bytes": spec["chunk_bytes"], "read_depth": batches.READ_DEPTH},
         "end_structures": structure_bytes(pipe, None),
         "torch_threads": torch.get_num_threads(),
         "commit_steps": commit_breakdown(spans, commits, t0),
@@ -474,6 +477,7 @@ def child_main(spec_path: str) -> int:
                                                        "reader_busy", "apply_bucket", "finalize")},
     }
     del pipe
+    result["optimizer_before_replay"] = before
     result["optimizer"] = {str(it): time_optimizer(plan, it, spec["optimizer_reps"], seed)
                            for it in sorted({0, min(1, spec["iterations"] - 1)})}
     Path(spec["result"]).write_text(json.dumps(result))
@@ -530,6 +534,13 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
                      f"{'-' if ratio is None else f'**{ratio:.2f}**'} | {fmt_gib(c['rss'])} | "
                      f"{fmt_gib(c['peak_rss'])} |")
         prev = c["time"]
+    before = res.get("optimizer_before_replay")
+    if before:
+        lines.append("")
+        lines.append(f"The last bucket's step alone in the same process before the replay: best "
+                     f"{before['warm_min'] * 1e3:.0f} ms (median {before['warm'] * 1e3:.0f}, cold "
+                     f"{before['cold'] * 1e3:.0f}); lag / that: "
+                     + ", ".join(f"{lag / before['warm_min']:.2f}" for _, lag, _, _ in lags))
     steps = res.get("commit_steps") or []
     if steps:
         lines.append("")
@@ -617,6 +628,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="tx")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer-reps", type=int, default=15)
+    ap.add_argument("--chunk-mb", type=float, default=batches.CHUNK_BYTES / (1 << 20),
+                    help="bytes the reader reads from a file at a time, MiB (default: ckptd's)")
     ap.add_argument("--workdir", help="where the pcap files go (default: a new directory under /var/tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir (pcaps, plan, results)")
     ap.add_argument("--reuse", action="store_true",
@@ -662,7 +675,8 @@ def run(a) -> int:
             saved.write_text(json.dumps({"made_by": made_by, "generate": gen}))
         spec = {"plan": str(work / "plan.json"), "paths": [str(p) for p in paths],
                 "names": [m.name for m in plan.mirrors], "seed": a.seed, "iterations": a.iterations,
-                "optimizer_reps": a.optimizer_reps, "result": str(work / "result.json")}
+                "optimizer_reps": a.optimizer_reps, "result": str(work / "result.json"),
+                "chunk_bytes": int(a.chunk_mb * (1 << 20))}
         (work / "spec.json").write_text(json.dumps(spec))
         print(f"replaying {sum(gen['file_bytes']) / 1e9:.1f} GB in a child process", flush=True)
         env = dict(os.environ, **dict(kv.split("=", 1) for kv in a.child_env))

@@ -80,6 +80,14 @@ _PCAP_MAGICS = {MAGIC_US.to_bytes(4, "little"): (False, 1000), MAGIC_US.to_bytes
                 MAGIC_NS.to_bytes(4, "little"): (False, 1), MAGIC_NS.to_bytes(4, "big"): (True, 1)}
 
 
+def _pcap_header(head: bytes) -> tuple[bool, int, int] | None:
+    """(big-endian, ns per timestamp tick, linktype) of a classic pcap file header."""
+    if len(head) != 24 or head[:4] not in _PCAP_MAGICS:
+        return None
+    big, tick = _PCAP_MAGICS[head[:4]]
+    return big, tick, int.from_bytes(head[20:24], "big" if big else "little") & 0xFFFF
+
+
 def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
     """One capture file in memory as a Batch, and the CaptureError/OSError message that
     ended it early (None when it read to the end), as file_source would report it.
@@ -91,9 +99,8 @@ def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
         if fmt == "pcap":
             data = np.fromfile(path, np.uint8)
             head = data[:24].tobytes()
-            if len(head) == 24 and head[:4] in _PCAP_MAGICS:
-                big, tick = _PCAP_MAGICS[head[:4]]
-                linktype = int.from_bytes(head[20:24], "big" if big else "little") & 0xFFFF
+            if (hdr := _pcap_header(head)) is not None:
+                big, tick, linktype = hdr
                 cap = max(0, (len(data) - 24) // 16)
                 arrs = [np.empty(cap, np.int64) for _ in range(5)]
                 n, clean = _kernel.index_pcap(data, 24, big, 0, *arrs)
@@ -119,16 +126,7 @@ def merge_batches(batches: list[Batch]) -> Batch:
     if len(batches) == 1:
         return batches[0]
     which, idx = _kernel.merge_order([b.ts for b in batches])
-    base = np.cumsum([0] + [len(b.buf) for b in batches])[:-1]
-    buf = np.concatenate([b.buf for b in batches]) if batches else np.zeros(0, np.uint8)
-
-    def take(name, shift=False):
-        cat = np.concatenate([getattr(b, name) + (base[k] if shift else 0) for k, b in enumerate(batches)])
-        starts = np.cumsum([0] + [len(b) for b in batches])[:-1]
-        return cat[starts[which] + idx]
-
-    return Batch(buf, take("offsets", True), take("caplen"), take("origlen"), take("stream"),
-                 take("linktype"), take("frame_no"), take("ts"))
+    return _gather(batches, [0] * len(batches), which, idx)
 
 
 def load_captures(paths: list[str]) -> tuple[Batch, list[str]]:
@@ -159,9 +157,8 @@ def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str]) -> Iter
         return
     with f:
         head = f.read(24) if fmt == "pcap" else b""
-        if len(head) == 24 and head[:4] in _PCAP_MAGICS:
-            big, tick = _PCAP_MAGICS[head[:4]]
-            linktype = int.from_bytes(head[20:24], "big" if big else "little") & 0xFFFF
+        if (hdr := _pcap_header(head)) is not None:
+            big, tick, linktype = hdr
             yield from _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors)
             return
     frames = []
@@ -215,32 +212,27 @@ def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.n
     """A Batch of frames taken from several sources: frame t is sources[which[t]]'s frame
     first[which[t]] + idx[t]. Each source gives a contiguous run of frames, so its bytes
     are copied in one span."""
+    if len(which) == 0:
+        return batch_from_frames([])
     counts = np.bincount(which, minlength=len(sources))
-    spans, arrays, bases = [], [], []
+    spans, runs = [], []  # runs: (source, first frame, end, offset shift) per source used
     base = 0
     for b, lo, c in zip(sources, first, counts.tolist()):
         if c == 0:
-            spans.append(np.zeros(0, np.uint8))
-            arrays.append(None)
-            bases.append(base)
             continue
         hi = lo + c
         start = int(b.offsets[lo])
         stop = int(b.offsets[hi - 1] + b.caplen[hi - 1])
         spans.append(b.buf[start:stop])
-        arrays.append((b, lo, hi, base - start))
-        bases.append(base)
+        runs.append((b, lo, hi, base - start))
         base += stop - start
-    buf = np.concatenate(spans) if spans else np.zeros(0, np.uint8)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    pos = starts[which] + idx
+    pos = np.concatenate(([0], np.cumsum(counts)[:-1]))[which] + idx
 
     def take(name, shift=False):
-        parts = [getattr(b, name)[lo:hi] + (d if shift else 0) for b, lo, hi, d in filter(None, arrays)]
-        return np.concatenate(parts)[pos]
+        return np.concatenate([getattr(b, name)[lo:hi] + (d if shift else 0) for b, lo, hi, d in runs])[pos]
 
-    return Batch(buf, take("offsets", True), take("caplen"), take("origlen"), take("stream"),
-                 take("linktype"), take("frame_no"), take("ts"))
+    return Batch(np.concatenate(spans), take("offsets", True), take("caplen"), take("origlen"),
+                 take("stream"), take("linktype"), take("frame_no"), take("ts"))
 
 
 def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Batch]:

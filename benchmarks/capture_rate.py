@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from benchmarks.machine import machine
 
@@ -56,7 +56,7 @@ TCPDUMP_FILTER = "udp dst port 4791 or ip proto 47 or ip6 proto 47"  # what ckpt
 
 # -- the workload ------------------------------------------------------------------------
 def synth_options(a, iterations: int):
-    from ckptd.synth import SynthOptions
+    from ckptd.testing.synth import SynthOptions
     return SynthOptions(out=str(Path(a.work) / f"{a.model}-s{a.seed}-i{iterations}"), ranks=4,
                         channels=2, protocol="simple", mtu=4096, mirrors=3, iterations=iterations,
                         model=a.model, seed=a.seed, write_hosts=True)
@@ -64,7 +64,7 @@ def synth_options(a, iterations: int):
 
 def ensure_synth(a, iterations: int) -> Path:
     """Synthesize (or reuse) a scenario with at least `iterations` iterations."""
-    from ckptd.synth import synthesize
+    from ckptd.testing.synth import synthesize
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     for d in sorted(work.glob(f"{a.model}-s{a.seed}-i*")):
@@ -105,7 +105,7 @@ def load_workload(run: Path) -> Workload:
     """Host frames split at iteration boundaries (the synthesizer stamps frames 100 ns
     apart within an iteration and leaves 5 ms between iterations), and how many frames
     and bytes the mirrors see in the first n iterations."""
-    from ckptd.plan import load_plan
+    from ckptd.core.plan import load_plan
     from parsers.pcap import read_pcap
     plan = load_plan(run / "plan.json")
     raw = {r: [(f.ts_ns, f.data) for f in read_pcap(run / "hosts" / f"rank{r}.pcap")]
@@ -139,7 +139,7 @@ def _daemon_worker(conn):
     import logging
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     logging.getLogger("ckptd").setLevel(logging.CRITICAL)  # drops are read from counters
-    from ckptd.daemon import Daemon, DaemonConfig, InterfaceConfig
+    from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
     daemon = thread = None
     box = {}
 
@@ -501,8 +501,8 @@ def main(argv=None):
     ap.add_argument("--json", help="also write every trial here")
     a = ap.parse_args(argv)
 
-    from ckptd import netlab
-    from ckptd.netlab import NetLab
+    from ckptd.testing import netlab
+    from ckptd.testing.netlab import NetLab
     reason = netlab.lab_unavailable()
     if reason:
         sys.exit(f"capture_rate needs network namespaces: {reason}")
@@ -532,7 +532,7 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-caprate-", dir="/dev/shm"))
     prefix = netlab.unique_prefix()
     try:
-        from ckptd.plan import load_plan
+        from ckptd.core.plan import load_plan
         with NetLab(load_plan(wl.run / "plan.json"), prefix=prefix) as lab:
             lab.learn(wl.frames)
             s = Search(lab, wl, a, dp, tmp, hosts=len(lab.hosts))

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.synth import SynthOptions, synthesize
+from ckptd.testing.synth import SynthOptions, synthesize
 
 CONFIGS = [("simple", 4096), ("ll", 4096), ("simple", 1024), ("ll", 1024)]
 

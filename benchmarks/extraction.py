@@ -12,7 +12,7 @@ For Simple and LL, path MTU 1024 and 4096, one and three mirror streams, from me
     kernel        time inside cython_ext.batch.BatchKernel.run: decode, ICRC, flow lookup,
                   PSN -> schedule, checks, LL flags, copy into the iteration buffers,
                   coverage; the GIL is released
-    end-to-end    ckptd.fastpath.FastPipeline.run_batch + finish without a shadow model:
+    end-to-end    ckptd.fast.pipeline.FastPipeline.run_batch + finish without a shadow model:
                   the kernel plus every frame handed to the reference path (flow binding
                   warm-up, new iterations, bucket completion) and the reference's
                   per-iteration finalize (coverage, loss, missing ranges, reports);
@@ -38,10 +38,10 @@ import numpy as np
 
 from benchmarks.captures import CONFIGS, capture, mirrors
 from benchmarks.minimal_extractors import extract_dpkt, extract_scapy
-from ckptd.batches import load_captures
-from ckptd.fastpath import FastPipeline, crc_choices, isal_crc_address
+from ckptd.fast.batches import load_captures
+from ckptd.fast.pipeline import FastPipeline, crc_choices, isal_crc_address
 from ckptd.pipeline import ReplayOptions
-from ckptd.plan import load_plan
+from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
 from benchmarks.machine import machine
 

@@ -1,10 +1,10 @@
-"""Optimizer update throughput: ckptd.optim.optimizer_step against torch's fused AdamW.
+"""Optimizer update throughput: ckptd.core.optim.optimizer_step against torch's fused AdamW.
 
     python -m benchmarks.optimizer [--params 25] [--reps 7] [--threads 1]
 
 The same parameter, gradient and state tensors (a transformer-like list of --params
 million float32 parameters: 12 blocks of 4 matrices plus biases and norms) go through
-torch.optim.AdamW(fused=True).step() and through ckptd.optim.optimizer_step with the
+torch.optim.AdamW(fused=True).step() and through ckptd.core.optim.optimizer_step with the
 plan's three implementations (fused, foreach, for-loop). Each step is timed alone, the
 variants interleaved, best of --reps. Reported as million parameters per second and as
 a ratio to torch's fused AdamW (the target for the shadow's fused step is >= 0.9x).
@@ -17,8 +17,8 @@ import time
 import torch
 
 from benchmarks.machine import machine
-from ckptd.optim import AdamState, optimizer_step
-from ckptd.plan import Optimizer
+from ckptd.core.optim import AdamState, optimizer_step
+from ckptd.core.plan import Optimizer
 
 
 def shapes(million: float) -> list[tuple[int, ...]]:

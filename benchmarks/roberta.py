@@ -9,20 +9,20 @@
              gives 355 M), DDP buckets of 25 MB (the first layout and the one rebuilt in
              backward order), 8 ranks, 2 channels, NCCL 2.19 Simple, MTU 4096, AdamW
              (--implementation, foreach by default: torch's default on GPUs)
-2. traffic   ckptd.synth.bulk writes --iterations iterations of the ring allreduce as
+2. traffic   ckptd.testing.synth.bulk writes --iterations iterations of the ring allreduce as
              3 mirror streams see them: the transmit side of the ports of ranks 0, 3 and
              6 (each stream one hop of the ring per channel; every allgather chunk
              crosses all hops but one, so each element reaches at least two streams),
              reduce-scatter frames, clear-to-send writes and ACKs included. Each rank's
              gradients are random float32, seeded; the reduction follows NCCL's order.
-3. expected  meanwhile this process steps its own AdamW (ckptd.optim, all parameters at
+3. expected  meanwhile this process steps its own AdamW (ckptd.core.optim, all parameters at
              once, as the trainer would) on the reduced gradients from the same start,
              and keeps a CRC-32 of every parameter and moment tensor
-4. replay    a child process runs ckptd.fastpath.fast_replay on the 3 files (no
+4. replay    a child process runs ckptd.fast.pipeline.fast_replay on the 3 files (no
              checkpoint files are written: a commit is the shadow state updated) and
              reports per iteration the commit time, commit lag and resident memory, its
              peak resident memory (VmHWM), the sizes of the pipeline's structures, and
-             the time ckptd.optim takes on the tensors of the last bucket alone
+             the time ckptd.core.optim takes on the tensors of the last bucket alone
 5. table     seconds per iteration, peak RSS against the ideal state (parameters, two
              Adam moments, one gradient buffer: 16 bytes per parameter) and against the
              ideal plus the reader's configured buffers, commit lag against the
@@ -52,12 +52,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckptd import batches
-from ckptd.optim import AdamState, lr_at, optimizer_step
-from ckptd.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan, load_plan
-from ckptd.schedule import RingConfig
-from ckptd.synth.bulk import BulkSynth
-from ckptd.synth.ddp import first_buckets, rebuilt_buckets
+from ckptd.fast import batches
+from ckptd.core.optim import AdamState, lr_at, optimizer_step
+from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan, load_plan
+from ckptd.core.schedule import RingConfig
+from ckptd.testing.synth.bulk import BulkSynth
+from ckptd.testing.synth.ddp import first_buckets, rebuilt_buckets
 from benchmarks.machine import machine
 
 GIB = 1 << 30
@@ -102,7 +102,7 @@ def build_plan(params: list[Parameter], *, ranks: int = 8, channels: int = 2, mt
                bucket_cap_mb: float = 25.0, implementation: str = "foreach",
                mirror_ranks: tuple[int, ...] = (0, 3, 6), mirror_direction: str = "tx",
                iterations: int = 3, nccl_version: tuple[int, int] = (2, 19)) -> Plan:
-    """The job's plan. DDP's layouts come from ckptd.synth.ddp on meta tensors (shapes
+    """The job's plan. DDP's layouts come from ckptd.testing.synth.ddp on meta tensors (shapes
     only, no memory); the rebuilt layout takes gradients in reverse registration order,
     the order a sequential model's backward produces them."""
     meta = [torch.empty(p.shape, device="meta") for p in params]
@@ -234,7 +234,7 @@ class RssSampler:
 def _pipeline_on_stack():
     """The FastPipeline finalizing the iteration being reported, and that iteration's
     assembly (on_iteration gets only the report; the benchmark wants structure sizes)."""
-    from ckptd.fastpath import FastPipeline
+    from ckptd.fast.pipeline import FastPipeline
     f = sys._getframe(2)
     while f is not None:
         me = f.f_locals.get("self")
@@ -265,7 +265,7 @@ def structure_bytes(pipe, finishing) -> dict:
 
 
 def time_optimizer(plan: Plan, layout_iteration: int, reps: int, seed: int) -> dict:
-    """ckptd.optim.optimizer_step on fresh tensors shaped like the last bucket's
+    """ckptd.core.optim.optimizer_step on fresh tensors shaped like the last bucket's
     parameters, alone: once cold (state pages touched for the first time, as in
     iteration 0), then `reps` times warm; best and median. The best is the reference:
     on these 2 shared cores a step's time varies many-fold when another process takes a
@@ -297,10 +297,10 @@ def instrument() -> dict:
     apply thread), the commit's wait for them, the report's coverage sums and per-stream
     loss, and _finalize/_apply. One extra Python call per bucket or per stream: noise
     next to what they time."""
-    from ckptd.assemble import IterationAssembly
-    from ckptd.fastpath import FastExtractor
+    from ckptd.core.assemble import IterationAssembly
+    from ckptd.fast.pipeline import FastExtractor
     from ckptd.pipeline import ApplyStage, Pipeline
-    from ckptd.shadow import ShadowModel
+    from ckptd.core.shadow import ShadowModel
 
     spans: dict[str, list] = {}
 
@@ -315,8 +315,8 @@ def instrument() -> dict:
                 spans.setdefault(label, []).append((t, time.monotonic(), what(args)))
         setattr(cls, name, timed)
 
-    from ckptd import fastpath
-    from ckptd.fastpath import FastPipeline
+    from ckptd.fast import pipeline as fastpath
+    from ckptd.fast.pipeline import FastPipeline
 
     wrap(ShadowModel, "__init__", "shadow_init")
     wrap(FastPipeline, "run_batch", "run_batch")
@@ -415,7 +415,7 @@ def commit_breakdown(spans: dict, commits: list[dict], t0: float, offset: int = 
 
 
 def child_main(spec_path: str) -> int:
-    from ckptd.fastpath import fast_replay
+    from ckptd.fast.pipeline import fast_replay
     from ckptd.pipeline import ReplayOptions
 
     spec = json.loads(Path(spec_path).read_text())
@@ -486,7 +486,7 @@ def child_main(spec_path: str) -> int:
 
 # -- the parent: plan, traffic, child, table ------------------------------------------------
 def reader_buffer_bytes(chunk: int, depth: int, streams: int) -> int:
-    """What ckptd.batches' reader may hold at once: one chunk per stream being merged
+    """What ckptd.fast.batches' reader may hold at once: one chunk per stream being merged
     (plus the next one being read), merged Batches of up to one chunk per stream each:
     `depth` queued, one the reader waits to queue, one in the kernel."""
     return (streams + 1) * chunk + (depth + 2) * streams * chunk

@@ -1,4 +1,4 @@
-"""Soak: many iterations through the daemon's loop (ckptd.daemon.Daemon: pipeline, shadow,
+"""Soak: many iterations through the daemon's loop (ckptd.live.daemon.Daemon: pipeline, shadow,
 status snapshots, HTTP server), checking resident memory and that no iteration gets stuck.
 
     python -m benchmarks.soak [--iterations 1000] [--model tiny] [--loss 1e-3]
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptd.checkpoint import save_checkpoint
-from ckptd.daemon import Daemon, DaemonConfig, InterfaceConfig
-from ckptd.synth import SynthOptions, Wire, impair, make_plan
-from ckptd.synth.model import build_model
-from ckptd.synth.ring import reduce_iteration
-from parsers.captured import CapturedFrame
+from ckptd.core.checkpoint import save_checkpoint
+from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+from ckptd.testing.synth import SynthOptions, Wire, impair, make_plan
+from ckptd.testing.synth.model import build_model
+from ckptd.testing.synth.ring import reduce_iteration
+from parsers.frame import CapturedFrame
 
 
 def rss_mb() -> float:
@@ -52,7 +52,6 @@ def main():
                                  out=str(work / "ck"), listen="127.0.0.1:0",
                                  interfaces=[InterfaceConfig(m.name, f"soak{k}")
                                              for k, m in enumerate(plan.mirrors)]))
-    pipe = daemon.pipe
     nprng = np.random.default_rng(0)
     stats = {m.name: {"frames": 0, "lost": 0, "corrupted": 0, "duplicated": 0, "reordered": 0}
              for m in plan.mirrors}
@@ -82,7 +81,6 @@ def main():
     t0 = time.time()
     daemon.run(source=source(), install_signals=False)
     dt = time.time() - t0
-    reps = pipe.reports
     committed = daemon.by_status.get("committed", 0)
     stuck = [u["iteration"] for u in daemon.unrecovered]
     w, end = samples[a.warmup], samples[a.iterations - 1]

@@ -65,7 +65,7 @@ def print_iteration(names: list[str]):
 
 # -- commands ------------------------------------------------------------------------
 def cmd_synth(a) -> int:
-    from .synth import SynthOptions, synthesize
+    from ckptd.testing.synth import SynthOptions, synthesize
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
@@ -87,9 +87,9 @@ def cmd_synth(a) -> int:
 
 
 def cmd_replay(a) -> int:
-    from .checkpoint import load_checkpoint
-    from .pipeline import ReplayOptions, replay
-    from .plan import load_plan
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.pipeline import ReplayOptions, replay
+    from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
     start = load_checkpoint(a.init) if a.init else None
     if start is None and plan.optimizer is not None and a.out:
@@ -100,7 +100,7 @@ def cmd_replay(a) -> int:
                          resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from)
     t0 = time.time()
     if a.fast and plan.transport == "roce":
-        from .fastpath import fast_replay
+        from ckptd.fast.pipeline import fast_replay
         pipe = fast_replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
                            trust_icrc=a.trust_icrc)
     else:
@@ -116,8 +116,8 @@ def cmd_replay(a) -> int:
           + "".join(f", {k}={v}" for k, v in getattr(pipe, "read_waits", {}).items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
-    for e in pipe.extract.binder.errors:
-        print(f"  unmatched flow: {e}")
+    for e in pipe.extract.diagnostics():
+        print(f"  {e}")
     for e in pipe.errors:
         print(f"  capture error: {e}")
     if pipe.joined is not None:
@@ -133,7 +133,7 @@ def cmd_replay(a) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from .inspect import format_inspect, inspect_captures
+    from ckptd.tools.inspect import format_inspect, inspect_captures
     res = inspect_captures(a.pcap)
     if a.json:
         print(json.dumps(res, indent=1, default=str))
@@ -143,7 +143,7 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_verify(a) -> int:
-    from .checkpoint import CheckpointError, diff_checkpoints, load_checkpoint
+    from ckptd.core.checkpoint import CheckpointError, diff_checkpoints, load_checkpoint
     try:
         diffs = diff_checkpoints(load_checkpoint(a.a), load_checkpoint(a.b), limit=a.limit)
     except CheckpointError as e:
@@ -179,7 +179,7 @@ def cmd_demo(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from .daemon import ConfigError, Daemon, load_config, setup_logging
+    from ckptd.live.daemon import ConfigError, Daemon, load_config, setup_logging
     try:
         cfg = load_config(a.config)
         if a.listen:
@@ -192,11 +192,10 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
-    import torch
 
-    from .plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
-    from .schedule import RingConfig
-    from .synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
+    from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
+    from ckptd.core.schedule import RingConfig
+    from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
     mod, _, fn = a.model.partition(":")
     model = getattr(importlib.import_module(mod), fn)()
     named = list(model.named_parameters())
@@ -321,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--limit", type=int, default=10, help="differences to list")
     v.set_defaults(func=cmd_verify)
 
-    from . import mirror_config, risk
+    from ckptd.tools import mirror_config, risk
     mirror_config.add_subparser(sub)
     risk.add_subparser(sub)
 
@@ -349,13 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Every error ckptd raises on purpose (CkptdError) and every OS error on a path the
+    user gave becomes one line on stderr and exit 2; CKPTD_DEBUG=1 shows the traceback."""
+    import os
+
+    from ckptd.errors import CkptdError
     args = build_parser().parse_args(argv)
-    from .plan import PlanError
-    from .schedule import ScheduleError
     try:
         return args.func(args)
-    except (PlanError, ScheduleError, FileNotFoundError) as e:
+    except (CkptdError, OSError) as e:
+        if os.environ.get("CKPTD_DEBUG"):
+            raise
+        if isinstance(e, BrokenPipeError):  # `ckptd inspect x | head`
+            _quiet_stdout()
+            return 0
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _quiet_stdout():
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush
+    does not raise again."""
+    import os
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -2,13 +2,13 @@
 
     source    frames of every mirror stream, merged in capture-time order
     decode    per transport: parsers.roce.decode_frame (NCCL over RoCEv2) or
-              parsers.tcp + ckptd.tcpstream reassembly (gloo over TCP); frames that
+              parsers.tcp + ckptd.transports.gloo.tcpstream reassembly (gloo over TCP); frames that
               carry no collective data are counted here
-    place     per transport: ckptd.extract.Extractor (flow binding, PSN -> schedule
-              message, checks) or ckptd.gloo_extract.GlooExtractor (gloo framing and ring)
-    assemble  ckptd.assemble.IterationAssembly per iteration, from any number of streams
-    apply     ckptd.shadow.ShadowModel, only for complete iterations, only in order
-    keep      checkpoint files (ckptd.checkpoint), gradient dumps, the per-iteration report
+    place     per transport: ckptd.transports.roce.extract.Extractor (flow binding, PSN -> schedule
+              message, checks) or ckptd.transports.gloo.extract.GlooExtractor (gloo framing and ring)
+    assemble  ckptd.core.assemble.IterationAssembly per iteration, from any number of streams
+    apply     ckptd.core.shadow.ShadowModel, only for complete iterations, only in order
+    keep      checkpoint files (ckptd.core.checkpoint), gradient dumps, the per-iteration report
 
 A pcap file and a capture ring are two sources of the same frames; nothing after
 `source` knows which it got. An iteration is committed the moment its last missing
@@ -18,7 +18,7 @@ t+2's allreduce before every rank finished t's, so nothing of t can still be on 
 wire) or the input ends.
 
 Joining a running job (ReplayOptions.join): the capture starts mid-job. Flows are placed
-by PSN arithmetic from NCCL's connect PSN 0 (ckptd.flows); nothing is finalized until
+by PSN arithmetic from NCCL's connect PSN 0 (ckptd.transports.roce.flows); nothing is finalized until
 every flow is bound, then the pipeline joins at the first iteration every flow was seen
 from its start and forgets what came before. The shadow continues from the starting
 state if that is the state just before, else from the trainer's checkpoint of that
@@ -40,16 +40,14 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from parsers.capture import CaptureError, CapturedFrame, open_capture
-from parsers.roce import FrameClass, decode_frame
+from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
-from .assemble import IterationAssembly, Missing
-from .checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
-from .extract import Extractor, Placement
-from .flows import ACK, DATA_OPCODES, Packet
-from .plan import Plan
-from .schedule import AG, RS
-from .shadow import ShadowModel
+from ckptd.core.assemble import IterationAssembly, Missing
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
+from ckptd.transports import Placement, Transport, transport_for
+from ckptd.core.plan import Plan
+from ckptd.core.schedule import RS
+from ckptd.core.shadow import ShadowModel
 
 FINALIZE_LAG = 2
 
@@ -67,45 +65,6 @@ def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, Capt
             errors.append(str(e))
     for _, item in heapq.merge(*(one(k, p) for k, p in enumerate(paths)), key=lambda x: x[0]):
         yield item
-
-
-# -- decode + place: one transport per kind of traffic ---------------------------------
-def decode_roce(stream: int, fr: CapturedFrame, classes: Counter) -> Packet | None:
-    """A RoCE RDMA-write packet or ACK with an intact ICRC; the rest is counted by class."""
-    f = decode_frame(fr.data, fr.linktype, fr.origlen)
-    classes[f.cls.value] += 1
-    if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
-        return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
-                      f.bth.psn, None, None, memoryview(b""), f.udp.sport)
-    if f.cls is not FrameClass.ROCE_DATA:
-        return None
-    if f.bth.opcode not in DATA_OPCODES:
-        classes["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
-        return None
-    return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
-                  f.bth.psn, f.reth.dma_len if f.reth is not None else None,
-                  f.immdt.raw if f.immdt is not None else None,
-                  memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len],
-                  f.udp.sport)
-
-
-class RoceTransport(Extractor):
-    """NCCL over RoCEv2: decode each frame (parsers.roce), place it (Extractor)."""
-
-    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
-        pkt = decode_roce(stream, fr, classes)
-        return self.feed(pkt) if pkt is not None else []
-
-
-def transport_for(plan: Plan, join_from: int | None = None):
-    """The decode + place stage for the plan's transport; everything after is shared."""
-    if plan.transport == "gloo":
-        if join_from is not None:
-            raise ValueError("joining a running job needs PSN arithmetic: RoCE plans only "
-                             "(a gloo capture must start before the job's first iteration)")
-        from .gloo_extract import GlooExtractor
-        return GlooExtractor(plan)
-    return RoceTransport(plan, join_from)
 
 
 # -- apply: the optimizer on its own thread ----------------------------------------------
@@ -201,7 +160,7 @@ class Pipeline:
                                  - self.offset)
         self.joined: int | None = None  # joining: the (training) iteration joined at
         self.before_join = 0  # packets placed into iterations before it, dropped
-        self.extract = transport_for(plan, self.join_wire)  # decode + place
+        self.extract: Transport = transport_for(plan, self.join_wire)  # decode + place
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
         # a --resume file's iteration; the file is read again when needed, since the
         # shadow takes over (and then changes) the tensors of the state it starts from
@@ -316,11 +275,10 @@ class Pipeline:
         """Join once every flow is bound (or, with force or once the newest iteration is
         FINALIZE_LAG past what the bound flows allow, with the flows bound so far): drop
         what came before, and move on as if those iterations were done."""
-        binder = self.extract.binder
-        at = binder.join_iteration(force=True)
+        at = self.extract.join_iteration(force=True)
         if at is None:
             return
-        if not force and binder.join_iteration() is None and self.highest < at + FINALIZE_LAG:
+        if not force and self.extract.join_iteration() is None and self.highest < at + FINALIZE_LAG:
             # Not yet; but the join comes no earlier than `at` (the latest first whole
             # iteration so far), so what precedes it can go now, and the fast path's
             # kernel tracks the iterations that matter meanwhile.

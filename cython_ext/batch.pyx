@@ -6,12 +6,12 @@ It is the compiled twin of the reference path, stage for stage and name for name
     decode_frame, icrc_ok     parsers/roce.py decode_frame (link layer with VLAN/QinQ tags,
                               IPv4/IPv6 and extension headers, UDP 4791, BTH, extension
                               headers, FrameClass precedence) and parsers/icrc.py verify
-    lookup_flow               ckptd/flows.py FlowBinder.bound (bindings made in Python)
-    place, find_message,      ckptd/extract.py Extractor._place: FlowBinder.locate (PSN
+    lookup_flow               ckptd/transports/roce/flows.py FlowBinder.bound (bindings made in Python)
+    place, find_message,      ckptd/transports/roce/extract.py Extractor._place: FlowBinder.locate (PSN
     check, _reject            unwrap, FlowTimeline), Extractor._check, LL lines and flags
                               (ll_unpack), counters
     ack                       Extractor.feed's ACK branch
-    assemble                  ckptd/assemble.py IterationAssembly.place: copy, coverage
+    assemble                  ckptd/core/assemble.py IterationAssembly.place: copy, coverage
                               (total, per stream, per bucket), conflicts
 
 The kernel never decides anything the reference has not already decided for it: flows
@@ -40,7 +40,7 @@ cdef extern from *:
      * folded 128 bits at a time (a lane times x^D mod P moves it D bits on), then one
      * lane is reduced to 32 bits (two more folds and a Barrett step) and a < 16-byte
      * tail goes through a byte table. Fold constants K_lo = reflect64(x^(D+63) mod P),
-     * K_hi = reflect64(x^(D-1) mod P): ckptd/fastpath.py fold_constants(), and the
+     * K_hi = reflect64(x^(D-1) mod P): ckptd/fast/pipeline.py fold_constants(), and the
      * reduction's reduction_constants(); the tests check both and every length
      * against zlib. zlib stays the fallback where the CPU has no PCLMULQDQ. */
     #include <stdint.h>
@@ -89,7 +89,7 @@ cdef extern from *:
      * A lane A = x^64 L + H (L: low qword) gives A x^32 = L x^96 + H x^32; fold L with
      * x^95 mod P (96 bits left), the next 32 bits with x^63 mod P (64 left), then Barrett:
      * q = floor(s_hi mu / x^32) with mu = floor(x^64 / P), r = s_lo + (q P mod x^32).
-     * Derived and checked against zlib in ckptd/fastpath.py's reduction_constants(). */
+     * Derived and checked against zlib in ckptd/fast/pipeline.py's reduction_constants(). */
     static uint32_t ckptd_crc_table[256];
 
     static void ckptd_crc_table_init(void) {
@@ -238,7 +238,7 @@ cdef extern from *:
 
     /* ---- NCCL LL lines: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} ----------------
      * Returns 1 when every flag of every line equals `flag`; writes the 8 data bytes of
-     * each line to `out` (when out is not NULL). The same job as ckptd.extract.ll_unpack
+     * each line to `out` (when out is not NULL). The same job as ckptd.transports.roce.extract.ll_unpack
      * two lines per SSE2 step. */
     static int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *out) {
         int64_t i = 0;
@@ -269,7 +269,7 @@ cdef extern from *:
         return !bad;
     }
 
-    /* ---- coverage bitmaps (ckptd/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
+    /* ---- coverage bitmaps (ckptd/core/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
     static inline int ckptd_bit(const uint8_t *b, int64_t k) { return (b[k >> 3] >> (k & 7)) & 1; }
 
     /* elements of [s, s + n) covered: bit by bit to a byte boundary, then 64 at a time */
@@ -305,8 +305,8 @@ cdef extern from *:
     void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
 
 
-# -- constants shared with ckptd/fastpath.py ---------------------------------------------
-# Link types (parsers/captured.py)
+# -- constants shared with ckptd/fast/pipeline.py ---------------------------------------------
+# Link types (parsers/frame.py)
 cdef enum:
     LT_ETHERNET = 1
     LT_RAW = 101
@@ -331,7 +331,7 @@ cdef enum:
 CLASS_NAMES = ("frames", "roce_data", "roce_ack", "other", "truncated", "bad_icrc",
                "unknown_opcode", "malformed", "other_roce")
 
-# Extractor counters (ckptd/extract.py) plus the pipeline's `late`
+# Extractor counters (ckptd/transports/roce/extract.py) plus the pipeline's `late`
 cdef enum:
     C_BEFORE_START = 0
     C_SCHEDULE_MISMATCH = 1
@@ -366,7 +366,7 @@ cdef enum:
     FLOW_BOUND = 1
     FLOW_UNRELATED = 2
 
-# RC RDMA WRITE opcodes NCCL's data QPs use (ckptd/flows.py)
+# RC RDMA WRITE opcodes NCCL's data QPs use (ckptd/transports/roce/flows.py)
 cdef enum:
     WRITE_FIRST = 6
     WRITE_MIDDLE = 7
@@ -433,19 +433,19 @@ cdef inline bint is_tpid(uint32_t t) noexcept nogil:
     return t == 0x8100 or t == 0x88A8 or t == 0x9100
 
 cdef inline int64_t psn_diff(int64_t a, int64_t b) noexcept nogil:
-    # ckptd/psn.py psn_diff: a - b as a signed distance in (-2**23, 2**23]
+    # ckptd/core/psn.py psn_diff: a - b as a signed distance in (-2**23, 2**23]
     cdef int64_t d = (a - b) & PSN_MASK
     return d - PSN_MOD if d > PSN_HALF else d
 
 cdef inline int64_t psn_unwrap(int64_t psn, int64_t near) noexcept nogil:
-    # ckptd/psn.py psn_unwrap: the unbounded position with these low 24 bits nearest `near`
+    # ckptd/core/psn.py psn_unwrap: the unbounded position with these low 24 bits nearest `near`
     return near + psn_diff(psn, near & PSN_MASK)
 
 
 # -- CRC entry points for tests and benchmarks ---------------------------------------------
 CRC_IMPLS = ("zlib", "clmul", "vclmul", "external")
 
-# fold distance in bits -> (K_lo, K_hi), as compiled (see ckptd.fastpath.fold_constants)
+# fold distance in bits -> (K_lo, K_hi), as compiled (see ckptd.fast.pipeline.fold_constants)
 FOLD_CONSTANTS = {128: (K128_LO, K128_HI), 256: (K256_LO, K256_HI), 512: (K512_LO, K512_HI),
                   1024: (K1024_LO, K1024_HI)}
 # the final reduction: (x^95 mod P, x^63 mod P) reflected, mu and P reflected
@@ -494,7 +494,7 @@ def crc32_frames(const uint8_t[::1] buf, const int64_t[::1] offsets, const int64
 
 
 def ll_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint32_t flag):
-    """(ckptd.extract.ll_unpack without the flag learning) data of whole lines into
+    """(ckptd.transports.roce.extract.ll_unpack without the flag learning) data of whole lines into
     `out`; True when every flag equals `flag`."""
     cdef int64_t lines = payload.shape[0] // LL_LINE
     if out.shape[0] < lines * 8:
@@ -576,7 +576,7 @@ def merge_order(list ts_per_stream):
 cdef class BatchKernel:
     """Decode, place and assemble frames; see the module docstring for the contract.
 
-    All tables are numpy arrays owned by ckptd/fastpath.py (it builds them from the plan,
+    All tables are numpy arrays owned by ckptd/fast/pipeline.py (it builds them from the plan,
     the FlowBinder and the open IterationAssembly objects); the kernel keeps typed views.
     """
     # options
@@ -595,7 +595,7 @@ cdef class BatchKernel:
     cdef uint8_t[::1] op_known, op_payload, op_is_ack
     cdef int64_t[::1] op_ext_len, op_decoded_end
 
-    # compiled schedule (ckptd/fastpath.py CompiledSchedule)
+    # compiled schedule (ckptd/fast/pipeline.py CompiledSchedule)
     cdef int64_t[::1] tl_conn                 # timeline -> connection index
     cdef int64_t[:, ::1] tl_npkts             # [layout, timeline]
     cdef int64_t[:, ::1] tl_mlo, tl_mhi       # [layout, timeline] message index range
@@ -684,7 +684,7 @@ cdef class BatchKernel:
         self.classes, self.counters, self.conflicts = classes, counters, conflicts
 
     def set_flow_table(self, ft_slots, fe_key, fe_kind, fe_tl, fe_base, fe_last, fe_msg, int64_t nflows):
-        """The table ckptd/fastpath.py FlowTable maintains (size of ft_slots: a power of 2)."""
+        """The table ckptd/fast/pipeline.py FlowTable maintains (size of ft_slots: a power of 2)."""
         self.ft_slots, self.fe_key = ft_slots, fe_key
         self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg = fe_kind, fe_tl, fe_base, fe_last, fe_msg
         self.nflows = nflows
@@ -888,9 +888,9 @@ cdef class BatchKernel:
             h[3] = 0xFF
             h[7] = 0xFF
 
-    # -- flows (ckptd/flows.py FlowBinder.bound) ------------------------------------------------
+    # -- flows (ckptd/transports/roce/flows.py FlowBinder.bound) ------------------------------------------------
     cdef int64_t lookup_flow(self, const uint8_t *key) noexcept nogil:
-        # the key's five 64-bit words, multiply-xorshift mixed (ckptd.fastpath.flow_hash)
+        # the key's five 64-bit words, multiply-xorshift mixed (ckptd.fast.pipeline.flow_hash)
         cdef uint64_t h = 0, w
         cdef int64_t i, e, mask = self.ft_slots.shape[0] - 1
         for i in range(KEY_LEN // 8):
@@ -928,7 +928,7 @@ cdef class BatchKernel:
         self.counters[C_ACKS] += 1
         return 0
 
-    # -- place (ckptd/extract.py Extractor._place) ---------------------------------------------
+    # -- place (ckptd/transports/roce/extract.py Extractor._place) ---------------------------------------------
     cdef inline int64_t find_message(self, int64_t e, int64_t layout, int64_t tl, int64_t local) noexcept nogil:
         """FlowSchedule.locate: the message holding packet `local`; the flow's last
         message is tried first, since packets mostly arrive in order."""
@@ -1098,7 +1098,7 @@ cdef class BatchKernel:
         self.counters[counter] += 1
         return 0
 
-    # -- assemble (ckptd/assemble.py IterationAssembly.place) -------------------------------
+    # -- assemble (ckptd/core/assemble.py IterationAssembly.place) -------------------------------
     cdef bint assemble(self, int64_t slot, int64_t stream, int64_t bucket, int64_t start,
                        int64_t nel, int64_t isz, const uint8_t *raw, int64_t it) noexcept nogil:
         """Returns True when this placement completed a bucket (or the pipeline asked

@@ -5,10 +5,10 @@ One small module per header, fields declared once (see header.py):
     bth, reth, aeth, immdt, deth          InfiniBand transport headers
     opcodes                               BTH opcode table
     icrc                                  RoCEv2 invariant CRC
-    pcap, pcapng, capture                 capture files (open_capture sniffs the format)
+    pcap, pcapng, capfile, frame         capture files (open_capture sniffs the format)
     roce                                  decode_frame: a whole frame -> RoceFrame
 """
-from .capture import CaptureError, CapturedFrame, open_capture
+from .capfile import CaptureError, CapturedFrame, open_capture
 from .roce import FrameClass, RoceFrame, decode_frame
 
 __all__ = ["open_capture", "CaptureError", "CapturedFrame", "decode_frame", "RoceFrame",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import BinaryIO, Iterable, Iterator
 
-from .captured import LINKTYPE_ETHERNET, CaptureError, CapturedFrame
+from .frame import LINKTYPE_ETHERNET, CaptureError, CapturedFrame
 
 MAGIC_US = 0xA1B2C3D4
 MAGIC_NS = 0xA1B23C4D

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from .captured import CaptureError, CapturedFrame
+from .frame import CaptureError, CapturedFrame
 
 BT_SHB = 0x0A0D0D0A      # reads the same in both byte orders, on purpose
 BT_IDB = 0x00000001

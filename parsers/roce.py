@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from . import icrc as _icrc
 from .aeth import AETH
 from .bth import BTH
-from .captured import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
+from .frame import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
                        LINKTYPE_LINUX_SLL2, LINKTYPE_RAW)
 from .deth import DETH
 from .erspan import Encap, Unsupported, decapsulate

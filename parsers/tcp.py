@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from .captured import LINKTYPE_ETHERNET
+from .frame import LINKTYPE_ETHERNET
 from .header import Header, Malformed, NeedData
 from .ipv4 import PROTO_TCP
 

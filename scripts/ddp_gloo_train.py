@@ -11,11 +11,11 @@ torch.optim.AdamW (foreach), and writes under --out:
                                  bucket layouts, AdamW, rank addresses
     init.pt                      the initial state (iteration -1)
     rank<R>/iter_NNNNNN.pt       every rank's own state after each iteration
-                                 (ckptd.checkpoint format, ckptd.synth.trainer_checkpoint)
+                                 (ckptd.core.checkpoint format, ckptd.testing.synth.trainer_checkpoint)
     ddp.json                     DDP's own bucket sizes (its logging data), to check the plan
 
 The bucket layouts in the plan are computed the way DDP computes them
-(ckptd.synth.ddp: iteration 0 one bucket of every parameter, since
+(ckptd.testing.synth.ddp: iteration 0 one bucket of every parameter, since
 find_unused_parameters=False; from iteration 1 the rebuild in gradient-ready order)
 and checked against DDP's logging data after the run.
 """
@@ -35,10 +35,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ckptd.checkpoint import checkpoint_name, save_checkpoint  # noqa: E402
-from ckptd.plan import BucketLayout, Optimizer, Parameter, Plan  # noqa: E402
-from ckptd.schedule import RingConfig  # noqa: E402
-from ckptd.synth import trainer_checkpoint  # noqa: E402
+from ckptd.core.checkpoint import checkpoint_name, save_checkpoint  # noqa: E402
+from ckptd.core.plan import BucketLayout, Optimizer, Parameter, Plan  # noqa: E402
+from ckptd.core.schedule import RingConfig  # noqa: E402
+from ckptd.testing.synth import trainer_checkpoint  # noqa: E402
 
 SIZES = {  # name: (in, hidden, wide, classes)
     "tiny": (32, 128, 256, 10),      # ~70 K parameters, 2 buckets
@@ -74,7 +74,7 @@ def batch(model: MLP, rank: int, it: int, seed: int, n: int = 16):
 
 
 def plan_for(model: MLP, args, ready_order: list[int]) -> Plan:
-    from ckptd.synth.ddp import rebuilt_buckets
+    from ckptd.testing.synth.ddp import rebuilt_buckets
 
     named = list(model.named_parameters())
     params = [p for _, p in named]

@@ -22,6 +22,7 @@ import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from ckptd.errors import CkptdError
 
 CABLING_FORMAT = "ckptd-cabling"
 CABLING_VERSION = 1
@@ -33,7 +34,7 @@ DIRECTIONS = ("rx", "tx", "both")
 GRE_TYPES = (0x88BE, 0x22EB, 0x6558)
 
 
-class CablingError(ValueError):
+class CablingError(CkptdError, ValueError):
     """A cabling file that is malformed or inconsistent; the message names the entry."""
 
 

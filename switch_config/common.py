@@ -6,9 +6,10 @@ deterministic (no dates, no paths): its output is checked in as golden files.
 from __future__ import annotations
 
 from .select import Selection, Session
+from ckptd.errors import CkptdError
 
 
-class RenderError(ValueError):
+class RenderError(CkptdError, ValueError):
     """The selection asks for something this vendor's syntax cannot say."""
 
 

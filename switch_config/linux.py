@@ -35,6 +35,7 @@ from pyroute2.netlink import NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST,
 from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl import RTM_DELTFILTER, RTM_NEWTFILTER
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
+from ckptd.errors import CkptdError
 
 PARENTS = {"ingress": 0xFFFFFFF2, "egress": 0xFFFFFFF3}   # clsact's two hooks
 ETH_P_ALL = 0x0003
@@ -45,7 +46,7 @@ _DIRECTIONS = {"rx": ("ingress",), "ingress": ("ingress",), "tx": ("egress",),
                "egress": ("egress",), "both": ("ingress", "egress")}
 
 
-class MirrorError(RuntimeError):
+class MirrorError(CkptdError, RuntimeError):
     """A mirror rule could not be added, listed or removed; names interface and netns."""
 
 

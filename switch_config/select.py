@@ -1,6 +1,6 @@
 """Which switch ports to mirror, in which direction, to which checkpoint host.
 
-The ring facts (reasoned from ckptd.schedule.ring_steps, not assumed): in allgather the
+The ring facts (reasoned from ckptd.core.schedule.ring_steps, not assumed): in allgather the
 directed link s -> next(s) of a channel carries the final value of every chunk except
 the one next(s) finishes reducing.  So one mirrored link misses one chunk, two distinct
 links of a ring miss different chunks and together see everything, and M distinct
@@ -27,14 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ckptd.schedule import AG, RingConfig, ring_steps
+from ckptd.core.schedule import AG, RingConfig, ring_steps
 
 from .cabling import Cabling, Collector, Switch
+from ckptd.errors import CkptdError
 
 NIC_SENSE = {"rx": "tx", "tx": "rx", "both": "both"}   # switch-port direction -> plan Mirror
 
 
-class SelectionError(ValueError):
+class SelectionError(CkptdError, ValueError):
     """The request cannot be met; the message says for which channel and why."""
 
 

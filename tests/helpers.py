@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd.checkpoint import load_checkpoint
+from ckptd.core.checkpoint import load_checkpoint
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.plan import load_plan
-from ckptd.synth import SynthOptions, synthesize
+from ckptd.core.plan import load_plan
+from ckptd.testing.synth import SynthOptions, synthesize
 
 
 def synth(tmp: Path, **kw) -> SynthOptions:

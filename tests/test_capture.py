@@ -1,4 +1,4 @@
-"""ckptd.capture (TPACKET_V3 ring, BPF filter, fanout, statistics) and ckptd.sender.
+"""ckptd.live.ring (TPACKET_V3 ring, BPF filter, fanout, statistics) and ckptd.testing.sender.
 
 The BPF program is checked twice: by a small classic-BPF interpreter here (no root
 needed) and in the kernel between two network namespaces (root only; skipped with a
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from ckptd.capture import (CaptureSetupError, RingCapture, in_netns, ring_source,
+from ckptd.live.ring import (CaptureSetupError, RingCapture, in_netns, ring_source,
                            roce_filter)
-from ckptd.netlab import lab_unavailable, remove_namespaces, unique_prefix
-from ckptd.sender import send_frames
+from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
+from ckptd.testing.sender import send_frames
 
 ROCE = 4791
 

@@ -3,11 +3,10 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
-from ckptd.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from ckptd.core.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
 from ckptd.cli import main
 
 from helpers import pcaps, synth
@@ -80,12 +79,12 @@ def test_replay_errors_are_clear(run, capsys):
 
 
 def build_model():
-    from ckptd.synth.model import build_model as b
+    from ckptd.testing.synth.model import build_model as b
     return b("tiny", 0)
 
 
 def sample_batch():
-    from ckptd.synth.model import shard_batches
+    from ckptd.testing.synth.model import shard_batches
     return shard_batches(build_model(), 0, 0, 0)
 
 
@@ -95,7 +94,7 @@ def test_plan_from_a_torch_model(tmp_path, capsys):
                "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02",
                "--protocol", "ll", "--out", str(out)])
     assert rc == 0
-    from ckptd.plan import load_plan
+    from ckptd.core.plan import load_plan
     plan = load_plan(out)
     model = build_model()
     assert [p.name for p in plan.parameters] == [n for n, _ in model.named_parameters()]

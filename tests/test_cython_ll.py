@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from ckptd.extract import ll_unpack
-from ckptd.synth.wire import ll_encode
+from ckptd.transports.roce.extract import ll_unpack
+from ckptd.testing.synth.wire import ll_encode
 
 ll = pytest.importorskip("cython_ext.batch", reason="Cython extensions not built: pip install -e .")
 

@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from ckptd.daemon import ConfigError, Daemon, load_config
+from ckptd.live.daemon import ConfigError, Daemon, load_config
 from ckptd.pipeline import file_source
 
 from helpers import pcaps, synth
@@ -89,8 +89,8 @@ def test_fast_daemon_matches_the_reference_daemon(run, tmp_path):
     """The same frames through the fast daemon (FastPipeline, batches) and the reference
     daemon (Pipeline): the same reports, counters and checkpoints; both abandon the
     iteration in flight when stopped."""
-    from ckptd.checkpoint import diff_checkpoints, load_checkpoint
-    from ckptd.fastpath import FastPipeline
+    from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
+    from ckptd.fast.pipeline import FastPipeline
     from ckptd.pipeline import Pipeline
 
     frames = list(file_source(pcaps(run), []))

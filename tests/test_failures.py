@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import checkpoint_name
 from ckptd.cli import main
-from parsers.capture import open_capture
+from parsers.capfile import open_capture
 from parsers.pcap import write_pcap
 from parsers.roce import FrameClass, decode_frame
 

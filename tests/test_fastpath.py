@@ -1,4 +1,4 @@
-"""The fast path (cython_ext/batch.pyx driven by ckptd/fastpath.py) against the reference.
+"""The fast path (cython_ext/batch.pyx driven by ckptd/fast/pipeline.py) against the reference.
 
 The pure-Python pipeline is the judge: on the same captures both must produce identical
 IterationAssembly buffers, coverage (total and per stream), conflicts, packet and byte
@@ -17,17 +17,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.batches import (Batch, ReaderStage, batch_from_frames, load_capture, load_captures,
+from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, load_captures,
                            stream_batches)
-from ckptd.checkpoint import load_checkpoint
-from ckptd.extract import ll_unpack
-from ckptd.fastpath import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
+from ckptd.core.checkpoint import load_checkpoint
+from ckptd.transports.roce.extract import ll_unpack
+from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
                             reduction_constants, trusted_frame)
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
-from ckptd.plan import load_plan
+from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
 from parsers import icrc
-from parsers.capture import CapturedFrame, open_capture
+from parsers.capfile import CapturedFrame, open_capture
 from parsers.pcap import PcapWriter
 from parsers.roce import FrameClass, decode_frame
 
@@ -485,8 +485,8 @@ def test_real_flowcheck_captures(flowcheck_dir, tmp_path):
 def test_transmit_side_mirrors_stop_holding_acks_of_unseen_hops(tmp_path, monkeypatch):
     """A port's transmit side carries its rank's ACKs of the hop into it, whose data the
     mirrors never show: after enough of them both paths stop keeping them, alike."""
-    import ckptd.flows
-    monkeypatch.setattr(ckptd.flows, "ACKS_WITHOUT_DATA", 20)
+    import ckptd.transports.roce.flows
+    monkeypatch.setattr(ckptd.transports.roce.flows, "ACKS_WITHOUT_DATA", 20)
     ref, fast = synth_pair(tmp_path, ranks=4, channels=2, protocol="simple", mtu=1024, mirrors=2,
                            mirror_direction="tx", loss=1e-3, seed=5)
     assert_same(ref, fast)

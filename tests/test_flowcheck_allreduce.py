@@ -13,11 +13,11 @@ import pytest
 
 from ckptd.cli import main
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.plan import load_plan
-from ckptd.synth import SynthOptions
-from ckptd.synth.ring import reduce_iteration
-from ckptd.synth import Wire
-from parsers.capture import open_capture
+from ckptd.core.plan import load_plan
+from ckptd.testing.synth import SynthOptions
+from ckptd.testing.synth.ring import reduce_iteration
+from ckptd.testing.synth import Wire
+from parsers.capfile import open_capture
 from parsers.roce import FrameClass, decode_frame
 
 PLAN = Path(__file__).parent / "data" / "flowcheck_allreduce_plan.json"

@@ -1,8 +1,8 @@
 """TCP/gloo: TCP decode, reassembly, gloo framing, ring schedule, and a real DDP run.
 
 The end-to-end test trains a real 3-rank DDP job on gloo over 127.0.0.1 while tcpdump
-captures lo, decodes the capture with parsers.tcp / ckptd.tcpstream / ckptd.gloo /
-ckptd.gloo_extract, applies AdamW with the shadow, and compares every iteration with
+captures lo, decodes the capture with parsers.tcp / ckptd.transports.gloo.tcpstream / ckptd.transports.gloo.framing /
+ckptd.transports.gloo.extract, applies AdamW with the shadow, and compares every iteration with
 rank 0's own checkpoint bit for bit; then the same capture split into two lossy
 mirror streams (each dropping different segments) must still give exact checkpoints,
 and one lossy stream alone must report its missing ranges, never a wrong checkpoint.
@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.gloo import (HEADER_LEN, NOTIFY_RECV_READY, NOTIFY_SEND_READY, SEND_UNBOUND_BUFFER,
+from ckptd.transports.gloo.framing import (HEADER_LEN, NOTIFY_RECV_READY, NOTIFY_SEND_READY, SEND_UNBOUND_BUFFER,
                         GlooFramer, GlooRingSchedule, Header, decode_rebuilt_buckets, message,
                         ring_segments, slot_of)
-from ckptd.schedule import AG, RS, Bucket
-from ckptd.tcpstream import Direction, Piece, TcpReassembler
+from ckptd.core.schedule import AG, RS, Bucket
+from ckptd.transports.gloo.tcpstream import Direction, Piece, TcpReassembler
 from parsers.ethernet import Ethernet
 from parsers.ipv4 import PROTO_TCP, IPv4
 from parsers.tcp import ACK, PSH, SYN, TCP, decode_tcp_frame
@@ -76,7 +76,7 @@ def test_tcp_header_decode():
     assert none is None and "TCP" in why
 
 
-# -- ckptd/tcpstream.py --------------------------------------------------------------
+# -- ckptd/transports/gloo/tcpstream.py --------------------------------------------------------------
 def test_reassembly_reorder_duplicates_retransmits_and_wrap():
     data = bytes(random.Random(1).randrange(256) for _ in range(5000))
     isn = (1 << 32) - 1000  # the sequence numbers wrap inside the stream
@@ -140,7 +140,7 @@ def test_reassembly_merges_mirror_streams_and_flags_conflicts():
     assert r2.conflicts == [(150, 200, 1)]
 
 
-# -- ckptd/gloo.py ---------------------------------------------------------------------
+# -- ckptd/transports/gloo/framing.py ---------------------------------------------------------------------
 def test_ring_segments_match_the_wire():
     # seen on the wire (scripts/ddp_gloo_train.py, 3 ranks): a 7354408-byte bucket went
     # as 817160-byte segments, the last 817128
@@ -233,7 +233,7 @@ def test_decode_rebuilt_buckets():
 
 
 def test_plan_rebuilt_learn_round_trip():
-    from ckptd.plan import PlanError, plan_from_json
+    from ckptd.core.plan import PlanError, plan_from_json
     doc = {"format": "ckptd-plan", "version": 1, "transport": "gloo",
            "parameters": [{"name": "a", "shape": [2]}, {"name": "b", "shape": [3]}],
            "buckets": {"first": [{"params": ["a", "b"]}], "rebuilt": "learn"},
@@ -245,7 +245,7 @@ def test_plan_rebuilt_learn_round_trip():
     assert plan_from_json(plan.to_json()) == plan
     with pytest.raises(PlanError, match="learn"):
         plan_from_json({**doc, "transport": "roce"})
-    from ckptd.plan import BucketLayout
+    from ckptd.core.plan import BucketLayout
     plan.learn_rebuilt([BucketLayout(params=("b",)), BucketLayout(params=("a",))])
     assert [b.count for b in plan.buckets(1)] == [3, 2]
 
@@ -288,9 +288,9 @@ def ddp_capture(tmp_path_factory):
 
 
 def _replay(tmp: Path, paths: list[str], plan=None):
-    from ckptd.checkpoint import load_checkpoint
+    from ckptd.core.checkpoint import load_checkpoint
     from ckptd.pipeline import ReplayOptions, replay
-    from ckptd.plan import load_plan
+    from ckptd.core.plan import load_plan
     plan = plan or load_plan(tmp / "run" / "plan.json")
     return replay(plan, paths, load_checkpoint(tmp / "run" / "init.pt"),
                        ReplayOptions(reference=str(tmp / "run" / "rank0")))
@@ -310,8 +310,27 @@ def test_real_ddp_gloo_capture_is_bit_exact(ddp_capture):
     assert ex.other_slots["broadcast"] > 0  # DDP's own collectives share the tag counter
 
 
+def test_cli_replay_of_a_gloo_plan_exits_0_with_its_summary(ddp_capture):
+    """The command line on a gloo plan: every iteration committed, bit-exact against
+    rank 0's checkpoints, the summary line printed, exit 0."""
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    run = tmp / "run"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(run / "plan.json"),
+                        "--init", str(run / "init.pt"), "--out", str(tmp / "cli-ckpts"),
+                        "--reference", str(run / "rank0"), str(pcap)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "3 iterations, 3 committed, 0 not recovered" in r.stdout
+    assert r.stdout.count("bit-exact") == 3 and "NOT bit-exact" not in r.stdout
+    assert sorted(p.name for p in (tmp / "cli-ckpts").iterdir()) == \
+        [f"iter_{i:06d}.pt" for i in range(3)]
+
+
 def _split(pcap: Path, out: Path, keep) -> str:
-    from parsers.capture import open_capture
+    from parsers.capfile import open_capture
     from parsers.pcap import PcapWriter
     with open(out, "wb") as f, PcapWriter(f) as w:
         for fr in open_capture(pcap):
@@ -324,7 +343,7 @@ def test_two_lossy_mirrors_merge_and_one_alone_reports_its_holes(ddp_capture):
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):
         pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from parsers.capture import open_capture
+    from parsers.capfile import open_capture
     n = sum(1 for _ in open_capture(pcap))
     rng = random.Random(5)
     lost = rng.sample(range(200, n + 1), 12)  # data segments well after connection setup
@@ -355,7 +374,7 @@ def test_rebuilt_layout_learned_from_the_wire(ddp_capture):
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):
         pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from ckptd.plan import plan_from_json
+    from ckptd.core.plan import plan_from_json
     doc = _plan_doc(tmp)
     given = plan_from_json(doc)
     doc["buckets"]["rebuilt"] = "learn"
@@ -380,7 +399,7 @@ def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):
         pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from ckptd.plan import plan_from_json
+    from ckptd.core.plan import plan_from_json
     doc = _plan_doc(tmp)
     # the same bucket sizes, parameters reversed in each bucket: the ring schedule
     # cannot tell, only the broadcast layout can

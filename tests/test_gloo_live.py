@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import netlab
-from ckptd.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
-from ckptd.daemon import Daemon, DaemonConfig, InterfaceConfig
-from ckptd.netlab import NetLab
+from ckptd.testing import netlab
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+from ckptd.testing.netlab import NetLab
 
 from helpers import synth
 

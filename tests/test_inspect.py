@@ -1,4 +1,4 @@
-"""ckptd.inspect: counts and flows over captures, synthetic and real."""
+"""ckptd.tools.inspect: counts and flows over captures, synthetic and real."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.inspect import format_inspect, inspect_captures
+from ckptd.tools.inspect import format_inspect, inspect_captures
 from parsers import icrc
 from parsers.pcap import write_pcap
 from parsers.roce import FrameClass

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.checkpoint import checkpoint_name, load_checkpoint
-from ckptd.fastpath import fast_replay
-from ckptd.flows import FlowBinder
-from ckptd.pipeline import ReplayOptions, decode_roce, replay
-from ckptd.plan import load_plan
-from ckptd.psn import PSN_MOD
-from parsers.capture import open_capture
+from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.fast.pipeline import fast_replay
+from ckptd.transports.roce.flows import FlowBinder
+from ckptd.pipeline import ReplayOptions, replay
+from ckptd.transports.roce.transport import decode_roce
+from ckptd.core.plan import load_plan
+from ckptd.core.psn import PSN_MOD
+from parsers.capfile import open_capture
 from parsers.pcap import PcapWriter
 
 from helpers import pcaps, synth
@@ -170,7 +171,6 @@ def test_join_from_picks_the_wrap_of_the_psns(job):
     def moved():
         for pkt in _packets(paths):
             if pkt.flow in period:
-                b = probe.bound[pkt.flow]
                 # this copy's own position: the capture's PSNs start at 0
                 if starts[pkt.flow] <= pkt.psn < ends[pkt.flow]:
                     pkt.psn = (pkt.psn + k * period[pkt.flow]) % PSN_MOD

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-from ckptd.capture import RingCapture, in_netns
-from ckptd.netlab import lab_unavailable, remove_namespaces, unique_prefix
-from ckptd.sender import send_frames
+from ckptd.live.ring import RingCapture, in_netns
+from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
+from ckptd.testing.sender import send_frames
 from switch_config.linux import (MirrorError, add_loss, add_mirror, list_mirrors,
                                  remove_mirrors)
 

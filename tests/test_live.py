@@ -11,15 +11,14 @@ import json
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from ckptd import netlab
-from ckptd.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
-from ckptd.daemon import Daemon, DaemonConfig, InterfaceConfig
-from ckptd.netlab import NetLab
-from ckptd.plan import load_plan
+from ckptd.testing import netlab
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+from ckptd.testing.netlab import NetLab
+from ckptd.core.plan import load_plan
 from parsers.pcap import read_pcap
 
 from helpers import run_replay, synth

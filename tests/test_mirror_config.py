@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd import mirror_config
-from ckptd.schedule import AG, Bucket, RingConfig, RingSchedule
+from ckptd.tools import mirror_config
+from ckptd.core.schedule import AG, Bucket, RingConfig, RingSchedule
 from switch_config import linux_render
 from switch_config.cabling import CablingError, cabling_from_doc
 from switch_config.common import RenderError
@@ -70,7 +70,7 @@ def streams_from_schedule(ring: RingConfig, sel) -> dict:
 # --------------------------------------------------------------------------- ring facts
 
 def test_link_chunks_match_the_schedule():
-    """A link s>next(s) carries in allgather every chunk but next(s)'s (ckptd.schedule)."""
+    """A link s>next(s) carries in allgather every chunk but next(s)'s (ckptd.core.schedule)."""
     ring = RingConfig(nranks=5, rings=((0, 1, 2, 3, 4), (0, 3, 1, 4, 2)))
     sched = RingSchedule(ring, [Bucket(5 * 8192, np.dtype("float32"))])
     for ch in range(2):
@@ -226,7 +226,7 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 
 def test_linux_rules_and_backend_interface():
     from switch_config.cabling import load_cabling
-    from ckptd.plan import load_plan
+    from ckptd.core.plan import load_plan
     cab = load_cabling(GOLDEN / "cabling_span.json")
     sel = select_mirrors(load_plan(GOLDEN / "plan.json").ring, cab)
     sw = cab.switch("tor")

@@ -8,11 +8,11 @@ from collections import Counter
 
 import pytest
 
-from ckptd import netlab
-from ckptd.netlab import NetLab
+from ckptd.testing import netlab
+from ckptd.testing.netlab import NetLab
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.checkpoint import load_checkpoint
-from ckptd.plan import Mirror, load_plan
+from ckptd.core.checkpoint import load_checkpoint
+from ckptd.core.plan import Mirror, load_plan
 from parsers.pcap import read_pcap, write_pcap
 from switch_config import linux, linux_render
 from switch_config.cabling import load_cabling

@@ -1,4 +1,4 @@
-"""ckptd.netlab: a whole test network from a synthesized plan.
+"""ckptd.testing.netlab: a whole test network from a synthesized plan.
 
 `ckptd synth --model tiny --ranks 3 --iterations 2 --mirrors 2` (mirrors on the ports
 of ranks 0 and 1, both directions), every host sends its own frames from its own
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import netlab
-from ckptd.netlab import NetLab, NetLabError, host_frames, lab_namespaces
-from ckptd.plan import Mirror, load_plan
+from ckptd.testing import netlab
+from ckptd.testing.netlab import NetLab, NetLabError, host_frames, lab_namespaces
+from ckptd.core.plan import Mirror, load_plan
 from parsers.pcap import read_pcap, write_pcap
 
 RING = dict(block_size=1 << 22, block_nr=8, retire_ms=10)
@@ -107,7 +107,7 @@ def test_loss_on_one_mirror_link_and_replay_is_still_bit_exact(run, prefix, tmp_
     assert sum(lost.values()) == drops["mirror1"] > 0              # every loss accounted for
 
     # The captured streams go through the pipeline: mirror0 fills mirror1's gaps.
-    from ckptd.checkpoint import load_checkpoint
+    from ckptd.core.checkpoint import load_checkpoint
     from ckptd.pipeline import ReplayOptions, replay
     paths = []
     for m, g in zip(("mirror0", "mirror1"), got):

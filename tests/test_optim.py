@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ckptd.optim import AdamState, lr_at, lr_factor, optimizer_step, torch_optimizer
-from ckptd.plan import Optimizer
+from ckptd.core.optim import AdamState, lr_at, lr_factor, optimizer_step, torch_optimizer
+from ckptd.core.plan import Optimizer
 
 
 def _tensors(seed):

@@ -26,7 +26,7 @@ from scapy.packet import Raw, bind_layers  # noqa: E402
 from parsers import icrc  # noqa: E402
 from parsers.aeth import AETH  # noqa: E402
 from parsers.bth import BTH  # noqa: E402
-from parsers.capture import CaptureError, CapturedFrame, open_capture  # noqa: E402
+from parsers.capfile import CaptureError, CapturedFrame, open_capture  # noqa: E402
 from parsers.ethernet import Ethernet  # noqa: E402
 from parsers.immdt import ImmDt  # noqa: E402
 from parsers.ipv4 import IPv4  # noqa: E402

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from ckptd.plan import PlanError, load_plan, plan_from_json
+from ckptd.core.plan import PlanError, load_plan, plan_from_json
 
 from helpers import synth
 

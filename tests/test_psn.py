@@ -1,4 +1,4 @@
-from ckptd.psn import PSN_MOD, psn_add, psn_diff, psn_unwrap
+from ckptd.core.psn import PSN_MOD, psn_add, psn_diff, psn_unwrap
 
 
 def test_add_wraps_at_2_24():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parsers.capture import open_capture
+from parsers.capfile import open_capture
 from parsers.roce import FrameClass, decode_frame
 
 FLOWCHECK = Path(__file__).resolve().parents[1].parent / "shared" / "pcaps" / "flowcheck"

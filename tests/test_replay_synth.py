@@ -6,7 +6,7 @@ shadow's checkpoint after every iteration with the trainer's own, bit for bit.
 """
 import pytest
 
-from ckptd.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
 
 from helpers import run_replay, synth
 

@@ -5,13 +5,13 @@ import random
 
 import torch
 
-from ckptd.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
-from ckptd.optim import lr_at, torch_optimizer
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
+from ckptd.core.optim import lr_at, torch_optimizer
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.plan import load_plan
-from ckptd.synth import SynthOptions, Wire, make_plan, trainer_checkpoint
-from ckptd.synth.model import build_model, shard_batches
-from ckptd.synth.ring import reduce_iteration
+from ckptd.core.plan import load_plan
+from ckptd.testing.synth import SynthOptions, Wire, make_plan, trainer_checkpoint
+from ckptd.testing.synth.model import build_model, shard_batches
+from ckptd.testing.synth.ring import reduce_iteration
 from parsers.pcap import write_pcap
 
 

@@ -1,5 +1,5 @@
 """ckptd mirror-risk: the formula, its edge cases, and a Monte Carlo check of it through
-the real merge code (ckptd.assemble.IterationAssembly)."""
+the real merge code (ckptd.core.assemble.IterationAssembly)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd import risk
+from ckptd.tools import risk
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -1,4 +1,4 @@
-"""benchmarks/roberta.py and its traffic writer (ckptd/synth/bulk.py) at a tiny size:
+"""benchmarks/roberta.py and its traffic writer (ckptd/testing/synth/bulk.py) at a tiny size:
 the bulk writer agrees with the per-frame synthesizer, and the benchmark runs end to end
 and finds the replayed state bit-exact. No timing is asserted."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from benchmarks import roberta
-from ckptd.plan import BucketLayout, Mirror, Plan
-from ckptd.schedule import RingConfig
-from ckptd.synth.bulk import BulkSynth, MessageFrames, rank_gradients, reduce_bucket
-from ckptd.synth.ring import reduce_iteration
-from ckptd.synth.wire import Host, QueuePair
+from ckptd.core.plan import BucketLayout, Mirror, Plan
+from ckptd.core.schedule import RingConfig
+from ckptd.testing.synth.bulk import BulkSynth, MessageFrames, rank_gradients, reduce_bucket
+from ckptd.testing.synth.ring import reduce_iteration
+from ckptd.testing.synth.wire import Host, QueuePair
 from parsers.pcap import PcapWriter, iter_pcap
 
 
@@ -35,7 +35,7 @@ def test_message_frames_match_queue_pair(addr):
 
 
 def test_reduce_bucket_matches_ring_reduction():
-    """Final values and every reduce-scatter payload equal ckptd.synth.ring's, bit for bit."""
+    """Final values and every reduce-scatter payload equal ckptd.testing.synth.ring's, bit for bit."""
     cfg = RingConfig(nranks=4, rings=((0, 1, 2, 3), (0, 2, 1, 3)), mtu=1024)
     layout = (BucketLayout(count=300_000), BucketLayout(count=12_345))
     plan = Plan((), layout, layout, cfg, None, tuple(f"10.0.0.{i + 1}" for i in range(4)),

@@ -1,9 +1,9 @@
 """The checked-in sample capture still replays bit-exact (a frozen artifact)."""
 from pathlib import Path
 
-from ckptd.checkpoint import diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.plan import load_plan
+from ckptd.core.plan import load_plan
 
 SAMPLE = Path(__file__).resolve().parents[1] / "pcaps" / "ll-2ranks-2ch"
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from ckptd.schedule import (AG, RS, Bucket, RingConfig, RingSchedule, ScheduleError, ring_steps,
+from ckptd.core.schedule import (AG, RS, Bucket, RingConfig, RingSchedule, ScheduleError, ring_steps,
                             wire_bytes)
 
 F32, I32 = np.dtype("float32"), np.dtype("int32")

@@ -1,0 +1,404 @@
+"""The collective schedule: what every directed ring link carries, message by message.
+
+Given the ring configuration and the gradient buckets of one iteration, `RingSchedule`
+lists for every connection (sender rank -> receiver rank, channel) the NCCL sends in
+the order the sender issues them, and for every QP of that connection the RDMA
+messages those sends become on the wire: their lengths, their immediates, how many
+PSNs they use, and which bucket elements their payload is (reduce-scatter partial
+sums, ignored downstream, or allgather final values, which are the gradient).
+
+Each rule names the NCCL source it follows; the sources were read at tags v2.19.4-1
+and v2.20.5-1 of NVIDIA/nccl. The same schedule drives the synthesizer (which writes
+what NCCL would send) and the extractor (which reads it back), so a wrong rule here is
+caught only by real traffic: tests/test_flowcheck_allreduce.py checks it against the
+FlowCheck captures taken on real NICs.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+import numpy as np
+from ckptd.errors import CkptdError
+
+NCCL_STEPS = 8  # src/include/device.h
+WARP_SIZE = 32
+# Default per-protocol buffer sizes, src/init.cc DEFAULT_{LL,LL128,SIMPLE}_BUFFSIZE.
+DEFAULT_BUFFSIZE = {"simple": 4 << 20, "ll": 524288}
+# src/include/comm.h NCCL_{SIMPLE,LL}_THREAD_THRESHOLD; ring LL is scaled by nRanks
+# in src/graph/tuning.cc ncclTopoTuneModel.
+THREAD_THRESHOLD = {"simple": 64, "ll": 8}
+ALLREDUCE_CHUNKSTEPS = NCCL_STEPS // 2  # src/include/collectives.h
+ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
+SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
+IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
+LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
+LL_DATA_PER_LINE = 8
+
+RS, AG = 0, 1  # phase of a send: reduce-scatter partial sum, or allgather final value
+PHASE_NAMES = ("reduce-scatter", "allgather")
+
+
+class ScheduleError(CkptdError, ValueError):
+    """The plan asks for a collective this schedule cannot describe exactly."""
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """How the job's NCCL communicator runs its ring allreduce.
+
+    rings[c] lists the ranks in ring order for channel c (the order data flows).
+    channels is the communicator's channel count; NCCL's tuner may use fewer for a
+    small collective (`tune`). max_threads is NCCL_NTHREADS as the tuner sees it
+    (512 unless the job changed it, 256 for Simple on PCIe-bound rings).
+    """
+
+    nranks: int
+    rings: tuple[tuple[int, ...], ...]
+    protocol: str = "simple"
+    nccl_version: tuple[int, int] = (2, 19)
+    max_threads: int = 512
+    buffsize: int | None = None
+    qps_per_connection: int = 1
+    split_data_on_qps: bool | None = None
+    mtu: int = 4096
+
+    def __post_init__(self):
+        if self.protocol == "ll128":
+            raise ScheduleError("protocol LL128 is not supported yet: force NCCL_PROTO=Simple or LL "
+                                "in the job, or wait for LL128 support")
+        if self.protocol not in ("simple", "ll"):
+            raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple or ll)")
+        if not ((2, 14) <= tuple(self.nccl_version) <= (2, 21)):
+            raise ScheduleError(
+                f"NCCL {self.nccl_version[0]}.{self.nccl_version[1]} is not supported: the ring "
+                "layout is implemented for 2.14-2.19 (channels interleaved) and 2.20-2.21 "
+                "(contiguous per channel); 2.22+ partitions work with ncclCollCbdPart")
+        if self.nranks < 2:
+            raise ScheduleError("a ring needs at least 2 ranks")
+        for c, ring in enumerate(self.rings):
+            if sorted(ring) != list(range(self.nranks)):
+                raise ScheduleError(f"ring of channel {c} is {list(ring)}: it must list each of "
+                                    f"ranks 0..{self.nranks - 1} exactly once")
+        if self.mtu not in (256, 512, 1024, 2048, 4096):
+            raise ScheduleError(f"path MTU {self.mtu} is not an IB MTU (256..4096)")
+        if self.qps_per_connection < 1:
+            raise ScheduleError("qps_per_connection must be at least 1")
+
+    @property
+    def channels(self) -> int:
+        return len(self.rings)
+
+    @property
+    def interleaved(self) -> bool:
+        """NCCL <= 2.19 walks the whole buffer on every channel, chunks interleaved."""
+        return tuple(self.nccl_version) <= (2, 19)
+
+    @property
+    def split(self) -> bool:
+        # NCCL_IB_SPLIT_DATA_ON_QPS: default 1 in 2.18-2.19, 0 from 2.20 (src/transport/net_ib.cc).
+        if self.split_data_on_qps is not None:
+            return self.split_data_on_qps
+        return (2, 18) <= tuple(self.nccl_version) <= (2, 19)
+
+    @property
+    def imm_big_endian(self) -> bool:
+        # net_ib writes the size as host-order immediate up to 2.28 (little-endian on x86).
+        return tuple(self.nccl_version) >= (2, 29)
+
+    @property
+    def step_bytes(self) -> int:
+        return (self.buffsize or DEFAULT_BUFFSIZE[self.protocol]) // NCCL_STEPS
+
+    def ring_index(self, channel: int, rank: int) -> int:
+        """ring->index: distance from rank 0 along the ring (src/graph/rings.cc)."""
+        ring = self.rings[channel]
+        return (ring.index(rank) - ring.index(0)) % self.nranks
+
+    def rank_at(self, channel: int, index: int) -> int:
+        ring = self.rings[channel]
+        return ring[(ring.index(0) + index) % self.nranks]
+
+    def next_rank(self, channel: int, rank: int) -> int:
+        ring = self.rings[channel]
+        return ring[(ring.index(rank) + 1) % self.nranks]
+
+    def tune(self, nbytes: int) -> tuple[int, int]:
+        """Channels and threads NCCL uses for an allreduce of nbytes.
+
+        src/enqueue.cc getAlgoInfo (2.19) / getChannnelThreadInfo (2.20): shrink
+        channels, then threads, while nBytes < nc*nt*threshold; Simple adds a sync warp.
+        """
+        nc, nt = self.channels, self.max_threads
+        threshold = THREAD_THRESHOLD[self.protocol] * (self.nranks if self.protocol == "ll" else 1)
+        while nbytes < nc * nt * threshold:
+            if nc >= 2:
+                nc -= 1
+            elif nt % 128 == 0:
+                nt //= 2
+            else:
+                break
+        if self.protocol == "simple":
+            nt += WARP_SIZE
+        nt = max(nt, 3 * WARP_SIZE)
+        return nc, nt
+
+
+@dataclass(frozen=True)
+class Send:
+    """One prims send on a connection: `nelem` elements of `bucket` from `offset`.
+
+    For Simple a chunk is sent as 2 slices, each its own Send (a slice may be empty
+    and is still sent). `step` is the index of this send among all sends of its
+    connection in the iteration: LL writes step-derived flags into every line.
+    """
+
+    bucket: int
+    phase: int
+    offset: int  # first element, within the bucket
+    nelem: int
+    wire_bytes: int
+    step: int
+    chunk: int  # ring chunk index (which rank finishes reducing it)
+    ring_step: int  # 0 for the loop's first send, which carries the sender's own values
+
+
+@dataclass(frozen=True)
+class Message:
+    """One RDMA WRITE_WITH_IMM message on one QP: a Send, or one QP's part of it."""
+
+    send: Send
+    wire_offset: int  # where this part starts within the send's wire bytes
+    wire_len: int
+    imm: int  # NCCL writes the whole send's size as immediate, on every part
+    npkts: int
+
+
+@dataclass
+class FlowSchedule:
+    """The messages one QP carries in one iteration, with fast PSN-position lookup."""
+
+    src: int
+    dst: int
+    channel: int
+    qp: int
+    messages: list[Message] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # packet position of each message start
+    npkts: int = 0
+
+    def add(self, msg: Message):
+        self.starts.append(self.npkts)
+        self.messages.append(msg)
+        self.npkts += msg.npkts
+
+    def locate(self, pkt: int) -> tuple[int, int]:
+        """(message index, packet index within it) of the packet at position pkt."""
+        m = bisect_right(self.starts, pkt) - 1
+        return m, pkt - self.starts[m]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    count: int
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def wire_bytes(protocol: str, nelem: int, itemsize: int) -> int:
+    """Bytes a send of nelem elements puts on the wire (prims_ll.h: 8 data bytes a line)."""
+    data = max(0, nelem) * itemsize
+    if protocol == "ll":
+        return -(-data // LL_DATA_PER_LINE) * LL_LINE
+    return data
+
+
+def npkts(wire_len: int, mtu: int) -> int:
+    """A message of L bytes takes max(1, ceil(L/PMTU)) PSNs (IBA 9.7; WIRE.md)."""
+    return max(1, -(-wire_len // mtu))
+
+
+def _div_up(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _div_up(a, b) * b
+
+
+def ring_steps(nranks: int, ring_ix: int) -> list[tuple[int, int]]:
+    """(phase, chunk) of each send of the rank at ring index ring_ix in one loop.
+
+    src/device/all_reduce.h runRing: send chunk r-1; recvReduceSend r-j for j=2..n-1;
+    recvReduceCopySend chunk r (final value leaves here: allgather starts);
+    recvCopySend r-j for j=1..n-2; the final recv sends nothing.
+    """
+    n, r = nranks, ring_ix
+    steps = [(RS, (r - 1) % n)]
+    steps += [(RS, (r - j) % n) for j in range(2, n)]
+    steps.append((AG, r))
+    steps += [(AG, (r - j) % n) for j in range(1, n - 1)]
+    return steps
+
+
+def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int):
+    """For each channel bid, its loops as (chunk -> (offset, nelem)) callables.
+
+    Yields (bid, [per-loop function chunk -> (offset, nelem)]).
+    2.19: src/device/all_reduce.h (v2.19.4) runRing gridOffset loop, realChunkSize.
+    2.20-2.21: src/enqueue.cc (v2.20.5) addTunedCollToPlan, computeCollAlignCount,
+    computeCollLastChunkInfo, and runRing's per-channel workOffset/workCount loop.
+    """
+    n = cfg.nranks
+    step = cfg.step_bytes
+    if cfg.interleaved:
+        if cfg.protocol == "simple":
+            chunk_size = step // itemsize * ALLREDUCE_CHUNKSTEPS
+        else:
+            chunk_size = step // 2 // itemsize  # ProtoLL::calcBytePerStep = stepSize/2
+            min_chunk = nt * (8 // itemsize)  # nthreads * calcBytePerGrain/sizeof(T)
+        loop_size = nc * n * chunk_size
+        for bid in range(nc):
+            loops = []
+            for grid in range(0, count, loop_size):
+                if cfg.protocol == "simple":
+                    real = min(chunk_size, _div_up(count - grid, nc * n))
+                    real = _round_up(real, (nt - WARP_SIZE) * 8 // itemsize)
+                else:
+                    real = min(chunk_size, _div_up(count - grid, nc * n * min_chunk) * min_chunk)
+                if cfg.protocol == "simple":
+                    def at(chunk, grid=grid, real=real, bid=bid):
+                        off = grid + bid * n * real + chunk * real
+                        return off, max(0, min(real, count - off))
+                else:
+                    def at(chunk, grid=grid, real=real, bid=bid):
+                        off = grid + (chunk * nc + bid) * real
+                        return off, max(0, min(real, count - off))
+                loops.append(at)
+            yield bid, loops
+        return
+    # 2.20-2.21: each channel owns one contiguous range.
+    if cfg.protocol == "simple":
+        align = WARP_SIZE * 8 * 16 // itemsize  # NCCL_SIMPLE_ALIGNMENT / typeSize
+        chunk_count = step * ALLREDUCE_CHUNKSTEPS // itemsize
+    else:
+        align = 8 // itemsize * nt  # NCCL_LL_ALIGNMENT_PER_THREAD / typeSize * nThreads
+        chunk_count = step // 2 // itemsize
+    per_channel = _round_up(_div_up(count, nc), align)
+    nchan = _div_up(count, per_channel)
+    work_offset, rem = 0, count
+    for bid in range(nchan):
+        work = min(per_channel, rem)
+        last_chunk = _round_up(_div_up(work % (n * chunk_count), n), align)
+        loops = []
+        loop_count = n * chunk_count
+        for elem in range(0, work, loop_count):
+            remc = work - elem
+            cc = last_chunk if remc < loop_count else chunk_count
+
+            def at(chunk, base=work_offset + elem, cc=cc, remc=remc):
+                off = chunk * cc
+                return base + off, max(0, min(cc, remc - off))
+            loops.append(at)
+        yield bid, loops
+        work_offset += work
+        rem -= work
+
+
+class RingSchedule:
+    """The wire schedule of one iteration: every bucket allreduced once, in order.
+
+    flows[(src, dst, channel, qp)] is the FlowSchedule of that QP; sends[(src, dst,
+    channel)] the connection's sends in issue order.
+    """
+
+    def __init__(self, cfg: RingConfig, buckets: list[Bucket]):
+        self.cfg = cfg
+        self.buckets = list(buckets)
+        self.sends: dict[tuple[int, int, int], list[Send]] = {}
+        self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
+        for c in range(cfg.channels):
+            for idx in range(cfg.nranks):
+                src = cfg.rank_at(c, idx)
+                dst = cfg.next_rank(c, src)
+                self.sends[(src, dst, c)] = []
+                for q in range(cfg.qps_per_connection):
+                    self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
+        self._qp_cursor = {k: 0 for k in self.sends}
+        for b, bucket in enumerate(self.buckets):
+            self._add_allreduce(b, bucket)
+
+    # -- building -----------------------------------------------------------------
+    def _add_allreduce(self, b: int, bucket: Bucket):
+        cfg = self.cfg
+        itemsize = bucket.dtype.itemsize
+        if bucket.count == 0:
+            return  # empty collectives never reach the proxy (src/enqueue.cc)
+        nc, nt = cfg.tune(bucket.nbytes)
+        for bid, loops in _channel_loops(cfg, bucket.count, itemsize, nc, nt):
+            for idx in range(cfg.nranks):
+                src = cfg.rank_at(bid, idx)
+                dst = cfg.next_rank(bid, src)
+                conn = (src, dst, bid)
+                for at in loops:
+                    for k, (phase, chunk) in enumerate(ring_steps(cfg.nranks, idx)):
+                        off, nelem = at(chunk)
+                        for s_off, s_n in self._slices(nelem, itemsize):
+                            self._emit(conn, Send(b, phase, off + s_off, s_n,
+                                                  wire_bytes(cfg.protocol, s_n, itemsize),
+                                                  len(self.sends[conn]), chunk, k))
+
+    def _slices(self, nelem: int, itemsize: int):
+        """Simple sends a chunk as SlicePerChunk slices, empty ones included.
+
+        src/device/prims_simple.h genericOp: sliceSize = max(divUp(nelem, 16*SlicePerChunk)*16,
+        stepSize*StepPerSlice/32); every slice is posted even when it is empty. LL sends
+        a chunk as one step (prims_ll.h)."""
+        if self.cfg.protocol != "simple":
+            return [(0, nelem)]
+        step_elems = self.cfg.step_bytes // itemsize
+        size = max(_div_up(nelem, 16 * SIMPLE_SLICES_PER_CHUNK) * 16,
+                   step_elems * ALLREDUCE_SLICESTEPS // 32)
+        out, off = [], 0
+        for _ in range(SIMPLE_SLICES_PER_CHUNK):
+            n = max(0, min(size, nelem - off))
+            out.append((off, n))
+            off += size
+        return out
+
+    def _emit(self, conn, send: Send):
+        """Turn one send into RDMA messages on the connection's QPs.
+
+        src/transport/net_ib.cc ncclIbMultiSend: with NCCL_IB_SPLIT_DATA_ON_QPS every
+        send is cut into nqps parts of DIVUP(DIVUP(size, nqps), 128)*128 bytes, part q
+        on QP q, each a WRITE_WITH_IMM carrying the whole size (an empty part is a
+        0-byte write); without it, whole sends rotate over the QPs.
+        """
+        cfg = self.cfg
+        self.sends[conn].append(send)
+        nq = cfg.qps_per_connection
+        if nq == 1 or not cfg.split:
+            q = self._qp_cursor[conn]
+            self._qp_cursor[conn] = (q + 1) % nq
+            parts = [(q, 0, send.wire_bytes)]
+        else:
+            part = _round_up(_div_up(send.wire_bytes, nq), IB_SPLIT_ALIGN)
+            parts = [(q, q * part, max(0, min(part, send.wire_bytes - q * part))) for q in range(nq)]
+        for q, woff, wlen in parts:
+            self.flows[conn + (q,)].add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
+
+    # -- queries ------------------------------------------------------------------
+    def steps(self, conn) -> int:
+        """LL steps a connection advances by in one iteration (one per send)."""
+        return len(self.sends[conn])
+
+    def ag_elements(self, b: int) -> np.ndarray:
+        """How many allgather copies of each element of bucket b cross the ring (tests)."""
+        seen = np.zeros(self.buckets[b].count, np.int32)
+        for sends in self.sends.values():
+            for s in sends:
+                if s.bucket == b and s.phase == AG:
+                    seen[s.offset:s.offset + s.nelem] += 1
+        return seen

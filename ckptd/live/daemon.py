@@ -1,0 +1,359 @@
+"""`ckptd run --config FILE`: the long-running daemon on a mirror-port host.
+
+The same pipeline as `ckptd replay` (ckptd.pipeline), fed by capture rings instead of
+files; the daemon's features plug in around that one loop:
+
+    capture   ckptd.live.ring.RingCapture per configured interface (one per mirror port)
+    fast      with `fast` (the default for RoCE plans) ckptd.fast.pipeline.FastPipeline runs
+              the pipeline: ring blocks go to its Cython kernel as Batches (same reports
+              and checkpoints as the reference Pipeline, which gloo plans always use)
+    status    ckptd.live.status: /status and /metrics, from snapshots the loop publishes
+    keep      checkpoint files, written by the pipeline as iterations commit
+    logs      one JSON object per line on stderr, warnings only unless asked
+
+SIGINT/SIGTERM stop it cleanly: capture stops, what the rings already hold is
+processed, complete iterations are committed, the iteration in flight is reported as
+abandoned (with how much of it was missing), and the last exact checkpoint stays.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
+from ckptd.core.plan import PlanError, load_plan
+from ckptd.live.status import Snapshot, StatusServer
+from ckptd.errors import CkptdError
+
+log = logging.getLogger("ckptd")
+SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
+BATCH_MAX_FRAMES = 1 << 15  # fast path: ready ring blocks are joined into one Batch up to this
+SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
+KEEP_REPORTS = 1000
+
+
+class ConfigError(CkptdError, ValueError):
+    """A daemon config that cannot be used; the message names the file and the key."""
+
+
+@dataclass
+class InterfaceConfig:
+    name: str  # the mirror stream's name (as in the plan's mirrors, ideally)
+    ifname: str
+    netns: str | None = None
+    block_size: int = 1 << 22
+    block_nr: int = 64
+    frame_size: int = 16384
+    retire_ms: int = 20
+    snaplen: int = 65535
+    fanout_group: int | None = None  # several interfaces' rings can share one fanout group
+    fanout_mode: str = "hash"
+
+
+@dataclass
+class DaemonConfig:
+    plan: str
+    init: str
+    out: str
+    interfaces: list[InterfaceConfig]
+    listen: str = "127.0.0.1:9187"
+    log_level: str = "warning"
+    resume: str | None = None
+    dump_gradients: str | None = None
+    fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
+    join: bool = False  # the job may already be running: align by PSN arithmetic
+    join_from: int | None = None  # joining: an iteration the job has surely reached
+    extra: dict = field(default_factory=dict)
+
+
+def load_config(path: str | Path) -> DaemonConfig:
+    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib
+            doc = tomllib.loads(text)
+        else:
+            import yaml
+            doc = yaml.safe_load(text)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the config must be a mapping")
+    base = path.parent
+
+    def need(key):
+        if key not in doc:
+            raise ConfigError(f"{path}: missing {key!r}")
+        return doc[key]
+
+    def rel(p):
+        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
+
+    ifs = []
+    for i, x in enumerate(need("interfaces") or []):
+        if not isinstance(x, dict) or "ifname" not in x:
+            raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
+        unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
+        ifs.append(InterfaceConfig(**{"name": x.get("name", x["ifname"]), **x}))
+    if not ifs:
+        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
+    known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
+             "fast", "join", "join_from"}
+    unknown = set(doc) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+    fast = doc.get("fast")
+    if fast is not None and not isinstance(fast, bool):
+        raise ConfigError(f"{path}: 'fast' must be true or false, not {fast!r}")
+    join, join_from = doc.get("join", False), doc.get("join_from")
+    if not isinstance(join, bool):
+        raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
+    if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
+        raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
+    return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
+                        interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
+                        log_level=str(doc.get("log_level", "warning")),
+                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
+                        fast=fast, join=join or join_from is not None, join_from=join_from)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record):
+        doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "msg": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        return json.dumps(doc)
+
+
+def setup_logging(level: str):
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    log.handlers[:] = [h]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        try:
+            self.plan = load_plan(cfg.plan)
+        except PlanError as e:
+            raise ConfigError(str(e)) from e
+        self.start_state = load_checkpoint(cfg.init)
+        self.names = [i.name for i in cfg.interfaces]
+        self.stop = threading.Event()
+        self.snapshot = Snapshot()
+        self.captures: list = []
+        self.frames = 0
+        self.by_status: dict[str, int] = {}
+        self.last_report: IterationReport | None = None
+        self.unrecovered: list[dict] = []
+        self.started = time.time()
+        self._join_logged = False
+        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
+                             join=cfg.join, join_from=cfg.join_from)
+        self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
+        if self.fast and self.plan.transport != "roce":
+            raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
+                              f"{self.plan.transport} (set fast: false)")
+        if self.fast:
+            from ckptd.fast.pipeline import FastPipeline
+            self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
+                                     on_iteration=self._on_iteration)
+            self.pipe.reports = deque(maxlen=KEEP_REPORTS)  # as Pipeline's keep_reports
+        else:
+            self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
+                                 on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
+
+    # -- feature hooks on the core loop ----------------------------------------------
+    def _on_iteration(self, rep: IterationReport):
+        self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
+        self.last_report = rep
+        fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
+                  "coverage": [round(c, 6) for c in rep.coverage], "note": rep.note.strip()}
+        if rep.commit_lag is not None:
+            fields["commit_lag_s"] = round(rep.commit_lag, 6)
+        if rep.write_seconds is not None:
+            fields["write_s"] = round(rep.write_seconds, 6)
+        if rep.status == "committed":
+            log.info("committed", extra={"fields": fields})
+        else:
+            fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
+                                  "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
+            self.unrecovered.append(fields)
+            del self.unrecovered[:-100]
+            log.warning("iteration not recovered", extra={"fields": fields})
+        self._publish()
+
+    def _counting(self, source):
+        for k, fr in source:
+            self.frames += 1
+            if self.frames % SNAPSHOT_EVERY == 0:
+                self._publish()
+            yield k, fr
+
+    def _batches(self, source):
+        """Fast path: the source's frames as Batches, in order. A `_BLOCK_END` item (see
+        _BlockEnds) closes a ring block: the batch goes to the kernel then, unless another
+        block is already waiting, in which case blocks are joined (up to BATCH_MAX_FRAMES),
+        so a busy link gets big batches and a quiet one no added latency. A plain
+        frame-by-frame source is cut every SOURCE_CHUNK frames."""
+        from ckptd.fast.batches import batch_from_frames
+        chunk: list = []
+        marked = False
+        for item in source:
+            if item[1] is _BLOCK_END:
+                marked = True
+                if chunk and (len(chunk) >= BATCH_MAX_FRAMES
+                              or not any(c.ready() for c in self.captures if not c._closed)):
+                    yield batch_from_frames(chunk)
+                    chunk = []
+                continue
+            chunk.append(item)
+            if len(chunk) >= (BATCH_MAX_FRAMES if marked else SOURCE_CHUNK):
+                yield batch_from_frames(chunk)
+                chunk = []
+        if chunk:
+            yield batch_from_frames(chunk)
+
+    def _run_fast(self, source):
+        for batch in self._batches(source):
+            before = self.frames
+            self.frames += len(batch)
+            self.pipe.run_batch(batch)
+            if self.frames // SNAPSHOT_EVERY != before // SNAPSHOT_EVERY:
+                self._publish()
+        self.pipe.finish(abandon=True)
+
+    def _publish(self, state: str = "running"):
+        if self.pipe.joined is not None and not self._join_logged:
+            self._join_logged = True
+            log.info("joined the running job", extra={"fields": {
+                "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
+        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        last = self.last_report
+        streams = []
+        for k, name in enumerate(self.names):
+            cls = self.pipe.classes[k]
+            streams.append({"name": name, "frames": cls.get("frames", 0),
+                            "classes": {c: v for c, v in cls.items() if c != "frames"},
+                            "coverage": last.coverage[k] if last and last.coverage else None,
+                            "loss": last.loss[k] if last and last.loss else None})
+        doc = {
+            "state": state, "uptime_s": round(time.time() - self.started, 3),
+            "last_committed": committed[-1].iteration if committed else -1,
+            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(committed[-1].iteration))
+                                if committed else None),
+            "commit_lag_s": committed[-1].commit_lag if committed else None,
+            "checkpoint_write_s": committed[-1].write_seconds if committed else None,
+            "iterations_by_status": dict(self.by_status),
+            "shadow_stopped_after": self.pipe.stopped_after,
+            "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
+                      "packets_before": self.pipe.before_join} if self.cfg.join else None),
+            "streams": streams,
+            "capture": {c.ifname: {"packets": st["packets"], "drops": st["drops"],
+                                   "delivered": st["delivered"]}
+                        for c, st in ((c, c.stats()) for c in self.captures)},
+            "extraction": dict(self.pipe.extract.counters),
+            "pipeline": self._pipeline_stats(),
+            "unrecoverable": self.unrecovered[-20:],
+        }
+        self.snapshot.publish(doc)
+
+    def _pipeline_stats(self) -> dict:
+        if not self.fast:
+            return {"fast": False}
+        p = self.pipe
+        return {"fast": True, "kernel_frames": p.kernel_frames,
+                "python_frames": sum(p.stops.values()) - p.stops.get("complete", 0)
+                - p.stops.get("conflicts_full", 0),
+                "kernel_seconds": round(p.kernel_seconds, 6), "stops": dict(p.stops)}
+
+    # -- running ---------------------------------------------------------------------
+    def open_captures(self):
+        from ckptd.live.ring import RingCapture
+        for i in self.cfg.interfaces:
+            fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
+            self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
+                                             block_nr=i.block_nr, frame_size=i.frame_size,
+                                             retire_ms=i.retire_ms, snaplen=i.snaplen,
+                                             fanout=fanout,
+                                             # the kernel filter passes RoCEv2 and GRE only
+                                             bpf=self.plan.transport == "roce"))
+
+    def run(self, source=None, install_signals: bool = True) -> int:
+        """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
+        if install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.stop.set())
+        server = StatusServer(self.snapshot, self.cfg.listen).start()
+        self.address = server.address
+        try:
+            if source is None:
+                from ckptd.live.ring import ring_source
+                self.open_captures()
+                if self.fast:  # each block's frames, then _BLOCK_END
+                    source = ring_source([_BlockEnds(c) for c in self.captures], self.stop,
+                                         self.pipe.errors)
+                else:
+                    source = ring_source(self.captures, self.stop, self.pipe.errors)
+            self._publish()
+            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
+                                                    "fast": self.fast}})
+            if self.fast:
+                self._run_fast(source)
+            else:
+                self.pipe.run(self._counting(source), abandon=True)
+        finally:
+            self._publish("stopped")
+            for c in self.captures:
+                st = c.stats()
+                if st["drops"]:
+                    log.warning("kernel dropped frames", extra={"fields": st})
+                c.close()
+            server.stop()
+        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
+        log.warning("stopped", extra={"fields": {
+            "last_committed": committed[-1].iteration if committed else -1,
+            "joined_at": self.pipe.joined, "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
+                                                    if u["status"] != "abandoned"]}})
+        for e in self.pipe.errors:
+            log.error("capture error", extra={"fields": {"error": e}})
+        return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3
+
+
+class _BlockEndMark:
+    def __repr__(self):
+        return "_BLOCK_END"
+
+
+_BLOCK_END = _BlockEndMark()
+
+
+class _BlockEnds:
+    """A RingCapture whose read_block appends a (stream, _BLOCK_END) marker, so that
+    ring_source (unchanged: round robin, errors, the drain on stop) tells the fast
+    daemon where each block ends; ring_source yields it as (k, _BLOCK_END)."""
+
+    def __init__(self, capture):
+        self._capture = capture
+
+    def __getattr__(self, name):
+        return getattr(self._capture, name)
+
+    def read_block(self, timeout=0.0):
+        block = self._capture.read_block(timeout)
+        return block + [_BLOCK_END] if block else block

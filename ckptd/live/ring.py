@@ -1,0 +1,473 @@
+"""Live capture: an AF_PACKET socket with a TPACKET_V3 memory-mapped receive ring.
+
+    cap = RingCapture("eth1", netns="ck-ck", block_size=1 << 20, block_nr=64)
+    for frame in cap.frames(stop_event):       # parsers.frame.CapturedFrame
+        ...
+    cap.stats()   # {'packets', 'drops', 'freeze_q_cnt', 'delivered', ...}, cumulative
+
+The kernel writes packets into fixed-size blocks of a ring shared with us; a block is
+handed to user space when it is full or after `retire_ms`, and handed back by writing
+TP_STATUS_KERNEL into its header.  When every block is in user hands the kernel drops
+packets and counts them (tp_drops, tp_freeze_q_cnt): a reader that falls behind loses
+frames, and stats() says how many.  Layouts from include/uapi/linux/if_packet.h and
+Documentation/networking/packet_mmap.rst.
+
+A classic BPF program attached before the socket is bound passes only what ckptd can
+use: UDP to port 4791 (RoCEv2) and GRE (ERSPAN) over IPv4 or IPv6, with or without one
+802.1Q tag.  `ring_source` turns several captures into the (stream, frame) items that
+ckptd.pipeline consumes, as `pipeline.file_source` does for files.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Iterator
+
+from parsers.frame import LINKTYPE_ETHERNET, CapturedFrame
+from ckptd.errors import CkptdError
+
+# -- constants (include/uapi/linux/if_packet.h, if_ether.h, filter.h) ----------------
+SOL_PACKET = 263
+PACKET_RX_RING = 5
+PACKET_STATISTICS = 6
+PACKET_VERSION = 10
+PACKET_FANOUT = 18
+PACKET_IGNORE_OUTGOING = 23
+TPACKET_V3 = 2
+SO_ATTACH_FILTER = 26
+ETH_P_ALL = 0x0003
+
+TP_STATUS_KERNEL = 0
+TP_STATUS_USER = 1
+TP_STATUS_VLAN_VALID = 0x10
+TP_STATUS_VLAN_TPID_VALID = 0x40
+
+FANOUT_MODES = {"hash": 0, "lb": 1, "cpu": 2, "qm": 5}
+
+ROCE_PORT = 4791
+IPPROTO_UDP, IPPROTO_GRE = 17, 47
+
+CLONE_NEWNET = 0x40000000
+NETNS_RUN_DIR = "/run/netns"
+
+# struct tpacket_block_desc: version u32, offset_to_priv u32, then tpacket_hdr_v1:
+# block_status u32 @8, num_pkts u32 @12, offset_to_first_pkt u32 @16, blk_len u32 @20,
+# seq_num u64 @24, ts_first_pkt, ts_last_pkt.
+_BLOCK = struct.Struct("=III")          # block_status, num_pkts, offset_to_first_pkt @8
+_BLOCK_STATUS_OFF = 8
+# struct tpacket3_hdr: next_offset, sec, nsec, snaplen, len, status u32; mac, net u16;
+# hv1: rxhash u32, vlan_tci u32, vlan_tpid u16 (then padding to 48 bytes).
+_PKT = struct.Struct("=IIIIIIHHIIH")
+_TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + sockaddr_ll
+_STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
+
+
+class CaptureSetupError(CkptdError, OSError):
+    """Opening or configuring a capture failed; the message names interface and netns."""
+
+
+# -- network namespaces ---------------------------------------------------------------
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def in_netns(netns: str | None, fn: Callable, *args, **kwargs):
+    """Run fn(*args, **kwargs) inside network namespace `netns` (a name under /run/netns).
+
+    setns(2) moves only the calling thread, so fn runs on a short-lived helper thread
+    and the rest of the process stays where it was.  Sockets fn opens keep the
+    namespace they were created in, so they can be used from any thread afterwards.
+    """
+    if netns is None:
+        return fn(*args, **kwargs)
+    box: dict = {}
+
+    def body():
+        try:
+            fd = os.open(os.path.join(NETNS_RUN_DIR, netns), os.O_RDONLY)
+        except OSError as e:
+            box["error"] = OSError(e.errno, f"network namespace {netns!r}: {e.strerror}")
+            return
+        try:
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                box["error"] = OSError(err, f"setns({netns!r}): {os.strerror(err)}")
+                return
+        finally:
+            os.close(fd)
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=body, name=f"netns:{netns}")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# -- the kernel filter ----------------------------------------------------------------
+# Classic BPF opcodes (include/uapi/linux/filter.h, bpf_common.h).
+_LDH_ABS, _LDB_ABS, _LDH_IND = 0x28, 0x30, 0x48     # A = half/byte at k, or at X + k
+_LDXB_MSH = 0xB1                                    # X = 4 * (byte at k & 0x0f)
+_JEQ, _JSET = 0x15, 0x45                            # if A == k / if A & k
+_RET = 0x06
+_ACCEPT_ALL = 0xFFFFFFFF                            # keep the whole packet
+
+
+def _assemble(program: list[tuple]) -> list[tuple[int, int, int, int]]:
+    """Resolve labels: items are ("label:",) or (opcode, k[, jt, jf]); jt/jf are label
+    names or None (the next instruction).  Classic BPF jumps are forward-only u8
+    offsets counted from the instruction after the jump."""
+    pos, n = {}, 0
+    for ins in program:
+        if isinstance(ins, str):
+            pos[ins] = n
+        else:
+            n += 1
+    out = []
+    for ins in program:
+        if isinstance(ins, str):
+            continue
+        code, k, jt, jf = (ins + (None, None))[:4]
+        here = len(out) + 1
+
+        def rel(label):
+            if label is None:
+                return 0
+            off = pos[label] - here
+            assert 0 <= off < 256, f"BPF jump to {label} out of range"
+            return off
+        out.append((code, rel(jt), rel(jf), k & 0xFFFFFFFF))
+    return out
+
+
+def _l3_checks(base: int, tag: str) -> list[tuple]:
+    """A holds the EtherType, the IP header starts at byte `base` (14, or 18 after one
+    802.1Q tag).  Two copies of this block exist, one per base, because the IPv4 header
+    length is loaded with the MSH form, which takes an absolute offset only."""
+    v4, v6 = f"v4{tag}", f"v6{tag}"
+    return [
+        (_JEQ, 0x0800, v4, None),
+        (_JEQ, 0x86DD, v6, "drop"),
+        v4,
+        (_LDB_ABS, base + 9),                     # IPv4 protocol
+        (_JEQ, IPPROTO_GRE, "accept", None),
+        (_JEQ, IPPROTO_UDP, None, "drop"),
+        (_LDH_ABS, base + 6),                     # flags | fragment offset
+        (_JSET, 0x1FFF, "drop", None),            # a later fragment has no UDP header
+        (_LDXB_MSH, base),                        # X = IPv4 header length (IHL * 4)
+        (_LDH_IND, base + 2),                     # UDP destination port at base + X + 2
+        (_JEQ, ROCE_PORT, "accept", "drop"),
+        v6,
+        # RoCEv2 and ERSPAN put UDP / GRE directly after the IPv6 header; packets with
+        # extension headers in between are not ours and are dropped.
+        (_LDB_ABS, base + 6),                     # IPv6 next header
+        (_JEQ, IPPROTO_GRE, "accept", None),
+        (_JEQ, IPPROTO_UDP, None, "drop"),
+        (_LDH_ABS, base + 40 + 2),                # UDP destination port
+        (_JEQ, ROCE_PORT, "accept", "drop"),
+    ]
+
+
+def roce_filter(snaplen: int = _ACCEPT_ALL) -> list[tuple[int, int, int, int]]:
+    """The BPF program as (code, jt, jf, k) tuples: accept UDP dport 4791 and GRE,
+    keeping `snaplen` bytes of each (a filter's return value is how much of the packet
+    the kernel copies into the ring; the wire length is still reported).
+
+    The kernel usually takes a received 802.1Q tag off into skb metadata before packet
+    sockets see the frame, so the untagged branch applies; the tagged branch serves
+    frames whose tag stayed in the data.  Either way RingCapture puts the tag back from
+    the tpacket3 header, as libpcap does."""
+    return _assemble([
+        (_LDH_ABS, 12),                           # EtherType (or TPID)
+        (_JEQ, 0x8100, "tagged", None),
+        *_l3_checks(14, "u"),
+        "tagged",
+        (_LDH_ABS, 16),                           # EtherType after one 802.1Q tag
+        *_l3_checks(18, "t"),
+        "accept",
+        (_RET, snaplen),
+        "drop",
+        (_RET, 0),
+    ])
+
+
+def attach_filter(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
+    """SO_ATTACH_FILTER with struct sock_fprog {u16 len; struct sock_filter *filter}."""
+    insns = b"".join(struct.pack("=HBBI", *ins) for ins in program)
+    buf = ctypes.create_string_buffer(insns, len(insns))
+    fprog = struct.pack("@HP", len(program), ctypes.addressof(buf))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+
+
+# -- the ring -------------------------------------------------------------------------
+class RingCapture:
+    """One AF_PACKET TPACKET_V3 ring on one interface (optionally in a named netns).
+
+    block_size: bytes per block (a multiple of the page size; must hold the largest
+    frame plus headers); block_nr: blocks in the ring; frame_size: the kernel's
+    nominal frame slot (V3 packs packets back to back, it only sizes tp_frame_nr);
+    retire_ms: a partly filled block is handed over after this long, which bounds the
+    latency of a quiet link; snaplen: bytes kept per frame (origlen keeps the wire
+    length); fanout: (group id, "hash"|"lb"|"cpu"|"qm") to share one interface's
+    traffic among several RingCaptures; bpf: False to capture everything;
+    outgoing: also capture frames this host sends on the interface (a mirror port
+    only receives, so the default leaves them out).
+    """
+
+    def __init__(self, ifname: str, netns: str | None = None, *, block_size: int = 1 << 20,
+                 block_nr: int = 64, frame_size: int = 16384, retire_ms: int = 20,
+                 snaplen: int = 65535, fanout: tuple[int, str] | None = None,
+                 bpf: bool = True, outgoing: bool = False):
+        page = mmap.PAGESIZE
+        if block_size % page or block_size < frame_size or frame_size % 16 or frame_size < _TPACKET3_HDRLEN:
+            raise ValueError(f"{ifname}: block_size must be a multiple of {page} and >= "
+                             f"frame_size, frame_size a multiple of 16 and >= {_TPACKET3_HDRLEN}")
+        if fanout is not None and fanout[1] not in FANOUT_MODES:
+            raise ValueError(f"{ifname}: fanout mode must be one of {sorted(FANOUT_MODES)}")
+        self.ifname, self.netns = ifname, netns
+        self.block_size, self.block_nr = block_size, block_nr
+        self.snaplen = snaplen
+        self._where = f"{ifname}" + (f" (netns {netns})" if netns else "")
+        self._index = 0               # frames delivered so far (CapturedFrame.index)
+        self._block = 0               # next block to look at
+        self._blocks_read = 0
+        self._totals = {"packets": 0, "drops": 0, "freeze_q_cnt": 0}
+        self._vlan_restored = 0
+        self._errors: dict[str, int] = {}
+        self._closed = False
+        self._lock = threading.Lock()  # stats() may be called from another thread
+        try:
+            self.sock = in_netns(netns, self._open, block_size, block_nr, frame_size,
+                                 retire_ms, fanout, bpf, outgoing)
+        except OSError as e:
+            raise CaptureSetupError(e.errno, f"capture on {self._where}: {e.strerror or e}") from e
+        try:
+            self._ring = mmap.mmap(self.sock.fileno(), block_size * block_nr,
+                                   mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            self.sock.close()
+            raise CaptureSetupError(e.errno, f"capture on {self._where}: mmap of the ring: {e.strerror}") from e
+        self._mv = memoryview(self._ring)
+        self._poll = select.poll()
+        self._poll.register(self.sock.fileno(), select.POLLIN | select.POLLERR)
+
+    def _open(self, block_size, block_nr, frame_size, retire_ms, fanout, bpf, outgoing):
+        # Protocol 0: the socket receives nothing until bind(), so the filter and the
+        # ring are in place before the first packet can arrive.
+        try:
+            socket.if_nametoindex(self.ifname)
+        except OSError:
+            raise OSError(errno.ENODEV, "no such interface") from None
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+        try:
+            s.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
+            if bpf:
+                attach_filter(s, roce_filter(self.snaplen))
+            if not outgoing:
+                s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+            frame_nr = (block_size // frame_size) * block_nr
+            req = struct.pack("=IIIIIII", block_size, block_nr, frame_size, frame_nr,
+                              retire_ms, 0, 0)
+            s.setsockopt(SOL_PACKET, PACKET_RX_RING, req)
+            s.bind((self.ifname, ETH_P_ALL))
+            if fanout is not None:
+                group, mode = fanout
+                s.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
+            return s
+        except BaseException:
+            s.close()
+            raise
+
+    # -- reading ---------------------------------------------------------------------
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def ready(self) -> bool:
+        """The next block has been handed to user space."""
+        off = self._block * self.block_size
+        return _BLOCK.unpack_from(self._mv, off + _BLOCK_STATUS_OFF)[0] & TP_STATUS_USER != 0
+
+    def read_block(self, timeout: float | None = 0.0) -> list[CapturedFrame]:
+        """Frames of the next retired block, waiting up to `timeout` seconds for one
+        (None: forever, 0: not at all); [] when none came.  The block goes back to the
+        kernel before this returns: the frames own copies of their bytes."""
+        if self._closed:
+            return []
+        if not self.ready():
+            if timeout is not None and timeout <= 0:
+                return []
+            for _, ev in self._poll.poll(None if timeout is None else max(1, int(timeout * 1000))):
+                if ev & select.POLLERR:
+                    self.take_error()
+            if self._closed or not self.ready():
+                return []
+        return self._take_block()
+
+    def take_error(self) -> str | None:
+        """The socket's pending error, cleared and counted (stats()["errors"]), as text.
+        The kernel flags ENETDOWN when the interface goes down (capture resumes when it
+        comes back up) and ENODEV-like states when it disappears; poll(2) keeps saying
+        POLLERR until the error is read, so readers must call this."""
+        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if not err:
+            return None
+        name = errno.errorcode.get(err, str(err))
+        with self._lock:
+            self._errors[name] = self._errors.get(name, 0) + 1
+        return f"{self._where}: {name} ({os.strerror(err)})"
+
+    def _take_block(self) -> list[CapturedFrame]:
+        mv, base = self._mv, self._block * self.block_size
+        _, num, off = _BLOCK.unpack_from(mv, base + _BLOCK_STATUS_OFF)
+        frames = []
+        pos = base + off
+        for _ in range(num):
+            (next_off, sec, nsec, snaplen, wirelen, status, mac, _net,
+             _hash, tci, tpid) = _PKT.unpack_from(mv, pos)
+            start = pos + mac
+            data = bytes(mv[start:start + snaplen])
+            if status & TP_STATUS_VLAN_VALID:
+                # The NIC / the stack took the 802.1Q tag off into metadata: put it back
+                # so the frame is what was on the wire.
+                tpid = tpid if status & TP_STATUS_VLAN_TPID_VALID and tpid else 0x8100
+                data = data[:12] + struct.pack("!HH", tpid, tci & 0xFFFF) + data[12:]
+                snaplen, wirelen = snaplen + 4, wirelen + 4
+                self._vlan_restored += 1
+            if len(data) > self.snaplen:
+                data = data[:self.snaplen]
+            self._index += 1
+            frames.append(CapturedFrame(self._index, sec * 1_000_000_000 + nsec, LINKTYPE_ETHERNET,
+                                        len(data), wirelen, data, 0))
+            pos += next_off
+        # Hand the block back; a plain store suffices on the architectures Linux
+        # supports for this ring (the kernel reads it with a barrier of its own).
+        struct.pack_into("=I", mv, base + _BLOCK_STATUS_OFF, TP_STATUS_KERNEL)
+        self._block = (self._block + 1) % self.block_nr
+        self._blocks_read += 1
+        return frames
+
+    def blocks(self, stop: threading.Event | None = None, poll_s: float = 0.1) -> Iterator[list[CapturedFrame]]:
+        """Blocks of frames until `stop` is set (checked at least every poll_s) or the
+        capture is closed."""
+        while not self._closed and not (stop is not None and stop.is_set()):
+            frames = self.read_block(poll_s)
+            if frames:
+                yield frames
+
+    def frames(self, stop: threading.Event | None = None, poll_s: float = 0.1) -> Iterator[CapturedFrame]:
+        for block in self.blocks(stop, poll_s):
+            yield from block
+
+    __iter__ = frames
+
+    def drain(self, idle_s: float = 0.2) -> list[CapturedFrame]:
+        """Everything that arrives until the link has been quiet for idle_s (blocks are
+        retired after retire_ms, so idle_s should exceed it)."""
+        out = []
+        while True:
+            got = self.read_block(idle_s)
+            if not got:
+                return out
+            out += got
+
+    # -- statistics ------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Cumulative counters.  packets: frames the filter passed (delivered or not);
+        drops: of those, lost because the ring was full; freeze_q_cnt: times the ring
+        filled up; delivered: frames handed to the caller so far."""
+        with self._lock:
+            if not self._closed:
+                raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, _STATS3.size)
+                # Reading the kernel's counters resets them: keep the running sums here.
+                for k, v in zip(("packets", "drops", "freeze_q_cnt"), _STATS3.unpack(raw)):
+                    self._totals[k] += v
+            return {"ifname": self.ifname, "netns": self.netns, **self._totals,
+                    "delivered": self._index, "blocks": self._blocks_read,
+                    "vlan_restored": self._vlan_restored, "errors": dict(self._errors)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.stats()  # fold in the last counters before they disappear with the socket
+        self._closed = True
+        self._poll.unregister(self.sock.fileno())
+        self._mv.release()
+        self._ring.close()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"RingCapture({self._where}, {self.block_nr}x{self.block_size} B)"
+
+
+# -- several rings as one source -------------------------------------------------------
+def ring_source(captures: list[RingCapture], stop_event: threading.Event,
+                errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, CapturedFrame]]:
+    """(stream index, frame) from every capture, stream = position in the list, until
+    stop_event is set; then whatever the rings still hold is delivered.
+
+    Rings are visited round robin one block at a time, so a busy mirror cannot starve
+    a quiet one; when none has a block ready, one poll(2) waits on all of them.  Order
+    is arrival order per stream and block-interleaved across streams (the pipeline
+    tolerates that: it places packets by PSN, not by arrival).  Socket errors (a link
+    going down) are reported in `errors` and the stream goes on; a ring that fails is
+    reported and dropped, and the others go on.
+    """
+    live = list(range(len(captures)))
+    poller = select.poll()
+    for k in live:
+        poller.register(captures[k].fileno(), select.POLLIN | select.POLLERR)
+
+    def fail(k, e):
+        errors.append(f"capture stream {k} on {captures[k]._where}: {e}")
+        live.remove(k)
+        try:
+            poller.unregister(captures[k].fileno())
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def sweep():
+        got = False
+        for k in list(live):
+            try:
+                block = captures[k].read_block(0)
+            except (OSError, ValueError) as e:
+                fail(k, e)
+                continue
+            if block:
+                got = True
+                for fr in block:
+                    yield k, fr
+        return got
+
+    by_fd = {captures[k].fileno(): k for k in live}
+    while live and not stop_event.is_set():
+        got = yield from sweep()
+        if not got:
+            for fd, ev in poller.poll(int(poll_s * 1000)):
+                if ev & select.POLLERR and by_fd.get(fd) in live:
+                    msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
+                    if msg:
+                        errors.append(f"capture stream {by_fd[fd]}: {msg}")
+    # Stop: hand over the blocks already retired, so nothing captured is silently lost.
+    deadline = time.monotonic() + 1.0
+    while live and time.monotonic() < deadline:
+        got = yield from sweep()
+        if not got:
+            break

@@ -1,0 +1,57 @@
+"""NCCL's ring allreduce, done in numpy in NCCL's summation order.
+
+Chunk c is first sent by the rank at ring index c+1 (its own value), each next rank
+adds its value to what it received, and the rank at index c adds last and sends the
+final value on (src/device/all_reduce.h runRing). Floating-point addition is not
+associative, so this order is what makes the synthesized gradients bit-identical to
+what a real ring would produce.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ckptd.core.schedule import RS, RingSchedule
+
+
+def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
+    """local[rank][bucket] -> (final buckets, payload of every send per connection).
+
+    payloads[(src, dst, channel)][i] is the data (numpy array) of that connection's
+    i-th send: a partial sum in reduce-scatter, a final value in allgather."""
+    cfg = sched.cfg
+    n = cfg.nranks
+    final = [np.empty(b.count, b.dtype) for b in sched.buckets]
+    covered = [np.zeros(b.count, bool) for b in sched.buckets]
+    payloads: dict[tuple[int, int, int], list[np.ndarray]] = {}
+    memo: dict[tuple, dict[int, np.ndarray]] = {}
+    for conn, sends in sched.sends.items():
+        src, _, ch = conn
+        me = cfg.ring_index(ch, src)
+        out = payloads[conn] = []
+        for s in sends:
+            if s.nelem == 0:
+                out.append(np.empty(0, sched.buckets[s.bucket].dtype))
+                continue
+            key = (s.bucket, ch, s.offset, s.nelem, s.chunk)
+            partial = memo.get(key)
+            if partial is None:
+                sl = slice(s.offset, s.offset + s.nelem)
+                first = (s.chunk + 1) % n
+                acc = local[cfg.rank_at(ch, first)][s.bucket][sl].copy()
+                partial = {first: acc}
+                for k in range(2, n + 1):
+                    idx = (s.chunk + k) % n
+                    acc = acc + local[cfg.rank_at(ch, idx)][s.bucket][sl]
+                    partial[idx] = acc
+                memo[key] = partial
+            if s.phase == RS:
+                out.append(partial[me])
+            else:
+                value = partial[s.chunk]  # the chunk's owner added last: the final sum
+                out.append(value)
+                final[s.bucket][s.offset:s.offset + s.nelem] = value
+                covered[s.bucket][s.offset:s.offset + s.nelem] = True
+    for b, cov in enumerate(covered):
+        if not cov.all():
+            raise AssertionError(f"schedule leaves bucket {b} elements unreduced")
+    return final, payloads

@@ -1,0 +1,224 @@
+"""`ckptd inspect`: what is in a set of captures, as counts and per-QP flows.
+
+inspect_captures(paths) reads every frame with parsers.capfile.open_capture, decodes
+it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as is):
+
+    files         per file: path, frames, roce_frames, icrc_valid, icrc_invalid,
+                  classes, linktypes, first/last timestamp, error (or None)
+    frames        frames read, all files
+    roce_frames   frames to UDP port 4791, whatever their class
+    icrc_valid / icrc_invalid   among roce_frames whose ICRC could be checked
+    classes       {FrameClass value: count}, every class present (zeros included)
+    opcodes       {opcode name: count} over roce_frames
+    flows         one record per (src IP, dst IP, BTH dest QP), in order of first
+                  appearance: src, dst, dest_qp, packets, messages (FIRST/ONLY seen),
+                  payload_bytes, opcodes {name: count}, first_psn/last_psn (request
+                  packets only), last_ack_psn/last_msn (ACKs), psn_gaps/psn_missing
+                  (forward PSN jumps within one file: packets not in the capture) and
+                  psn_repeats (retransmissions), RC/UC only; dma_lengths and imm (hex)
+                  (first few, in order), udp_sports, icrc_invalid, files {path: packets},
+                  first_ts_ns/last_ts_ns
+    errors        capture-file errors ("file: frame N: ..."); the frames before the
+                  error are counted, the rest of that file is not read
+
+A flow is one direction of one QP: data flows to the responder's QP, and the ACKs
+for it flow back on a flow keyed by the requester's QP.  Only frames whose opcode is
+known contribute to flows (an unknown opcode's "dest QP" is not one).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from ckptd.core.psn import psn_diff
+from parsers.capfile import CaptureError, open_capture
+from parsers.roce import FrameClass, decode_frame
+
+MAX_LISTED = 8   # dma lengths / imm values / ports kept per flow: "the first few"
+
+
+class _Flow:
+    def __init__(self, src, dst, dest_qp):
+        self.src, self.dst, self.dest_qp = src, dst, dest_qp
+        self.packets = 0
+        self.messages = 0          # FIRST/ONLY opcodes seen (a cut-off start is not counted)
+        self.payload_bytes = 0
+        self.opcodes = Counter()
+        self.first_psn = self.last_psn = None   # request packets only (see add)
+        self.last_ack_psn = self.last_msn = None
+        self.psn_gaps = 0          # request PSN jumped forward: packets the capture lacks
+        self.psn_missing = 0       # how many PSNs those jumps skipped
+        self.psn_repeats = 0       # request PSN not after the previous: retransmission
+        self._last_psn_in = {}     # path -> last request PSN seen in that file
+        self.dma_lengths = []      # RETH DMA lengths, first few, in order
+        self.imm = []              # ImmDt raw bytes (hex), first few, in order
+        self.sports = []           # UDP source ports seen, first few
+        self.icrc_invalid = 0
+        self.files = Counter()     # path -> packets
+        self.first_ts_ns = self.last_ts_ns = None
+
+    def add(self, d, path, ts_ns):
+        self.packets += 1
+        self.files[path] += 1
+        self.opcodes[d.opcode.name] += 1
+        if d.opcode.starts_message:
+            self.messages += 1
+        # An ACK carries the PSN (and MSN) of the opposite direction's data, so mixing
+        # it into this flow's PSN range would be meaningless: keep them apart.
+        if d.opcode.is_ack:
+            self.last_ack_psn = d.bth.psn
+            if d.aeth is not None:
+                self.last_msn = d.aeth.msn
+        else:
+            if self.first_psn is None:
+                self.first_psn = d.bth.psn
+            self.last_psn = d.bth.psn
+            # PSN continuity is a property of one RC/UC connection seen by one capture:
+            # UD PSNs are per sender (QP 1 hears many), and two files may be two mirrors.
+            if d.opcode.transport in ("RC", "UC"):
+                prev = self._last_psn_in.get(path)
+                if prev is not None:
+                    step = psn_diff(d.bth.psn, prev)
+                    if step > 1:
+                        self.psn_gaps += 1
+                        self.psn_missing += step - 1
+                    elif step < 1:
+                        self.psn_repeats += 1
+                self._last_psn_in[path] = d.bth.psn
+        self.payload_bytes += d.payload_len or 0
+        if d.reth is not None and len(self.dma_lengths) < MAX_LISTED:
+            self.dma_lengths.append(d.reth.dma_len)
+        if d.immdt is not None and len(self.imm) < MAX_LISTED:
+            self.imm.append(d.immdt.raw.hex())
+        if d.sport not in self.sports and len(self.sports) < MAX_LISTED:
+            self.sports.append(d.sport)
+        if d.icrc_ok is False:
+            self.icrc_invalid += 1
+        if ts_ns is not None:
+            self.first_ts_ns = ts_ns if self.first_ts_ns is None else self.first_ts_ns
+            self.last_ts_ns = ts_ns
+
+    def as_dict(self):
+        return {
+            "src": self.src, "dst": self.dst, "dest_qp": self.dest_qp,
+            "packets": self.packets, "messages": self.messages,
+            "payload_bytes": self.payload_bytes,
+            "opcodes": dict(self.opcodes),
+            "first_psn": self.first_psn, "last_psn": self.last_psn,
+            "last_ack_psn": self.last_ack_psn, "last_msn": self.last_msn,
+            "psn_gaps": self.psn_gaps, "psn_missing": self.psn_missing,
+            "psn_repeats": self.psn_repeats,
+            "dma_lengths": self.dma_lengths,
+            "imm": self.imm,
+            "udp_sports": self.sports,
+            "icrc_invalid": self.icrc_invalid,
+            "files": dict(self.files),
+            "first_ts_ns": self.first_ts_ns, "last_ts_ns": self.last_ts_ns,
+        }
+
+
+def _empty_classes():
+    return {c.value: 0 for c in FrameClass}
+
+
+def inspect_captures(paths) -> dict:
+    if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
+        paths = [paths]
+    files, errors = [], []
+    flows: dict[tuple, _Flow] = {}
+    opcodes = Counter()
+    for path in paths:
+        path = str(path)
+        fi = {"path": path, "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
+              "classes": _empty_classes(), "linktypes": {}, "first_ts_ns": None,
+              "last_ts_ns": None, "error": None}
+        files.append(fi)
+        try:
+            for fr in open_capture(path):
+                fi["frames"] += 1
+                lt = str(fr.linktype)
+                fi["linktypes"][lt] = fi["linktypes"].get(lt, 0) + 1
+                if fr.ts_ns is not None:
+                    fi["first_ts_ns"] = fi["first_ts_ns"] if fi["first_ts_ns"] is not None else fr.ts_ns
+                    fi["last_ts_ns"] = fr.ts_ns
+                d = decode_frame(fr.data, fr.linktype, fr.origlen)
+                fi["classes"][d.cls.value] += 1
+                if not d.is_roce:
+                    continue
+                fi["roce_frames"] += 1
+                if d.icrc_ok is True:
+                    fi["icrc_valid"] += 1
+                elif d.icrc_ok is False:
+                    fi["icrc_invalid"] += 1
+                if d.bth is None:
+                    continue
+                opcodes[d.opcode.name] += 1
+                if not d.opcode.known:
+                    continue
+                key = (str(d.src), str(d.dst), d.bth.dest_qp)
+                if key not in flows:
+                    flows[key] = _Flow(*key)
+                flows[key].add(d, path, fr.ts_ns)
+        except (CaptureError, OSError) as e:
+            fi["error"] = str(e)
+            errors.append(str(e))
+
+    classes = _empty_classes()
+    for fi in files:
+        for k, v in fi["classes"].items():
+            classes[k] += v
+    return {
+        "files": files,
+        "frames": sum(fi["frames"] for fi in files),
+        "roce_frames": sum(fi["roce_frames"] for fi in files),
+        "icrc_valid": sum(fi["icrc_valid"] for fi in files),
+        "icrc_invalid": sum(fi["icrc_invalid"] for fi in files),
+        "classes": classes,
+        "opcodes": dict(opcodes),
+        "flows": [f.as_dict() for f in flows.values()],
+        "errors": errors,
+    }
+
+
+def _short_opcode(name: str) -> str:
+    # "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE" -> "WRITE_LAST_IMM": keeps the table narrow
+    return (name.replace("RDMA_", "").replace("_WITH_IMMEDIATE", "_IMM")
+            .replace("RC_", "").replace("ACKNOWLEDGE", "ACK"))
+
+
+def _table(headers, rows) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    fmt = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()
+    return [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def format_inspect(result: dict) -> str:
+    """Human-readable summary, like `tshark -z conv` for RoCE QPs."""
+    out = []
+    for fi in result["files"]:
+        line = (f"{fi['path']}: {fi['frames']} frames, {fi['roce_frames']} RoCEv2, "
+                f"ICRC {fi['icrc_valid']} ok / {fi['icrc_invalid']} bad")
+        out.append(line + (f"  ERROR: {fi['error']}" if fi["error"] else ""))
+    out.append("")
+    out.append(f"Total: {result['frames']} frames, {result['roce_frames']} RoCEv2 (UDP/4791), "
+               f"ICRC valid {result['icrc_valid']}, invalid {result['icrc_invalid']}")
+    out.append("Classes: " + ", ".join(f"{k} {v}" for k, v in result["classes"].items() if v))
+    if result["opcodes"]:
+        out.append("Opcodes: " + ", ".join(f"{_short_opcode(k)} {v}"
+                                           for k, v in sorted(result["opcodes"].items())))
+    if result["flows"]:
+        out.append("")
+        out.append("RoCEv2 flows (one direction of one QP)")
+        rows = []
+        for f in result["flows"]:
+            ops = " ".join(f"{_short_opcode(k)}:{v}" for k, v in sorted(f["opcodes"].items()))
+            dma = ",".join(map(str, f["dma_lengths"][:4])) + (",..." if len(f["dma_lengths"]) > 4 else "")
+            rows.append([f["src"], f["dst"], f["dest_qp"], f["packets"], f["messages"],
+                         f["payload_bytes"],
+                         "" if f["first_psn"] is None else f"{f['first_psn']}-{f['last_psn']}",
+                         f["psn_missing"] or "", f["icrc_invalid"] or "", dma, ops])
+        out += _table(["src", "dst", "QP", "pkts", "msgs", "bytes", "PSN", "lost", "badICRC",
+                       "DMA lengths", "opcodes"], rows)
+    if result["errors"]:
+        out.append("")
+        out += [f"error: {e}" for e in result["errors"]]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,137 @@
+"""`ckptd mirror-config`: choose the switch ports to mirror and write their configuration.
+
+The selection (switch_config.select) and the vendor syntaxes (switch_config.sonic,
+eos, nxos, comware, linux_render) live in switch_config/; this module is the command:
+read the plan and the cabling file, select, render every file in memory, and only
+then write them, so that a request that cannot be met writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_INPUT = 2        # the plan or the cabling file is unreadable or inconsistent
+EXIT_UNMET = 3        # the request cannot be met with this cabling (nothing written)
+
+DESCRIPTION = """\
+Choose which switch ports to mirror, in which direction and to which checkpoint host,
+so that every chunk of every channel's ring reaches at least --min-streams capture
+streams and at least --links distinct directed links per ring are mirrored; then
+write the mirror configuration of every switch involved.
+
+Why it works: in the allgather phase the link r -> next(r) carries the final value
+of every chunk except next(r)'s, so 2 mirrored links of a ring see every chunk and 3
+see every chunk at least twice. A switch port's RX (what the rank sends) is the link
+rank -> next(rank) in every channel; its TX is prev(rank) -> rank. A "stream" is one
+collector (capture NIC): copies reaching the same collector drop together, so it is
+streams that are counted, not copies. A collector takes `capacity` link directions
+(default 1: a ring link runs at line rate, so two of them would overrun a port of
+the same speed).
+
+Writes into --out: <switch>.config_db.json (SONiC CONFIG_DB MIRROR_SESSION table,
+checked against sonic-mirror-session.yang), <switch>.eos.cfg (Arista EOS),
+<switch>.nxos.cfg (Cisco NX-OS), <switch>.comware.cfg (H3C Comware),
+<switch>.tc.sh and <switch>.tc.json (Linux bridge: tc mirred rules), and
+selection.json (sessions, links and streams per chunk per channel, and the plan's
+`mirrors` entries). The cabling file format is in docs/MIRRORS.md.
+
+Exit status: 0 written; 2 the plan or cabling file is wrong; 3 the request cannot be
+met (the message names each channel's uncovered chunks and what blocked every
+further mirror) and nothing was written."""
+
+
+def add_subparser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "mirror-config", help="choose the ports to mirror and write switch mirror configs",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="the job's plan (JSON, docs/PLAN.md): ranks and ring orders")
+    p.add_argument("--cabling", required=True,
+                   help="cabling file, YAML or JSON (docs/MIRRORS.md): switches and their mirror limits, "
+                        "collectors, and each rank's switch port")
+    p.add_argument("--links", type=int, default=3,
+                   help="distinct directed links to mirror per ring (default 3; capped at the ring size)")
+    p.add_argument("--min-streams", type=int, default=2,
+                   help="streams (collectors) every chunk must reach (default 2: one lost copy is "
+                        "recovered from another stream)")
+    p.add_argument("--vendor", default="auto",
+                   help="'auto' (each switch in its own os's syntax), 'all', or a comma list of "
+                        "sonic,eos,nxos,comware,linux")
+    p.add_argument("--out", required=True, help="directory to write the configuration files into")
+    p.add_argument("--dry-run", action="store_true", help="print the selection, write nothing")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a) -> int:
+    from ckptd.core.plan import PlanError, load_plan
+    from switch_config.cabling import CablingError, load_cabling
+    from switch_config.common import RenderError
+    from switch_config.render import render_all
+    from switch_config.select import SelectionError, select_mirrors
+
+    try:
+        plan = load_plan(a.plan)
+        cabling = load_cabling(a.cabling)
+    except (PlanError, CablingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    extra = sorted(r.rank for r in cabling.ranks if r.rank >= plan.nranks)
+    if extra:
+        print(f"error: {a.cabling} places ranks {extra}, but the plan has ranks 0..{plan.nranks - 1}: "
+              "is it the cabling of another job?", file=sys.stderr)
+        return EXIT_INPUT
+    vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
+    try:
+        sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams)
+        files = render_all(sel, vendors)
+    except (SelectionError, RenderError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_UNMET
+    summary = sel.to_json()
+    files["selection.json"] = compact_json(summary)
+    print(format_summary(summary))
+    if a.dry_run:
+        print("dry run: nothing written")
+        return 0
+    out = Path(a.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in sorted(files.items()):
+            (out / name).write_text(text)
+            print(f"wrote {out / name}")
+    except OSError as e:
+        print(f"error: cannot write into {out}: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    return 0
+
+
+def compact_json(doc) -> str:
+    """Indented JSON with every list of plain values on one line (readable, diffable)."""
+    def inline(x):
+        return isinstance(x, list) and all(not isinstance(v, (list, dict)) for v in x)
+
+    def dump(x, depth):
+        pad = " " * depth
+        if isinstance(x, dict) and x:
+            items = [f'{pad} {json.dumps(k)}: {dump(v, depth + 1)}' for k, v in x.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        if isinstance(x, list) and x and not inline(x):
+            return "[\n" + ",\n".join(f"{pad} {dump(v, depth + 1)}" for v in x) + f"\n{pad}]"
+        return json.dumps(x)
+    return dump(doc, 0) + "\n"
+
+
+def format_summary(doc: dict) -> str:
+    lines = []
+    for s in doc["sessions"]:
+        lines.append(f"session {s['name']} on {s['switch']}: {s['type']} {s['direction'].upper()} "
+                     f"{','.join(s['source_ports'])} (rank {','.join(map(str, s['ranks']))}) "
+                     f"-> {s['collector']} ({s['destination']})")
+    for ch in doc["channels"]:
+        worst = min(len(v) for v in ch["streams_per_chunk"].values())
+        lines.append(f"channel {ch['channel']} ring {'>'.join(map(str, ch['ring']))}: mirrored links "
+                     f"{' '.join(ch['links'])}; every chunk reaches >= {worst} stream(s)")
+    lines += [f"note: {n}" for n in doc["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""`ckptd mirror-risk`: how often an iteration's gradients cannot be completed.
+
+The model and its formula are in MODEL (also the command's --help and docs/MIRRORS.md).
+`--simulate` checks this by Monte Carlo through the real merge code: one stream per
+mirrored link places every packet it did not lose into a ckptd.core.assemble
+IterationAssembly, and the iteration counts as failed when `.complete` is False.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+MODEL = """\
+Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring schedule):
+
+  * A ring of N ranks; M distinct directed links of it are mirrored (M is capped at
+    N: a ring has N directed links).  Each mirrored link reaches its own stream.
+  * In allgather the link s -> next(s) carries the final value of every chunk except
+    next(s)'s (ckptd.core.schedule.ring_steps).  So of the N chunks, a chunk whose owner is
+    the receiving end of a mirrored link is carried by M-1 mirrored links, the others
+    by M.  With M < N distinct links there are exactly M chunks of the first kind
+    (distinct links have distinct receivers), whether the links are consecutive or
+    not; with M = N all N chunks have N-1 copies.
+  * Each mirrored link carries K allgather packets per iteration (all channels
+    together), so each chunk it carries is P = K/(N-1) packets on it, at the same
+    positions on every link (the chunk is cut into packets the same way everywhere).
+  * Every mirrored copy of a packet is lost independently with probability p (the
+    mirror port's drop rate), on every stream independently of the others.  Real
+    drops come in bursts, which packs them into fewer iterations, and streams fed
+    by the same ring at the same moments may drop together: read the result as the
+    estimate for spread-out, uncorrelated loss.
+  * A packet position with c copies is lost only if all c copies are: p^c.  The
+    iteration fails if any position of any chunk is lost:
+
+        P_fail = 1 - prod_chunks (1 - p^c_chunk)^P
+               = 1 - (1 - p^(M-1))^(M*P) * (1 - p^M)^((N-M)*P)      M < N
+               = 1 - (1 - p^(N-1))^(N*P)                             M >= N
+
+    M = 1 gives P_fail = 1 (the chunk of the link's receiving rank never crosses
+    it), p = 0 gives 0 for M >= 2.  Expected iterations between failures: 1 / P_fail
+    (the wait for a geometric event).
+"""
+
+ELEMS_PER_PACKET = 2   # the simulation's packets: small, since only coverage matters
+
+
+def mirrored_links(n: int, m: int) -> list[tuple[int, int]]:
+    """M consecutive directed links of the ring 0 > 1 > ... > n-1 (capped at n)."""
+    return [(s, (s + 1) % n) for s in range(min(m, n))]
+
+
+def _ring(n: int):
+    from ckptd.core.schedule import RingConfig
+    return RingConfig(nranks=n, rings=(tuple(range(n)),))
+
+
+def chunk_copies(n: int, m: int) -> list[int]:
+    """How many mirrored links carry each chunk's final value (chunk k = rank k's),
+    read off the ring schedule rather than assumed."""
+    from switch_config.select import link_chunks
+    ring = _ring(n)
+    copies = [0] * n
+    for s, _ in mirrored_links(n, m):
+        for owner in link_chunks(ring, 0, s):
+            copies[owner] += 1
+    return copies
+
+
+def failure_probability(n: int, m: int, p: float, k: float) -> float:
+    """P(an iteration cannot be completed) for the model in this module's docstring."""
+    per_chunk = k / (n - 1)
+    # Summed in log space: for small p, (1 - p^c)^P is 1 - tiny, and 1 - prod would
+    # lose every digit; log1p/expm1 keep them.
+    log_ok = 0.0
+    for c in chunk_copies(n, m):
+        q = p ** c            # 0**0 == 1: a chunk no mirrored link carries is always lost
+        if q >= 1.0:
+            return 1.0
+        log_ok += per_chunk * math.log1p(-q)
+    return -math.expm1(log_ok)
+
+
+def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 0) -> int:
+    """Failed iterations out of `trials`, through ckptd.core.assemble.IterationAssembly."""
+    from ckptd.core.assemble import IterationAssembly
+    from ckptd.core.schedule import Bucket
+    from switch_config.select import link_chunks
+
+    ring = _ring(n)
+    links = mirrored_links(n, m)
+    carried = [sorted(link_chunks(ring, 0, s)) for s, _ in links]
+    count = n * per_chunk * ELEMS_PER_PACKET
+    bucket = Bucket(count, np.dtype(np.float32))
+    raw = np.arange(count, dtype="<f4").tobytes()    # every copy of a packet is identical
+    width = ELEMS_PER_PACKET * 4
+    rng = np.random.default_rng(seed)
+    failed = 0
+    for _ in range(trials):
+        asm = IterationAssembly(0, [bucket], len(links))
+        lost = rng.random((len(links), n, per_chunk)) < p
+        for j, chunks in enumerate(carried):
+            for k in chunks:
+                for i in np.flatnonzero(~lost[j, k]):
+                    pos = (k * per_chunk + int(i)) * ELEMS_PER_PACKET
+                    asm.place(j, 0, pos, raw[pos * 4:pos * 4 + width])
+        failed += not asm.complete
+    return failed
+
+
+def packets_from_plan(path: str) -> tuple[int, float]:
+    """(N, K) from a plan's own schedule (iteration 1's bucket layout): K is the mean,
+    over ranks, of the allgather packets a rank sends per iteration on all its
+    channels and QPs, which is what mirroring its port's RX sees.  Empty Simple
+    slices (0-byte writes) count as packets; they carry no gradient, so K is a
+    slight overestimate for Simple."""
+    from ckptd.core.plan import load_plan
+    from ckptd.core.schedule import AG
+    plan = load_plan(path)
+    per_rank = [0] * plan.nranks
+    for (s, _d, _c, _q), flow in plan.schedule(1).flows.items():
+        per_rank[s] += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
+    return plan.nranks, sum(per_rank) / plan.nranks
+
+
+# -- command ---------------------------------------------------------------------------
+def add_subparser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "mirror-risk", help="probability that an iteration cannot be recovered from M mirrors",
+        description="Print the per-iteration probability that the gradients cannot be completed from "
+        "M mirrored links, and the expected iterations between such failures.\n\n" + MODEL
+        + "\n--simulate checks the formula by Monte Carlo through ckptd.core.assemble.IterationAssembly "
+        "(the real merge code).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ring", type=int, help="N: ranks in the ring (or --plan)")
+    p.add_argument("--mirrors", type=int, required=True, help="M: mirrored directed links of the ring (capped at N)")
+    p.add_argument("--loss", type=float, required=True, help="p: loss probability of each mirrored packet copy")
+    p.add_argument("--packets", type=float,
+                   help="K: allgather packets one link carries per iteration, all channels (or --plan)")
+    p.add_argument("--plan", help="take N and K from a plan's schedule (K: mean over its ranks)")
+    p.add_argument("--iteration-seconds", type=float, help="also give the mean time between failures")
+    p.add_argument("--simulate", action="store_true", help="check by Monte Carlo through the merge code")
+    p.add_argument("--trials", type=int, default=2000, help="Monte Carlo iterations (default 2000)")
+    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(a) -> int:
+    n, k = a.ring, a.packets
+    if a.plan:
+        try:
+            n, k_plan = packets_from_plan(a.plan)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        k = k if k is not None else k_plan
+    problems = []
+    if n is None or n < 2:
+        problems.append("--ring N (at least 2) or --plan is needed")
+    if k is None or k < 1:
+        problems.append("--packets K (at least 1) or --plan is needed")
+    if a.mirrors < 1:
+        problems.append("--mirrors must be at least 1")
+    if not 0.0 <= a.loss <= 1.0:
+        problems.append("--loss is a probability, 0..1")
+    if a.simulate and a.trials < 1:
+        problems.append("--trials must be at least 1")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds)
+    if a.simulate:
+        res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed)
+    print(json.dumps(res, indent=1) if a.json else format_result(res))
+    return 0
+
+
+def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None = None) -> dict:
+    m_eff = min(m, n)
+    copies = chunk_copies(n, m)
+    pf = failure_probability(n, m, p, k)
+    res = {"ranks": n, "mirrors": m, "mirrored_links": m_eff, "loss": p, "packets_per_link": k,
+           "packets_per_chunk": k / (n - 1),
+           "chunks_by_copies": {str(c): copies.count(c) for c in sorted(set(copies))},
+           "p_fail": pf, "iterations_between_failures": (1.0 / pf) if pf > 0 else math.inf}
+    if iteration_seconds:
+        res["seconds_between_failures"] = res["iterations_between_failures"] * iteration_seconds
+    return res
+
+
+def check(n: int, m: int, p: float, k: float, trials: int, seed: int) -> dict:
+    """Monte Carlo with a whole number of packets per chunk, and the formula at that K."""
+    per_chunk = max(1, round(k / (n - 1)))
+    k_sim = per_chunk * (n - 1)
+    failed = simulate(n, m, p, per_chunk, trials, seed)
+    rate = failed / trials
+    expect = failure_probability(n, m, p, k_sim)
+    se = math.sqrt(expect * (1 - expect) / trials)
+    z = (rate - expect) / se if se > 0 else (0.0 if rate == expect else math.inf)
+    return {"trials": trials, "packets_per_chunk": per_chunk, "packets_per_link": k_sim,
+            "failures": failed, "rate": rate, "analytic": expect, "stderr": se, "z": z}
+
+
+def format_result(r: dict) -> str:
+    n, m, p = r["ranks"], r["mirrored_links"], r["loss"]
+    lines = [
+        f"model: ring of {n} ranks, {m} mirrored directed link(s)"
+        + (f" (asked {r['mirrors']}: a ring has {n})" if r["mirrors"] > n else "")
+        + f", {r['packets_per_link']:g} allgather packets per link per iteration "
+          f"({r['packets_per_chunk']:g} per chunk), each mirrored copy lost independently with p={p:g}",
+        "chunks by number of mirrored copies: "
+        + ", ".join(f"{cnt} chunk(s) with {c}" for c, cnt in r["chunks_by_copies"].items()),
+        f"P(iteration cannot be completed) = {r['p_fail']:.6g}",
+        f"expected iterations between failures: {r['iterations_between_failures']:.6g}",
+    ]
+    if "seconds_between_failures" in r:
+        lines.append(f"expected time between failures: {r['seconds_between_failures'] / 3600:.6g} h")
+    s = r.get("simulation")
+    if s:
+        lines.append(
+            f"Monte Carlo through ckptd.core.assemble.IterationAssembly: {s['failures']} of {s['trials']} "
+            f"iterations incomplete = {s['rate']:.4g} +- {s['stderr']:.2g} (1 s.e.); formula at "
+            f"{s['packets_per_chunk']} packet(s) per chunk: {s['analytic']:.4g} ({s['z']:+.2f} s.e.)")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""The transport interface: what the pipeline asks of the stage that turns frames into
+gradient placements. NCCL over RoCEv2 (ckptd.transports.roce) and gloo over TCP
+(ckptd.transports.gloo) are the two implementations; the schedule, merge, shadow model
+and checkpoints after them are shared.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from parsers.frame import CapturedFrame
+
+MAX_EXAMPLES = 20  # rejected-packet examples a transport keeps for the report
+
+
+@dataclass
+class Placement:
+    """Bytes of one bucket of one iteration, as one mirror stream delivered them."""
+    stream: int
+    iteration: int  # wire iteration (0: the communicator's first allreduces)
+    phase: int  # schedule.RS (partial sums) or schedule.AG (final values)
+    bucket: int
+    start: int  # first element within the bucket
+    raw: bytes  # little-endian element bytes
+    sender: int  # rank that sent it
+    ring_step: int  # 0: the sender's own values (first reduce-scatter send of a loop)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Decode + place. `counters` counts what happened to every frame by reason,
+    `examples` keeps a few rejected packets in words, and `done` is set by the pipeline
+    to the newest finalized wire iteration (so a transport can forget state for it)."""
+
+    name: str
+    counters: Counter
+    examples: list[str]
+    done: int
+
+    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
+        """Every placement this frame (and whatever it releases) yields; frames that
+        carry no collective data are counted in `classes` (per stream)."""
+
+    def flush(self) -> list[Placement]:
+        """End of input: place whatever was held back waiting for more evidence."""
+
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Share of the iteration's data this stream should have carried and did not;
+        None if it carried none."""
+
+    def diagnostics(self) -> list[str]:
+        """One line each for flows or connections the transport could not explain."""
+
+    def join_iteration(self, force: bool = False) -> int | None:
+        """Joining a running job: the first wire iteration every flow shows whole, once
+        known (force: with the flows bound so far). Transports that cannot join refuse
+        at construction."""
+
+    def forget_before(self, iteration: int) -> None:
+        """Joining: drop every state kept for wire iterations before this one."""

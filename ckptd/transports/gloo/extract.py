@@ -1,0 +1,385 @@
+"""Place, for TCP/gloo: from captured frames to ckptd.transports.base.Placement objects.
+
+    frame -> parsers.tcp.decode_tcp_frame -> ckptd.transports.gloo.tcpstream (one byte stream per
+    direction, mirror streams merged) -> ckptd.transports.gloo.framing.GlooFramer (messages) -> ranks of
+    each connection -> allreduce tag -> (iteration, bucket) -> GlooRingSchedule ->
+    Placement of every allgather element that arrived
+
+The same assembler, shadow and checkpoint stages as for NCCL/RoCE take the placements:
+ckptd.pipeline.Pipeline uses it in place of the RoCE transport when the plan says
+`"transport": "gloo"`; assemble, apply and keep are the same.
+
+Ranks of a connection. With one address per rank (the plan's), a rank is its address.
+On one host (all ranks 127.0.0.1) a rank is learned from the connection setup: the
+connecting side writes its rank as the 8-byte sequence number (gloo context.cc: the
+pair identifier it presents is its own rank), so every connecting endpoint is known,
+and the rank that owns a listening port is the one rank that neither connects to it nor
+owns another listening port (isInitiator: the larger address connects).
+
+Allreduce tags. Every collective of the process group takes the next tag, DDP's own
+broadcasts and allgathers included; the n-th allreduce tag on the wire is the n-th
+bucket allreduce (iteration 0 has len(plan.buckets(0)) of them, later ones
+len(plan.buckets(1))). A tag's place in that order is fixed once a tag MAP_LAG higher
+has been seen (ProcessGroupGloo runs at most a few collectives at once) or at flush.
+
+The rebuilt layout. After iteration 0 DDP rebuilds its buckets and rank 0 broadcasts
+the new layout (reducer.cpp sync_bucket_indices; ckptd.transports.gloo.framing.decode_rebuilt_buckets):
+two gloo broadcasts of int32s, the flattened parameter indices plus the bucket count,
+then the bucket sizes. The first pair of broadcast tags that decodes as a layout of
+the plan's parameters is it. Allreduce number len(plan.buckets(0)) (iteration 1's
+first bucket) is not numbered until that layout is known (or REBUILD_WAIT tags later,
+or at flush). With `"rebuilt": "learn"` the plan takes the wire's layout
+(Plan.learn_rebuilt); with a rebuilt layout in the plan the two are compared, and on a
+mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
+(`rebuilt_mismatch_dropped`), so nothing after iteration 0 is committed.
+"""
+from __future__ import annotations
+
+from bisect import insort
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from parsers.capfile import CapturedFrame
+from parsers.tcp import decode_tcp_frame
+
+from ckptd.transports.base import MAX_EXAMPLES, Placement
+from ckptd.transports.gloo.framing import (BROADCAST_PREFIX, NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage,
+                   GlooRingSchedule, Header, decode_rebuilt_buckets)
+from ckptd.core.plan import BucketLayout, Plan
+from ckptd.core.schedule import AG, RS
+from ckptd.transports.gloo.tcpstream import HOLE_WINDOW, TcpReassembler
+
+MAP_LAG = 8
+REBUILD_WAIT = 64  # tags past iteration 1's first allreduce before giving up on the broadcast
+
+
+@dataclass
+class _Data:
+    key: tuple
+    src: int
+    dst: int
+    index: int
+    msg: GlooMessage
+
+
+class RankMap:
+    """(address, port) endpoint -> rank, from the plan or from the connection setup."""
+
+    def __init__(self, plan: Plan):
+        self.nranks = plan.nranks
+        addrs = list(plan.addresses)
+        self.by_addr = {a: r for r, a in enumerate(addrs)} if len(set(addrs)) == len(addrs) else {}
+        self.endpoint: dict[tuple[str, int], int] = {}
+        self.listeners: dict[tuple[str, int], set[int]] = defaultdict(set)
+
+    def rank(self, addr: str, port: int) -> int | None:
+        if self.by_addr:
+            return self.by_addr.get(addr)
+        return self.endpoint.get((addr, port))
+
+    def connected(self, src: tuple[str, int], dst: tuple[str, int], seq: int) -> str | None:
+        """The connector at src presented sequence number seq to the listener at dst."""
+        if not 0 <= seq < self.nranks:
+            return f"sequence number {seq} is not a rank (0..{self.nranks - 1})"
+        if self.by_addr:
+            mine = self.by_addr.get(src[0])
+            if mine is not None and mine != seq:
+                return f"{src[0]} is rank {mine} in the plan but presented {seq}"
+            return None
+        self.endpoint[src] = seq
+        self.listeners[dst].add(seq)
+        self._deduce()
+        return None
+
+    def _deduce(self):
+        owners = {ep: self.endpoint[ep] for ep in self.listeners if ep in self.endpoint}
+        changed = True
+        while changed:
+            changed = False
+            taken = set(owners.values())
+            for ep, clients in self.listeners.items():
+                if ep in owners:
+                    continue
+                cand = set(range(self.nranks)) - clients - taken
+                if len(cand) == 1:
+                    owners[ep] = self.endpoint[ep] = cand.pop()
+                    changed = True
+
+
+class GlooExtractor:
+    """The Transport for gloo over TCP (see ckptd.transports.base)."""
+
+    name = "gloo"
+
+    def __init__(self, plan: Plan, hole_window: int = HOLE_WINDOW, map_lag: int = MAP_LAG):
+        self.plan = plan
+        self.nranks = plan.nranks
+        self.sched = [GlooRingSchedule(self.nranks, plan.buckets(0)),
+                      GlooRingSchedule(self.nranks, plan.buckets(1))]
+        self.nb = [len(s.buckets) for s in self.sched]
+        self.lengths = self.sched[0].lengths() | self.sched[1].lengths()
+        self.reasm = TcpReassembler(hole_window)
+        self.ranks = RankMap(plan)
+        self.framers: dict[tuple, GlooFramer] = {}
+        self.lost_seen: Counter = Counter()
+        self.uncertain_upto: dict[tuple, int] = {}  # direction -> tags <= this are unplaceable
+        self.waiting: dict[tuple, list[GlooMessage]] = defaultdict(list)  # ranks not known yet
+        self.tags: list[int] = []  # allreduce tags seen, sorted
+        self.tagset: set[int] = set()
+        self.mapped: dict[int, int] = {}  # tag -> allreduce number
+        self.next_number = 0
+        self.map_pos = 0  # tags[:map_pos] are numbered
+        self.data: dict[int, list[_Data]] = defaultdict(list)  # tag -> data awaiting its mapping
+        self.counter: Counter = Counter()  # (direction, tag) -> data messages so far
+        self.map_lag = map_lag
+        self.counters: Counter = Counter()
+        self.examples: list[str] = []
+        self.other_slots: Counter = Counter()
+        self.done = -1
+        self.supplied: dict[tuple[int, int], int] = Counter()  # (stream, iteration) -> AG bytes
+        self.expected_ag = [sum(s.nbytes for per in sc.sends.values() for sends in per for s in sends
+                                if s.phase == AG) for sc in self.sched]
+        self.nparams = len(plan.parameters)
+        self.bcast: dict[int, bytes] = {}  # broadcast tag -> payload (small complete ones)
+        self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen
+        self.rebuilt_tag: int | None = None  # the indices broadcast's tag
+        self.wire_rebuilt: tuple[BucketLayout, ...] | None = None
+        if self.nparams == 0 or self.nranks < 2:
+            self.rebuilt = "not_seen"  # a bare collective: no DDP, nothing broadcast
+
+    # -- input ---------------------------------------------------------------------
+    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
+        seg, why = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
+        if seg is None:
+            self.counters["not_tcp"] += 1
+            classes["other"] += 1
+            return []
+        self.counters["tcp_segments"] += 1
+        classes["tcp"] += 1
+        out: list[Placement] = []
+        for key, piece in self.reasm.feed(seg, stream):
+            self._messages(key, self._framer(key).feed(piece), out)
+        return out
+
+    def flush(self) -> list[Placement]:
+        out: list[Placement] = []
+        for key, piece in self.reasm.flush():
+            self._messages(key, self._framer(key).feed(piece), out)
+        for key, fr in list(self.framers.items()):
+            self._messages(key, fr.flush(), out)
+        for key in list(self.waiting):
+            for m in self.waiting.pop(key):
+                self._note(key, m, "ranks_unknown")
+        self._map(out, final=True)
+        return out
+
+    def _framer(self, key) -> GlooFramer:
+        fr = self.framers.get(key)
+        if fr is None:
+            d = self.reasm.dirs[key]
+            pre = None if not d.syn else bool(d.initiator)
+            fr = self.framers[key] = GlooFramer(pre, self._plausible)
+        return fr
+
+    def _plausible(self, h: Header) -> bool:
+        return h.length in self.lengths
+
+    # -- messages ------------------------------------------------------------------
+    def _messages(self, key, msgs: list[GlooMessage], out: list[Placement]):
+        fr = self.framers[key]
+        if fr.sequence is not None and not fr.first_header and not fr.not_gloo \
+                and not getattr(fr, "_told", False):
+            fr._told = True
+            why = self.ranks.connected((key[0], key[1]), (key[2], key[3]), fr.sequence)
+            if why:
+                self._example("bad_sequence", f"{key}: {why}")
+            for k in list(self.waiting):
+                if self._ranks(k) is not None:
+                    pend = self.waiting.pop(k)
+                    self._messages(k, pend, out)
+        if fr.counts["framing_lost"] > self.lost_seen[key]:
+            self.lost_seen[key] = fr.counts["framing_lost"]
+            self.uncertain_upto[key] = self.tags[-1] if self.tags else -1
+        if not msgs:
+            return
+        rk = self._ranks(key)
+        if rk is None:
+            self.waiting[key].extend(msgs)
+            return
+        for m in msgs:
+            self._message(key, rk, m, out)
+        self._map(out)
+
+    def _ranks(self, key):
+        s = self.ranks.rank(key[0], key[1])
+        d = self.ranks.rank(key[2], key[3])
+        return None if s is None or d is None else (s, d)
+
+    def _message(self, key, rk, m: GlooMessage, out):
+        h = m.header
+        if not h.is_allreduce:
+            self.other_slots[SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
+            if h.prefix == BROADCAST_PREFIX and h.is_data:
+                self._broadcast(key, m)
+            return
+        t = h.tag
+        if t not in self.tagset:
+            if self.map_pos and t < self.tags[self.map_pos - 1]:
+                self._example("late_tag", f"allreduce tag {t} first seen after a higher tag was mapped")
+                return
+            self.tagset.add(t)
+            insort(self.tags, t)
+        if not h.is_data:
+            self.counters["notify_send_ready" if h.opcode == NOTIFY_SEND_READY else "notify_recv_ready"] += 1
+            return
+        src, dst = rk
+        if dst != (src - 1) % self.nranks:
+            self._example("off_ring", f"{key}: allreduce data from rank {src} to rank {dst}; "
+                                      f"gloo's ring sends only to rank {(src - 1) % self.nranks}")
+            return
+        idx = self.counter[(key, t)]
+        self.counter[(key, t)] += 1
+        if t <= self.uncertain_upto.get(key, -1):
+            self._note(key, m, "after_framing_loss")
+            return
+        self.data[t].append(_Data(key, src, dst, idx, m))
+
+    # -- the rebuilt layout ------------------------------------------------------------
+    def _broadcast(self, key, m: GlooMessage):
+        """Keep small broadcast payloads; the rebuilt layout is two of them."""
+        h = m.header
+        if self.rebuilt != "pending" or h.length > 4 * (self.nparams + 1) or h.length % 4:
+            return
+        if not m.complete:
+            self.counters["broadcast_partial"] += 1
+            return
+        have = self.bcast.get(h.tag)
+        if have is None:
+            self.bcast[h.tag] = bytes(m.payload)
+        elif have != bytes(m.payload):  # every receiver gets the root's bytes
+            self._example("broadcast_conflict", f"{key}: broadcast tag {h.tag} differs between copies")
+        self._resolve_rebuilt()
+
+    def _resolve_rebuilt(self):
+        for t in sorted(self.bcast):
+            if self.bcast.get(t + 1) is None or len(self.bcast[t]) != 4 * (self.nparams + 1):
+                continue
+            got = decode_rebuilt_buckets(self.bcast[t], self.bcast[t + 1], self.nparams)
+            if isinstance(got, str):
+                continue
+            names = [p.name for p in self.plan.parameters]
+            self.wire_rebuilt = tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in got)
+            self.rebuilt_tag = t
+            self.bcast.clear()
+            if self.plan.rebuilt_learn:
+                self.plan.learn_rebuilt(self.wire_rebuilt)
+                self._set_rebuilt_schedule()
+                self.counters["rebuilt_learned"] += 1
+                self.rebuilt = "ok"
+            elif tuple(self.plan.buckets_rebuilt) == self.wire_rebuilt:
+                self.counters["rebuilt_checked"] += 1
+                self.rebuilt = "ok"
+            else:
+                self.rebuilt = "mismatch"
+                self._example("rebuilt_mismatch", "DDP's rebuilt buckets (broadcast tags "
+                              f"{t}, {t + 1}) are {[list(b.params) for b in self.wire_rebuilt]}; "
+                              f"the plan says {[list(b.params) for b in self.plan.buckets_rebuilt]}: "
+                              "no iteration after 0 is placed")
+            return
+
+    def _set_rebuilt_schedule(self):
+        self.sched[1] = sc = GlooRingSchedule(self.nranks, self.plan.buckets(1))
+        self.nb[1] = len(sc.buckets)
+        self.lengths |= sc.lengths()
+        self.expected_ag[1] = sum(s.nbytes for per in sc.sends.values() for sends in per
+                                  for s in sends if s.phase == AG)
+
+    def _map(self, out: list[Placement], final: bool = False):
+        """Number the allreduce tags that can no longer be preceded by an unseen one."""
+        top = self.tags[-1] if self.tags else -1
+        while self.map_pos < len(self.tags):
+            t = self.tags[self.map_pos]
+            if not final and t + self.map_lag > top:
+                break
+            if self.next_number == self.nb[0] and self.rebuilt == "pending":
+                if not final and t + REBUILD_WAIT > top:
+                    break  # iteration 1's layout is not known yet
+                self.rebuilt = "not_seen"
+                self.counters["rebuilt_not_seen"] += 1
+                if self.plan.rebuilt_learn:
+                    self._example("rebuilt_unknown", "DDP's rebuilt-bucket broadcast was not "
+                                  "decoded and the plan says learn: no iteration after 0 is placed")
+            self.map_pos += 1
+            self.mapped[t] = n = self.next_number
+            self.next_number += 1
+            it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
+                                                   (n - self.nb[0]) % self.nb[1])
+            if it >= 1 and (self.rebuilt == "mismatch"
+                            or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
+                dropped = self.data.pop(t, [])
+                self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
+                              else "rebuilt_unknown_dropped"] += len(dropped)
+                continue
+            for d in self.data.pop(t, []):
+                self._place(it, b, d, out)
+
+    def _place(self, it: int, b: int, d: _Data, out: list[Placement]):
+        sched = self.sched[min(it, 1)]
+        sends = sched.connection_sends(d.src, b)
+        h = d.msg.header
+        if d.index >= len(sends):
+            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b}: data message "
+                          f"{d.index} of tag {h.tag}, the schedule has {len(sends)}")
+            return
+        send = sends[d.index]
+        if h.length != send.nbytes:
+            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b} message {d.index}: "
+                          f"{h.length} bytes, the schedule says {send.nbytes}")
+            return
+        self.counters["rs_messages" if send.phase == RS else "ag_messages"] += 1
+        if not d.msg.complete:
+            self.counters["partial_messages"] += 1
+        if send.phase != AG:
+            return
+        e = sched.buckets[b].dtype.itemsize
+        for s, en, stream in d.msg.have:
+            lo, hi = -(-s // e) * e, en // e * e
+            if hi <= lo:
+                continue
+            self.supplied[(stream, it)] += hi - lo
+            out.append(Placement(stream, it, AG, b, send.start + lo // e,
+                                 bytes(d.msg.payload[lo:hi]), d.src, d.index))
+
+    def _note(self, key, m: GlooMessage, reason: str):
+        self.counters[reason] += 1
+
+    def _example(self, reason: str, detail: str):
+        self.counters[reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(detail)
+
+    # -- reports -------------------------------------------------------------------
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Share of the iteration's allgather bytes this stream was not the first to
+        deliver (1.0 - supplied / expected); None if it supplied none."""
+        got = self.supplied.pop((stream, iteration), 0)
+        if not got:
+            return None
+        return 1.0 - got / self.expected_ag[min(iteration, 1)]
+
+    def diagnostics(self) -> list[str]:
+        out = []
+        if self.rebuilt == "mismatch":
+            out.append("rebuilt buckets: the order DDP broadcast differs from the plan's")
+        for (sa, sp, da, dp), holes in self.holes().items():
+            out.append(f"connection {sa}:{sp} -> {da}:{dp}: {len(holes)} byte range(s) no stream delivered")
+        return out
+
+    def join_iteration(self, force: bool = False) -> int | None:
+        return None  # refused at construction (transport_for): TCP gives no positions to join by
+
+    def forget_before(self, iteration: int) -> None:
+        return None
+
+    def holes(self) -> dict[tuple, list[tuple[int, int]]]:
+        return {k: d.missing() for k, d in self.reasm.dirs.items() if d.missing()}

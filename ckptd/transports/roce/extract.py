@@ -1,0 +1,172 @@
+"""Extract: from a RoCE write packet to the gradient elements it carries.
+
+Each packet of a bound flow is checked against the message the schedule says it is
+part of (opcode, payload length, RETH DMA length, immediate); a packet that does not
+fit is rejected and counted, never placed. Allgather payload becomes a `Placement`
+(iteration, bucket, first element, raw element bytes); for LL the 16-byte lines are
+de-interleaved and their flags must equal the connection's step counter, which is
+learned from the first packet of the connection and then checked on every line.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
+                    WRITE_ONLY_IMM, FlowBinder, FlowBinding, Location, Packet)
+from ckptd.core.plan import Plan
+from ckptd.core.schedule import AG, LL_LINE
+from ckptd.transports.base import MAX_EXAMPLES, Placement
+
+def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bool]:
+    """(data bytes, the flag seen, all flags equal expected) for whole LL lines."""
+    words = np.frombuffer(payload, "<u4").reshape(-1, 4)
+    if len(words) == 0:
+        return b"", expected_flag, True
+    flag = int(words[0, 1])
+    want = flag if expected_flag is None else expected_flag
+    ok = bool((words[:, 1] == want).all() and (words[:, 3] == want).all())
+    return words[:, 0::2].tobytes(), flag, ok
+
+
+class Extractor:
+    def __init__(self, plan: Plan, join_from: int | None = None):
+        self.plan = plan
+        self.cfg = plan.ring
+        self.binder = FlowBinder(plan, join_from)
+        s0, s1 = plan.schedule(0), plan.schedule(1)
+        self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.sends}
+        self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
+                         1: [b.dtype.itemsize for b in s1.buckets]}
+        self.flag_base: dict[tuple[int, int, int], int] = {}
+        self.counters: Counter = Counter()
+        self.examples: list[str] = []
+        # (stream, iteration) -> {flow: set of packet positions received intact}
+        self.received: dict[tuple[int, int], dict[tuple, set]] = {}
+        self.done = -1  # the pipeline's newest finalized (wire) iteration
+
+    def _reject(self, reason: str, pkt: Packet, detail: str):
+        self.counters[reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"stream {pkt.stream} frame {pkt.frame_no} "
+                                 f"({pkt.src} -> {pkt.dst} QP {pkt.dqp:#x} PSN {pkt.psn}): {detail}")
+
+    def feed(self, pkt: Packet) -> list[Placement]:
+        """All placements a packet (and any packets its arrival releases) yield."""
+        if pkt.opcode == ACK:
+            self.counters["acks"] += 1
+            self.binder.note_ack(pkt)
+            return []
+        b = self.binder.bound.get(pkt.flow)
+        if b is not None:
+            return self._place(b, pkt)
+        if pkt.flow in self.binder.unrelated:
+            self.counters["unrelated"] += 1
+            return []
+        hop = self.binder.hop_of(pkt)
+        if hop is None:
+            self.counters["unrelated"] += 1
+            return []
+        out = []
+        for bb, p in self.binder.offer(hop, pkt):
+            out += self._place(bb, p)
+        return out
+
+    def flush(self) -> list[Placement]:
+        out = []
+        for bb, p in self.binder.flush():
+            out += self._place(bb, p)
+        return out
+
+    def _global_step(self, conn, iteration: int, step: int) -> int:
+        first, rebuilt = self.steps[conn]
+        return (0 if iteration == 0 else first + (iteration - 1) * rebuilt) + step
+
+    def _place(self, b: FlowBinding, pkt: Packet) -> list[Placement]:
+        loc = self.binder.locate(b, pkt.psn)
+        if loc is None:
+            self._reject("before_start", pkt, "PSN lies before the flow's first message")
+            return []
+        bad = self._check(loc, pkt)
+        if bad:
+            self._reject("schedule_mismatch", pkt, bad)
+            return []
+        if loc.iteration > self.done:  # bookkeeping ends when the iteration is finalized
+            self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(
+                b.key, set()).add(loc.pos)
+        msg, send = loc.message, loc.message.send
+        cfg = self.cfg
+        woff = msg.wire_offset + loc.index * cfg.mtu  # wire byte offset within the send
+        payload = pkt.payload
+        if cfg.protocol == "ll":
+            if len(payload) % LL_LINE:
+                self._reject("schedule_mismatch", pkt, f"LL payload of {len(payload)} bytes is not whole lines")
+                return []
+            gstep = self._global_step(b.conn, loc.iteration, send.step)
+            base = self.flag_base.get(b.conn)
+            expected = None if base is None else (base + gstep + 1) & 0xFFFFFFFF
+            data, flag, ok = ll_unpack(payload, expected)
+            if not ok:
+                self._reject("ll_flag_mismatch", pkt, f"LL flags differ from the expected {expected}")
+                return []
+            if base is None and flag is not None:
+                self.flag_base[b.conn] = (flag - gstep - 1) & 0xFFFFFFFF
+            doff = woff // 2
+        else:
+            data, doff = bytes(payload), woff
+        itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
+        total = send.nelem * itemsize  # LL pads the last line: drop what is not data
+        data = data[:max(0, total - doff)]
+        if doff % itemsize or len(data) % itemsize:
+            self._reject("schedule_mismatch", pkt, "payload does not split into whole elements")
+            return []
+        self.counters["ag_packets" if send.phase == AG else "rs_packets"] += 1
+        if not data:
+            return []
+        return [Placement(pkt.stream, loc.iteration, send.phase, send.bucket,
+                          send.offset + doff // itemsize, data, b.conn[0], send.ring_step)]
+
+    def forget_before(self, iteration: int):
+        """Joining: bookkeeping of the iterations before the one joined ends."""
+        for key in [k for k in self.received if k[1] < iteration]:
+            del self.received[key]
+
+    def stream_loss(self, stream: int, iteration: int) -> float | None:
+        """Fraction of the packets of the flows this stream saw in an iteration that had
+        not reached it intact (lost, corrupted or rejected) by the time the iteration
+        was finalized; None if it saw none. Forgets the iteration's bookkeeping."""
+        flows = self.received.pop((stream, iteration), None)
+        if not flows:
+            return None
+        expected = 0
+        for key, got in flows.items():
+            tl = self.binder.bound[key].timeline
+            expected += (tl.first if iteration == 0 else tl.rebuilt).npkts
+        return 1.0 - sum(len(g) for g in flows.values()) / expected
+
+    def _check(self, loc: Location, pkt: Packet) -> str | None:
+        """Why a packet cannot be the message the schedule puts at its PSN, or None."""
+        msg, i, mtu = loc.message, loc.index, self.cfg.mtu
+        last = msg.npkts - 1
+        if msg.npkts == 1:
+            want = {WRITE_ONLY_IMM}
+        elif i == 0:
+            want = {WRITE_FIRST}
+        elif i == last:
+            want = {WRITE_LAST_IMM}
+        else:
+            want = {WRITE_MIDDLE}
+        if pkt.opcode not in want:
+            return f"opcode {pkt.opcode} where the schedule has {sorted(want)} (iteration " \
+                   f"{loc.iteration}, packet {i} of a {msg.wire_len}-byte message)"
+        size = min(mtu, msg.wire_len - i * mtu)
+        if len(pkt.payload) != size:
+            return f"payload {len(pkt.payload)} bytes, schedule says {size}"
+        if pkt.opcode in HEAD_OPCODES and pkt.dma_len != msg.wire_len:
+            return f"RETH DMA length {pkt.dma_len}, schedule says {msg.wire_len}"
+        if pkt.opcode in IMM_OPCODES:
+            want_imm = msg.imm.to_bytes(4, "big" if self.cfg.imm_big_endian else "little")
+            if pkt.imm != want_imm:
+                return f"immediate {pkt.imm.hex()}, schedule says {want_imm.hex()}"
+        return None

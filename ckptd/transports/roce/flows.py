@@ -1,0 +1,348 @@
+"""Place: which schedule message and byte range a RoCE packet is.
+
+A flow is (source IP, destination IP, destination QP). The plan names the ranks'
+addresses, so a flow's hop (sender rank -> receiver rank) is known at once; which
+channel and QP of that hop it is, and which PSN its first message started at, are
+learned from the traffic (`FlowBinder`): every RDMA message head carries its length
+(RETH DMA length, and the immediate NCCL writes), and the schedule says which
+lengths each QP's messages have. A flow binds to the (channel, QP) whose message
+sequence explains every head seen, at the earliest message that does; flows that
+no candidate explains are some other traffic between the same hosts and are counted,
+not used. When several QPs of a hop carry identical sequences, they are told apart
+by QP number: NCCL connects channels in order, so the receiver's QPNs grow with the
+channel.
+
+Joining a running job (`join_from` set): the first packets seen are somewhere in the
+middle of the job, so nothing about them says "iteration 0". But NCCL connects every QP
+at PSN 0 (net_ib.cc: ncclIbRtrQp rq_psn = 0, ncclIbRtsQp sq_psn = 0; every flow of the
+FlowCheck captures starts at 0), so a packet's PSN *is* its position in its QP's
+timeline, modulo 2**24: the schedule then names its iteration, message and packet, and
+the message lengths and immediates seen must agree. Positions are read as the smallest
+ones at or after iteration `join_from`'s start (PSNs wrap every 2**24 packets per QP).
+Each flow's first whole iteration is the one whose first packet position is at or after
+its earliest packet seen; the pipeline joins at the latest of these over all flows.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from ckptd.core.plan import Plan
+from ckptd.core.psn import PSN_MOD, psn_diff, psn_unwrap
+from ckptd.core.schedule import FlowSchedule, Message
+
+# Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
+# WRITE_ONLY (10) without an immediate, ACKs are 17.
+WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = 6, 7, 8, 9, 10, 11
+DATA_OPCODES = {WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY_IMM}
+HEAD_OPCODES = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
+IMM_OPCODES = {WRITE_LAST_IMM, WRITE_ONLY_IMM}
+
+ACK = 17
+PENDING_LIMIT = 20000  # packets held per hop while its flows are not yet bound
+MIN_HEADS = 3  # message heads a flow must show before it is bound by its lengths alone
+ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked for
+RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
+ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
+
+
+@dataclass
+class Packet:
+    """What Place needs of one decoded RoCE write packet."""
+
+    stream: int
+    frame_no: int
+    src: str
+    dst: str
+    dqp: int
+    opcode: int
+    psn: int
+    dma_len: int | None
+    imm: bytes | None
+    payload: memoryview
+    sport: int = 0  # UDP source port: one per RC connection, the same both ways
+
+    @property
+    def flow(self):
+        return (self.src, self.dst, self.dqp)
+
+
+@dataclass
+class Location:
+    iteration: int
+    message: Message
+    index: int  # packet index within the message
+    sched: FlowSchedule
+    pos: int  # packet position in the flow since the first message of iteration 0
+
+
+class FlowTimeline:
+    """A QP's message sequence over all iterations: iteration 0's layout, then the
+    rebuilt layout repeated."""
+
+    def __init__(self, first: FlowSchedule, rebuilt: FlowSchedule):
+        self.first, self.rebuilt = first, rebuilt
+
+    def locate(self, pos: int) -> tuple[int, FlowSchedule, int, int] | None:
+        """(iteration, schedule, message index, packet index) at flow position pos."""
+        if pos < 0:
+            return None
+        if pos < self.first.npkts:
+            m, i = self.first.locate(pos)
+            return 0, self.first, m, i
+        if self.rebuilt.npkts == 0:
+            return None
+        it, local = divmod(pos - self.first.npkts, self.rebuilt.npkts)
+        m, i = self.rebuilt.locate(local)
+        return it + 1, self.rebuilt, m, i
+
+    def iteration_start(self, iteration: int) -> int:
+        if iteration == 0:
+            return 0
+        return self.first.npkts + (iteration - 1) * self.rebuilt.npkts
+
+    def head_at(self, pos: int) -> Message | None:
+        """The message starting exactly at pos, if one does."""
+        loc = self.locate(pos)
+        if loc is None or loc[3] != 0:
+            return None
+        return loc[1].messages[loc[2]]
+
+
+@dataclass
+class FlowBinding:
+    key: tuple[str, str, int]
+    conn: tuple[int, int, int]  # (sender, receiver, channel)
+    qp: int
+    timeline: FlowTimeline
+    base: int  # unwrapped PSN of the first packet of iteration 0's first message
+    last: int  # unwrapped PSN of the newest packet, the anchor for unwrapping the next
+    first_whole: int = 0  # first iteration whose every packet came after the first seen
+
+
+@dataclass
+class _Candidate:
+    packets: list = field(default_factory=list)
+    heads: list = field(default_factory=list)  # (rel, dma_len) of FIRST/ONLY packets
+    imms: list = field(default_factory=list)  # (rel, imm bytes) of *_WITH_IMM packets
+    first_psn: int | None = None
+    sport: int = 0
+    min_rel: int = 0
+
+
+class FlowBinder:
+    """Learns which (channel, QP) every data flow is and where its PSNs start."""
+
+    def __init__(self, plan: Plan, join_from: int | None = None):
+        self.plan = plan
+        self.join_from = join_from  # None: the capture starts before the job's first message
+        first, rebuilt = plan.schedule(0), plan.schedule(1)
+        self.imm_big_endian = plan.ring.imm_big_endian
+        self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows}
+        # Only QPs that carry at least one message can ever be seen.
+        self.expected: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for (s, d, c, q), tl in sorted(self.timelines.items()):
+            if tl.first.npkts or tl.rebuilt.npkts:
+                self.expected.setdefault((s, d), []).append((c, q))
+        self.bound: dict[tuple, FlowBinding] = {}
+        self.unrelated: set[tuple] = set()
+        self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
+        self.acks: dict[tuple[int, int], deque] = {}
+        self.ack_count: Counter = Counter()  # per hop, while none of its data was seen
+        self.acks_ignored: set[tuple[int, int]] = set()
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+
+    # -- learning -----------------------------------------------------------------
+    def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
+        s, d = self.plan.rank_of(pkt.src), self.plan.rank_of(pkt.dst)
+        if s is None or d is None or (s, d) not in self.expected:
+            return None
+        return s, d
+
+    def note_ack(self, pkt: Packet):
+        """An ACK from receiver to sender proves the data PSN it acknowledges was sent.
+
+        That is what tells a flow whose first message was lost on every mirror from
+        one whose first message we saw: its first data packet then comes after an
+        ACK, and no alignment may put the job's first message after that PSN. An ACK
+        belongs to the data flow of the same hop with the same UDP source port (RoCE
+        derives the port from both QPNs, so both directions of a connection share it)."""
+        s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
+        hop = (s, d)
+        if hop not in self.expected or self.acks_useless(hop):
+            return
+        if hop not in self.pending and not self._bound_count(hop):
+            self.ack_count[hop] += 1
+            if self.ack_count[hop] >= ACKS_WITHOUT_DATA:
+                # a mirror that sees only this direction (a port's transmit side): the
+                # data they acknowledge never shows up, so stop keeping them, for good
+                self.acks_ignored.add(hop)
+                self.acks.pop(hop, None)
+                return
+        self.acks.setdefault(hop, deque(maxlen=RECENT_ACKS)).append((pkt.sport, pkt.psn))
+        for cand in self.pending.get(hop, {}).values():
+            self._ack_evidence(cand, pkt.sport, pkt.psn)
+
+    @staticmethod
+    def _ack_evidence(cand: "_Candidate", sport: int, psn: int):
+        rel = psn_diff(psn, cand.first_psn)
+        if sport == cand.sport and -ACK_WINDOW <= rel < 0:
+            cand.min_rel = min(cand.min_rel, rel)
+
+    def offer(self, hop, pkt: Packet) -> list[tuple[FlowBinding, Packet]]:
+        """Hold a packet of a not-yet-bound flow; returns packets released by a binding."""
+        if self._hop_full(hop):
+            self.unrelated.add(pkt.flow)  # every QP of this hop is bound: not the job's
+            return []
+        flows = self.pending.setdefault(hop, {})
+        cand = flows.get(pkt.flow)
+        if cand is None:
+            cand = flows[pkt.flow] = _Candidate(first_psn=pkt.psn, sport=pkt.sport)
+            for sport, psn in self.acks.get(hop, ()):
+                self._ack_evidence(cand, sport, psn)
+        rel = psn_diff(pkt.psn, cand.first_psn)
+        cand.min_rel = min(cand.min_rel, rel)
+        cand.packets.append(pkt)
+        if pkt.dma_len is not None:
+            cand.heads.append((rel, pkt.dma_len))
+        if pkt.imm is not None:
+            cand.imms.append((rel, pkt.imm))
+        ready = sum(len(c.heads) >= MIN_HEADS for c in flows.values())
+        held = sum(len(c.packets) for c in flows.values())
+        if ready >= len(self.expected[hop]) - self._bound_count(hop) or held > PENDING_LIMIT:
+            return self._bind(hop, final=held > PENDING_LIMIT)
+        return []
+
+    def acks_useless(self, hop) -> bool:
+        """Whether this hop's ACKs can teach the binder nothing any more."""
+        return hop in self.acks_ignored or self._hop_full(hop)
+
+    def _bound_count(self, hop) -> int:
+        return sum(1 for b in self.bound.values() if b.conn[:2] == hop)
+
+    def _hop_full(self, hop) -> bool:
+        return self._bound_count(hop) == len(self.expected[hop])
+
+    def flush(self) -> list[tuple[FlowBinding, Packet]]:
+        """End of input: bind what can be bound with the evidence there is."""
+        out = []
+        for hop in list(self.pending):
+            out += self._bind(hop, final=True)
+        return out
+
+    def _bind(self, hop, final: bool) -> list[tuple[FlowBinding, Packet]]:
+        """Bind the flows that showed enough heads (all of them when final), in QPN
+        order, each to the first free (channel, QP) whose schedule explains it."""
+        flows = self.pending.get(hop, {})
+        taken = {(b.conn[2], b.qp) for b in self.bound.values() if b.conn[:2] == hop}
+        released = []
+        for key in sorted(flows, key=lambda k: k[2]):  # QPN order = channel order
+            cand = flows[key]
+            if not final and len(cand.heads) < MIN_HEADS:
+                continue
+            del flows[key]
+            for c, q in self.expected[hop]:
+                if (c, q) in taken:
+                    continue
+                tl = self.timelines[hop + (c, q)]
+                base_rel = self._align(tl, cand) if self.join_from is None else self._align_at_origin(tl, cand)
+                if base_rel is None:
+                    continue
+                taken.add((c, q))
+                base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
+                b = FlowBinding(key, hop + (c,), q, tl, base, cand.first_psn,
+                                self._first_whole(tl, cand.min_rel - base_rel))
+                self.bound[key] = b
+                released += [(b, p) for p in cand.packets]
+                break
+            else:
+                if cand.heads and not self._hop_full(hop):
+                    where = "in the plan's schedule" if self.join_from is None else \
+                        ("at the positions their PSNs give (joining assumes the QP has carried "
+                         "nothing but the plan's iterations since NCCL connected it at PSN 0)")
+                    self.errors.append(
+                        f"flow {key[0]} -> {key[1]} QP {key[2]:#x}: its message lengths "
+                        f"{[h[1] for h in sorted(cand.heads)[:6]]} match no free channel/QP "
+                        f"of hop rank {hop[0]} -> {hop[1]} {where}")
+                self.unrelated.add(key)
+        if not flows:
+            self.pending.pop(hop, None)
+        return released
+
+    def _align(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
+        """Relative PSN of message 0 of iteration 0 for this flow, if the schedule
+        explains every message head and immediate the flow showed."""
+        if not cand.heads:
+            return None
+        heads = sorted(cand.heads)
+        rel0, len0 = heads[0]
+        for k, msg in enumerate(tl.first.messages):
+            if msg.wire_len != len0:
+                continue
+            base_rel = rel0 - tl.first.starts[k]
+            if base_rel > cand.min_rel:
+                continue  # a packet of this flow would lie before the job's first message
+            if self._explains(tl, cand, base_rel):
+                if k > 0:
+                    self.notes.append(f"a flow starts at message {k} of the schedule: its first "
+                                      "messages reached no mirror (lengths and ACKs place it)")
+                return base_rel
+        return None
+
+    def _align_at_origin(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
+        """Joining: the relative PSN of message 0 of iteration 0 when the QP started at
+        PSN 0 (NCCL), taking the first position at or after iteration join_from's start
+        for the earliest packet seen; None if the heads or immediates disagree."""
+        if not cand.heads:
+            return None
+        earliest = (cand.first_psn + cand.min_rel) % PSN_MOD
+        floor = tl.iteration_start(self.join_from)
+        wraps = max(0, -(-(floor - earliest) // PSN_MOD))
+        base_rel = cand.min_rel - (earliest + wraps * PSN_MOD)
+        return base_rel if self._explains(tl, cand, base_rel) else None
+
+    def _explains(self, tl: FlowTimeline, cand: _Candidate, base_rel: int) -> bool:
+        """Whether every message head and immediate the flow showed sits where the
+        timeline, started at relative PSN base_rel, has them."""
+        return all(self._head_ok(tl, rel - base_rel, n) for rel, n in cand.heads) and \
+            all(self._imm_ok(tl, rel - base_rel, imm) for rel, imm in cand.imms)
+
+    @staticmethod
+    def _first_whole(tl: FlowTimeline, pos: int) -> int:
+        """The first iteration that starts at or after flow position pos."""
+        loc = tl.locate(pos)
+        if loc is None:
+            return 0
+        it = loc[0]
+        return it if tl.iteration_start(it) == pos else it + 1
+
+    def join_iteration(self, force: bool = False) -> int | None:
+        """Joining: the first iteration every flow was seen from its start, once every
+        flow the plan expects is bound (or, with force, over the flows bound so far)."""
+        if not self.bound or (not force and any(not self._hop_full(h) for h in self.expected)):
+            return None
+        return max(b.first_whole for b in self.bound.values())
+
+    @staticmethod
+    def _head_ok(tl: FlowTimeline, pos: int, dma_len: int) -> bool:
+        msg = tl.head_at(pos)
+        return msg is not None and msg.wire_len == dma_len
+
+    def _imm_ok(self, tl: FlowTimeline, pos: int, imm: bytes) -> bool:
+        loc = tl.locate(pos)
+        if loc is None:
+            return False
+        msg = loc[1].messages[loc[2]]
+        return loc[3] == msg.npkts - 1 and imm == msg.imm.to_bytes(4, "big" if self.imm_big_endian else "little")
+
+    # -- placing ------------------------------------------------------------------
+    def locate(self, b: FlowBinding, psn: int) -> Location | None:
+        """Where a bound flow's packet lies; None if before the job's first message."""
+        u = psn_unwrap(psn, b.last)
+        b.last = max(b.last, u)
+        loc = b.timeline.locate(u - b.base)
+        if loc is None:
+            return None
+        it, sched, m, i = loc
+        return Location(it, sched.messages[m], i, sched, u - b.base)

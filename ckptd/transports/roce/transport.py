@@ -1,0 +1,46 @@
+"""NCCL over RoCEv2 as a Transport: decode each frame (parsers.roce), place it (Extractor)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from parsers.frame import CapturedFrame
+from parsers.roce import FrameClass, decode_frame
+
+from ckptd.transports.base import Placement
+from ckptd.transports.roce.extract import Extractor
+from ckptd.transports.roce.flows import ACK, DATA_OPCODES, Packet
+
+
+def decode_roce(stream: int, fr: CapturedFrame, classes: Counter) -> Packet | None:
+    """A RoCE RDMA-write packet or ACK with an intact ICRC; the rest is counted by class."""
+    f = decode_frame(fr.data, fr.linktype, fr.origlen)
+    classes[f.cls.value] += 1
+    if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
+        return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
+                      f.bth.psn, None, None, memoryview(b""), f.udp.sport)
+    if f.cls is not FrameClass.ROCE_DATA:
+        return None
+    if f.bth.opcode not in DATA_OPCODES:
+        classes["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
+        return None
+    return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
+                  f.bth.psn, f.reth.dma_len if f.reth is not None else None,
+                  f.immdt.raw if f.immdt is not None else None,
+                  memoryview(f.data)[f.payload_offset:f.payload_offset + f.payload_len],
+                  f.udp.sport)
+
+
+class RoceTransport(Extractor):
+    """The Transport for NCCL over RoCEv2 (see ckptd.transports.base)."""
+
+    name = "roce"
+
+    def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
+        pkt = decode_roce(stream, fr, classes)
+        return self.feed(pkt) if pkt is not None else []
+
+    def diagnostics(self) -> list[str]:
+        return [f"unmatched flow: {e}" for e in self.binder.errors]
+
+    def join_iteration(self, force: bool = False) -> int | None:
+        return self.binder.join_iteration(force=force)

@@ -1,0 +1,41 @@
+"""What the capture-file readers yield, and the error they raise.
+
+Kept apart from capfile.py so that pcap.py and pcapng.py can import it without a
+cycle; capfile.py re-exports both names (``parsers.capfile.CaptureError``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from ckptd.errors import CkptdError
+
+LINKTYPE_ETHERNET = 1
+LINKTYPE_RAW = 101          # raw IPv4 or IPv6, version nibble decides
+LINKTYPE_LINUX_SLL = 113
+LINKTYPE_IPV4 = 228
+LINKTYPE_IPV6 = 229
+LINKTYPE_LINUX_SLL2 = 276
+
+
+class CaptureError(CkptdError):
+    """The capture file itself is broken (bad magic, truncated record, bad block).
+
+    The message names the file and the frame or block number, so a user can find the
+    spot with another tool.  Packets that merely fail to decode are not this: they get
+    a FrameClass from parsers.roce.decode_frame.
+    """
+
+
+@dataclass(slots=True)
+class CapturedFrame:
+    index: int            # 1-based frame number in the file, as Wireshark numbers them
+    ts_ns: int | None     # capture time, ns since the epoch (None: pcapng simple packet
+                          # block, which has no timestamp)
+    linktype: int         # LINKTYPE_* of the interface that captured it
+    caplen: int           # bytes captured (== len(data))
+    origlen: int          # bytes on the wire; > caplen when the snap length cut it
+    data: bytes
+    interface_id: int = 0  # pcapng interface; 0 for pcap
+
+    @property
+    def truncated(self) -> bool:
+        return self.caplen < self.origlen

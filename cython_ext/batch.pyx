@@ -32,263 +32,7 @@ from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
-cdef extern from *:
-    """
-    /* ---- ICRC: CRC-32 (zlib's polynomial, reflected) -------------------------------
-     * Stock zlib runs at 2-4 GB/s, far below a memcpy, so on x86 every frame goes
-     * through a carry-less-multiply folding CRC written for this kernel: the message is
-     * folded 128 bits at a time (a lane times x^D mod P moves it D bits on), then one
-     * lane is reduced to 32 bits (two more folds and a Barrett step) and a < 16-byte
-     * tail goes through a byte table. Fold constants K_lo = reflect64(x^(D+63) mod P),
-     * K_hi = reflect64(x^(D-1) mod P): ckptd/fast/pipeline.py fold_constants(), and the
-     * reduction's reduction_constants(); the tests check both and every length
-     * against zlib. zlib stays the fallback where the CPU has no PCLMULQDQ. */
-    #include <stdint.h>
-    #include <stddef.h>
-    #include <string.h>
-    #include <zlib.h>
-
-    typedef uint32_t (*ckptd_crc_fn)(uint32_t, const uint8_t *, uint64_t);
-
-    static uint32_t ckptd_crc_zlib(uint32_t crc, const uint8_t *p, uint64_t n) {
-        while (n > 0x40000000u) {  /* zlib takes uInt lengths */
-            crc = (uint32_t)crc32(crc, p, 0x40000000u); p += 0x40000000u; n -= 0x40000000u;
-        }
-        return n ? (uint32_t)crc32(crc, p, (uInt)n) : crc;
-    }
-
-    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-    #define CKPTD_X86 1
-    #include <immintrin.h>
-    #define K128_LO 0x65673b4600000000ULL
-    #define K128_HI 0x9ba54c6f00000000ULL
-    #define K256_LO 0x9570d49500000000ULL
-    #define K256_HI 0x01b5fd1d00000000ULL
-    #define K512_LO 0x653d982200000000ULL
-    #define K512_HI 0xcad38e8f00000000ULL
-    #define K1024_LO 0x7d657a1000000000ULL
-    #define K1024_HI 0x7406fa9500000000ULL
-    #define K95 0xccaa009e00000000ULL       /* reflect64(x^95 mod P) */
-    #define K63 0xb8bc676500000000ULL       /* reflect64(x^63 mod P) */
-    #define CRC_MU_REFL 0x1f7011641ULL      /* reflect33(floor(x^64 / P)) */
-    #define CRC_P_REFL 0x1db710641ULL       /* reflect33(P) */
-
-    __attribute__((target("pclmul,sse4.1")))
-    static inline __m128i ckptd_fold16(__m128i x, __m128i k, __m128i d) {
-        return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00),
-                                           _mm_clmulepi64_si128(x, k, 0x11)), d);
-    }
-
-    /* The routines below compute the "pure" CRC register (starting at 0, no final
-     * inversion) of the stream  a || p[0:n]  where `a` is a 16-byte lane already in a
-     * register: zlib's crc32(c, X) is ~pure(X with ~c XORed into its first 4 bytes), and
-     * leading zero bytes do not change a pure CRC, which lets the ICRC's masked headers
-     * (a stack block) and the frame's payload (in the capture buffer) be one stream. */
-
-    /* finish: the last lane's register, then the < 16-byte tail a byte at a time.
-     * A lane A = x^64 L + H (L: low qword) gives A x^32 = L x^96 + H x^32; fold L with
-     * x^95 mod P (96 bits left), the next 32 bits with x^63 mod P (64 left), then Barrett:
-     * q = floor(s_hi mu / x^32) with mu = floor(x^64 / P), r = s_lo + (q P mod x^32).
-     * Derived and checked against zlib in ckptd/fast/pipeline.py's reduction_constants(). */
-    static uint32_t ckptd_crc_table[256];
-
-    static void ckptd_crc_table_init(void) {
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++) c = (c >> 1) ^ (c & 1 ? 0xEDB88320u : 0);
-            ckptd_crc_table[i] = c;
-        }
-    }
-
-    __attribute__((target("pclmul,sse4.1")))
-    static inline uint32_t ckptd_pure_finish(__m128i a, const uint8_t *p, uint64_t n) {
-        const __m128i k = _mm_set_epi64x((long long)K63, (long long)K95);
-        const __m128i m = _mm_set_epi64x((long long)CRC_P_REFL, (long long)CRC_MU_REFL);
-        __m128i t = _mm_xor_si128(_mm_clmulepi64_si128(a, k, 0x00),
-                                  _mm_slli_si128(_mm_srli_si128(a, 8), 4));
-        __m128i s = _mm_xor_si128(_mm_clmulepi64_si128(t, k, 0x10),
-                                  _mm_and_si128(t, _mm_set_epi64x(-1, 0)));
-        uint64_t s64 = (uint64_t)_mm_extract_epi64(s, 1);
-        __m128i q = _mm_clmulepi64_si128(_mm_cvtsi64_si128((long long)(s64 & 0xFFFFFFFFu)), m, 0x00);
-        __m128i qp = _mm_clmulepi64_si128(_mm_cvtsi32_si128(_mm_cvtsi128_si32(q)), m, 0x10);
-        uint32_t r = (uint32_t)(s64 >> 32) ^ (uint32_t)((uint64_t)_mm_cvtsi128_si64(qp) >> 32);
-        for (uint64_t i = 0; i < n; i++) r = (r >> 8) ^ ckptd_crc_table[(r ^ p[i]) & 0xFF];
-        return r;
-    }
-
-    /* PCLMULQDQ: four 128-bit lanes while 64 bytes remain, then one */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_pure_clmul(__m128i a, const uint8_t *p, uint64_t n) {
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        if (n >= 112) {
-            const __m128i k4 = _mm_set_epi64x((long long)K512_HI, (long long)K512_LO);
-            __m128i x0 = a;
-            __m128i x1 = _mm_loadu_si128((const __m128i *)p);
-            __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 16));
-            __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 32));
-            p += 48; n -= 48;
-            while (n >= 64) {
-                x0 = ckptd_fold16(x0, k4, _mm_loadu_si128((const __m128i *)p));
-                x1 = ckptd_fold16(x1, k4, _mm_loadu_si128((const __m128i *)(p + 16)));
-                x2 = ckptd_fold16(x2, k4, _mm_loadu_si128((const __m128i *)(p + 32)));
-                x3 = ckptd_fold16(x3, k4, _mm_loadu_si128((const __m128i *)(p + 48)));
-                p += 64; n -= 64;
-            }
-            a = ckptd_fold16(x0, k1, x1);
-            a = ckptd_fold16(a, k1, x2);
-            a = ckptd_fold16(a, k1, x3);
-        }
-        while (n >= 16) { a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)p)); p += 16; n -= 16; }
-        return ckptd_pure_finish(a, p, n);
-    }
-
-    /* VPCLMULQDQ on 256-bit registers (AVX2): eight 128-bit lanes in four registers */
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static inline __m256i ckptd_fold32(__m256i x, __m256i k, __m256i d) {
-        return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
-                                                 _mm256_clmulepi64_epi128(x, k, 0x11)), d);
-    }
-
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static uint32_t ckptd_pure_vclmul(__m128i a, const uint8_t *p, uint64_t n) {
-        if (n < 240) return ckptd_pure_clmul(a, p, n);
-        const __m256i k8 = _mm256_set_epi64x((long long)K1024_HI, (long long)K1024_LO,
-                                             (long long)K1024_HI, (long long)K1024_LO);
-        const __m256i k2 = _mm256_set_epi64x((long long)K256_HI, (long long)K256_LO,
-                                             (long long)K256_HI, (long long)K256_LO);
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        /* lane a comes first in the stream: the low half of the first register */
-        __m256i y0 = _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_loadu_si128((const __m128i *)p), 1);
-        __m256i y1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-        __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 48));
-        __m256i y3 = _mm256_loadu_si256((const __m256i *)(p + 80));
-        p += 112; n -= 112;
-        while (n >= 128) {
-            y0 = ckptd_fold32(y0, k8, _mm256_loadu_si256((const __m256i *)p));
-            y1 = ckptd_fold32(y1, k8, _mm256_loadu_si256((const __m256i *)(p + 32)));
-            y2 = ckptd_fold32(y2, k8, _mm256_loadu_si256((const __m256i *)(p + 64)));
-            y3 = ckptd_fold32(y3, k8, _mm256_loadu_si256((const __m256i *)(p + 96)));
-            p += 128; n -= 128;
-        }
-        __m256i y = ckptd_fold32(y0, k2, y1);
-        y = ckptd_fold32(y, k2, y2);
-        y = ckptd_fold32(y, k2, y3);
-        a = ckptd_fold16(_mm256_castsi256_si128(y), k1, _mm256_extracti128_si256(y, 1));
-        while (n >= 16) { a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)p)); p += 16; n -= 16; }
-        return ckptd_pure_finish(a, p, n);
-    }
-
-    /* zlib's contract on top: crc32(crc, p, n) */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_crc_clmul(uint32_t crc, const uint8_t *p, uint64_t n) {
-        if (n < 64) return ckptd_crc_zlib(crc, p, n);
-        __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)~crc));
-        return ~ckptd_pure_clmul(a, p + 16, n - 16);
-    }
-
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static uint32_t ckptd_crc_vclmul(uint32_t crc, const uint8_t *p, uint64_t n) {
-        if (n < 64) return ckptd_crc_zlib(crc, p, n);
-        __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)~crc));
-        return ~ckptd_pure_vclmul(a, p + 16, n - 16);
-    }
-
-    /* The ICRC: crc32 of  8 x 0xFF || hdr[0:hn] || p[0:n]  with hn + 8 <= 128. The 8-byte
-     * LRH stand-in with zlib's initial ~0 XORed in is 00 00 00 00 FF FF FF FF; zero bytes
-     * in front make the block a whole number of lanes, folded into one, then the rest. */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_icrc_clmul(const uint8_t *hdr, uint64_t hn, const uint8_t *p, uint64_t n, int wide) {
-        uint8_t blk[144];
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        uint64_t len = (8 + hn + 15) & ~(uint64_t)15, z = len - 8 - hn;
-        memset(blk, 0, z + 4);
-        memset(blk + z + 4, 0xFF, 4);
-        memcpy(blk + z + 8, hdr, hn);
-        __m128i a = _mm_loadu_si128((const __m128i *)blk);
-        for (uint64_t j = 16; j < len; j += 16)
-            a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)(blk + j)));
-        return ~(wide ? ckptd_pure_vclmul(a, p, n) : ckptd_pure_clmul(a, p, n));
-    }
-
-    static int ckptd_cpu_clmul(void) { return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"); }
-    static int ckptd_cpu_vclmul(void) {
-        return ckptd_cpu_clmul() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
-    }
-    #else
-    #define CKPTD_X86 0
-    #define K128_LO 0
-    #define K128_HI 0
-    #define K256_LO 0
-    #define K256_HI 0
-    #define K512_LO 0
-    #define K512_HI 0
-    #define K1024_LO 0
-    #define K1024_HI 0
-    static uint32_t ckptd_crc_clmul(uint32_t c, const uint8_t *p, uint64_t n) { return ckptd_crc_zlib(c, p, n); }
-    static uint32_t ckptd_crc_vclmul(uint32_t c, const uint8_t *p, uint64_t n) { return ckptd_crc_zlib(c, p, n); }
-    static uint32_t ckptd_icrc_clmul(const uint8_t *h, uint64_t hn, const uint8_t *p, uint64_t n, int w) { return 0; }
-    static int ckptd_cpu_clmul(void) { return 0; }
-    static void ckptd_crc_table_init(void) {}
-    #define K95 0
-    #define K63 0
-    #define CRC_MU_REFL 0
-    #define CRC_P_REFL 0
-    static int ckptd_cpu_vclmul(void) { return 0; }
-    #endif
-
-    /* ---- NCCL LL lines: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} ----------------
-     * Returns 1 when every flag of every line equals `flag`; writes the 8 data bytes of
-     * each line to `out` (when out is not NULL). The same job as ckptd.transports.roce.extract.ll_unpack
-     * two lines per SSE2 step. */
-    static int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *out) {
-        int64_t i = 0;
-        uint32_t bad = 0;
-    #if CKPTD_X86
-        const __m128i want = _mm_set_epi32((int)flag, 0, (int)flag, 0);
-        const __m128i sel = _mm_set_epi32(-1, 0, -1, 0);       /* the flag words */
-        __m128i acc = _mm_setzero_si128();
-        for (; i + 2 <= lines; i += 2) {
-            __m128i v0 = _mm_loadu_si128((const __m128i *)(in + 16 * i));
-            __m128i v1 = _mm_loadu_si128((const __m128i *)(in + 16 * i + 16));
-            acc = _mm_or_si128(acc, _mm_and_si128(_mm_xor_si128(v0, want), sel));
-            acc = _mm_or_si128(acc, _mm_and_si128(_mm_xor_si128(v1, want), sel));
-            if (out) {
-                __m128i d0 = _mm_shuffle_epi32(v0, _MM_SHUFFLE(3, 1, 2, 0));  /* lo, hi, .. */
-                __m128i d1 = _mm_shuffle_epi32(v1, _MM_SHUFFLE(3, 1, 2, 0));
-                _mm_storeu_si128((__m128i *)(out + 8 * i), _mm_unpacklo_epi64(d0, d1));
-            }
-        }
-        bad = (uint32_t)(_mm_movemask_epi8(_mm_cmpeq_epi8(acc, _mm_setzero_si128())) != 0xFFFF);
-    #endif
-        for (; i < lines; i++) {
-            uint32_t w[4];
-            memcpy(w, in + 16 * i, 16);
-            bad |= (w[1] != flag) | (w[3] != flag);
-            if (out) { memcpy(out + 8 * i, &w[0], 4); memcpy(out + 8 * i + 4, &w[2], 4); }
-        }
-        return !bad;
-    }
-
-    /* ---- coverage bitmaps (ckptd/core/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
-    static inline int ckptd_bit(const uint8_t *b, int64_t k) { return (b[k >> 3] >> (k & 7)) & 1; }
-
-    /* elements of [s, s + n) covered: bit by bit to a byte boundary, then 64 at a time */
-    static int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) {
-        int64_t c = 0, k = s, e = s + n;
-        for (; k < e && (k & 7); k++) c += ckptd_bit(b, k);
-        for (; k + 64 <= e; k += 64) { uint64_t w; memcpy(&w, b + (k >> 3), 8); c += __builtin_popcountll(w); }
-        for (; k + 8 <= e; k += 8) c += __builtin_popcount(b[k >> 3]);
-        for (; k < e; k++) c += ckptd_bit(b, k);
-        return c;
-    }
-
-    static void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) {
-        int64_t k = s, e = s + n;
-        for (; k < e && (k & 7); k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-        if (k + 8 <= e) { int64_t full = (e - k) >> 3; memset(b + (k >> 3), 0xFF, full); k += full << 3; }
-        for (; k < e; k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-    }
-    """
+cdef extern from "crc.h":
     ctypedef uint32_t (*ckptd_crc_fn)(uint32_t, const uint8_t *, uint64_t) noexcept nogil
     uint32_t ckptd_crc_zlib(uint32_t crc, const uint8_t *p, uint64_t n) noexcept nogil
     uint32_t ckptd_crc_clmul(uint32_t crc, const uint8_t *p, uint64_t n) noexcept nogil
@@ -299,22 +43,29 @@ cdef extern from *:
     uint64_t K128_LO, K128_HI, K256_LO, K256_HI, K512_LO, K512_HI, K1024_LO, K1024_HI
     uint64_t K95, K63, CRC_MU_REFL, CRC_P_REFL
     void ckptd_crc_table_init() noexcept nogil
+
+cdef extern from "lines.h":
     int ckptd_ll_unpack(const uint8_t *inp, int64_t lines, uint32_t flag, uint8_t *out) noexcept nogil
     int ckptd_bit(const uint8_t *b, int64_t k) noexcept nogil
     int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) noexcept nogil
     void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
 
+from cython_ext.wire cimport *
+
+# the wire constants as compiled (cython_ext/wire.pxd), for the test that checks them
+# against the Python references
+WIRE = dict(
+    LT_ETHERNET=LT_ETHERNET, LT_RAW=LT_RAW, LT_LINUX_SLL=LT_LINUX_SLL, LT_IPV4=LT_IPV4,
+    LT_IPV6=LT_IPV6, LT_LINUX_SLL2=LT_LINUX_SLL2, ETH_TYPE_IPV4=ETH_TYPE_IPV4,
+    ETH_TYPE_IPV6=ETH_TYPE_IPV6, TPIDS=(TPID_8021Q, TPID_8021AD, TPID_9100), PROTO_UDP=PROTO_UDP,
+    PROTO_GRE=PROTO_GRE, ROCEV2_PORT=ROCEV2_PORT, UDP_LEN=UDP_LEN, BTH_LEN=BTH_LEN,
+    ICRC_LEN=ICRC_LEN, WRITE_FIRST=WRITE_FIRST, WRITE_MIDDLE=WRITE_MIDDLE, WRITE_LAST=WRITE_LAST,
+    WRITE_LAST_IMM=WRITE_LAST_IMM, WRITE_ONLY=WRITE_ONLY, WRITE_ONLY_IMM=WRITE_ONLY_IMM,
+    ACKNOWLEDGE=ACKNOWLEDGE, PSN_MASK=PSN_MASK, PSN_MOD=PSN_MOD, LL_LINE=LL_LINE,
+    LL_DATA_PER_LINE=LL_DATA_PER_LINE)
+
 
 # -- constants shared with ckptd/fast/pipeline.py ---------------------------------------------
-# Link types (parsers/frame.py)
-cdef enum:
-    LT_ETHERNET = 1
-    LT_RAW = 101
-    LT_LINUX_SLL = 113
-    LT_IPV4 = 228
-    LT_IPV6 = 229
-    LT_LINUX_SLL2 = 276
-
 # Frame classes: index into the per-stream class counts (order: CLASS_NAMES)
 cdef enum:
     K_FRAMES = 0
@@ -365,30 +116,12 @@ STOP_NAMES = ("end", "unknown_flow", "iteration", "flag_base", "example", "rs_du
 cdef enum:
     FLOW_BOUND = 1
     FLOW_UNRELATED = 2
-
-# RC RDMA WRITE opcodes NCCL's data QPs use (ckptd/transports/roce/flows.py)
-cdef enum:
-    WRITE_FIRST = 6
-    WRITE_MIDDLE = 7
-    WRITE_LAST = 8
-    WRITE_LAST_IMM = 9
-    WRITE_ONLY_IMM = 11
-    ACKNOWLEDGE = 17
     ACK_QP = 0xFFFFFFFF  # dest-QP field of ACK keys (QPNs have 24 bits: no clash)
 
+
 cdef enum:
-    PROTO_UDP = 17
-    PROTO_GRE = 47
-    ROCEV2_PORT = 4791
-    BTH_LEN = 12
-    UDP_LEN = 8
-    ICRC_LEN = 4
-    PSN_MASK = 0xFFFFFF
-    PSN_MOD = 0x1000000
-    PSN_HALF = 0x800000
     KEY_LEN = 40  # flow key: ver, pad[3], dest QP u32 LE, src[16], dst[16]
     HDR_MAX = 120  # masked ICRC headers copied to the stack up to this size
-    LL_LINE = 16
     MAX_MTU = 4096
     MAX_LL_DATA = 2048  # the data of one MTU of LL lines
 
@@ -430,7 +163,7 @@ cdef inline uint32_t le32(const uint8_t *p) noexcept nogil:
 
 cdef inline bint is_tpid(uint32_t t) noexcept nogil:
     # parsers/ethernet.py VLAN_TPIDS: 802.1Q, 802.1ad (QinQ), pre-standard 0x9100
-    return t == 0x8100 or t == 0x88A8 or t == 0x9100
+    return t == TPID_8021Q or t == TPID_8021AD or t == TPID_9100
 
 cdef inline int64_t psn_diff(int64_t a, int64_t b) noexcept nogil:
     # ckptd/core/psn.py psn_diff: a - b as a signed distance in (-2**23, 2**23]
@@ -724,7 +457,7 @@ cdef class BatchKernel:
             want = 4 if linktype == LT_IPV4 else (6 if linktype == LT_IPV6 else version)
             if version != want:
                 return K_MALFORMED
-            ethertype = 0x0800 if version == 4 else (0x86DD if version == 6 else 0)
+            ethertype = ETH_TYPE_IPV4 if version == 4 else (ETH_TYPE_IPV6 if version == 6 else 0)
         elif linktype == LT_LINUX_SLL or linktype == LT_LINUX_SLL2:
             if linktype == LT_LINUX_SLL:
                 if n < 16:
@@ -745,7 +478,7 @@ cdef class BatchKernel:
             return K_OTHER                  # link type not decoded
 
         # IPv4 | IPv6
-        if ethertype == 0x0800:
+        if ethertype == ETH_TYPE_IPV4:
             if off + 20 > n:
                 return K_TRUNCATED
             b0 = d[off]
@@ -762,7 +495,7 @@ cdef class BatchKernel:
             word = be16(d + off + 6)        # rf, df, mf, fragment offset
             fragment = ((word >> 13) & 1) != 0 or (word & 0x1FFF) != 0
             f.ip_ver = 4
-        elif ethertype == 0x86DD:
+        elif ethertype == ETH_TYPE_IPV6:
             if off + 40 > n:
                 return K_TRUNCATED
             if d[off] >> 4 != 6:

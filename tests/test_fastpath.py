@@ -150,6 +150,27 @@ def test_fold_and_reduction_constants_are_what_the_math_says():
         assert kernel.REDUCTION_CONSTANTS == reduction_constants()
 
 
+def test_kernel_constants_equal_the_references():
+    """cython_ext/wire.pxd declares the wire constants once for the kernel; each must be
+    its Python twin's value."""
+    from ckptd.core import psn, schedule
+    from ckptd.transports.roce import flows
+    from parsers import bth, ethernet, frame, gre, ipv4, udp
+    w = kernel.WIRE
+    assert {k: w[k] for k in w if k.startswith("LT_")} == {
+        "LT_" + name[len("LINKTYPE_"):]: getattr(frame, name) for name in dir(frame)
+        if name.startswith("LINKTYPE_")}
+    assert (w["ETH_TYPE_IPV4"], w["ETH_TYPE_IPV6"]) == (ethernet.ETH_TYPE_IPV4, ethernet.ETH_TYPE_IPV6)
+    assert set(w["TPIDS"]) == ethernet.VLAN_TPIDS
+    assert (w["PROTO_UDP"], w["PROTO_GRE"], w["ROCEV2_PORT"]) == (ipv4.PROTO_UDP, gre.PROTO_GRE, udp.ROCEV2_PORT)
+    for name in ("WRITE_FIRST", "WRITE_MIDDLE", "WRITE_LAST", "WRITE_LAST_IMM", "WRITE_ONLY", "WRITE_ONLY_IMM"):
+        assert w[name] == getattr(flows, name), name
+    assert w["ACKNOWLEDGE"] == flows.ACK
+    assert (w["PSN_MASK"], w["PSN_MOD"]) == (psn.PSN_MASK, psn.PSN_MOD)
+    assert (w["LL_LINE"], w["LL_DATA_PER_LINE"]) == (schedule.LL_LINE, schedule.LL_DATA_PER_LINE)
+    assert (w["UDP_LEN"], w["BTH_LEN"]) == (udp.UDP.LEN, bth.BTH.LEN)
+
+
 @pytest.mark.parametrize("lines", [0, 1, 2, 3, 64, 255, 256])
 def test_ll_unpack_matches_reference(lines):
     rng = np.random.default_rng(lines)

@@ -126,6 +126,7 @@ cdef enum:
     MAX_LL_DATA = 2048  # the data of one MTU of LL lines
 
 MAX_SLOTS = 8                  # open iterations the kernel holds at once
+FLOWS_START = 64               # flow entries allocated at first (the table grows itself)
 CONFLICT_CAP = 4096
 
 # the ICRC starts with 8 bytes of 0xFF standing in for the InfiniBand LRH: fold them once
@@ -305,6 +306,43 @@ def merge_order(list ts_per_stream):
     return out_s, out_i
 
 
+# -- flow keys ------------------------------------------------------------------------------
+cdef inline void make_key(uint32_t dqp, const uint8_t *src, const uint8_t *dst, int alen,
+                          uint8_t *key) noexcept nogil:
+    """A flow (source, destination, dest QP) as FlowBinder names it, in KEY_LEN bytes:
+    IP version, 3 zero bytes, dest QP (LE), source and destination zero-padded to 16."""
+    memset(key, 0, KEY_LEN)
+    key[0] = 4 if alen == 4 else 6
+    memcpy(&key[4], &dqp, 4)
+    memcpy(&key[8], src, alen)
+    memcpy(&key[24], dst, alen)
+
+
+cdef inline uint64_t hash_key(const uint8_t *key) noexcept nogil:
+    """The key's five 64-bit words, multiply-xorshift mixed."""
+    cdef uint64_t h = 0, w
+    cdef int i
+    for i in range(KEY_LEN // 8):
+        memcpy(&w, key + 8 * i, 8)
+        h = (h ^ w) * 0x9E3779B97F4A7C15ULL
+        h ^= h >> 29
+    return h
+
+
+def flow_key(bytes src not None, bytes dst not None, uint32_t dqp):
+    """The kernel's key of a flow: packed source and destination addresses (both 4 or
+    both 16 bytes, ipaddress's .packed) and the destination QP (ACK_QP for a hop's ACKs)."""
+    if len(src) != len(dst) or len(src) not in (4, 16):
+        raise ValueError(f"addresses of {len(src)} and {len(dst)} bytes: both 4 (IPv4) or both 16 (IPv6)")
+    cdef uint8_t key[KEY_LEN]
+    make_key(dqp, src, dst, len(src), key)
+    return bytes(key[:KEY_LEN])
+
+
+FLOW_KINDS = {"bound": FLOW_BOUND, "unrelated": FLOW_UNRELATED}
+ACK_FLOW_QP = <uint32_t>ACK_QP  # the dest QP of a hop's ACK key
+
+
 # -- the kernel ----------------------------------------------------------------------------
 cdef class BatchKernel:
     """Decode, place and assemble frames; see the module docstring for the contract.
@@ -339,9 +377,10 @@ cdef class BatchKernel:
     cdef int64_t[::1] m_nelem, m_phase, m_step, m_ring_step
     cdef uint32_t[::1] m_imm                  # the immediate's 4 wire bytes, read LE
     cdef int64_t[:, ::1] b_itemsize, b_count  # [layout, bucket]
+    cdef int64_t[::1] b_nbuckets              # [layout]
 
-    # flow table: open addressing over entries
-    cdef int64_t[::1] ft_slots                # hash slot -> entry, -1 empty
+    # flow table, owned here (add_flow, anchor, set_anchor): open addressing over entries
+    cdef int64_t[::1] ft_slots                # hash slot -> entry, -1 empty (a power of 2)
     cdef uint8_t[:, ::1] fe_key
     cdef int64_t[::1] fe_kind, fe_tl, fe_base, fe_last, fe_msg
     cdef int64_t nflows
@@ -358,11 +397,14 @@ cdef class BatchKernel:
     cdef int64_t[:, ::1] slot_counts          # [slot, 0 packets | 1 bytes | 2 stop after any placement]
     cdef int64_t[:, :, ::1] slot_bucket       # [slot, bucket, 0 newly covered | 1 still uncovered]
 
-    # outputs drained by Python
+    # outputs drained by Python (the same arrays as numpy objects, read-only attributes)
     cdef int64_t[:, ::1] classes              # [stream, class]
     cdef int64_t[::1] counters
     cdef int64_t[:, ::1] conflicts            # (iteration, stream, bucket, start, end)
     cdef public int64_t nconflicts
+    cdef readonly object class_counts, counter_values, conflict_rows, placed, bucket_state
+    # per slot (Python lists): received map and assembly buffers; free ones per layout
+    cdef object recv_maps, buffers, free_recv, free_buffers
 
     # the batch being processed (set_batch), and what decode found in the last frame
     cdef const uint8_t[::1] b_buf
@@ -379,8 +421,8 @@ cdef class BatchKernel:
         self.highest = -1
         self.crc_impl = 0
         self.crc_fn = ckptd_crc_zlib
-        self.nflows = 0
         self.nconflicts = 0
+        self._flow_arrays(FLOWS_START, 0)
 
     def set_crc(self, int impl, size_t external=0):
         if impl in (1, 2) and not ckptd_cpu_clmul() or impl == 2 and not ckptd_cpu_vclmul():
@@ -393,9 +435,10 @@ cdef class BatchKernel:
     def set_tables(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end,
                    tl_conn, tl_npkts, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
-                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, mtu, ll,
-                   fb_known, fb_value, slot_iter, slot_layout, slot_has_asm, slot_ptr, slot_recv,
-                   slot_counts, slot_bucket, classes, counters, conflicts):
+                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, b_nbuckets, mtu, ll):
+        """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
+        only; the kernel allocates its own flow table, flag bases, iteration slots and
+        output counts."""
         self.op_known, self.op_payload, self.op_is_ack = op_known, op_payload, op_is_ack
         self.op_ext_len, self.op_decoded_end = op_ext_len, op_decoded_end
         self.tl_conn, self.tl_npkts, self.tl_mlo, self.tl_mhi = tl_conn, tl_npkts, tl_mlo, tl_mhi
@@ -404,23 +447,226 @@ cdef class BatchKernel:
         self.m_wire_offset, self.m_bucket, self.m_offset = m_wire_offset, m_bucket, m_offset
         self.m_nelem, self.m_phase, self.m_step, self.m_ring_step = m_nelem, m_phase, m_step, m_ring_step
         self.m_imm = m_imm
-        self.b_itemsize, self.b_count = b_itemsize, b_count
+        self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
         self.mtu, self.ll = mtu, ll
         if mtu > MAX_MTU:
             raise ValueError(f"path MTU {mtu} above {MAX_MTU}")
-        self.fb_known, self.fb_value = fb_known, fb_value
-        self.slot_iter, self.slot_layout, self.slot_ptr = slot_iter, slot_layout, slot_ptr
-        self.slot_has_asm = slot_has_asm
-        self.slot_recv, self.slot_counts, self.slot_bucket = slot_recv, slot_counts, slot_bucket
-        if slot_ptr.shape[2] < 2 + self.nstreams or classes.shape[0] < self.nstreams:
-            raise ValueError("slot_ptr/classes are too small for the number of streams")
-        self.classes, self.counters, self.conflicts = classes, counters, conflicts
+        nconn = max(conn_steps.shape[1], 1)
+        self.fb_known, self.fb_value = np.zeros(nconn, np.uint8), np.zeros(nconn, np.int64)
+        nb = max(b_count.shape[1], 1)
+        self.slot_iter = np.full(MAX_SLOTS, -1, np.int64)
+        self.slot_layout = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + self.nstreams), np.int64)
+        self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
+        self.placed = np.zeros((MAX_SLOTS, 3), np.int64)
+        self.bucket_state = np.zeros((MAX_SLOTS, nb, 2), np.int64)
+        self.slot_counts, self.slot_bucket = self.placed, self.bucket_state
+        self.class_counts = np.zeros((max(self.nstreams, 1), NCLASSES), np.int64)
+        self.counter_values = np.zeros(NCOUNTERS, np.int64)
+        self.conflict_rows = np.zeros((CONFLICT_CAP, 5), np.int64)
+        self.classes, self.counters, self.conflicts = self.class_counts, self.counter_values, self.conflict_rows
+        self.recv_maps = [None] * MAX_SLOTS
+        self.buffers = [None] * MAX_SLOTS
+        self.free_recv = {0: [], 1: []}
+        self.free_buffers = {0: [], 1: []}
 
-    def set_flow_table(self, ft_slots, fe_key, fe_kind, fe_tl, fe_base, fe_last, fe_msg, int64_t nflows):
-        """The table ckptd/fast/pipeline.py FlowTable maintains (size of ft_slots: a power of 2)."""
-        self.ft_slots, self.fe_key = ft_slots, fe_key
-        self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg = fe_kind, fe_tl, fe_base, fe_last, fe_msg
-        self.nflows = nflows
+    # -- iterations: tracked, opened, closed (the pipeline decides when) ------------------
+    def slot_of(self, int64_t iteration):
+        """The slot holding an iteration, or -1."""
+        cdef int64_t q
+        for q in range(MAX_SLOTS):
+            if self.slot_iter[q] == iteration:
+                return q
+        return -1
+
+    def track_iteration(self, int64_t iteration):
+        """Keep a received map for a live iteration (its packets' positions, per stream:
+        Extractor.stream_loss); False when every slot is taken (its packets then go to
+        the reference path). Maps are reused across iterations, cleared."""
+        if self.slot_of(iteration) >= 0:
+            return True
+        cdef int64_t q, slot = -1, layout = min(iteration, 1)
+        for q in range(MAX_SLOTS):
+            if self.slot_iter[q] < 0:
+                slot = q
+                break
+        if slot < 0:
+            return False
+        free = self.free_recv[layout]
+        if free:
+            recv = free.pop()
+            recv.fill(0)
+        else:
+            recv = np.zeros((self.nstreams, max(self.recv_total[layout], 1)), np.uint8)
+        self.recv_maps[slot] = recv
+        self.slot_recv[slot] = recv.ctypes.data
+        self.slot_layout[slot] = layout
+        self.slot_has_asm[slot] = 0
+        self.placed[slot] = 0
+        self.bucket_state[slot] = 0
+        self.slot_iter[slot] = iteration
+        return True
+
+    def open_iteration(self, int64_t iteration):
+        """The assembly buffers of a tracked iteration, zeroed, for the pipeline's
+        IterationAssembly: (data per bucket as unsigned ints of the element size,
+        coverage bitmap per bucket, [per stream: bitmap per bucket]). The kernel places
+        into them from now on; they stay the kernel's, and close_iteration takes them
+        back for a later iteration of the same layout."""
+        cdef int64_t slot = self.slot_of(iteration), layout, b, st
+        if slot < 0:
+            raise KeyError(f"iteration {iteration} is not tracked")
+        if self.slot_has_asm[slot]:
+            raise ValueError(f"iteration {iteration} is open already")
+        layout = self.slot_layout[slot]
+        free = self.free_buffers[layout]
+        if free:
+            data, covered, by_stream = bufs = free.pop()
+            for a in data + covered + [m for maps in by_stream for m in maps]:
+                a.fill(0)
+        else:
+            nb = self.b_nbuckets[layout]
+            data = [np.zeros(self.b_count[layout, b], f"u{self.b_itemsize[layout, b]}") for b in range(nb)]
+            covered = [np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+            by_stream = [[np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+                         for _ in range(self.nstreams)]
+            bufs = (data, covered, by_stream)
+        for b in range(len(data)):
+            self.slot_ptr[slot, b, 0] = data[b].ctypes.data
+            self.slot_ptr[slot, b, 1] = covered[b].ctypes.data
+            for st in range(self.nstreams):
+                self.slot_ptr[slot, b, 2 + st] = by_stream[st][b].ctypes.data
+        self.buffers[slot] = bufs
+        self.slot_has_asm[slot] = 1
+        return bufs
+
+    def close_iteration(self, int64_t iteration):
+        """Stop tracking an iteration the pipeline is done with: its received map and
+        buffers go back to the kernel for reuse (whoever held them must not use them
+        again)."""
+        cdef int64_t slot = self.slot_of(iteration), layout
+        if slot < 0:
+            raise KeyError(f"iteration {iteration} is not tracked")
+        layout = self.slot_layout[slot]
+        self.free_recv[layout].append(self.recv_maps[slot])
+        if self.buffers[slot] is not None:
+            self.free_buffers[layout].append(self.buffers[slot])
+        self.recv_maps[slot] = self.buffers[slot] = None
+        self.slot_iter[slot] = -1
+        self.slot_has_asm[slot] = 0
+        self.slot_ptr[slot] = 0
+        self.slot_recv[slot] = 0
+        self.placed[slot] = 0
+        self.bucket_state[slot] = 0
+
+    def buffer_bytes(self):
+        """Bytes of the iteration memory the kernel holds: buffers lent to open
+        iterations, buffers and received maps kept for reuse, received maps in use."""
+        def size(bufs):
+            data, covered, by_stream = bufs
+            return sum(a.nbytes for a in data + covered + [m for maps in by_stream for m in maps])
+        return {"lent": sum(size(b) for b in self.buffers if b is not None),
+                "kept": sum(size(b) for free in self.free_buffers.values() for b in free)
+                + sum(m.nbytes for free in self.free_recv.values() for m in free),
+                "received_maps": sum(m.nbytes for m in self.recv_maps if m is not None)}
+
+    def tracked(self):
+        """The iterations the kernel tracks."""
+        cdef Py_ssize_t q
+        return [self.slot_iter[q] for q in range(MAX_SLOTS) if self.slot_iter[q] >= 0]
+
+    def received(self, int64_t iteration):
+        """A tracked iteration's received map: uint8[stream, position] (positions: each
+        timeline's packets from tl_recv_off on); None if it is not tracked."""
+        cdef int64_t slot = self.slot_of(iteration)
+        return None if slot < 0 else self.recv_maps[slot]
+
+    def watch(self, int64_t iteration, uncovered, bint every_placement):
+        """For an open iteration: the elements each bucket still misses (the kernel
+        stops after the placement that covers a bucket's last one), and whether to stop
+        after every placement into it."""
+        cdef int64_t slot = self.slot_of(iteration), b
+        for b in range(len(uncovered)):
+            self.bucket_state[slot, b, 1] = uncovered[b]
+        self.placed[slot, 2] = every_placement
+
+    # -- the flow table: the reference decides, these record ------------------------------
+    def add_flow(self, bytes key not None, int kind, int64_t tl=0, int64_t base=0, int64_t last=0):
+        """Enter a flow (key: flow_key()) the reference bound (FLOW_BOUND: its timeline,
+        PSN base and anchor) or called unrelated (FLOW_UNRELATED). Returns its entry; a
+        flow already in the table keeps its entry and what it was entered with."""
+        if len(key) != KEY_LEN:
+            raise ValueError(f"a flow key is {KEY_LEN} bytes, not {len(key)}")
+        if kind != FLOW_BOUND and kind != FLOW_UNRELATED:
+            raise ValueError(f"flow kind {kind}: FLOW_BOUND or FLOW_UNRELATED")
+        cdef const uint8_t *k = key
+        cdef int64_t e = self.lookup_flow(k)
+        if e >= 0:
+            return e
+        if self.nflows == self.fe_kind.shape[0]:
+            self._flow_arrays(2 * self.nflows, self.nflows)
+        e = self.nflows
+        memcpy(&self.fe_key[e, 0], k, KEY_LEN)
+        self.fe_kind[e], self.fe_tl[e], self.fe_base[e], self.fe_last[e], self.fe_msg[e] = kind, tl, base, last, -1
+        self._insert(k, e)
+        self.nflows += 1
+        return e
+
+    def find_flow(self, bytes key not None):
+        """The entry of a flow, or -1."""
+        if len(key) != KEY_LEN:
+            raise ValueError(f"a flow key is {KEY_LEN} bytes, not {len(key)}")
+        return self.lookup_flow(key)
+
+    def anchor(self, int64_t e):
+        """A bound flow's PSN anchor: the unwrapped PSN of its newest packet
+        (FlowBinding.last, which the fast path's bindings read from here)."""
+        self._entry(e)
+        return self.fe_last[e]
+
+    def set_anchor(self, int64_t e, int64_t last):
+        self._entry(e)
+        self.fe_last[e] = last
+
+    @property
+    def flow_count(self):
+        return self.nflows
+
+    cdef _entry(self, int64_t e):
+        if not 0 <= e < self.nflows:
+            raise IndexError(f"flow entry {e} not in 0..{self.nflows - 1}")
+
+    cdef _flow_arrays(self, int64_t capacity, int64_t keep):
+        """(Re)allocate the entries for `capacity` flows, keeping the first `keep`, and
+        rebuild the hash slots (4 per entry at most: short probe runs)."""
+        cdef int64_t e, size = 1
+        key = np.zeros((capacity, KEY_LEN), np.uint8)
+        cols = [np.zeros(capacity, np.int64) for _ in range(5)]
+        if keep:
+            key[:keep] = self.fe_key[:keep]
+            for col, old in zip(cols, (self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg)):
+                col[:keep] = old[:keep]
+        self.fe_key = key
+        self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg = cols
+        while size < 4 * capacity:
+            size *= 2
+        self.ft_slots = np.full(size, -1, np.int64)
+        for e in range(keep):
+            self._insert(&self.fe_key[e, 0], e)
+
+    cdef void _insert(self, const uint8_t *key, int64_t e) noexcept:
+        cdef int64_t mask = self.ft_slots.shape[0] - 1
+        cdef int64_t i = <int64_t>(hash_key(key) & <uint64_t>mask)
+        while self.ft_slots[i] >= 0:
+            i = (i + 1) & mask
+        self.ft_slots[i] = e
+
+    # -- LL flag bases (Extractor.flag_base, learned by the reference) ---------------------
+    def set_flag_base(self, int64_t conn, int64_t base):
+        if not 0 <= conn < self.fb_known.shape[0]:
+            raise IndexError(f"connection {conn} not in 0..{self.fb_known.shape[0] - 1}")
+        self.fb_known[conn], self.fb_value[conn] = 1, base
 
     # -- decode (parsers/roce.py decode_frame) ---------------------------------------------
     cdef int decode_frame(self, const uint8_t *d, int64_t n, int64_t origlen, int linktype,
@@ -623,14 +869,8 @@ cdef class BatchKernel:
 
     # -- flows (ckptd/transports/roce/flows.py FlowBinder.bound) ------------------------------------------------
     cdef int64_t lookup_flow(self, const uint8_t *key) noexcept nogil:
-        # the key's five 64-bit words, multiply-xorshift mixed (ckptd.fast.pipeline.flow_hash)
-        cdef uint64_t h = 0, w
-        cdef int64_t i, e, mask = self.ft_slots.shape[0] - 1
-        for i in range(KEY_LEN // 8):
-            memcpy(&w, key + 8 * i, 8)
-            h = (h ^ w) * 0x9E3779B97F4A7C15ULL
-            h ^= h >> 29
-        i = <int64_t>(h & <uint64_t>mask)
+        cdef int64_t e, mask = self.ft_slots.shape[0] - 1
+        cdef int64_t i = <int64_t>(hash_key(key) & <uint64_t>mask)
         while True:
             e = self.ft_slots[i]
             if e < 0:
@@ -640,15 +880,10 @@ cdef class BatchKernel:
             i = (i + 1) & mask
 
     cdef inline void flow_key(self, const uint8_t *d, Frame *f, uint32_t dqp, uint8_t *key) noexcept nogil:
-        memset(key, 0, KEY_LEN)
-        key[0] = f.ip_ver
-        memcpy(&key[4], &dqp, 4)
         if f.ip_ver == 4:
-            memcpy(&key[8], d + f.ip_off + 12, 4)
-            memcpy(&key[24], d + f.ip_off + 16, 4)
+            make_key(dqp, d + f.ip_off + 12, d + f.ip_off + 16, 4, key)
         else:
-            memcpy(&key[8], d + f.ip_off + 8, 16)
-            memcpy(&key[24], d + f.ip_off + 24, 16)
+            make_key(dqp, d + f.ip_off + 8, d + f.ip_off + 24, 16, key)
 
     cdef int ack(self, const uint8_t *d, Frame *f, int64_t *flow_out) noexcept nogil:
         """Extractor.feed for an ACK: counted; while its hop is unbound the binder also

@@ -37,29 +37,33 @@ FLOWCHECK_PLAN = Path(__file__).parent / "data" / "flowcheck_allreduce_plan.json
 
 
 # -- running both and comparing -------------------------------------------------------------
-def _recording(cls):
-    """The pipeline class, recording every finalized assembly and the frame count at
-    each bucket step and finalize."""
-    class Recording(cls):
-        def _frames(self):
-            return sum(c["frames"] for c in self.classes)
+def _record(pipe):
+    """Record on a pipeline (the reference, or the one inside the fast path) every
+    finalized assembly and the frame count at each bucket step and finalize."""
+    inner = getattr(pipe, "pipeline", pipe)
+    pipe.snaps, pipe.events = [], []
 
-        def _finalize(self, asm):
-            self.snaps.append(dict(
-                it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
-                by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
-                conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
-                ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
-            self.events.append(("finalize", asm.iteration, self._frames()))
-            super()._finalize(asm)
+    def frames():
+        return sum(c["frames"] for c in inner.classes)
 
-        def _apply_ready_buckets(self, asm):
-            before = self.next_bucket
-            super()._apply_ready_buckets(asm)
-            self.events += [("step", asm.iteration, b, self._frames()) for b in range(before, self.next_bucket)]
+    finalize, apply_ready = inner._finalize, inner._apply_ready_buckets
 
-    Recording.__name__ = cls.__name__
-    return Recording
+    def _finalize(asm):
+        pipe.snaps.append(dict(
+            it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
+            by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
+            conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
+            ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
+        pipe.events.append(("finalize", asm.iteration, frames()))
+        finalize(asm)
+
+    def _apply_ready_buckets(asm):
+        before = inner.next_bucket
+        apply_ready(asm)
+        pipe.events.extend(("step", asm.iteration, b, frames()) for b in range(before, inner.next_bucket))
+
+    inner._finalize, inner._apply_ready_buckets = _finalize, _apply_ready_buckets
+    return pipe
 
 
 def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, frames=None, dumps=None,
@@ -70,9 +74,7 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     all at once (one Batch)."""
     def new(cls, dump=None, **kw):
         start = load_checkpoint(start_path) if start_path else None
-        p = _recording(cls)(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw)
-        p.snaps, p.events = [], []
-        return p
+        return _record(cls(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw))
 
     ref = new(Pipeline, dumps and str(dumps[0]))
     src = frames() if frames else file_source(paths, ref.errors)

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, load_captures,
-                           stream_batches)
+from ckptd.fast.batches import (BufferPool, ReaderStage, batch_from_frames, load_capture, load_captures,
+                               stream_batches)
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
@@ -329,8 +329,12 @@ def _stream_files(tmp_path, rng, n=3, frames=300):
     return paths
 
 
-@pytest.mark.parametrize("chunk", [100, 4096, 70_000, 1 << 24])
-def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
+@pytest.mark.parametrize("chunk,pooled", [(100, False), (4096, False), (70_000, False), (1 << 24, False),
+                                          (100, True), (1 << 20, True)])
+def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, pooled):
+    """Also with the reader's buffers recycled (BufferPool): a Batch handed back when the
+    consumer takes the next is overwritten later, so each is read at once here, as the
+    fast pipeline does."""
     paths = _stream_files(tmp_path, random.Random(chunk))
     # a file cut inside its last record among them
     errors_ref, errors = [], []
@@ -339,7 +343,9 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
     paths[1] = str(cut)
     want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
     got = []
-    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk), depth=2)
+    pool = BufferPool() if pooled else None
+    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk, pool=pool), depth=2,
+                        release=pool and (lambda batch: pool.give_back(batch.buf)))
     nbatches = 0
     for b in stage:
         nbatches += 1
@@ -347,6 +353,8 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
     assert got == want and errors == errors_ref and len(errors) == 1
     if chunk <= 4096:
         assert nbatches > 10
+    if pooled and chunk <= 4096:  # chunks and batches: a few buffers in turn, not one each
+        assert pool.made < 20 < nbatches
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():

@@ -57,7 +57,8 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, stream_batches
+from ckptd.fast.batches import (CHUNK_BYTES, Batch, BufferPool, ReaderStage, batch_from_frames,
+                                stream_batches)
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
@@ -631,8 +632,9 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors,
-                                        chunk_bytes or CHUNK_BYTES))
+    pool = BufferPool()  # the reader's buffers, handed back batch by batch
+    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES, pool),
+                         release=lambda batch: pool.give_back(batch.buf))
     pipe.yield_to_commit = reader.pause
     try:
         for batch in reader:

@@ -14,10 +14,13 @@ It is the compiled twin of the reference path, stage for stage and name for name
     assemble                  ckptd/core/assemble.py IterationAssembly.place: copy, coverage
                               (total, per stream, per bucket), conflicts
 
-The kernel never decides anything the reference has not already decided for it: flows
-are bound by Python's FlowBinder and registered here; LL flag bases are learned by the
-reference Extractor and copied here; iterations are opened and finalized by the Python
-pipeline and their IterationAssembly arrays handed in. Whenever a frame needs a
+The kernel never decides anything the reference has not already decided for it, but it
+owns the tables those decisions fill: flows bound by Python's FlowBinder are entered
+with add_flow (the one flow hash is here), their PSN anchors live here and the
+reference reads and moves them through anchor/set_anchor; LL flag bases learned by the
+reference Extractor are set with set_flag_base; iterations are tracked, opened (the
+kernel lends its buffers to the pipeline's IterationAssembly) and closed by the Python
+pipeline (track_iteration, open_iteration, close_iteration). Whenever a frame needs a
 decision the kernel does not hold (a flow it does not know, an iteration it does not
 track, a connection whose flag base is unknown, a rejection the reference must describe
 in its examples, a GRE-wrapped frame, ...), `run` stops *before* changing any state for
@@ -347,8 +350,9 @@ ACK_FLOW_QP = <uint32_t>ACK_QP  # the dest QP of a hop's ACK key
 cdef class BatchKernel:
     """Decode, place and assemble frames; see the module docstring for the contract.
 
-    All tables are numpy arrays owned by ckptd/fast/pipeline.py (it builds them from the plan,
-    the FlowBinder and the open IterationAssembly objects); the kernel keeps typed views.
+    The plan's tables (opcodes, compiled schedule) come in through set_tables, read only;
+    the flow table, flag bases, iteration slots with their buffers, and the output
+    counts are the kernel's own, changed from Python only through its methods.
     """
     # options
     cdef public bint trust_icrc       # skip the ICRC check: the NIC already did it

@@ -4,8 +4,8 @@
               (offsets, lengths, stream ids) and merged in capture-time order -> Batch
     decode    \\
     place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
-    assemble  /  into the open IterationAssembly arrays
-    apply, keep   ckptd.pipeline.Pipeline's own, unchanged
+    assemble  /  into the iteration buffers it lends the pipeline's IterationAssembly
+    apply, keep   ckptd.pipeline.Pipeline's own, unchanged (FastPipeline wraps one)
 
 The pure-Python path (ckptd.pipeline, ckptd.transports.roce.extract, ckptd.transports.roce.flows, ckptd.core.assemble) stays
 the reference, and this module leans on it for every decision the kernel cannot make
@@ -16,7 +16,7 @@ alone. The kernel stops at a frame that needs one, before changing anything for 
     ack             an ACK of a hop whose flows are not all bound (FlowBinder.note_ack)
     iteration       a packet of an iteration the kernel does not track, or an allgather
                     placement into one the pipeline has not opened, or a reduce-scatter
-                    placement beyond the highest iteration (Pipeline._assemble moves on)
+                    placement beyond the highest iteration (Pipeline.place moves on)
     flag_base       LL, a connection whose flag base the Extractor has not learned yet
     example         a rejection while the Extractor still keeps examples (the first 20)
     rs_dump         reduce-scatter step 0 while gradients are dumped
@@ -26,11 +26,14 @@ alone. The kernel stops at a frame that needs one, before changing anything for 
 and after a frame that completed a bucket (`complete`), so that the pipeline steps the
 shadow and commits exactly when the reference would. Python runs the reference path on
 that one frame (RoceTransport.feed_frame, or Extractor.feed on the packet the kernel
-decoded; Pipeline._assemble), copies what changed into the kernel's tables (bindings,
-PSN anchors, flag bases, live iterations) and resumes at the next frame. So every frame
-is processed in capture order by exactly one of the two, and buffers, coverage,
-conflicts, counters, loss, reports and their timing come out as the reference's
-(tests/test_fastpath.py compares them all).
+decoded; Pipeline.place) and resumes at the next frame. The kernel owns its tables; the
+reference writes each decision into them as it makes it (the DataPlane protocol of
+ckptd.transports.roce.flows, implemented by KernelTables: bindings, unrelated flows and
+ACKs, flag bases), and a bound flow's PSN anchor exists only in the kernel
+(KernelBinding), so nothing is copied back and forth. So every frame is processed in
+capture order by exactly one of the two, and buffers, coverage, conflicts, counters,
+loss, reports and their timing come out as the reference's (tests/test_fastpath.py
+compares them all).
 
 Entry points: `fast_replay` (ckptd.pipeline.replay's twin), `FastPipeline.run_batch` for
 batches from any source (a capture-ring block is a Batch too), `FastExtractor` for the

@@ -42,21 +42,3 @@ int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *ou
     }
     return !bad;
 }
-
-/* ---- coverage bitmaps (ckptd/core/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
-/* elements of [s, s + n) covered: bit by bit to a byte boundary, then 64 at a time */
-int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) {
-    int64_t c = 0, k = s, e = s + n;
-    for (; k < e && (k & 7); k++) c += ckptd_bit(b, k);
-    for (; k + 64 <= e; k += 64) { uint64_t w; memcpy(&w, b + (k >> 3), 8); c += __builtin_popcountll(w); }
-    for (; k + 8 <= e; k += 8) c += __builtin_popcount(b[k >> 3]);
-    for (; k < e; k++) c += ckptd_bit(b, k);
-    return c;
-}
-
-void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) {
-    int64_t k = s, e = s + n;
-    for (; k < e && (k & 7); k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-    if (k + 8 <= e) { int64_t full = (e - k) >> 3; memset(b + (k >> 3), 0xFF, full); k += full << 3; }
-    for (; k < e; k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-}

@@ -1,9 +1,17 @@
-"""Build of the Cython batch kernel (cython_ext/); the metadata is in pyproject.toml."""
+"""Build of the Cython batch kernel (cython_ext/); the metadata is in pyproject.toml.
+
+The kernel is batch.pyx plus plain C beside it (crc.c: the folding CRC and the ICRC;
+lines.c: NCCL LL lines and coverage bitmaps) and wire.pxd (the wire constants it shares
+with the Python reference); MANIFEST.in ships them in the sdist."""
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+KERNEL_C = ["cython_ext/crc.c", "cython_ext/lines.c"]
+KERNEL_HEADERS = ["cython_ext/crc.h", "cython_ext/lines.h", "cython_ext/wire.pxd"]
+
 extensions = [
-    Extension("cython_ext.batch", ["cython_ext/batch.pyx"], libraries=["z"], extra_compile_args=["-O3"]),
+    Extension("cython_ext.batch", ["cython_ext/batch.pyx", *KERNEL_C], include_dirs=["cython_ext"],
+              depends=KERNEL_HEADERS, libraries=["z"], extra_compile_args=["-O3"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

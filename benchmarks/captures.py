@@ -36,6 +36,20 @@ def capture(protocol: str, mtu: int, model: str = "default", iterations: int = 3
     return d
 
 
+def replay_scenario() -> Path:
+    """The end-to-end replay scenario of issue 16: `ckptd synth --ranks 8 --model default
+    --mirrors 3 --iterations 4 --loss 1e-3` (2.6M parameters, 2 channels, Simple, MTU
+    4096; ~446 MB of mirror captures), with the trainer's init.pt and checkpoints."""
+    d = bench_dir() / "replay-8ranks-default-4it"
+    if not (d / "synth.json").exists():
+        t = time.perf_counter()
+        print(f"synthesizing {d} ...", flush=True)
+        synthesize(SynthOptions(out=str(d), model="default", ranks=8, mirrors=3, loss=1e-3,
+                                iterations=4, seed=1))
+        print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
+    return d
+
+
 def mirrors(d: Path) -> list[str]:
     return sorted(str(p) for p in (d / "mirrors").glob("*.pcap"))
 

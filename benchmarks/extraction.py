@@ -2,6 +2,7 @@
 and scapy-based extractors a user would otherwise write.
 
     python -m benchmarks.extraction [--reps 7] [--scapy-frames 1500] [--configs simple-4096,...]
+    python -m benchmarks.extraction --replay [--reps 5]     # end-to-end `ckptd replay` only
 
 For Simple and LL, path MTU 1024 and 4096, one and three mirror streams, from memory
 (the captures are read and indexed first, not timed), pinned to one core:
@@ -21,6 +22,14 @@ For Simple and LL, path MTU 1024 and 4096, one and three mirror streams, from me
     dpkt, scapy   benchmarks/minimal_extractors.py on the same pcap bytes (scapy on the
                   first --scapy-frames frames of each file)
 
+--replay: what `ckptd replay` does by default (ckptd.fast.pipeline.fast_replay: files
+read in chunks on the reader thread, kernel, shadow model with the optimizer step,
+reports; no checkpoint files written) on benchmarks.captures.replay_scenario (8 ranks,
+3 streams, 4 iterations, ~446 MB), timed from the call to its return (the pipeline's
+construction included, the plan and the starting state loaded before), side by side
+with a memcpy of the same bytes; not pinned (the reader thread has a core of its own
+where the machine has one).
+
 each with the ICRC checked by the folding CRC (VPCLMULQDQ) and with the NIC trusted
 (ICRC off). GB/s counts captured frame bytes. Every variant runs --reps times,
 interleaved with the memcpy, and the best time counts: on a shared machine the best run
@@ -36,10 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.captures import CONFIGS, capture, mirrors
+from benchmarks.captures import CONFIGS, capture, mirrors, replay_scenario
 from benchmarks.minimal_extractors import extract_dpkt, extract_scapy
 from ckptd.fast.batches import load_captures
-from ckptd.fast.pipeline import FastPipeline, crc_choices, isal_crc_address
+from ckptd.core.checkpoint import load_checkpoint
+from ckptd.fast.pipeline import FastPipeline, crc_choices, fast_replay, isal_crc_address
 from ckptd.pipeline import ReplayOptions
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
@@ -78,28 +88,30 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-class _Timed(FastPipeline):
-    """Notes when the first bucket completed (or iteration finalized), and how many frames
-    had been seen by then: the end of the warm-up."""
+def _timed_pipeline(plan, nstreams, trust: bool, crc: str) -> FastPipeline:
+    """A FastPipeline noting when the first bucket completed (or iteration finalized),
+    and how many frames had been seen by then: the end of the warm-up."""
+    pipe = FastPipeline(plan, None, nstreams, ReplayOptions(), trust_icrc=trust, crc=crc)
+    pipe.first_final = None
+    inner = pipe.pipeline
+    after_placement, finalize = inner.after_placement, inner._finalize
 
-    first_final = None
+    def mark():
+        if pipe.first_final is None:
+            pipe.first_final = (time.perf_counter(), sum(c["frames"] for c in inner.classes))
 
-    def _mark(self):
-        if self.first_final is None:
-            self.first_final = (time.perf_counter(), sum(c["frames"] for c in self.classes))
-
-    def _after_placement(self, it):
-        self._mark()
-        super()._after_placement(it)
-
-    def _finalize(self, asm):
-        self._mark()
-        super()._finalize(asm)
+    def marked(fn):
+        def call(arg):
+            mark()
+            return fn(arg)
+        return call
+    inner.after_placement, inner._finalize = marked(after_placement), marked(finalize)
+    return pipe
 
 
 def run_fast(plan, batch, nstreams, trust: bool, crc: str = "auto"):
     """(end-to-end seconds, kernel seconds, steady-state bytes/s, pipeline)"""
-    pipe = _Timed(plan, None, nstreams, ReplayOptions(), trust_icrc=trust, crc=crc)
+    pipe = _timed_pipeline(plan, nstreams, trust, crc)
     t = time.perf_counter()
     pipe.run_batch(batch)
     pipe.finish()
@@ -162,13 +174,56 @@ def bench_config(protocol: str, mtu: int, nstreams: int, reps: int, scapy_frames
     return out
 
 
+def bench_replay(reps: int) -> list[str]:
+    """fast_replay of the replay scenario against a memcpy of the same bytes, interleaved;
+    best of reps."""
+    d = replay_scenario()
+    paths = mirrors(d)
+    buf = np.concatenate([np.fromfile(p, np.uint8) for p in paths])
+    dst = np.empty_like(buf)
+    np.copyto(dst, buf)
+    chunk = 64 << 20
+
+    def chunked():
+        for lo in range(0, len(buf), chunk):
+            np.copyto(dst[lo:lo + chunk], buf[lo:lo + chunk])
+
+    times: dict[str, list[float]] = {}
+    statuses = None
+    for _ in range(reps):
+        times.setdefault("memcpy", []).append(_timed(lambda: np.copyto(dst, buf)))
+        times.setdefault("memcpy64", []).append(_timed(chunked))
+        plan, start = load_plan(d / "plan.json"), load_checkpoint(d / "init.pt")
+        t = time.perf_counter()
+        pipe = fast_replay(plan, paths, start, ReplayOptions())
+        times.setdefault("replay", []).append(time.perf_counter() - t)
+        times.setdefault("kernel", []).append(pipe.kernel_seconds)
+        statuses = [r.status for r in pipe.reports]
+    best = {k: min(v) for k, v in times.items()}
+    n = len(buf)
+    mc, mc64, e2e = n / best["memcpy"], n / best["memcpy64"], n / best["replay"]
+    return ["| scenario | MB | memcpy GB/s: one call (64 MiB calls) | replay s (median) | replay GB/s | "
+            "x memcpy one call (x 64 MiB) | kernel s | iterations |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| 8 ranks, 3 streams, 4 iterations | {n / 1e6:.0f} | {mc / 1e9:.1f} ({mc64 / 1e9:.1f}) | "
+            f"{best['replay']:.3f} ({sorted(times['replay'])[len(times['replay']) // 2]:.3f}) | "
+            f"{e2e / 1e9:.2f} | **{e2e / mc:.3f}** ({e2e / mc64:.3f}) | {best['kernel']:.3f} | "
+            f"{statuses.count('committed')}/{len(statuses)} committed |"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--replay", action="store_true", help="only the end-to-end replay table")
     ap.add_argument("--scapy-frames", type=int, default=1500, help="frames per file for scapy (0: skip)")
     ap.add_argument("--configs", default=",".join(f"{p}-{m}" for p, m in CONFIGS))
     ap.add_argument("--streams", default="1,3")
     a = ap.parse_args()
+    if a.replay:
+        print(f"machine: {machine()}; not pinned\n")
+        for line in bench_replay(a.reps):
+            print(line)
+        return
     cpu = pin_one_core()
     print(f"machine: {machine()}; pinned to cpu {cpu}")
     print(f"ICRC: {crc_choices()[0]} (available: {', '.join(crc_choices())})\n")

@@ -232,13 +232,13 @@ class RssSampler:
 
 
 def _pipeline_on_stack():
-    """The FastPipeline finalizing the iteration being reported, and that iteration's
+    """The pipeline finalizing the iteration being reported, and that iteration's
     assembly (on_iteration gets only the report; the benchmark wants structure sizes)."""
-    from ckptd.fast.pipeline import FastPipeline
+    from ckptd.pipeline import Pipeline
     f = sys._getframe(2)
     while f is not None:
         me = f.f_locals.get("self")
-        if isinstance(me, FastPipeline):
+        if isinstance(me, Pipeline):
             return me, f.f_locals.get("asm")
         f = f.f_back
     return None, None
@@ -247,8 +247,8 @@ def _pipeline_on_stack():
 def structure_bytes(pipe, finishing) -> dict:
     """Bytes of what the pipeline holds besides the shadow: per-iteration buffers
     (gradient data, the covered map, one covered map per stream) of the open iterations
-    and of the one being committed, arrays parked in the ArrayPool, the kernel's
-    received-packet maps."""
+    and of the one being committed, and the kernel's: buffers and received maps kept for
+    reuse, received maps in use."""
     asms = list(pipe.open.values())
     if finishing is not None and all(finishing is not a for a in asms):
         asms.append(finishing)
@@ -256,8 +256,7 @@ def structure_bytes(pipe, finishing) -> dict:
            "gradient_data": sum(a.nbytes for asm in asms for a in asm.data),
            "covered": sum(a.nbytes for asm in asms for a in asm.covered),
            "covered_per_stream": sum(a.nbytes for asm in asms for maps in asm.by_stream for a in maps),
-           "pool": sum(a.nbytes for arrs in pipe.pool.free.values() for a in arrs),
-           "received_maps": sum(m.nbytes for m in pipe.extract.slot_recv_maps.values())}
+           **{k: v for k, v in pipe.extract.kernel.buffer_bytes().items() if k != "lent"}}
     if pipe.shadow is not None:
         st = pipe.shadow.state
         out["shadow"] = sum(t.nbytes for t in pipe.shadow.params + st.exp_avg + st.exp_avg_sq)
@@ -326,7 +325,7 @@ def instrument() -> dict:
     wrap(FastExtractor, "stream_loss", "stream_loss", lambda a: a[2])
     wrap(Pipeline, "_finalize", "finalize", lambda a: a[1].iteration)
     wrap(Pipeline, "_apply", "apply", lambda a: a[1].iteration)
-    wrap(FastPipeline, "_python_frame", "python_frame", lambda a: a[4])
+    wrap(FastPipeline, "_python_frame", "python_frame", lambda a: a[3])
 
     def timed_iter(it, label):
         it = iter(it)
@@ -581,7 +580,7 @@ def report(plan: Plan, gen: dict, res: dict, iterations: int) -> tuple[list[str]
                        ("gradient_data", "iteration buffers: gradient data"),
                        ("covered", "iteration buffers: covered map"),
                        ("covered_per_stream", f"iteration buffers: {streams} per-stream covered maps"),
-                       ("pool", "ArrayPool (parked for reuse)"),
+                       ("kept", "kernel: buffers and received maps kept for reuse"),
                        ("received_maps", "kernel received-packet maps")):
         if key in last:
             lines.append(f"| at the last commit, {label} | {fmt_gib(last[key])} | {last[key] / ideal:.2f} |")

@@ -98,8 +98,11 @@ def cmd_replay(a) -> int:
     names = [Path(p).stem for p in a.pcap]
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from)
+    if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
+        print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
+        return 2
     t0 = time.time()
-    if a.fast and plan.transport == "roce":
+    if plan.transport == "roce" and not a.reference_path:
         from ckptd.fast.pipeline import fast_replay
         pipe = fast_replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
                            trust_icrc=a.trust_icrc)
@@ -294,10 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--join-from", type=int, metavar="N",
                    help="with --join (implies it): an iteration the job had already reached when the "
                         "capture began; needed once a QP has carried over 2**24 packets (PSNs wrap)")
+    r.add_argument("--reference-path", action="store_true",
+                   help="decode and place with the pure-Python reference path instead of the Cython batch "
+                        "kernel (the default for RoCE plans: same results, files read in chunks on a thread "
+                        "of their own); gloo plans always take the reference path")
     r.add_argument("--fast", action="store_true",
-                   help="use the Cython batch kernel (same results; the files are read in chunks on a thread of their own)")
+                   help="the batch kernel, which is the default now (accepted so older command lines work)")
     r.add_argument("--trust-icrc", action="store_true",
-                   help="with --fast: skip ICRC checks (the NIC/switch already verified them)")
+                   help="skip ICRC checks (the NIC/switch already verified them); fast path only")
     r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")
     r.set_defaults(func=cmd_replay)
 

@@ -144,11 +144,21 @@ class ReplayOptions:
 
 
 class Pipeline:
-    """Wires the stages; `run` drives every frame through and reports each iteration."""
+    """Wires the stages; `run` drives every frame through and reports each iteration.
+
+    The fast path (ckptd.fast.pipeline.FastPipeline) puts its kernel in front of the same
+    object through the public calls below: `make_transport` builds the decode + place
+    stage, `place` and `after_placement` take what it placed, `count_late` what arrived
+    too late, `wants_every_placement` says when it must stop after a placement,
+    `open_assembly`/`close_assembly` lend and take back an iteration's buffers, and
+    `finish` ends the input."""
 
     def __init__(self, plan: Plan, start: dict | None, nstreams: int, opts: ReplayOptions,
                  on_iteration: Callable[[IterationReport], None] | None = None,
-                 keep_reports: int | None = None):
+                 keep_reports: int | None = None, *,
+                 make_transport: Callable[[Plan, int | None], Transport] = transport_for,
+                 open_assembly: Callable[[int], IterationAssembly] | None = None,
+                 close_assembly: Callable[[IterationAssembly], None] | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
         # Wire iteration 0 (the first allreduces of this communicator) is the training
         # iteration after the starting state: a job restarted from checkpoint k runs
@@ -160,7 +170,11 @@ class Pipeline:
                                  - self.offset)
         self.joined: int | None = None  # joining: the (training) iteration joined at
         self.before_join = 0  # packets placed into iterations before it, dropped
-        self.extract: Transport = transport_for(plan, self.join_wire)  # decode + place
+        self.extract: Transport = make_transport(plan, self.join_wire)  # decode + place
+        # where an iteration's buffers come from, and where they go once it is finalized
+        # (the fast path's kernel lends its own and takes them back for reuse)
+        self.open_assembly = open_assembly or (lambda it: IterationAssembly(it, plan.buckets(it), nstreams))
+        self.close_assembly = close_assembly
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
         # a --resume file's iteration; the file is read again when needed, since the
         # shadow takes over (and then changes) the tensors of the state it starts from
@@ -199,9 +213,14 @@ class Pipeline:
             classes = self.classes[stream]
             classes["frames"] += 1
             for pl in self.extract.feed_frame(stream, fr, classes):
-                self._assemble(pl)
+                self.place(pl)
+        return self.finish(abandon)
+
+    def finish(self, abandon: bool = False) -> list[IterationReport]:
+        """End of input: place what the transport held back, then finalize (or abandon)
+        what is open."""
         for pl in self.extract.flush():
-            self._assemble(pl)
+            self.place(pl)
         if self.joining:
             self._try_join(force=True)
         if self.joining:  # no flow of the job was ever bound: nothing to join
@@ -215,6 +234,7 @@ class Pipeline:
                 rep = IterationReport(it + self.offset, "abandoned", asm.packets, asm.bytes,
                                       [asm.coverage(s) for s in range(self.nstreams)],
                                       note=f"stopped with {100 * (1 - asm.coverage()):.2f}% missing")
+                self._close(asm)
                 self.reports.append(rep)
                 if self.on_iteration:
                     self.on_iteration(rep)
@@ -235,19 +255,21 @@ class Pipeline:
             self.apply_waits += self.applier.waits
             self.applier = None
 
-    def _assemble(self, pl: Placement):
+    def place(self, pl: Placement):
+        """Assemble one placement (and whatever it sets off: finalizing iterations that
+        are two behind, joining, stepping the shadow, committing)."""
         it = pl.iteration
         if pl.phase == RS:
             if self.opts.dump_gradients and pl.ring_step == 0:
                 # a loop's first reduce-scatter send carries the sender's own values
                 self.rs_open.setdefault(it, {}).setdefault(pl.sender, []).append(pl)
         elif it <= self.done:
-            self._count_late(1)
+            self.count_late(1)
             return
         else:
             asm = self.open.get(it)
             if asm is None:
-                asm = self.open[it] = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
+                asm = self.open[it] = self.open_assembly(it)
             asm.place(pl.stream, pl.bucket, pl.start, pl.raw)
             asm.last_packet = time.monotonic()
         if it > self.highest:
@@ -257,14 +279,14 @@ class Pipeline:
                 self._dump_rs(upto=it - FINALIZE_LAG)
         if self.joining:
             self._try_join()
-        self._after_placement(it)
+        self.after_placement(it)
 
     @property
     def joining(self) -> bool:
         """Joining a running job, and not yet known where."""
         return self.opts.join and self.joined is None
 
-    def _count_late(self, n: int):
+    def count_late(self, n: int):
         """Packets of iterations already done: late, or while joining, before the join."""
         if self.joining:
             self.before_join += n
@@ -295,14 +317,16 @@ class Pipeline:
     def _drop_before(self, at: int):
         """Joining: forget every iteration before `at`, as if done."""
         for it in [i for i in self.open if i < at]:
-            self.before_join += self.open.pop(it).packets
+            asm = self.open.pop(it)
+            self.before_join += asm.packets
+            self._close(asm)
         for it in [i for i in self.rs_open if i < at]:
             del self.rs_open[it]
         self.extract.forget_before(at)
         self.done = self.extract.done = at - 1
         self.highest = max(self.highest, at - 1)
 
-    def _after_placement(self, it: int):
+    def after_placement(self, it: int):
         """After a placement into iteration it: step the shadow on the next iteration's
         whole buckets, and commit complete iterations at once, in order. The fast path
         calls this too, after each frame that completed a bucket."""
@@ -313,13 +337,25 @@ class Pipeline:
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
             self._finalize_through(self.done + 1)
 
+    def wants_every_placement(self, asm: IterationAssembly) -> bool:
+        """Would a placement into asm that completes no bucket make the pipeline act?
+        Only when asm is the next iteration and a whole bucket waits to be stepped."""
+        return (asm.iteration == self.done + 1 and self._bucketwise()
+                and self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket))
+
+    def _close(self, asm: IterationAssembly):
+        """The pipeline is done with this iteration's buffers: hand them back."""
+        if self.close_assembly is not None:
+            self.close_assembly(asm)
+
     # -- finalize, apply, keep -------------------------------------------------------
     def _finalize_through(self, upto: int):
         while self.done < upto:
             it = self.done + 1
-            asm = self.open.pop(it, None) or IterationAssembly(it, self.plan.buckets(it), self.nstreams)
+            asm = self.open.pop(it, None) or self.open_assembly(it)
             self.done = self.extract.done = it
             self._finalize(asm)
+            self._close(asm)
 
     def _finalize(self, asm: IterationAssembly):
         wire = asm.iteration

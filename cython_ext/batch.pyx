@@ -14,10 +14,13 @@ It is the compiled twin of the reference path, stage for stage and name for name
     assemble                  ckptd/core/assemble.py IterationAssembly.place: copy, coverage
                               (total, per stream, per bucket), conflicts
 
-The kernel never decides anything the reference has not already decided for it: flows
-are bound by Python's FlowBinder and registered here; LL flag bases are learned by the
-reference Extractor and copied here; iterations are opened and finalized by the Python
-pipeline and their IterationAssembly arrays handed in. Whenever a frame needs a
+The kernel never decides anything the reference has not already decided for it, but it
+owns the tables those decisions fill: flows bound by Python's FlowBinder are entered
+with add_flow (the one flow hash is here), their PSN anchors live here and the
+reference reads and moves them through anchor/set_anchor; LL flag bases learned by the
+reference Extractor are set with set_flag_base; iterations are tracked, opened (the
+kernel lends its buffers to the pipeline's IterationAssembly) and closed by the Python
+pipeline (track_iteration, open_iteration, close_iteration). Whenever a frame needs a
 decision the kernel does not hold (a flow it does not know, an iteration it does not
 track, a connection whose flag base is unknown, a rejection the reference must describe
 in its examples, a GRE-wrapped frame, ...), `run` stops *before* changing any state for
@@ -32,263 +35,7 @@ from libc.string cimport memcmp, memcpy, memset
 
 import numpy as np
 
-cdef extern from *:
-    """
-    /* ---- ICRC: CRC-32 (zlib's polynomial, reflected) -------------------------------
-     * Stock zlib runs at 2-4 GB/s, far below a memcpy, so on x86 every frame goes
-     * through a carry-less-multiply folding CRC written for this kernel: the message is
-     * folded 128 bits at a time (a lane times x^D mod P moves it D bits on), then one
-     * lane is reduced to 32 bits (two more folds and a Barrett step) and a < 16-byte
-     * tail goes through a byte table. Fold constants K_lo = reflect64(x^(D+63) mod P),
-     * K_hi = reflect64(x^(D-1) mod P): ckptd/fast/pipeline.py fold_constants(), and the
-     * reduction's reduction_constants(); the tests check both and every length
-     * against zlib. zlib stays the fallback where the CPU has no PCLMULQDQ. */
-    #include <stdint.h>
-    #include <stddef.h>
-    #include <string.h>
-    #include <zlib.h>
-
-    typedef uint32_t (*ckptd_crc_fn)(uint32_t, const uint8_t *, uint64_t);
-
-    static uint32_t ckptd_crc_zlib(uint32_t crc, const uint8_t *p, uint64_t n) {
-        while (n > 0x40000000u) {  /* zlib takes uInt lengths */
-            crc = (uint32_t)crc32(crc, p, 0x40000000u); p += 0x40000000u; n -= 0x40000000u;
-        }
-        return n ? (uint32_t)crc32(crc, p, (uInt)n) : crc;
-    }
-
-    #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-    #define CKPTD_X86 1
-    #include <immintrin.h>
-    #define K128_LO 0x65673b4600000000ULL
-    #define K128_HI 0x9ba54c6f00000000ULL
-    #define K256_LO 0x9570d49500000000ULL
-    #define K256_HI 0x01b5fd1d00000000ULL
-    #define K512_LO 0x653d982200000000ULL
-    #define K512_HI 0xcad38e8f00000000ULL
-    #define K1024_LO 0x7d657a1000000000ULL
-    #define K1024_HI 0x7406fa9500000000ULL
-    #define K95 0xccaa009e00000000ULL       /* reflect64(x^95 mod P) */
-    #define K63 0xb8bc676500000000ULL       /* reflect64(x^63 mod P) */
-    #define CRC_MU_REFL 0x1f7011641ULL      /* reflect33(floor(x^64 / P)) */
-    #define CRC_P_REFL 0x1db710641ULL       /* reflect33(P) */
-
-    __attribute__((target("pclmul,sse4.1")))
-    static inline __m128i ckptd_fold16(__m128i x, __m128i k, __m128i d) {
-        return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00),
-                                           _mm_clmulepi64_si128(x, k, 0x11)), d);
-    }
-
-    /* The routines below compute the "pure" CRC register (starting at 0, no final
-     * inversion) of the stream  a || p[0:n]  where `a` is a 16-byte lane already in a
-     * register: zlib's crc32(c, X) is ~pure(X with ~c XORed into its first 4 bytes), and
-     * leading zero bytes do not change a pure CRC, which lets the ICRC's masked headers
-     * (a stack block) and the frame's payload (in the capture buffer) be one stream. */
-
-    /* finish: the last lane's register, then the < 16-byte tail a byte at a time.
-     * A lane A = x^64 L + H (L: low qword) gives A x^32 = L x^96 + H x^32; fold L with
-     * x^95 mod P (96 bits left), the next 32 bits with x^63 mod P (64 left), then Barrett:
-     * q = floor(s_hi mu / x^32) with mu = floor(x^64 / P), r = s_lo + (q P mod x^32).
-     * Derived and checked against zlib in ckptd/fast/pipeline.py's reduction_constants(). */
-    static uint32_t ckptd_crc_table[256];
-
-    static void ckptd_crc_table_init(void) {
-        for (uint32_t i = 0; i < 256; i++) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; k++) c = (c >> 1) ^ (c & 1 ? 0xEDB88320u : 0);
-            ckptd_crc_table[i] = c;
-        }
-    }
-
-    __attribute__((target("pclmul,sse4.1")))
-    static inline uint32_t ckptd_pure_finish(__m128i a, const uint8_t *p, uint64_t n) {
-        const __m128i k = _mm_set_epi64x((long long)K63, (long long)K95);
-        const __m128i m = _mm_set_epi64x((long long)CRC_P_REFL, (long long)CRC_MU_REFL);
-        __m128i t = _mm_xor_si128(_mm_clmulepi64_si128(a, k, 0x00),
-                                  _mm_slli_si128(_mm_srli_si128(a, 8), 4));
-        __m128i s = _mm_xor_si128(_mm_clmulepi64_si128(t, k, 0x10),
-                                  _mm_and_si128(t, _mm_set_epi64x(-1, 0)));
-        uint64_t s64 = (uint64_t)_mm_extract_epi64(s, 1);
-        __m128i q = _mm_clmulepi64_si128(_mm_cvtsi64_si128((long long)(s64 & 0xFFFFFFFFu)), m, 0x00);
-        __m128i qp = _mm_clmulepi64_si128(_mm_cvtsi32_si128(_mm_cvtsi128_si32(q)), m, 0x10);
-        uint32_t r = (uint32_t)(s64 >> 32) ^ (uint32_t)((uint64_t)_mm_cvtsi128_si64(qp) >> 32);
-        for (uint64_t i = 0; i < n; i++) r = (r >> 8) ^ ckptd_crc_table[(r ^ p[i]) & 0xFF];
-        return r;
-    }
-
-    /* PCLMULQDQ: four 128-bit lanes while 64 bytes remain, then one */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_pure_clmul(__m128i a, const uint8_t *p, uint64_t n) {
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        if (n >= 112) {
-            const __m128i k4 = _mm_set_epi64x((long long)K512_HI, (long long)K512_LO);
-            __m128i x0 = a;
-            __m128i x1 = _mm_loadu_si128((const __m128i *)p);
-            __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 16));
-            __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 32));
-            p += 48; n -= 48;
-            while (n >= 64) {
-                x0 = ckptd_fold16(x0, k4, _mm_loadu_si128((const __m128i *)p));
-                x1 = ckptd_fold16(x1, k4, _mm_loadu_si128((const __m128i *)(p + 16)));
-                x2 = ckptd_fold16(x2, k4, _mm_loadu_si128((const __m128i *)(p + 32)));
-                x3 = ckptd_fold16(x3, k4, _mm_loadu_si128((const __m128i *)(p + 48)));
-                p += 64; n -= 64;
-            }
-            a = ckptd_fold16(x0, k1, x1);
-            a = ckptd_fold16(a, k1, x2);
-            a = ckptd_fold16(a, k1, x3);
-        }
-        while (n >= 16) { a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)p)); p += 16; n -= 16; }
-        return ckptd_pure_finish(a, p, n);
-    }
-
-    /* VPCLMULQDQ on 256-bit registers (AVX2): eight 128-bit lanes in four registers */
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static inline __m256i ckptd_fold32(__m256i x, __m256i k, __m256i d) {
-        return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
-                                                 _mm256_clmulepi64_epi128(x, k, 0x11)), d);
-    }
-
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static uint32_t ckptd_pure_vclmul(__m128i a, const uint8_t *p, uint64_t n) {
-        if (n < 240) return ckptd_pure_clmul(a, p, n);
-        const __m256i k8 = _mm256_set_epi64x((long long)K1024_HI, (long long)K1024_LO,
-                                             (long long)K1024_HI, (long long)K1024_LO);
-        const __m256i k2 = _mm256_set_epi64x((long long)K256_HI, (long long)K256_LO,
-                                             (long long)K256_HI, (long long)K256_LO);
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        /* lane a comes first in the stream: the low half of the first register */
-        __m256i y0 = _mm256_inserti128_si256(_mm256_castsi128_si256(a), _mm_loadu_si128((const __m128i *)p), 1);
-        __m256i y1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-        __m256i y2 = _mm256_loadu_si256((const __m256i *)(p + 48));
-        __m256i y3 = _mm256_loadu_si256((const __m256i *)(p + 80));
-        p += 112; n -= 112;
-        while (n >= 128) {
-            y0 = ckptd_fold32(y0, k8, _mm256_loadu_si256((const __m256i *)p));
-            y1 = ckptd_fold32(y1, k8, _mm256_loadu_si256((const __m256i *)(p + 32)));
-            y2 = ckptd_fold32(y2, k8, _mm256_loadu_si256((const __m256i *)(p + 64)));
-            y3 = ckptd_fold32(y3, k8, _mm256_loadu_si256((const __m256i *)(p + 96)));
-            p += 128; n -= 128;
-        }
-        __m256i y = ckptd_fold32(y0, k2, y1);
-        y = ckptd_fold32(y, k2, y2);
-        y = ckptd_fold32(y, k2, y3);
-        a = ckptd_fold16(_mm256_castsi256_si128(y), k1, _mm256_extracti128_si256(y, 1));
-        while (n >= 16) { a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)p)); p += 16; n -= 16; }
-        return ckptd_pure_finish(a, p, n);
-    }
-
-    /* zlib's contract on top: crc32(crc, p, n) */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_crc_clmul(uint32_t crc, const uint8_t *p, uint64_t n) {
-        if (n < 64) return ckptd_crc_zlib(crc, p, n);
-        __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)~crc));
-        return ~ckptd_pure_clmul(a, p + 16, n - 16);
-    }
-
-    __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.1")))
-    static uint32_t ckptd_crc_vclmul(uint32_t crc, const uint8_t *p, uint64_t n) {
-        if (n < 64) return ckptd_crc_zlib(crc, p, n);
-        __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)~crc));
-        return ~ckptd_pure_vclmul(a, p + 16, n - 16);
-    }
-
-    /* The ICRC: crc32 of  8 x 0xFF || hdr[0:hn] || p[0:n]  with hn + 8 <= 128. The 8-byte
-     * LRH stand-in with zlib's initial ~0 XORed in is 00 00 00 00 FF FF FF FF; zero bytes
-     * in front make the block a whole number of lanes, folded into one, then the rest. */
-    __attribute__((target("pclmul,sse4.1")))
-    static uint32_t ckptd_icrc_clmul(const uint8_t *hdr, uint64_t hn, const uint8_t *p, uint64_t n, int wide) {
-        uint8_t blk[144];
-        const __m128i k1 = _mm_set_epi64x((long long)K128_HI, (long long)K128_LO);
-        uint64_t len = (8 + hn + 15) & ~(uint64_t)15, z = len - 8 - hn;
-        memset(blk, 0, z + 4);
-        memset(blk + z + 4, 0xFF, 4);
-        memcpy(blk + z + 8, hdr, hn);
-        __m128i a = _mm_loadu_si128((const __m128i *)blk);
-        for (uint64_t j = 16; j < len; j += 16)
-            a = ckptd_fold16(a, k1, _mm_loadu_si128((const __m128i *)(blk + j)));
-        return ~(wide ? ckptd_pure_vclmul(a, p, n) : ckptd_pure_clmul(a, p, n));
-    }
-
-    static int ckptd_cpu_clmul(void) { return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"); }
-    static int ckptd_cpu_vclmul(void) {
-        return ckptd_cpu_clmul() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq");
-    }
-    #else
-    #define CKPTD_X86 0
-    #define K128_LO 0
-    #define K128_HI 0
-    #define K256_LO 0
-    #define K256_HI 0
-    #define K512_LO 0
-    #define K512_HI 0
-    #define K1024_LO 0
-    #define K1024_HI 0
-    static uint32_t ckptd_crc_clmul(uint32_t c, const uint8_t *p, uint64_t n) { return ckptd_crc_zlib(c, p, n); }
-    static uint32_t ckptd_crc_vclmul(uint32_t c, const uint8_t *p, uint64_t n) { return ckptd_crc_zlib(c, p, n); }
-    static uint32_t ckptd_icrc_clmul(const uint8_t *h, uint64_t hn, const uint8_t *p, uint64_t n, int w) { return 0; }
-    static int ckptd_cpu_clmul(void) { return 0; }
-    static void ckptd_crc_table_init(void) {}
-    #define K95 0
-    #define K63 0
-    #define CRC_MU_REFL 0
-    #define CRC_P_REFL 0
-    static int ckptd_cpu_vclmul(void) { return 0; }
-    #endif
-
-    /* ---- NCCL LL lines: {u32 data_lo, u32 flag, u32 data_hi, u32 flag} ----------------
-     * Returns 1 when every flag of every line equals `flag`; writes the 8 data bytes of
-     * each line to `out` (when out is not NULL). The same job as ckptd.transports.roce.extract.ll_unpack
-     * two lines per SSE2 step. */
-    static int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *out) {
-        int64_t i = 0;
-        uint32_t bad = 0;
-    #if CKPTD_X86
-        const __m128i want = _mm_set_epi32((int)flag, 0, (int)flag, 0);
-        const __m128i sel = _mm_set_epi32(-1, 0, -1, 0);       /* the flag words */
-        __m128i acc = _mm_setzero_si128();
-        for (; i + 2 <= lines; i += 2) {
-            __m128i v0 = _mm_loadu_si128((const __m128i *)(in + 16 * i));
-            __m128i v1 = _mm_loadu_si128((const __m128i *)(in + 16 * i + 16));
-            acc = _mm_or_si128(acc, _mm_and_si128(_mm_xor_si128(v0, want), sel));
-            acc = _mm_or_si128(acc, _mm_and_si128(_mm_xor_si128(v1, want), sel));
-            if (out) {
-                __m128i d0 = _mm_shuffle_epi32(v0, _MM_SHUFFLE(3, 1, 2, 0));  /* lo, hi, .. */
-                __m128i d1 = _mm_shuffle_epi32(v1, _MM_SHUFFLE(3, 1, 2, 0));
-                _mm_storeu_si128((__m128i *)(out + 8 * i), _mm_unpacklo_epi64(d0, d1));
-            }
-        }
-        bad = (uint32_t)(_mm_movemask_epi8(_mm_cmpeq_epi8(acc, _mm_setzero_si128())) != 0xFFFF);
-    #endif
-        for (; i < lines; i++) {
-            uint32_t w[4];
-            memcpy(w, in + 16 * i, 16);
-            bad |= (w[1] != flag) | (w[3] != flag);
-            if (out) { memcpy(out + 8 * i, &w[0], 4); memcpy(out + 8 * i + 4, &w[2], 4); }
-        }
-        return !bad;
-    }
-
-    /* ---- coverage bitmaps (ckptd/core/assemble.py: element k is bit k % 8 of byte k / 8) ---- */
-    static inline int ckptd_bit(const uint8_t *b, int64_t k) { return (b[k >> 3] >> (k & 7)) & 1; }
-
-    /* elements of [s, s + n) covered: bit by bit to a byte boundary, then 64 at a time */
-    static int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) {
-        int64_t c = 0, k = s, e = s + n;
-        for (; k < e && (k & 7); k++) c += ckptd_bit(b, k);
-        for (; k + 64 <= e; k += 64) { uint64_t w; memcpy(&w, b + (k >> 3), 8); c += __builtin_popcountll(w); }
-        for (; k + 8 <= e; k += 8) c += __builtin_popcount(b[k >> 3]);
-        for (; k < e; k++) c += ckptd_bit(b, k);
-        return c;
-    }
-
-    static void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) {
-        int64_t k = s, e = s + n;
-        for (; k < e && (k & 7); k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-        if (k + 8 <= e) { int64_t full = (e - k) >> 3; memset(b + (k >> 3), 0xFF, full); k += full << 3; }
-        for (; k < e; k++) b[k >> 3] |= (uint8_t)(1u << (k & 7));
-    }
-    """
+cdef extern from "crc.h":
     ctypedef uint32_t (*ckptd_crc_fn)(uint32_t, const uint8_t *, uint64_t) noexcept nogil
     uint32_t ckptd_crc_zlib(uint32_t crc, const uint8_t *p, uint64_t n) noexcept nogil
     uint32_t ckptd_crc_clmul(uint32_t crc, const uint8_t *p, uint64_t n) noexcept nogil
@@ -299,22 +46,29 @@ cdef extern from *:
     uint64_t K128_LO, K128_HI, K256_LO, K256_HI, K512_LO, K512_HI, K1024_LO, K1024_HI
     uint64_t K95, K63, CRC_MU_REFL, CRC_P_REFL
     void ckptd_crc_table_init() noexcept nogil
+
+cdef extern from "lines.h":
     int ckptd_ll_unpack(const uint8_t *inp, int64_t lines, uint32_t flag, uint8_t *out) noexcept nogil
     int ckptd_bit(const uint8_t *b, int64_t k) noexcept nogil
     int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) noexcept nogil
     void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
 
+from cython_ext.wire cimport *
+
+# the wire constants as compiled (cython_ext/wire.pxd), for the test that checks them
+# against the Python references
+WIRE = dict(
+    LT_ETHERNET=LT_ETHERNET, LT_RAW=LT_RAW, LT_LINUX_SLL=LT_LINUX_SLL, LT_IPV4=LT_IPV4,
+    LT_IPV6=LT_IPV6, LT_LINUX_SLL2=LT_LINUX_SLL2, ETH_TYPE_IPV4=ETH_TYPE_IPV4,
+    ETH_TYPE_IPV6=ETH_TYPE_IPV6, TPIDS=(TPID_8021Q, TPID_8021AD, TPID_9100), PROTO_UDP=PROTO_UDP,
+    PROTO_GRE=PROTO_GRE, ROCEV2_PORT=ROCEV2_PORT, UDP_LEN=UDP_LEN, BTH_LEN=BTH_LEN,
+    ICRC_LEN=ICRC_LEN, WRITE_FIRST=WRITE_FIRST, WRITE_MIDDLE=WRITE_MIDDLE, WRITE_LAST=WRITE_LAST,
+    WRITE_LAST_IMM=WRITE_LAST_IMM, WRITE_ONLY=WRITE_ONLY, WRITE_ONLY_IMM=WRITE_ONLY_IMM,
+    ACKNOWLEDGE=ACKNOWLEDGE, PSN_MASK=PSN_MASK, PSN_MOD=PSN_MOD, LL_LINE=LL_LINE,
+    LL_DATA_PER_LINE=LL_DATA_PER_LINE)
+
 
 # -- constants shared with ckptd/fast/pipeline.py ---------------------------------------------
-# Link types (parsers/frame.py)
-cdef enum:
-    LT_ETHERNET = 1
-    LT_RAW = 101
-    LT_LINUX_SLL = 113
-    LT_IPV4 = 228
-    LT_IPV6 = 229
-    LT_LINUX_SLL2 = 276
-
 # Frame classes: index into the per-stream class counts (order: CLASS_NAMES)
 cdef enum:
     K_FRAMES = 0
@@ -365,34 +119,17 @@ STOP_NAMES = ("end", "unknown_flow", "iteration", "flag_base", "example", "rs_du
 cdef enum:
     FLOW_BOUND = 1
     FLOW_UNRELATED = 2
-
-# RC RDMA WRITE opcodes NCCL's data QPs use (ckptd/transports/roce/flows.py)
-cdef enum:
-    WRITE_FIRST = 6
-    WRITE_MIDDLE = 7
-    WRITE_LAST = 8
-    WRITE_LAST_IMM = 9
-    WRITE_ONLY_IMM = 11
-    ACKNOWLEDGE = 17
     ACK_QP = 0xFFFFFFFF  # dest-QP field of ACK keys (QPNs have 24 bits: no clash)
 
+
 cdef enum:
-    PROTO_UDP = 17
-    PROTO_GRE = 47
-    ROCEV2_PORT = 4791
-    BTH_LEN = 12
-    UDP_LEN = 8
-    ICRC_LEN = 4
-    PSN_MASK = 0xFFFFFF
-    PSN_MOD = 0x1000000
-    PSN_HALF = 0x800000
     KEY_LEN = 40  # flow key: ver, pad[3], dest QP u32 LE, src[16], dst[16]
     HDR_MAX = 120  # masked ICRC headers copied to the stack up to this size
-    LL_LINE = 16
     MAX_MTU = 4096
     MAX_LL_DATA = 2048  # the data of one MTU of LL lines
 
 MAX_SLOTS = 8                  # open iterations the kernel holds at once
+FLOWS_START = 64               # flow entries allocated at first (the table grows itself)
 CONFLICT_CAP = 4096
 
 # the ICRC starts with 8 bytes of 0xFF standing in for the InfiniBand LRH: fold them once
@@ -430,7 +167,7 @@ cdef inline uint32_t le32(const uint8_t *p) noexcept nogil:
 
 cdef inline bint is_tpid(uint32_t t) noexcept nogil:
     # parsers/ethernet.py VLAN_TPIDS: 802.1Q, 802.1ad (QinQ), pre-standard 0x9100
-    return t == 0x8100 or t == 0x88A8 or t == 0x9100
+    return t == TPID_8021Q or t == TPID_8021AD or t == TPID_9100
 
 cdef inline int64_t psn_diff(int64_t a, int64_t b) noexcept nogil:
     # ckptd/core/psn.py psn_diff: a - b as a signed distance in (-2**23, 2**23]
@@ -572,12 +309,50 @@ def merge_order(list ts_per_stream):
     return out_s, out_i
 
 
+# -- flow keys ------------------------------------------------------------------------------
+cdef inline void make_key(uint32_t dqp, const uint8_t *src, const uint8_t *dst, int alen,
+                          uint8_t *key) noexcept nogil:
+    """A flow (source, destination, dest QP) as FlowBinder names it, in KEY_LEN bytes:
+    IP version, 3 zero bytes, dest QP (LE), source and destination zero-padded to 16."""
+    memset(key, 0, KEY_LEN)
+    key[0] = 4 if alen == 4 else 6
+    memcpy(&key[4], &dqp, 4)
+    memcpy(&key[8], src, alen)
+    memcpy(&key[24], dst, alen)
+
+
+cdef inline uint64_t hash_key(const uint8_t *key) noexcept nogil:
+    """The key's five 64-bit words, multiply-xorshift mixed."""
+    cdef uint64_t h = 0, w
+    cdef int i
+    for i in range(KEY_LEN // 8):
+        memcpy(&w, key + 8 * i, 8)
+        h = (h ^ w) * 0x9E3779B97F4A7C15ULL
+        h ^= h >> 29
+    return h
+
+
+def flow_key(bytes src not None, bytes dst not None, uint32_t dqp):
+    """The kernel's key of a flow: packed source and destination addresses (both 4 or
+    both 16 bytes, ipaddress's .packed) and the destination QP (ACK_QP for a hop's ACKs)."""
+    if len(src) != len(dst) or len(src) not in (4, 16):
+        raise ValueError(f"addresses of {len(src)} and {len(dst)} bytes: both 4 (IPv4) or both 16 (IPv6)")
+    cdef uint8_t key[KEY_LEN]
+    make_key(dqp, src, dst, len(src), key)
+    return bytes(key[:KEY_LEN])
+
+
+FLOW_KINDS = {"bound": FLOW_BOUND, "unrelated": FLOW_UNRELATED}
+ACK_FLOW_QP = <uint32_t>ACK_QP  # the dest QP of a hop's ACK key
+
+
 # -- the kernel ----------------------------------------------------------------------------
 cdef class BatchKernel:
     """Decode, place and assemble frames; see the module docstring for the contract.
 
-    All tables are numpy arrays owned by ckptd/fast/pipeline.py (it builds them from the plan,
-    the FlowBinder and the open IterationAssembly objects); the kernel keeps typed views.
+    The plan's tables (opcodes, compiled schedule) come in through set_tables, read only;
+    the flow table, flag bases, iteration slots with their buffers, and the output
+    counts are the kernel's own, changed from Python only through its methods.
     """
     # options
     cdef public bint trust_icrc       # skip the ICRC check: the NIC already did it
@@ -606,9 +381,10 @@ cdef class BatchKernel:
     cdef int64_t[::1] m_nelem, m_phase, m_step, m_ring_step
     cdef uint32_t[::1] m_imm                  # the immediate's 4 wire bytes, read LE
     cdef int64_t[:, ::1] b_itemsize, b_count  # [layout, bucket]
+    cdef int64_t[::1] b_nbuckets              # [layout]
 
-    # flow table: open addressing over entries
-    cdef int64_t[::1] ft_slots                # hash slot -> entry, -1 empty
+    # flow table, owned here (add_flow, anchor, set_anchor): open addressing over entries
+    cdef int64_t[::1] ft_slots                # hash slot -> entry, -1 empty (a power of 2)
     cdef uint8_t[:, ::1] fe_key
     cdef int64_t[::1] fe_kind, fe_tl, fe_base, fe_last, fe_msg
     cdef int64_t nflows
@@ -625,11 +401,14 @@ cdef class BatchKernel:
     cdef int64_t[:, ::1] slot_counts          # [slot, 0 packets | 1 bytes | 2 stop after any placement]
     cdef int64_t[:, :, ::1] slot_bucket       # [slot, bucket, 0 newly covered | 1 still uncovered]
 
-    # outputs drained by Python
+    # outputs drained by Python (the same arrays as numpy objects, read-only attributes)
     cdef int64_t[:, ::1] classes              # [stream, class]
     cdef int64_t[::1] counters
     cdef int64_t[:, ::1] conflicts            # (iteration, stream, bucket, start, end)
     cdef public int64_t nconflicts
+    cdef readonly object class_counts, counter_values, conflict_rows, placed, bucket_state
+    # per slot (Python lists): received map and assembly buffers; free ones per layout
+    cdef object recv_maps, buffers, free_recv, free_buffers
 
     # the batch being processed (set_batch), and what decode found in the last frame
     cdef const uint8_t[::1] b_buf
@@ -646,8 +425,8 @@ cdef class BatchKernel:
         self.highest = -1
         self.crc_impl = 0
         self.crc_fn = ckptd_crc_zlib
-        self.nflows = 0
         self.nconflicts = 0
+        self._flow_arrays(FLOWS_START, 0)
 
     def set_crc(self, int impl, size_t external=0):
         if impl in (1, 2) and not ckptd_cpu_clmul() or impl == 2 and not ckptd_cpu_vclmul():
@@ -660,9 +439,10 @@ cdef class BatchKernel:
     def set_tables(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end,
                    tl_conn, tl_npkts, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
-                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, mtu, ll,
-                   fb_known, fb_value, slot_iter, slot_layout, slot_has_asm, slot_ptr, slot_recv,
-                   slot_counts, slot_bucket, classes, counters, conflicts):
+                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, b_nbuckets, mtu, ll):
+        """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
+        only; the kernel allocates its own flow table, flag bases, iteration slots and
+        output counts."""
         self.op_known, self.op_payload, self.op_is_ack = op_known, op_payload, op_is_ack
         self.op_ext_len, self.op_decoded_end = op_ext_len, op_decoded_end
         self.tl_conn, self.tl_npkts, self.tl_mlo, self.tl_mhi = tl_conn, tl_npkts, tl_mlo, tl_mhi
@@ -671,23 +451,226 @@ cdef class BatchKernel:
         self.m_wire_offset, self.m_bucket, self.m_offset = m_wire_offset, m_bucket, m_offset
         self.m_nelem, self.m_phase, self.m_step, self.m_ring_step = m_nelem, m_phase, m_step, m_ring_step
         self.m_imm = m_imm
-        self.b_itemsize, self.b_count = b_itemsize, b_count
+        self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
         self.mtu, self.ll = mtu, ll
         if mtu > MAX_MTU:
             raise ValueError(f"path MTU {mtu} above {MAX_MTU}")
-        self.fb_known, self.fb_value = fb_known, fb_value
-        self.slot_iter, self.slot_layout, self.slot_ptr = slot_iter, slot_layout, slot_ptr
-        self.slot_has_asm = slot_has_asm
-        self.slot_recv, self.slot_counts, self.slot_bucket = slot_recv, slot_counts, slot_bucket
-        if slot_ptr.shape[2] < 2 + self.nstreams or classes.shape[0] < self.nstreams:
-            raise ValueError("slot_ptr/classes are too small for the number of streams")
-        self.classes, self.counters, self.conflicts = classes, counters, conflicts
+        nconn = max(conn_steps.shape[1], 1)
+        self.fb_known, self.fb_value = np.zeros(nconn, np.uint8), np.zeros(nconn, np.int64)
+        nb = max(b_count.shape[1], 1)
+        self.slot_iter = np.full(MAX_SLOTS, -1, np.int64)
+        self.slot_layout = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
+        self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + self.nstreams), np.int64)
+        self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
+        self.placed = np.zeros((MAX_SLOTS, 3), np.int64)
+        self.bucket_state = np.zeros((MAX_SLOTS, nb, 2), np.int64)
+        self.slot_counts, self.slot_bucket = self.placed, self.bucket_state
+        self.class_counts = np.zeros((max(self.nstreams, 1), NCLASSES), np.int64)
+        self.counter_values = np.zeros(NCOUNTERS, np.int64)
+        self.conflict_rows = np.zeros((CONFLICT_CAP, 5), np.int64)
+        self.classes, self.counters, self.conflicts = self.class_counts, self.counter_values, self.conflict_rows
+        self.recv_maps = [None] * MAX_SLOTS
+        self.buffers = [None] * MAX_SLOTS
+        self.free_recv = {0: [], 1: []}
+        self.free_buffers = {0: [], 1: []}
 
-    def set_flow_table(self, ft_slots, fe_key, fe_kind, fe_tl, fe_base, fe_last, fe_msg, int64_t nflows):
-        """The table ckptd/fast/pipeline.py FlowTable maintains (size of ft_slots: a power of 2)."""
-        self.ft_slots, self.fe_key = ft_slots, fe_key
-        self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg = fe_kind, fe_tl, fe_base, fe_last, fe_msg
-        self.nflows = nflows
+    # -- iterations: tracked, opened, closed (the pipeline decides when) ------------------
+    def slot_of(self, int64_t iteration):
+        """The slot holding an iteration, or -1."""
+        cdef int64_t q
+        for q in range(MAX_SLOTS):
+            if self.slot_iter[q] == iteration:
+                return q
+        return -1
+
+    def track_iteration(self, int64_t iteration):
+        """Keep a received map for a live iteration (its packets' positions, per stream:
+        Extractor.stream_loss); False when every slot is taken (its packets then go to
+        the reference path). Maps are reused across iterations, cleared."""
+        if self.slot_of(iteration) >= 0:
+            return True
+        cdef int64_t q, slot = -1, layout = min(iteration, 1)
+        for q in range(MAX_SLOTS):
+            if self.slot_iter[q] < 0:
+                slot = q
+                break
+        if slot < 0:
+            return False
+        free = self.free_recv[layout]
+        if free:
+            recv = free.pop()
+            recv.fill(0)
+        else:
+            recv = np.zeros((self.nstreams, max(self.recv_total[layout], 1)), np.uint8)
+        self.recv_maps[slot] = recv
+        self.slot_recv[slot] = recv.ctypes.data
+        self.slot_layout[slot] = layout
+        self.slot_has_asm[slot] = 0
+        self.placed[slot] = 0
+        self.bucket_state[slot] = 0
+        self.slot_iter[slot] = iteration
+        return True
+
+    def open_iteration(self, int64_t iteration):
+        """The assembly buffers of a tracked iteration, zeroed, for the pipeline's
+        IterationAssembly: (data per bucket as unsigned ints of the element size,
+        coverage bitmap per bucket, [per stream: bitmap per bucket]). The kernel places
+        into them from now on; they stay the kernel's, and close_iteration takes them
+        back for a later iteration of the same layout."""
+        cdef int64_t slot = self.slot_of(iteration), layout, b, st
+        if slot < 0:
+            raise KeyError(f"iteration {iteration} is not tracked")
+        if self.slot_has_asm[slot]:
+            raise ValueError(f"iteration {iteration} is open already")
+        layout = self.slot_layout[slot]
+        free = self.free_buffers[layout]
+        if free:
+            data, covered, by_stream = bufs = free.pop()
+            for a in data + covered + [m for maps in by_stream for m in maps]:
+                a.fill(0)
+        else:
+            nb = self.b_nbuckets[layout]
+            data = [np.zeros(self.b_count[layout, b], f"u{self.b_itemsize[layout, b]}") for b in range(nb)]
+            covered = [np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+            by_stream = [[np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+                         for _ in range(self.nstreams)]
+            bufs = (data, covered, by_stream)
+        for b in range(len(data)):
+            self.slot_ptr[slot, b, 0] = data[b].ctypes.data
+            self.slot_ptr[slot, b, 1] = covered[b].ctypes.data
+            for st in range(self.nstreams):
+                self.slot_ptr[slot, b, 2 + st] = by_stream[st][b].ctypes.data
+        self.buffers[slot] = bufs
+        self.slot_has_asm[slot] = 1
+        return bufs
+
+    def close_iteration(self, int64_t iteration):
+        """Stop tracking an iteration the pipeline is done with: its received map and
+        buffers go back to the kernel for reuse (whoever held them must not use them
+        again)."""
+        cdef int64_t slot = self.slot_of(iteration), layout
+        if slot < 0:
+            raise KeyError(f"iteration {iteration} is not tracked")
+        layout = self.slot_layout[slot]
+        self.free_recv[layout].append(self.recv_maps[slot])
+        if self.buffers[slot] is not None:
+            self.free_buffers[layout].append(self.buffers[slot])
+        self.recv_maps[slot] = self.buffers[slot] = None
+        self.slot_iter[slot] = -1
+        self.slot_has_asm[slot] = 0
+        self.slot_ptr[slot] = 0
+        self.slot_recv[slot] = 0
+        self.placed[slot] = 0
+        self.bucket_state[slot] = 0
+
+    def buffer_bytes(self):
+        """Bytes of the iteration memory the kernel holds: buffers lent to open
+        iterations, buffers and received maps kept for reuse, received maps in use."""
+        def size(bufs):
+            data, covered, by_stream = bufs
+            return sum(a.nbytes for a in data + covered + [m for maps in by_stream for m in maps])
+        return {"lent": sum(size(b) for b in self.buffers if b is not None),
+                "kept": sum(size(b) for free in self.free_buffers.values() for b in free)
+                + sum(m.nbytes for free in self.free_recv.values() for m in free),
+                "received_maps": sum(m.nbytes for m in self.recv_maps if m is not None)}
+
+    def tracked(self):
+        """The iterations the kernel tracks."""
+        cdef Py_ssize_t q
+        return [self.slot_iter[q] for q in range(MAX_SLOTS) if self.slot_iter[q] >= 0]
+
+    def received(self, int64_t iteration):
+        """A tracked iteration's received map: uint8[stream, position] (positions: each
+        timeline's packets from tl_recv_off on); None if it is not tracked."""
+        cdef int64_t slot = self.slot_of(iteration)
+        return None if slot < 0 else self.recv_maps[slot]
+
+    def watch(self, int64_t iteration, uncovered, bint every_placement):
+        """For an open iteration: the elements each bucket still misses (the kernel
+        stops after the placement that covers a bucket's last one), and whether to stop
+        after every placement into it."""
+        cdef int64_t slot = self.slot_of(iteration), b
+        for b in range(len(uncovered)):
+            self.bucket_state[slot, b, 1] = uncovered[b]
+        self.placed[slot, 2] = every_placement
+
+    # -- the flow table: the reference decides, these record ------------------------------
+    def add_flow(self, bytes key not None, int kind, int64_t tl=0, int64_t base=0, int64_t last=0):
+        """Enter a flow (key: flow_key()) the reference bound (FLOW_BOUND: its timeline,
+        PSN base and anchor) or called unrelated (FLOW_UNRELATED). Returns its entry; a
+        flow already in the table keeps its entry and what it was entered with."""
+        if len(key) != KEY_LEN:
+            raise ValueError(f"a flow key is {KEY_LEN} bytes, not {len(key)}")
+        if kind != FLOW_BOUND and kind != FLOW_UNRELATED:
+            raise ValueError(f"flow kind {kind}: FLOW_BOUND or FLOW_UNRELATED")
+        cdef const uint8_t *k = key
+        cdef int64_t e = self.lookup_flow(k)
+        if e >= 0:
+            return e
+        if self.nflows == self.fe_kind.shape[0]:
+            self._flow_arrays(2 * self.nflows, self.nflows)
+        e = self.nflows
+        memcpy(&self.fe_key[e, 0], k, KEY_LEN)
+        self.fe_kind[e], self.fe_tl[e], self.fe_base[e], self.fe_last[e], self.fe_msg[e] = kind, tl, base, last, -1
+        self._insert(k, e)
+        self.nflows += 1
+        return e
+
+    def find_flow(self, bytes key not None):
+        """The entry of a flow, or -1."""
+        if len(key) != KEY_LEN:
+            raise ValueError(f"a flow key is {KEY_LEN} bytes, not {len(key)}")
+        return self.lookup_flow(key)
+
+    def anchor(self, int64_t e):
+        """A bound flow's PSN anchor: the unwrapped PSN of its newest packet
+        (FlowBinding.last, which the fast path's bindings read from here)."""
+        self._entry(e)
+        return self.fe_last[e]
+
+    def set_anchor(self, int64_t e, int64_t last):
+        self._entry(e)
+        self.fe_last[e] = last
+
+    @property
+    def flow_count(self):
+        return self.nflows
+
+    cdef _entry(self, int64_t e):
+        if not 0 <= e < self.nflows:
+            raise IndexError(f"flow entry {e} not in 0..{self.nflows - 1}")
+
+    cdef _flow_arrays(self, int64_t capacity, int64_t keep):
+        """(Re)allocate the entries for `capacity` flows, keeping the first `keep`, and
+        rebuild the hash slots (4 per entry at most: short probe runs)."""
+        cdef int64_t e, size = 1
+        key = np.zeros((capacity, KEY_LEN), np.uint8)
+        cols = [np.zeros(capacity, np.int64) for _ in range(5)]
+        if keep:
+            key[:keep] = self.fe_key[:keep]
+            for col, old in zip(cols, (self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg)):
+                col[:keep] = old[:keep]
+        self.fe_key = key
+        self.fe_kind, self.fe_tl, self.fe_base, self.fe_last, self.fe_msg = cols
+        while size < 4 * capacity:
+            size *= 2
+        self.ft_slots = np.full(size, -1, np.int64)
+        for e in range(keep):
+            self._insert(&self.fe_key[e, 0], e)
+
+    cdef void _insert(self, const uint8_t *key, int64_t e) noexcept:
+        cdef int64_t mask = self.ft_slots.shape[0] - 1
+        cdef int64_t i = <int64_t>(hash_key(key) & <uint64_t>mask)
+        while self.ft_slots[i] >= 0:
+            i = (i + 1) & mask
+        self.ft_slots[i] = e
+
+    # -- LL flag bases (Extractor.flag_base, learned by the reference) ---------------------
+    def set_flag_base(self, int64_t conn, int64_t base):
+        if not 0 <= conn < self.fb_known.shape[0]:
+            raise IndexError(f"connection {conn} not in 0..{self.fb_known.shape[0] - 1}")
+        self.fb_known[conn], self.fb_value[conn] = 1, base
 
     # -- decode (parsers/roce.py decode_frame) ---------------------------------------------
     cdef int decode_frame(self, const uint8_t *d, int64_t n, int64_t origlen, int linktype,
@@ -724,7 +707,7 @@ cdef class BatchKernel:
             want = 4 if linktype == LT_IPV4 else (6 if linktype == LT_IPV6 else version)
             if version != want:
                 return K_MALFORMED
-            ethertype = 0x0800 if version == 4 else (0x86DD if version == 6 else 0)
+            ethertype = ETH_TYPE_IPV4 if version == 4 else (ETH_TYPE_IPV6 if version == 6 else 0)
         elif linktype == LT_LINUX_SLL or linktype == LT_LINUX_SLL2:
             if linktype == LT_LINUX_SLL:
                 if n < 16:
@@ -745,7 +728,7 @@ cdef class BatchKernel:
             return K_OTHER                  # link type not decoded
 
         # IPv4 | IPv6
-        if ethertype == 0x0800:
+        if ethertype == ETH_TYPE_IPV4:
             if off + 20 > n:
                 return K_TRUNCATED
             b0 = d[off]
@@ -762,7 +745,7 @@ cdef class BatchKernel:
             word = be16(d + off + 6)        # rf, df, mf, fragment offset
             fragment = ((word >> 13) & 1) != 0 or (word & 0x1FFF) != 0
             f.ip_ver = 4
-        elif ethertype == 0x86DD:
+        elif ethertype == ETH_TYPE_IPV6:
             if off + 40 > n:
                 return K_TRUNCATED
             if d[off] >> 4 != 6:
@@ -890,14 +873,8 @@ cdef class BatchKernel:
 
     # -- flows (ckptd/transports/roce/flows.py FlowBinder.bound) ------------------------------------------------
     cdef int64_t lookup_flow(self, const uint8_t *key) noexcept nogil:
-        # the key's five 64-bit words, multiply-xorshift mixed (ckptd.fast.pipeline.flow_hash)
-        cdef uint64_t h = 0, w
-        cdef int64_t i, e, mask = self.ft_slots.shape[0] - 1
-        for i in range(KEY_LEN // 8):
-            memcpy(&w, key + 8 * i, 8)
-            h = (h ^ w) * 0x9E3779B97F4A7C15ULL
-            h ^= h >> 29
-        i = <int64_t>(h & <uint64_t>mask)
+        cdef int64_t e, mask = self.ft_slots.shape[0] - 1
+        cdef int64_t i = <int64_t>(hash_key(key) & <uint64_t>mask)
         while True:
             e = self.ft_slots[i]
             if e < 0:
@@ -907,15 +884,10 @@ cdef class BatchKernel:
             i = (i + 1) & mask
 
     cdef inline void flow_key(self, const uint8_t *d, Frame *f, uint32_t dqp, uint8_t *key) noexcept nogil:
-        memset(key, 0, KEY_LEN)
-        key[0] = f.ip_ver
-        memcpy(&key[4], &dqp, 4)
         if f.ip_ver == 4:
-            memcpy(&key[8], d + f.ip_off + 12, 4)
-            memcpy(&key[24], d + f.ip_off + 16, 4)
+            make_key(dqp, d + f.ip_off + 12, d + f.ip_off + 16, 4, key)
         else:
-            memcpy(&key[8], d + f.ip_off + 8, 16)
-            memcpy(&key[24], d + f.ip_off + 24, 16)
+            make_key(dqp, d + f.ip_off + 8, d + f.ip_off + 24, 16, key)
 
     cdef int ack(self, const uint8_t *d, Frame *f, int64_t *flow_out) noexcept nogil:
         """Extractor.feed for an ACK: counted; while its hop is unbound the binder also

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, load_captures,
-                           stream_batches)
+from ckptd.fast.batches import (BufferPool, ReaderStage, batch_from_frames, load_capture, load_captures,
+                               stream_batches)
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
@@ -37,29 +37,33 @@ FLOWCHECK_PLAN = Path(__file__).parent / "data" / "flowcheck_allreduce_plan.json
 
 
 # -- running both and comparing -------------------------------------------------------------
-def _recording(cls):
-    """The pipeline class, recording every finalized assembly and the frame count at
-    each bucket step and finalize."""
-    class Recording(cls):
-        def _frames(self):
-            return sum(c["frames"] for c in self.classes)
+def _record(pipe):
+    """Record on a pipeline (the reference, or the one inside the fast path) every
+    finalized assembly and the frame count at each bucket step and finalize."""
+    inner = getattr(pipe, "pipeline", pipe)
+    pipe.snaps, pipe.events = [], []
 
-        def _finalize(self, asm):
-            self.snaps.append(dict(
-                it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
-                by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
-                conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
-                ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
-            self.events.append(("finalize", asm.iteration, self._frames()))
-            super()._finalize(asm)
+    def frames():
+        return sum(c["frames"] for c in inner.classes)
 
-        def _apply_ready_buckets(self, asm):
-            before = self.next_bucket
-            super()._apply_ready_buckets(asm)
-            self.events += [("step", asm.iteration, b, self._frames()) for b in range(before, self.next_bucket)]
+    finalize, apply_ready = inner._finalize, inner._apply_ready_buckets
 
-    Recording.__name__ = cls.__name__
-    return Recording
+    def _finalize(asm):
+        pipe.snaps.append(dict(
+            it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
+            by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
+            conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
+            ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
+        pipe.events.append(("finalize", asm.iteration, frames()))
+        finalize(asm)
+
+    def _apply_ready_buckets(asm):
+        before = inner.next_bucket
+        apply_ready(asm)
+        pipe.events.extend(("step", asm.iteration, b, frames()) for b in range(before, inner.next_bucket))
+
+    inner._finalize, inner._apply_ready_buckets = _finalize, _apply_ready_buckets
+    return pipe
 
 
 def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, frames=None, dumps=None,
@@ -70,9 +74,7 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     all at once (one Batch)."""
     def new(cls, dump=None, **kw):
         start = load_checkpoint(start_path) if start_path else None
-        p = _recording(cls)(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw)
-        p.snaps, p.events = [], []
-        return p
+        return _record(cls(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw))
 
     ref = new(Pipeline, dumps and str(dumps[0]))
     src = frames() if frames else file_source(paths, ref.errors)
@@ -148,6 +150,27 @@ def test_fold_and_reduction_constants_are_what_the_math_says():
             assert pair == fold_constants(distance)
     if kernel.REDUCTION_CONSTANTS[0]:
         assert kernel.REDUCTION_CONSTANTS == reduction_constants()
+
+
+def test_kernel_constants_equal_the_references():
+    """cython_ext/wire.pxd declares the wire constants once for the kernel; each must be
+    its Python twin's value."""
+    from ckptd.core import psn, schedule
+    from ckptd.transports.roce import flows
+    from parsers import bth, ethernet, frame, gre, ipv4, udp
+    w = kernel.WIRE
+    assert {k: w[k] for k in w if k.startswith("LT_")} == {
+        "LT_" + name[len("LINKTYPE_"):]: getattr(frame, name) for name in dir(frame)
+        if name.startswith("LINKTYPE_")}
+    assert (w["ETH_TYPE_IPV4"], w["ETH_TYPE_IPV6"]) == (ethernet.ETH_TYPE_IPV4, ethernet.ETH_TYPE_IPV6)
+    assert set(w["TPIDS"]) == ethernet.VLAN_TPIDS
+    assert (w["PROTO_UDP"], w["PROTO_GRE"], w["ROCEV2_PORT"]) == (ipv4.PROTO_UDP, gre.PROTO_GRE, udp.ROCEV2_PORT)
+    for name in ("WRITE_FIRST", "WRITE_MIDDLE", "WRITE_LAST", "WRITE_LAST_IMM", "WRITE_ONLY", "WRITE_ONLY_IMM"):
+        assert w[name] == getattr(flows, name), name
+    assert w["ACKNOWLEDGE"] == flows.ACK
+    assert (w["PSN_MASK"], w["PSN_MOD"]) == (psn.PSN_MASK, psn.PSN_MOD)
+    assert (w["LL_LINE"], w["LL_DATA_PER_LINE"]) == (schedule.LL_LINE, schedule.LL_DATA_PER_LINE)
+    assert (w["UDP_LEN"], w["BTH_LEN"]) == (udp.UDP.LEN, bth.BTH.LEN)
 
 
 @pytest.mark.parametrize("lines", [0, 1, 2, 3, 64, 255, 256])
@@ -306,8 +329,12 @@ def _stream_files(tmp_path, rng, n=3, frames=300):
     return paths
 
 
-@pytest.mark.parametrize("chunk", [100, 4096, 70_000, 1 << 24])
-def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
+@pytest.mark.parametrize("chunk,pooled", [(100, False), (4096, False), (70_000, False), (1 << 24, False),
+                                          (100, True), (1 << 20, True)])
+def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, pooled):
+    """Also with the reader's buffers recycled (BufferPool): a Batch handed back when the
+    consumer takes the next is overwritten later, so each is read at once here, as the
+    fast pipeline does."""
     paths = _stream_files(tmp_path, random.Random(chunk))
     # a file cut inside its last record among them
     errors_ref, errors = [], []
@@ -316,7 +343,9 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
     paths[1] = str(cut)
     want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
     got = []
-    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk), depth=2)
+    pool = BufferPool() if pooled else None
+    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk, pool=pool), depth=2,
+                        release=pool and (lambda batch: pool.give_back(batch.buf)))
     nbatches = 0
     for b in stage:
         nbatches += 1
@@ -324,6 +353,8 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
     assert got == want and errors == errors_ref and len(errors) == 1
     if chunk <= 4096:
         assert nbatches > 10
+    if pooled and chunk <= 4096:  # chunks and batches: a few buffers in turn, not one each
+        assert pool.made < 20 < nbatches
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():

@@ -202,7 +202,7 @@ def test_replay_join_on_the_command_line(job, tmp_path, capsys, fast):
     paths = cut(job, tmp_path / "cut", first + (last - first) // 2)
     rc = main(["replay", "--plan", str(job / "plan.json"), "--init", str(job / "init.pt"),
                "--out", str(tmp_path / "out"), "--reference", str(job / "reference"),
-               "--resume", str(job / "reference"), "--join"] + (["--fast"] if fast else []) + paths)
+               "--resume", str(job / "reference"), "--join"] + ([] if fast else ["--reference-path"]) + paths)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "joined at iteration 4" in out and "2 iterations, 2 committed" in out

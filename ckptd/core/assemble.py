@@ -11,7 +11,7 @@ at 330M parameters a byte per element per map would cost more than the gradient 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -74,10 +74,16 @@ class IterationAssembly:
     bytes: int = 0
     ncovered: int = 0  # elements covered so far, kept as packets land: completeness is O(1)
     last_packet: float = 0.0  # monotonic time of the newest placement (commit lag)
+    # (data, covered, by_stream) lent by someone else (the fast path's kernel), zeroed
+    # and shaped as these would be; None: allocated here
+    buffers: InitVar[tuple | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, buffers):
         self.total = sum(b.count for b in self.buckets)
         self.bucket_covered = [0] * len(self.buckets)
+        if buffers is not None:
+            self.data, self.covered, self.by_stream = buffers
+            return
         self.data = [np.zeros(b.count, _BITS[b.dtype.itemsize]) for b in self.buckets]
         self.covered = [bitmap(b.count) for b in self.buckets]
         self.by_stream = [[bitmap(b.count) for b in self.buckets] for _ in range(self.nstreams)]

@@ -123,7 +123,17 @@ class Plan:
         return self.param(b.params[0]).dtype if b.params else b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
-        return RingSchedule(self.ring, self.buckets(iteration))
+        """The ring schedule of an iteration's allreduces, built once per (ring, buckets):
+        every stage that asks (binder, extractor, fast path, synthesizer) shares it, and a
+        layout learned later (learn_rebuilt) gets a schedule of its own. Treat it as
+        read-only."""
+        buckets = self.buckets(iteration)
+        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets))
+        cache = self.__dict__.setdefault("_schedules", {})
+        sched = cache.get(key)
+        if sched is None:
+            sched = cache[key] = RingSchedule(self.ring, buckets)
+        return sched
 
     def rank_of(self, addr: str) -> int | None:
         return self._rank_by_addr().get(addr)

@@ -6,6 +6,8 @@
                                   order exactly as ckptd.pipeline.file_source merges them
     ReaderStage                   any iterator of Batches run on its own thread behind a
                                   bounded queue: the fast path's read stage
+    BufferPool                    byte buffers stream_batches writes into and a ReaderStage
+                                  hands back once the consumer is done with a Batch
 
 A clean pcap is indexed in place by the kernel (no per-frame Python); pcapng, and a pcap
 with a broken record, go through the reference readers in parsers/, which also word the
@@ -16,8 +18,9 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -30,6 +33,46 @@ CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
 READ_DEPTH = 3  # Batches a ReaderStage may hold ready
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
 MAX_RECORD = 1 << 28  # a pcap record longer than this is implausible (parsers/pcap.py)
+
+
+# -- buffers -------------------------------------------------------------------------------
+class BufferPool:
+    """Byte buffers reused across chunks and Batches. Memory written for the first time
+    costs a page fault per page, in this VM 2.5-8x the cost of copying into mapped
+    memory (benchmarks/RESULTS.md), and a replay writes every byte twice (read into a
+    chunk, merged into a Batch): so both go into buffers handed back when done with.
+    Thread-safe: the reader thread takes, the consumer gives back."""
+
+    GRAIN = 1 << 20  # capacities are rounded up to this, so near sizes share buffers
+
+    def __init__(self):
+        self.free: list[np.ndarray] = []
+        self.made = 0  # buffers allocated (the rest of the takes reused one)
+        self._mine: dict[int, weakref.ref] = {}  # buffers this pool made: only those come back
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        """n bytes (uninitialized), in the smallest free buffer that holds them."""
+        with self._lock:
+            fits = [k for k, a in enumerate(self.free) if len(a) >= n]
+            if fits:
+                k = min(fits, key=lambda k: len(self.free[k]))
+                return self.free.pop(k)[:n]
+        a = np.empty(-(-max(n, 1) // self.GRAIN) * self.GRAIN, np.uint8)
+        self.made += 1
+        key = id(a)
+        self._mine[key] = weakref.ref(a, lambda _: self._mine.pop(key, None))
+        return a[:n]
+
+    def give_back(self, buf: np.ndarray):
+        """Whoever held buf (or any view of it) is done with it; buffers the pool did
+        not make are left alone."""
+        base = buf if buf.base is None else buf.base
+        ref = self._mine.get(id(base))
+        if ref is not None and ref() is base:
+            with self._lock:
+                if all(a is not base for a in self.free):
+                    self.free.append(base)
 
 
 # -- a Batch ------------------------------------------------------------------------------
@@ -146,7 +189,8 @@ def _reference_error(path) -> str | None:
     return None
 
 
-def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str]) -> Iterator[Batch]:
+def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str],
+                 pool: BufferPool | None = None) -> Iterator[Batch]:
     """One file as Batches of at most about chunk_bytes each (a record longer than that
     makes its chunk longer); a problem that ends the file early goes to errors."""
     try:
@@ -159,7 +203,7 @@ def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str]) -> Iter
         head = f.read(24) if fmt == "pcap" else b""
         if (hdr := _pcap_header(head)) is not None:
             big, tick, linktype = hdr
-            yield from _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors)
+            yield from _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors, pool)
             return
     frames = []
     try:
@@ -174,11 +218,12 @@ def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str]) -> Iter
         yield batch_from_frames(frames)
 
 
-def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors) -> Iterator[Batch]:
+def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors, pool) -> Iterator[Batch]:
     carry = np.zeros(0, np.uint8)  # the start of a record the last chunk cut off
     numbered = 0  # frames yielded so far
     while True:
-        data = np.empty(len(carry) + chunk_bytes, np.uint8)
+        n = len(carry) + chunk_bytes
+        data = pool.take(n) if pool is not None else np.empty(n, np.uint8)
         data[:len(carry)] = carry
         got = f.readinto(memoryview(data)[len(carry):])
         eof = got < chunk_bytes
@@ -206,12 +251,15 @@ def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors) -> I
                 errors.append(_reference_error(path) or f"{path}: capture ends inside a record")
             return
         carry = rest.copy()
+        if not n and pool is not None:  # no whole record in it: nobody holds the buffer
+            pool.give_back(data)
 
 
-def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.ndarray) -> Batch:
+def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.ndarray,
+            pool: BufferPool | None = None) -> Batch:
     """A Batch of frames taken from several sources: frame t is sources[which[t]]'s frame
     first[which[t]] + idx[t]. Each source gives a contiguous run of frames, so its bytes
-    are copied in one span."""
+    are copied in one span (into a buffer from the pool, when given)."""
     if len(which) == 0:
         return batch_from_frames([])
     counts = np.bincount(which, minlength=len(sources))
@@ -231,17 +279,27 @@ def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.n
     def take(name, shift=False):
         return np.concatenate([getattr(b, name)[lo:hi] + (d if shift else 0) for b, lo, hi, d in runs])[pos]
 
-    return Batch(np.concatenate(spans), take("offsets", True), take("caplen"), take("origlen"),
+    if pool is not None:
+        buf = pool.take(base)
+        np.concatenate(spans, out=buf)
+    else:
+        buf = np.concatenate(spans)
+    return Batch(buf, take("offsets", True), take("caplen"), take("origlen"),
                  take("stream"), take("linktype"), take("frame_no"), take("ts"))
 
 
-def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Batch]:
+def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES,
+                   pool: BufferPool | None = None) -> Iterator[Batch]:
     """Every file (one per stream) in chunks, merged into Batches in the order
     file_source yields the frames: repeatedly the smallest (time, stream, frame number)
     head. That choice needs every stream's next frame in memory, so a merged Batch ends
     where some stream's chunk runs out; that stream's next chunk is read and the merge
-    goes on. Memory: about one chunk per stream, plus the Batches handed out."""
-    chunks = [_file_chunks(p, k, chunk_bytes, errors) for k, p in enumerate(paths)]
+    goes on. Memory: about one chunk per stream, plus the Batches handed out.
+
+    With a pool, chunks and merged Batches are written into its buffers; a chunk's goes
+    back once merged out, a Batch's is the consumer's to give back (ReaderStage's
+    release)."""
+    chunks = [_file_chunks(p, k, chunk_bytes, errors, pool) for k, p in enumerate(paths)]
 
     def refill(s):
         for b in chunks[s]:
@@ -258,8 +316,13 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
         if len(live) == 1:
             (s,) = live
             b, lo = pend[s], pos[s]
-            yield b if lo == 0 else _gather([b], [lo], np.zeros(len(b) - lo, np.int64),
-                                            np.arange(len(b) - lo, dtype=np.int64))
+            if lo == 0:
+                yield b  # the chunk itself: its buffer is the consumer's now
+            else:
+                yield _gather([b], [lo], np.zeros(len(b) - lo, np.int64),
+                              np.arange(len(b) - lo, dtype=np.int64), pool)
+                if pool is not None:
+                    pool.give_back(b.buf)
             pend[s], pos[s] = refill(s), 0
             continue
         which, idx = _kernel.merge_order([pend[s].ts[pos[s]:] for s in live])
@@ -268,11 +331,13 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
         last = which * (1 << 40) + idx  # (stream, index) as one key
         at = np.flatnonzero(np.isin(last, np.arange(len(live)) * (1 << 40) + left - 1))
         cut = int(at.min()) + 1
-        yield _gather([pend[s] for s in live], [pos[s] for s in live], which[:cut], idx[:cut])
+        yield _gather([pend[s] for s in live], [pos[s] for s in live], which[:cut], idx[:cut], pool)
         taken = np.bincount(which[:cut], minlength=len(live))
         for j, s in enumerate(live):
             pos[s] += int(taken[j])
             if pos[s] == len(pend[s]):
+                if pool is not None:  # every frame of it was copied out
+                    pool.give_back(pend[s].buf)
                 pend[s], pos[s] = refill(s), 0
 
 
@@ -281,11 +346,15 @@ class ReaderStage:
     them over through a bounded queue, so reading overlaps extraction. A full queue
     makes the reader wait (`full_waits`: extraction is the slower stage); an empty one
     makes the consumer wait (`empty_waits`: reading is). An error in the reader is
-    raised in the consumer after the Batches before it."""
+    raised in the consumer after the Batches before it. With `release`, each Batch is
+    handed to it when the consumer asks for the next one (a Batch is the consumer's
+    only until then: the fast pipeline copies what it keeps)."""
 
     _END = object()
 
-    def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH):
+    def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH,
+                 release: Callable[[Batch], None] | None = None):
+        self.release = release
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.full_waits = self.empty_waits = 0
@@ -333,6 +402,8 @@ class ReaderStage:
             if b is self._END:
                 break
             yield b
+            if self.release is not None:
+                self.release(b)
         self.thread.join()
         if self.error is not None:
             raise self.error

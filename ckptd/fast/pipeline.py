@@ -4,8 +4,8 @@
               (offsets, lengths, stream ids) and merged in capture-time order -> Batch
     decode    \\
     place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
-    assemble  /  into the open IterationAssembly arrays
-    apply, keep   ckptd.pipeline.Pipeline's own, unchanged
+    assemble  /  into the iteration buffers it lends the pipeline's IterationAssembly
+    apply, keep   ckptd.pipeline.Pipeline's own, unchanged (FastPipeline wraps one)
 
 The pure-Python path (ckptd.pipeline, ckptd.transports.roce.extract, ckptd.transports.roce.flows, ckptd.core.assemble) stays
 the reference, and this module leans on it for every decision the kernel cannot make
@@ -16,7 +16,7 @@ alone. The kernel stops at a frame that needs one, before changing anything for 
     ack             an ACK of a hop whose flows are not all bound (FlowBinder.note_ack)
     iteration       a packet of an iteration the kernel does not track, or an allgather
                     placement into one the pipeline has not opened, or a reduce-scatter
-                    placement beyond the highest iteration (Pipeline._assemble moves on)
+                    placement beyond the highest iteration (Pipeline.place moves on)
     flag_base       LL, a connection whose flag base the Extractor has not learned yet
     example         a rejection while the Extractor still keeps examples (the first 20)
     rs_dump         reduce-scatter step 0 while gradients are dumped
@@ -26,11 +26,14 @@ alone. The kernel stops at a frame that needs one, before changing anything for 
 and after a frame that completed a bucket (`complete`), so that the pipeline steps the
 shadow and commits exactly when the reference would. Python runs the reference path on
 that one frame (RoceTransport.feed_frame, or Extractor.feed on the packet the kernel
-decoded; Pipeline._assemble), copies what changed into the kernel's tables (bindings,
-PSN anchors, flag bases, live iterations) and resumes at the next frame. So every frame
-is processed in capture order by exactly one of the two, and buffers, coverage,
-conflicts, counters, loss, reports and their timing come out as the reference's
-(tests/test_fastpath.py compares them all).
+decoded; Pipeline.place) and resumes at the next frame. The kernel owns its tables; the
+reference writes each decision into them as it makes it (the DataPlane protocol of
+ckptd.transports.roce.flows, implemented by KernelTables: bindings, unrelated flows and
+ACKs, flag bases), and a bound flow's PSN anchor exists only in the kernel
+(KernelBinding), so nothing is copied back and forth. So every frame is processed in
+capture order by exactly one of the two, and buffers, coverage, conflicts, counters,
+loss, reports and their timing come out as the reference's (tests/test_fastpath.py
+compares them all).
 
 Entry points: `fast_replay` (ckptd.pipeline.replay's twin), `FastPipeline.run_batch` for
 batches from any source (a capture-ring block is a Batch too), `FastExtractor` for the
@@ -39,10 +42,10 @@ decode + place stage alone.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import ipaddress
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -57,21 +60,19 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, stream_batches
-from ckptd.transports.base import MAX_EXAMPLES
+from ckptd.fast.batches import (CHUNK_BYTES, Batch, BufferPool, ReaderStage, batch_from_frames,
+                                stream_batches)
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
-from ckptd.core.schedule import AG
 
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
 STOP_NAMES = _kernel.STOP_NAMES
 MAX_SLOTS = _kernel.MAX_SLOTS
 CONFLICT_CAP = _kernel.CONFLICT_CAP
-FLOW_BOUND, FLOW_UNRELATED = 1, 2
-ACK_QP = 0xFFFFFFFF  # dest-QP field of the kernel's ACK keys (per address pair)
+FLOW_BOUND, FLOW_UNRELATED = _kernel.FLOW_KINDS["bound"], _kernel.FLOW_KINDS["unrelated"]
 BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline.run)
 
 
@@ -236,90 +237,78 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
         tl_mlo=tl_mlo, tl_mhi=tl_mhi, tl_recv_off=tl_recv_off, recv_total=recv_total,
         conn_steps=np.array([[s0.steps(c) for c in conns], [s1.steps(c) for c in conns]],
                             np.int64).reshape(2, len(conns)),
-        b_itemsize=b_itemsize, b_count=b_count)
+        b_itemsize=b_itemsize, b_count=b_count,
+        b_nbuckets=np.array([len(s0.buckets), len(s1.buckets)], np.int64))
     return CompiledSchedule(keys, conns, {k: i for i, k in enumerate(keys)}, arrays)
 
 
-# -- the flow table the kernel reads ----------------------------------------------------------
-def flow_key(src: str, dst: str, dqp: int) -> bytes:
-    """The kernel's 40-byte flow key: IP version, pad, dest QP (LE), source, destination."""
-    a, b = ipaddress.ip_address(src), ipaddress.ip_address(dst)
-    return (bytes([a.version, 0, 0, 0]) + dqp.to_bytes(4, "little")
-            + a.packed.ljust(16, b"\0") + b.packed.ljust(16, b"\0"))
+# -- the kernel's tables, as the reference's data plane ---------------------------------------
+class KernelBinding(FlowBinding):
+    """A FlowBinding whose PSN anchor (`last`) lives in the kernel's flow table: the
+    kernel and the reference move the same anchor, whichever of them places a packet."""
+
+    def __init__(self, b: FlowBinding, kernel, entry: int):
+        for f in dataclasses.fields(FlowBinding):
+            if f.name != "last":
+                setattr(self, f.name, getattr(b, f.name))
+        self.kernel, self.entry = kernel, entry
+
+    @property
+    def last(self) -> int:
+        return self.kernel.anchor(self.entry)
+
+    @last.setter
+    def last(self, value: int):
+        self.kernel.set_anchor(self.entry, value)
 
 
-def flow_hash(key: bytes) -> int:
-    """The kernel's hash of a flow key (BatchKernel.lookup_flow)."""
-    h = 0
-    for i in range(0, len(key), 8):
-        h = ((h ^ int.from_bytes(key[i:i + 8], "little")) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 29
-    return h
+class KernelTables:
+    """The kernel's tables written by the reference stages' decisions (the DataPlane of
+    ckptd.transports.roce.flows): bound flows with their timeline, PSN base and anchor,
+    unrelated flows and ACKs, LL flag bases, whether examples are still kept."""
 
+    def __init__(self, kernel, sched: "CompiledSchedule"):
+        self.kernel, self.sched = kernel, sched
+        self.conn_ix = {c: i for i, c in enumerate(sched.conns)}
+        self._packed: dict[str, bytes] = {}
 
-class FlowTable:
-    """Open-addressing table of flows the kernel may handle itself: bound ones (their
-    timeline, PSN base and anchor) and ones the reference called unrelated."""
+    def key(self, src: str, dst: str, dqp: int) -> bytes:
+        return _kernel.flow_key(self._addr(src), self._addr(dst), dqp)
 
-    def __init__(self, capacity: int = 64):
-        self.index: dict[bytes, int] = {}
-        self._alloc(capacity)
+    def _addr(self, a: str) -> bytes:
+        p = self._packed.get(a)
+        if p is None:
+            p = self._packed[a] = ipaddress.ip_address(a).packed
+        return p
 
-    def _alloc(self, capacity: int):
-        old = getattr(self, "fe_key", None)
-        n = len(self.index)
-        self.capacity = capacity
-        self.fe_key = np.zeros((capacity, 40), np.uint8)
-        cols = {name: np.full(capacity, -1 if name == "fe_msg" else 0, np.int64)
-                for name in ("fe_kind", "fe_tl", "fe_base", "fe_last", "fe_msg")}
-        if old is not None:
-            self.fe_key[:n] = old[:n]
-            for name in cols:
-                cols[name][:n] = getattr(self, name)[:n]
-        for name, arr in cols.items():
-            setattr(self, name, arr)
-        size = 1
-        while size < 4 * capacity:
-            size *= 2
-        self.ft_slots = np.full(size, -1, np.int64)
-        for key, e in self.index.items():
-            self._insert(key, e)
+    def bind_flow(self, b: FlowBinding) -> FlowBinding:
+        e = self.kernel.add_flow(self.key(*b.key), FLOW_BOUND, self.sched.index[b.conn + (b.qp,)],
+                                 b.base, b.last)
+        return KernelBinding(b, self.kernel, e)
 
-    def _insert(self, key: bytes, e: int):
-        mask = len(self.ft_slots) - 1
-        i = flow_hash(key) & mask
-        while self.ft_slots[i] >= 0:
-            i = (i + 1) & mask
-        self.ft_slots[i] = e
+    def unrelated_flow(self, flow):
+        self.kernel.add_flow(self.key(*flow), FLOW_UNRELATED)
 
-    def add(self, key: bytes, kind: int, tl: int = 0, base: int = 0, last: int = 0) -> int:
-        """Add a flow; returns its entry. May reallocate the arrays: hand them to the
-        kernel again after adding."""
-        if len(self.index) == self.capacity:
-            self._alloc(self.capacity * 2)
-        e = len(self.index)
-        self.fe_key[e] = np.frombuffer(key, np.uint8)
-        self.fe_kind[e], self.fe_tl[e], self.fe_base[e], self.fe_last[e] = kind, tl, base, last
-        self.fe_msg[e] = -1
-        self.index[key] = e
-        self._insert(key, e)
-        return e
+    def unrelated_acks(self, src: str, dst: str):
+        self.kernel.add_flow(self.key(src, dst, _kernel.ACK_FLOW_QP), FLOW_UNRELATED)
 
-    def arrays(self):
-        return (self.ft_slots, self.fe_key, self.fe_kind, self.fe_tl, self.fe_base, self.fe_last,
-                self.fe_msg, len(self.index))
+    def flag_base(self, conn, base: int):
+        self.kernel.set_flag_base(self.conn_ix[conn], base)
+
+    def examples_full(self):
+        self.kernel.examples_open = False
 
 
 # -- the extractor -------------------------------------------------------------------------
 class FastExtractor(RoceTransport):
-    """The RoCE transport (ckptd.transports.roce.transport.RoceTransport: ckptd.transports.roce.extract.Extractor) with a
-    batch entry point served by the kernel.
+    """The RoCE transport (ckptd.transports.roce.transport.RoceTransport) with a batch
+    entry point served by the kernel.
 
-    It *is* the reference (binder, flag bases, counters, examples, received positions all
-    live in the inherited attributes; `feed` and `feed_frame` are the reference methods);
-    the kernel keeps copies of what it needs and its counts are folded back in by
-    `drain`. The iterations it tracks are set with `track_iteration` (and their
-    IterationAssembly, once open, with `attach`).
+    It *is* the reference (binder, flag bases, counters, examples, received positions of
+    the packets it places itself; `feed` and `feed_frame` are the reference methods),
+    with the kernel as its data plane: every decision the reference makes is written
+    into the kernel's tables as it is made (KernelTables), and a bound flow's PSN anchor
+    lives only there (KernelBinding). The kernel's counts are folded in by `drain`.
     """
 
     def __init__(self, plan: Plan, nstreams: int, *, trust_icrc: bool = False, crc: str = "auto",
@@ -334,39 +323,9 @@ class FastExtractor(RoceTransport):
         self.kernel.dump_rs = dump_rs
         self.crc = crc if crc != "auto" else crc_choices()[0]
         self.kernel.set_crc(*crc_setting(self.crc))
-        nconn = len(self.sched.conns)
-        self.conn_ix = {c: i for i, c in enumerate(self.sched.conns)}
-        self.fb_known = np.zeros(max(nconn, 1), np.uint8)
-        self.fb_value = np.zeros(max(nconn, 1), np.int64)
-        nb = self.sched.arrays["b_count"].shape[1]
-        self.slot_iter = np.full(MAX_SLOTS, -1, np.int64)
-        self.slot_layout = np.zeros(MAX_SLOTS, np.int64)
-        self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
-        self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + nstreams), np.int64)
-        self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
-        self.slot_counts = np.zeros((MAX_SLOTS, 3), np.int64)
-        self.slot_bucket = np.zeros((MAX_SLOTS, nb, 2), np.int64)
-        self.class_counts = np.zeros((max(nstreams, 1), len(CLASS_NAMES)), np.int64)
-        self.counter_array = np.zeros(len(COUNTER_NAMES), np.int64)
-        self.conflict_buf = np.zeros((CONFLICT_CAP, 5), np.int64)
-        self.slots: dict[int, int] = {}  # iteration -> slot
-        self.slot_recv_maps: dict[int, np.ndarray] = {}  # slot -> received map (kept alive)
-        self.slot_asm: dict[int, object] = {}  # slot -> IterationAssembly, once open
-        self.kernel.set_tables(
-            **opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu, ll=plan.ring.protocol == "ll",
-            fb_known=self.fb_known, fb_value=self.fb_value, slot_iter=self.slot_iter,
-            slot_layout=self.slot_layout, slot_has_asm=self.slot_has_asm, slot_ptr=self.slot_ptr,
-            slot_recv=self.slot_recv, slot_counts=self.slot_counts, slot_bucket=self.slot_bucket,
-            classes=self.class_counts,
-            counters=self.counter_array, conflicts=self.conflict_buf)
-        self.table = FlowTable()
-        self.kernel.set_flow_table(*self.table.arrays())
-        self._table_flows = 0
-        self.entry_binding: dict[int, FlowBinding] = {}
-        self._seen_bound = -1
-        self._seen_unrelated = 0
-        self._seen_flag_bases = 0
-        self._ack_hops_done: set = set()
+        self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu,
+                               ll=plan.ring.protocol == "ll")
+        self.set_data_plane(KernelTables(self.kernel, self.sched))
         self._batch = None
         self._addr_text: dict[bytes, tuple[str, str]] = {}
 
@@ -379,7 +338,7 @@ class FastExtractor(RoceTransport):
 
     def run(self, batch: Batch, start: int = 0, end: int | None = None) -> tuple[int, str, int]:
         """Kernel pass over frames start..end-1 until the first one Python must handle
-        (see BatchKernel.run). Returns (index, reason, flow entry)."""
+        (see BatchKernel.run). Returns (index, reason, flow entry or iteration)."""
         if self._batch is not batch:
             self.kernel.set_batch(batch.buf, batch.offsets, batch.caplen, batch.origlen,
                                   batch.stream, batch.linktype)
@@ -423,12 +382,13 @@ class FastExtractor(RoceTransport):
                                            str(ipaddress.ip_address(raw[h:])))
         return pair
 
-    def drain(self, classes: list[Counter]) -> int:
+    def drain(self, classes: list[Counter], assemblies: dict[int, IterationAssembly]) -> int:
         """Fold the kernel's counts into the reference's: Extractor.counters, the
         pipeline's per-stream classes, each open IterationAssembly's packets, bytes,
         covered count and conflicts. Returns the late placements (Pipeline.late)."""
+        k = self.kernel
         late = 0
-        counts = self.counter_array.tolist()
+        counts = k.counter_values.tolist()
         if any(counts):
             for name, v in zip(COUNTER_NAMES, counts):
                 if v:
@@ -436,173 +396,53 @@ class FastExtractor(RoceTransport):
                         late = v
                     else:
                         self.counters[name] += v
-            self.counter_array[:] = 0
-        for s, row in enumerate(self.class_counts.tolist()):
+            k.counter_values[:] = 0
+        for s, row in enumerate(k.class_counts.tolist()):
             if row[0]:  # frames
                 for name, v in zip(CLASS_NAMES, row):
                     if v:
                         classes[s][name] += v
-        self.class_counts[:] = 0
-        if not self.slot_counts[:, 0].any() and not self.kernel.nconflicts:
+        k.class_counts[:] = 0
+        placed = k.placed
+        if not placed[:, 0].any() and not k.nconflicts:
             return late
         now = time.monotonic()
-        for slot, asm in self.slot_asm.items():
-            packets, nbytes, _ = self.slot_counts[slot].tolist()
+        for it, asm in assemblies.items():
+            slot = k.slot_of(it)
+            if slot < 0:
+                continue
+            packets, nbytes, _ = placed[slot].tolist()
             if packets:
                 asm.packets += packets
                 asm.bytes += nbytes
-                asm.last_packet = now  # Pipeline._assemble stamps every placement
-                fresh = self.slot_bucket[slot, :len(asm.buckets), 0]
+                asm.last_packet = now  # Pipeline.place stamps every placement
+                fresh = k.bucket_state[slot, :len(asm.buckets), 0]
                 for b in np.flatnonzero(fresh).tolist():
                     asm.bucket_covered[b] += int(fresh[b])
                 asm.ncovered += int(fresh.sum())
                 fresh[:] = 0
-        self.slot_counts[:, :2] = 0
-        for it, s, b, lo, hi in self.conflict_buf[:self.kernel.nconflicts].tolist():
-            self.slot_asm[self.slots[it]].conflicts.append((s, b, lo, hi))
-        self.kernel.nconflicts = 0
+        placed[:, :2] = 0
+        for it, s, b, lo, hi in k.conflict_rows[:k.nconflicts].tolist():
+            assemblies[it].conflicts.append((s, b, lo, hi))
+        k.nconflicts = 0
         return late
-
-    # -- keeping the kernel's copies right -------------------------------------------------
-    def before_python(self, entry: int):
-        """The reference is about to handle a frame of flow `entry` (-1: not known to
-        the kernel, or not parsed by it): give the binding(s) the kernel's PSN anchor."""
-        if entry < 0:
-            self.sync_all_out()
-        elif entry in self.entry_binding:
-            self.entry_binding[entry].last = int(self.table.fe_last[entry])
-
-    def after_python(self, entry: int, packets: list[Packet]):
-        """Copy what the reference changed: PSN anchors, new bindings, flows it calls
-        unrelated, hops whose ACKs it no longer needs, learned LL flag bases, and
-        whether it still keeps examples."""
-        if entry < 0:
-            for e, b in self.entry_binding.items():
-                self.table.fe_last[e] = b.last
-        elif entry in self.entry_binding:
-            self.table.fe_last[entry] = self.entry_binding[entry].last
-        binder = self.binder
-        if len(binder.bound) != self._seen_bound:
-            for key, b in binder.bound.items():
-                k = flow_key(*key)
-                if k not in self.table.index:
-                    e = self.table.add(k, FLOW_BOUND, self.sched.index[b.conn + (b.qp,)], b.base, b.last)
-                    self.entry_binding[e] = b
-            self._ack_hops_useless()
-            self._seen_bound = len(binder.bound)
-        if len(binder.unrelated) != self._seen_unrelated:
-            for key in binder.unrelated:
-                self._add_unrelated(key)
-            self._seen_unrelated = len(binder.unrelated)
-        for p in packets:
-            if p.opcode == ACK:
-                s, d = self.plan.rank_of(p.dst), self.plan.rank_of(p.src)
-                if (s, d) not in binder.expected:  # FlowBinder.note_ack ignores it for good
-                    self._add_unrelated((p.src, p.dst, ACK_QP))
-                elif (s, d) in binder.acks_ignored:
-                    self._ack_hops_useless()
-            elif p.flow not in binder.bound and binder.hop_of(p) is None:
-                self._add_unrelated(p.flow)  # between addresses that form no hop of the job
-        if len(self.table.index) != self._table_flows:  # added (the arrays may be new)
-            self.kernel.set_flow_table(*self.table.arrays())
-            self._table_flows = len(self.table.index)
-        if len(self.flag_base) != self._seen_flag_bases:
-            for conn, base in self.flag_base.items():
-                c = self.conn_ix[conn]
-                self.fb_known[c], self.fb_value[c] = 1, base
-            self._seen_flag_bases = len(self.flag_base)
-        self.kernel.examples_open = len(self.examples) < MAX_EXAMPLES
-
-    def _ack_hops_useless(self):
-        """ACKs of a hop whose flows are all bound, or whose data no mirror shows, teach
-        the binder nothing (FlowBinder.acks_useless): the kernel counts them alone."""
-        for hop in self.binder.expected:
-            if hop not in self._ack_hops_done and self.binder.acks_useless(hop):
-                self._ack_hops_done.add(hop)
-                self._add_unrelated((self.plan.addresses[hop[1]], self.plan.addresses[hop[0]], ACK_QP))
-
-    def _add_unrelated(self, key):
-        k = flow_key(*key)
-        if k not in self.table.index:
-            self.table.add(k, FLOW_UNRELATED)
-
-    def sync_all_out(self):
-        """Every bound flow's binding gets the kernel's PSN anchor."""
-        for e, b in self.entry_binding.items():
-            b.last = int(self.table.fe_last[e])
-
-    # -- iterations the kernel tracks ------------------------------------------------------
-    def track_iteration(self, iteration: int) -> bool:
-        """Keep a received map for a live iteration; False when all slots are taken (its
-        packets then keep going through the reference path)."""
-        if iteration in self.slots:
-            return True
-        free = np.flatnonzero(self.slot_iter < 0)
-        if not len(free):
-            return False
-        slot = int(free[0])
-        layout = min(iteration, 1)
-        recv = np.zeros((self.nstreams, int(self.sched.arrays["recv_total"][layout])), np.uint8)
-        self.slot_recv[slot] = recv.ctypes.data if recv.size else 0
-        self.slot_layout[slot] = layout
-        self.slot_has_asm[slot] = 0
-        self.slot_counts[slot] = 0
-        self.slot_bucket[slot] = 0
-        self.slot_iter[slot] = iteration
-        self.slots[iteration] = slot
-        self.slot_recv_maps[slot] = recv
-        return True
-
-    def attach(self, iteration: int, asm):
-        """Let the kernel place into an open iteration's IterationAssembly."""
-        slot = self.slots[iteration]
-        if slot in self.slot_asm:
-            return
-        for b in range(len(asm.buckets)):
-            self.slot_ptr[slot, b, 0] = asm.data[b].ctypes.data
-            self.slot_ptr[slot, b, 1] = asm.covered[b].ctypes.data
-            for s in range(self.nstreams):
-                self.slot_ptr[slot, b, 2 + s] = asm.by_stream[s][b].ctypes.data
-        self.slot_asm[slot] = asm
-        self.slot_has_asm[slot] = 1
-
-    def refresh(self, notify: Callable[[object], bool]):
-        """Elements each attached assembly's buckets still miss (Python may have placed
-        some), and whether the pipeline wants to act after any placement into it."""
-        for slot, asm in self.slot_asm.items():
-            nb = len(asm.buckets)
-            self.slot_bucket[slot, :nb, 1] = [b.count - c for b, c in zip(asm.buckets, asm.bucket_covered)]
-            self.slot_counts[slot, 2] = notify(asm)
-
-    def release(self, iteration: int):
-        """Stop tracking a finalized iteration; returns its assembly, if it had one."""
-        slot = self.slots.pop(iteration)
-        self.slot_iter[slot] = -1
-        self.slot_has_asm[slot] = 0
-        self.slot_ptr[slot] = 0
-        self.slot_recv[slot] = 0
-        self.slot_counts[slot] = 0
-        self.slot_bucket[slot] = 0
-        del self.slot_recv_maps[slot]
-        return self.slot_asm.pop(slot, None)
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Extractor.stream_loss over the positions both paths received."""
         flows = self.received.pop((stream, iteration), None) or {}
-        slot = self.slots.get(iteration)
-        if slot is None and not flows:
+        recv = self.kernel.received(iteration)
+        if recv is None and not flows:
             return None
         layout = min(iteration, 1)
         py: dict[int, tuple[set, int]] = {}
         for key, got in flows.items():
             b = self.binder.bound[key]
             py[self.sched.index[b.conn + (b.qp,)]] = (got, b.timeline.iteration_start(iteration))
-        recv = self.slot_recv_maps[slot][stream] if slot is not None else None
         expected = received = 0
         for t in range(len(self.sched.keys)):
             n = self.sched.npkts(layout, t)
             lo = int(self.sched.arrays["tl_recv_off"][layout, t])
-            bits = recv[lo:lo + n] if recv is not None else np.zeros(n, np.uint8)
+            bits = recv[stream, lo:lo + n] if recv is not None else np.zeros(n, np.uint8)
             mine = py.get(t)
             if mine is None and not bits.any():
                 continue
@@ -618,34 +458,6 @@ class FastExtractor(RoceTransport):
 
 
 # -- the pipeline ----------------------------------------------------------------------------
-class ArrayPool:
-    """Zeroed arrays for IterationAssembly, reused across iterations.
-
-    A fresh array costs a page fault per page when first written, and in a VM that runs
-    at 0.6-1.5 GB/s, against ~14 GB/s to zero memory already mapped: without reuse, the
-    first writes into each iteration's ~2 x gradient-size buffers cost more than decoding
-    all of its traffic. An array comes back only when nothing else refers to it."""
-
-    def __init__(self):
-        self.free: dict[tuple, list[np.ndarray]] = {}
-
-    def take(self, like: np.ndarray) -> np.ndarray:
-        """A zeroed array shaped like `like` (returned as is when none is free: np.zeros
-        memory is not touched yet, so that costs nothing extra)."""
-        free = self.free.get((like.shape, like.dtype.str))
-        if not free:
-            return like
-        a = free.pop()
-        a.fill(0)
-        return a
-
-    def give_back(self, arrays: list[np.ndarray]):
-        for a in arrays:
-            # referrers: the caller's list, this loop, getrefcount's argument
-            if sys.getrefcount(a) <= 3 and a.base is None:
-                self.free.setdefault((a.shape, a.dtype.str), []).append(a)
-
-
 def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
     """The frame as trust-the-NIC mode sees it: a RoCE frame whose ICRC is wrong gets the
     right one, so the reference decode (which always checks) classifies it as the kernel
@@ -660,25 +472,57 @@ def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
                          fr.interface_id)
 
 
-class FastPipeline(Pipeline):
-    """ckptd.pipeline.Pipeline with decode, place and assemble done by the kernel.
+class FastPipeline:
+    """The kernel in front of a ckptd.pipeline.Pipeline: decode, place and assemble run in
+    the kernel; finalize, apply and keep are the pipeline's, unchanged.
 
     `run_batch` for each Batch, then `finish`; or `run(frames)` with the reference's
-    signature. Finalize, apply and keep are the reference's, unchanged.
+    signature. The pipeline is `self.pipeline` (built with this extractor as its
+    transport and the kernel's iteration buffers as its assemblies); its state and
+    results (reports, classes, extract, late, errors, joined, ...) read through this
+    object too.
     """
 
     def __init__(self, plan: Plan, start: dict | None, nstreams: int, opts: ReplayOptions,
                  on_iteration: Callable[[IterationReport], None] | None = None, *,
-                 trust_icrc: bool = False, crc: str = "auto"):
-        super().__init__(plan, start, nstreams, opts, on_iteration)
-        self.extract = FastExtractor(plan, nstreams, trust_icrc=trust_icrc, crc=crc,
-                                     dump_rs=bool(opts.dump_gradients), join_from=self.join_wire)
+                 trust_icrc: bool = False, crc: str = "auto", keep_reports: int | None = None):
+        def transport(plan, join_from):
+            return FastExtractor(plan, nstreams, trust_icrc=trust_icrc, crc=crc,
+                                 dump_rs=bool(opts.dump_gradients), join_from=join_from)
+        self.pipeline = Pipeline(plan, start, nstreams, opts, on_iteration, keep_reports,
+                                 make_transport=transport, open_assembly=self._open_assembly,
+                                 close_assembly=self._close_assembly)
+        self.extract: FastExtractor = self.pipeline.extract
+        self.kernel = self.extract.kernel
+        self.plan, self.nstreams = plan, nstreams
         self.trust_icrc = trust_icrc
-        self.pool = ArrayPool()
         self.stops: Counter = Counter()  # why frames went to the reference path
         self.kernel_frames = 0  # frames the kernel handled itself
         self.kernel_seconds = 0.0  # time spent in the kernel (the rest is the reference path)
 
+    def __getattr__(self, name):
+        # the pipeline's state and results (reports, classes, late, errors, joined, ...)
+        if name == "pipeline":
+            raise AttributeError(name)
+        return getattr(self.pipeline, name)
+
+    @property
+    def on_iteration(self):
+        return self.pipeline.on_iteration
+
+    @on_iteration.setter
+    def on_iteration(self, fn):
+        self.pipeline.on_iteration = fn
+
+    @property
+    def yield_to_commit(self):
+        return self.pipeline.yield_to_commit
+
+    @yield_to_commit.setter
+    def yield_to_commit(self, fn):
+        self.pipeline.yield_to_commit = fn
+
+    # -- driving -------------------------------------------------------------------------
     def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:
         chunk = []
         for item in frames:
@@ -704,96 +548,81 @@ class FastPipeline(Pipeline):
                 gc.enable()
 
     def _run_batch(self, batch: Batch):
-        ex = self.extract
+        ex, pipe = self.extract, self.pipeline
         i, n = 0, len(batch)
         while i < n:
             t0 = time.perf_counter()
             j, reason, entry = ex.run(batch, i, n)
             self.kernel_seconds += time.perf_counter() - t0
-            self._count_late(ex.drain(self.classes))
+            pipe.count_late(ex.drain(pipe.classes, pipe.open))
             self.kernel_frames += j - i
             i = j
             if reason == "end":
                 break
             self.stops[reason] += 1
             if reason == "complete":
-                self._after_placement(entry)  # frame i-1 completed a bucket of iteration `entry`
+                pipe.after_placement(entry)  # frame i-1 completed a bucket of iteration `entry`
             elif reason != "conflicts_full":  # (drained: resume at the same frame)
-                self._python_frame(batch, i, entry, reason)
+                self._python_frame(batch, i, reason)
                 i += 1
             self._sync_iterations()
 
     def finish(self, abandon: bool = False) -> list[IterationReport]:
-        """End of input: Pipeline.run's ending (flush the binder, finalize or abandon
+        """End of input: the pipeline's ending (flush the binder, finalize or abandon
         what is open, dump what is kept)."""
-        self.extract.sync_all_out()
-        Pipeline.run(self, [], abandon=abandon)
+        self.pipeline.finish(abandon)
         self._sync_iterations()
-        return self.reports
+        return self.pipeline.reports
 
-    def _wants_every_placement(self, asm) -> bool:
-        """Would the reference act on a placement into asm that completes no bucket?
-        Only when asm is the next iteration and a whole bucket waits to be stepped."""
-        return (asm.iteration == self.done + 1 and self._bucketwise()
-                and self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket))
-
-    def _python_frame(self, batch: Batch, i: int, entry: int, reason: str):
+    def _python_frame(self, batch: Batch, i: int, reason: str):
         """The reference path, for one frame (Pipeline.run's loop body): a wrapped (GRE)
         frame goes through RoceTransport.feed_frame; one the kernel decoded becomes its
-        Packet at once (what decode_roce would return) and goes to Extractor.feed."""
-        ex = self.extract
-        ex.before_python(entry)
+        Packet at once (what decode_roce would return) and goes to Extractor.feed. The
+        reference records its decisions in the kernel's tables as it makes them."""
+        ex, pipe = self.extract, self.pipeline
         stream = int(batch.stream[i])
-        classes = self.classes[stream]
+        classes = pipe.classes[stream]
         classes["frames"] += 1
         if reason == "encapsulated":
             fr = batch.frame(i)
-            packets = []  # the kernel never looks such a flow up: nothing to register
             placements = ex.feed_frame(stream, trusted_frame(fr) if self.trust_icrc else fr, classes)
         else:
             cls, pkt = ex.packet(batch, i)
             classes[cls] += 1
-            packets = [pkt]
             placements = ex.feed(pkt)
         for pl in placements:
-            if pl.phase == AG and pl.iteration > self.done and pl.iteration not in self.open:
-                # what _assemble would create, with recycled arrays
-                self.open[pl.iteration] = self._new_assembly(pl.iteration)
-            self._assemble(pl)
-        ex.after_python(entry, packets)
+            pipe.place(pl)
 
-    def _new_assembly(self, it: int) -> IterationAssembly:
-        asm = IterationAssembly(it, self.plan.buckets(it), self.nstreams)
-        asm.data = [self.pool.take(a) for a in asm.data]
-        asm.covered = [self.pool.take(a) for a in asm.covered]
-        asm.by_stream = [[self.pool.take(a) for a in maps] for maps in asm.by_stream]
-        return asm
+    # -- iteration buffers: the kernel's, lent to the pipeline ---------------------------
+    def _open_assembly(self, it: int) -> IterationAssembly:
+        buckets = self.plan.buckets(it)
+        if self.kernel.track_iteration(it):
+            return IterationAssembly(it, buckets, self.nstreams, buffers=self.kernel.open_iteration(it))
+        return IterationAssembly(it, buckets, self.nstreams)  # every slot taken: the reference's own
 
-    def _recycle(self, asm: IterationAssembly):
-        # referrers of a finished assembly: the caller's variable and getrefcount's argument.
-        # Iteration 0's arrays follow DDP's first bucket layout, which never comes back.
-        if sys.getrefcount(asm) <= 3 and asm.iteration > 0:
-            arrays = asm.data + asm.covered + [a for maps in asm.by_stream for a in maps]
-            asm.data, asm.covered, asm.by_stream = [], [], []
-            self.pool.give_back(arrays)
+    def _close_assembly(self, asm: IterationAssembly):
+        """The pipeline is done with an iteration (its per-stream loss is read): the
+        kernel takes its received map and buffers back for a later iteration."""
+        if self.kernel.slot_of(asm.iteration) >= 0:
+            self.kernel.close_iteration(asm.iteration)
+            asm.data, asm.covered, asm.by_stream = [], [], []  # the kernel's again
 
     def _sync_iterations(self):
         """The kernel tracks the live iterations (done < it <= highest) and places into
-        those the pipeline has opened; finalized ones are released (after _finalize read
-        their per-stream loss)."""
-        ex, k = self.extract, self.extract.kernel
-        for it in [it for it in ex.slots if it <= self.done]:
-            asm = ex.release(it)
-            if asm is not None:
-                self._recycle(asm)
-            del asm
-        for it in range(self.done + 1, self.highest + 1):
-            if not ex.track_iteration(it):
+        those the pipeline has opened; it stops after a placement the pipeline must act
+        on (a bucket's last element, or any while a whole bucket waits to be stepped)."""
+        k, pipe = self.kernel, self.pipeline
+        for it in k.tracked():
+            if it <= pipe.done and it not in pipe.open:  # finalized or dropped (joining)
+                k.close_iteration(it)
+        for it in range(pipe.done + 1, pipe.highest + 1):
+            if not k.track_iteration(it):
                 break
-            if it in self.open:
-                ex.attach(it, self.open[it])
-        ex.refresh(self._wants_every_placement)
-        k.done, k.highest = self.done, self.highest
+        for it, asm in pipe.open.items():
+            if k.slot_of(it) >= 0 and asm.data:
+                k.watch(it, [b.count - c for b, c in zip(asm.buckets, asm.bucket_covered)],
+                        pipe.wants_every_placement(asm))
+        k.done, k.highest = pipe.done, pipe.highest
 
 
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
@@ -806,8 +635,9 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors,
-                                        chunk_bytes or CHUNK_BYTES))
+    pool = BufferPool()  # the reader's buffers, handed back batch by batch
+    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES, pool),
+                         release=lambda batch: pool.give_back(batch.buf))
     pipe.yield_to_commit = reader.pause
     try:
         for batch in reader:

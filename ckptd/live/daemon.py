@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,8 +170,7 @@ class Daemon:
         if self.fast:
             from ckptd.fast.pipeline import FastPipeline
             self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
-                                     on_iteration=self._on_iteration)
-            self.pipe.reports = deque(maxlen=KEEP_REPORTS)  # as Pipeline's keep_reports
+                                     on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
         else:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)

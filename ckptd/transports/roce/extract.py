@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 
 from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
-                    WRITE_ONLY_IMM, FlowBinder, FlowBinding, Location, Packet)
+                    WRITE_ONLY_IMM, DataPlane, FlowBinder, FlowBinding, Location, Packet)
 from ckptd.core.plan import Plan
 from ckptd.core.schedule import AG, LL_LINE
 from ckptd.transports.base import MAX_EXAMPLES, Placement
@@ -45,12 +45,19 @@ class Extractor:
         # (stream, iteration) -> {flow: set of packet positions received intact}
         self.received: dict[tuple[int, int], dict[tuple, set]] = {}
         self.done = -1  # the pipeline's newest finalized (wire) iteration
+        self.data_plane: DataPlane | None = None
+
+    def set_data_plane(self, data_plane: DataPlane):
+        """Record every decision from now on in a data plane's tables (ckptd.fast)."""
+        self.data_plane = self.binder.data_plane = data_plane
 
     def _reject(self, reason: str, pkt: Packet, detail: str):
         self.counters[reason] += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(f"stream {pkt.stream} frame {pkt.frame_no} "
                                  f"({pkt.src} -> {pkt.dst} QP {pkt.dqp:#x} PSN {pkt.psn}): {detail}")
+            if len(self.examples) == MAX_EXAMPLES and self.data_plane is not None:
+                self.data_plane.examples_full()
 
     def feed(self, pkt: Packet) -> list[Placement]:
         """All placements a packet (and any packets its arrival releases) yield."""
@@ -65,8 +72,10 @@ class Extractor:
             self.counters["unrelated"] += 1
             return []
         hop = self.binder.hop_of(pkt)
-        if hop is None:
+        if hop is None:  # between addresses that form no hop of the job
             self.counters["unrelated"] += 1
+            if self.data_plane is not None:
+                self.data_plane.unrelated_flow(pkt.flow)
             return []
         out = []
         for bb, p in self.binder.offer(hop, pkt):
@@ -112,6 +121,8 @@ class Extractor:
                 return []
             if base is None and flag is not None:
                 self.flag_base[b.conn] = (flag - gstep - 1) & 0xFFFFFFFF
+                if self.data_plane is not None:
+                    self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
             doff = woff // 2
         else:
             data, doff = bytes(payload), woff

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ckptd.core.plan import Plan
 from ckptd.core.psn import PSN_MOD, psn_diff, psn_unwrap
@@ -120,6 +121,28 @@ class FlowBinding:
     first_whole: int = 0  # first iteration whose every packet came after the first seen
 
 
+class DataPlane(Protocol):
+    """Tables a faster data plane places packets from (ckptd.fast's batch kernel): the
+    reference stages make every decision and record it here as they make it, the way a
+    DPDK control plane writes a forwarding table. With none attached they just decide."""
+
+    def bind_flow(self, b: FlowBinding) -> FlowBinding:
+        """A flow was bound; returns the binding to keep (its PSN anchor may live in the
+        data plane's table from now on)."""
+
+    def unrelated_flow(self, flow: tuple[str, str, int]) -> None:
+        """Packets of this flow are counted as unrelated from now on."""
+
+    def unrelated_acks(self, src: str, dst: str) -> None:
+        """ACKs from src to dst can teach the binder nothing (any more): only counted."""
+
+    def flag_base(self, conn: tuple[int, int, int], base: int) -> None:
+        """The LL flag base of a connection was learned."""
+
+    def examples_full(self) -> None:
+        """The extractor keeps no more rejection examples: rejections are only counted."""
+
+
 @dataclass
 class _Candidate:
     packets: list = field(default_factory=list)
@@ -152,6 +175,17 @@ class FlowBinder:
         self.acks_ignored: set[tuple[int, int]] = set()
         self.errors: list[str] = []
         self.notes: list[str] = []
+        self.data_plane: DataPlane | None = None  # told of every decision (Extractor.set_data_plane)
+
+    def _unrelated(self, flow):
+        self.unrelated.add(flow)
+        if self.data_plane is not None:
+            self.data_plane.unrelated_flow(flow)
+
+    def _acks_unused(self, hop):
+        """This hop's ACKs can teach nothing any more: the data plane only counts them."""
+        if self.data_plane is not None:
+            self.data_plane.unrelated_acks(self.plan.addresses[hop[1]], self.plan.addresses[hop[0]])
 
     # -- learning -----------------------------------------------------------------
     def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
@@ -170,7 +204,11 @@ class FlowBinder:
         derives the port from both QPNs, so both directions of a connection share it)."""
         s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
         hop = (s, d)
-        if hop not in self.expected or self.acks_useless(hop):
+        if hop not in self.expected:
+            if self.data_plane is not None:  # for good: the plan has no such hop
+                self.data_plane.unrelated_acks(pkt.src, pkt.dst)
+            return
+        if self.acks_useless(hop):
             return
         if hop not in self.pending and not self._bound_count(hop):
             self.ack_count[hop] += 1
@@ -179,6 +217,7 @@ class FlowBinder:
                 # data they acknowledge never shows up, so stop keeping them, for good
                 self.acks_ignored.add(hop)
                 self.acks.pop(hop, None)
+                self._acks_unused(hop)
                 return
         self.acks.setdefault(hop, deque(maxlen=RECENT_ACKS)).append((pkt.sport, pkt.psn))
         for cand in self.pending.get(hop, {}).values():
@@ -193,7 +232,7 @@ class FlowBinder:
     def offer(self, hop, pkt: Packet) -> list[tuple[FlowBinding, Packet]]:
         """Hold a packet of a not-yet-bound flow; returns packets released by a binding."""
         if self._hop_full(hop):
-            self.unrelated.add(pkt.flow)  # every QP of this hop is bound: not the job's
+            self._unrelated(pkt.flow)  # every QP of this hop is bound: not the job's
             return []
         flows = self.pending.setdefault(hop, {})
         cand = flows.get(pkt.flow)
@@ -253,7 +292,11 @@ class FlowBinder:
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
                 b = FlowBinding(key, hop + (c,), q, tl, base, cand.first_psn,
                                 self._first_whole(tl, cand.min_rel - base_rel))
+                if self.data_plane is not None:
+                    b = self.data_plane.bind_flow(b)
                 self.bound[key] = b
+                if self._hop_full(hop):
+                    self._acks_unused(hop)
                 released += [(b, p) for p in cand.packets]
                 break
             else:
@@ -265,7 +308,7 @@ class FlowBinder:
                         f"flow {key[0]} -> {key[1]} QP {key[2]:#x}: its message lengths "
                         f"{[h[1] for h in sorted(cand.heads)[:6]]} match no free channel/QP "
                         f"of hop rank {hop[0]} -> {hop[1]} {where}")
-                self.unrelated.add(key)
+                self._unrelated(key)
         if not flows:
             self.pending.pop(hop, None)
         return released

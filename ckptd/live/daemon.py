@@ -35,7 +35,6 @@ from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
-BATCH_MAX_FRAMES = 1 << 15  # fast path: ready ring blocks are joined into one Batch up to this
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
 
@@ -204,32 +203,29 @@ class Daemon:
                 self._publish()
             yield k, fr
 
-    def _batches(self, source):
-        """Fast path: the source's frames as Batches, in order. A `_BLOCK_END` item (see
-        _BlockEnds) closes a ring block: the batch goes to the kernel then, unless another
-        block is already waiting, in which case blocks are joined (up to BATCH_MAX_FRAMES),
-        so a busy link gets big batches and a quiet one no added latency. A plain
-        frame-by-frame source is cut every SOURCE_CHUNK frames."""
+    def _frame_batches(self, source):
+        """Fast path, a frame-by-frame source (tests, replays): Batches of SOURCE_CHUNK
+        frames, in order."""
         from ckptd.fast.batches import batch_from_frames
         chunk: list = []
-        marked = False
         for item in source:
-            if item[1] is _BLOCK_END:
-                marked = True
-                if chunk and (len(chunk) >= BATCH_MAX_FRAMES
-                              or not any(c.ready() for c in self.captures if not c._closed)):
-                    yield batch_from_frames(chunk)
-                    chunk = []
-                continue
             chunk.append(item)
-            if len(chunk) >= (BATCH_MAX_FRAMES if marked else SOURCE_CHUNK):
+            if len(chunk) == SOURCE_CHUNK:
                 yield batch_from_frames(chunk)
                 chunk = []
         if chunk:
             yield batch_from_frames(chunk)
 
-    def _run_fast(self, source):
-        for batch in self._batches(source):
+    def _ring_batches(self):
+        """Fast path on the capture rings: each ring's retired blocks as one Batch
+        indexed in place (ckptd.live.ring.ring_batches); its blocks go back to the
+        kernel when the next one is asked for, i.e. once run_batch has placed them."""
+        from ckptd.live.ring import ring_batches
+        for _, batch in ring_batches(self.captures, self.stop, self.pipe.errors):
+            yield batch
+
+    def _run_fast(self, batches):
+        for batch in batches:
             before = self.frames
             self.frames += len(batch)
             self.pipe.run_batch(batch)
@@ -304,16 +300,13 @@ class Daemon:
             if source is None:
                 from ckptd.live.ring import ring_source
                 self.open_captures()
-                if self.fast:  # each block's frames, then _BLOCK_END
-                    source = ring_source([_BlockEnds(c) for c in self.captures], self.stop,
-                                         self.pipe.errors)
-                else:
+                if not self.fast:
                     source = ring_source(self.captures, self.stop, self.pipe.errors)
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})
             if self.fast:
-                self._run_fast(source)
+                self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
             else:
                 self.pipe.run(self._counting(source), abandon=True)
         finally:
@@ -333,27 +326,3 @@ class Daemon:
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
         return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3
-
-
-class _BlockEndMark:
-    def __repr__(self):
-        return "_BLOCK_END"
-
-
-_BLOCK_END = _BlockEndMark()
-
-
-class _BlockEnds:
-    """A RingCapture whose read_block appends a (stream, _BLOCK_END) marker, so that
-    ring_source (unchanged: round robin, errors, the drain on stop) tells the fast
-    daemon where each block ends; ring_source yields it as (k, _BLOCK_END)."""
-
-    def __init__(self, capture):
-        self._capture = capture
-
-    def __getattr__(self, name):
-        return getattr(self._capture, name)
-
-    def read_block(self, timeout=0.0):
-        block = self._capture.read_block(timeout)
-        return block + [_BLOCK_END] if block else block

@@ -161,6 +161,9 @@ class Daemon:
         self.unrecovered: list[dict] = []
         self.started = time.time()
         self._join_logged = False
+        self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
+        self._drops_seen = 0  # kernel drops over all rings at the last look
+        self._drops_done = -1  # the pipeline's last finished iteration at the last look
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
@@ -178,6 +181,7 @@ class Daemon:
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
+        self._mark_kernel_drops(rep)
         self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
         self.last_report = rep
         fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
@@ -200,8 +204,38 @@ class Daemon:
         for k, fr in source:
             self.frames += 1
             if self.frames % SNAPSHOT_EVERY == 0:
+                self._watch_drops()
                 self._publish()
             yield k, fr
+        self._watch_drops()
+
+    # -- kernel ring drops -------------------------------------------------------------
+    def _watch_drops(self):
+        """Look at the rings' kernel drop counters (PACKET_STATISTICS). Drops since the
+        last look may have hit any iteration in flight since then, or the next one,
+        whose first frames may be the ones lost: all of them are remembered, so that
+        those that end incomplete are reported as lost to kernel drops, not abandoned."""
+        if not self.captures:
+            return
+        total = sum(c.stats()["drops"] for c in self.captures)
+        if total > self._drops_seen:
+            off = self.pipe.offset
+            self.drop_iterations.update(range(self._drops_done + 1 + off, self.pipe.highest + 2 + off))
+            self._drops_seen = total
+        self._drops_done = self.pipe.done
+
+    def _mark_kernel_drops(self, rep: IterationReport):
+        """An iteration that did not commit and was in flight while a ring dropped frames
+        lost data to the kernel: status `dropped` (exit status 4), whatever else it
+        would have been called (a stop mid-iteration calls it abandoned). The counters
+        are read again first: the drops may have happened in the batch that ends it."""
+        if rep.status in ("abandoned", "unrecoverable"):
+            self._watch_drops()
+        if rep.status in ("abandoned", "unrecoverable") and rep.iteration in self.drop_iterations:
+            drops = {c.ifname: c.stats()["drops"] for c in self.captures if c.stats()["drops"]}
+            rep.note = (f"{rep.status}: the kernel dropped frames while it was in flight "
+                        f"(ring drops so far: {drops}); {rep.note.strip()}")
+            rep.status = "dropped"
 
     def _frame_batches(self, source):
         """Fast path, a frame-by-frame source (tests, replays): Batches of SOURCE_CHUNK
@@ -319,10 +353,23 @@ class Daemon:
             server.stop()
         committed = [r for r in self.pipe.reports if r.status == "committed"]
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
+        dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {
             "last_committed": committed[-1].iteration if committed else -1,
-            "joined_at": self.pipe.joined, "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
-                                                    if u["status"] != "abandoned"]}})
+            "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
+            "unrecovered": [u["iteration"] for u in self.unrecovered
+                            if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
-        return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3
+        return self._exit_status()
+
+    def _exit_status(self) -> int:
+        """0: every iteration seen committed or was merely in flight at the stop;
+        3: an iteration could not be recovered (the capture had no copy of some of its
+        data); 4: an iteration lost data to kernel ring drops (rings too small, or the
+        daemon too slow for the link: docs/DAEMON.md, sizing). 4 wins: it names what
+        the operator can fix."""
+        statuses = {u["status"] for u in self.unrecovered}
+        if "dropped" in statuses:
+            return 4
+        return 3 if statuses - {"abandoned"} else 0

@@ -4,6 +4,8 @@ where the daemon captures. Kernel ring drops must be reported as such (status
 `dropped`, exit status 4), never as an iteration merely abandoned at the stop."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -51,23 +53,47 @@ def links():
         remove_namespaces(names)
 
 
-def daemon_config(run, out, ns, **ring) -> DaemonConfig:
+def daemon_config(run, out, ns, workers=False, **ring) -> DaemonConfig:
     return DaemonConfig(plan=str(run / "plan.json"), init=str(run / "init.pt"), out=str(out),
-                        listen="127.0.0.1:0",
+                        listen="127.0.0.1:0", capture_workers=workers,
                         interfaces=[InterfaceConfig(f"mirror{k}", f"rx{k}", ns, **ring) for k in range(2)])
 
 
-def send_streams(run, ns, pps):
-    """Every mirror capture into its own link, concurrently, paced at pps each."""
+def send_streams(run, ns, pps, midway=None):
+    """Every mirror capture into its own link, concurrently, paced at pps each;
+    midway() is called when a third of the frames are out."""
     threads = []
-    for k, p in enumerate(pcaps(run)):
-        frames = [f.data for f in read_pcap(p)]
-        threads.append(threading.Thread(target=send_frames, args=(frames, f"tx{k}", ns),
-                                        kwargs=dict(timing="rate", pps=pps)))
-    for t in threads:
-        t.start()
-    for t in threads:
+    streams = [[f.data for f in read_pcap(p)] for p in pcaps(run)]
+    third = len(streams[0]) // 3
+    for part in ((0, third), (third, None)):
+        for k, frames in enumerate(streams):
+            threads.append(threading.Thread(target=send_frames, args=(frames[slice(*part)], f"tx{k}", ns),
+                                            kwargs=dict(timing="rate", pps=pps)))
+            threads[-1].start()
+        for t in threads:
+            t.join(60)
+        if midway is not None and part[1] is not None:
+            midway()
+
+
+def run_until_done(daemon, run, ns, pps=4000, midway=None) -> int:
+    """The daemon on its own thread while the streams are sent; stopped once iteration 5
+    is reported (or 30 s after the last frame). Returns its exit status."""
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
+            time.sleep(0.05)
+        send_streams(run, ns, pps, midway)
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(r.iteration == 5 for r in daemon.pipe.reports):
+            time.sleep(0.1)
+    finally:
+        daemon.stop.set()
         t.join(60)
+    return result["rc"]
 
 
 def assert_committed_are_exact(run, daemon, out):
@@ -112,24 +138,53 @@ def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path)
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
-def test_rings_without_drops_commit_every_iteration(run, links, tmp_path):
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, workers):
     """The same traffic into rings that hold it: no drops, every iteration committed
-    bit-exact from the ring blocks indexed in place, exit status 0."""
-    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], block_size=1 << 16, block_nr=64,
-                                  retire_ms=10))
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
-    t.start()
-    try:
-        time.sleep(0.5)
-        send_streams(run, links[0], pps=4000)
-        deadline = time.time() + 30
-        while time.time() < deadline and not any(r.iteration == 5 for r in daemon.pipe.reports):
-            time.sleep(0.1)
-    finally:
-        daemon.stop.set()
-        t.join(60)
-    assert sum(c.stats()["drops"] for c in daemon.captures) == 0
+    bit-exact, exit status 0; read in the daemon's process (ring blocks indexed in
+    place) or by a capture worker process per interface (blocks through shared memory)."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+    rc = run_until_done(daemon, run, links[0])
+    caps = [c.stats() for c in daemon.captures]
+    assert sum(c["drops"] for c in caps) == 0
     assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
-    assert result["rc"] == 0
+    assert rc == 0 and daemon.pipe.errors == []
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+    sent = [sum(1 for _ in read_pcap(p)) for p in pcaps(run)]
+    assert [c["delivered"] for c in caps] == [cls["frames"] for cls in daemon.pipe.classes]
+    assert all(0 < c["packets"] <= n for c, n in zip(caps, sent))  # the filter passes RoCE only
+    if workers:
+        assert all(c["worker"]["alive"] is False and c["worker"]["lost"] == 0 for c in caps)
+        assert len({c["worker"]["pid"] for c in caps}) == 2
+
+
+def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, links, tmp_path):
+    """Stream 1's worker is killed a third of the way in. The daemon names it, stream 0
+    keeps being captured, and since stream 0 alone carries every element here (2 ranks,
+    a mirror on each one's port) every iteration still commits, bit-exact."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], True, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+    seen = {}
+
+    def kill_worker_1():
+        time.sleep(0.3)  # what was sent so far is through
+        seen["frames0"] = daemon.pipe.classes[0]["frames"]
+        os.kill(daemon.captures[1].pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while not daemon.pipe.errors and time.time() < deadline:
+            time.sleep(0.05)
+
+    rc = run_until_done(daemon, run, links[0], midway=kill_worker_1)
+    assert len(daemon.pipe.errors) == 1, daemon.pipe.errors
+    assert "capture worker for stream 1 on rx1" in daemon.pipe.errors[0] and "died" in daemon.pipe.errors[0]
+    st = daemon.snapshot.get()
+    assert st["capture"]["rx1"]["worker"]["alive"] is False
+    assert st["capture"]["rx1"]["worker"]["exitcode"] == -signal.SIGKILL
+    assert st["capture"]["rx0"]["drops"] == 0
+    frames0 = daemon.pipe.classes[0]["frames"]
+    assert seen["frames0"] > 0 and frames0 > 2 * seen["frames0"]  # stream 0 went on
+    assert daemon.pipe.classes[1]["frames"] < frames0
+    assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
+    assert rc == 0
     assert_committed_are_exact(run, daemon, tmp_path / "ck")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ class InterfaceConfig:
     snaplen: int = 65535
     fanout_group: int | None = None  # several interfaces' rings can share one fanout group
     fanout_mode: str = "hash"
+    cpu: int | None = None  # capture_workers: the CPU this interface's worker is pinned to
 
 
 @dataclass
@@ -70,6 +72,9 @@ class DaemonConfig:
     fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
     join: bool = False  # the job may already be running: align by PSN arithmetic
     join_from: int | None = None  # joining: an iteration the job has surely reached
+    capture_workers: bool = False  # one capture process per interface (ckptd.live.workers)
+    busy_poll: bool = False  # capture workers spin on their ring instead of sleeping in poll(2)
+    cpus: list[int] | None = None  # the daemon's own process (the coordinator) is pinned to these
     extra: dict = field(default_factory=dict)
 
 
@@ -109,7 +114,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     if not ifs:
         raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
-             "fast", "join", "join_from"}
+             "fast", "join", "join_from", "capture_workers", "busy_poll", "cpus"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -121,11 +126,40 @@ def load_config(path: str | Path) -> DaemonConfig:
         raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
     if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
         raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
+    workers = _capture_config(path, doc, ifs)
     return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
                         interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
                         log_level=str(doc.get("log_level", "warning")),
                         resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
-                        fast=fast, join=join or join_from is not None, join_from=join_from)
+                        fast=fast, join=join or join_from is not None, join_from=join_from, **workers)
+
+
+def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
+    """capture_workers, busy_poll, cpus and the interfaces' cpu, checked."""
+    out = {}
+    for key in ("capture_workers", "busy_poll"):
+        v = doc.get(key, False)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{path}: {key!r} must be true or false, not {v!r}")
+        out[key] = v
+    ncpu = os.cpu_count() or 1
+
+    def cpu_ok(c):
+        return isinstance(c, int) and not isinstance(c, bool) and 0 <= c < ncpu
+    cpus = doc.get("cpus")
+    if cpus is not None and (not isinstance(cpus, list) or not cpus or not all(map(cpu_ok, cpus))):
+        raise ConfigError(f"{path}: 'cpus' must be a list of CPU numbers 0..{ncpu - 1}, not {cpus!r}")
+    out["cpus"] = cpus
+    for k, i in enumerate(ifs):
+        if i.cpu is not None and not cpu_ok(i.cpu):
+            raise ConfigError(f"{path}: interfaces[{k}].cpu must be a CPU number 0..{ncpu - 1}, not {i.cpu!r}")
+        if i.cpu is not None and not out["capture_workers"]:
+            raise ConfigError(f"{path}: interfaces[{k}].cpu pins a capture worker: set capture_workers: true")
+    if out["busy_poll"] and not out["capture_workers"]:
+        raise ConfigError(f"{path}: busy_poll applies to capture workers: set capture_workers: true")
+    if out["capture_workers"] and doc.get("fast") is False:
+        raise ConfigError(f"{path}: capture_workers feed the fast path: they cannot be used with fast: false")
+    return out
 
 
 class JsonFormatter(logging.Formatter):
@@ -154,7 +188,8 @@ class Daemon:
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()
         self.snapshot = Snapshot()
-        self.captures: list = []
+        self.captures: list = []  # RingCapture, or WorkerCapture with capture_workers
+        self.workers = None  # ckptd.live.workers.CaptureWorkers with capture_workers
         self.frames = 0
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
@@ -170,6 +205,9 @@ class Daemon:
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
                               f"{self.plan.transport} (set fast: false)")
+        if cfg.capture_workers and not self.fast:
+            raise ConfigError("capture_workers feed the fast path, which decodes RoCE only; "
+                              f"this plan's transport is {self.plan.transport}")
         if self.fast:
             from ckptd.fast.pipeline import FastPipeline
             self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
@@ -251,12 +289,20 @@ class Daemon:
             yield batch_from_frames(chunk)
 
     def _ring_batches(self):
-        """Fast path on the capture rings: each ring's retired blocks as one Batch
-        indexed in place (ckptd.live.ring.ring_batches); its blocks go back to the
-        kernel when the next one is asked for, i.e. once run_batch has placed them."""
+        """Fast path on the capture rings: each retired block as a Batch indexed in
+        place (ckptd.live.ring.ring_batches), or as the capture workers copy it out
+        (ckptd.live.workers); the block or slot is given back when the next one is
+        asked for, i.e. once run_batch has placed it. Kernel drops are looked at
+        before each batch."""
         from ckptd.live.ring import ring_batches
-        for _, batch in ring_batches(self.captures, self.stop, self.pipe.errors):
+        if self.workers is not None:
+            batches = self.workers.batches(self.stop, self.pipe.errors)
+        else:
+            batches = ring_batches(self.captures, self.stop, self.pipe.errors)
+        for _, batch in batches:
+            self._watch_drops()
             yield batch
+        self._watch_drops()
 
     def _run_fast(self, batches):
         for batch in batches:
@@ -293,8 +339,7 @@ class Daemon:
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
                       "packets_before": self.pipe.before_join} if self.cfg.join else None),
             "streams": streams,
-            "capture": {c.ifname: {"packets": st["packets"], "drops": st["drops"],
-                                   "delivered": st["delivered"]}
+            "capture": {c.ifname: {k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st}
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
@@ -313,6 +358,9 @@ class Daemon:
 
     # -- running ---------------------------------------------------------------------
     def open_captures(self):
+        if self.cfg.capture_workers:
+            self._open_workers()
+            return
         from ckptd.live.ring import RingCapture
         for i in self.cfg.interfaces:
             fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
@@ -322,6 +370,25 @@ class Daemon:
                                              fanout=fanout,
                                              # the kernel filter passes RoCEv2 and GRE only
                                              bpf=self.plan.transport == "roce"))
+
+    # -- capture workers (ckptd.live.workers) ----------------------------------------
+    def _open_workers(self):
+        """One capture process per interface; then the coordinator (this process, all
+        its threads) is pinned to `cpus`, after the workers started so that a worker
+        without a `cpu` of its own keeps the machine's CPUs."""
+        from ckptd.live.workers import CaptureWorkers
+        self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
+                                      busy_poll=self.cfg.busy_poll)
+        self.captures = list(self.workers.captures)
+        if self.cfg.cpus:
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), self.cfg.cpus)
+                except OSError:
+                    pass  # a thread that has just ended
+        log.info("capture workers", extra={"fields": {
+            "workers": [{"interface": c.ifname, "pid": c.pid} for c in self.captures],
+            "busy_poll": self.cfg.busy_poll, "cpus": self.cfg.cpus}})
 
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""

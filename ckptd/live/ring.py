@@ -537,10 +537,14 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
                  errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, Batch]]:
     """(stream index, Batch) from every capture, as ring_source gives frames: round
-    robin (each ring's ready blocks, at most a quarter of its ring, as one Batch, so
-    the kernel always has room while a batch is processed), one poll(2) on all rings
-    when none is ready, socket errors reported and the stream going on, a failing ring
-    dropped, and on stop what the rings already hold delivered.
+    robin one block per ring at a time, one poll(2) on all rings when none is ready,
+    socket errors reported and the stream going on, a failing ring dropped, and on stop
+    what the rings already hold delivered.
+
+    One block per ring and turn keeps the streams within about a block of each other
+    in processing order: the pipeline finalizes an iteration once a stream has gone
+    FINALIZE_LAG iterations past it, so a batch spanning several iterations of one
+    stream would close iterations before another stream's copies of them came in.
 
     A Batch's frames are the ring's own bytes: its blocks go back to the kernel when
     the consumer asks for the next item, so it must be done with the Batch by then."""
@@ -563,7 +567,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
         for k in list(live):
             cap = captures[k]
             try:
-                batch = cap.read_batch(k, max(1, cap.block_nr // 4))
+                batch = cap.read_batch(k, 1)
             except (OSError, ValueError) as e:
                 fail(k, e)
                 continue

@@ -225,9 +225,19 @@ class DaemonProc:
         return val
 
     def cpu_seconds(self) -> float:
-        """utime + stime of the daemon's process, all its threads."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        """utime + stime of the daemon's process and its children (capture workers; a
+        worker started and ended within a step is missed, none is), all threads."""
+        total = 0
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if d.name == str(self.proc.pid) or fields[1] == str(self.proc.pid):
+                total += int(fields[11]) + int(fields[12])
+        return total / CLK_TCK
 
     def close(self):
         if self.proc.is_alive():
@@ -282,7 +292,7 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
     out = tmp / "ckpt"
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"plan": str(wl.run / "plan.json"), "init": str(wl.run / "init.pt"), "out": str(out),
-           "listen": "127.0.0.1:0",
+           "listen": "127.0.0.1:0", "capture_workers": a.workers,
            "interfaces": [{"name": f"mirror{k}", "ifname": f"rx{k}", "netns": links.cap_ns,
                            "block_size": a.block_kb * 1024, "block_nr": a.ring_mib * 1024 // a.block_kb}
                           for k in range(len(paths))]}
@@ -350,9 +360,9 @@ def trial_tcpdump(links, a, t: Trial, paths, tmp: Path):
     t.packets, t.drops = counts["received by filter"], counts["dropped by kernel"]
 
 
-def offline_kernel_rate(wl: Workload, n: int, paths) -> float:
-    """The fast pipeline offline on the same captures (in memory): frames per CPU-second
-    of this process (a core), checkpoints not written."""
+def offline_kernel_rate(wl: Workload, n: int, paths, out: Path) -> float:
+    """The fast pipeline offline on the same captures (in memory), doing the daemon's
+    work (checkpoints written too): frames per CPU-second of this process (a core)."""
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.core.plan import load_plan
     from ckptd.fast.batches import load_captures
@@ -362,7 +372,7 @@ def offline_kernel_rate(wl: Workload, n: int, paths) -> float:
     if errors:
         raise RuntimeError(f"offline replay: {errors}")
     pipe = FastPipeline(load_plan(wl.run / "plan.json"), load_checkpoint(wl.run / "init.pt"), len(paths),
-                        ReplayOptions())
+                        ReplayOptions(out=str(out)))
     c0 = time.process_time()
     pipe.run_batch(batch)
     pipe.finish()
@@ -370,6 +380,7 @@ def offline_kernel_rate(wl: Workload, n: int, paths) -> float:
     done = sum(r.status == "committed" for r in pipe.reports)
     if done != n:
         raise RuntimeError(f"offline replay committed {done} of {n} iterations")
+    shutil.rmtree(out, ignore_errors=True)
     return len(batch) / cpu
 
 
@@ -476,6 +487,8 @@ def main(argv=None):
     ap.add_argument("--tolerance", type=float, default=0.15, help="stop bisecting when hi/lo <= 1 + this")
     ap.add_argument("--ring-mib", type=int, default=32, help="ring memory per interface, both capturers")
     ap.add_argument("--block-kb", type=int, default=256, help="the daemon's ring block size (KiB)")
+    ap.add_argument("--workers", action="store_true",
+                    help="the daemon with capture_workers: true (a capture process per interface)")
     ap.add_argument("--tcpdump-filter", default=TCPDUMP_FILTER)
     ap.add_argument("--only", choices=("daemon", "tcpdump"), help="measure one capturer only")
     ap.add_argument("--seed", type=int, default=1)
@@ -492,7 +505,8 @@ def main(argv=None):
         if not shutil.which(tool):
             sys.exit(f"{tool} is not installed (scripts/install-deps installs it)")
     t_start = time.time()
-    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}; daemon capture_workers: "
+          f"{a.workers}", flush=True)
     probe = load_workload(ensure_synth(a, 4))
     need = math.ceil(a.pool_pps * a.duration / probe.per_iteration()) + 1
     wl = load_workload(ensure_synth(a, need))
@@ -504,7 +518,7 @@ def main(argv=None):
     dp = DaemonProc() if "daemon" in capturers else None
     try:
         n_off = min(wl.iterations, 24)
-        off = offline_kernel_rate(wl, n_off, wl.write(n_off, tmp))
+        off = offline_kernel_rate(wl, n_off, wl.write(n_off, tmp), tmp / "offline")
         print(f"offline fast pipeline: {off:,.0f} frames per CPU-second ({n_off} iterations in memory)", flush=True)
         with Links(len(wl.frames)) as links:
             s = Search(links, wl, a, dp, tmp)

@@ -38,6 +38,7 @@ log = logging.getLogger("ckptd")
 SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
+DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
 
 
 class ConfigError(CkptdError, ValueError):
@@ -199,6 +200,7 @@ class Daemon:
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen = 0  # kernel drops over all rings at the last look
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
+        self._drops_looked = 0.0  # time.monotonic() of the last look
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
@@ -245,16 +247,20 @@ class Daemon:
                 self._watch_drops()
                 self._publish()
             yield k, fr
-        self._watch_drops()
+        self._watch_drops(force=True)
 
     # -- kernel ring drops -------------------------------------------------------------
-    def _watch_drops(self):
+    def _watch_drops(self, force: bool = False):
         """Look at the rings' kernel drop counters (PACKET_STATISTICS). Drops since the
         last look may have hit any iteration in flight since then, or the next one,
         whose first frames may be the ones lost: all of them are remembered, so that
         those that end incomplete are reported as lost to kernel drops, not abandoned."""
         if not self.captures:
             return
+        now = time.monotonic()
+        if not force and now - self._drops_looked < DROPS_LOOK_S:
+            return
+        self._drops_looked = now
         total = sum(c.stats()["drops"] for c in self.captures)
         if total > self._drops_seen:
             off = self.pipe.offset
@@ -268,7 +274,7 @@ class Daemon:
         would have been called (a stop mid-iteration calls it abandoned). The counters
         are read again first: the drops may have happened in the batch that ends it."""
         if rep.status in ("abandoned", "unrecoverable"):
-            self._watch_drops()
+            self._watch_drops(force=True)
         if rep.status in ("abandoned", "unrecoverable") and rep.iteration in self.drop_iterations:
             drops = {c.ifname: c.stats()["drops"] for c in self.captures if c.stats()["drops"]}
             rep.note = (f"{rep.status}: the kernel dropped frames while it was in flight "
@@ -302,7 +308,7 @@ class Daemon:
         for _, batch in batches:
             self._watch_drops()
             yield batch
-        self._watch_drops()
+        self._watch_drops(force=True)
 
     def _run_fast(self, batches):
         for batch in batches:

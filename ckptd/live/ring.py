@@ -79,6 +79,7 @@ _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + so
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
 BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
 _MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
+TURN_BYTES = 4 << 20                   # ring_batches: ring bytes per ring and turn, at most
 
 
 class CaptureSetupError(CkptdError, OSError):
@@ -537,12 +538,12 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
                  errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, Batch]]:
     """(stream index, Batch) from every capture, as ring_source gives frames: round
-    robin one block per ring at a time, one poll(2) on all rings when none is ready,
-    socket errors reported and the stream going on, a failing ring dropped, and on stop
-    what the rings already hold delivered.
+    robin, each ring's ready blocks up to TURN_BYTES (at least one block) as one Batch,
+    one poll(2) on all rings when none is ready, socket errors reported and the stream
+    going on, a failing ring dropped, and on stop what the rings already hold delivered.
 
-    One block per ring and turn keeps the streams within about a block of each other
-    in processing order: the pipeline finalizes an iteration once a stream has gone
+    A bounded turn per ring keeps the streams within TURN_BYTES of each other in
+    processing order: the pipeline finalizes an iteration once a stream has gone
     FINALIZE_LAG iterations past it, so a batch spanning several iterations of one
     stream would close iterations before another stream's copies of them came in.
 
@@ -567,7 +568,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
         for k in list(live):
             cap = captures[k]
             try:
-                batch = cap.read_batch(k, 1)
+                batch = cap.read_batch(k, max(1, TURN_BYTES // cap.block_size))
             except (OSError, ValueError) as e:
                 fail(k, e)
                 continue

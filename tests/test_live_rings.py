@@ -188,3 +188,27 @@ def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, l
     assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
     assert rc == 0
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
+def test_capture_worker_config_is_checked(run, tmp_path):
+    from ckptd.live.daemon import ConfigError, load_config
+
+    def cfg(extra: str, iface: str = ""):
+        p = tmp_path / "c.yaml"
+        p.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
+                     f"interfaces:\n  - {{ifname: m0{iface}}}\n{extra}")
+        return load_config(p)
+
+    ok = cfg("capture_workers: true\nbusy_poll: true\ncpus: [0]\n", ", cpu: 0")
+    assert ok.capture_workers and ok.busy_poll and ok.cpus == [0] and ok.interfaces[0].cpu == 0
+    for extra, iface, msg in [
+        ("capture_workers: yes please\n", "", "'capture_workers' must be true or false"),
+        ("busy_poll: true\n", "", "busy_poll applies to capture workers"),
+        ("", ", cpu: 0", r"interfaces\[0\].cpu pins a capture worker"),
+        ("capture_workers: true\n", ", cpu: 4096", r"interfaces\[0\].cpu must be a CPU number"),
+        ("cpus: [0, -1]\n", "", "'cpus' must be a list of CPU numbers"),
+        ("cpus: 0\n", "", "'cpus' must be a list"),
+        ("capture_workers: true\nfast: false\n", "", "cannot be used with fast: false"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            cfg(extra, iface)

@@ -20,8 +20,9 @@ A daemon step passes with zero kernel drops and every iteration committed bit-ex
 a tcpdump step with zero kernel drops. Rates double from --start-pps per interface
 until a capturer fails, then each capturer's bracket is bisected.
 
-Also printed: the daemon's CPU-seconds per million captured frames (its process's
-utime + stime over the step, from /proc), and the offline fast pipeline's frames/s per
+Also printed: each capturer's CPU-seconds per million captured frames (utime + stime
+over the step, from /proc: the daemon's process and its capture workers; the three
+tcpdumps), and the offline fast pipeline's frames/s per
 core on the same captures (FastPipeline.run_batch over the files in memory, CPU time of
 this process): the daemon's target is >= 0.5x that per core. Where the sender (not a
 capturer) runs out first, the daemon's CPU per million frames is its headroom figure.
@@ -159,6 +160,23 @@ def replay(links: Links, paths: list[Path], pps_per_port: float | None) -> tuple
     return n, b, secs
 
 
+def cpu_seconds(pids: set[int], children: bool = False) -> float:
+    """utime + stime of these processes (all threads), and with children=True of their
+    children too, from /proc."""
+    total = 0
+    want = {str(p) for p in pids}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if d.name in want or (children and fields[1] in want):
+            total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
 # -- the daemon, in a child process ----------------------------------------------------------
 def _daemon_worker(conn):
     """Runs in a spawned child: one fresh Daemon per ("start", cfg) command."""
@@ -211,7 +229,8 @@ class DaemonProc:
     def __init__(self):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_daemon_worker, args=(child,), name="ckptd-daemon", daemon=True)
+        # not daemonic: the daemon may start capture workers of its own
+        self.proc = ctx.Process(target=_daemon_worker, args=(child,), name="ckptd-daemon")
         self.proc.start()
         child.close()
 
@@ -225,19 +244,8 @@ class DaemonProc:
         return val
 
     def cpu_seconds(self) -> float:
-        """utime + stime of the daemon's process and its children (capture workers; a
-        worker started and ended within a step is missed, none is), all threads."""
-        total = 0
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if d.name == str(self.proc.pid) or fields[1] == str(self.proc.pid):
-                total += int(fields[11]) + int(fields[12])
-        return total / CLK_TCK
+        """utime + stime of the daemon's process and its children (capture workers)."""
+        return cpu_seconds({self.proc.pid}, children=True)
 
     def close(self):
         if self.proc.is_alive():
@@ -262,7 +270,7 @@ class Trial:
     drops: int = 0
     committed: int | None = None   # daemon only: iterations committed, and of those bit-exact
     exact: int | None = None
-    cpu_s: float | None = None     # daemon only: its CPU-seconds over the step
+    cpu_s: float | None = None     # the capturer's CPU-seconds over the step
     notes: list = field(default_factory=list)
 
     @property
@@ -344,8 +352,11 @@ def trial_tcpdump(links, a, t: Trial, paths, tmp: Path):
                 said.append(p.stderr.readline())
             if not said[-1]:
                 raise RuntimeError(f"tcpdump did not start: {' '.join(p.args)}: {''.join(said).strip()}")
+        pids = {p.pid for p in procs}  # `ip netns exec` execs tcpdump in place
+        cpu0 = cpu_seconds(pids)
         t.sent, t.sent_bytes, t.seconds = replay(links, paths, t.target_pps)
         time.sleep(1.3)  # libpcap retires a partly filled block after 1000 ms
+        t.cpu_s = cpu_seconds(pids) - cpu0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -540,10 +551,13 @@ def main(argv=None):
               + (" (the sender's limit)" if t.sender_limited else f" (fails at ~{fail[c] * t.ports:,.0f} frames/s)"))
     d = best.get("daemon")
     if d is not None:
-        cpm = [t.cpu_per_mframe for t in s.trials if t.capturer == "daemon" and t.ok and t.cpu_per_mframe]
-        per_core = 1e6 / min(cpm) if cpm else 0.0
-        print(f"daemon CPU per million frames at zero drops: {min(cpm):.2f}-{max(cpm):.2f} s, i.e. up to "
-              f"{per_core:,.0f} frames per CPU-second = {per_core / off:.2f}x the offline fast pipeline per core")
+        for c in capturers:
+            cpm = [t.cpu_per_mframe for t in s.trials if t.capturer == c and t.ok and t.cpu_per_mframe]
+            if cpm:
+                per_core = 1e6 / min(cpm)
+                print(f"{c} CPU per million frames at zero drops: {min(cpm):.2f}-{max(cpm):.2f} s, i.e. up to "
+                      f"{per_core:,.0f} frames per CPU-second"
+                      + (f" = {per_core / off:.2f}x the offline fast pipeline per core" if c == "daemon" else ""))
     if d is not None and best.get("tcpdump") is not None:
         t = best["tcpdump"]
         how = {(False, False): "", (False, True): " at most (tcpdump reached the sender's limit)",

@@ -165,6 +165,15 @@ class CaptureWorkers:
         self.conns, self.procs = [], []
         self._closed = False
         self._views: list[list] = []
+        try:
+            self._spawn(ctx, interfaces, bpf, busy_poll)
+        except BaseException:
+            self.close()  # no shared memory or process left behind
+            raise
+        self._linktype = np.full(max(_layout(i.block_size)[0] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
+        self._start()
+
+    def _spawn(self, ctx, interfaces, bpf, busy_poll):
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
@@ -182,8 +191,6 @@ class CaptureWorkers:
             wc = WorkerCapture(self, k, i.ifname, i.netns)
             wc.pid = p.pid
             self.captures.append(wc)
-        self._linktype = np.full(max(_layout(i.block_size)[0] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
-        self._start()
 
     def _start(self):
         """Wait for every worker's ring to be open; a worker that cannot open its ring

@@ -212,3 +212,24 @@ def test_capture_worker_config_is_checked(run, tmp_path):
     ]:
         with pytest.raises(ConfigError, match=msg):
             cfg(extra, iface)
+
+
+def test_worker_slot_copy_rebases_blocks_that_wrap_the_ring():
+    """A worker's batch of consecutive ring blocks that wraps (blocks 3, then 0 of 4)
+    lands in its slot block after block, each frame's bytes and fields unchanged."""
+    import numpy as np
+    from ckptd.fast.batches import Batch
+    from ckptd.live.workers import _copy_blocks
+    bs, nr = 1024, 4
+    ring = np.random.default_rng(1).integers(0, 256, bs * nr, dtype=np.uint8)
+    offsets = np.array([3 * bs + 100, 3 * bs + 400, 0 * bs + 60, 0 * bs + 700], np.int64)
+    caplen = np.array([200, 300, 500, 90], np.int64)
+    batch = Batch(ring, offsets, caplen, caplen + 4, np.zeros(4, np.int32), np.ones(4, np.int32),
+                  np.arange(1, 5, dtype=np.int64), np.arange(4, dtype=np.int64) * 7)
+    data, meta = np.zeros(2 * bs, np.uint8), np.zeros((5, 64), np.int64)
+    assert _copy_blocks(batch, bs, nr, data, meta) == 4
+    assert meta[0, :4].tolist() == [100, 400, bs + 60, bs + 700]
+    for i in range(4):
+        o, n = int(meta[0, i]), int(caplen[i])
+        assert data[o:o + n].tobytes() == ring[offsets[i]:offsets[i] + n].tobytes()
+    assert meta[1:, :4].tolist() == [caplen.tolist(), (caplen + 4).tolist(), [0, 7, 14, 21], [1, 2, 3, 4]]

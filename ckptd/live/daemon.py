@@ -305,8 +305,14 @@ class Daemon:
             batches = self.workers.batches(self.stop, self.pipe.errors)
         else:
             batches = ring_batches(self.captures, self.stop, self.pipe.errors)
+        reported = len(self.pipe.errors)
         for _, batch in batches:
             self._watch_drops()
+            if len(self.pipe.errors) > reported:  # e.g. a capture worker died: say so now
+                for e in self.pipe.errors[reported:]:
+                    log.error("capture error", extra={"fields": {"error": e}})
+                reported = len(self.pipe.errors)
+                self._publish()
             yield batch
         self._watch_drops(force=True)
 

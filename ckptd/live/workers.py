@@ -9,11 +9,11 @@ hands each block to the daemon through shared memory.
 Why: in one process the ring is drained only between the pipeline's batches, so a
 commit (optimizer step, checkpoint write) or a slow stretch of the reference path
 stalls every ring at once, and the kernel drops what arrives meanwhile. A worker does
-nothing but wait for a retired block, copy its frames into a free shared-memory slot
-(one memcpy of the block's used part, offsets rebased; cython_ext/ring.pyx indexed it
-in place) and give the block back to the kernel at once; the coordinator runs the
-batch kernel, commits and steps the optimizer. The slots add `SLOTS` blocks of backlog
-per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
+nothing but wait for retired blocks, copy their frames into a free shared-memory slot
+(one memcpy of each block's used part, offsets rebased; cython_ext/ring.pyx indexed
+them in place) and give the blocks back to the kernel at once; the coordinator runs the
+batch kernel, commits and steps the optimizer. The slots add `SLOTS` x TURN_BYTES of
+backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
 be pinned to a CPU and can busy-poll its ring instead of sleeping in poll(2).
 
 A worker that dies is reported (errors, and `worker` in its capture's stats) and the
@@ -28,7 +28,6 @@ import os
 import select
 import signal
 import time
-from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 from typing import Iterator
@@ -36,26 +35,56 @@ from typing import Iterator
 import numpy as np
 
 from ckptd.fast.batches import Batch
+from ckptd.live.ring import TURN_BYTES
 from parsers.frame import LINKTYPE_ETHERNET
 
-SLOTS = 8  # shared-memory slots per worker, one ring block each
+SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
 _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
 _META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no
 STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
 
 
-def _layout(block_size: int) -> tuple[int, int]:
-    """(frames a slot's arrays hold, bytes per slot: the block's bytes, then the arrays)."""
-    frames = block_size // _MIN_FRAME_SPACE
-    return frames, block_size + _META * 8 * frames
+def slot_blocks(block_size: int) -> int:
+    """Ring blocks a slot holds: TURN_BYTES' worth (at least one), as the daemon's own
+    ring reader takes per ring and turn, so streams stay as close in processing order."""
+    return max(1, TURN_BYTES // block_size)
+
+
+def _layout(block_size: int) -> tuple[int, int, int]:
+    """(bytes of frame data, frames the arrays hold, bytes) of one slot."""
+    data = slot_blocks(block_size) * block_size
+    frames = data // _MIN_FRAME_SPACE
+    return data, frames, data + _META * 8 * frames
 
 
 def _slot_views(shm: SharedMemory, slot: int, block_size: int):
-    frames, size = _layout(block_size)
+    nbytes, frames, size = _layout(block_size)
     base = slot * size
-    data = np.ndarray(block_size, np.uint8, shm.buf, base)
-    meta = np.ndarray((_META, frames), np.int64, shm.buf, base + block_size)
+    data = np.ndarray(nbytes, np.uint8, shm.buf, base)
+    meta = np.ndarray((_META, frames), np.int64, shm.buf, base + nbytes)
     return data, meta
+
+
+def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray, meta: np.ndarray) -> int:
+    """The batch's frames (whole consecutive ring blocks, maybe wrapping) into a slot:
+    each block's used bytes at block_size x its position in the batch, offsets rebased.
+    Returns the frame count."""
+    n = len(batch)
+    blk = batch.offsets // block_size
+    pos = (blk - blk[0]) % block_nr  # the block's place in the batch
+    meta[0, :n] = batch.offsets - blk * block_size + pos * block_size
+    ends = batch.offsets + batch.caplen
+    cuts = np.flatnonzero(np.diff(pos)) + 1  # where each block's frames start
+    for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [n])).tolist()):
+        src = int(blk[lo]) * block_size
+        dst = int(pos[lo]) * block_size
+        used = int(ends[lo:hi].max()) - src
+        data[dst:dst + used] = batch.buf[src:src + used]
+    meta[1, :n] = batch.caplen
+    meta[2, :n] = batch.origlen
+    meta[3, :n] = batch.ts
+    meta[4, :n] = batch.frame_no
+    return n
 
 
 # -- the worker process ---------------------------------------------------------------------
@@ -69,14 +98,14 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    shm = SharedMemory(shm_name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # the coordinator owns it
+    shm = SharedMemory(shm_name)  # (the coordinator's resource tracker: it unlinks it)
     try:
         cap = RingCapture(**spec)
     except OSError as e:
         conn.send(("error", str(e)))
         return
     bs = cap.block_size
+    per_slot = slot_blocks(bs)
     views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
     free = list(range(SLOTS))
     poller = select.poll()
@@ -96,7 +125,7 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
         if not free:  # the coordinator is behind: the ring holds what comes meanwhile
             conn.poll(0.05)
             continue
-        batch = cap.read_batch(stream, 1)
+        batch = cap.read_batch(stream, per_slot)
         if batch is None:
             if stop_at is not None and not _more_soon(cap, poller):
                 break
@@ -106,16 +135,7 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
                         cap.take_error()
             continue
         slot = free.pop()
-        data, meta = views[slot]
-        n = len(batch)
-        start = int(batch.offsets[0]) // bs * bs  # the block's first byte in the ring
-        end = int((batch.offsets + batch.caplen).max()) - start
-        data[:end] = batch.buf[start:start + end]
-        meta[0, :n] = batch.offsets - start
-        meta[1, :n] = batch.caplen
-        meta[2, :n] = batch.origlen
-        meta[3, :n] = batch.ts
-        meta[4, :n] = batch.frame_no
+        n = _copy_blocks(batch, bs, cap.block_nr, *views[slot])
         del batch
         cap.release()
         conn.send(("batch", slot, n, cap.stats()))
@@ -170,7 +190,7 @@ class CaptureWorkers:
         except BaseException:
             self.close()  # no shared memory or process left behind
             raise
-        self._linktype = np.full(max(_layout(i.block_size)[0] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
+        self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
         self._start()
 
     def _spawn(self, ctx, interfaces, bpf, busy_poll):
@@ -178,7 +198,7 @@ class CaptureWorkers:
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
                     "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
-            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[1])
+            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[2])
             self.shms.append(shm)
             self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
             parent, child = ctx.Pipe()

@@ -138,13 +138,16 @@ def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path)
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
-@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
-def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, workers):
+@pytest.mark.parametrize("workers,busy", [(False, False), (True, False), (True, True)],
+                         ids=["in-process", "capture-workers", "capture-workers-busy-poll"])
+def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, workers, busy):
     """The same traffic into rings that hold it: no drops, every iteration committed
     bit-exact, exit status 0; read in the daemon's process (ring blocks indexed in
-    place) or by a capture worker process per interface (blocks through shared memory)."""
-    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16,
-                                  block_nr=64, retire_ms=10))
+    place) or by a capture worker process per interface (blocks through shared memory),
+    sleeping in poll(2) or spinning on the ring."""
+    cfg = daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16, block_nr=64, retire_ms=10)
+    cfg.busy_poll = busy
+    daemon = Daemon(cfg)
     rc = run_until_done(daemon, run, links[0])
     caps = [c.stats() for c in daemon.captures]
     assert sum(c["drops"] for c in caps) == 0

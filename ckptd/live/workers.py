@@ -104,6 +104,13 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
     except OSError as e:
         conn.send(("error", str(e)))
         return
+    try:
+        _capture_loop(stream, cap, shm, conn, busy_poll)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        cap.close()  # the coordinator is gone: nobody to hand frames to
+
+
+def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
     bs = cap.block_size
     per_slot = slot_blocks(bs)
     views = [_slot_views(shm, s, bs) for s in range(SLOTS)]

@@ -1,4 +1,4 @@
-"""Build of the Cython batch kernel (cython_ext/); the metadata is in pyproject.toml.
+"""Build of the Cython batch kernel and the ring indexer (cython_ext/); the metadata is in pyproject.toml.
 
 The kernel is batch.pyx plus plain C beside it (crc.c: the folding CRC and the ICRC;
 lines.c: NCCL LL lines and coverage bitmaps) and wire.pxd (the wire constants it shares
@@ -12,6 +12,7 @@ KERNEL_HEADERS = ["cython_ext/crc.h", "cython_ext/lines.h", "cython_ext/wire.pxd
 extensions = [
     Extension("cython_ext.batch", ["cython_ext/batch.pyx", *KERNEL_C], include_dirs=["cython_ext"],
               depends=KERNEL_HEADERS, libraries=["z"], extra_compile_args=["-O3"]),
+    Extension("cython_ext.ring", ["cython_ext/ring.pyx"], extra_compile_args=["-O3"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

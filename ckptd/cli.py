@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
-                        "iteration, serve /status and /metrics (see docs/DAEMON.md)")
+                        "iteration, serve /status and /metrics (see docs/DAEMON.md); exit 3 if an "
+                        "iteration could not be recovered, 4 if kernel ring drops cost one")
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
     rn.add_argument("--listen", help="override the config's status address (default 127.0.0.1:9187)")
     rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,9 +35,9 @@ from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is in flight
-BATCH_MAX_FRAMES = 1 << 15  # fast path: ready ring blocks are joined into one Batch up to this
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
+DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
 
 
 class ConfigError(CkptdError, ValueError):
@@ -55,6 +56,7 @@ class InterfaceConfig:
     snaplen: int = 65535
     fanout_group: int | None = None  # several interfaces' rings can share one fanout group
     fanout_mode: str = "hash"
+    cpu: int | None = None  # capture_workers: the CPU this interface's worker is pinned to
 
 
 @dataclass
@@ -70,6 +72,9 @@ class DaemonConfig:
     fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
     join: bool = False  # the job may already be running: align by PSN arithmetic
     join_from: int | None = None  # joining: an iteration the job has surely reached
+    capture_workers: bool = False  # one capture process per interface (ckptd.live.workers)
+    busy_poll: bool = False  # capture workers spin on their ring instead of sleeping in poll(2)
+    cpus: list[int] | None = None  # the daemon's own process (the coordinator) is pinned to these
     extra: dict = field(default_factory=dict)
 
 
@@ -109,7 +114,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     if not ifs:
         raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
-             "fast", "join", "join_from"}
+             "fast", "join", "join_from", "capture_workers", "busy_poll", "cpus"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -121,11 +126,40 @@ def load_config(path: str | Path) -> DaemonConfig:
         raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
     if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
         raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
+    workers = _capture_config(path, doc, ifs)
     return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
                         interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
                         log_level=str(doc.get("log_level", "warning")),
                         resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
-                        fast=fast, join=join or join_from is not None, join_from=join_from)
+                        fast=fast, join=join or join_from is not None, join_from=join_from, **workers)
+
+
+def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
+    """capture_workers, busy_poll, cpus and the interfaces' cpu, checked."""
+    out = {}
+    for key in ("capture_workers", "busy_poll"):
+        v = doc.get(key, False)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{path}: {key!r} must be true or false, not {v!r}")
+        out[key] = v
+    ncpu = os.cpu_count() or 1
+
+    def cpu_ok(c):
+        return isinstance(c, int) and not isinstance(c, bool) and 0 <= c < ncpu
+    cpus = doc.get("cpus")
+    if cpus is not None and (not isinstance(cpus, list) or not cpus or not all(map(cpu_ok, cpus))):
+        raise ConfigError(f"{path}: 'cpus' must be a list of CPU numbers 0..{ncpu - 1}, not {cpus!r}")
+    out["cpus"] = cpus
+    for k, i in enumerate(ifs):
+        if i.cpu is not None and not cpu_ok(i.cpu):
+            raise ConfigError(f"{path}: interfaces[{k}].cpu must be a CPU number 0..{ncpu - 1}, not {i.cpu!r}")
+        if i.cpu is not None and not out["capture_workers"]:
+            raise ConfigError(f"{path}: interfaces[{k}].cpu pins a capture worker: set capture_workers: true")
+    if out["busy_poll"] and not out["capture_workers"]:
+        raise ConfigError(f"{path}: busy_poll applies to capture workers: set capture_workers: true")
+    if out["capture_workers"] and doc.get("fast") is False:
+        raise ConfigError(f"{path}: capture_workers feed the fast path: they cannot be used with fast: false")
+    return out
 
 
 class JsonFormatter(logging.Formatter):
@@ -154,19 +188,27 @@ class Daemon:
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()
         self.snapshot = Snapshot()
-        self.captures: list = []
+        self.captures: list = []  # RingCapture, or WorkerCapture with capture_workers
+        self.workers = None  # ckptd.live.workers.CaptureWorkers with capture_workers
         self.frames = 0
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
         self.unrecovered: list[dict] = []
         self.started = time.time()
         self._join_logged = False
+        self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
+        self._drops_seen = 0  # kernel drops over all rings at the last look
+        self._drops_done = -1  # the pipeline's last finished iteration at the last look
+        self._drops_looked = 0.0  # time.monotonic() of the last look
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
                               f"{self.plan.transport} (set fast: false)")
+        if cfg.capture_workers and not self.fast:
+            raise ConfigError("capture_workers feed the fast path, which decodes RoCE only; "
+                              f"this plan's transport is {self.plan.transport}")
         if self.fast:
             from ckptd.fast.pipeline import FastPipeline
             self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
@@ -177,6 +219,7 @@ class Daemon:
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
+        self._mark_kernel_drops(rep)
         self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
         self.last_report = rep
         fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
@@ -199,35 +242,80 @@ class Daemon:
         for k, fr in source:
             self.frames += 1
             if self.frames % SNAPSHOT_EVERY == 0:
+                self._watch_drops()
                 self._publish()
             yield k, fr
+        self._watch_drops(force=True)
 
-    def _batches(self, source):
-        """Fast path: the source's frames as Batches, in order. A `_BLOCK_END` item (see
-        _BlockEnds) closes a ring block: the batch goes to the kernel then, unless another
-        block is already waiting, in which case blocks are joined (up to BATCH_MAX_FRAMES),
-        so a busy link gets big batches and a quiet one no added latency. A plain
-        frame-by-frame source is cut every SOURCE_CHUNK frames."""
+    # -- kernel ring drops -------------------------------------------------------------
+    def _watch_drops(self, force: bool = False):
+        """Look at the rings' kernel drop counters (PACKET_STATISTICS). Drops since the
+        last look may have hit any iteration in flight since then, or the next one,
+        whose first frames may be the ones lost: all of them are remembered, so that
+        those that end incomplete are reported as lost to kernel drops, not abandoned."""
+        if not self.captures:
+            return
+        now = time.monotonic()
+        if not force and now - self._drops_looked < DROPS_LOOK_S:
+            return
+        self._drops_looked = now
+        total = sum(c.stats()["drops"] for c in self.captures)
+        if total > self._drops_seen:
+            off = self.pipe.offset
+            self.drop_iterations.update(range(self._drops_done + 1 + off, self.pipe.highest + 2 + off))
+            self._drops_seen = total
+        self._drops_done = self.pipe.done
+
+    def _mark_kernel_drops(self, rep: IterationReport):
+        """An iteration that did not commit and was in flight while a ring dropped frames
+        lost data to the kernel: status `dropped` (exit status 4), whatever else it
+        would have been called (a stop mid-iteration calls it abandoned). The counters
+        are read again first: the drops may have happened in the batch that ends it."""
+        if rep.status in ("abandoned", "unrecoverable"):
+            self._watch_drops(force=True)
+        if rep.status in ("abandoned", "unrecoverable") and rep.iteration in self.drop_iterations:
+            drops = {c.ifname: c.stats()["drops"] for c in self.captures if c.stats()["drops"]}
+            rep.note = (f"{rep.status}: the kernel dropped frames while it was in flight "
+                        f"(ring drops so far: {drops}); {rep.note.strip()}")
+            rep.status = "dropped"
+
+    def _frame_batches(self, source):
+        """Fast path, a frame-by-frame source (tests, replays): Batches of SOURCE_CHUNK
+        frames, in order."""
         from ckptd.fast.batches import batch_from_frames
         chunk: list = []
-        marked = False
         for item in source:
-            if item[1] is _BLOCK_END:
-                marked = True
-                if chunk and (len(chunk) >= BATCH_MAX_FRAMES
-                              or not any(c.ready() for c in self.captures if not c._closed)):
-                    yield batch_from_frames(chunk)
-                    chunk = []
-                continue
             chunk.append(item)
-            if len(chunk) >= (BATCH_MAX_FRAMES if marked else SOURCE_CHUNK):
+            if len(chunk) == SOURCE_CHUNK:
                 yield batch_from_frames(chunk)
                 chunk = []
         if chunk:
             yield batch_from_frames(chunk)
 
-    def _run_fast(self, source):
-        for batch in self._batches(source):
+    def _ring_batches(self):
+        """Fast path on the capture rings: each retired block as a Batch indexed in
+        place (ckptd.live.ring.ring_batches), or as the capture workers copy it out
+        (ckptd.live.workers); the block or slot is given back when the next one is
+        asked for, i.e. once run_batch has placed it. Kernel drops are looked at
+        before each batch."""
+        from ckptd.live.ring import ring_batches
+        if self.workers is not None:
+            batches = self.workers.batches(self.stop, self.pipe.errors)
+        else:
+            batches = ring_batches(self.captures, self.stop, self.pipe.errors)
+        reported = len(self.pipe.errors)
+        for _, batch in batches:
+            self._watch_drops()
+            if len(self.pipe.errors) > reported:  # e.g. a capture worker died: say so now
+                for e in self.pipe.errors[reported:]:
+                    log.error("capture error", extra={"fields": {"error": e}})
+                reported = len(self.pipe.errors)
+                self._publish()
+            yield batch
+        self._watch_drops(force=True)
+
+    def _run_fast(self, batches):
+        for batch in batches:
             before = self.frames
             self.frames += len(batch)
             self.pipe.run_batch(batch)
@@ -261,8 +349,7 @@ class Daemon:
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
                       "packets_before": self.pipe.before_join} if self.cfg.join else None),
             "streams": streams,
-            "capture": {c.ifname: {"packets": st["packets"], "drops": st["drops"],
-                                   "delivered": st["delivered"]}
+            "capture": {c.ifname: {k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st}
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
@@ -281,6 +368,9 @@ class Daemon:
 
     # -- running ---------------------------------------------------------------------
     def open_captures(self):
+        if self.cfg.capture_workers:
+            self._open_workers()
+            return
         from ckptd.live.ring import RingCapture
         for i in self.cfg.interfaces:
             fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
@@ -290,6 +380,25 @@ class Daemon:
                                              fanout=fanout,
                                              # the kernel filter passes RoCEv2 and GRE only
                                              bpf=self.plan.transport == "roce"))
+
+    # -- capture workers (ckptd.live.workers) ----------------------------------------
+    def _open_workers(self):
+        """One capture process per interface; then the coordinator (this process, all
+        its threads) is pinned to `cpus`, after the workers started so that a worker
+        without a `cpu` of its own keeps the machine's CPUs."""
+        from ckptd.live.workers import CaptureWorkers
+        self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
+                                      busy_poll=self.cfg.busy_poll)
+        self.captures = list(self.workers.captures)
+        if self.cfg.cpus:
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), self.cfg.cpus)
+                except OSError:
+                    pass  # a thread that has just ended
+        log.info("capture workers", extra={"fields": {
+            "workers": [{"interface": c.ifname, "pid": c.pid} for c in self.captures],
+            "busy_poll": self.cfg.busy_poll, "cpus": self.cfg.cpus}})
 
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
@@ -302,16 +411,13 @@ class Daemon:
             if source is None:
                 from ckptd.live.ring import ring_source
                 self.open_captures()
-                if self.fast:  # each block's frames, then _BLOCK_END
-                    source = ring_source([_BlockEnds(c) for c in self.captures], self.stop,
-                                         self.pipe.errors)
-                else:
+                if not self.fast:
                     source = ring_source(self.captures, self.stop, self.pipe.errors)
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})
             if self.fast:
-                self._run_fast(source)
+                self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
             else:
                 self.pipe.run(self._counting(source), abandon=True)
         finally:
@@ -324,34 +430,23 @@ class Daemon:
             server.stop()
         committed = [r for r in self.pipe.reports if r.status == "committed"]
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
+        dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {
             "last_committed": committed[-1].iteration if committed else -1,
-            "joined_at": self.pipe.joined, "abandoned": abandoned, "unrecovered": [u["iteration"] for u in self.unrecovered
-                                                    if u["status"] != "abandoned"]}})
+            "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
+            "unrecovered": [u["iteration"] for u in self.unrecovered
+                            if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
-        return 0 if not any(u["status"] not in ("abandoned",) for u in self.unrecovered) else 3
+        return self._exit_status()
 
-
-class _BlockEndMark:
-    def __repr__(self):
-        return "_BLOCK_END"
-
-
-_BLOCK_END = _BlockEndMark()
-
-
-class _BlockEnds:
-    """A RingCapture whose read_block appends a (stream, _BLOCK_END) marker, so that
-    ring_source (unchanged: round robin, errors, the drain on stop) tells the fast
-    daemon where each block ends; ring_source yields it as (k, _BLOCK_END)."""
-
-    def __init__(self, capture):
-        self._capture = capture
-
-    def __getattr__(self, name):
-        return getattr(self._capture, name)
-
-    def read_block(self, timeout=0.0):
-        block = self._capture.read_block(timeout)
-        return block + [_BLOCK_END] if block else block
+    def _exit_status(self) -> int:
+        """0: every iteration seen committed or was merely in flight at the stop;
+        3: an iteration could not be recovered (the capture had no copy of some of its
+        data); 4: an iteration lost data to kernel ring drops (rings too small, or the
+        daemon too slow for the link: docs/DAEMON.md, sizing). 4 wins: it names what
+        the operator can fix."""
+        statuses = {u["status"] for u in self.unrecovered}
+        if "dropped" in statuses:
+            return 4
+        return 3 if statuses - {"abandoned"} else 0

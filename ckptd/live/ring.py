@@ -3,6 +3,8 @@
     cap = RingCapture("eth1", netns="ck-ck", block_size=1 << 20, block_nr=64)
     for frame in cap.frames(stop_event):       # parsers.frame.CapturedFrame
         ...
+    batch = cap.read_batch(stream=0)           # or: every retired block as one Batch,
+    pipe.run_batch(batch); cap.release()       # indexed in place, then handed back
     cap.stats()   # {'packets', 'drops', 'freeze_q_cnt', 'delivered', ...}, cumulative
 
 The kernel writes packets into fixed-size blocks of a ring shared with us; a block is
@@ -15,7 +17,10 @@ Documentation/networking/packet_mmap.rst.
 A classic BPF program attached before the socket is bound passes only what ckptd can
 use: UDP to port 4791 (RoCEv2) and GRE (ERSPAN) over IPv4 or IPv6, with or without one
 802.1Q tag.  `ring_source` turns several captures into the (stream, frame) items that
-ckptd.pipeline consumes, as `pipeline.file_source` does for files.
+ckptd.pipeline consumes, as `pipeline.file_source` does for files; `ring_batches` turns
+them into Batches for ckptd.fast (the frames stay in the ring: cython_ext/ring.pyx
+indexes the blocks in place, and each block goes back to the kernel once its batch has
+been processed).
 """
 from __future__ import annotations
 
@@ -31,8 +36,12 @@ import threading
 import time
 from typing import Callable, Iterator
 
+import numpy as np
+
+from cython_ext import ring as _ring_index
 from parsers.frame import LINKTYPE_ETHERNET, CapturedFrame
 from ckptd.errors import CkptdError
+from ckptd.fast.batches import Batch
 
 # -- constants (include/uapi/linux/if_packet.h, if_ether.h, filter.h) ----------------
 SOL_PACKET = 263
@@ -68,6 +77,9 @@ _BLOCK_STATUS_OFF = 8
 _PKT = struct.Struct("=IIIIIIHHIIH")
 _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + sockaddr_ll
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
+BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
+_MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
+TURN_BYTES = 4 << 20                   # ring_batches: ring bytes per ring and turn, at most
 
 
 class CaptureSetupError(CkptdError, OSError):
@@ -259,6 +271,14 @@ class RingCapture:
             self.sock.close()
             raise CaptureSetupError(e.errno, f"capture on {self._where}: mmap of the ring: {e.strerror}") from e
         self._mv = memoryview(self._ring)
+        self._array = np.frombuffer(self._ring, np.uint8)  # the Batches' buffer
+        self._held = 0                # blocks read_batch handed out, not yet released
+        # read_batch's arrays, reused: a block always fits (every frame takes more than
+        # _MIN_FRAME_SPACE bytes of it)
+        cap = max(BATCH_FRAMES, block_size // _MIN_FRAME_SPACE)
+        self._arrays = [np.empty(cap, np.int64) for _ in range(5)]
+        self._stream = np.zeros(cap, np.int32)
+        self._linktype = np.full(cap, LINKTYPE_ETHERNET, np.int32)
         self._poll = select.poll()
         self._poll.register(self.sock.fileno(), select.POLLIN | select.POLLERR)
 
@@ -357,6 +377,43 @@ class RingCapture:
         self._blocks_read += 1
         return frames
 
+    def read_batch(self, stream: int = 0, max_blocks: int | None = None) -> Batch | None:
+        """Every block the kernel has handed over (at most max_blocks, and whole blocks
+        up to BATCH_FRAMES frames) as one Batch whose buffer is the ring itself: frames
+        are indexed in place (cython_ext/ring.pyx), with the same bytes, lengths,
+        timestamps and numbering `read_block` gives. None when no block is ready.
+        The blocks stay out of the kernel's hands until `release()`, which must come
+        before the next read_batch; the Batch's arrays are reused by the next call."""
+        if self._closed:
+            return None
+        if self._held:
+            raise RuntimeError(f"{self._where}: read_batch before the last batch was released")
+        offsets, caplen, origlen, ts, frame_no = self._arrays
+        nb, n, restored, unrestored = _ring_index.index_blocks(
+            self._array, self.block_size, self.block_nr, self._block,
+            self.block_nr if max_blocks is None else max_blocks, self.snaplen, self._index,
+            offsets, caplen, origlen, ts, frame_no)
+        if nb == 0:
+            return None
+        self._held = nb
+        self._index += n
+        self._vlan_restored += restored
+        if unrestored:
+            with self._lock:
+                self._errors["vlan_unrestored"] = self._errors.get("vlan_unrestored", 0) + unrestored
+        self._stream[:n] = stream
+        return Batch(self._array, offsets[:n], caplen[:n], origlen[:n], self._stream[:n],
+                     self._linktype[:n], frame_no[:n], ts[:n])
+
+    def release(self) -> None:
+        """Hand the blocks of the last read_batch back to the kernel (their frames'
+        bytes must not be read after this)."""
+        if self._held and not self._closed:
+            _ring_index.release_blocks(self._array, self.block_size, self.block_nr, self._block, self._held)
+            self._block = (self._block + self._held) % self.block_nr
+            self._blocks_read += self._held
+        self._held = 0
+
     def blocks(self, stop: threading.Event | None = None, poll_s: float = 0.1) -> Iterator[list[CapturedFrame]]:
         """Blocks of frames until `stop` is set (checked at least every poll_s) or the
         capture is closed."""
@@ -400,10 +457,15 @@ class RingCapture:
         if self._closed:
             return
         self.stats()  # fold in the last counters before they disappear with the socket
+        self.release()
         self._closed = True
         self._poll.unregister(self.sock.fileno())
         self._mv.release()
-        self._ring.close()
+        del self._array, self._arrays
+        try:
+            self._ring.close()
+        except BufferError:
+            pass  # a Batch still points into the ring: the mapping goes with the last one
         self.sock.close()
 
     def __enter__(self):
@@ -466,6 +528,66 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
                     if msg:
                         errors.append(f"capture stream {by_fd[fd]}: {msg}")
     # Stop: hand over the blocks already retired, so nothing captured is silently lost.
+    deadline = time.monotonic() + 1.0
+    while live and time.monotonic() < deadline:
+        got = yield from sweep()
+        if not got:
+            break
+
+
+def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
+                 errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, Batch]]:
+    """(stream index, Batch) from every capture, as ring_source gives frames: round
+    robin, each ring's ready blocks up to TURN_BYTES (at least one block) as one Batch,
+    one poll(2) on all rings when none is ready, socket errors reported and the stream
+    going on, a failing ring dropped, and on stop what the rings already hold delivered.
+
+    A bounded turn per ring keeps the streams within TURN_BYTES of each other in
+    processing order: the pipeline finalizes an iteration once a stream has gone
+    FINALIZE_LAG iterations past it, so a batch spanning several iterations of one
+    stream would close iterations before another stream's copies of them came in.
+
+    A Batch's frames are the ring's own bytes: its blocks go back to the kernel when
+    the consumer asks for the next item, so it must be done with the Batch by then."""
+    live = list(range(len(captures)))
+    poller = select.poll()
+    for k in live:
+        poller.register(captures[k].fileno(), select.POLLIN | select.POLLERR)
+    by_fd = {captures[k].fileno(): k for k in live}
+
+    def fail(k, e):
+        errors.append(f"capture stream {k} on {captures[k]._where}: {e}")
+        live.remove(k)
+        try:
+            poller.unregister(captures[k].fileno())
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def sweep():
+        got = False
+        for k in list(live):
+            cap = captures[k]
+            try:
+                batch = cap.read_batch(k, max(1, TURN_BYTES // cap.block_size))
+            except (OSError, ValueError) as e:
+                fail(k, e)
+                continue
+            if batch is not None:
+                got = True
+                try:
+                    yield k, batch
+                finally:
+                    cap.release()
+        return got
+
+    while live and not stop_event.is_set():
+        got = yield from sweep()
+        if not got:
+            for fd, ev in poller.poll(int(poll_s * 1000)):
+                if ev & select.POLLERR and by_fd.get(fd) in live:
+                    msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
+                    if msg:
+                        errors.append(f"capture stream {by_fd[fd]}: {msg}")
     deadline = time.monotonic() + 1.0
     while live and time.monotonic() < deadline:
         got = yield from sweep()

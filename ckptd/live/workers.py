@@ -1,0 +1,306 @@
+"""Capture workers: one process per configured interface reads its TPACKET_V3 ring and
+hands each block to the daemon through shared memory.
+
+    workers = CaptureWorkers(interfaces, bpf=True, busy_poll=False)
+    for stream, batch in workers.batches(stop, errors):   # the coordinator's loop
+        pipe.run_batch(batch)                             # slot freed on the next turn
+    workers.close()
+
+Why: in one process the ring is drained only between the pipeline's batches, so a
+commit (optimizer step, checkpoint write) or a slow stretch of the reference path
+stalls every ring at once, and the kernel drops what arrives meanwhile. A worker does
+nothing but wait for retired blocks, copy their frames into a free shared-memory slot
+(one memcpy of each block's used part, offsets rebased; cython_ext/ring.pyx indexed
+them in place) and give the blocks back to the kernel at once; the coordinator runs the
+batch kernel, commits and steps the optimizer. The slots add `SLOTS` x TURN_BYTES of
+backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
+be pinned to a CPU and can busy-poll its ring instead of sleeping in poll(2).
+
+A worker that dies is reported (errors, and `worker` in its capture's stats) and the
+other streams go on; what its ring held then is lost, counted as `lost` (frames the
+kernel passed to it that never reached the coordinator). Kernel drops stay the
+kernel's own count (PACKET_STATISTICS), apart from that.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import select
+import signal
+import time
+from multiprocessing.connection import wait
+from multiprocessing.shared_memory import SharedMemory
+from typing import Iterator
+
+import numpy as np
+
+from ckptd.fast.batches import Batch
+from ckptd.live.ring import TURN_BYTES
+from parsers.frame import LINKTYPE_ETHERNET
+
+SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
+_MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
+_META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no
+STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
+
+
+def slot_blocks(block_size: int) -> int:
+    """Ring blocks a slot holds: TURN_BYTES' worth (at least one), as the daemon's own
+    ring reader takes per ring and turn, so streams stay as close in processing order."""
+    return max(1, TURN_BYTES // block_size)
+
+
+def _layout(block_size: int) -> tuple[int, int, int]:
+    """(bytes of frame data, frames the arrays hold, bytes) of one slot."""
+    data = slot_blocks(block_size) * block_size
+    frames = data // _MIN_FRAME_SPACE
+    return data, frames, data + _META * 8 * frames
+
+
+def _slot_views(shm: SharedMemory, slot: int, block_size: int):
+    nbytes, frames, size = _layout(block_size)
+    base = slot * size
+    data = np.ndarray(nbytes, np.uint8, shm.buf, base)
+    meta = np.ndarray((_META, frames), np.int64, shm.buf, base + nbytes)
+    return data, meta
+
+
+def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray, meta: np.ndarray) -> int:
+    """The batch's frames (whole consecutive ring blocks, maybe wrapping) into a slot:
+    each block's used bytes at block_size x its position in the batch, offsets rebased.
+    Returns the frame count."""
+    n = len(batch)
+    blk = batch.offsets // block_size
+    pos = (blk - blk[0]) % block_nr  # the block's place in the batch
+    meta[0, :n] = batch.offsets - blk * block_size + pos * block_size
+    ends = batch.offsets + batch.caplen
+    cuts = np.flatnonzero(np.diff(pos)) + 1  # where each block's frames start
+    for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [n])).tolist()):
+        src = int(blk[lo]) * block_size
+        dst = int(pos[lo]) * block_size
+        used = int(ends[lo:hi].max()) - src
+        data[dst:dst + used] = batch.buf[src:src + used]
+    meta[1, :n] = batch.caplen
+    meta[2, :n] = batch.origlen
+    meta[3, :n] = batch.ts
+    meta[4, :n] = batch.frame_no
+    return n
+
+
+# -- the worker process ---------------------------------------------------------------------
+def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, busy_poll: bool):
+    """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
+    ("free", slot) from the coordinator gives a slot back, ("stop",) ends it after the
+    ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
+    service must not end a worker before its ring is drained."""
+    from ckptd.live.ring import RingCapture
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    shm = SharedMemory(shm_name)  # (the coordinator's resource tracker: it unlinks it)
+    try:
+        cap = RingCapture(**spec)
+    except OSError as e:
+        conn.send(("error", str(e)))
+        return
+    try:
+        _capture_loop(stream, cap, shm, conn, busy_poll)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        cap.close()  # the coordinator is gone: nobody to hand frames to
+
+
+def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
+    bs = cap.block_size
+    per_slot = slot_blocks(bs)
+    views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
+    free = list(range(SLOTS))
+    poller = select.poll()
+    poller.register(cap.fileno(), select.POLLIN | select.POLLERR)
+    poller.register(conn.fileno(), select.POLLIN)
+    stop_at = None
+    conn.send(("ready", cap.stats()))
+    while True:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg[0] == "free":
+                free.append(msg[1])
+            elif msg[0] == "stop" and stop_at is None:
+                stop_at = time.monotonic() + STOP_DRAIN_S
+        if stop_at is not None and time.monotonic() > stop_at:
+            break
+        if not free:  # the coordinator is behind: the ring holds what comes meanwhile
+            conn.poll(0.05)
+            continue
+        batch = cap.read_batch(stream, per_slot)
+        if batch is None:
+            if stop_at is not None and not _more_soon(cap, poller):
+                break
+            if not busy_poll:
+                for fd, ev in poller.poll(50):
+                    if fd == cap.fileno() and ev & select.POLLERR:
+                        cap.take_error()
+            continue
+        slot = free.pop()
+        n = _copy_blocks(batch, bs, cap.block_nr, *views[slot])
+        del batch
+        cap.release()
+        conn.send(("batch", slot, n, cap.stats()))
+    cap.close()
+    conn.send(("done", cap.stats()))
+
+
+def _more_soon(cap, poller) -> bool:
+    """Stopping: does a block retire within the ring's retire timeout?"""
+    poller.poll(100)
+    return cap.ready()
+
+
+# -- the coordinator's side -----------------------------------------------------------------
+class WorkerCapture:
+    """What the daemon knows of one worker's ring: the counters the worker last sent
+    (RingCapture.stats()'s keys) and the worker's state."""
+
+    def __init__(self, pool: "CaptureWorkers", stream: int, ifname: str, netns: str | None):
+        self.pool, self.stream, self.ifname, self.netns = pool, stream, ifname, netns
+        self.last: dict = {"packets": 0, "drops": 0, "freeze_q_cnt": 0, "delivered": 0, "blocks": 0,
+                           "vlan_restored": 0, "errors": {}}
+        self.received = 0  # frames that reached the coordinator
+        self.pid: int | None = None
+        self.exitcode: int | None = None
+        self.done = False
+
+    def stats(self) -> dict:
+        alive = self.exitcode is None and not self.done
+        # frames the kernel passed to this worker's ring that never reached us: only
+        # known (and only possible) once the worker has died
+        lost = 0 if alive or self.done else max(0, self.last["packets"] - self.last["drops"] - self.received)
+        return {"ifname": self.ifname, "netns": self.netns, **self.last,
+                "worker": {"pid": self.pid, "alive": alive, "exitcode": self.exitcode, "lost": lost}}
+
+    def close(self):
+        self.pool.close()
+
+
+class CaptureWorkers:
+    """One capture process per interface (docs/DAEMON.md: workers, pinning, sizing)."""
+
+    def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False):
+        ctx = mp.get_context("spawn")  # the daemon holds torch's threads: no fork
+        self.captures: list[WorkerCapture] = []
+        self.shms: list[SharedMemory] = []
+        self.conns, self.procs = [], []
+        self._closed = False
+        self._views: list[list] = []
+        try:
+            self._spawn(ctx, interfaces, bpf, busy_poll)
+        except BaseException:
+            self.close()  # no shared memory or process left behind
+            raise
+        self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
+        self._start()
+
+    def _spawn(self, ctx, interfaces, bpf, busy_poll):
+        for k, i in enumerate(interfaces):
+            spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
+                    "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
+                    "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
+            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[2])
+            self.shms.append(shm)
+            self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, args=(k, spec, shm.name, child, i.cpu, busy_poll),
+                            name=f"ckptd-capture-{i.name}", daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+            wc = WorkerCapture(self, k, i.ifname, i.netns)
+            wc.pid = p.pid
+            self.captures.append(wc)
+
+    def _start(self):
+        """Wait for every worker's ring to be open; a worker that cannot open its ring
+        fails the start with its message (as an in-process ring would)."""
+        from ckptd.live.ring import CaptureSetupError
+        for k, conn in enumerate(self.conns):
+            if not conn.poll(30):
+                self.close()
+                raise CaptureSetupError(0, f"capture worker for {self.captures[k].ifname} did not start")
+            msg = conn.recv()
+            if msg[0] == "error":
+                self.close()
+                raise CaptureSetupError(0, msg[1])
+            self.captures[k].last.update(msg[1])
+
+    def batches(self, stop, errors: list[str]) -> Iterator[tuple[int, Batch]]:
+        """(stream, Batch) as the workers hand blocks over, until stop is set and every
+        worker has drained its ring (or died). A Batch's slot goes back to its worker
+        when the next item is asked for."""
+        live = set(range(len(self.conns)))
+        stopping = False
+        while live:
+            if stop.is_set() and not stopping:
+                stopping = True
+                for k in live:
+                    self._send(k, ("stop",))
+            ready = wait([self.conns[k] for k in live] + [self.procs[k].sentinel for k in live], 0.05)
+            for k in sorted(live):
+                conn, proc = self.conns[k], self.procs[k]
+                while k in live and conn in ready and conn.poll(0):
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    if msg[0] == "batch":
+                        _, slot, n, st = msg
+                        cap = self.captures[k]
+                        cap.last.update(st)
+                        cap.received += n
+                        yield k, self._batch(k, slot, n)
+                        self._send(k, ("free", slot))
+                    elif msg[0] == "done":
+                        self.captures[k].last.update(msg[1])
+                        self.captures[k].done = True
+                        live.discard(k)
+                if k in live and not proc.is_alive():
+                    proc.join(1)
+                    cap = self.captures[k]
+                    cap.exitcode = proc.exitcode
+                    live.discard(k)
+                    errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) died "
+                                  f"(exit code {proc.exitcode}); {cap.stats()['worker']['lost']} frames lost "
+                                  f"with it; the other streams go on")
+
+    def _batch(self, k: int, slot: int, n: int) -> Batch:
+        data, meta = self._views[k][slot]
+        return Batch(data, meta[0, :n], meta[1, :n], meta[2, :n], np.full(n, k, np.int32),
+                     self._linktype[:n], meta[4, :n], meta[3, :n])
+
+    def _send(self, k: int, msg):
+        try:
+            self.conns[k].send(msg)
+        except (BrokenPipeError, OSError):
+            pass  # the worker is gone; the sentinel reports it
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        for p in self.procs:
+            p.join(2 * STOP_DRAIN_S)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+        self._views = []
+        for shm in self.shms:
+            try:
+                shm.close()
+            except BufferError:
+                pass  # a Batch still points into it: the mapping goes with the last one
+            shm.unlink()
+
+
+__all__ = ["CaptureWorkers", "WorkerCapture", "SLOTS"]

@@ -1,0 +1,238 @@
+"""The daemon on real capture rings, without the switch of tests/test_live.py: each
+mirror stream's recorded frames are sent over a veth pair of their own into a namespace
+where the daemon captures. Kernel ring drops must be reported as such (status
+`dropped`, exit status 4), never as an iteration merely abandoned at the stop."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+from ckptd.live.ring import in_netns
+from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
+from ckptd.testing.sender import send_frames
+from parsers.pcap import read_pcap
+
+from helpers import pcaps, synth
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rings")
+    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=6, mirrors=2)
+    return d
+
+
+@pytest.fixture
+def links():
+    """Namespaces a (senders) and b (the daemon), joined by veth pairs tx<k> -> rx<k>."""
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(f"needs network namespaces: {reason}")
+    from pyroute2 import IPRoute, netns
+    p = unique_prefix()
+    names = [f"{p}-a", f"{p}-b"]
+    try:
+        for n in names:
+            netns.create(n)
+        for k in range(2):
+            with IPRoute(netns=names[0], flags=0) as ipr:
+                ipr.link("add", ifname=f"tx{k}", kind="veth", peer={"ifname": f"rx{k}", "net_ns_fd": names[1]})
+                ipr.link("set", index=ipr.link_lookup(ifname=f"tx{k}")[0], mtu=9000, state="up")
+            with IPRoute(netns=names[1], flags=0) as ipr:
+                ipr.link("set", index=ipr.link_lookup(ifname=f"rx{k}")[0], mtu=9000, state="up")
+        for n in names:  # no IPv6 chatter on the links
+            in_netns(n, lambda: open("/proc/sys/net/ipv6/conf/all/disable_ipv6", "w").write("1"))
+        yield names
+    finally:
+        remove_namespaces(names)
+
+
+def daemon_config(run, out, ns, workers=False, **ring) -> DaemonConfig:
+    return DaemonConfig(plan=str(run / "plan.json"), init=str(run / "init.pt"), out=str(out),
+                        listen="127.0.0.1:0", capture_workers=workers,
+                        interfaces=[InterfaceConfig(f"mirror{k}", f"rx{k}", ns, **ring) for k in range(2)])
+
+
+def send_streams(run, ns, pps, midway=None):
+    """Every mirror capture into its own link, concurrently, paced at pps each;
+    midway() is called when a third of the frames are out."""
+    threads = []
+    streams = [[f.data for f in read_pcap(p)] for p in pcaps(run)]
+    third = len(streams[0]) // 3
+    for part in ((0, third), (third, None)):
+        for k, frames in enumerate(streams):
+            threads.append(threading.Thread(target=send_frames, args=(frames[slice(*part)], f"tx{k}", ns),
+                                            kwargs=dict(timing="rate", pps=pps)))
+            threads[-1].start()
+        for t in threads:
+            t.join(60)
+        if midway is not None and part[1] is not None:
+            midway()
+
+
+def run_until_done(daemon, run, ns, pps=4000, midway=None) -> int:
+    """The daemon on its own thread while the streams are sent; stopped once iteration 5
+    is reported (or 30 s after the last frame). Returns its exit status."""
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
+            time.sleep(0.05)
+        send_streams(run, ns, pps, midway)
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(r.iteration == 5 for r in daemon.pipe.reports):
+            time.sleep(0.1)
+    finally:
+        daemon.stop.set()
+        t.join(60)
+    return result["rc"]
+
+
+def assert_committed_are_exact(run, daemon, out):
+    for r in daemon.pipe.reports:
+        if r.status == "committed":
+            mine = load_checkpoint(out / checkpoint_name(r.iteration))
+            assert diff_checkpoints(mine, load_checkpoint(run / "reference" / checkpoint_name(r.iteration))) == []
+
+
+def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path):
+    """Rings of two 16 KiB blocks and a daemon that stalls 0.5 s on its first batch:
+    the kernel drops frames, the iterations hit end `dropped` (not abandoned or merely
+    unrecoverable), the exit status is 4, and whatever committed is exact."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], block_size=1 << 14, block_nr=2,
+                                  frame_size=2048, retire_ms=5))
+    real_run_batch, stalled = daemon.pipe.run_batch, []
+
+    def stall_once(batch):
+        if not stalled:
+            stalled.append(True)
+            time.sleep(0.5)
+        real_run_batch(batch)
+
+    daemon.pipe.run_batch = stall_once
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    t.start()
+    try:
+        time.sleep(0.5)  # the rings are open
+        send_streams(run, links[0], pps=4000)
+        time.sleep(0.5)
+    finally:
+        daemon.stop.set()
+        t.join(60)
+    drops = sum(c.stats()["drops"] for c in daemon.captures)
+    assert stalled and drops > 0
+    statuses = [r.status for r in daemon.pipe.reports]
+    assert "dropped" in statuses and "abandoned" not in statuses, statuses
+    assert all("kernel dropped frames" in r.note for r in daemon.pipe.reports if r.status == "dropped")
+    assert result["rc"] == 4
+    assert daemon.snapshot.get()["iterations_by_status"].get("dropped", 0) == statuses.count("dropped")
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
+@pytest.mark.parametrize("workers,busy", [(False, False), (True, False), (True, True)],
+                         ids=["in-process", "capture-workers", "capture-workers-busy-poll"])
+def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, workers, busy):
+    """The same traffic into rings that hold it: no drops, every iteration committed
+    bit-exact, exit status 0; read in the daemon's process (ring blocks indexed in
+    place) or by a capture worker process per interface (blocks through shared memory),
+    sleeping in poll(2) or spinning on the ring."""
+    cfg = daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16, block_nr=64, retire_ms=10)
+    cfg.busy_poll = busy
+    daemon = Daemon(cfg)
+    rc = run_until_done(daemon, run, links[0])
+    caps = [c.stats() for c in daemon.captures]
+    assert sum(c["drops"] for c in caps) == 0
+    assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
+    assert rc == 0 and daemon.pipe.errors == []
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+    sent = [sum(1 for _ in read_pcap(p)) for p in pcaps(run)]
+    assert [c["delivered"] for c in caps] == [cls["frames"] for cls in daemon.pipe.classes]
+    assert all(0 < c["packets"] <= n for c, n in zip(caps, sent))  # the filter passes RoCE only
+    if workers:
+        assert all(c["worker"]["alive"] is False and c["worker"]["lost"] == 0 for c in caps)
+        assert len({c["worker"]["pid"] for c in caps}) == 2
+
+
+def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, links, tmp_path):
+    """Stream 1's worker is killed a third of the way in. The daemon names it, stream 0
+    keeps being captured, and since stream 0 alone carries every element here (2 ranks,
+    a mirror on each one's port) every iteration still commits, bit-exact."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], True, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+    seen = {}
+
+    def kill_worker_1():
+        time.sleep(0.3)  # what was sent so far is through
+        seen["frames0"] = daemon.pipe.classes[0]["frames"]
+        os.kill(daemon.captures[1].pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while not daemon.pipe.errors and time.time() < deadline:
+            time.sleep(0.05)
+
+    rc = run_until_done(daemon, run, links[0], midway=kill_worker_1)
+    assert len(daemon.pipe.errors) == 1, daemon.pipe.errors
+    assert "capture worker for stream 1 on rx1" in daemon.pipe.errors[0] and "died" in daemon.pipe.errors[0]
+    st = daemon.snapshot.get()
+    assert st["capture"]["rx1"]["worker"]["alive"] is False
+    assert st["capture"]["rx1"]["worker"]["exitcode"] == -signal.SIGKILL
+    assert st["capture"]["rx0"]["drops"] == 0
+    frames0 = daemon.pipe.classes[0]["frames"]
+    assert seen["frames0"] > 0 and frames0 > 2 * seen["frames0"]  # stream 0 went on
+    assert daemon.pipe.classes[1]["frames"] < frames0
+    assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
+    assert rc == 0
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
+def test_capture_worker_config_is_checked(run, tmp_path):
+    from ckptd.live.daemon import ConfigError, load_config
+
+    def cfg(extra: str, iface: str = ""):
+        p = tmp_path / "c.yaml"
+        p.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
+                     f"interfaces:\n  - {{ifname: m0{iface}}}\n{extra}")
+        return load_config(p)
+
+    ok = cfg("capture_workers: true\nbusy_poll: true\ncpus: [0]\n", ", cpu: 0")
+    assert ok.capture_workers and ok.busy_poll and ok.cpus == [0] and ok.interfaces[0].cpu == 0
+    for extra, iface, msg in [
+        ("capture_workers: yes please\n", "", "'capture_workers' must be true or false"),
+        ("busy_poll: true\n", "", "busy_poll applies to capture workers"),
+        ("", ", cpu: 0", r"interfaces\[0\].cpu pins a capture worker"),
+        ("capture_workers: true\n", ", cpu: 4096", r"interfaces\[0\].cpu must be a CPU number"),
+        ("cpus: [0, -1]\n", "", "'cpus' must be a list of CPU numbers"),
+        ("cpus: 0\n", "", "'cpus' must be a list"),
+        ("capture_workers: true\nfast: false\n", "", "cannot be used with fast: false"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            cfg(extra, iface)
+
+
+def test_worker_slot_copy_rebases_blocks_that_wrap_the_ring():
+    """A worker's batch of consecutive ring blocks that wraps (blocks 3, then 0 of 4)
+    lands in its slot block after block, each frame's bytes and fields unchanged."""
+    import numpy as np
+    from ckptd.fast.batches import Batch
+    from ckptd.live.workers import _copy_blocks
+    bs, nr = 1024, 4
+    ring = np.random.default_rng(1).integers(0, 256, bs * nr, dtype=np.uint8)
+    offsets = np.array([3 * bs + 100, 3 * bs + 400, 0 * bs + 60, 0 * bs + 700], np.int64)
+    caplen = np.array([200, 300, 500, 90], np.int64)
+    batch = Batch(ring, offsets, caplen, caplen + 4, np.zeros(4, np.int32), np.ones(4, np.int32),
+                  np.arange(1, 5, dtype=np.int64), np.arange(4, dtype=np.int64) * 7)
+    data, meta = np.zeros(2 * bs, np.uint8), np.zeros((5, 64), np.int64)
+    assert _copy_blocks(batch, bs, nr, data, meta) == 4
+    assert meta[0, :4].tolist() == [100, 400, bs + 60, bs + 700]
+    for i in range(4):
+        o, n = int(meta[0, i]), int(caplen[i])
+        assert data[o:o + n].tobytes() == ring[offsets[i]:offsets[i] + n].tobytes()
+    assert meta[1:, :4].tolist() == [caplen.tolist(), (caplen + 4).tolist(), [0, 7, 14, 21], [1, 2, 3, 4]]

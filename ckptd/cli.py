@@ -192,10 +192,23 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    import dataclasses
 
     from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
     from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
+    topo = None
+    if a.nccl_log:
+        from ckptd.tools.nccl_log import load_nic_addrs, parse_nccl_log, ring_topology
+        if not a.nic_addrs:
+            print("error: --nccl-log needs --nic-addrs (each host's NIC addresses in NCCL device order; "
+                  "the log names NET/IB devices, not their addresses)", file=sys.stderr)
+            return 2
+        text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
+        topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
+    elif a.ranks is None:
+        print("error: give --ranks and --addr, or --nccl-log", file=sys.stderr)
+        return 2
     mod, _, fn = a.model.partition(":")
     model = getattr(importlib.import_module(mod), fn)()
     named = list(model.named_parameters())
@@ -212,22 +225,42 @@ def cmd_plan(a) -> int:
     else:
         order = list(reversed(range(len(params))))  # a sequential model's backward order
     rebuilt = rebuilt_buckets(params, order, cap)
-    major, minor = (int(x) for x in a.nccl_version.split("."))
-    addrs = a.addr or []
-    if len(addrs) != a.ranks:
-        print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
-        return 2
+    if topo is not None:
+        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
+        addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
+    else:
+        major, minor = (int(x) for x in a.nccl_version.split("."))
+        addrs = a.addr or []
+        if len(addrs) != a.ranks:
+            print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
+            return 2
+        ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
+                          a.protocol, (major, minor), mtu=a.mtu)
+        nodes, nics = (), ()
     opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                     weight_decay=a.weight_decay, implementation=a.implementation)
     plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(names, params)),
                 tuple(BucketLayout(tuple(names[i] for i in b)) for b in first),
                 tuple(BucketLayout(tuple(names[i] for i in b)) for b in rebuilt),
-                RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
-                           a.protocol, (major, minor), mtu=a.mtu),
-                opt, tuple(addrs), tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))))
+                ring, opt, tuple(addrs), (), nodes=nodes, channel_nics=nics)
+    plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both") for r in default_mirror_ports(plan)))
     plan.save(a.out)
-    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets")
+    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets, "
+          f"{ring.nranks} ranks on {len(set(plan.nodes))} nodes, {ring.channels} channel(s)")
     return 0
+
+
+def default_mirror_ports(plan, count: int = 3) -> list[int]:
+    """Up to `count` NIC ports to mirror, by owner rank: the senders of channel 0's
+    network hops in ring order (on one-GPU hosts: ranks 0, 1, 2 of an identity ring),
+    so that their links are distinct. `ckptd mirror-config` chooses for real cablings."""
+    ring = plan.ring.rings[0]
+    out = []
+    for i, src in enumerate(ring):
+        conn = (src, ring[(i + 1) % len(ring)], 0)
+        if conn in plan.network_connections and plan.link_of(conn)[0] not in out:
+            out.append(plan.link_of(conn)[0])
+    return out[:count]
 
 
 # -- parser --------------------------------------------------------------------------
@@ -324,11 +357,25 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_config.add_subparser(sub)
     risk.add_subparser(sub)
 
-    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings")
+    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings",
+                        description="Write a plan (docs/PLAN.md) from a torch model and the job's NCCL "
+                        "settings: either given (--ranks, --addr, --channels, --protocol, --nccl-version: "
+                        "one GPU per host, identity rings) or read from the job's NCCL_DEBUG=INFO output "
+                        "(--nccl-log, --nic-addrs): version, every channel's ring, each rank's host (node), "
+                        "which hops cross the network and on which NIC, NCCL_PROTO and NCCL_ALGO. A log whose "
+                        "settings let allreduce run as Tree/NVLS/CollNet, or with more than one protocol, is "
+                        "refused with the setting that fixes it (NCCL_ALGO=Ring, NCCL_PROTO=Simple).")
     pl.add_argument("--model", required=True, help="module:function returning the nn.Module")
     pl.add_argument("--sample", help="module:function returning one input batch (for the "
                     "gradient-ready order DDP rebuilds buckets in)")
-    pl.add_argument("--ranks", type=int, required=True)
+    pl.add_argument("--nccl-log", action="append", metavar="FILE",
+                    help="the job's NCCL_DEBUG=INFO output (repeat for per-rank files): fills the ring, ranks, "
+                         "nodes and NICs; rank 0's 'Channel NN/NN :' lines and every network hop's "
+                         "'[send]/[receive] via NET' lines must be in it")
+    pl.add_argument("--nic-addrs", metavar="FILE",
+                    help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
+                         "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
+    pl.add_argument("--ranks", type=int, help="data-parallel world size (without --nccl-log)")
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
     pl.add_argument("--channels", type=int, default=2)
     pl.add_argument("--protocol", choices=["simple", "ll"], default="simple")

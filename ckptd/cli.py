@@ -73,12 +73,14 @@ def cmd_synth(a) -> int:
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
-        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts)
+        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective)
     t0 = time.time()
     plan = synthesize(opts, progress=_progress("synth"))
     nparams = sum(p.numel for p in plan.parameters)
+    where = f" on {a.nodes} nodes" if a.nodes else ""
     print(f"synthesized {a.iterations} iterations of a {nparams:,}-parameter model over "
-          f"{a.ranks} ranks ({a.protocol}, {a.channels} channel(s), MTU {a.mtu}) in "
+          f"{plan.nranks} ranks{where} ({a.protocol}, {a.channels} channel(s), MTU {a.mtu}) in "
           f"{time.time() - t0:.1f}s -> {a.out}")
     for name, st in opts.stats.items():
         print(f"  {name}: {st['frames']} frames, lost {st['lost']}, corrupted {st['corrupted']}, "
@@ -306,7 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ipv6", action="store_true")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
     s.add_argument("--write-hosts", action="store_true",
-                   help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network)")
+                   help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network); "
+                        "with --nodes, what each NIC sends, under the rank that owns it")
+    s.add_argument("--nodes", type=int, default=0,
+                   help="multi-GPU nodes: ranks = NODES x --gpus-per-node, each node's ranks consecutive, one "
+                        "NCCL-style ring per channel through NVLink inside a node; only hops between nodes "
+                        "reach the mirrors (default 0: every rank a host of its own, --ranks of them)")
+    s.add_argument("--gpus-per-node", type=int, default=1)
+    s.add_argument("--nics-per-node", type=int, default=0,
+                   help="with --nodes: NICs per node (default: one per GPU, rails); channel c uses NIC c mod this "
+                        "on every node; mirror k is the port of NIC k mod this of node k div this")
+    s.add_argument("--collective", choices=["allreduce", "reduce_scatter", "tree"], default="allreduce",
+                   help="what the wire carries: DDP's ring allreduce, or (to check that ckptd refuses them) "
+                        "a reduce-scatter with no allgather (FSDP/ZeRO) or tree-shaped traffic")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

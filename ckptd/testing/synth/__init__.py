@@ -225,6 +225,8 @@ class Wire:
                 psn=start_psn(), sport=rng.randrange(49152, 65536))
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
+        self.alloc, self.start_psn = alloc, start_psn
+        self.tree_qp: dict[tuple[int, int], QueuePair] = {}
         self.noise_qp = None
         if opts.noise and plan.nranks >= 2:
             # An unrelated RDMA flow between two NICs of the job (say, a p2p transfer).
@@ -237,6 +239,8 @@ class Wire:
         """(sender NIC, receiver NIC, frame) in wire order for one iteration, each NIC
         named by its owner rank."""
         cfg, opts, rng = self.plan.ring, self.opts, self.rng
+        if opts.collective == "tree":
+            return self.tree_frames(sched)
         per_conn = []
         for conn, sends in sched.sends.items():
             if conn not in self.link:
@@ -287,6 +291,30 @@ class Wire:
                 out += self.noise_frames()
         return out
 
+    def tree_frames(self, sched) -> list[tuple[int, int, bytes]]:
+        """What a tree allreduce puts on the wire, in outline (for the refusal tests):
+        every bucket goes up a binary tree over the job's NICs (child -> parent) and
+        back down in step-sized RDMA writes. Its pairs are mostly not ring links, and
+        its message sequence is no ring schedule's. The bytes are zeros: nothing may
+        ever be placed from them."""
+        cfg, out = self.plan.ring, []
+        nics = sorted({self.plan.rank_of(a) for a in self.plan.addresses})
+        edges = [(nics[i], nics[(i - 1) // 2]) for i in range(1, len(nics))]
+        for b in sched.buckets:
+            for a, c in edges + [(c, a) for a, c in reversed(edges)]:
+                qp = self.tree_qp.get((a, c))
+                if qp is None:
+                    qp = self.tree_qp[(a, c)] = QueuePair(
+                        self.hosts[a], self.hosts[c], dest_qp=self.alloc(c), src_qp=self.alloc(a),
+                        psn=self.start_psn(), sport=self.rng.randrange(49152, 65536))
+                for off in range(0, b.nbytes, cfg.step_bytes):
+                    n = min(cfg.step_bytes, b.nbytes - off)
+                    pkts = qp.write(bytes(n), cfg.mtu, va=0x7e00_0000_0000, rkey=0x5678,
+                                    imm=imm_bytes(n, cfg.imm_big_endian))
+                    out += [(a, c, f) for f, _, _ in pkts]
+                    out.append((c, a, qp.ack(pkts[-1][1])))
+        return out
+
     def noise_frames(self) -> list[tuple[int, int, bytes]]:
         rng, h = self.rng, self.hosts
         n0, n1 = self.noise_pair
@@ -330,6 +358,8 @@ def impair(frames: list[tuple[int, bytes]], opts: SynthOptions, rng: random.Rand
 
 
 def synthesize(opts: SynthOptions, progress=None) -> Plan:
+    if opts.collective not in ("allreduce", "reduce_scatter", "tree"):
+        raise ValueError(f"collective {opts.collective!r}: allreduce, reduce_scatter or tree")
     out = Path(opts.out)
     (out / "mirrors").mkdir(parents=True, exist_ok=True)
     (out / "reference").mkdir(exist_ok=True)

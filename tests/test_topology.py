@@ -152,3 +152,43 @@ def test_plan_asking_for_another_algorithm_is_refused(nodes4, tmp_path, setting,
         assert plan_from_json(doc).nranks == 16
         return
     _one_line_refusal(_replay_cli(nodes4, tmp_path / "plan.json"), *words)
+
+
+def test_mirror_config_selects_only_links_between_nodes(nodes4):
+    """Selection over NIC ports: each port carries its NIC's network hops of every
+    channel; the ring facts hold per hop, so 2 network hops of a ring see every chunk."""
+    import numpy as np
+
+    from ckptd.core.schedule import AG, Bucket, RingSchedule
+    from switch_config.cabling import cabling_from_doc
+    from switch_config.select import network_links, select_mirrors
+    from test_mirror_config import cabling
+
+    plan = load_plan(nodes4 / "plan.json")
+    network = network_links(plan)
+    sel = select_mirrors(plan.ring, cabling_from_doc(cabling(16, collectors=4, ports=8)), links=2,
+                         min_streams=1, network=network)
+    wire = plan.network_connections
+    sched = RingSchedule(plan.ring, [Bucket(16 * 65536, np.dtype("float32"))])
+    for ch in range(plan.ring.channels):
+        links = {link for p, _ in sel.chosen for link in p.links(plan.ring, ch, network)}
+        assert len(links) >= 2 and all(link + (ch,) in wire for link in links)
+        chunks = {s.chunk for link in links for s in sched.sends[link + (ch,)] if s.phase == AG and s.nelem}
+        assert chunks == set(range(16))  # every chunk of the channel reaches a mirrored network hop
+    assert {p.rank for p, _ in sel.chosen} <= {nic for _, nic, _ in network}
+    doc = sel.to_json()
+    assert all(m["rank"] in {0, 1, 4, 5, 8, 9, 12, 13} for m in doc["plan_mirrors"])  # NICs 0 and 1 (rails)
+    more = select_mirrors(plan.ring, cabling_from_doc(cabling(16, collectors=8, ports=8)), links=6,
+                          min_streams=1, network=network)
+    assert any("only 4 hops between nodes" in n for n in more.notes)
+
+
+def test_mirror_risk_counts_copies_over_links_between_nodes(nodes4):
+    from ckptd.tools.risk import evaluate, failure_probability, packets_from_plan
+    r = evaluate(16, 5, 1e-3, 10000, nodes=4)
+    assert r["mirrorable_links"] == 4 and r["mirrored_links"] == 4
+    assert r["chunks_by_copies"] == {"3": 4, "4": 12}
+    assert failure_probability(16, 5, 1e-3, 10000, nodes=4) == failure_probability(16, 4, 1e-3, 10000, nodes=4)
+    assert failure_probability(16, 5, 1e-3, 10000, nodes=4) > failure_probability(16, 5, 1e-3, 10000)
+    n, k, h = packets_from_plan(str(nodes4 / "plan.json"))
+    assert (n, h) == (16, 4) and k > 0

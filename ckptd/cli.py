@@ -324,7 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "
-                       "checkpoint per iteration (exit 3 if any iteration could not be recovered)")
+                       "checkpoint per iteration (exit 3 if any iteration could not be recovered)",
+                       description="Rebuild the model from recorded mirror captures, one checkpoint per "
+                       "iteration. Exit 3: an iteration could not be recovered; 4: a commit differs from "
+                       "--reference; 2: bad input, or a job that is not ring allreduce, refused in one line "
+                       "naming the cause and the fix: a plan whose ring.algorithm allows Tree/NVLS/CollNet, "
+                       "traffic that is a ring reduce-scatter without allgather (FSDP/ZeRO), or RDMA "
+                       "traffic between NICs that are ring neighbours in no channel while nothing matches "
+                       "the plan's ring (Tree/CollNet). With multi-GPU nodes only the hops between nodes "
+                       "are expected on the wire.")
     r.add_argument("--plan", required=True)
     r.add_argument("--init", help="initial state (a checkpoint of iteration -1)")
     r.add_argument("--out", help="directory for the per-iteration checkpoints")

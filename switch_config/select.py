@@ -111,7 +111,7 @@ class Selection:
     chosen: list[tuple[Point, Collector]]
     sessions: list[Session] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    network: NetworkLinks | None = None  # multi-GPU nodes: the hops each NIC port carries
+    network: NetworkLinks | None = None  # plans with nodes/NICs: the hops each NIC port carries
 
     def sessions_on(self, switch: str) -> list[Session]:
         return [s for s in self.sessions if s.switch.name == switch]

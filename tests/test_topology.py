@@ -108,7 +108,7 @@ def test_one_gpu_per_host_plans_read_as_before(tmp_path):
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert all(set(r) == {"rank", "addr"} for r in doc["ranks"])  # no node, no nics
     plan = plan_from_json(doc)
-    assert not plan.multi_gpu_nodes and len(plan.network_connections) == 6
+    assert plan.one_host_per_rank and len(plan.network_connections) == 6
     assert plan.link_of((0, 1, 1)) == (0, 1)
 
 
@@ -192,3 +192,19 @@ def test_mirror_risk_counts_copies_over_links_between_nodes(nodes4):
     assert failure_probability(16, 5, 1e-3, 10000, nodes=4) > failure_probability(16, 5, 1e-3, 10000)
     n, k, h = packets_from_plan(str(nodes4 / "plan.json"))
     assert (n, h) == (16, 4) and k > 0
+
+
+def test_shared_nic_ll_ipv6_replays_bit_exact(tmp_path):
+    """One NIC per node shared by its GPUs: the NIC pair between the nodes carries
+    channel 0's hop 1 -> 2 and channel 1's hop 0 -> 3 (different rank pairs), told
+    apart by QP number in channel order; LL flags, IPv6."""
+    synth(tmp_path, nodes=2, gpus_per_node=2, nics_per_node=1, channels=2, protocol="ll", ipv6=True,
+          iterations=2, mirrors=2)
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.addresses[0] == plan.addresses[1] and plan.link_of((1, 2, 0)) == plan.link_of((0, 3, 1)) == (0, 2)
+    assert FlowBinder(plan).expected[(0, 2)] == [(1, 2, 0, 0), (0, 3, 1, 0)]
+    ref = run_replay(tmp_path)
+    assert [(r.ok, r.exact) for r in ref.reports] == [(True, True)] * 2
+    opts = ReplayOptions(out=str(tmp_path / "fast"), reference=str(tmp_path / "reference"))
+    fast = fast_replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
+    assert [(r.ok, r.exact) for r in fast.reports] == [(True, True)] * 2

@@ -174,8 +174,11 @@ class Plan:
         return self.rank_of(self.nic(src, c)), self.rank_of(self.nic(dst, c))
 
     @property
-    def multi_gpu_nodes(self) -> bool:
-        return len(set(self.nodes)) < self.nranks
+    def one_host_per_rank(self) -> bool:
+        """Every rank a host of its own with one NIC: every ring hop is on the wire,
+        between the ranks' own NICs (every plan written before nodes existed)."""
+        return len(set(self.nodes)) == self.nranks and all(
+            all(a == own for a in per) for per, own in zip(self.channel_nics, self.addresses))
 
     def param_ranges(self, iteration: int, b: int) -> list[tuple[str, int, int]]:
         """(name, start, end) element ranges of each parameter inside bucket b."""

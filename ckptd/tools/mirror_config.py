@@ -84,7 +84,7 @@ def run(a) -> int:
         return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
     try:
-        network = network_links(plan) if plan.multi_gpu_nodes else None
+        network = network_links(plan) if not plan.one_host_per_rank else None
         sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams, network=network)
         files = render_all(sel, vendors)
     except (SelectionError, RenderError) as e:

@@ -146,7 +146,7 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None]:
         if (s, d, c) in wire:
             total += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
     hops = len(wire) / plan.ring.channels
-    return plan.nranks, total / hops, (round(hops) if plan.multi_gpu_nodes else None)
+    return plan.nranks, total / hops, (round(hops) if not plan.one_host_per_rank else None)
 
 
 # -- command ---------------------------------------------------------------------------

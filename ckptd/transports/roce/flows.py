@@ -57,7 +57,7 @@ def reduce_scatter_only(sched: FlowSchedule) -> FlowSchedule:
     """The QP's messages with its allgather sends left out: what the wire carries when
     the job reduce-scatters instead of allreducing (FSDP/ZeRO). NCCL's ring
     ReduceScatter sends the same chunks as the first half of a ring allreduce loop and
-    then reduces the last one in place (src/device/reduce_scatter.h runRing@v2.19.4-1:
+    then reduces the last one in place (src/device/reduce_scatter.h:52-64@v2.19.4-1:
     send, recvReduceSend x (n-2), recvReduceCopy), so the final values never leave."""
     out = FlowSchedule(sched.src, sched.dst, sched.channel, sched.qp)
     for m in sched.messages:
@@ -356,7 +356,7 @@ class FlowBinder:
 
     def _link_name(self, hop) -> str:
         s, d = hop
-        return f"rank {s} -> {d}" if not self.plan.multi_gpu_nodes else \
+        return f"rank {s} -> {d}" if self.plan.one_host_per_rank else \
             f"NIC {self.plan.addresses[s]} (rank {s}) -> NIC {self.plan.addresses[d]} (rank {d})"
 
     def _align(self, tl: FlowTimeline, cand: _Candidate) -> int | None:

@@ -31,6 +31,10 @@ unless noted):
                 of a network hop uses; "(P)" is the PXN proxy rank whose NIC it is.
                 The receiver always uses its own NIC (net.cc:224@v2.19.4-1).
 
+"Trees [0] ..." lines are printed for every communicator (init.cc:1077@v2.19.4-1)
+whether or not Tree ever runs, so they decide nothing; NCCL_ALGO does (with the NVLS
+and CollNet channel counts), through ckptd.core.algorithms.
+
 NIC addresses are not in the log (NET/IB devices are named, their RoCE GIDs are not):
 the caller gives each host's NIC addresses in NCCL device order.
 """
@@ -178,6 +182,10 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
         for i, s in enumerate(ring):
             d = ring[(i + 1) % n]
             if hosts[s] == hosts[d]:
+                if (c, s, d) in job.net:
+                    raise NcclLogError(f"{where}: channel {c} hop {s} -> {d} stays on host {hosts[s]} but goes "
+                                       "through a NIC (P2P and SHM disabled?); ckptd expects hops inside a node "
+                                       "over NVLink/PCIe: unset NCCL_P2P_DISABLE/NCCL_SHM_DISABLE")
                 continue
             ends = job.net.get((c, s, d), {})
             if "send" not in ends or "receive" not in ends:

@@ -294,10 +294,15 @@ class FlowBinder:
             "gradients never cross the wire; ckptd needs DDP's allreduce (NCCL_ALGO=Ring)")
 
     def _refuse_unbound(self):
-        """Nothing of the plan's ring allreduce was found: say what the traffic was."""
+        """Nothing of the plan's ring allreduce was bound: refuse by name when the
+        traffic positively is something else. Flows that merely match nothing (a plan
+        that does not fit, a capture that starts mid-job) keep their diagnostics."""
         for hop, cand in self.unexplained:
+            if len(cand.heads) < 2 * MIN_HEADS:
+                continue
             for slot in self.expected[hop]:
-                if self._align(self._rs_timeline(slot), cand) is not None:
+                base_rel = self._align(self._rs_timeline(slot), cand)
+                if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
                     self._refuse_reduce_scatter(hop)
         if self.off_ring:
             pairs = sorted(self.off_ring)
@@ -306,13 +311,6 @@ class FlowBinder:
                 f"no flow matches the plan's ring allreduce, and RDMA writes flow between NICs of the job "
                 f"that are ring neighbours in no channel ({names}): that is Tree, CollNet or NVLS traffic, "
                 "not ring allreduce; run the job with NCCL_ALGO=Ring")
-        if self.unexplained:
-            hop, cand = self.unexplained[0]
-            raise CollectiveRefused(
-                f"no flow matches the plan's ring allreduce: link {self._link_name(hop)} carries messages of "
-                f"{[h[1] for h in sorted(cand.heads)[:6]]} bytes, which no channel's schedule has; check the "
-                "plan's NCCL version, protocol and buckets, and that the job runs NCCL_ALGO=Ring with the "
-                "plan's NCCL_PROTO")
 
     def _bind(self, hop, final: bool) -> list[tuple[FlowBinding, Packet]]:
         """Bind the flows that showed enough heads (all of them when final), in QPN

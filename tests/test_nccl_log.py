@@ -111,6 +111,9 @@ def test_incomplete_logs_name_what_is_missing():
         ring_topology(parse_nccl_log(no_send), NIC_ADDRS)
     with pytest.raises(NcclLogError, match="NET device 3 of host dgx-a08"):
         ring_topology(parse_nccl_log(text), {**NIC_ADDRS, "dgx-a08": NIC_ADDRS["dgx-a08"][:3]})
+    wrong_local = text.replace("nNodes 2 localRanks 4 localRank 1", "nNodes 2 localRanks 3 localRank 1")
+    with pytest.raises(NcclLogError, match="rank 1 says localRanks 3, but 4 ranks"):
+        ring_topology(parse_nccl_log(wrong_local), NIC_ADDRS)
     two = text + text.replace("Channel 01/04 : 0 5 6 7 4 1 2 3", "Channel 01/04 : 0 1 2 3 4 5 6 7")
     with pytest.raises(NcclLogError, match="several communicators"):
         parse_nccl_log(two)

@@ -69,6 +69,7 @@ class NcclJob:
     version: tuple[int, int, int] | None = None
     nranks: int | None = None
     nnodes: int | None = None
+    local_ranks: dict[int, int] = field(default_factory=dict)  # rank -> localRanks it printed
     rings: dict[int, tuple[int, ...]] = field(default_factory=dict)
     nrings: int | None = None
     graph_next: dict[int, dict[int, int]] = field(default_factory=dict)  # channel -> rank -> next
@@ -112,6 +113,7 @@ def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
             _agree(job, "nranks", int(m[2]), where, lineno)
             _agree(job, "nnodes", int(m[3]), where, lineno)
             job.host.setdefault(int(m[1]), host)
+            job.local_ranks[int(m[1])] = int(m[4])
         elif (m := CHANNELS.match(msg)):
             _agree(job, "coll_channels", int(m[1]), where, lineno)
             _agree(job, "nvls_channels", int(m[3]), where, lineno)
@@ -160,6 +162,10 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
     nnodes = len(set(hosts))
     if job.nnodes is not None and job.nnodes != nnodes:
         raise NcclLogError(f"{where}: nNodes {job.nnodes}, but the ranks' lines come from {nnodes} hosts")
+    for r, local in sorted(job.local_ranks.items()):
+        if hosts.count(hosts[r]) != local:
+            raise NcclLogError(f"{where}: rank {r} says localRanks {local}, but {hosts.count(hosts[r])} ranks' "
+                               f"lines come from its host {hosts[r]}")
     algo = job.settings.get("NCCL_ALGO")
     collnet = None if "NCCL_COLLNET_ENABLE" not in job.settings else job.settings["NCCL_COLLNET_ENABLE"] != "0"
     check_allreduce_algorithm(algo, nnodes=nnodes, nvls_channels=job.nvls_channels, collnet=collnet,

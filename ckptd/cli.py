@@ -73,12 +73,14 @@ def cmd_synth(a) -> int:
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
-        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts)
+        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective)
     t0 = time.time()
     plan = synthesize(opts, progress=_progress("synth"))
     nparams = sum(p.numel for p in plan.parameters)
+    where = f" on {a.nodes} nodes" if a.nodes else ""
     print(f"synthesized {a.iterations} iterations of a {nparams:,}-parameter model over "
-          f"{a.ranks} ranks ({a.protocol}, {a.channels} channel(s), MTU {a.mtu}) in "
+          f"{plan.nranks} ranks{where} ({a.protocol}, {a.channels} channel(s), MTU {a.mtu}) in "
           f"{time.time() - t0:.1f}s -> {a.out}")
     for name, st in opts.stats.items():
         print(f"  {name}: {st['frames']} frames, lost {st['lost']}, corrupted {st['corrupted']}, "
@@ -195,10 +197,23 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    import dataclasses
 
     from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
     from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
+    topo = None
+    if a.nccl_log:
+        from ckptd.tools.nccl_log import load_nic_addrs, parse_nccl_log, ring_topology
+        if not a.nic_addrs:
+            print("error: --nccl-log needs --nic-addrs (each host's NIC addresses in NCCL device order; "
+                  "the log names NET/IB devices, not their addresses)", file=sys.stderr)
+            return 2
+        text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
+        topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
+    elif a.ranks is None:
+        print("error: give --ranks and --addr, or --nccl-log", file=sys.stderr)
+        return 2
     mod, _, fn = a.model.partition(":")
     model = getattr(importlib.import_module(mod), fn)()
     named = list(model.named_parameters())
@@ -215,22 +230,42 @@ def cmd_plan(a) -> int:
     else:
         order = list(reversed(range(len(params))))  # a sequential model's backward order
     rebuilt = rebuilt_buckets(params, order, cap)
-    major, minor = (int(x) for x in a.nccl_version.split("."))
-    addrs = a.addr or []
-    if len(addrs) != a.ranks:
-        print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
-        return 2
+    if topo is not None:
+        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
+        addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
+    else:
+        major, minor = (int(x) for x in a.nccl_version.split("."))
+        addrs = a.addr or []
+        if len(addrs) != a.ranks:
+            print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
+            return 2
+        ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
+                          a.protocol, (major, minor), mtu=a.mtu)
+        nodes, nics = (), ()
     opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
                     weight_decay=a.weight_decay, implementation=a.implementation)
     plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(names, params)),
                 tuple(BucketLayout(tuple(names[i] for i in b)) for b in first),
                 tuple(BucketLayout(tuple(names[i] for i in b)) for b in rebuilt),
-                RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
-                           a.protocol, (major, minor), mtu=a.mtu),
-                opt, tuple(addrs), tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))))
+                ring, opt, tuple(addrs), (), nodes=nodes, channel_nics=nics)
+    plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both") for r in default_mirror_ports(plan)))
     plan.save(a.out)
-    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets")
+    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets, "
+          f"{ring.nranks} ranks on {len(set(plan.nodes))} nodes, {ring.channels} channel(s)")
     return 0
+
+
+def default_mirror_ports(plan, count: int = 3) -> list[int]:
+    """Up to `count` NIC ports to mirror, by owner rank: the senders of channel 0's
+    network hops in ring order (on one-GPU hosts: ranks 0, 1, 2 of an identity ring),
+    so that their links are distinct. `ckptd mirror-config` chooses for real cablings."""
+    ring = plan.ring.rings[0]
+    out = []
+    for i, src in enumerate(ring):
+        conn = (src, ring[(i + 1) % len(ring)], 0)
+        if conn in plan.network_connections and plan.link_of(conn)[0] not in out:
+            out.append(plan.link_of(conn)[0])
+    return out[:count]
 
 
 # -- parser --------------------------------------------------------------------------
@@ -276,11 +311,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ipv6", action="store_true")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
     s.add_argument("--write-hosts", action="store_true",
-                   help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network)")
+                   help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network); "
+                        "with --nodes, what each NIC sends, under the rank that owns it")
+    s.add_argument("--nodes", type=int, default=0,
+                   help="multi-GPU nodes: ranks = NODES x --gpus-per-node, each node's ranks consecutive, one "
+                        "NCCL-style ring per channel through NVLink inside a node; only hops between nodes "
+                        "reach the mirrors (default 0: every rank a host of its own, --ranks of them)")
+    s.add_argument("--gpus-per-node", type=int, default=1)
+    s.add_argument("--nics-per-node", type=int, default=0,
+                   help="with --nodes: NICs per node (default: one per GPU, rails); channel c uses NIC c mod this "
+                        "on every node; mirror k is the port of NIC k mod this of node k div this")
+    s.add_argument("--collective", choices=["allreduce", "reduce_scatter", "tree"], default="allreduce",
+                   help="what the wire carries: DDP's ring allreduce, or (to check that ckptd refuses them) "
+                        "a reduce-scatter with no allgather (FSDP/ZeRO) or tree-shaped traffic")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "
-                       "checkpoint per iteration (exit 3 if any iteration could not be recovered)")
+                       "checkpoint per iteration (exit 3 if any iteration could not be recovered)",
+                       description="Rebuild the model from recorded mirror captures, one checkpoint per "
+                       "iteration. Exit 3: an iteration could not be recovered; 4: a commit differs from "
+                       "--reference; 2: bad input, or a job that is not ring allreduce, refused in one line "
+                       "naming the cause and the fix: a plan whose ring.algorithm allows Tree/NVLS/CollNet, "
+                       "traffic that is a ring reduce-scatter without allgather (FSDP/ZeRO), or RDMA "
+                       "traffic between NICs that are ring neighbours in no channel while nothing matches "
+                       "the plan's ring (Tree/CollNet). With multi-GPU nodes only the hops between nodes "
+                       "are expected on the wire.")
     r.add_argument("--plan", required=True)
     r.add_argument("--init", help="initial state (a checkpoint of iteration -1)")
     r.add_argument("--out", help="directory for the per-iteration checkpoints")
@@ -332,11 +387,25 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_config.add_subparser(sub)
     risk.add_subparser(sub)
 
-    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings")
+    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings",
+                        description="Write a plan (docs/PLAN.md) from a torch model and the job's NCCL "
+                        "settings: either given (--ranks, --addr, --channels, --protocol, --nccl-version: "
+                        "one GPU per host, identity rings) or read from the job's NCCL_DEBUG=INFO output "
+                        "(--nccl-log, --nic-addrs): version, every channel's ring, each rank's host (node), "
+                        "which hops cross the network and on which NIC, NCCL_PROTO and NCCL_ALGO. A log whose "
+                        "settings let allreduce run as Tree/NVLS/CollNet, or with more than one protocol, is "
+                        "refused with the setting that fixes it (NCCL_ALGO=Ring, NCCL_PROTO=Simple).")
     pl.add_argument("--model", required=True, help="module:function returning the nn.Module")
     pl.add_argument("--sample", help="module:function returning one input batch (for the "
                     "gradient-ready order DDP rebuilds buckets in)")
-    pl.add_argument("--ranks", type=int, required=True)
+    pl.add_argument("--nccl-log", action="append", metavar="FILE",
+                    help="the job's NCCL_DEBUG=INFO output (repeat for per-rank files): fills the ring, ranks, "
+                         "nodes and NICs; rank 0's 'Channel NN/NN :' lines and every network hop's "
+                         "'[send]/[receive] via NET' lines must be in it")
+    pl.add_argument("--nic-addrs", metavar="FILE",
+                    help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
+                         "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
+    pl.add_argument("--ranks", type=int, help="data-parallel world size (without --nccl-log)")
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
     pl.add_argument("--channels", type=int, default=2)
     pl.add_argument("--protocol", choices=["simple", "ll"], default="simple")

@@ -15,6 +15,15 @@ that reach the same collector drop together when its port is congested, so the g
 counts streams, not copies: every chunk of every channel seen by >= min_streams
 streams, with >= `links` distinct mirrored links per ring (capped at the ring's size).
 
+Multi-GPU nodes (a plan with nodes, `network_links`): only hops between nodes reach a
+NIC, so only they can be mirrored. A point is then a NIC's switch port, named by the
+rank that owns the NIC (Plan.rank_of); per channel its RX carries the network hops
+whose frames leave that NIC and its TX those that enter it (none, one, or, where
+ranks share a NIC, several). The ring facts above hold for every hop, NVLink or not,
+so an element is recoverable exactly when mirrored network hops carry it: two
+mirrored network hops of a ring (distinct receivers) still see every chunk, and the
+distinct links wanted are capped at the ring's network hops, not its size.
+
 The search is greedy and explains itself: add the (point, collector) pair that raises
 coverage most, while the switch can take it (direction supported, a SPAN destination
 on the same switch or an ERSPAN collector with an IP, collector capacity, session and
@@ -35,6 +44,22 @@ from ckptd.errors import CkptdError
 NIC_SENSE = {"rx": "tx", "tx": "rx", "both": "both"}   # switch-port direction -> plan Mirror
 
 
+# (channel, NIC owner rank, "rx"|"tx") -> the network hops that port direction carries
+NetworkLinks = dict
+
+
+def network_links(plan) -> NetworkLinks:
+    """Which ring hops each NIC's switch port carries, per channel and direction: RX
+    (frames the switch receives from the NIC) the hops sent through it, TX those
+    received on it. Only hops between nodes (Plan.network_connections)."""
+    out: dict = {}
+    for src, dst, c in sorted(plan.network_connections, key=lambda k: (k[2], plan.ring.rings[k[2]].index(k[0]))):
+        snic, dnic = plan.link_of((src, dst, c))
+        out.setdefault((c, snic, "rx"), []).append((src, dst))
+        out.setdefault((c, dnic, "tx"), []).append((src, dst))
+    return {k: tuple(v) for k, v in out.items()}
+
+
 class SelectionError(CkptdError, ValueError):
     """The request cannot be met; the message says for which channel and why."""
 
@@ -52,6 +77,13 @@ class Point:
         if self.direction == "rx":
             return self.rank, r[(i + 1) % len(r)]
         return r[(i - 1) % len(r)], self.rank
+
+    def links(self, ring: RingConfig, channel: int, network: "NetworkLinks | None") -> tuple[tuple[int, int], ...]:
+        """The ring hops (sender, receiver) this port direction carries in a channel:
+        the rank's own link on one-GPU hosts, the NIC's network hops otherwise."""
+        if network is None:
+            return (self.link(ring, channel),)
+        return network.get((channel, self.rank, self.direction), ())
 
     def __str__(self):
         return f"rank {self.rank} {self.direction} ({self.switch} {self.port})"
@@ -79,6 +111,7 @@ class Selection:
     chosen: list[tuple[Point, Collector]]
     sessions: list[Session] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    network: NetworkLinks | None = None  # plans with nodes/NICs: the hops each NIC port carries
 
     def sessions_on(self, switch: str) -> list[Session]:
         return [s for s in self.sessions if s.switch.name == switch]
@@ -90,7 +123,7 @@ class Selection:
     def to_json(self) -> dict:
         """The selection as data: sessions, per-channel links and chunk coverage, and
         the plan `mirrors` entries when every stream is one port (the plan's model)."""
-        cov = coverage(self.ring, self.chosen)
+        cov = coverage(self.ring, self.chosen, self.network)
         streams = {}
         for p, c in self.chosen:
             streams.setdefault(c.name, []).append(p)
@@ -127,39 +160,41 @@ def link_chunks(ring: RingConfig, channel: int, src: int) -> frozenset[int]:
     return frozenset(order[(zero + k) % n] for phase, k in ring_steps(n, idx) if phase == AG)
 
 
-def coverage(ring: RingConfig, chosen) -> list[dict]:
+def coverage(ring: RingConfig, chosen, network: NetworkLinks | None = None) -> list[dict]:
     """Per channel: the distinct mirrored links, and for every chunk the streams
     (collector names, sorted) that see it."""
     out = []
     for ch in range(ring.channels):
         links, chunks = [], {r: set() for r in range(ring.nranks)}
         for p, c in chosen:
-            link = p.link(ring, ch)
-            if link not in links:
-                links.append(link)
-            for owner in link_chunks(ring, ch, link[0]):
-                chunks[owner].add(c.name)
+            for link in p.links(ring, ch, network):
+                if link not in links:
+                    links.append(link)
+                for owner in link_chunks(ring, ch, link[0]):
+                    chunks[owner].add(c.name)
         out.append({"links": links, "chunks": {k: sorted(v) for k, v in chunks.items()}})
     return out
 
 
-def _score(ring, chosen, want_links, min_streams) -> int:
+def _score(ring, chosen, want_links, min_streams, network=None) -> int:
     """Goal units met: each channel's distinct links up to the wanted number, and each
     chunk's streams up to min_streams."""
     return sum(min(len(ch["links"]), want_links)
                + sum(min(len(v), min_streams) for v in ch["chunks"].values())
-               for ch in coverage(ring, chosen))
+               for ch in coverage(ring, chosen, network))
 
 
-def _gain(ring, cov, point, col, want_links, min_streams) -> tuple[int, int]:
+def _gain(ring, cov, point, col, want_links, min_streams, network=None) -> tuple[int, int]:
     """(goal units, new copies) that adding (point, col) to a selection with coverage
     `cov` brings; incremental, so that large rings stay fast."""
     met = extra = 0
     for ch, c in enumerate(cov):
-        link = point.link(ring, ch)
-        if link not in c["links"] and len(c["links"]) < want_links:
-            met += 1
-        for owner in link_chunks(ring, ch, link[0]):
+        new_links = [x for x in dict.fromkeys(point.links(ring, ch, network)) if x not in c["links"]]
+        met += min(len(new_links), max(0, want_links - len(c["links"])))
+        gained: set[int] = set()
+        for link in point.links(ring, ch, network):
+            gained |= link_chunks(ring, ch, link[0])
+        for owner in gained:
             streams = c["chunks"][owner]
             if col.name not in streams:
                 extra += 1
@@ -233,12 +268,17 @@ def _why_not(cabling: Cabling, chosen, point: Point, col: Collector) -> str | No
 
 
 # -- the search ----------------------------------------------------------------------
-def candidate_points(ring: RingConfig, cabling: Cabling) -> tuple[list[Point], list[str]]:
+def candidate_points(ring: RingConfig, cabling: Cabling, network: NetworkLinks | None = None
+                     ) -> tuple[list[Point], list[str]]:
     """RX points, then TX points, in an order that spreads over switches (round robin)
-    and otherwise follows channel 0's ring, so a one-switch job gets consecutive links."""
+    and otherwise follows channel 0's ring, so a one-switch job gets consecutive links.
+    With multi-GPU nodes, only the ports of NICs that carry network hops."""
     skipped = []
     per_switch: dict[str, list[int]] = {}
+    nics = None if network is None else {nic for _, nic, _ in network}
     for r in ring.rings[0]:
+        if nics is not None and r not in nics:
+            continue  # no NIC of its own carries a hop between nodes
         rp = cabling.rank(r)
         if rp is None:
             skipped.append(f"rank {r} is not in the cabling file: its port cannot be mirrored")
@@ -251,7 +291,10 @@ def candidate_points(ring: RingConfig, cabling: Cabling) -> tuple[list[Point], l
     return pts, skipped
 
 
-def select_mirrors(ring: RingConfig, cabling: Cabling, links: int = 3, min_streams: int = 2) -> Selection:
+def select_mirrors(ring: RingConfig, cabling: Cabling, links: int = 3, min_streams: int = 2,
+                   network: NetworkLinks | None = None) -> Selection:
+    """network: network_links(plan) for a plan with multi-GPU nodes (None: every rank
+    its own host, every hop on the wire)."""
     if links < 1 or min_streams < 1:
         raise SelectionError("links and min_streams must be at least 1")
     n = ring.nranks
@@ -259,20 +302,26 @@ def select_mirrors(ring: RingConfig, cabling: Cabling, links: int = 3, min_strea
     if extra_ranks:
         raise SelectionError(f"the cabling file places ranks {extra_ranks}, but the plan has ranks 0..{n - 1}: "
                              "is it the cabling of another job?")
-    want = min(links, n)
+    hops = n if network is None else min(
+        len({x for (c, _, d), v in network.items() if c == ch and d == "rx" for x in v})
+        for ch in range(ring.channels))
+    want = min(links, hops)
     notes = []
-    if links > n:
-        notes.append(f"a ring of {n} ranks has only {n} directed links: mirroring {n}, not {links}")
-    if n == 2 and min_streams > 1:
-        notes.append("with 2 ranks every chunk crosses one link only: a second stream has to mirror "
-                     "that link again at its other end")
-    points, skipped = candidate_points(ring, cabling)
+    if links > hops:
+        what = f"a ring of {n} ranks has only {n} directed links" if network is None else \
+            f"a ring has only {hops} hops between nodes (the others are NVLink/PCIe inside a node)"
+        notes.append(f"{what}: mirroring {hops}, not {links}")
+    if hops == 2 and min_streams > 1:
+        notes.append("with 2 mirrorable links per ring every chunk crosses one of them only: a second "
+                     "stream has to mirror that link again at its other end")
+    points, skipped = candidate_points(ring, cabling, network)
     failures = []
     for policy in ("spread", "pack"):
-        chosen, why = _greedy(ring, cabling, points, want, min_streams, policy)
+        chosen, why = _greedy(ring, cabling, points, want, min_streams, policy, network)
         if why is None:
-            sel = Selection(ring, cabling, want, min_streams, chosen, build_sessions(cabling, chosen), notes)
-            cov = coverage(ring, chosen)
+            sel = Selection(ring, cabling, want, min_streams, chosen, build_sessions(cabling, chosen), notes,
+                            network)
+            cov = coverage(ring, chosen, network)
             extra = max(len(c["links"]) for c in cov) - want
             if extra > 0:
                 sel.notes.append(f"{extra} more link(s) than asked in some channel, to reach "
@@ -280,16 +329,16 @@ def select_mirrors(ring: RingConfig, cabling: Cabling, links: int = 3, min_strea
             return sel
         failures.append((chosen, why))
     chosen, why = failures[0]
-    raise SelectionError(_explain(ring, cabling, chosen, want, min_streams, why, skipped))
+    raise SelectionError(_explain(ring, cabling, chosen, want, min_streams, why, skipped, network))
 
 
-def _greedy(ring, cabling, points, want, min_streams, policy):
+def _greedy(ring, cabling, points, want, min_streams, policy, network=None):
     chosen: list[tuple[Point, Collector]] = []
     goal = _goal(ring, want, min_streams)
     while True:
-        if _score(ring, chosen, want, min_streams) >= goal:
+        if _score(ring, chosen, want, min_streams, network) >= goal:
             return chosen, None
-        cov = coverage(ring, chosen)
+        cov = coverage(ring, chosen, network)
         best, best_key, blocked = None, None, []
         for i, p in _window(points, {p for p, _ in chosen}):
             for j, col in enumerate(cabling.collectors):
@@ -297,7 +346,7 @@ def _greedy(ring, cabling, points, want, min_streams, policy):
                 if reason:
                     blocked.append((reason, f"{p.rank} {p.direction}"))
                     continue
-                gain = _gain(ring, cov, p, col, want, min_streams)
+                gain = _gain(ring, cov, p, col, want, min_streams, network)
                 if gain[0] <= 0:
                     continue
                 load = sum(1 for _, c in chosen if c.name == col.name)
@@ -325,12 +374,12 @@ def _window(points, used, width: int = 4):
             yield i, p
 
 
-def _explain(ring, cabling, chosen, want, min_streams, blocked, skipped) -> str:
+def _explain(ring, cabling, chosen, want, min_streams, blocked, skipped, network=None) -> str:
     lines = [f"cannot mirror {want} link(s) per ring with every chunk seen by {min_streams} "
              f"stream(s) (collectors); nothing was written."]
     if chosen:
         lines.append("best found: " + "; ".join(f"{p} -> {c.name}" for p, c in chosen))
-    for ch, cov in enumerate(coverage(ring, chosen)):
+    for ch, cov in enumerate(coverage(ring, chosen, network)):
         problems = []
         if len(cov["links"]) < want:
             problems.append(f"{len(cov['links'])} distinct mirrored link(s), {want} wanted")

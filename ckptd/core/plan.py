@@ -6,17 +6,27 @@ field. It says what the model's parameters are, how DDP buckets them for allredu
 runs the ring, which optimizer the trainer steps, which NIC address each rank has and
 what each mirror stream sees. QP numbers and initial PSNs are never in a plan: they
 are learned from the traffic.
+
+Ranks, nodes and NICs: each rank has its own NIC address (`addr`), the node it runs on
+(default: a node of its own, so a plan without nodes is one GPU per host) and, per
+channel, the address of the NIC its network hops of that channel use (`nics`; default
+its own NIC on every channel). Ranks of one node may share a NIC, and with PXN a rank
+may send through a NIC of another GPU of its node; every NIC a channel uses must be
+some rank's own NIC on that node, and the lowest such rank names it (`rank_of`). Only
+hops between ranks of different nodes reach a NIC (`network_connections`).
 """
 from __future__ import annotations
 
 import ipaddress
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from ckptd.core.schedule import Bucket, RingConfig, RingSchedule, ScheduleError
+from ckptd.core.algorithms import check_allreduce_algorithm
+from ckptd.core.schedule import Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
 from ckptd.errors import CkptdError
 
 PLAN_FORMAT = "ckptd-plan"
@@ -82,11 +92,21 @@ class Plan:
     buckets_rebuilt: tuple[BucketLayout, ...]
     ring: RingConfig
     optimizer: Optimizer | None
-    addresses: tuple[str, ...]  # rank -> NIC address (canonical text)
+    addresses: tuple[str, ...]  # rank -> its own NIC address (canonical text)
     mirrors: tuple[Mirror, ...] = ()
     iterations: int | None = None
     transport: str = "roce"  # roce: NCCL over RoCEv2 | gloo: torch.distributed gloo over TCP
     rebuilt_learn: bool = False  # buckets.rebuilt is "learn": taken from the wire (gloo only)
+    nodes: tuple[str, ...] = ()  # rank -> node name; empty: every rank a node of its own
+    channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
+
+    def __post_init__(self):
+        if not self.nodes:
+            object.__setattr__(self, "nodes", tuple(f"rank{r}" for r in range(len(self.addresses))))
+        if not self.channel_nics:
+            object.__setattr__(self, "channel_nics",
+                               tuple((a,) * self.ring.channels for a in self.addresses))
+        _check_topology(self)
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -136,10 +156,39 @@ class Plan:
         return sched
 
     def rank_of(self, addr: str) -> int | None:
-        return self._rank_by_addr().get(addr)
+        """The rank whose own NIC has this address: the lowest one where ranks of a node
+        share a NIC. It names the NIC wherever traffic is keyed by address."""
+        return self._rank_by_addr.get(addr)
 
+    @cached_property
     def _rank_by_addr(self) -> dict[str, int]:
-        return {a: r for r, a in enumerate(self.addresses)}
+        owners: dict[str, int] = {}
+        for r, a in enumerate(self.addresses):
+            owners.setdefault(a, r)
+        return owners
+
+    def nic(self, rank: int, channel: int) -> str:
+        """The address of the NIC `rank`'s network hops of `channel` use."""
+        return self.channel_nics[rank][channel]
+
+    @cached_property
+    def network_connections(self) -> frozenset[tuple[int, int, int]]:
+        """The ring connections (src, dst, channel) that cross the network: the only
+        ones a mirror can see (ckptd.core.schedule.network_connections)."""
+        return network_connections(self.ring, self.nodes)
+
+    def link_of(self, conn: tuple[int, int, int]) -> tuple[int, int]:
+        """The NIC pair a network connection's frames travel between, each NIC named by
+        its owner rank (rank_of): (sender NIC, receiver NIC)."""
+        src, dst, c = conn
+        return self.rank_of(self.nic(src, c)), self.rank_of(self.nic(dst, c))
+
+    @property
+    def one_host_per_rank(self) -> bool:
+        """Every rank a host of its own with one NIC: every ring hop is on the wire,
+        between the ranks' own NICs (every plan written before nodes existed)."""
+        return len(set(self.nodes)) == self.nranks and all(
+            all(a == own for a in per) for per, own in zip(self.channel_nics, self.addresses))
 
     def param_ranges(self, iteration: int, b: int) -> list[tuple[str, int, int]]:
         """(name, start, end) element ranges of each parameter inside bucket b."""
@@ -176,7 +225,7 @@ class Plan:
                 "lr_schedule": dict(self.optimizer.lr_schedule),
                 "max_grad_norm": self.optimizer.max_grad_norm,
             },
-            "ranks": [{"rank": i, "addr": a} for i, a in enumerate(self.addresses)],
+            "ranks": [self._rank_json(r) for r in range(self.nranks)],
             "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction}
                         for m in self.mirrors],
         }
@@ -185,6 +234,16 @@ class Plan:
         if self.transport != "roce":
             doc["transport"] = self.transport
         return doc
+
+    def _rank_json(self, r: int) -> dict:
+        """A rank's entry; node and nics only where they differ from the defaults, so a
+        one-GPU-per-host plan reads as it always did."""
+        out = {"rank": r, "addr": self.addresses[r]}
+        if self.nodes[r] != f"rank{r}":
+            out["node"] = self.nodes[r]
+        if any(a != self.addresses[r] for a in self.channel_nics[r]):
+            out["nics"] = list(self.channel_nics[r])
+        return out
 
     def save(self, path: str | Path):
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -277,6 +336,11 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         raise PlanError(f"{where}: ring: {e}") from e
     except ValueError as e:
         raise PlanError(f"{where}: ring: {e}") from e
+    # ring.algorithm: the job's NCCL_ALGO ("Ring" unless the plan says otherwise); a plan
+    # that lets allreduce run as Tree/NVLS/CollNet is refused by name.
+    nnodes = len({str(x.get("node", f"rank{x.get('rank')}")) for x in doc.get("ranks", [])}) or None
+    check_allreduce_algorithm(r.get("algorithm", "Ring"), nnodes=nnodes, nvls_channels=r.get("nvls_channels"),
+                              where=f"{where}: ring.algorithm: ")
 
     opt = doc.get("optimizer")
     optimizer = None
@@ -303,6 +367,20 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         addrs = tuple(str(ipaddress.ip_address(x["addr"])) for x in ranks)
     except ValueError as e:
         raise PlanError(f"{where}: ranks: {e}") from e
+    nodes = tuple(str(x.get("node", f"rank{x['rank']}")) for x in ranks)
+    nics = []
+    for x, a in zip(ranks, addrs):
+        per = x.get("nics")
+        if per is None:
+            nics.append((a,) * ring.channels)
+            continue
+        if not isinstance(per, list) or len(per) != ring.channels:
+            raise PlanError(f"{where}: ranks[{x['rank']}].nics must list one NIC address per "
+                            f"channel ({ring.channels})")
+        try:
+            nics.append(tuple(str(ipaddress.ip_address(n)) for n in per))
+        except ValueError as e:
+            raise PlanError(f"{where}: ranks[{x['rank']}].nics: {e}") from e
     mirrors = []
     for i, m in enumerate(doc.get("mirrors", [])):
         mm = Mirror(m.get("name", f"mirror{i}"), int(need(m, "rank", f"mirrors[{i}]")),
@@ -315,5 +393,37 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         raise PlanError(f"{where}: transport {transport!r} is not one of roce, gloo")
     if learn and (transport != "gloo" or not params):
         raise PlanError(f'{where}: buckets.rebuilt "learn" needs transport gloo and parameters')
-    return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
-                doc.get("iterations"), transport, learn)
+    try:
+        return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
+                    doc.get("iterations"), transport, learn, nodes, tuple(nics))
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from e
+
+
+def _check_topology(plan: Plan):
+    """Nodes and NICs that describe real hosts: a NIC belongs to one node, and every NIC
+    a channel uses is some rank's own NIC on the rank's node (the rank NCCL's proxy for
+    it runs on, with PXN), so that a NIC address always names one rank (rank_of)."""
+    n = len(plan.addresses)
+    if len(plan.nodes) != n or len(plan.channel_nics) != n:
+        raise PlanError(f"ranks: {n} addresses, {len(plan.nodes)} nodes, "
+                        f"{len(plan.channel_nics)} NIC lists")
+    node_of_addr: dict[str, tuple[str, int]] = {}
+    for r, (a, node) in enumerate(zip(plan.addresses, plan.nodes)):
+        other = node_of_addr.setdefault(a, (node, r))
+        if other[0] != node:
+            raise PlanError(f"ranks {other[1]} and {r} share NIC {a} but are on nodes "
+                            f"{other[0]!r} and {node!r}: a NIC belongs to one node")
+    for r, per in enumerate(plan.channel_nics):
+        if len(per) != plan.ring.channels:
+            raise PlanError(f"ranks[{r}].nics must list one NIC address per channel "
+                            f"({plan.ring.channels})")
+        for c, a in enumerate(per):
+            if node_of_addr.get(a, (None,))[0] != plan.nodes[r]:
+                raise PlanError(f"ranks[{r}].nics[{c}] is {a}, which is no rank's own NIC "
+                                f"(addr) on node {plan.nodes[r]!r}: list the NIC's owner rank with it as addr")
+    for i, m in enumerate(plan.mirrors):
+        if 0 <= m.rank < n and plan.rank_of(plan.addresses[m.rank]) != m.rank:
+            raise PlanError(f"mirrors[{i}] names rank {m.rank}, whose NIC "
+                            f"{plan.addresses[m.rank]} is rank {plan.rank_of(plan.addresses[m.rank])}'s "
+                            "too: name the port by that rank")

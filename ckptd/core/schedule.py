@@ -16,6 +16,7 @@ FlowCheck captures taken on real NICs.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -402,3 +403,22 @@ class RingSchedule:
                 if s.bucket == b and s.phase == AG:
                     seen[s.offset:s.offset + s.nelem] += 1
         return seen
+
+
+# -- which hops are on the wire ------------------------------------------------------
+def network_connections(cfg: RingConfig, node_of: Sequence[str]) -> frozenset[tuple[int, int, int]]:
+    """The ring connections (sender, receiver, channel) whose ranks are on different
+    nodes: the only hops that leave a host through a NIC, cross a switch and can be
+    mirrored. NCCL connects peers of one host over P2P (NVLink/PCIe) or SHM, whose
+    canConnect refuse peers of another host (src/transport/p2p.cc:107@v2.19.4-1,
+    src/transport/shm.cc:62@v2.19.4-1), and falls through to NET only when they both
+    refuse (src/transport.cc:26-30@v2.19.4-1, the transports tried in order). Every
+    connection still exists in the schedule: the data of an intra-node hop shapes
+    what the next hop sends, it just never reaches a mirror."""
+    out = set()
+    for c, ring in enumerate(cfg.rings):
+        for i, src in enumerate(ring):
+            dst = ring[(i + 1) % len(ring)]
+            if node_of[src] != node_of[dst]:
+                out.add((src, dst, c))
+    return frozenset(out)

@@ -192,6 +192,9 @@ class NetLab:
     def __init__(self, plan: Plan | str | Path, prefix: str | None = None,
                  loss: dict[str, float] | None = None, mtu: int = 9000):
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        if not self.plan.one_host_per_rank:
+            raise NetLabError("the test network gives every rank a host with one NIC; a plan with nodes or "
+                              "per-channel NICs (shared NICs, hops inside a node) is not supported by netlab")
         self.prefix = prefix or unique_prefix()
         self.mtu = mtu
         self.switch_ns, self.ckpt_ns = f"{self.prefix}-sw", f"{self.prefix}-ck"

@@ -69,7 +69,7 @@ def run(a) -> int:
     from switch_config.cabling import CablingError, load_cabling
     from switch_config.common import RenderError
     from switch_config.render import render_all
-    from switch_config.select import SelectionError, select_mirrors
+    from switch_config.select import SelectionError, network_links, select_mirrors
 
     try:
         plan = load_plan(a.plan)
@@ -84,7 +84,8 @@ def run(a) -> int:
         return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
     try:
-        sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams)
+        network = network_links(plan) if not plan.one_host_per_rank else None
+        sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams, network=network)
         files = render_all(sel, vendors)
     except (SelectionError, RenderError) as e:
         print(f"error: {e}", file=sys.stderr)

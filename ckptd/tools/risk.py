@@ -18,7 +18,8 @@ MODEL = """\
 Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring schedule):
 
   * A ring of N ranks; M distinct directed links of it are mirrored (M is capped at
-    N: a ring has N directed links).  Each mirrored link reaches its own stream.
+    N: a ring has N directed links; at H with H multi-GPU nodes, see below).  Each
+    mirrored link reaches its own stream.
   * In allgather the link s -> next(s) carries the final value of every chunk except
     next(s)'s (ckptd.core.schedule.ring_steps).  So of the N chunks, a chunk whose owner is
     the receiving end of a mirrored link is carried by M-1 mirrored links, the others
@@ -43,14 +44,31 @@ Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring sc
     M = 1 gives P_fail = 1 (the chunk of the link's receiving rank never crosses
     it), p = 0 gives 0 for M >= 2.  Expected iterations between failures: 1 / P_fail
     (the wait for a geometric event).
+
+Multi-GPU nodes (--nodes H, or a plan with nodes): only the ring's H hops between
+nodes reach a switch; the others run over NVLink/PCIe. M is then capped at H, and the
+copies are counted over those H links: the same rule (a chunk misses the link into
+its owner) gives M-1 copies to the M chunks owned by receiving ends and M to the
+other N-M chunks, so mirroring all H links leaves H chunks with H-1 copies, however
+many GPUs a node has.
 """
 
 ELEMS_PER_PACKET = 2   # the simulation's packets: small, since only coverage matters
 
 
-def mirrored_links(n: int, m: int) -> list[tuple[int, int]]:
-    """M consecutive directed links of the ring 0 > 1 > ... > n-1 (capped at n)."""
-    return [(s, (s + 1) % n) for s in range(min(m, n))]
+def mirrorable_links(n: int, nodes: int | None = None) -> list[tuple[int, int]]:
+    """The directed links of the ring 0 > 1 > ... > n-1 that can be mirrored: all of
+    them on one-GPU hosts; with `nodes` nodes of consecutive ranks, the hop out of
+    each node into the next (ckptd.core.schedule.network_connections)."""
+    if not nodes or nodes >= n:
+        return [(s, (s + 1) % n) for s in range(n)]
+    node = [r * nodes // n for r in range(n)]
+    return [(s, (s + 1) % n) for s in range(n) if node[s] != node[(s + 1) % n]]
+
+
+def mirrored_links(n: int, m: int, nodes: int | None = None) -> list[tuple[int, int]]:
+    """M distinct mirrorable links (capped at how many there are), consecutive ones first."""
+    return mirrorable_links(n, nodes)[:m]
 
 
 def _ring(n: int):
@@ -58,25 +76,25 @@ def _ring(n: int):
     return RingConfig(nranks=n, rings=(tuple(range(n)),))
 
 
-def chunk_copies(n: int, m: int) -> list[int]:
+def chunk_copies(n: int, m: int, nodes: int | None = None) -> list[int]:
     """How many mirrored links carry each chunk's final value (chunk k = rank k's),
     read off the ring schedule rather than assumed."""
     from switch_config.select import link_chunks
     ring = _ring(n)
     copies = [0] * n
-    for s, _ in mirrored_links(n, m):
+    for s, _ in mirrored_links(n, m, nodes):
         for owner in link_chunks(ring, 0, s):
             copies[owner] += 1
     return copies
 
 
-def failure_probability(n: int, m: int, p: float, k: float) -> float:
+def failure_probability(n: int, m: int, p: float, k: float, nodes: int | None = None) -> float:
     """P(an iteration cannot be completed) for the model in this module's docstring."""
     per_chunk = k / (n - 1)
     # Summed in log space: for small p, (1 - p^c)^P is 1 - tiny, and 1 - prod would
     # lose every digit; log1p/expm1 keep them.
     log_ok = 0.0
-    for c in chunk_copies(n, m):
+    for c in chunk_copies(n, m, nodes):
         q = p ** c            # 0**0 == 1: a chunk no mirrored link carries is always lost
         if q >= 1.0:
             return 1.0
@@ -84,14 +102,15 @@ def failure_probability(n: int, m: int, p: float, k: float) -> float:
     return -math.expm1(log_ok)
 
 
-def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 0) -> int:
+def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 0,
+             nodes: int | None = None) -> int:
     """Failed iterations out of `trials`, through ckptd.core.assemble.IterationAssembly."""
     from ckptd.core.assemble import IterationAssembly
     from ckptd.core.schedule import Bucket
     from switch_config.select import link_chunks
 
     ring = _ring(n)
-    links = mirrored_links(n, m)
+    links = mirrored_links(n, m, nodes)
     carried = [sorted(link_chunks(ring, 0, s)) for s, _ in links]
     count = n * per_chunk * ELEMS_PER_PACKET
     bucket = Bucket(count, np.dtype(np.float32))
@@ -111,19 +130,23 @@ def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 
     return failed
 
 
-def packets_from_plan(path: str) -> tuple[int, float]:
-    """(N, K) from a plan's own schedule (iteration 1's bucket layout): K is the mean,
-    over ranks, of the allgather packets a rank sends per iteration on all its
-    channels and QPs, which is what mirroring its port's RX sees.  Empty Simple
-    slices (0-byte writes) count as packets; they carry no gradient, so K is a
-    slight overestimate for Simple."""
+def packets_from_plan(path: str) -> tuple[int, float, int | None]:
+    """(N, K, H) from a plan's own schedule (iteration 1's bucket layout): K is the
+    mean, over the ring positions that can be mirrored, of the allgather packets one
+    such link carries per iteration on all channels and QPs (one-GPU hosts: what
+    mirroring a rank's port RX sees); H the hops between nodes per ring (None on
+    one-GPU hosts). Empty Simple slices (0-byte writes) count as packets; they carry
+    no gradient, so K is a slight overestimate for Simple."""
     from ckptd.core.plan import load_plan
     from ckptd.core.schedule import AG
     plan = load_plan(path)
-    per_rank = [0] * plan.nranks
-    for (s, _d, _c, _q), flow in plan.schedule(1).flows.items():
-        per_rank[s] += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
-    return plan.nranks, sum(per_rank) / plan.nranks
+    wire = plan.network_connections
+    total = 0
+    for (s, d, c, _q), flow in plan.schedule(1).flows.items():
+        if (s, d, c) in wire:
+            total += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
+    hops = len(wire) / plan.ring.channels
+    return plan.nranks, total / hops, (round(hops) if not plan.one_host_per_rank else None)
 
 
 # -- command ---------------------------------------------------------------------------
@@ -140,7 +163,11 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--loss", type=float, required=True, help="p: loss probability of each mirrored packet copy")
     p.add_argument("--packets", type=float,
                    help="K: allgather packets one link carries per iteration, all channels (or --plan)")
-    p.add_argument("--plan", help="take N and K from a plan's schedule (K: mean over its ranks)")
+    p.add_argument("--nodes", type=int,
+                   help="H: multi-GPU nodes of consecutive ranks; only the ring's H hops between nodes can be "
+                        "mirrored, so M is capped at H (default: every rank its own host)")
+    p.add_argument("--plan", help="take N, K (and H, if the plan has multi-GPU nodes) from a plan's schedule "
+                                  "(K: mean over the links that can be mirrored)")
     p.add_argument("--iteration-seconds", type=float, help="also give the mean time between failures")
     p.add_argument("--simulate", action="store_true", help="check by Monte Carlo through the merge code")
     p.add_argument("--trials", type=int, default=2000, help="Monte Carlo iterations (default 2000)")
@@ -151,14 +178,15 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(a) -> int:
-    n, k = a.ring, a.packets
+    n, k, nodes = a.ring, a.packets, a.nodes
     if a.plan:
         try:
-            n, k_plan = packets_from_plan(a.plan)
+            n, k_plan, h_plan = packets_from_plan(a.plan)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         k = k if k is not None else k_plan
+        nodes = nodes if nodes is not None else h_plan
     problems = []
     if n is None or n < 2:
         problems.append("--ring N (at least 2) or --plan is needed")
@@ -170,21 +198,26 @@ def run(a) -> int:
         problems.append("--loss is a probability, 0..1")
     if a.simulate and a.trials < 1:
         problems.append("--trials must be at least 1")
+    if nodes is not None and n is not None and not 2 <= nodes <= n:
+        problems.append(f"--nodes must be 2..N ({n}): a ring inside one node never reaches a switch")
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds)
+    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes)
     if a.simulate:
-        res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed)
+        res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed, nodes)
     print(json.dumps(res, indent=1) if a.json else format_result(res))
     return 0
 
 
-def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None = None) -> dict:
-    m_eff = min(m, n)
-    copies = chunk_copies(n, m)
-    pf = failure_probability(n, m, p, k)
-    res = {"ranks": n, "mirrors": m, "mirrored_links": m_eff, "loss": p, "packets_per_link": k,
+def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None = None,
+             nodes: int | None = None) -> dict:
+    mirrorable = len(mirrorable_links(n, nodes))
+    m_eff = min(m, mirrorable)
+    copies = chunk_copies(n, m, nodes)
+    pf = failure_probability(n, m, p, k, nodes)
+    res = {"ranks": n, "nodes": nodes, "mirrorable_links": mirrorable, "mirrors": m, "mirrored_links": m_eff,
+           "loss": p, "packets_per_link": k,
            "packets_per_chunk": k / (n - 1),
            "chunks_by_copies": {str(c): copies.count(c) for c in sorted(set(copies))},
            "p_fail": pf, "iterations_between_failures": (1.0 / pf) if pf > 0 else math.inf}
@@ -193,13 +226,13 @@ def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None
     return res
 
 
-def check(n: int, m: int, p: float, k: float, trials: int, seed: int) -> dict:
+def check(n: int, m: int, p: float, k: float, trials: int, seed: int, nodes: int | None = None) -> dict:
     """Monte Carlo with a whole number of packets per chunk, and the formula at that K."""
     per_chunk = max(1, round(k / (n - 1)))
     k_sim = per_chunk * (n - 1)
-    failed = simulate(n, m, p, per_chunk, trials, seed)
+    failed = simulate(n, m, p, per_chunk, trials, seed, nodes)
     rate = failed / trials
-    expect = failure_probability(n, m, p, k_sim)
+    expect = failure_probability(n, m, p, k_sim, nodes)
     se = math.sqrt(expect * (1 - expect) / trials)
     z = (rate - expect) / se if se > 0 else (0.0 if rate == expect else math.inf)
     return {"trials": trials, "packets_per_chunk": per_chunk, "packets_per_link": k_sim,
@@ -208,9 +241,11 @@ def check(n: int, m: int, p: float, k: float, trials: int, seed: int) -> dict:
 
 def format_result(r: dict) -> str:
     n, m, p = r["ranks"], r["mirrored_links"], r["loss"]
+    h = r["mirrorable_links"]
+    where = f" on {r['nodes']} nodes ({h} hops between nodes can be mirrored)" if r.get("nodes") else ""
     lines = [
-        f"model: ring of {n} ranks, {m} mirrored directed link(s)"
-        + (f" (asked {r['mirrors']}: a ring has {n})" if r["mirrors"] > n else "")
+        f"model: ring of {n} ranks{where}, {m} mirrored directed link(s)"
+        + (f" (asked {r['mirrors']}: a ring has {h} that can be)" if r["mirrors"] > h else "")
         + f", {r['packets_per_link']:g} allgather packets per link per iteration "
           f"({r['packets_per_chunk']:g} per chunk), each mirrored copy lost independently with p={p:g}",
         "chunks by number of mirrored copies: "

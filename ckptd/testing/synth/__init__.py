@@ -24,7 +24,7 @@ from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
 from ckptd.core.optim import lr_at, torch_optimizer
 from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
 from ckptd.core.psn import PSN_MOD
-from ckptd.core.schedule import RingConfig
+from ckptd.core.schedule import AG, RingConfig
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
@@ -60,10 +60,20 @@ class SynthOptions:
     noise: bool = True  # unrelated traffic on the same ports
     mirror_direction: str = "both"
     write_hosts: bool = False  # also hosts/rank<r>.pcap: what each rank's NIC sends (no mirror loss)
+    nodes: int = 0  # >0: ranks = nodes x gpus_per_node, NCCL-style rings through NVLink inside a node
+    gpus_per_node: int = 1
+    nics_per_node: int = 0  # 0: one NIC per GPU (rails); channel c uses NIC c % nics_per_node
+    collective: str = "allreduce"  # what the wire carries: allreduce | reduce_scatter | tree (refusal tests)
     stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.nodes:
+            self.ranks = self.nodes * self.gpus_per_node
 
 
 def _ring_orders(opts: SynthOptions, rng: random.Random):
+    if opts.nodes:
+        return _node_rings(opts.nodes, opts.gpus_per_node, opts.channels)
     base = list(range(opts.ranks))
     rings = []
     for c in range(opts.channels):
@@ -76,6 +86,53 @@ def _ring_orders(opts: SynthOptions, rng: random.Random):
     return tuple(rings)
 
 
+def _node_rings(nodes: int, gpus: int, channels: int) -> tuple[tuple[int, ...], ...]:
+    """NCCL-style rings over nodes whose ranks are consecutive: each node's GPUs in
+    turn, entered at local GPU c on channel c and left from the one before it, so
+    every channel enters each node at a different GPU (and NIC, on a rail-optimised
+    node), as NCCL's graph search lays rings out (src/graph/search.cc)."""
+    return tuple(tuple(n * gpus + (c + j) % gpus for n in range(nodes) for j in range(gpus))
+                 for c in range(channels))
+
+
+def _node_nics(opts: SynthOptions, rings) -> tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """(rank -> own NIC address, rank -> node, rank -> per-channel NIC address).
+
+    NIC k of node n serves the GPUs k*g/K .. (k+1)*g/K - 1 (g GPUs, K NICs), so each
+    GPU owns the NIC nearest to it. Channel c's network hops use NIC c % K on every
+    node (rails): the GPU entering the node receives on it and the GPU leaving sends
+    through it (via PXN when it is another GPU's NIC). Hops inside a node use none."""
+    g = opts.gpus_per_node
+    k = opts.nics_per_node or g
+    if opts.ipv6:
+        addr = [[f"fd00:77::{n + 1:x}:{i + 1:x}" for i in range(k)] for n in range(opts.nodes)]
+    else:
+        addr = [[f"10.77.{n}.{i + 1}" for i in range(k)] for n in range(opts.nodes)]
+    own = tuple(addr[r // g][(r % g) * k // g] for r in range(opts.ranks))
+    nodes = tuple(f"node{r // g}" for r in range(opts.ranks))
+    nics = [list((a,) * opts.channels) for a in own]
+    for c, ring in enumerate(rings):
+        for i, src in enumerate(ring):
+            dst = ring[(i + 1) % len(ring)]
+            if src // g != dst // g:
+                nics[src][c] = addr[src // g][c % k]
+                nics[dst][c] = addr[dst // g][c % k]
+    return own, nodes, tuple(tuple(x) for x in nics)
+
+
+def _node_mirrors(opts: SynthOptions, own: tuple[str, ...]) -> tuple[Mirror, ...]:
+    """Mirror k on the switch port of NIC k % K of node k // K: with one channel per
+    rail, the first K mirrors see two links of every ring (both directions)."""
+    g = opts.gpus_per_node
+    k = opts.nics_per_node or g
+    out = []
+    for m in range(opts.mirrors):
+        node, nic = (m // k) % opts.nodes, m % k
+        owner = next(r for r in range(node * g, node * g + g) if own[r] == own[node * g + nic * g // k])
+        out.append(Mirror(f"mirror{m}", owner, opts.mirror_direction))
+    return tuple(out)
+
+
 def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     named = list(model.named_parameters())
     params = [p for _, p in named]
@@ -85,6 +142,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     order = grad_ready_order(model, shard_batches(model, 0, 0, opts.seed))
     rebuilt = rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
     major, minor = (int(x) for x in opts.nccl_version.split("."))
+    if opts.nodes and opts.shuffle_rings:
+        raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu)
     sched = {"constant": {"kind": "constant"},
@@ -93,18 +152,23 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     optimizer = Optimizer(kind="adamw", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                           implementation=opts.optimizer, lr_schedule=sched[opts.lr_schedule],
                           max_grad_norm=opts.max_grad_norm)
-    if opts.ipv6:
-        addrs = tuple(f"fd00:77::{r + 1:x}" for r in range(opts.ranks))
+    nodes, nics = (), ()
+    if opts.nodes:
+        addrs, nodes, nics = _node_nics(opts, ring.rings)
+        mirrors = _node_mirrors(opts, addrs)
     else:
-        addrs = tuple(f"10.77.0.{r + 1}" for r in range(opts.ranks))
-    mirrors = tuple(Mirror(f"mirror{k}", k % opts.ranks, opts.mirror_direction)
-                    for k in range(opts.mirrors))
+        if opts.ipv6:
+            addrs = tuple(f"fd00:77::{r + 1:x}" for r in range(opts.ranks))
+        else:
+            addrs = tuple(f"10.77.0.{r + 1}" for r in range(opts.ranks))
+        mirrors = tuple(Mirror(f"mirror{k}", k % opts.ranks, opts.mirror_direction)
+                        for k in range(opts.mirrors))
     return Plan(
         parameters=tuple(Parameter(n, tuple(p.shape), "float32") for n, p in named),
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
-        iterations=opts.iterations)
+        iterations=opts.iterations, nodes=nodes, channel_nics=nics)
 
 
 def trainer_checkpoint(model, optimizer, lr) -> tuple[dict, dict]:
@@ -118,16 +182,20 @@ def trainer_checkpoint(model, optimizer, lr) -> tuple[dict, dict]:
 
 
 class Wire:
-    """Every QP of the job, and the frames one iteration puts on the wire."""
+    """Every QP of the job's network hops, and the frames one iteration puts on the wire.
+
+    Frames travel between NICs, each named by its owner rank (Plan.rank_of): on
+    one-GPU hosts that is the sending and receiving rank; ring hops inside a node
+    (NVLink/PCIe) put nothing on the wire and get no QPs."""
 
     def __init__(self, plan: Plan, opts: SynthOptions, rng: random.Random):
         self.plan, self.opts, self.rng = plan, opts, rng
         self.hosts = [Host(a, 0x0200_0000_0000 + r + 1) for r, a in enumerate(plan.addresses)]
         next_qpn = [rng.randrange(0x100, 0x8000) for _ in self.hosts]
 
-        def alloc(rank):
-            next_qpn[rank] += 1 + rng.randrange(0, 3)
-            return next_qpn[rank]
+        def alloc(nic):
+            next_qpn[nic] += 1 + rng.randrange(0, 3)
+            return next_qpn[nic]
 
         def start_psn():
             # NCCL connects every QP with sq_psn = rq_psn = 0 (net_ib.cc, ncclIbRtrQp and
@@ -137,32 +205,51 @@ class Wire:
             return 0
 
         sched = plan.schedule(0)
+        wire = plan.network_connections
+        self.link = {conn: plan.link_of(conn) for conn in sched.sends if conn in wire}
         self.data_qp, self.cts_qp, self.step_base, self.steps_done = {}, {}, {}, {}
         # NCCL connects channel by channel, so a receiver's QPNs grow with the channel.
         for (src, dst, c, q) in sorted(sched.flows, key=lambda k: (k[2], k[0], k[3])):
+            if (src, dst, c) not in wire:
+                continue
+            a, b = self.link[(src, dst, c)]
             self.data_qp[(src, dst, c, q)] = QueuePair(
-                self.hosts[src], self.hosts[dst], dest_qp=alloc(dst), src_qp=alloc(src),
+                self.hosts[a], self.hosts[b], dest_qp=alloc(b), src_qp=alloc(a),
                 psn=start_psn(), sport=rng.randrange(49152, 65536))
         for (src, dst, c) in sched.sends:
+            if (src, dst, c) not in wire:
+                continue
+            a, b = self.link[(src, dst, c)]
             self.cts_qp[(src, dst, c)] = QueuePair(
-                self.hosts[dst], self.hosts[src], dest_qp=alloc(src), src_qp=alloc(dst),
+                self.hosts[b], self.hosts[a], dest_qp=alloc(a), src_qp=alloc(b),
                 psn=start_psn(), sport=rng.randrange(49152, 65536))
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
+        self.alloc, self.start_psn = alloc, start_psn
+        self.tree_qp: dict[tuple[int, int], QueuePair] = {}
         self.noise_qp = None
         if opts.noise and plan.nranks >= 2:
-            # An unrelated RDMA flow between two ranks of the job (say, a p2p transfer).
-            self.noise_qp = QueuePair(self.hosts[0], self.hosts[1], dest_qp=alloc(1),
-                                      src_qp=alloc(0), psn=start_psn(), sport=rng.randrange(49152, 65536))
+            # An unrelated RDMA flow between two NICs of the job (say, a p2p transfer).
+            n0, n1 = 0, plan.rank_of(next(a for a in plan.addresses if a != plan.addresses[0]))
+            self.noise_pair = (n0, n1)
+            self.noise_qp = QueuePair(self.hosts[n0], self.hosts[n1], dest_qp=alloc(n1),
+                                      src_qp=alloc(n0), psn=start_psn(), sport=rng.randrange(49152, 65536))
 
     def iteration_frames(self, sched, payloads) -> list[tuple[int, int, bytes]]:
-        """(src rank, dst rank, frame) in wire order for one iteration."""
+        """(sender NIC, receiver NIC, frame) in wire order for one iteration, each NIC
+        named by its owner rank."""
         cfg, opts, rng = self.plan.ring, self.opts, self.rng
+        if opts.collective == "tree":
+            return self.tree_frames(sched)
         per_conn = []
         for conn, sends in sched.sends.items():
-            src, dst, c = conn
+            if conn not in self.link:
+                continue  # NVLink/PCIe inside a node: nothing reaches a NIC
+            src, dst = self.link[conn]
             frames = []
             for s, data in zip(sends, payloads[conn]):
+                if opts.collective == "reduce_scatter" and s.phase == AG:
+                    continue  # FSDP/ZeRO: the reduced shard stays on its owner
                 raw = np.ascontiguousarray(data).tobytes()
                 if cfg.protocol == "ll":
                     flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
@@ -204,15 +291,40 @@ class Wire:
                 out += self.noise_frames()
         return out
 
+    def tree_frames(self, sched) -> list[tuple[int, int, bytes]]:
+        """What a tree allreduce puts on the wire, in outline (for the refusal tests):
+        every bucket goes up a binary tree over the job's NICs (child -> parent) and
+        back down in step-sized RDMA writes. Its pairs are mostly not ring links, and
+        its message sequence is no ring schedule's. The bytes are zeros: nothing may
+        ever be placed from them."""
+        cfg, out = self.plan.ring, []
+        nics = sorted({self.plan.rank_of(a) for a in self.plan.addresses})
+        edges = [(nics[i], nics[(i - 1) // 2]) for i in range(1, len(nics))]
+        for b in sched.buckets:
+            for a, c in edges + [(c, a) for a, c in reversed(edges)]:
+                qp = self.tree_qp.get((a, c))
+                if qp is None:
+                    qp = self.tree_qp[(a, c)] = QueuePair(
+                        self.hosts[a], self.hosts[c], dest_qp=self.alloc(c), src_qp=self.alloc(a),
+                        psn=self.start_psn(), sport=self.rng.randrange(49152, 65536))
+                for off in range(0, b.nbytes, cfg.step_bytes):
+                    n = min(cfg.step_bytes, b.nbytes - off)
+                    pkts = qp.write(bytes(n), cfg.mtu, va=0x7e00_0000_0000, rkey=0x5678,
+                                    imm=imm_bytes(n, cfg.imm_big_endian))
+                    out += [(a, c, f) for f, _, _ in pkts]
+                    out.append((c, a, qp.ack(pkts[-1][1])))
+        return out
+
     def noise_frames(self) -> list[tuple[int, int, bytes]]:
         rng, h = self.rng, self.hosts
+        n0, n1 = self.noise_pair
         kind = rng.randrange(3)
-        if kind == 0:  # an unrelated RDMA write between ranks 0 and 1
+        if kind == 0:  # an unrelated RDMA write between two NICs of the job
             pkts = self.noise_qp.write(rng.randbytes(rng.randrange(1, 3000)), self.plan.ring.mtu,
                                        va=0x1000, rkey=7, imm=b"\x01\x00\x00\x00")
-            return [(0, 1, f) for f, _, _ in pkts]
+            return [(n0, n1, f) for f, _, _ in pkts]
         if kind == 1:  # the job's TCP store / bootstrap traffic: UDP stand-in on another port
-            return [(1, 0, ip_udp_frame(h[1], h[0], 40000, 29500, rng.randbytes(64)))]
+            return [(n1, n0, ip_udp_frame(h[n1], h[n0], 40000, 29500, rng.randbytes(64)))]
         other = Host("10.99.0.1" if h[0].ip.version == 4 else "fd00:99::1", 0x0200_0000_00ff)
         bth = BTH(opcode=4, pkey=0xFFFF, dest_qp=0x11, psn=rng.randrange(PSN_MOD))
         return [(0, -1, roce_frame(h[0], other, 50000, bth, b"", rng.randbytes(100)))]
@@ -246,6 +358,8 @@ def impair(frames: list[tuple[int, bytes]], opts: SynthOptions, rng: random.Rand
 
 
 def synthesize(opts: SynthOptions, progress=None) -> Plan:
+    if opts.collective not in ("allreduce", "reduce_scatter", "tree"):
+        raise ValueError(f"collective {opts.collective!r}: allreduce, reduce_scatter or tree")
     out = Path(opts.out)
     (out / "mirrors").mkdir(parents=True, exist_ok=True)
     (out / "reference").mkdir(exist_ok=True)

@@ -234,6 +234,8 @@ class BulkSynth:
         cfg = plan.ring
         if cfg.protocol != "simple":
             raise ValueError("BulkSynth writes the Simple protocol only")
+        if not plan.one_host_per_rank:
+            raise ValueError("BulkSynth writes one-GPU-per-host jobs only (use ckptd synth --nodes)")
         if len(paths) != len(plan.mirrors):
             raise ValueError(f"{len(plan.mirrors)} mirrors in the plan, {len(paths)} paths")
         self.plan, self.seed = plan, seed

@@ -100,6 +100,7 @@ class Extractor:
         bad = self._check(loc, pkt)
         if bad:
             self._reject("schedule_mismatch", pkt, bad)
+            self.binder.note_mismatch(b, loc.pos, pkt)
             return []
         if loc.iteration > self.done:  # bookkeeping ends when the iteration is finalized
             self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(

@@ -1,14 +1,19 @@
 """Place: which schedule message and byte range a RoCE packet is.
 
-A flow is (source IP, destination IP, destination QP). The plan names the ranks'
-addresses, so a flow's hop (sender rank -> receiver rank) is known at once; which
-channel and QP of that hop it is, and which PSN its first message started at, are
-learned from the traffic (`FlowBinder`): every RDMA message head carries its length
+A flow is (source IP, destination IP, destination QP). The plan names the NICs'
+addresses, so a flow's link (sender NIC -> receiver NIC, each named by the rank that
+owns it, `Plan.rank_of`) is known at once. Only ring connections between ranks of
+different nodes use a NIC (`Plan.network_connections`); NVLink/PCIe hops inside a node
+are never expected. On one-GPU hosts a link is a hop (sender rank -> receiver rank);
+where ranks share a NIC, or send through another GPU's NIC (PXN), one link can carry
+the connections of several rank pairs. Which connection, channel and QP of its link a
+flow is, and which PSN its first message started at, are learned from the traffic
+(`FlowBinder`): every RDMA message head carries its length
 (RETH DMA length, and the immediate NCCL writes), and the schedule says which
 lengths each QP's messages have. A flow binds to the (channel, QP) whose message
 sequence explains every head seen, at the earliest message that does; flows that
 no candidate explains are some other traffic between the same hosts and are counted,
-not used. When several QPs of a hop carry identical sequences, they are told apart
+not used. When several QPs of a link carry identical sequences, they are told apart
 by QP number: NCCL connects channels in order, so the receiver's QPNs grow with the
 channel.
 
@@ -28,9 +33,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ckptd.core.algorithms import CollectiveRefused
 from ckptd.core.plan import Plan
 from ckptd.core.psn import PSN_MOD, psn_diff, psn_unwrap
-from ckptd.core.schedule import FlowSchedule, Message
+from ckptd.core.schedule import RS, FlowSchedule, Message
 
 # Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
 # WRITE_ONLY (10) without an immediate, ACKs are 17.
@@ -45,6 +51,20 @@ MIN_HEADS = 3  # message heads a flow must show before it is bound by its length
 ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked for
 RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
 ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
+MISMATCHED_HEADS = 16  # message heads kept per bound flow that the schedule rejected
+
+
+def reduce_scatter_only(sched: FlowSchedule) -> FlowSchedule:
+    """The QP's messages with its allgather sends left out: what the wire carries when
+    the job reduce-scatters instead of allreducing (FSDP/ZeRO). NCCL's ring
+    ReduceScatter sends the same chunks as the first half of a ring allreduce loop and
+    then reduces the last one in place (src/device/reduce_scatter.h:52-64@v2.19.4-1:
+    send, recvReduceSend x (n-2), recvReduceCopy), so the final values never leave."""
+    out = FlowSchedule(sched.src, sched.dst, sched.channel, sched.qp)
+    for m in sched.messages:
+        if m.send.phase == RS:
+            out.add(m)
+    return out
 
 
 @dataclass
@@ -119,6 +139,8 @@ class FlowBinding:
     base: int  # unwrapped PSN of the first packet of iteration 0's first message
     last: int  # unwrapped PSN of the newest packet, the anchor for unwrapping the next
     first_whole: int = 0  # first iteration whose every packet came after the first seen
+    link: tuple[int, int] = (-1, -1)  # (sender NIC, receiver NIC) by owner rank
+    mismatched: list = field(default_factory=list)  # (position, DMA length) of heads the schedule rejected
 
 
 class DataPlane(Protocol):
@@ -154,25 +176,34 @@ class _Candidate:
 
 
 class FlowBinder:
-    """Learns which (channel, QP) every data flow is and where its PSNs start."""
+    """Learns which (connection, QP) every data flow is and where its PSNs start.
+
+    Keyed by link (sender NIC, receiver NIC), each NIC named by its owner rank, which
+    for one-GPU hosts is the hop (sender rank, receiver rank): `expected[link]` lists
+    the (sender, receiver, channel, QP) slots the link's flows can bind to."""
 
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.join_from = join_from  # None: the capture starts before the job's first message
         first, rebuilt = plan.schedule(0), plan.schedule(1)
         self.imm_big_endian = plan.ring.imm_big_endian
-        self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows}
-        # Only QPs that carry at least one message can ever be seen.
-        self.expected: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for (s, d, c, q), tl in sorted(self.timelines.items()):
+        wire = plan.network_connections
+        self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows
+                          if k[:3] in wire}
+        # Only QPs of network hops that carry at least one message can ever be seen;
+        # slots in channel order, then QP (the order NCCL connects them in).
+        self.expected: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+        for (s, d, c, q), tl in sorted(self.timelines.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][:2])):
             if tl.first.npkts or tl.rebuilt.npkts:
-                self.expected.setdefault((s, d), []).append((c, q))
+                self.expected.setdefault(plan.link_of((s, d, c)), []).append((s, d, c, q))
         self.bound: dict[tuple, FlowBinding] = {}
         self.unrelated: set[tuple] = set()
         self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
         self.acks: dict[tuple[int, int], deque] = {}
-        self.ack_count: Counter = Counter()  # per hop, while none of its data was seen
+        self.ack_count: Counter = Counter()  # per link, while none of its data was seen
         self.acks_ignored: set[tuple[int, int]] = set()
+        self.off_ring: dict[tuple[int, int], set] = {}  # data flows between job NICs that form no link
+        self.unexplained: list[tuple[tuple[int, int], _Candidate]] = []  # flows no slot explains
         self.errors: list[str] = []
         self.notes: list[str] = []
         self.data_plane: DataPlane | None = None  # told of every decision (Extractor.set_data_plane)
@@ -189,8 +220,13 @@ class FlowBinder:
 
     # -- learning -----------------------------------------------------------------
     def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
+        """The link a data packet travels, if the plan expects traffic on it."""
         s, d = self.plan.rank_of(pkt.src), self.plan.rank_of(pkt.dst)
-        if s is None or d is None or (s, d) not in self.expected:
+        if s is None or d is None:
+            return None
+        if (s, d) not in self.expected:
+            if pkt.opcode in IMM_OPCODES or pkt.dma_len is not None:
+                self.off_ring.setdefault((s, d), set()).add(pkt.flow)
             return None
         return s, d
 
@@ -200,7 +236,7 @@ class FlowBinder:
         That is what tells a flow whose first message was lost on every mirror from
         one whose first message we saw: its first data packet then comes after an
         ACK, and no alignment may put the job's first message after that PSN. An ACK
-        belongs to the data flow of the same hop with the same UDP source port (RoCE
+        belongs to the data flow of the same link with the same UDP source port (RoCE
         derives the port from both QPNs, so both directions of a connection share it)."""
         s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
         hop = (s, d)
@@ -258,40 +294,85 @@ class FlowBinder:
         return hop in self.acks_ignored or self._hop_full(hop)
 
     def _bound_count(self, hop) -> int:
-        return sum(1 for b in self.bound.values() if b.conn[:2] == hop)
+        return sum(1 for b in self.bound.values() if b.link == hop)
 
     def _hop_full(self, hop) -> bool:
         return self._bound_count(hop) == len(self.expected[hop])
 
     def flush(self) -> list[tuple[FlowBinding, Packet]]:
-        """End of input: bind what can be bound with the evidence there is."""
+        """End of input: bind what can be bound with the evidence there is; refuse by
+        name traffic that is no ring allreduce at all."""
         out = []
         for hop in list(self.pending):
             out += self._bind(hop, final=True)
+        if not self.bound:
+            self._refuse_unbound()
         return out
+
+    # -- what is not a ring allreduce ---------------------------------------------
+    def note_mismatch(self, b: FlowBinding, pos: int, pkt: Packet):
+        """A message head of a bound flow that its schedule rejected. When the flow's
+        rejected heads are just where a reduce-scatter-only job puts its messages,
+        the job is not allreducing: refuse it by name (CollectiveRefused)."""
+        if pkt.dma_len is None or len(b.mismatched) >= MISMATCHED_HEADS:
+            return
+        b.mismatched.append((pos, pkt.dma_len))
+        if len(b.mismatched) >= MIN_HEADS:
+            rs = self._rs_timeline(b.conn + (b.qp,))
+            if all(self._head_ok(rs, p, n) for p, n in b.mismatched):
+                self._refuse_reduce_scatter(b.link)
+
+    def _rs_timeline(self, slot) -> FlowTimeline:
+        tl = self.timelines[slot]
+        return FlowTimeline(reduce_scatter_only(tl.first), reduce_scatter_only(tl.rebuilt))
+
+    def _refuse_reduce_scatter(self, hop):
+        raise CollectiveRefused(
+            f"the traffic of link {self._link_name(hop)} is a ring reduce-scatter with no allgather "
+            "(FSDP/ZeRO-style sharding): each reduced shard stays on its owner, so the reduced "
+            "gradients never cross the wire; ckptd needs DDP's allreduce (NCCL_ALGO=Ring)")
+
+    def _refuse_unbound(self):
+        """Nothing of the plan's ring allreduce was bound: refuse by name when the
+        traffic positively is something else. Flows that merely match nothing (a plan
+        that does not fit, a capture that starts mid-job) keep their diagnostics."""
+        for hop, cand in self.unexplained:
+            if len(cand.heads) < 2 * MIN_HEADS:
+                continue
+            for slot in self.expected[hop]:
+                base_rel = self._align(self._rs_timeline(slot), cand)
+                if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
+                    self._refuse_reduce_scatter(hop)
+        if self.off_ring:
+            pairs = sorted(self.off_ring)
+            names = ", ".join(self._link_name(h) for h in pairs[:4]) + (" ..." if len(pairs) > 4 else "")
+            raise CollectiveRefused(
+                f"no flow matches the plan's ring allreduce, and RDMA writes flow between NICs of the job "
+                f"that are ring neighbours in no channel ({names}): that is Tree, CollNet or NVLS traffic, "
+                "not ring allreduce; run the job with NCCL_ALGO=Ring")
 
     def _bind(self, hop, final: bool) -> list[tuple[FlowBinding, Packet]]:
         """Bind the flows that showed enough heads (all of them when final), in QPN
-        order, each to the first free (channel, QP) whose schedule explains it."""
+        order, each to the first free slot whose schedule explains it."""
         flows = self.pending.get(hop, {})
-        taken = {(b.conn[2], b.qp) for b in self.bound.values() if b.conn[:2] == hop}
+        taken = {b.conn + (b.qp,) for b in self.bound.values() if b.link == hop}
         released = []
         for key in sorted(flows, key=lambda k: k[2]):  # QPN order = channel order
             cand = flows[key]
             if not final and len(cand.heads) < MIN_HEADS:
                 continue
             del flows[key]
-            for c, q in self.expected[hop]:
-                if (c, q) in taken:
+            for slot in self.expected[hop]:
+                if slot in taken:
                     continue
-                tl = self.timelines[hop + (c, q)]
+                tl = self.timelines[slot]
                 base_rel = self._align(tl, cand) if self.join_from is None else self._align_at_origin(tl, cand)
                 if base_rel is None:
                     continue
-                taken.add((c, q))
+                taken.add(slot)
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
-                b = FlowBinding(key, hop + (c,), q, tl, base, cand.first_psn,
-                                self._first_whole(tl, cand.min_rel - base_rel))
+                b = FlowBinding(key, slot[:3], slot[3], tl, base, cand.first_psn,
+                                self._first_whole(tl, cand.min_rel - base_rel), hop)
                 if self.data_plane is not None:
                     b = self.data_plane.bind_flow(b)
                 self.bound[key] = b
@@ -307,11 +388,17 @@ class FlowBinder:
                     self.errors.append(
                         f"flow {key[0]} -> {key[1]} QP {key[2]:#x}: its message lengths "
                         f"{[h[1] for h in sorted(cand.heads)[:6]]} match no free channel/QP "
-                        f"of hop rank {hop[0]} -> {hop[1]} {where}")
+                        f"of link {self._link_name(hop)} {where}")
+                    self.unexplained.append((hop, cand))
                 self._unrelated(key)
         if not flows:
             self.pending.pop(hop, None)
         return released
+
+    def _link_name(self, hop) -> str:
+        s, d = hop
+        return f"rank {s} -> {d}" if self.plan.one_host_per_rank else \
+            f"NIC {self.plan.addresses[s]} (rank {s}) -> NIC {self.plan.addresses[d]} (rank {d})"
 
     def _align(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
         """Relative PSN of message 0 of iteration 0 for this flow, if the schedule

@@ -1,0 +1,269 @@
+"""A job's ring, nodes and NICs read from its `NCCL_DEBUG=INFO` output.
+
+Nobody should hand-write rings: NCCL prints them. The lines read here, and where
+NCCL prints them (the formats are the same at v2.19.4-1, v2.27.5-1 and v2.29.3-1
+unless noted):
+
+  prefix        "host:pid:tid [cudaDev] NCCL INFO " (src/debug.cc:179@v2.19.4-1,
+                :352-366@v2.27.5-1, :370-382@v2.29.3-1); lines without it (the
+                continuation lines of the Func/Proto/Algo matrix, application
+                output) are skipped. The host names the node.
+  version       "NCCL version 2.27.5+cuda12.9" (init.cc:471 VERSION_STRING@v2.19.4-1,
+                printed bare on stdout or as an INFO line)
+  rings         "Channel 00/04 :    0   1 ..." by rank 0 (graph/rings.cc:35@v2.19.4-1,
+                " %3d" per rank, at most 20 ranks); "Channel 00/04 : 0 1 ..."
+                (rings.cc:41@v2.27.5-1, rings.cc:47@v2.29.3-1, width of nranks-1,
+                cut with "..." at 128 characters). A cut ring is rebuilt from the
+                NCCL_GRAPH lines "Ring 00 : 7 -> 0 -> 1" every rank prints
+                (init.cc:1074@v2.19.4-1).
+  ranks         "... rank 3 nranks 8 cudaDev 3 nvmlDev 3 busId 8a000 ... - Init COMPLETE"
+                (init.cc:1412@v2.19.4-1, :1469@v2.27.5-1, :1692@v2.29.3-1)
+  nodes         "comm 0x.. rank 0 nRanks 8 nNodes 2 localRanks 4 localRank 0 MNNVL 0"
+                (init.cc:998@v2.27.5-1, :1220@v2.29.3-1; absent in 2.19: counted from hosts)
+  channels      "4 coll channels, 0 nvls channels, 4 p2p channels, ..." (init.cc:1145@v2.19.4-1);
+                "4 coll channels, 4 collnet channels, 0 nvls channels, ..." (init.cc:1232@v2.27.5-1)
+  settings      "NCCL_ALGO set by environment to Ring", "NCCL_PROTO set by environment to
+                Simple" (graph/tuning.cc:256-261@v2.19.4-1, :398-403@v2.27.5-1),
+                "NCCL_COLLNET_ENABLE set by environment to 1." (init.cc:899@v2.19.4-1)
+  network hops  "Channel 00/0 : 3[3] -> 4[0] [send] via NET/IB/0(0)/GDRDMA" and
+                "... [receive] via NET/IB/0/GDRDMA" (transport/net.cc:194-233@v2.19.4-1,
+                :218-264@v2.27.5-1, :316-362@v2.29.3-1): the NCCL net device each end
+                of a network hop uses; "(P)" is the PXN proxy rank whose NIC it is.
+                The receiver always uses its own NIC (net.cc:224@v2.19.4-1).
+
+"Trees [0] ..." lines are printed for every communicator (init.cc:1077@v2.19.4-1)
+whether or not Tree ever runs, so they decide nothing; NCCL_ALGO does (with the NVLS
+and CollNet channel counts), through ckptd.core.algorithms.
+
+NIC addresses are not in the log (NET/IB devices are named, their RoCE GIDs are not):
+the caller gives each host's NIC addresses in NCCL device order.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+
+from ckptd.core.algorithms import allreduce_protocol, check_allreduce_algorithm
+from ckptd.errors import CkptdError
+
+PREFIX = re.compile(r"^(?:\[[^\]]*\] )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
+VERSION = re.compile(r"NCCL version (\d+)\.(\d+)\.(\d+)\S*")
+RING = re.compile(r"^Channel (\d+)/(\d+) :((?: +\d+)+)( *\.\.\.)?\s*$")
+RING_GRAPH = re.compile(r"^Ring (\d+) : (\d+) -> (\d+) -> (\d+)$")
+COMPLETE = re.compile(r"\brank (\d+) nranks (\d+) cudaDev (\d+) nvmlDev \d+ busId ([0-9a-f]+) .*- Init COMPLETE$")
+NODES = re.compile(r"\brank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank (\d+)")
+CHANNELS = re.compile(r"^(\d+) coll channels, (?:(\d+) collnet channels, )?(\d+) nvls channels")
+SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE) set by environment to (\S+?)\.?$")
+NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|receive)\] via NET/[^/]+/(\d+)(?:\((\d+)\))?")
+
+
+class NcclLogError(CkptdError, ValueError):
+    """An NCCL log that does not describe one ring communicator completely."""
+
+
+@dataclass
+class NcclJob:
+    """What one communicator's INFO lines say about its ring allreduce."""
+
+    version: tuple[int, int, int] | None = None
+    nranks: int | None = None
+    nnodes: int | None = None
+    local_ranks: dict[int, int] = field(default_factory=dict)  # rank -> localRanks it printed
+    rings: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    nrings: int | None = None
+    graph_next: dict[int, dict[int, int]] = field(default_factory=dict)  # channel -> rank -> next
+    coll_channels: int | None = None
+    nvls_channels: int | None = None
+    settings: dict[str, str] = field(default_factory=dict)
+    host: dict[int, str] = field(default_factory=dict)  # rank -> host
+    cuda_dev: dict[int, int] = field(default_factory=dict)
+    bus_id: dict[int, str] = field(default_factory=dict)
+    # (channel, sender, receiver) -> {"send": (dev, proxy rank or None), "receive": (dev, None)}
+    net: dict[tuple[int, int, int], dict[str, tuple[int, int | None]]] = field(default_factory=dict)
+
+
+def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
+    job = NcclJob()
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        m = VERSION.search(raw)
+        if m and job.version is None:
+            job.version = tuple(int(x) for x in m.groups())
+        p = PREFIX.match(raw.rstrip())
+        if not p:
+            continue
+        host, msg = p["host"], p["msg"].rstrip()
+        if (m := RING.match(msg)):
+            c, n = int(m[1]), int(m[2])
+            if m[4]:
+                continue  # cut at 128 characters: rebuilt from the Ring lines
+            ranks = tuple(int(x) for x in m[3].split())
+            if c in job.rings and job.rings[c] != ranks:
+                raise NcclLogError(f"{where}:{lineno}: a second ring for channel {c}: the log holds "
+                                   "several communicators; give the log of the data-parallel one")
+            job.rings[c] = ranks
+            job.nrings = n
+        elif (m := RING_GRAPH.match(msg)):
+            job.graph_next.setdefault(int(m[1]), {})[int(m[3])] = int(m[4])
+        elif (m := COMPLETE.search(msg)):
+            r = int(m[1])
+            _agree(job, "nranks", int(m[2]), where, lineno)
+            job.host[r], job.cuda_dev[r], job.bus_id[r] = host, int(m[3]), m[4]
+        elif (m := NODES.search(msg)):
+            _agree(job, "nranks", int(m[2]), where, lineno)
+            _agree(job, "nnodes", int(m[3]), where, lineno)
+            job.host.setdefault(int(m[1]), host)
+            job.local_ranks[int(m[1])] = int(m[4])
+        elif (m := CHANNELS.match(msg)):
+            _agree(job, "coll_channels", int(m[1]), where, lineno)
+            _agree(job, "nvls_channels", int(m[3]), where, lineno)
+        elif (m := SETTING.match(msg)):
+            job.settings[m[1]] = m[2]
+        elif (m := NET.match(msg)):
+            c, s, d, kind, dev, proxy = int(m[1]), int(m[2]), int(m[3]), m[4], int(m[5]), m[6]
+            job.net.setdefault((c, s, d), {})[kind] = (dev, None if proxy is None else int(proxy))
+            job.host.setdefault(s if kind == "send" else d, host)
+    return job
+
+
+def _agree(job: NcclJob, name: str, value: int, where: str, lineno: int):
+    old = getattr(job, name)
+    if old is not None and old != value:
+        raise NcclLogError(f"{where}:{lineno}: {name} {value} where earlier lines said {old}: "
+                           "the log holds several communicators; give the log of the data-parallel one")
+    setattr(job, name, value)
+
+
+@dataclass(frozen=True)
+class RingTopology:
+    """The plan's ring and ranks section, as read from a log."""
+
+    nccl_version: tuple[int, int]
+    protocol: str
+    rings: tuple[tuple[int, ...], ...]
+    addresses: tuple[str, ...]  # rank -> its own NIC
+    nodes: tuple[str, ...]  # rank -> host
+    channel_nics: tuple[tuple[str, ...], ...]  # rank -> channel -> NIC address
+
+
+def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "log") -> RingTopology:
+    """The ring, nodes and NICs of the job, refusing what is not one ring allreduce.
+
+    nic_addrs: host -> its NICs' addresses in NCCL's device order (NET/IB/k is the k-th)."""
+    if job.version is None:
+        raise NcclLogError(f"{where}: no 'NCCL version' line (run the job with NCCL_DEBUG=INFO)")
+    if job.nranks is None:
+        raise NcclLogError(f"{where}: no '- Init COMPLETE' line: how many ranks the job has is unknown")
+    n = job.nranks
+    missing = sorted(set(range(n)) - set(job.host))
+    if missing:
+        raise NcclLogError(f"{where}: no line of ranks {missing[:8]} names their host: give every rank's log")
+    hosts = [job.host[r] for r in range(n)]
+    nnodes = len(set(hosts))
+    if job.nnodes is not None and job.nnodes != nnodes:
+        raise NcclLogError(f"{where}: nNodes {job.nnodes}, but the ranks' lines come from {nnodes} hosts")
+    for r, local in sorted(job.local_ranks.items()):
+        if hosts.count(hosts[r]) != local:
+            raise NcclLogError(f"{where}: rank {r} says localRanks {local}, but {hosts.count(hosts[r])} ranks' "
+                               f"lines come from its host {hosts[r]}")
+    algo = job.settings.get("NCCL_ALGO")
+    collnet = None if "NCCL_COLLNET_ENABLE" not in job.settings else job.settings["NCCL_COLLNET_ENABLE"] != "0"
+    check_allreduce_algorithm(algo, nnodes=nnodes, nvls_channels=job.nvls_channels, collnet=collnet,
+                              where=f"{where}: ")
+    protocol = allreduce_protocol(job.settings.get("NCCL_PROTO"), where=f"{where}: ")
+    rings = _rings(job, where)
+    own: dict[int, str] = {}
+    claims: list[tuple[int, int, str]] = []  # (strength, rank, NIC address)
+    nics = [[None] * len(rings) for _ in range(n)]
+
+    def addr(host: str, dev: int, what: str) -> str:
+        try:
+            a = nic_addrs[host][dev]
+        except (KeyError, IndexError):
+            raise NcclLogError(f"{where}: {what} uses NET device {dev} of host {host}, but the NIC addresses "
+                               f"give {len(nic_addrs.get(host, []))} for it") from None
+        return str(ipaddress.ip_address(a))
+
+    for c, ring in enumerate(rings):
+        for i, s in enumerate(ring):
+            d = ring[(i + 1) % n]
+            if hosts[s] == hosts[d]:
+                if (c, s, d) in job.net:
+                    raise NcclLogError(f"{where}: channel {c} hop {s} -> {d} stays on host {hosts[s]} but goes "
+                                       "through a NIC (P2P and SHM disabled?); ckptd expects hops inside a node "
+                                       "over NVLink/PCIe: unset NCCL_P2P_DISABLE/NCCL_SHM_DISABLE")
+                continue
+            ends = job.net.get((c, s, d), {})
+            if "send" not in ends or "receive" not in ends:
+                lacking = " and ".join(k for k in ("send", "receive") if k not in ends)
+                raise NcclLogError(f"{where}: channel {c} hop {s} -> {d} crosses hosts but the log has no "
+                                   f"'[{lacking}] via NET' line for it: give every rank's log")
+            (sdev, proxy), (rdev, _) = ends["send"], ends["receive"]
+            for rank, host, dev in ((s, hosts[s], sdev), (d, hosts[d], rdev)):
+                a = addr(host, dev, f"channel {c} hop {s} -> {d}")
+                if nics[rank][c] not in (None, a):
+                    raise NcclLogError(f"{where}: rank {rank} sends and receives channel {c} through different "
+                                       f"NICs ({nics[rank][c]}, {a}); a plan has one NIC per rank and channel")
+                nics[rank][c] = a
+            # whose NIC it is: a receiver uses its own (net.cc:224@v2.19.4-1), a PXN send the
+            # proxy's; a plain send may go through a NIC that is not the sender's nearest
+            claims.append((0, d, nics[d][c]))
+            claims.append((1, proxy, nics[s][c]) if proxy is not None else (2, s, nics[s][c]))
+    for _, r, a in sorted(claims, key=lambda x: x[0]):
+        own.setdefault(r, a)
+    for r in range(n):
+        if r not in own:  # a rank that never touches the network: any NIC of its host names it
+            local = sorted(x for x in range(n) if hosts[x] == hosts[r]).index(r)
+            devs = nic_addrs.get(hosts[r]) or []
+            if not devs:
+                raise NcclLogError(f"{where}: no NIC addresses given for host {hosts[r]}")
+            own[r] = addr(hosts[r], local % len(devs), f"rank {r}")
+    channel_nics = tuple(tuple(a if a is not None else own[r] for a in nics[r]) for r in range(n))
+    return RingTopology(job.version[:2], protocol, rings, tuple(own[r] for r in range(n)), tuple(hosts),
+                        channel_nics)
+
+
+def _rings(job: NcclJob, where: str) -> tuple[tuple[int, ...], ...]:
+    n = job.nranks
+    count = job.coll_channels or job.nrings or len(job.graph_next)
+    if not count:
+        raise NcclLogError(f"{where}: no 'Channel NN/NN :' ring lines (they are NCCL_DEBUG_SUBSYS=INIT lines of rank 0)")
+    out = []
+    for c in range(count):
+        ring = job.rings.get(c)
+        if ring is None or len(ring) != n:
+            nxt = job.graph_next.get(c, {})
+            if len(nxt) != n:
+                raise NcclLogError(f"{where}: the ring of channel {c} is missing or cut; give rank 0's log whole, "
+                                   "or every rank's 'Ring NN :' lines (NCCL_DEBUG_SUBSYS=INIT,GRAPH)")
+            ring, r = [0], nxt[0]
+            while r != 0 and len(ring) <= n:
+                ring.append(r)
+                r = nxt[r]
+            ring = tuple(ring)
+        if sorted(ring) != list(range(n)):
+            raise NcclLogError(f"{where}: the ring of channel {c} {list(ring)} does not hold ranks 0..{n - 1} once each")
+        out.append(ring)
+    return tuple(out)
+
+
+def load_nic_addrs(path: str) -> dict[str, list[str]]:
+    """host -> NIC addresses in NCCL device order, from a JSON or YAML file."""
+    import json
+    from pathlib import Path
+
+    import yaml
+    text = Path(path).read_text()
+    try:
+        doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise NcclLogError(f"{path}: cannot read NIC addresses: {e}") from e
+    if not isinstance(doc, dict) or not all(isinstance(v, list) for v in doc.values()):
+        raise NcclLogError(f"{path}: expected a map host -> list of NIC addresses in NCCL device order")
+    for host, addrs in doc.items():
+        for a in addrs:
+            try:
+                ipaddress.ip_address(str(a))
+            except ValueError as e:
+                raise NcclLogError(f"{path}: host {host}: {e}") from e
+    return {str(k): [str(a) for a in v] for k, v in doc.items()}

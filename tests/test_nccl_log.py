@@ -1,0 +1,148 @@
+"""`ckptd plan --nccl-log`: the ring, nodes and NICs read from NCCL_DEBUG=INFO output.
+
+The logs in tests/data/nccl-logs/ are a 2-node x 4-GPU job with 4 channels, written
+from the print formats of NVIDIA/nccl v2.19.4-1, v2.27.5-1 and v2.29.3-1 (README there).
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptd.cli import main
+from ckptd.core.algorithms import CollectiveRefused, enabled
+from ckptd.core.plan import load_plan
+from ckptd.tools.nccl_log import NcclLogError, parse_nccl_log, ring_topology
+
+LOGS = Path(__file__).parent / "data" / "nccl-logs"
+VERSIONS = {"2.19": (2, 19, 3), "2.27": (2, 27, 5), "2.29": (2, 29, 3)}
+NIC_ADDRS = {"dgx-a07": [f"10.10.{k}.7" for k in range(4)], "dgx-a08": [f"10.10.{k}.8" for k in range(4)]}
+
+# By hand, from the job's layout: ranks 0-3 on dgx-a07, 4-7 on dgx-a08; channel c enters
+# each node at local GPU c and leaves from the GPU before it; channel c's network hops
+# use NIC c on both nodes (rails), every GPU owns the NIC of its index.
+HAND_RINGS = ((0, 1, 2, 3, 4, 5, 6, 7), (0, 5, 6, 7, 4, 1, 2, 3),
+              (0, 1, 6, 7, 4, 5, 2, 3), (0, 1, 2, 7, 4, 5, 6, 3))
+
+
+def hand_ranks() -> list[dict]:
+    out = []
+    for r in range(8):
+        host, local = ("dgx-a07", "dgx-a08")[r // 4], r % 4
+        nic = NIC_ADDRS[host]
+        per = [nic[local]] * 4
+        for c in range(4):
+            if local == c or local == (c + 3) % 4:  # enters the node on channel c, or leaves it
+                per[c] = nic[c]
+        entry = {"rank": r, "addr": nic[local], "node": host}
+        if per != [nic[local]] * 4:
+            entry["nics"] = per
+        out.append(entry)
+    return out
+
+
+def log(version: str) -> str:
+    return (LOGS / f"nccl-{version}-2x4.log").read_text()
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_log_gives_the_hand_made_topology(version):
+    job = parse_nccl_log(log(version), version)
+    assert job.version == VERSIONS[version] and job.nranks == 8 and job.coll_channels == 4
+    assert job.nnodes == (None if version == "2.19" else 2)  # 2.19 prints no nNodes line: counted from hosts
+    topo = ring_topology(job, NIC_ADDRS)
+    assert topo.rings == HAND_RINGS
+    assert topo.protocol == "simple" and topo.nccl_version == VERSIONS[version][:2]
+    ranks = hand_ranks()
+    assert topo.addresses == tuple(x["addr"] for x in ranks)
+    assert topo.nodes == tuple(x["node"] for x in ranks)
+    assert topo.channel_nics == tuple(tuple(x.get("nics", [x["addr"]] * 4)) for x in ranks)
+
+
+def test_plan_command_writes_the_hand_made_plan(tmp_path):
+    """NCCL 2.19 is decoded end to end today (2.22+ waits on the partition rules)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    nics = tmp_path / "nics.json"
+    nics.write_text(json.dumps(NIC_ADDRS))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "test_cli:build_model", "--nccl-log", str(LOGS / "nccl-2.19-2x4.log"),
+                 "--nic-addrs", str(nics), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == hand_ranks()
+    assert doc["ring"]["rings"] == [list(r) for r in HAND_RINGS]
+    assert doc["ring"]["nccl_version"] == "2.19" and doc["ring"]["protocol"] == "simple"
+    plan = load_plan(out)
+    # channel 0: 3 -> 4 and 7 -> 0 cross hosts, on NIC 0 of each (owned by ranks 0 and 4)
+    assert sorted(c for c in plan.network_connections if c[2] == 0) == [(3, 4, 0), (7, 0, 0)]
+    assert plan.link_of((3, 4, 0)) == (0, 4) and plan.link_of((7, 0, 0)) == (4, 0)
+    assert len(plan.network_connections) == 8  # 2 of the 8 hops of each of 4 rings
+    assert [m.rank for m in plan.mirrors] == [0, 4]  # the NICs of channel 0's network hops
+
+
+@pytest.mark.parametrize("edit, cause, fix", [
+    (lambda t: t.replace("NCCL_ALGO set by environment to Ring", "NCCL_ALGO set by environment to Tree,Ring"),
+     "Tree", "NCCL_ALGO=Ring"),
+    (lambda t: "\n".join(x for x in t.splitlines() if "NCCL_ALGO set" not in x), "Tree", "NCCL_ALGO=Ring"),
+    (lambda t: t.replace("NCCL_ALGO set by environment to Ring", "NCCL_ALGO set by environment to ^Tree")
+     .replace("0 nvls channels", "16 nvls channels"), "NVLS", "NCCL_ALGO=Ring"),
+    (lambda t: t.replace("NCCL_PROTO set by environment to Simple", "NCCL_PROTO set by environment to LL,Simple"),
+     "LL/Simple", "NCCL_PROTO=Simple"),
+])
+def test_log_asking_for_another_algorithm_is_refused(edit, cause, fix, tmp_path, capsys):
+    text = edit(log("2.27"))
+    with pytest.raises(CollectiveRefused, match=cause):
+        ring_topology(parse_nccl_log(text), NIC_ADDRS)
+    f = tmp_path / "job.log"
+    f.write_text(text)
+    nics = tmp_path / "nics.json"
+    nics.write_text(json.dumps(NIC_ADDRS))
+    sys.path.insert(0, str(Path(__file__).parent))
+    assert main(["plan", "--model", "test_cli:build_model", "--nccl-log", str(f), "--nic-addrs", str(nics),
+                 "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and cause in err and fix in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_incomplete_logs_name_what_is_missing():
+    text = log("2.27")
+    no_send = "\n".join(x for x in text.splitlines() if "3[3] -> 4[0] [send]" not in x)
+    with pytest.raises(NcclLogError, match=r"channel 0 hop 3 -> 4 .*\[send\] via NET"):
+        ring_topology(parse_nccl_log(no_send), NIC_ADDRS)
+    with pytest.raises(NcclLogError, match="NET device 3 of host dgx-a08"):
+        ring_topology(parse_nccl_log(text), {**NIC_ADDRS, "dgx-a08": NIC_ADDRS["dgx-a08"][:3]})
+    wrong_local = text.replace("nNodes 2 localRanks 4 localRank 1", "nNodes 2 localRanks 3 localRank 1")
+    with pytest.raises(NcclLogError, match="rank 1 says localRanks 3, but 4 ranks"):
+        ring_topology(parse_nccl_log(wrong_local), NIC_ADDRS)
+    two = text + text.replace("Channel 01/04 : 0 5 6 7 4 1 2 3", "Channel 01/04 : 0 1 2 3 4 5 6 7")
+    with pytest.raises(NcclLogError, match="several communicators"):
+        parse_nccl_log(two)
+
+
+def test_cut_ring_lines_are_rebuilt_from_ring_graph_lines():
+    """NCCL cuts a ring line at 128 characters (rings.cc:27@v2.27.5-1); every rank's
+    'Ring NN : prev -> rank -> next' line (NCCL_GRAPH) gives the ring back."""
+    lines = []
+    for raw in log("2.27").splitlines():
+        if " NCCL INFO Channel 00/04 :" in raw:
+            raw = raw[:raw.index(":", raw.index("Channel")) + 6] + " ..."
+        lines.append(raw)
+    host = {r: ("dgx-a07", "dgx-a08")[r // 4] for r in range(8)}
+    ring = HAND_RINGS[0]
+    for i, r in enumerate(ring):
+        lines.append(f"{host[r]}:1:1 [{r % 4}] NCCL INFO Ring 00 : {ring[i - 1]} -> {r} -> {ring[(i + 1) % 8]}")
+    topo = ring_topology(parse_nccl_log("\n".join(lines)), NIC_ADDRS)
+    assert topo.rings == HAND_RINGS
+
+
+def test_nccl_list_syntax():
+    """src/graph/tuning.cc:53 parseList@v2.27.5-1: function prefixes, ^ negation."""
+    algos = ("Tree", "Ring", "NVLS")
+    assert enabled(None, algos) == {"Tree", "Ring", "NVLS"}
+    assert enabled("ring", algos) == {"Ring"}
+    assert enabled("^tree", algos) == {"Ring", "NVLS"}
+    assert enabled("tree;allreduce:ring", algos) == {"Ring"}
+    assert enabled("ring;broadcast:tree", algos) == {"Ring"}
+    assert enabled("tree;broadcast:ring", algos) == {"Tree"}
+    with pytest.raises(CollectiveRefused, match="unknown name 'rign'"):
+        enabled("rign", algos)

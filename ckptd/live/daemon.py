@@ -17,8 +17,11 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import mmap
+import re
 import signal
 import sys
 import threading
@@ -28,9 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
+from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.status import Snapshot, StatusServer
+from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd")
@@ -38,6 +44,9 @@ SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is i
 BATCH_MAX_FRAMES = 1 << 15  # fast path: ready ring blocks are joined into one Batch up to this
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
+DEFAULT_RING_MEMORY = 2 << 30  # max_ring_memory: every capture ring together
+MAX_BLOCK_SIZE = 1 << 28
+MAX_BLOCK_NR = 1 << 16
 
 
 class ConfigError(CkptdError, ValueError):
@@ -71,11 +80,135 @@ class DaemonConfig:
     fast: bool | None = None  # None: the fast path when the plan's transport is "roce"
     join: bool = False  # the job may already be running: align by PSN arithmetic
     join_from: int | None = None  # joining: an iteration the job has surely reached
+    keep_last: int = 10  # retention: the newest K checkpoints stay
+    keep_every: int | None = None  # retention: and every M-th iteration's, for good
+    max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
+    user: str | None = None  # drop to this user once the capture sockets are open
+    group: str | None = None
     extra: dict = field(default_factory=dict)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# IFNAMSIZ is 16 with the NUL; a netns name is a file under /run/netns.
+_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
+_NETNS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_UNIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMG]i?B?)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+class _Keys:
+    """Typed reads of one config mapping: a wrong type or value is a ConfigError naming
+    the file and the key (interfaces[1].block_size), never a TypeError later."""
+
+    def __init__(self, path, doc: dict, prefix: str = ""):
+        self.path, self.doc, self.prefix = path, doc, prefix
+
+    def fail(self, key, why):
+        raise ConfigError(f"{self.path}: {self.prefix}{key} {why}")
+
+    def str(self, key, default=None, pattern=None, what="", required=False):
+        if key not in self.doc:
+            if required:
+                raise ConfigError(f"{self.path}: missing {self.prefix}{key!r}")
+            return default
+        v = self.doc[key]
+        if v is None and not required:
+            return default
+        if not isinstance(v, str) or not v:
+            self.fail(key, f"must be a non-empty string, not {v!r}"[:200])
+        if pattern is not None and (not pattern.fullmatch(v) or v in (".", "..")):
+            self.fail(key, f"{v!r} is not {what}"[:200])
+        return v
+
+    def int(self, key, lo, hi, default=None):
+        v = self.doc.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(key, f"must be an integer in {lo}..{hi}, not {v!r}"[:200])
+        if not lo <= v <= hi:
+            self.fail(key, f"is {v}; it must be in {lo}..{hi}")
+        return v
+
+    def size(self, key, lo, hi, default):
+        """Bytes: an integer, or a string with a binary unit (4M, 4MiB, 512K, 1G)."""
+        v = self.doc.get(key, default)
+        if isinstance(v, str) and (m := _SIZE.fullmatch(v)):
+            v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "")[:1].lower()]
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(key, f"must be a size in bytes (an integer, or with a unit: 4M, 512K), not {v!r}"[:200])
+        if not lo <= v <= hi:
+            self.fail(key, f"is {v} bytes; it must be in {lo}..{hi}")
+        return v
+
+    def bool(self, key, default):
+        v = self.doc.get(key, default)
+        if not isinstance(v, bool) and v is not None:
+            self.fail(key, f"must be true or false, not {v!r}"[:200])
+        return v
+
+
+def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
+    """HOST:PORT with HOST an IPv4 address, [IPv6] in brackets, or a host name; port
+    0..65535 (0: any free port). ConfigError naming `where` for anything else."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{where} must be HOST:PORT, not {text!r}")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where} {text!r} is not HOST:PORT with a port in 0..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"{where} {text!r}: {host[1:-1]!r} is not an IPv6 address") from None
+        return host[1:-1], int(port)
+    try:
+        ipaddress.IPv4Address(host)
+        return host, int(port)
+    except ValueError:
+        pass
+    if ":" in host:
+        raise ConfigError(f"{where} {text!r}: put an IPv6 address in brackets, [::1]:9187")
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", host):
+        raise ConfigError(f"{where} {text!r}: {host!r} is not an address or host name")
+    return host, int(port)
+
+
+def _interface(path, i: int, x) -> InterfaceConfig:
+    if not isinstance(x, dict) or "ifname" not in x:
+        raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
+    unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
+    k = _Keys(path, x, f"interfaces[{i}].")
+    page = mmap.PAGESIZE
+    ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . : @ -)",
+                   required=True)
+    frame_size = k.size("frame_size", TPACKET3_MIN_FRAME, 1 << 20, 16384)
+    if frame_size % 16:
+        k.fail("frame_size", f"{frame_size} must be a multiple of 16 (TPACKET_ALIGNMENT)")
+    block_size = k.size("block_size", page, MAX_BLOCK_SIZE, 1 << 22)
+    if block_size % page or block_size < frame_size:
+        k.fail("block_size", f"{block_size} must be a multiple of the page size ({page}) and at "
+               f"least frame_size ({frame_size})")
+    mode = k.str("fanout_mode", "hash")
+    if mode not in FANOUT_MODES:
+        k.fail("fanout_mode", f"{mode!r} is not one of {', '.join(FANOUT_MODES)}")
+    return InterfaceConfig(
+        name=k.str("name", ifname, pattern=_NETNS, what="a stream name (A-Z a-z 0-9 _ . -)"),
+        ifname=ifname,
+        netns=k.str("netns", None, pattern=_NETNS, what="a network namespace name "
+                    "(A-Z a-z 0-9 _ . -, as `ip netns add` takes)"),
+        block_size=block_size, block_nr=k.int("block_nr", 1, MAX_BLOCK_NR, 64),
+        frame_size=frame_size, retire_ms=k.int("retire_ms", 1, 60_000, 20),
+        snaplen=k.int("snaplen", 64, MAX_SNAPLEN, 65535),
+        fanout_group=k.int("fanout_group", 0, 0xFFFF), fanout_mode=mode)
+
+
 def load_config(path: str | Path) -> DaemonConfig:
-    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key."""
+    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key. Every value
+    is checked here, before any file, socket or ring is opened."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -86,47 +219,69 @@ def load_config(path: str | Path) -> DaemonConfig:
             import yaml
             doc = yaml.safe_load(text)
     except Exception as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from e
+        raise ConfigError(f"{path}: cannot read config: {_one_line(e)}") from e
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: the config must be a mapping")
     base = path.parent
-
-    def need(key):
-        if key not in doc:
-            raise ConfigError(f"{path}: missing {key!r}")
-        return doc[key]
-
-    def rel(p):
-        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
-
-    ifs = []
-    for i, x in enumerate(need("interfaces") or []):
-        if not isinstance(x, dict) or "ifname" not in x:
-            raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
-        unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
-        ifs.append(InterfaceConfig(**{"name": x.get("name", x["ifname"]), **x}))
-    if not ifs:
-        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
-             "fast", "join", "join_from"}
+             "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group"}
     unknown = set(doc) - known
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-    fast = doc.get("fast")
-    if fast is not None and not isinstance(fast, bool):
-        raise ConfigError(f"{path}: 'fast' must be true or false, not {fast!r}")
-    join, join_from = doc.get("join", False), doc.get("join_from")
-    if not isinstance(join, bool):
-        raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
-    if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
-        raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
-    return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
-                        interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
-                        log_level=str(doc.get("log_level", "warning")),
-                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
-                        fast=fast, join=join or join_from is not None, join_from=join_from)
+        raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
+    k = _Keys(path, doc)
+
+    def rel(key, required=False):
+        p = k.str(key, required=required)
+        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
+
+    raw_ifs = doc.get("interfaces")
+    if not isinstance(raw_ifs, list) or not raw_ifs:
+        raise ConfigError(f"{path}: 'interfaces' must list the mirror ports to capture")
+    ifs = [_interface(path, i, x) for i, x in enumerate(raw_ifs)]
+    seen: dict[tuple, int] = {}
+    for i, x in enumerate(ifs):
+        where = (x.netns, x.ifname)
+        if where in seen and (x.fanout_group is None or ifs[seen[where]].fanout_group != x.fanout_group):
+            raise ConfigError(f"{path}: interfaces[{i}] captures {x.ifname}"
+                              + (f" in netns {x.netns}" if x.netns else "")
+                              + f" again (as interfaces[{seen[where]}]): every frame would be counted "
+                              "twice; share it with one fanout_group instead")
+        seen.setdefault(where, i)
+    names = [x.name for x in ifs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: interface names {names} are not unique")
+    cap = k.size("max_ring_memory", 1 << 20, 1 << 40, DEFAULT_RING_MEMORY)
+    ring_bytes = sum(x.block_size * x.block_nr for x in ifs)
+    if ring_bytes > cap:
+        raise ConfigError(f"{path}: the capture rings need {ring_bytes} bytes (block_size x "
+                          f"block_nr, all interfaces), more than max_ring_memory {cap}: lower "
+                          "interfaces[].block_nr or raise max_ring_memory")
+    avail = available_memory()
+    if avail is not None and ring_bytes > avail // 2:
+        raise ConfigError(f"{path}: the capture rings need {ring_bytes} bytes (block_size x block_nr, "
+                          f"all interfaces), more than half the memory available ({avail}): lower "
+                          "interfaces[].block_nr")
+    listen = k.str("listen", "127.0.0.1:9187")
+    parse_listen(listen, f"{path}: listen")
+    log_level = k.str("log_level", "warning")
+    if log_level not in LOG_LEVELS:
+        k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    fast, join = k.bool("fast", None), k.bool("join", False)
+    join_from = k.int("join_from", 0, 1 << 31)
+    user, group = (k.str(key, None, _UNIX_NAME, "a user or group name") for key in ("user", "group"))
+    if group is not None and user is None:
+        k.fail("group", "needs `user` too")
+    return DaemonConfig(plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
+                        interfaces=ifs, listen=listen, log_level=log_level,
+                        resume=rel("resume"), dump_gradients=rel("dump_gradients"),
+                        fast=fast, join=join or join_from is not None, join_from=join_from,
+                        keep_last=k.int("keep_last", 1, 1 << 31, 10),
+                        keep_every=k.int("keep_every", 1, 1 << 31),
+                        max_ring_memory=cap, user=user, group=group)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 class JsonFormatter(logging.Formatter):
@@ -151,7 +306,9 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
+        require_memory(self.plan.shadow_bytes(), f"shadowing the plan {cfg.plan}")
         self.start_state = load_checkpoint(cfg.init)
+        self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()
         self.snapshot = Snapshot()

@@ -307,6 +307,9 @@ class Daemon:
         except PlanError as e:
             raise ConfigError(str(e)) from e
         require_memory(self.plan.shadow_bytes(), f"shadowing the plan {cfg.plan}")
+        if cfg.user is not None:  # an unknown user is refused before anything is opened
+            from ckptd.live.privilege import resolve
+            resolve(cfg.user, cfg.group)
         self.start_state = load_checkpoint(cfg.init)
         self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
@@ -320,7 +323,8 @@ class Daemon:
         self.started = time.time()
         self._join_logged = False
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
-                             join=cfg.join, join_from=cfg.join_from)
+                             join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
+                             keep_every=cfg.keep_every, retry_writes=True)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
@@ -345,7 +349,11 @@ class Daemon:
         if rep.write_seconds is not None:
             fields["write_s"] = round(rep.write_seconds, 6)
         if rep.status == "committed":
-            log.info("committed", extra={"fields": fields})
+            fields["persisted"] = rep.persisted
+            if rep.persisted is False:
+                log.warning("committed, not persisted", extra={"fields": fields})
+            else:
+                log.info("committed", extra={"fields": fields})
         else:
             fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
                                   "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
@@ -400,6 +408,7 @@ class Daemon:
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
         committed = [r for r in self.pipe.reports if r.status == "committed"]
+        keeper = self.pipe.keeper
         last = self.last_report
         streams = []
         for k, name in enumerate(self.names):
@@ -411,8 +420,9 @@ class Daemon:
         doc = {
             "state": state, "uptime_s": round(time.time() - self.started, 3),
             "last_committed": committed[-1].iteration if committed else -1,
-            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(committed[-1].iteration))
-                                if committed else None),
+            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
+                                if keeper.last_persisted is not None else None),
+            "checkpoints": keeper.status(),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
@@ -438,6 +448,34 @@ class Daemon:
                 - p.stops.get("conflicts_full", 0),
                 "kernel_seconds": round(p.kernel_seconds, 6), "stops": dict(p.stops)}
 
+    # -- environment: signals, the write path ---------------------------------------------
+    def install_signals(self):
+        """SIGINT/SIGTERM stop cleanly; SIGHUP (a closed terminal, `systemctl reload`) is
+        logged and otherwise ignored: it must never end a capture (restart to reload)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: log.warning(
+            "SIGHUP ignored: the config is read at start; restart the daemon to change it"))
+
+    def drop_privileges(self):
+        """With `user` configured: the capture sockets are open (netns entered), so
+        become that user with CAP_NET_RAW alone (ckptd.live.privilege)."""
+        if self.cfg.user is None:
+            return
+        from ckptd.live.privilege import drop_privileges
+        drop_privileges(self.cfg.user, self.cfg.group,
+                        [d for d in (self.cfg.out, self.cfg.dump_gradients) if d])
+
+    def _persist_newest(self):
+        """On a clean stop after writes failed: one more try for the newest committed
+        state (the shadow holds it), so a disk that came back is used before exit."""
+        keeper, shadow = self.pipe.keeper, self.pipe.shadow
+        if keeper is None or not keeper.failing or shadow is None:
+            return
+        if shadow.iteration == keeper.newest_unpersisted:
+            keeper.write(shadow.iteration, shadow.model_state(copy=False),
+                         shadow.optimizer_state(copy=False), force=True)
+
     # -- running ---------------------------------------------------------------------
     def open_captures(self):
         from ckptd.live.ring import RingCapture
@@ -453,14 +491,14 @@ class Daemon:
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self.stop.set())
+            self.install_signals()
         server = StatusServer(self.snapshot, self.cfg.listen).start()
         self.address = server.address
         try:
             if source is None:
                 from ckptd.live.ring import ring_source
                 self.open_captures()
+                self.drop_privileges()
                 if self.fast:  # each block's frames, then _BLOCK_END
                     source = ring_source([_BlockEnds(c) for c in self.captures], self.stop,
                                          self.pipe.errors)
@@ -473,6 +511,7 @@ class Daemon:
                 self._run_fast(source)
             else:
                 self.pipe.run(self._counting(source), abandon=True)
+            self._persist_newest()
         finally:
             self._publish("stopped")
             for c in self.captures:

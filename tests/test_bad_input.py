@@ -1,9 +1,13 @@
-"""Bad input from outside, through the real command line: every case exits 2 with one
+"""Bad input from outside, through the command line: every case exits 2 with one
 `error:` line on stderr naming the culprit, and never a traceback (issue 13, item 3).
 
-Each case is (id, argv builder, the text the error line must contain). The builders
-take the scenario directory (a tiny synthesized job: plan.json, init.pt, mirrors/) and
-write whatever broken file the case needs next to it.
+Each case is (id, what to break, the text the error line must contain); the scenario
+directory is a tiny synthesized job (plan.json, init.pt, mirrors/) and each case writes
+its broken file next to it. Every case runs through `ckptd.cli.main` in this process
+(what `python -m ckptd` calls; an escaping exception fails the test as a traceback
+would), and a selection of them through a real `python -m ckptd` as well (a fresh
+interpreter importing torch takes seconds on a loaded machine: the whole table that
+way would take many minutes).
 """
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ import os
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,23 @@ def scenario(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("bad-input")
     synth(d, iterations=1, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16)
     return d
+
+
+class _Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def ckptd_main(capsys, *argv):
+    """`ckptd ARGV` in this process: exit status, stdout, stderr."""
+    from ckptd.cli import main
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return _Result(rc, out, err)
 
 
 def ckptd(*argv, timeout=120):
@@ -135,8 +155,8 @@ def _prepare_plan(d, name, change):
 
 
 @pytest.mark.parametrize("name,change,message", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
-def test_bad_plan(runs, name, change, message):
-    _one_line_error(*runs["plan", name], message=message)
+def test_bad_plan(scenario, capsys, name, change, message):
+    _run_case(scenario, capsys, "plan", name, message)
 
 
 # -- init / checkpoints -------------------------------------------------------------------
@@ -174,18 +194,18 @@ def _prepare_init(d, name, change):
 
 
 @pytest.mark.parametrize("name,change,message", INIT_CASES, ids=[c[0] for c in INIT_CASES])
-def test_bad_init(runs, name, change, message):
-    _one_line_error(*runs["init", name], message=message)
+def test_bad_init(scenario, capsys, name, change, message):
+    _run_case(scenario, capsys, "init", name, message)
 
 
-def test_init_iteration_against_plan_start(scenario):
+def test_init_iteration_against_plan_start(scenario, capsys):
     """A plan that says where the job starts refuses an init of another iteration."""
     plan = _plan(scenario, _set("start_iteration", 0), "starts-at-0")
     init = _init(scenario, "iteration-3", lambda doc: doc.update(iteration=3))
-    r = ckptd("replay", "--plan", plan, "--init", init, *sorted((scenario / "mirrors").glob("*.pcap")))
+    r = ckptd_main(capsys, "replay", "--plan", plan, "--init", init, *sorted((scenario / "mirrors").glob("*.pcap")))
     _one_line_error(r, str(init), "holds iteration 3, but the plan's start_iteration is 0")
-    ok = ckptd("replay", "--plan", plan, "--init", scenario / "init.pt",
-               *sorted((scenario / "mirrors").glob("*.pcap")))
+    ok = ckptd_main(capsys, "replay", "--plan", plan, "--init", scenario / "init.pt",
+                    *sorted((scenario / "mirrors").glob("*.pcap")))
     assert ok.returncode == 0, ok.stderr
 
 
@@ -230,24 +250,24 @@ def _prepare_capture(d, name, _):
 
 
 @pytest.mark.parametrize("name", sorted(CAPTURES))
-def test_inspect_fails_on_unreadable_capture(runs, name):
-    _one_line_error(*runs["capture", name], message=CAPTURE_MESSAGE[name])
+def test_inspect_fails_on_unreadable_capture(scenario, capsys, name):
+    _run_case(scenario, capsys, "capture", name, CAPTURE_MESSAGE[name])
 
 
-def test_inspect_reports_every_file_and_fails_if_one_is_bad(scenario):
+def test_inspect_reports_every_file_and_fails_if_one_is_bad(scenario, capsys):
     good = sorted((scenario / "mirrors").glob("*.pcap"))[0]
     bad = _capture(scenario, "garbage")
-    r = ckptd("inspect", good, bad)
+    r = ckptd_main(capsys, "inspect", good, bad)
     _one_line_error(r, str(bad), "neither pcap nor pcapng")
     assert str(good) in r.stdout  # the good file's table is still printed
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_replay_huge_records_are_a_capture_error(scenario, fast):
+def test_replay_huge_records_are_a_capture_error(scenario, capsys, fast):
     """Records claiming 256 MB end the file with an error naming the frame; nothing
     sized from the claim is allocated (the run stays small and quick)."""
     cap = _capture(scenario, "huge-record")
-    r = ckptd("replay", "--plan", scenario / "plan.json", *(["--fast"] if fast else []), cap)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", *(["--fast"] if fast else []), cap)
     assert "Traceback" not in r.stderr
     assert "frame 1: captured length 268435456 is more than the largest snaplen" in r.stdout
 
@@ -291,8 +311,8 @@ def _prepare_args(d, name, argv):
 
 
 @pytest.mark.parametrize("name,argv,message", ARG_CASES, ids=[c[0] for c in ARG_CASES])
-def test_bad_arguments(runs, name, argv, message):
-    _one_line_error(*runs["args", name], message=message)
+def test_bad_arguments(scenario, capsys, name, argv, message):
+    _run_case(scenario, capsys, "args", name, message)
 
 
 # -- daemon configs -------------------------------------------------------------------------
@@ -353,8 +373,8 @@ def _prepare_config(d, name, text):
 
 
 @pytest.mark.parametrize("name,text,message", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
-def test_bad_daemon_config(runs, name, text, message):
-    _one_line_error(*runs["config", name], message=message)
+def test_bad_daemon_config(scenario, capsys, name, text, message):
+    _run_case(scenario, capsys, "config", name, message)
 
 
 TABLES = {"plan": (PLAN_CASES, _prepare_plan), "init": (INIT_CASES, _prepare_init),
@@ -362,35 +382,49 @@ TABLES = {"plan": (PLAN_CASES, _prepare_plan), "init": (INIT_CASES, _prepare_ini
           "args": (ARG_CASES, _prepare_args), "config": (CONFIG_CASES, _prepare_config)}
 
 
-@pytest.fixture(scope="module")
-def runs(scenario):
-    """Every table case's command, run once, a few at a time (each is a fresh
-    interpreter importing torch: the table would take minutes one by one).
-    (table, case) -> (CompletedProcess, the path the error must name or None)."""
-    jobs = {}
-    for table, (cases, prepare) in TABLES.items():
-        for name, arg, _ in cases:
-            jobs[table, name] = prepare(scenario, name, arg)
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        done = {key: pool.submit(ckptd, *argv, timeout=120) for key, (argv, _) in jobs.items()}
-        return {key: (f.result(), jobs[key][1]) for key, f in done.items()}
+def _case(table: str, name: str):
+    cases, prepare = TABLES[table]
+    _, arg, message = next(c for c in cases if c[0] == name)
+    return prepare, arg, message
+
+
+def _run_case(d, capsys, table, name, message):
+    prepare, arg, _ = _case(table, name)
+    argv, culprit = prepare(d, name, arg)
+    _one_line_error(ckptd_main(capsys, *argv), culprit, message)
+
+
+# the headline cases of issue 13, through a real `python -m ckptd`
+THROUGH_PYTHON_M = [("plan", "no-shape"), ("plan", "iterations-float"), ("plan", "huge-shape"),
+                    ("init", "garbage"), ("config", "block-size-unit"), ("config", "block-nr-huge"),
+                    ("config", "listen-v6-bad"), ("args", "fifo-twice"), ("args", "synth-iterations-huge"),
+                    ("capture", "huge-record"), ("capture", "missing")]
+
+
+@pytest.mark.parametrize("table,name", THROUGH_PYTHON_M, ids=[f"{t}-{n}" for t, n in THROUGH_PYTHON_M])
+def test_through_python_dash_m(scenario, table, name):
+    prepare, arg, message = _case(table, name)
+    if table == "capture":
+        message = CAPTURE_MESSAGE[name]
+    argv, culprit = prepare(scenario, name, arg)
+    _one_line_error(ckptd(*argv), culprit, message)
 
 
 @pytest.mark.parametrize("listen,message", [("[::1", "--listen"), ("localhost:x", "--listen"),
                                             ("1.2.3.4:70000", "--listen")])
-def test_bad_listen_argument(scenario, listen, message):
-    r = ckptd("run", "--config", _config(scenario, "ok", IF), "--listen", listen)
+def test_bad_listen_argument(scenario, capsys, listen, message):
+    r = ckptd_main(capsys, "run", "--config", _config(scenario, "ok", IF), "--listen", listen)
     _one_line_error(r, None, message)
 
 
-def test_daemon_refuses_bad_init_and_plan_before_capturing(scenario):
+def test_daemon_refuses_bad_init_and_plan_before_capturing(scenario, capsys):
     bad_init = _init(scenario, "garbage", b"\x00garbage" * 100)
     cfg = scenario / "cfg-bad-init.yaml"
     cfg.write_text(f"plan: plan.json\ninit: {bad_init.name}\nout: ckpt\n{IF}")
-    _one_line_error(ckptd("run", "--config", cfg), str(bad_init), "cannot read checkpoint")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(bad_init), "cannot read checkpoint")
     plan = _plan(scenario, _set("optimizer.lr", -1), "daemon-lr")
     cfg.write_text(f"plan: {plan.name}\ninit: init.pt\nout: ckpt\n{IF}")
-    _one_line_error(ckptd("run", "--config", cfg), str(plan), "optimizer.lr")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(plan), "optimizer.lr")
 
 
 def test_closed_stdout_is_not_a_traceback(scenario):

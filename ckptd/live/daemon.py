@@ -492,7 +492,11 @@ class Daemon:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
             self.install_signals()
-        server = StatusServer(self.snapshot, self.cfg.listen).start()
+        try:
+            server = StatusServer(self.snapshot, self.cfg.listen).start()
+        except OSError as e:
+            raise ConfigError(f"listen {self.cfg.listen}: cannot serve /status there: "
+                              f"{e.strerror or e}") from None
         self.address = server.address
         try:
             if source is None:

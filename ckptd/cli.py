@@ -372,14 +372,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
-                        "iteration, serve /status and /metrics (see docs/DAEMON.md)")
+                        "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
+                        "stops, SIGHUP is ignored (see docs/DAEMON.md)")
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
-    rn.add_argument("--listen", help="override the config's status address (default 127.0.0.1:9187)")
+    rn.add_argument("--listen", help="override the config's status address: HOST:PORT, [IPv6]:PORT "
+                    "(default 127.0.0.1:9187)")
     rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                     help="default: the config's, else warning (quiet)")
     rn.set_defaults(func=cmd_run)
 
-    i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes")
+    i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
+                       "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
     i.add_argument("--json", action="store_true")
     i.add_argument("pcap", nargs="+")
     i.set_defaults(func=cmd_inspect)

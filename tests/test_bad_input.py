@@ -347,7 +347,7 @@ CONFIG_CASES = [
     ("listen-v6-bad", IF + "listen: '[::zz]:0'\n", "not an IPv6 address"),
     ("listen-garbage", IF + "listen: 'a b:1'\n", "listen"),
     ("log-level", IF + "log_level: loud\n", "log_level"),
-    ("fast-str", IF + "fast: 'yes'\n", "fast must be true or false"),
+    ("fast-str", IF + "fast: 'yes'\n", "'fast' must be true or false"),
     ("join-from", IF + "join_from: soon\n", "join_from"),
     ("keep-last", IF + "keep_last: 0\n", "keep_last"),
     ("keep-every", IF + "keep_every: x\n", "keep_every"),

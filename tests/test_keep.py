@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -128,3 +129,35 @@ def test_real_full_disk_leaves_nothing_behind_and_names_enospc(small_tmpfs):
     assert _names(small_tmpfs) == []
     save_checkpoint(small_tmpfs / "b.pt", 0, {"w": torch.zeros(1000)}, None)  # space is still usable
     assert _names(small_tmpfs) == ["b.pt"]
+
+
+def test_read_only_file_system_is_a_write_error(small_tmpfs):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(CheckpointWriteError) as e:
+        save_checkpoint(small_tmpfs / "a.pt", 0, *_state())
+    assert e.value.errno == errno.EROFS and "a.pt" in str(e.value)
+    k = CheckpointKeeper(small_tmpfs, keep_last=2, retry=True)  # the directory exists already
+    assert k.write(0, *_state()) is False and k.status()["state"] == "failing"
+
+
+def test_out_of_file_descriptors_is_a_write_error(tmp_path):
+    """EMFILE, in a child process whose descriptor limit is used up."""
+    code = f"""
+import errno, resource, torch
+from ckptd.core.checkpoint import CheckpointWriteError, save_checkpoint
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    while True:
+        held.append(open("/dev/null"))
+except OSError:
+    pass
+try:
+    save_checkpoint({str(tmp_path / "a.pt")!r}, 0, {{"w": torch.ones(3)}}, None)
+except CheckpointWriteError as e:
+    print("errno", e.errno)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout.strip() == f"errno {errno.EMFILE}", r.stderr
+    assert _names(tmp_path) == []

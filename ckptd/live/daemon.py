@@ -105,12 +105,12 @@ class _Keys:
         self.path, self.doc, self.prefix = path, doc, prefix
 
     def fail(self, key, why):
-        raise ConfigError(f"{self.path}: {self.prefix}{key} {why}")
+        raise ConfigError(f"{self.path}: '{self.prefix}{key}' {why}")
 
     def str(self, key, default=None, pattern=None, what="", required=False):
         if key not in self.doc:
             if required:
-                raise ConfigError(f"{self.path}: missing {self.prefix}{key!r}")
+                raise ConfigError(f"{self.path}: missing '{self.prefix}{key}'")
             return default
         v = self.doc[key]
         if v is None and not required:
@@ -121,12 +121,12 @@ class _Keys:
             self.fail(key, f"{v!r} is not {what}"[:200])
         return v
 
-    def int(self, key, lo, hi, default=None):
+    def int(self, key, lo, hi, default=None, what="an integer"):
         v = self.doc.get(key, default)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
-            self.fail(key, f"must be an integer in {lo}..{hi}, not {v!r}"[:200])
+            self.fail(key, f"must be {what} in {lo}..{hi}, not {v!r}"[:200])
         if not lo <= v <= hi:
             self.fail(key, f"is {v}; it must be in {lo}..{hi}")
         return v
@@ -236,7 +236,7 @@ def load_config(path: str | Path) -> DaemonConfig:
 
     raw_ifs = doc.get("interfaces")
     if not isinstance(raw_ifs, list) or not raw_ifs:
-        raise ConfigError(f"{path}: 'interfaces' must list the mirror ports to capture")
+        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     ifs = [_interface(path, i, x) for i, x in enumerate(raw_ifs)]
     seen: dict[tuple, int] = {}
     for i, x in enumerate(ifs):
@@ -267,7 +267,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     if log_level not in LOG_LEVELS:
         k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     fast, join = k.bool("fast", None), k.bool("join", False)
-    join_from = k.int("join_from", 0, 1 << 31)
+    join_from = k.int("join_from", 0, 1 << 31, what="an iteration number")
     user, group = (k.str(key, None, _UNIX_NAME, "a user or group name") for key in ("user", "group"))
     if group is not None and user is None:
         k.fail("group", "needs `user` too")

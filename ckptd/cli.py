@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ckptd.errors import CkptdError
+
 EXIT_UNRECOVERED = 3
 
 
@@ -91,9 +93,15 @@ def cmd_synth(a) -> int:
 def cmd_replay(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.pipeline import ReplayOptions, replay
+    from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
-    start = load_checkpoint(a.init) if a.init else None
+    _distinct_captures(a.pcap)
+    start = None
+    if a.init:
+        start = load_checkpoint(a.init)
+        plan.check_start(start, a.init)
+        require_memory(plan.shadow_bytes(), f"shadowing the plan {a.plan}")
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
@@ -138,22 +146,39 @@ def cmd_replay(a) -> int:
 
 
 def cmd_inspect(a) -> int:
+    """The table (or JSON) of what could be read; exit 2 with the first file error on
+    stderr when any file was missing, empty or broken (the table says which)."""
     from ckptd.tools.inspect import format_inspect, inspect_captures
     res = inspect_captures(a.pcap)
     if a.json:
         print(json.dumps(res, indent=1, default=str))
     else:
         print(format_inspect(res))
+    if res["errors"]:
+        more = len(res["errors"]) - 1
+        raise UsageError(res["errors"][0] + (f" (and {more} more)" if more else ""))
     return 0
 
 
+def _distinct_captures(paths: list[str]) -> None:
+    """One capture per stream: the same file (or FIFO) twice would be read twice, and a
+    FIFO opened twice blocks. Checked on the paths' identities, not their spelling."""
+    import os
+    seen: dict[tuple[int, int], str] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            raise UsageError(f"{p}: {e.strerror}") from None
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            raise UsageError(f"{p}: the same capture as {seen[key]}: give each stream once")
+        seen[key] = p
+
+
 def cmd_verify(a) -> int:
-    from ckptd.core.checkpoint import CheckpointError, diff_checkpoints, load_checkpoint
-    try:
-        diffs = diff_checkpoints(load_checkpoint(a.a), load_checkpoint(a.b), limit=a.limit)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
+    diffs = diff_checkpoints(load_checkpoint(a.a), load_checkpoint(a.b), limit=a.limit)
     if not diffs:
         print(f"identical: {a.a} == {a.b}")
         return 0
@@ -184,15 +209,16 @@ def cmd_demo(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from ckptd.live.daemon import ConfigError, Daemon, load_config, setup_logging
+    from ckptd.live.daemon import ConfigError, Daemon, load_config, parse_listen, setup_logging
     try:
         cfg = load_config(a.config)
         if a.listen:
+            parse_listen(a.listen, "--listen")
             cfg.listen = a.listen
         setup_logging(a.log_level or cfg.log_level)
         return Daemon(cfg).run()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
 
 
@@ -214,16 +240,14 @@ def cmd_plan(a) -> int:
     elif a.ranks is None:
         print("error: give --ranks and --addr, or --nccl-log", file=sys.stderr)
         return 2
-    mod, _, fn = a.model.partition(":")
-    model = getattr(importlib.import_module(mod), fn)()
+    model = _call_named(a.model, "--model")
     named = list(model.named_parameters())
     params = [p for _, p in named if p.requires_grad]
     names = [n for n, p in named if p.requires_grad]
     cap = int(a.bucket_cap_mb * 1024 * 1024)
     first = first_buckets(params, cap)
     if a.sample:
-        smod, _, sfn = a.sample.partition(":")
-        batch = getattr(importlib.import_module(smod), sfn)()
+        batch = _call_named(a.sample, "--sample")
         if not hasattr(model, "loss"):
             model.loss = lambda b: model(b).float().sum()
         order = grad_ready_order(model, batch)
@@ -234,7 +258,7 @@ def cmd_plan(a) -> int:
         ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
         addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
     else:
-        major, minor = (int(x) for x in a.nccl_version.split("."))
+        major, minor = _nccl_version(a.nccl_version)
         addrs = a.addr or []
         if len(addrs) != a.ranks:
             print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
@@ -268,9 +292,55 @@ def default_mirror_ports(plan, count: int = 3) -> list[int]:
     return out[:count]
 
 
+def _call_named(spec: str, option: str):
+    """module:function, imported and called (the user's own code: its errors are theirs,
+    but a name that does not resolve is a usage error)."""
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn.isidentifier():
+        raise UsageError(f"{option} {spec!r} is not module:function")
+    try:
+        target = getattr(importlib.import_module(mod), fn)
+    except ImportError as e:
+        raise UsageError(f"{option} {spec!r}: cannot import {mod!r}: {e}") from None
+    except AttributeError:
+        raise UsageError(f"{option} {spec!r}: module {mod!r} has no {fn!r}") from None
+    return target()
+
+
+def _nccl_version(text: str) -> tuple[int, int]:
+    major, _, minor = text.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise UsageError(f"--nccl-version {text!r} is not MAJOR.MINOR (e.g. 2.19)")
+    return int(major), int(minor)
+
+
 # -- parser --------------------------------------------------------------------------
+class UsageError(CkptdError):
+    """An argument that cannot be used as given."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one `error: ...` line (exit 2) like every other."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _ranged(kind, lo, hi):
+    """An argparse type: `kind` (int or float) within [lo, hi]."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not lo <= v <= hi:  # NaN fails this too
+            raise argparse.ArgumentTypeError(f"{text} is not in {lo}..{hi}")
+        return v
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ckptd", description="Per-iteration checkpoints rebuilt from mirrored RoCEv2 "
         "allreduce traffic, at no cost to the training job.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -278,9 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="synthesize the default scenario and replay it, "
                        "printing per iteration whether the checkpoint is bit-exact")
     d.add_argument("--out", help="keep the scenario here (default: a temporary directory)")
-    d.add_argument("--iterations", type=int, default=6)
+    d.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=6)
     d.add_argument("--protocol", choices=["simple", "ll"], default="simple")
-    d.add_argument("--loss", type=float, default=1e-3, help="packet loss on every mirror link")
+    d.add_argument("--loss", type=_ranged(float, 0, 1), default=1e-3, help="packet loss on every mirror link")
     d.add_argument("--model", default="default", help="synthetic model size: tiny, small, default")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo)
@@ -288,25 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "
                        "RoCEv2 traffic, the plan, the initial state and reference checkpoints")
     s.add_argument("--out", required=True, help="output directory")
-    s.add_argument("--ranks", type=int, default=4)
-    s.add_argument("--channels", type=int, default=2)
+    s.add_argument("--ranks", type=_ranged(int, 2, 64), default=4)
+    s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
-    s.add_argument("--mirrors", type=int, default=2, help="mirror streams (switch ports of ranks 0..K-1)")
+    s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1)")
     s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both")
-    s.add_argument("--loss", type=float, default=0.0, help="loss probability per frame per mirror link")
-    s.add_argument("--duplicate", type=float, default=0.0)
-    s.add_argument("--reorder", type=float, default=0.0)
-    s.add_argument("--corrupt", type=float, default=0.0, help="bit flips (caught by the ICRC)")
-    s.add_argument("--retransmit", type=float, default=0.0, help="go-back-N resends per message, on the wire")
-    s.add_argument("--iterations", type=int, default=5)
+    s.add_argument("--loss", type=_ranged(float, 0, 1), default=0.0, help="loss probability per frame per mirror link")
+    s.add_argument("--duplicate", type=_ranged(float, 0, 1), default=0.0)
+    s.add_argument("--reorder", type=_ranged(float, 0, 1), default=0.0)
+    s.add_argument("--corrupt", type=_ranged(float, 0, 1), default=0.0, help="bit flips (caught by the ICRC)")
+    s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
+    s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M)")
     s.add_argument("--nccl-version", default="2.19", help="2.14..2.19 (interleaved) or 2.20, 2.21 (contiguous)")
-    s.add_argument("--qps", type=int, default=1, help="NCCL_IB_QPS_PER_CONNECTION")
-    s.add_argument("--bucket-cap-kb", type=int, default=64, help="DDP bucket cap (small, for several buckets)")
+    s.add_argument("--qps", type=_ranged(int, 1, 128), default=1, help="NCCL_IB_QPS_PER_CONNECTION")
+    s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
     s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach")
-    s.add_argument("--max-grad-norm", type=float, default=None)
+    s.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None)
     s.add_argument("--psn-wrap", action="store_true", help="start PSNs just below 2^24")
     s.add_argument("--ipv6", action="store_true")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
@@ -349,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the captures start in the middle of the job: place packets by their PSNs "
                         "(NCCL connects every QP at PSN 0; the plan must describe all the traffic "
                         "its QPs carried), and start at the first iteration every flow shows whole")
-    r.add_argument("--join-from", type=int, metavar="N",
+    r.add_argument("--join-from", type=_ranged(int, 0, 1 << 31), metavar="N",
                    help="with --join (implies it): an iteration the job had already reached when the "
                         "capture began; needed once a QP has carried over 2**24 packets (PSNs wrap)")
     r.add_argument("--reference-path", action="store_true",
@@ -364,15 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
-                        "iteration, serve /status and /metrics (see docs/DAEMON.md); exit 3 if an "
-                        "iteration could not be recovered, 4 if kernel ring drops cost one")
+                        "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
+                        "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
+                        "kernel ring drops cost one (see docs/DAEMON.md)")
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
-    rn.add_argument("--listen", help="override the config's status address (default 127.0.0.1:9187)")
+    rn.add_argument("--listen", help="override the config's status address: HOST:PORT, [IPv6]:PORT "
+                    "(default 127.0.0.1:9187)")
     rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                     help="default: the config's, else warning (quiet)")
     rn.set_defaults(func=cmd_run)
 
-    i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes")
+    i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
+                       "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
     i.add_argument("--json", action="store_true")
     i.add_argument("pcap", nargs="+")
     i.set_defaults(func=cmd_inspect)
@@ -380,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")
     v.add_argument("a")
     v.add_argument("b")
-    v.add_argument("--limit", type=int, default=10, help="differences to list")
+    v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list")
     v.set_defaults(func=cmd_verify)
 
     from ckptd.tools import mirror_config, risk
@@ -405,13 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nic-addrs", metavar="FILE",
                     help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
                          "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
-    pl.add_argument("--ranks", type=int, help="data-parallel world size (without --nccl-log)")
+    pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
-    pl.add_argument("--channels", type=int, default=2)
+    pl.add_argument("--channels", type=_ranged(int, 1, 64), default=2)
     pl.add_argument("--protocol", choices=["simple", "ll"], default="simple")
     pl.add_argument("--nccl-version", default="2.19")
-    pl.add_argument("--mtu", type=int, default=4096)
-    pl.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
+    pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)
     pl.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
     pl.add_argument("--lr", type=float, default=1e-3)
@@ -429,7 +502,6 @@ def main(argv=None) -> int:
     user gave becomes one line on stderr and exit 2; CKPTD_DEBUG=1 shows the traceback."""
     import os
 
-    from ckptd.errors import CkptdError
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -439,7 +511,7 @@ def main(argv=None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptd inspect x | head`
             _quiet_stdout()
             return 0
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
         return 130

@@ -43,7 +43,8 @@ import numpy as np
 from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import IterationAssembly, Missing
-from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.core.keep import CheckpointKeeper
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import Plan
 from ckptd.core.schedule import RS
@@ -126,6 +127,7 @@ class IterationReport:
     commit_lag: float | None = None  # seconds from the iteration's last packet until the
     # shadow holds the iteration exactly (its checkpoint file is written after: write_seconds)
     write_seconds: float | None = None
+    persisted: bool | None = None  # committed, and its checkpoint file written (None: no --out)
 
     @property
     def ok(self) -> bool:
@@ -141,6 +143,9 @@ class ReplayOptions:
     join: bool = False  # the capture starts mid-job: align on the first whole iteration
     join_from: int | None = None  # joining: an iteration the job has reached (PSN wraps)
     stream_names: list[str] | None = None
+    keep_last: int | None = None  # retention (ckptd.core.keep): None keeps every checkpoint
+    keep_every: int | None = None
+    retry_writes: bool = False  # a daemon: a failed write is reported and retried, not raised
 
 
 class Pipeline:
@@ -200,9 +205,10 @@ class Pipeline:
         # a long-running daemon keeps only the newest reports (keep_reports)
         self.reports: deque[IterationReport] = deque(maxlen=keep_reports)
         self.on_iteration = on_iteration
-        for d in (opts.out, opts.dump_gradients):
-            if d:
-                Path(d).mkdir(parents=True, exist_ok=True)
+        self.keeper = (CheckpointKeeper(opts.out, opts.keep_last, opts.keep_every, opts.retry_writes)
+                       if opts.out else None)
+        if opts.dump_gradients:
+            Path(opts.dump_gradients).mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # -- driving -------------------------------------------------------------------
     def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:
@@ -432,10 +438,10 @@ class Pipeline:
         self.next_bucket = 0
         if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
-        if self.opts.out:  # written from the live tensors: nothing steps the shadow meanwhile
+        if self.keeper:  # written from the live tensors: nothing steps the shadow meanwhile
             t0 = time.monotonic()
-            save_checkpoint(Path(self.opts.out) / checkpoint_name(it), it,
-                            self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
+            rep.persisted = self.keeper.write(it, self.shadow.model_state(copy=False),
+                                              self.shadow.optimizer_state(copy=False))
             rep.write_seconds = time.monotonic() - t0
         rep.status = "committed"
         if self.opts.reference:

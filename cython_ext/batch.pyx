@@ -264,7 +264,7 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t b
                 sec, frac, cl, ol = be32(&buf[pos]), be32(&buf[pos + 4]), be32(&buf[pos + 8]), be32(&buf[pos + 12])
             else:
                 sec, frac, cl, ol = le32(&buf[pos]), le32(&buf[pos + 4]), le32(&buf[pos + 8]), le32(&buf[pos + 12])
-            if cl > (1 << 28) or pos + 16 + cl > n:
+            if cl > 262144 or pos + 16 + cl > n:  # parsers.frame.MAX_SNAPLEN
                 clean = False
                 break
             offsets[k] = base + pos + 16

@@ -14,6 +14,10 @@ LINKTYPE_LINUX_SLL = 113
 LINKTYPE_IPV4 = 228
 LINKTYPE_IPV6 = 229
 LINKTYPE_LINUX_SLL2 = 276
+# The largest record a capture may hold: tcpdump's and Wireshark's maximum snaplen. A
+# record claiming more is a broken or hostile header (not a packet), refused before its
+# length sizes any read or buffer.
+MAX_SNAPLEN = 262144
 
 
 class CaptureError(CkptdError):

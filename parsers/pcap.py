@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import BinaryIO, Iterable, Iterator
 
-from .frame import LINKTYPE_ETHERNET, CaptureError, CapturedFrame
+from .frame import LINKTYPE_ETHERNET, MAX_SNAPLEN, CaptureError, CapturedFrame
 
 MAGIC_US = 0xA1B2C3D4
 MAGIC_NS = 0xA1B23C4D
@@ -21,7 +21,6 @@ _MAGICS = {  # first 4 bytes as written in the file -> (byte order, ns per tick)
     struct.pack("<I", MAGIC_NS): ("<", 1),
     struct.pack(">I", MAGIC_NS): (">", 1),
 }
-_MAX_RECORD = 1 << 28   # a caplen above this is a corrupt header, not a packet
 
 
 def is_pcap(head: bytes) -> bool:
@@ -50,8 +49,9 @@ def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
             raise CaptureError(f"{name}: frame {index}: record header truncated "
                                f"({len(rec)} of 16 bytes) at end of file")
         sec, frac, caplen, origlen = record.unpack(rec)
-        if caplen > _MAX_RECORD:
-            raise CaptureError(f"{name}: frame {index}: implausible captured length {caplen}")
+        if caplen > MAX_SNAPLEN:
+            raise CaptureError(f"{name}: frame {index}: captured length {caplen} is more than "
+                               f"the largest snaplen ({MAX_SNAPLEN}): a broken record header")
         data = f.read(caplen)
         if len(data) < caplen:
             raise CaptureError(f"{name}: frame {index}: record truncated: header says "

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from .frame import CaptureError, CapturedFrame
+from .frame import MAX_SNAPLEN, CaptureError, CapturedFrame
 
 BT_SHB = 0x0A0D0D0A      # reads the same in both byte orders, on purpose
 BT_IDB = 0x00000001
@@ -26,7 +26,7 @@ BYTE_ORDER_MAGIC = 0x1A2B3C4D
 OPT_END = 0
 OPT_IF_TSRESOL = 9
 OPT_IF_TSOFFSET = 14
-_MAX_BLOCK = 1 << 28
+_MAX_BLOCK = 16 << 20  # a packet block is at most MAX_SNAPLEN; others (names, stats) small
 
 
 def is_pcapng(head: bytes) -> bool:
@@ -133,6 +133,8 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
                     order + "HHIIII", body)
             if if_id >= len(interfaces):
                 fail(f"names interface {if_id}, only {len(interfaces)} declared")
+            if caplen > MAX_SNAPLEN:
+                fail(f"captured length {caplen} is more than the largest snaplen ({MAX_SNAPLEN})")
             if 20 + caplen > len(body):
                 fail(f"captured length {caplen} overruns its block")
             frame_no += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from ckptd.errors import CkptdError
@@ -140,7 +141,7 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
 # -- entries -------------------------------------------------------------------------
 def _switch(d, ctx) -> Switch:
     d = _dict(d, ctx)
-    name = _str(d, "name", ctx)
+    name = _name(d, "name", ctx)
     ctx = f"{ctx} ({name})"
     os_ = _choice(d, "os", OSES, ctx)
     mode = _choice(d, "mode", MODES, ctx, default="span" if os_ == "linux" else None)
@@ -166,7 +167,7 @@ def _switch(d, ctx) -> Switch:
                                "local mirroring group whose monitor port sends the tunnel")
     elif d.get("erspan") is not None:
         raise CablingError(f"{ctx}: has erspan parameters but mode is {mode}")
-    netns = d.get("netns")
+    netns = _name(d, "netns", ctx, required=False)
     if netns is not None and os_ != "linux":
         raise CablingError(f"{ctx}: netns is for Linux bridges only")
     return Switch(name, os_, mode, limits["max_sessions"], limits["max_source_ports"],
@@ -186,17 +187,17 @@ def _erspan(d, ctx) -> Erspan:
     queue = d.get("queue")
     return Erspan(src, gre, _int(d, "dscp", ctx, 0, 63, default=0), _int(d, "ttl", ctx, 1, 255, default=64),
                   None if queue is None else _int(d, "queue", ctx, 0, 255),
-                  d.get("vrf"), d.get("egress_port"))
+                  _name(d, "vrf", ctx, required=False), _name(d, "egress_port", ctx, PORT_NAME, required=False))
 
 
 def _collector(d, ctx, switches) -> Collector:
     d = _dict(d, ctx)
-    name = _str(d, "name", ctx)
+    name = _name(d, "name", ctx)
     ctx = f"{ctx} ({name})"
     sw = d.get("switch")
     if sw is not None and sw not in [s.name for s in switches]:
         raise CablingError(f"{ctx}: switch {sw!r} is not in switches")
-    port = d.get("port")
+    port = _name(d, "port", ctx, PORT_NAME, required=False)
     if (sw is None) != (port is None):
         raise CablingError(f"{ctx}: give switch and port together (where the host's NIC is plugged in)")
     ip = _ip(d, "ip", ctx, required=False)
@@ -211,7 +212,7 @@ def _rank(d, ctx, switch_names) -> RankPort:
     sw = _str(d, "switch", ctx)
     if sw not in switch_names:
         raise CablingError(f"{ctx}: rank {rank} is on switch {sw!r}, which is not in switches")
-    return RankPort(rank, sw, str(_str(d, "port", ctx)))
+    return RankPort(rank, sw, _name(d, "port", ctx, PORT_NAME))
 
 
 # -- field helpers -------------------------------------------------------------------
@@ -233,6 +234,26 @@ def _str(d, key, ctx):
     if v is None or str(v) == "":
         raise CablingError(f"{ctx}: {key} is required")
     return str(v)
+
+
+# Names go into file names (a switch's) and into vendor CLI lines and comments (all of
+# them): only these characters, so no name can leave --out, start a new CLI line, or
+# split into two words. Each vendor's renderer checks its own, narrower set too.
+SWITCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+PORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:@-]{0,63}")
+
+
+def _name(d, key, ctx, pattern=SWITCH_NAME, required=True):
+    """A name from the file, refused unless it matches `pattern` (and is not . or ..)."""
+    v = d.get(key)
+    if v is None and not required:
+        return None
+    v = _str(d, key, ctx)
+    if not pattern.fullmatch(v) or v in (".", ".."):
+        raise CablingError(f"{ctx}: {key} {v[:80]!r} is not a safe name: use letters, digits and "
+                           f"{''.join(sorted(set(pattern.pattern) & set('_./:@-')))} only, "
+                           "starting with a letter or digit")
+    return v
 
 
 def _choice(d, key, allowed, ctx, default=None):

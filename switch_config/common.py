@@ -5,12 +5,46 @@ deterministic (no dates, no paths): its output is checked in as golden files.
 """
 from __future__ import annotations
 
+import re
+
 from .select import Selection, Session
 from ckptd.errors import CkptdError
 
 
 class RenderError(CkptdError, ValueError):
     """The selection asks for something this vendor's syntax cannot say."""
+
+
+# What each vendor's CLI can take as one word: an interface, session or VRF name outside
+# these sets (a space, a quote, a newline that would start a command of its own) is
+# refused, never quoted or escaped. Linux names are kernel interface names (IFNAMSIZ).
+SAYABLE = {
+    "eos": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
+    "nxos": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
+    "comware": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
+    "sonic": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
+    "linux": re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}"),
+}
+
+
+def check_sayable(sel: Selection, switch, vendor: str) -> None:
+    """RenderError naming the switch, the field and the vendor for the first name that
+    vendor's syntax cannot carry as one plain word."""
+    allowed = SAYABLE[vendor]
+    names = [("switch name", switch.name)]
+    for s in sel.sessions_on(switch.name):
+        names += [("session name", s.name), ("collector name", s.collector.name)]
+        names += [("source port", p) for p in s.ports]
+        if s.collector.port is not None:
+            names.append(("destination port", s.collector.port))
+    if switch.erspan is not None:
+        names += [("erspan.vrf", switch.erspan.vrf), ("erspan.egress_port", switch.erspan.egress_port)]
+    if switch.netns is not None:
+        names.append(("netns", switch.netns))
+    for what, value in names:
+        if value is not None and not allowed.fullmatch(value):
+            raise RenderError(f"{switch.name[:64]!r}: {what} {value[:80]!r} cannot be said safely in "
+                              f"{vendor} syntax (allowed: {allowed.pattern})")
 
 
 def links_seen(sel: Selection, session: Session) -> str:

@@ -7,7 +7,7 @@ so ERSPAN switches are not rendered as Linux); or an explicit list.
 from __future__ import annotations
 
 from . import comware, eos, linux_render, nxos, sonic
-from .common import RenderError
+from .common import RenderError, check_sayable
 from .select import Selection
 
 RENDERERS = {"sonic": sonic.render, "eos": eos.render, "nxos": nxos.render,
@@ -29,6 +29,7 @@ def render_all(sel: Selection, vendors="auto") -> dict[str, str]:
             if v == "linux" and sw.mode == "erspan":
                 raise RenderError(f"{sw.name}: the Linux tc backend mirrors locally; "
                                   "it cannot render an ERSPAN switch")
+            check_sayable(sel, sw, v)
             for suffix, text in RENDERERS[v](sel, sw).items():
                 files[f"{sw.name}.{suffix}"] = text
     return files

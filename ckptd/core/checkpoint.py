@@ -8,7 +8,9 @@ A checkpoint is written to a temporary name and renamed: a file that exists is w
 """
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -25,14 +27,80 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:06d}.pt"
 
 
+class CheckpointWriteError(CkptdError, OSError):
+    """A checkpoint could not be written (disk full, read-only, out of descriptors, a
+    planted link); nothing was left under the final name, nor a partial temporary."""
+
+    def __str__(self):
+        return str(self.strerror)
+
+
 def save_checkpoint(path: str | Path, iteration: int, model: dict, optimizer: dict | None):
+    doc = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "model": model, "optimizer": optimizer}
+    atomic_write(path, lambda f: torch.save(doc, f))
+
+
+def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
+    """Write a file so that it exists whole or not at all, and stays after a crash:
+    `write(f)` fills a new temporary (`NAME.tmp` beside it, created with O_EXCL and
+    O_NOFOLLOW, so a symlink planted there is refused instead of followed, and with
+    `mode`), which is fsynced, renamed over `path`, and the directory fsynced so the
+    rename itself is durable. Any failure removes the temporary and raises
+    CheckpointWriteError naming the file and the cause (errno kept)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"format": CHECKPOINT_FORMAT, "iteration": iteration,
-                "model": model, "optimizer": optimizer}, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(tmp, flags, mode)
+        except FileExistsError:
+            _remove_stale(tmp)  # a temporary a crash left behind: ours to remove
+            fd = os.open(tmp, flags, mode)
+    except OSError as e:
+        raise CheckpointWriteError(e.errno, f"{path}: cannot create {tmp.name}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except Exception as e:  # torch reports a full disk as RuntimeError, not OSError
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # the directory itself is unusable: the error below says why
+        err = e.errno if isinstance(e, OSError) else _errno_in(e)
+        raise CheckpointWriteError(err, f"{path}: cannot write checkpoint: "
+                                   + " ".join(str(getattr(e, "strerror", None) or e).split())[:300]) from None
+
+
+def _remove_stale(tmp: Path) -> None:
+    """Remove a leftover temporary; a symlink (or anything not a regular file) there was
+    put by someone else: refuse it rather than write through it or delete it."""
+    st = os.lstat(tmp)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointWriteError(errno.EEXIST, "it exists and is not a regular file "
+                                   "(a planted link?): refusing to write through it")
+    os.unlink(tmp)
+
+
+def _errno_in(e: Exception) -> int | None:
+    """The errno behind torch's RuntimeError for a failed write, where it says one."""
+    cause = e.__cause__ or e.__context__
+    if isinstance(cause, OSError):
+        return cause.errno
+    text = str(e)
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+        if os.strerror(code) in text:
+            return code
+    return None
 
 
 def load_checkpoint(path: str | Path) -> dict:

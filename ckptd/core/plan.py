@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +37,20 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"
 
 class PlanError(CkptdError, ValueError):
     """A plan file that is malformed or inconsistent; the message names the field."""
+
+
+# Bounds checked before anything is allocated: a plan is input, and a shape or count
+# from it sizes the shadow, the bucket buffers and the per-iteration bookkeeping.
+MAX_PARAM_ELEMENTS = 1 << 36  # 64 Gi elements over all parameters (a 250 GB fp32 model)
+MAX_BUCKET_ELEMENTS = 1 << 34  # one allreduce
+MAX_DIMS = 8
+MAX_ITERATIONS = 1 << 31
+MAX_RANKS = 1 << 16
+MAX_CHANNELS = 64  # NCCL's MAXCHANNELS
+MAX_THREADS = 1024
+MAX_BUFFSIZE = 1 << 30
+MAX_QPS = 128
+MAX_PLAN_BYTES = 256 << 20  # a plan file larger than this is not a plan
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,58 @@ class Optimizer:
     max_grad_norm: float | None = None
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def check_optimizer(opt: Optimizer) -> None:
+    """Every hyperparameter in the range the trainer's torch.optim accepts (and a schedule
+    that can be evaluated), so a wrong plan is refused instead of committing wrong state.
+    One place for every optimizer kind: a new kind adds its fields here."""
+    def bad(key, why):
+        raise PlanError(f"optimizer.{key} {why}")
+
+    if opt.kind not in ("adam", "adamw"):
+        bad("kind", f"{opt.kind!r} is not supported (adam, adamw)")
+    if opt.implementation not in ("for-loop", "foreach", "fused"):
+        bad("implementation", f"{opt.implementation!r} must be for-loop, foreach or fused")
+    if not _finite(opt.lr) or opt.lr < 0:
+        bad("lr", f"must be a finite number >= 0, not {opt.lr!r}")
+    if (not isinstance(opt.betas, tuple) or len(opt.betas) != 2
+            or not all(_finite(b) and 0 <= b < 1 for b in opt.betas)):
+        bad("betas", f"must be two numbers in [0, 1), not {opt.betas!r}")
+    if not _finite(opt.eps) or opt.eps <= 0:
+        bad("eps", f"must be a finite number > 0, not {opt.eps!r}")
+    if not _finite(opt.weight_decay) or opt.weight_decay < 0:
+        bad("weight_decay", f"must be a finite number >= 0, not {opt.weight_decay!r}")
+    if not isinstance(opt.amsgrad, bool):
+        bad("amsgrad", f"must be true or false, not {opt.amsgrad!r}")
+    if opt.max_grad_norm is not None and (not _finite(opt.max_grad_norm) or opt.max_grad_norm <= 0):
+        bad("max_grad_norm", f"must be a finite number > 0 or null, not {opt.max_grad_norm!r}")
+    sched = opt.lr_schedule
+    kind = sched.get("kind", "constant")
+    if kind not in LR_SCHEDULES:
+        bad("lr_schedule.kind", f"{kind!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if kind == "constant":
+        return
+    total, warm = sched.get("total_steps"), sched.get("warmup_steps", 0)
+    if not _is_int(total) or not 0 < total <= MAX_ITERATIONS:
+        bad("lr_schedule.total_steps", f"must be an integer in 1..{MAX_ITERATIONS} for a {kind} "
+            f"schedule, not {total!r}")
+    if not _is_int(warm) or not 0 <= warm <= total:
+        bad("lr_schedule.warmup_steps", f"must be an integer in 0..total_steps, not {warm!r}")
+    lo = sched.get("min_factor", 0.0)
+    if not _finite(lo) or not 0 <= lo <= 1:
+        bad("lr_schedule.min_factor", f"must be a number in [0, 1], not {lo!r}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class Mirror:
     """A mirror stream: the switch port of `rank`, frames it sends (tx), receives (rx) or both."""
@@ -99,6 +166,7 @@ class Plan:
     rebuilt_learn: bool = False  # buckets.rebuilt is "learn": taken from the wire (gloo only)
     nodes: tuple[str, ...] = ()  # rank -> node name; empty: every rank a node of its own
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
+    start_iteration: int | None = None  # the job's first iteration: init must be the one before
 
     def __post_init__(self):
         if not self.nodes:
@@ -106,6 +174,7 @@ class Plan:
         if not self.channel_nics:
             object.__setattr__(self, "channel_nics",
                                tuple((a,) * self.ring.channels for a in self.addresses))
+        check_plan(self)
         _check_topology(self)
 
     # -- derived ------------------------------------------------------------------
@@ -128,7 +197,9 @@ class Plan:
         iteration >= 1 is placed)."""
         if not self.rebuilt_learn:
             raise PlanError("the plan gives buckets.rebuilt; it is checked, not learned")
-        object.__setattr__(self, "buckets_rebuilt", tuple(layout))
+        layout = tuple(layout)
+        _check_layout(self, "rebuilt (learned)", layout)
+        object.__setattr__(self, "buckets_rebuilt", layout)
 
     def buckets(self, iteration: int) -> list[Bucket]:
         return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b))))
@@ -199,6 +270,55 @@ class Plan:
             off += n
         return out
 
+    def shadow_bytes(self) -> int:
+        """About what shadowing this plan holds in memory: the parameters, Adam's two
+        (three with amsgrad) moments, and gradient buffers for two iterations in flight."""
+        params = sum(p.numel * _itemsize(p.dtype) for p in self.parameters)
+        moments = 0 if self.optimizer is None else (3 if self.optimizer.amsgrad else 2)
+        grads = max(sum(self.bucket_count(b) * _itemsize(self.bucket_dtype(b)) for b in layout)
+                    for layout in (self.buckets_first, self.buckets_rebuilt))
+        return params * (1 + moments) + 2 * grads
+
+    def check_start(self, state: dict, where: str) -> None:
+        """The state the shadow starts from (`--init`, the daemon's `init`) fits this plan:
+        its iteration is the one before the plan's start_iteration (when the plan says it)
+        and before its last iteration, and every parameter and optimizer tensor is there
+        with the plan's shape and dtype. CheckpointError naming `where` and the key."""
+        from ckptd.core.checkpoint import CheckpointError
+        it = state.get("iteration")
+        if not _is_int(it) or it < -1:
+            raise CheckpointError(f"{where}: iteration must be an integer >= -1, not {_short(it)}")
+        if self.start_iteration is not None and it != self.start_iteration - 1:
+            raise CheckpointError(
+                f"{where}: holds iteration {it}, but the plan's start_iteration is "
+                f"{self.start_iteration}: the job starts from the state of iteration "
+                f"{self.start_iteration - 1}")
+        if self.iterations is not None and it >= self.iterations - 1:
+            raise CheckpointError(f"{where}: holds iteration {it}; the plan's job has only "
+                                  f"{self.iterations} iterations (0..{self.iterations - 1})")
+        if self.optimizer is None:
+            return
+        model = state.get("model")
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{where}: has no model state")
+        opt = state.get("optimizer")
+        per_param = opt.get("state") if isinstance(opt, dict) else None
+        if opt is not None and per_param is not None and not isinstance(per_param, dict):
+            raise CheckpointError(f"{where}: optimizer.state must map parameter names to state")
+        keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.optimizer.amsgrad else ())
+        for p in self.parameters:
+            _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
+            if per_param:
+                st = per_param.get(p.name)
+                if not isinstance(st, dict):
+                    raise CheckpointError(f"{where}: optimizer.state lacks {p.name!r}")
+                for k in keys:
+                    if k == "step":
+                        if not hasattr(st.get(k), "dtype"):
+                            raise CheckpointError(f"{where}: optimizer.state.{p.name}.step is not a tensor")
+                    else:
+                        _check_tensor(st.get(k), p, f"{where}: optimizer.state.{p.name}.{k}")
+
     # -- (de)serialisation -------------------------------------------------------
     def to_json(self) -> dict:
         r = self.ring
@@ -231,6 +351,8 @@ class Plan:
         }
         if self.iterations is not None:
             doc["iterations"] = self.iterations
+        if self.start_iteration is not None:
+            doc["start_iteration"] = self.start_iteration
         if self.transport != "roce":
             doc["transport"] = self.transport
         return doc
@@ -249,6 +371,158 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
+# -- checks --------------------------------------------------------------------------
+def _check_tensor(t, p: Parameter, key: str) -> None:
+    from ckptd.core.checkpoint import CheckpointError
+    if not hasattr(t, "shape") or not hasattr(t, "dtype"):
+        raise CheckpointError(f"{key} is missing or not a tensor")
+    dtype = str(t.dtype).removeprefix("torch.")
+    if tuple(t.shape) != p.shape or dtype != p.dtype:
+        raise CheckpointError(f"{key} is {dtype}{list(t.shape)}; the plan says {p.dtype}{list(p.shape)}")
+
+
+def check_plan(plan: Plan) -> None:
+    """Everything a Plan must be before anything is sized from it; PlanError naming the
+    key. Runs in the constructor, so a plan built in code is checked as a loaded one is."""
+    total = 0
+    names = set()
+    for i, p in enumerate(plan.parameters):
+        if not isinstance(p.name, str) or not p.name:
+            raise PlanError(f"parameters[{i}].name must be a non-empty string")
+        if p.name in names:
+            raise PlanError(f"parameters[{i}].name {p.name!r} is not unique")
+        names.add(p.name)
+        if p.dtype not in DTYPES:
+            raise PlanError(f"parameters[{i}] ({p.name}) has dtype {p.dtype!r}; supported: "
+                            f"{', '.join(DTYPES)}")
+        if len(p.shape) > MAX_DIMS or not all(_is_int(x) and x >= 0 for x in p.shape):
+            raise PlanError(f"parameters[{i}].shape {list(p.shape)[:10]} must be at most {MAX_DIMS} "
+                            "non-negative integers")
+        n = math.prod(p.shape)  # Python ints: no overflow before the bound is checked
+        if n > MAX_PARAM_ELEMENTS:
+            raise PlanError(f"parameters[{i}].shape {list(p.shape)} has {n} elements "
+                            f"(at most {MAX_PARAM_ELEMENTS})")
+        total += n
+    if total > MAX_PARAM_ELEMENTS:
+        raise PlanError(f"parameters hold {total} elements in all (at most {MAX_PARAM_ELEMENTS})")
+    if not plan.buckets_first:
+        raise PlanError("buckets.first lists no allreduce")
+    _check_layout(plan, "first", plan.buckets_first)
+    if not plan.rebuilt_learn:
+        _check_layout(plan, "rebuilt", plan.buckets_rebuilt)
+        if plan.parameters:
+            check_cap_rule(plan)
+    r = plan.ring
+    if not r.nranks <= MAX_RANKS:
+        raise PlanError(f"ring.nranks {r.nranks} is more than {MAX_RANKS}")
+    if not 1 <= r.channels <= MAX_CHANNELS:
+        raise PlanError(f"ring.rings lists {r.channels} channels (1..{MAX_CHANNELS})")
+    if not 1 <= r.max_threads <= MAX_THREADS:
+        raise PlanError(f"ring.max_threads {r.max_threads} is not in 1..{MAX_THREADS}")
+    if r.buffsize is not None and not 1 <= r.buffsize <= MAX_BUFFSIZE:
+        raise PlanError(f"ring.buffsize {r.buffsize} is not in 1..{MAX_BUFFSIZE}")
+    if r.qps_per_connection > MAX_QPS:
+        raise PlanError(f"ring.qps_per_connection {r.qps_per_connection} is more than {MAX_QPS}")
+    if plan.optimizer is not None:
+        if not plan.parameters:
+            raise PlanError("an optimizer needs parameters")
+        check_optimizer(plan.optimizer)
+    if len(plan.addresses) != r.nranks:
+        raise PlanError(f"ranks lists {len(plan.addresses)} addresses for {r.nranks} ranks")
+    for i, m in enumerate(plan.mirrors):
+        if m.direction not in ("tx", "rx", "both") or not 0 <= m.rank < r.nranks:
+            raise PlanError(f"mirrors[{i}] needs rank in 0..{r.nranks - 1} and direction tx|rx|both")
+    for key in ("iterations", "start_iteration"):
+        v = getattr(plan, key)
+        if v is not None and (not _is_int(v) or not 0 <= v <= MAX_ITERATIONS):
+            raise PlanError(f"{key} must be an integer in 0..{MAX_ITERATIONS}, not {v!r}")
+    if plan.iterations is not None and plan.start_iteration is not None \
+            and plan.start_iteration >= plan.iterations:
+        raise PlanError(f"start_iteration {plan.start_iteration} is not below iterations "
+                        f"{plan.iterations}")
+    if plan.transport not in ("roce", "gloo"):
+        raise PlanError(f"transport {plan.transport!r} is not one of roce, gloo")
+    if plan.rebuilt_learn and (plan.transport != "gloo" or not plan.parameters):
+        raise PlanError('buckets.rebuilt "learn" needs transport gloo and parameters')
+
+
+def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> None:
+    by_name = plan._params_by_name()
+    for i, b in enumerate(layout):
+        if b.params:
+            unknown = [n for n in b.params if n not in by_name]
+            if unknown:
+                raise PlanError(f"buckets.{key}[{i}] names unknown parameter {unknown[0]!r}")
+            dts = {by_name[n].dtype for n in b.params}
+            if len(dts) > 1:
+                raise PlanError(f"buckets.{key}[{i}] mixes dtypes {sorted(dts)}; DDP buckets hold one dtype")
+            n = sum(math.prod(by_name[p].shape) for p in b.params)
+        else:
+            if plan.parameters:
+                raise PlanError(f"buckets.{key}[{i}] lists no parameters (a plan with parameters "
+                                "buckets parameters, not counts)")
+            if b.dtype not in DTYPES:
+                raise PlanError(f"buckets.{key}[{i}] has dtype {b.dtype!r}")
+            n = b.count
+            if not _is_int(n) or n < 1:
+                raise PlanError(f"buckets.{key}[{i}].count must be a positive integer, not {n!r}")
+        if n > MAX_BUCKET_ELEMENTS:
+            raise PlanError(f"buckets.{key}[{i}] holds {n} elements (at most {MAX_BUCKET_ELEMENTS})")
+    if plan.parameters:
+        covered = [n for b in layout for n in b.params]
+        if len(covered) != len(by_name) or set(covered) != set(by_name):
+            seen, dup = set(), []
+            for n in covered:
+                if n in seen:
+                    dup.append(n)
+                seen.add(n)
+            raise PlanError(f"buckets.{key} must hold every parameter exactly once (missing "
+                            f"{sorted(set(by_name) - seen)[:5]}, repeated {dup[:5]})")
+
+
+def check_cap_rule(plan: Plan) -> None:
+    """Both layouts must be what DDP's bucket assignment could produce for one bucket cap
+    (torch's compute_bucket_assignment_by_size): per dtype, in assignment order, a bucket
+    is closed as soon as it reaches its limit -- the first bucket's limit (a small first
+    bucket; any value up to the cap is allowed here), then the cap. So every closed bucket
+    minus its last parameter is below its limit and the whole bucket reaches it, and the
+    bucket left open at the end is below the cap before its last parameter. The cap is
+    not in the plan: a layout no cap can explain is refused. Iteration 0 assigns in
+    reverse registration order and allreduces the buckets reversed; the rebuilt layout
+    is listed in assignment order."""
+    lo, hi = 0, math.inf  # the cap lies in (lo, hi]
+    why = []
+    for key, layout, reverse in (("first", plan.buckets_first, True),
+                                 ("rebuilt", plan.buckets_rebuilt, False)):
+        order = list(enumerate(layout))
+        if reverse:
+            order.reverse()
+        by_dtype: dict[str, list] = {}
+        for i, b in order:
+            by_dtype.setdefault(plan.param(b.params[0]).dtype, []).append((i, b))
+        for buckets in by_dtype.values():
+            for k, (i, b) in enumerate(buckets):
+                sizes = [plan.param(n).numel * _itemsize(plan.param(n).dtype) for n in b.params]
+                lo = max(lo, sum(sizes) - sizes[-1])  # it had not reached its limit (<= cap)
+                if k and k < len(buckets) - 1:
+                    hi = min(hi, sum(sizes))  # closed on reaching the cap
+                if lo >= hi:
+                    why.append(f"buckets.{key}[{i}]")
+                    break
+            if why:
+                break
+        if why:
+            break
+    if why:
+        raise PlanError(f"{why[0]} does not follow DDP's bucket-cap rule: no bucket cap "
+                        "gives this layout (every parameter once, each bucket closed as soon as "
+                        "it reaches the cap); rebuild the plan with `ckptd plan --sample`")
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(_np_dtype(dtype)).itemsize
+
+
 def _bucket_json(b: BucketLayout) -> dict:
     return {"params": list(b.params)} if b.params else {"count": b.count, "dtype": b.dtype}
 
@@ -261,143 +535,220 @@ def _np_dtype(name: str) -> str:
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     try:
+        if path.stat().st_size > MAX_PLAN_BYTES:
+            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
+                            f"(at most {MAX_PLAN_BYTES})")
         doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PlanError(f"{path}: cannot read plan: {e}") from e
     return plan_from_json(doc, str(path))
 
 
-def plan_from_json(doc: dict, where: str = "plan") -> Plan:
-    def need(d, key, ctx):
-        if key not in d:
-            raise PlanError(f"{where}: {ctx} is missing {key!r}")
-        return d[key]
+class _Doc:
+    """Typed access to one JSON object of a plan: every wrong type or missing key is a
+    PlanError naming its key path (parameters[3].shape), never a TypeError later."""
 
+    def __init__(self, d, key: str):
+        if not isinstance(d, dict):
+            raise PlanError(f"{key or 'the plan'} must be an object, not {_kind(d)}")
+        self.d, self.key = d, key
+
+    def path(self, k) -> str:
+        return f"{self.key}.{k}" if self.key else str(k)
+
+    def has(self, k) -> bool:
+        return self.d.get(k) is not None
+
+    def get(self, k, default=None):
+        return self.d.get(k, default)
+
+    def need(self, k):
+        if k not in self.d:
+            raise PlanError(f"{self.key or 'the plan'} is missing {k!r}")
+        return self.d[k]
+
+    def int(self, k, lo: int, hi: int, default=None, required=False):
+        v = self.need(k) if required else self.d.get(k, default)
+        if v is None and not required:
+            return None
+        return _int(v, self.path(k), lo, hi)
+
+    def num(self, k, default):
+        v = self.d.get(k, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise PlanError(f"{self.path(k)} must be a number, not {_kind(v)}")
+        return float(v)
+
+    def str(self, k, default=None, choices=None):
+        v = self.d.get(k, default)
+        if not isinstance(v, str):
+            raise PlanError(f"{self.path(k)} must be a string, not {_kind(v)}")
+        if choices is not None and v not in choices:
+            raise PlanError(f"{self.path(k)} is {v!r}; expected one of {', '.join(choices)}")
+        return v
+
+    def list(self, k, default=None, required=False):
+        v = self.need(k) if required else self.d.get(k, default)
+        if not isinstance(v, list):
+            raise PlanError(f"{self.path(k)} must be a list, not {_kind(v)}")
+        return v
+
+    def obj(self, k):
+        return _Doc(self.need(k), self.path(k))
+
+
+def _int(v, key: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlanError(f"{key} must be an integer, not {_kind(v)}")
+    if not lo <= v <= hi:
+        raise PlanError(f"{key} is {v}; it must be in {lo}..{hi}")
+    return v
+
+
+def _short(v) -> str:
+    return repr(v)[:40]
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(v), f"{type(v).__name__} {v!r}"[:60])
+
+
+def plan_from_json(doc, where: str = "plan") -> Plan:
+    """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>"."""
+    try:
+        return _plan_from_json(doc)
+    except PlanError as e:
+        raise PlanError(f"{where}: {e}") from None
+    except RecursionError:
+        raise PlanError(f"{where}: nested too deeply to be a plan") from None
+
+
+def _plan_from_json(raw) -> Plan:
+    doc = _Doc(raw, "")
     if doc.get("format") != PLAN_FORMAT:
-        raise PlanError(f"{where}: not a ckptd plan (format is {doc.get('format')!r}, "
+        raise PlanError(f"not a ckptd plan (format is {_short(doc.get('format'))}, "
                         f"expected {PLAN_FORMAT!r})")
     if doc.get("version") != PLAN_VERSION:
-        raise PlanError(f"{where}: plan version {doc.get('version')!r} is not supported "
+        raise PlanError(f"plan version {_short(doc.get('version'))} is not supported "
                         f"(this ckptd reads version {PLAN_VERSION})")
     params = []
-    for i, p in enumerate(doc.get("parameters", [])):
-        dt = p.get("dtype", "float32")
-        if dt not in DTYPES:
-            raise PlanError(f"{where}: parameters[{i}] ({p.get('name')}) has dtype {dt!r}; "
-                            f"supported: {', '.join(DTYPES)}")
-        params.append(Parameter(need(p, "name", f"parameters[{i}]"),
-                                tuple(int(x) for x in need(p, "shape", f"parameters[{i}]")), dt))
-    names = [p.name for p in params]
-    if len(set(names)) != len(names):
-        raise PlanError(f"{where}: parameter names are not unique")
+    for i, raw_p in enumerate(doc.list("parameters", [])):
+        p = _Doc(raw_p, f"parameters[{i}]")
+        shape = p.list("shape", required=True)
+        if len(shape) > MAX_DIMS:
+            raise PlanError(f"{p.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        params.append(Parameter(p.str("name"), tuple(_int(x, f"{p.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
+                                                    for j, x in enumerate(shape)),
+                                p.str("dtype", "float32", DTYPES)))
 
-    def buckets(key):
+    bk = doc.obj("buckets")
+
+    def layout(key):
         out = []
-        for i, b in enumerate(need(need(doc, "buckets", "the plan"), key, "buckets") or []):
-            if "params" in b:
-                for n in b["params"]:
-                    if n not in names:
-                        raise PlanError(f"{where}: buckets.{key}[{i}] names unknown parameter {n!r}")
-                dts = {next(p.dtype for p in params if p.name == n) for n in b["params"]}
-                if len(dts) > 1:
-                    raise PlanError(f"{where}: buckets.{key}[{i}] mixes dtypes {sorted(dts)}; "
-                                    "DDP buckets hold one dtype")
-                out.append(BucketLayout(params=tuple(b["params"])))
+        for i, raw_b in enumerate(bk.list(key, required=key == "first") or []):
+            b = _Doc(raw_b, f"buckets.{key}[{i}]")
+            if b.has("params"):
+                names = b.list("params")
+                for j, n in enumerate(names):
+                    if not isinstance(n, str):
+                        raise PlanError(f"{b.path('params')}[{j}] must be a parameter name, not {_kind(n)}")
+                out.append(BucketLayout(params=tuple(names)))
             else:
-                dt = b.get("dtype", "float32")
-                if dt not in DTYPES:
-                    raise PlanError(f"{where}: buckets.{key}[{i}] has dtype {dt!r}")
-                out.append(BucketLayout(count=int(need(b, "count", f"buckets.{key}[{i}]")), dtype=dt))
+                out.append(BucketLayout(count=b.int("count", 1, MAX_BUCKET_ELEMENTS, required=True),
+                                        dtype=b.str("dtype", "float32", DTYPES)))
         return tuple(out)
 
-    first = buckets("first")
-    learn = doc["buckets"].get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
-    rebuilt = buckets("rebuilt") if doc["buckets"].get("rebuilt") and not learn else first
-    for key, layout in (("first", first), ("rebuilt", rebuilt)):
-        covered = [n for b in layout for n in b.params]
-        if params and sorted(covered) != sorted(names):
-            missing = sorted(set(names) - set(covered))
-            dup = sorted({n for n in covered if covered.count(n) > 1})
-            raise PlanError(f"{where}: buckets.{key} must hold every parameter exactly once "
-                            f"(missing {missing[:5]}, repeated {dup[:5]})")
+    first = layout("first")
+    learn = bk.get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
+    rebuilt = layout("rebuilt") if bk.get("rebuilt") and not learn else first
 
-    r = need(doc, "ring", "the plan")
+    r = doc.obj("ring")
+    nccl = r.need("nccl_version")
     try:
-        major, minor = (int(x) for x in str(need(r, "nccl_version", "ring")).split(".")[:2])
-        nranks = int(need(r, "nranks", "ring"))
-        rings = r.get("rings") or [list(range(nranks))] * int(r.get("channels", 1))
-        ring = RingConfig(
-            nranks=nranks, rings=tuple(tuple(int(x) for x in ring) for ring in rings),
-            protocol=str(r.get("protocol", "simple")).lower(), nccl_version=(major, minor),
-            max_threads=int(r.get("max_threads", 512)), buffsize=r.get("buffsize"),
-            qps_per_connection=int(r.get("qps_per_connection", 1)),
-            split_data_on_qps=r.get("split_data_on_qps"), mtu=int(r.get("mtu", 4096)))
+        major, minor = (int(x) for x in str(nccl).split(".")[:2])
+    except ValueError:
+        raise PlanError(f"ring.nccl_version {str(nccl)[:20]!r} is not MAJOR.MINOR") from None
+    nranks = r.int("nranks", 2, MAX_RANKS, required=True)
+    channels = r.int("channels", 1, MAX_CHANNELS, 1)
+    rings = r.list("rings") if r.has("rings") else [list(range(nranks))] * channels
+    if not 1 <= len(rings) <= MAX_CHANNELS:
+        raise PlanError(f"ring.rings lists {len(rings)} channels (1..{MAX_CHANNELS})")
+    for c, ring in enumerate(rings):
+        if not isinstance(ring, list) or len(ring) != nranks:
+            raise PlanError(f"ring.rings[{c}] must list the {nranks} ranks")
+    split = r.get("split_data_on_qps")
+    if split is not None and not isinstance(split, bool):
+        raise PlanError(f"ring.split_data_on_qps must be true, false or null, not {_kind(split)}")
+    try:
+        ring_cfg = RingConfig(
+            nranks=nranks, rings=tuple(tuple(_int(x, f"ring.rings[{c}]", 0, nranks - 1) for x in ring)
+                                       for c, ring in enumerate(rings)),
+            protocol=r.str("protocol", "simple").lower(), nccl_version=(major, minor),
+            max_threads=r.int("max_threads", 1, MAX_THREADS, 512),
+            buffsize=r.int("buffsize", 1, MAX_BUFFSIZE),
+            qps_per_connection=r.int("qps_per_connection", 1, MAX_QPS, 1),
+            split_data_on_qps=split, mtu=r.int("mtu", 256, 4096, 4096))
     except ScheduleError as e:
-        raise PlanError(f"{where}: ring: {e}") from e
-    except ValueError as e:
-        raise PlanError(f"{where}: ring: {e}") from e
+        raise PlanError(f"ring: {e}") from e
     # ring.algorithm: the job's NCCL_ALGO ("Ring" unless the plan says otherwise); a plan
     # that lets allreduce run as Tree/NVLS/CollNet is refused by name.
-    nnodes = len({str(x.get("node", f"rank{x.get('rank')}")) for x in doc.get("ranks", [])}) or None
-    check_allreduce_algorithm(r.get("algorithm", "Ring"), nnodes=nnodes, nvls_channels=r.get("nvls_channels"),
-                              where=f"{where}: ring.algorithm: ")
+    nnodes = len({str(x.get("node", f"rank{x.get('rank')}")) for x in doc.list("ranks", [])
+                  if isinstance(x, dict)}) or None
+    check_allreduce_algorithm(r.str("algorithm", "Ring"), nnodes=nnodes, nvls_channels=r.get("nvls_channels"),
+                              where="ring.algorithm: ")
 
-    opt = doc.get("optimizer")
     optimizer = None
-    if opt is not None:
+    if doc.get("optimizer") is not None:
+        o = doc.obj("optimizer")
+        betas = o.list("betas", [0.9, 0.999])
+        if len(betas) != 2:
+            raise PlanError(f"optimizer.betas must be two numbers, not {len(betas)}")
+        sched = o.get("lr_schedule") or {"kind": "constant"}
+        if not isinstance(sched, dict):
+            raise PlanError(f"optimizer.lr_schedule must be an object, not {_kind(sched)}")
+        mgn = o.get("max_grad_norm")
         optimizer = Optimizer(
-            kind=opt.get("kind", "adamw"), lr=float(opt.get("lr", 1e-3)),
-            betas=tuple(float(x) for x in opt.get("betas", (0.9, 0.999))),
-            eps=float(opt.get("eps", 1e-8)), weight_decay=float(opt.get("weight_decay", 0.0)),
-            amsgrad=bool(opt.get("amsgrad", False)),
-            implementation=opt.get("implementation", "foreach"),
-            lr_schedule=dict(opt.get("lr_schedule") or {"kind": "constant"}),
-            max_grad_norm=opt.get("max_grad_norm"))
-        if optimizer.kind not in ("adam", "adamw"):
-            raise PlanError(f"{where}: optimizer.kind {optimizer.kind!r} is not supported (adam, adamw)")
-        if optimizer.implementation not in ("for-loop", "foreach", "fused"):
-            raise PlanError(f"{where}: optimizer.implementation must be for-loop, foreach or fused")
-        if not params:
-            raise PlanError(f"{where}: an optimizer needs parameters")
+            kind=o.str("kind", "adamw"), lr=o.num("lr", 1e-3),
+            betas=tuple(_Doc({"b": x}, "optimizer.betas").num("b", 0) for x in betas),
+            eps=o.num("eps", 1e-8), weight_decay=o.num("weight_decay", 0.0),
+            amsgrad=o.get("amsgrad", False), implementation=o.str("implementation", "foreach"),
+            lr_schedule=dict(sched),
+            max_grad_norm=None if mgn is None else o.num("max_grad_norm", None))
 
-    ranks = sorted(need(doc, "ranks", "the plan"), key=lambda x: x["rank"])
-    if [x["rank"] for x in ranks] != list(range(nranks)):
-        raise PlanError(f"{where}: ranks must list ranks 0..{nranks - 1} once each")
+    ranks = []
+    for i, raw_r in enumerate(doc.list("ranks", required=True)):
+        rk = _Doc(raw_r, f"ranks[{i}]")
+        ranks.append((rk.int("rank", 0, MAX_RANKS, required=True), rk.str("addr")))
+    ranks.sort()
+    if [x for x, _ in ranks] != list(range(nranks)):
+        raise PlanError(f"ranks must list ranks 0..{nranks - 1} once each")
     try:
-        addrs = tuple(str(ipaddress.ip_address(x["addr"])) for x in ranks)
+        addrs = tuple(str(ipaddress.ip_address(a)) for _, a in ranks)
     except ValueError as e:
-        raise PlanError(f"{where}: ranks: {e}") from e
-    nodes = tuple(str(x.get("node", f"rank{x['rank']}")) for x in ranks)
-    nics = []
-    for x, a in zip(ranks, addrs):
-        per = x.get("nics")
-        if per is None:
-            nics.append((a,) * ring.channels)
+        raise PlanError(f"ranks: {e}") from e
+    nodes, nics = [], []
+    for i, raw_r in enumerate(sorted(doc.list("ranks", required=True), key=lambda x: x.get("rank", 0))):
+        rk = _Doc(raw_r, f"ranks[{i}]")
+        nodes.append(rk.str("node", f"rank{i}"))
+        if not rk.has("nics"):
+            nics.append((addrs[i],) * ring_cfg.channels)
             continue
-        if not isinstance(per, list) or len(per) != ring.channels:
-            raise PlanError(f"{where}: ranks[{x['rank']}].nics must list one NIC address per "
-                            f"channel ({ring.channels})")
+        per = rk.list("nics")
+        if len(per) != ring_cfg.channels:
+            raise PlanError(f"ranks[{i}].nics must list one NIC address per channel ({ring_cfg.channels})")
         try:
             nics.append(tuple(str(ipaddress.ip_address(n)) for n in per))
-        except ValueError as e:
-            raise PlanError(f"{where}: ranks[{x['rank']}].nics: {e}") from e
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"ranks[{i}].nics: {e}") from e
     mirrors = []
-    for i, m in enumerate(doc.get("mirrors", [])):
-        mm = Mirror(m.get("name", f"mirror{i}"), int(need(m, "rank", f"mirrors[{i}]")),
-                    m.get("direction", "both"))
-        if mm.direction not in ("tx", "rx", "both") or not 0 <= mm.rank < nranks:
-            raise PlanError(f"{where}: mirrors[{i}] needs rank in 0..{nranks - 1} and direction tx|rx|both")
-        mirrors.append(mm)
-    transport = doc.get("transport", "roce")
-    if transport not in ("roce", "gloo"):
-        raise PlanError(f"{where}: transport {transport!r} is not one of roce, gloo")
-    if learn and (transport != "gloo" or not params):
-        raise PlanError(f'{where}: buckets.rebuilt "learn" needs transport gloo and parameters')
-    try:
-        return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
-                    doc.get("iterations"), transport, learn, nodes, tuple(nics))
-    except PlanError as e:
-        raise PlanError(f"{where}: {e}") from e
+    for i, raw_m in enumerate(doc.list("mirrors", [])):
+        m = _Doc(raw_m, f"mirrors[{i}]")
+        mirrors.append(Mirror(m.str("name", f"mirror{i}"), m.int("rank", 0, nranks - 1, required=True),
+                              m.str("direction", "both", ("tx", "rx", "both"))))
+    return Plan(tuple(params), first, rebuilt, ring_cfg, optimizer, addrs, tuple(mirrors),
+                doc.int("iterations", 1, MAX_ITERATIONS), doc.str("transport", "roce"), learn,
+                tuple(nodes), tuple(nics), doc.int("start_iteration", 0, MAX_ITERATIONS))
 
 
 def _check_topology(plan: Plan):

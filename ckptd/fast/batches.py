@@ -26,13 +26,13 @@ import numpy as np
 
 from cython_ext import batch as _kernel
 from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_capture
+from parsers.frame import MAX_SNAPLEN
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
 CHUNK_BYTES = 32 << 20  # bytes read from a file at a time by stream_batches
 CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
 READ_DEPTH = 3  # Batches a ReaderStage may hold ready
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
-MAX_RECORD = 1 << 28  # a pcap record longer than this is implausible (parsers/pcap.py)
 
 
 # -- buffers -------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors, pool
         rest = data[end:]
         if len(rest) >= 16:
             incl = int.from_bytes(rest[8:12].tobytes(), "big" if big else "little")
-            if incl > MAX_RECORD:
+            if incl > MAX_SNAPLEN:
                 eof = True  # an implausible record: the reference reader words the error
         if eof:
             if len(rest):

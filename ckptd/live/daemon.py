@@ -17,9 +17,12 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import mmap
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,9 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
+from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.status import Snapshot, StatusServer
+from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
 
 log = logging.getLogger("ckptd")
@@ -38,6 +44,9 @@ SNAPSHOT_EVERY = 4096  # frames between status snapshots while an iteration is i
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
 DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
+DEFAULT_RING_MEMORY = 2 << 30  # max_ring_memory: every capture ring together
+MAX_BLOCK_SIZE = 1 << 28
+MAX_BLOCK_NR = 1 << 16
 
 
 class ConfigError(CkptdError, ValueError):
@@ -75,11 +84,136 @@ class DaemonConfig:
     capture_workers: bool = False  # one capture process per interface (ckptd.live.workers)
     busy_poll: bool = False  # capture workers spin on their ring instead of sleeping in poll(2)
     cpus: list[int] | None = None  # the daemon's own process (the coordinator) is pinned to these
+    keep_last: int = 10  # retention: the newest K checkpoints stay
+    keep_every: int | None = None  # retention: and every M-th iteration's, for good
+    max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
+    user: str | None = None  # drop to this user once the capture sockets are open
+    group: str | None = None
     extra: dict = field(default_factory=dict)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# IFNAMSIZ is 16 with the NUL; a netns name is a file under /run/netns.
+_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
+_NETNS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_UNIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMG]i?B?)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+class _Keys:
+    """Typed reads of one config mapping: a wrong type or value is a ConfigError naming
+    the file and the key (interfaces[1].block_size), never a TypeError later."""
+
+    def __init__(self, path, doc: dict, prefix: str = ""):
+        self.path, self.doc, self.prefix = path, doc, prefix
+
+    def fail(self, key, why):
+        raise ConfigError(f"{self.path}: '{self.prefix}{key}' {why}")
+
+    def str(self, key, default=None, pattern=None, what="", required=False):
+        if key not in self.doc:
+            if required:
+                raise ConfigError(f"{self.path}: missing '{self.prefix}{key}'")
+            return default
+        v = self.doc[key]
+        if v is None and not required:
+            return default
+        if not isinstance(v, str) or not v:
+            self.fail(key, f"must be a non-empty string, not {v!r}"[:200])
+        if pattern is not None and (not pattern.fullmatch(v) or v in (".", "..")):
+            self.fail(key, f"{v!r} is not {what}"[:200])
+        return v
+
+    def int(self, key, lo, hi, default=None, what="an integer"):
+        v = self.doc.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(key, f"must be {what} in {lo}..{hi}, not {v!r}"[:200])
+        if not lo <= v <= hi:
+            self.fail(key, f"is {v}; it must be in {lo}..{hi}")
+        return v
+
+    def size(self, key, lo, hi, default):
+        """Bytes: an integer, or a string with a binary unit (4M, 4MiB, 512K, 1G)."""
+        v = self.doc.get(key, default)
+        if isinstance(v, str) and (m := _SIZE.fullmatch(v)):
+            v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "")[:1].lower()]
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.fail(key, f"must be a size in bytes (an integer, or with a unit: 4M, 512K), not {v!r}"[:200])
+        if not lo <= v <= hi:
+            self.fail(key, f"is {v} bytes; it must be in {lo}..{hi}")
+        return v
+
+    def bool(self, key, default):
+        v = self.doc.get(key, default)
+        if not isinstance(v, bool) and v is not None:
+            self.fail(key, f"must be true or false, not {v!r}"[:200])
+        return v
+
+
+def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
+    """HOST:PORT with HOST an IPv4 address, [IPv6] in brackets, or a host name; port
+    0..65535 (0: any free port). ConfigError naming `where` for anything else."""
+    if not isinstance(text, str):
+        raise ConfigError(f"{where} must be HOST:PORT, not {text!r}")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where} {text!r} is not HOST:PORT with a port in 0..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"{where} {text!r}: {host[1:-1]!r} is not an IPv6 address") from None
+        return host[1:-1], int(port)
+    try:
+        ipaddress.IPv4Address(host)
+        return host, int(port)
+    except ValueError:
+        pass
+    if ":" in host:
+        raise ConfigError(f"{where} {text!r}: put an IPv6 address in brackets, [::1]:9187")
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", host):
+        raise ConfigError(f"{where} {text!r}: {host!r} is not an address or host name")
+    return host, int(port)
+
+
+def _interface(path, i: int, x) -> InterfaceConfig:
+    if not isinstance(x, dict) or "ifname" not in x:
+        raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
+    unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
+    k = _Keys(path, x, f"interfaces[{i}].")
+    page = mmap.PAGESIZE
+    ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . : @ -)",
+                   required=True)
+    frame_size = k.size("frame_size", TPACKET3_MIN_FRAME, 1 << 20, 16384)
+    if frame_size % 16:
+        k.fail("frame_size", f"{frame_size} must be a multiple of 16 (TPACKET_ALIGNMENT)")
+    block_size = k.size("block_size", page, MAX_BLOCK_SIZE, 1 << 22)
+    if block_size % page or block_size < frame_size:
+        k.fail("block_size", f"{block_size} must be a multiple of the page size ({page}) and at "
+               f"least frame_size ({frame_size})")
+    mode = k.str("fanout_mode", "hash")
+    if mode not in FANOUT_MODES:
+        k.fail("fanout_mode", f"{mode!r} is not one of {', '.join(FANOUT_MODES)}")
+    return InterfaceConfig(
+        name=k.str("name", ifname, pattern=_NETNS, what="a stream name (A-Z a-z 0-9 _ . -)"),
+        ifname=ifname,
+        netns=k.str("netns", None, pattern=_NETNS, what="a network namespace name "
+                    "(A-Z a-z 0-9 _ . -, as `ip netns add` takes)"),
+        block_size=block_size, block_nr=k.int("block_nr", 1, MAX_BLOCK_NR, 64),
+        frame_size=frame_size, retire_ms=k.int("retire_ms", 1, 60_000, 20),
+        snaplen=k.int("snaplen", 64, MAX_SNAPLEN, 65535),
+        fanout_group=k.int("fanout_group", 0, 0xFFFF), fanout_mode=mode,
+        cpu=x.get("cpu"))  # checked with the other capture-worker keys (_capture_config)
+
+
 def load_config(path: str | Path) -> DaemonConfig:
-    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key."""
+    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key. Every value
+    is checked here, before any file, socket or ring is opened."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -90,48 +224,71 @@ def load_config(path: str | Path) -> DaemonConfig:
             import yaml
             doc = yaml.safe_load(text)
     except Exception as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from e
+        raise ConfigError(f"{path}: cannot read config: {_one_line(e)}") from e
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: the config must be a mapping")
     base = path.parent
-
-    def need(key):
-        if key not in doc:
-            raise ConfigError(f"{path}: missing {key!r}")
-        return doc[key]
-
-    def rel(p):
-        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
-
-    ifs = []
-    for i, x in enumerate(need("interfaces") or []):
-        if not isinstance(x, dict) or "ifname" not in x:
-            raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
-        unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
-        ifs.append(InterfaceConfig(**{"name": x.get("name", x["ifname"]), **x}))
-    if not ifs:
-        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
-             "fast", "join", "join_from", "capture_workers", "busy_poll", "cpus"}
+             "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
+             "capture_workers", "busy_poll", "cpus"}
     unknown = set(doc) - known
     if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
-    fast = doc.get("fast")
-    if fast is not None and not isinstance(fast, bool):
-        raise ConfigError(f"{path}: 'fast' must be true or false, not {fast!r}")
-    join, join_from = doc.get("join", False), doc.get("join_from")
-    if not isinstance(join, bool):
-        raise ConfigError(f"{path}: 'join' must be true or false, not {join!r}")
-    if join_from is not None and (isinstance(join_from, bool) or not isinstance(join_from, int)):
-        raise ConfigError(f"{path}: 'join_from' must be an iteration number, not {join_from!r}")
+        raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
+    k = _Keys(path, doc)
+
+    def rel(key, required=False):
+        p = k.str(key, required=required)
+        return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
+
+    raw_ifs = doc.get("interfaces")
+    if not isinstance(raw_ifs, list) or not raw_ifs:
+        raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
+    ifs = [_interface(path, i, x) for i, x in enumerate(raw_ifs)]
+    seen: dict[tuple, int] = {}
+    for i, x in enumerate(ifs):
+        where = (x.netns, x.ifname)
+        if where in seen and (x.fanout_group is None or ifs[seen[where]].fanout_group != x.fanout_group):
+            raise ConfigError(f"{path}: interfaces[{i}] captures {x.ifname}"
+                              + (f" in netns {x.netns}" if x.netns else "")
+                              + f" again (as interfaces[{seen[where]}]): every frame would be counted "
+                              "twice; share it with one fanout_group instead")
+        seen.setdefault(where, i)
+    names = [x.name for x in ifs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{path}: interface names {names} are not unique")
+    cap = k.size("max_ring_memory", 1 << 20, 1 << 40, DEFAULT_RING_MEMORY)
+    ring_bytes = sum(x.block_size * x.block_nr for x in ifs)
+    if ring_bytes > cap:
+        raise ConfigError(f"{path}: the capture rings need {ring_bytes} bytes (block_size x "
+                          f"block_nr, all interfaces), more than max_ring_memory {cap}: lower "
+                          "interfaces[].block_nr or raise max_ring_memory")
+    avail = available_memory()
+    if avail is not None and ring_bytes > avail // 2:
+        raise ConfigError(f"{path}: the capture rings need {ring_bytes} bytes (block_size x block_nr, "
+                          f"all interfaces), more than half the memory available ({avail}): lower "
+                          "interfaces[].block_nr")
+    listen = k.str("listen", "127.0.0.1:9187")
+    parse_listen(listen, f"{path}: listen")
+    log_level = k.str("log_level", "warning")
+    if log_level not in LOG_LEVELS:
+        k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    fast, join = k.bool("fast", None), k.bool("join", False)
+    join_from = k.int("join_from", 0, 1 << 31, what="an iteration number")
+    user, group = (k.str(key, None, _UNIX_NAME, "a user or group name") for key in ("user", "group"))
+    if group is not None and user is None:
+        k.fail("group", "needs `user` too")
     workers = _capture_config(path, doc, ifs)
-    return DaemonConfig(plan=rel(need("plan")), init=rel(need("init")), out=rel(need("out")),
-                        interfaces=ifs, listen=str(doc.get("listen", "127.0.0.1:9187")),
-                        log_level=str(doc.get("log_level", "warning")),
-                        resume=rel(doc.get("resume")), dump_gradients=rel(doc.get("dump_gradients")),
-                        fast=fast, join=join or join_from is not None, join_from=join_from, **workers)
+    return DaemonConfig(plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
+                        interfaces=ifs, listen=listen, log_level=log_level,
+                        resume=rel("resume"), dump_gradients=rel("dump_gradients"),
+                        fast=fast, join=join or join_from is not None, join_from=join_from,
+                        keep_last=k.int("keep_last", 1, 1 << 31, 10),
+                        keep_every=k.int("keep_every", 1, 1 << 31),
+                        max_ring_memory=cap, user=user, group=group, **workers)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
@@ -184,7 +341,12 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
+        require_memory(self.plan.shadow_bytes(), f"shadowing the plan {cfg.plan}")
+        if cfg.user is not None:  # an unknown user is refused before anything is opened
+            from ckptd.live.privilege import resolve
+            resolve(cfg.user, cfg.group)
         self.start_state = load_checkpoint(cfg.init)
+        self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()
         self.snapshot = Snapshot()
@@ -201,7 +363,8 @@ class Daemon:
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
         self._drops_looked = 0.0  # time.monotonic() of the last look
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
-                             join=cfg.join, join_from=cfg.join_from)
+                             join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
+                             keep_every=cfg.keep_every, retry_writes=True)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
@@ -229,7 +392,11 @@ class Daemon:
         if rep.write_seconds is not None:
             fields["write_s"] = round(rep.write_seconds, 6)
         if rep.status == "committed":
-            log.info("committed", extra={"fields": fields})
+            fields["persisted"] = rep.persisted
+            if rep.persisted is False:
+                log.warning("committed, not persisted", extra={"fields": fields})
+            else:
+                log.info("committed", extra={"fields": fields})
         else:
             fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
                                   "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
@@ -329,6 +496,7 @@ class Daemon:
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
         committed = [r for r in self.pipe.reports if r.status == "committed"]
+        keeper = self.pipe.keeper
         last = self.last_report
         streams = []
         for k, name in enumerate(self.names):
@@ -340,8 +508,9 @@ class Daemon:
         doc = {
             "state": state, "uptime_s": round(time.time() - self.started, 3),
             "last_committed": committed[-1].iteration if committed else -1,
-            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(committed[-1].iteration))
-                                if committed else None),
+            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
+                                if keeper.last_persisted is not None else None),
+            "checkpoints": keeper.status(),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
@@ -365,6 +534,34 @@ class Daemon:
                 "python_frames": sum(p.stops.values()) - p.stops.get("complete", 0)
                 - p.stops.get("conflicts_full", 0),
                 "kernel_seconds": round(p.kernel_seconds, 6), "stops": dict(p.stops)}
+
+    # -- environment: signals, the write path ---------------------------------------------
+    def install_signals(self):
+        """SIGINT/SIGTERM stop cleanly; SIGHUP (a closed terminal, `systemctl reload`) is
+        logged and otherwise ignored: it must never end a capture (restart to reload)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self.stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: log.warning(
+            "SIGHUP ignored: the config is read at start; restart the daemon to change it"))
+
+    def drop_privileges(self):
+        """With `user` configured: the capture sockets are open (netns entered), so
+        become that user with CAP_NET_RAW alone (ckptd.live.privilege)."""
+        if self.cfg.user is None:
+            return
+        from ckptd.live.privilege import drop_privileges
+        drop_privileges(self.cfg.user, self.cfg.group,
+                        [d for d in (self.cfg.out, self.cfg.dump_gradients) if d])
+
+    def _persist_newest(self):
+        """On a clean stop after writes failed: one more try for the newest committed
+        state (the shadow holds it), so a disk that came back is used before exit."""
+        keeper, shadow = self.pipe.keeper, self.pipe.shadow
+        if keeper is None or not keeper.failing or shadow is None:
+            return
+        if shadow.iteration == keeper.newest_unpersisted:
+            keeper.write(shadow.iteration, shadow.model_state(copy=False),
+                         shadow.optimizer_state(copy=False), force=True)
 
     # -- running ---------------------------------------------------------------------
     def open_captures(self):
@@ -403,14 +600,18 @@ class Daemon:
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self.stop.set())
-        server = StatusServer(self.snapshot, self.cfg.listen).start()
+            self.install_signals()
+        try:
+            server = StatusServer(self.snapshot, self.cfg.listen).start()
+        except OSError as e:
+            raise ConfigError(f"listen {self.cfg.listen}: cannot serve /status there: "
+                              f"{e.strerror or e}") from None
         self.address = server.address
         try:
             if source is None:
                 from ckptd.live.ring import ring_source
                 self.open_captures()
+                self.drop_privileges()
                 if not self.fast:
                     source = ring_source(self.captures, self.stop, self.pipe.errors)
             self._publish()
@@ -420,6 +621,7 @@ class Daemon:
                 self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
             else:
                 self.pipe.run(self._counting(source), abandon=True)
+            self._persist_newest()
         finally:
             self._publish("stopped")
             for c in self.captures:

@@ -97,15 +97,27 @@ def run(a) -> int:
         print("dry run: nothing written")
         return 0
     out = Path(a.out)
+    for name in files:  # the names are checked (switch_config.cabling): this holds anyway
+        if Path(name).name != name or name.startswith("."):
+            print(f"error: refusing to write {name!r}: not a plain file name inside {out}", file=sys.stderr)
+            return EXIT_INPUT
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in sorted(files.items()):
-            (out / name).write_text(text)
+            _write_new(out / name, text)
             print(f"wrote {out / name}")
     except OSError as e:
         print(f"error: cannot write into {out}: {e}", file=sys.stderr)
         return EXIT_INPUT
     return 0
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write (replacing) a file, never through a symlink planted at its name."""
+    import os
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def compact_json(doc) -> str:

@@ -1,0 +1,115 @@
+"""Which checkpoints are on disk: writing each commit's file, surviving a disk that
+fails, and pruning by a retention policy.
+
+A long-running daemon meets full disks, read-only remounts and descriptor exhaustion.
+None of them may stop capture: the shadow is exact in memory whatever the disk does. So
+a failed write is logged and the iteration is reported committed but not persisted; the
+next commits try again, spaced by an exponential back-off (a full disk is not hammered
+every iteration), and the first write that works persists the newest state, which makes
+the unpersisted ones before it moot. After every write that works, old checkpoints are
+pruned: the newest `keep_last` stay, and with `keep_every` M also every iteration that
+is a multiple of M (for good). A replay (retry=False) stops at the first failure
+instead: there is no later moment at which the file could be written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, save_checkpoint
+
+log = logging.getLogger("ckptd")
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+_NAME = re.compile(r"iter_(\d{6,})\.pt")
+
+
+class CheckpointKeeper:
+    def __init__(self, out: str | Path, keep_last: int | None = None, keep_every: int | None = None,
+                 retry: bool = False, clock=time.monotonic):
+        self.out = Path(out)
+        self.out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.keep_last, self.keep_every, self.retry = keep_last, keep_every, retry
+        self.clock = clock
+        self.last_persisted: int | None = None
+        self.newest_unpersisted: int | None = None  # committed after last_persisted, not on disk
+        self.not_persisted = 0  # commits whose own file was never written
+        self.failures = 0  # write attempts that failed
+        self.last_error: str | None = None
+        self.pruned = 0
+        self._backoff = 0.0
+        self._next_try = 0.0
+
+    @property
+    def failing(self) -> bool:
+        return self.newest_unpersisted is not None
+
+    def write(self, iteration: int, model: dict, optimizer: dict | None, force: bool = False) -> bool:
+        """Persist one committed iteration's state; True once its file is in place.
+        While backing off after a failure, returns False without trying (unless force)."""
+        now = self.clock()
+        if self.failing and not force and now < self._next_try:
+            self._missed(iteration)
+            return False
+        try:
+            save_checkpoint(self.out / checkpoint_name(iteration), iteration, model, optimizer)
+        except CheckpointWriteError as e:
+            if not self.retry:
+                raise
+            self.failures += 1
+            self.last_error = str(e)
+            self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self._backoff))
+            self._next_try = now + self._backoff
+            self._missed(iteration)
+            log.warning("checkpoint not written", extra={"fields": {
+                "iteration": iteration, "error": self.last_error, "errno": e.errno,
+                "retry_in_s": self._backoff}})
+            return False
+        if self.failing:
+            log.warning("checkpoints written again", extra={"fields": {
+                "iteration": iteration, "not_persisted": self.not_persisted}})
+        self.last_persisted, self.newest_unpersisted = iteration, None
+        self._backoff = 0.0
+        self.prune()
+        return True
+
+    def _missed(self, iteration: int):
+        if self.newest_unpersisted != iteration:
+            self.not_persisted += 1
+        self.newest_unpersisted = iteration
+
+    def prune(self) -> list[int]:
+        """Remove checkpoints the retention policy does not keep; the iterations removed.
+        Only files named iter_NNNNNN.pt in the directory are considered."""
+        if self.keep_last is None:
+            return []
+        its = sorted(int(m.group(1)) for p in self.out.iterdir() if (m := _NAME.fullmatch(p.name)))
+        keep = set(its[-self.keep_last:])
+        if self.keep_every:
+            keep |= {i for i in its if i % self.keep_every == 0}
+        gone = []
+        for i in its:
+            if i not in keep:
+                try:
+                    os.unlink(self.out / checkpoint_name(i))
+                    gone.append(i)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("cannot prune checkpoint", extra={"fields": {
+                        "iteration": i, "error": e.strerror}})
+        self.pruned += len(gone)
+        return gone
+
+    def status(self) -> dict:
+        """For /status: whether writes work, what is on disk, what is not."""
+        retry = max(0.0, self._next_try - self.clock()) if self.failing else None
+        return {"state": "failing" if self.failing else "ok",
+                "last_persisted": self.last_persisted,
+                "newest_not_persisted": self.newest_unpersisted,
+                "not_persisted": self.not_persisted, "write_failures": self.failures,
+                "last_error": self.last_error, "retry_in_s": None if retry is None else round(retry, 3),
+                "pruned": self.pruned, "keep_last": self.keep_last, "keep_every": self.keep_every}

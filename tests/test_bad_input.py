@@ -1,0 +1,450 @@
+"""Bad input from outside, through the command line: every case exits 2 with one
+`error:` line on stderr naming the culprit, and never a traceback (issue 13, item 3).
+
+Each case is (id, what to break, the text the error line must contain); the scenario
+directory is a tiny synthesized job (plan.json, init.pt, mirrors/) and each case writes
+its broken file next to it. Every case runs through `ckptd.cli.main` in this process
+(what `python -m ckptd` calls; an escaping exception fails the test as a traceback
+would), and a selection of them through a real `python -m ckptd` as well (a fresh
+interpreter importing torch takes seconds on a loaded machine: the whole table that
+way would take many minutes).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import synth
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bad-input")
+    synth(d, iterations=1, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16)
+    return d
+
+
+class _Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def ckptd_main(capsys, *argv):
+    """`ckptd ARGV` in this process: exit status, stdout, stderr."""
+    from ckptd.cli import main
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return _Result(rc, out, err)
+
+
+def ckptd(*argv, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("CKPTD_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "ckptd", *map(str, argv)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -- plans ------------------------------------------------------------------------------
+def _plan(d: Path, change, name: str) -> Path:
+    doc = json.loads((d / "plan.json").read_text())
+    if callable(change):
+        doc = copy.deepcopy(doc)
+        change(doc)
+    else:
+        doc = change
+    p = d / f"plan-{name}.json"
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return p
+
+
+def _set(path: str, value):
+    """A change that sets doc[k1][k2]... = value (ints index lists); DELETE removes it."""
+    def change(doc):
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = doc
+        for k in keys[:-1]:
+            node = node[k]
+        if value is DELETE:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+    return change
+
+
+DELETE = object()
+
+
+def _merge_rebuilt(doc):
+    rb = doc["buckets"]["rebuilt"]
+    rb[0]["params"] += rb.pop(1)["params"]
+
+
+def _swap_rebuilt(doc):
+    rb = doc["buckets"]["rebuilt"]
+    rb[0]["params"].append(rb[1]["params"][0])  # one parameter twice
+
+
+def _schedule(kind, **kw):
+    return _set("optimizer.lr_schedule", {"kind": kind, **kw})
+
+
+PLAN_CASES = [
+    ("no-shape", _set("parameters.0.shape", DELETE), "parameters[0] is missing 'shape'"),
+    ("huge-shape", _set("parameters.0.shape", [1 << 20, 1 << 20]), "parameters[0].shape"),
+    ("shape-str", _set("parameters.0.shape", "64x64"), "parameters[0].shape must be a list"),
+    ("shape-neg", _set("parameters.0.shape", [-1, 4]), "parameters[0].shape[0]"),
+    ("shape-float", _set("parameters.0.shape", [2.5, 4]), "parameters[0].shape[0] must be an integer"),
+    ("dims", _set("parameters.0.shape", [1] * 20), "dimensions"),
+    ("name-int", _set("parameters.0.name", 7), "parameters[0].name must be a string"),
+    ("iterations-float", _set("iterations", 1e12), "iterations must be an integer"),
+    ("iterations-huge", _set("iterations", 10 ** 15), "iterations is 1000000000000000"),
+    ("iterations-str", _set("iterations", "many"), "iterations must be an integer"),
+    ("lr-negative", _set("optimizer.lr", -1), "optimizer.lr"),
+    ("lr-str", _set("optimizer.lr", "fast"), "optimizer.lr must be a number"),
+    ("beta-one", _set("optimizer.betas", [0.9, 1.0]), "optimizer.betas"),
+    ("betas-three", _set("optimizer.betas", [0.9, 0.99, 0.5]), "optimizer.betas must be two"),
+    ("eps-zero", _set("optimizer.eps", 0), "optimizer.eps"),
+    ("wd-negative", _set("optimizer.weight_decay", -0.1), "optimizer.weight_decay"),
+    ("total-steps-zero", _schedule("linear", warmup_steps=0, total_steps=0), "optimizer.lr_schedule.total_steps"),
+    ("total-steps-missing", _schedule("cosine"), "optimizer.lr_schedule.total_steps"),
+    ("warmup-over", _schedule("linear", warmup_steps=9, total_steps=3), "optimizer.lr_schedule.warmup_steps"),
+    ("schedule-kind", _schedule("step"), "optimizer.lr_schedule.kind"),
+    ("opt-kind", _set("optimizer.kind", "sgd"), "optimizer.kind"),
+    ("max-grad-norm", _set("optimizer.max_grad_norm", -1), "optimizer.max_grad_norm"),
+    ("nranks-huge", _set("ring.nranks", 100000), "ring.nranks"),
+    ("nranks-str", _set("ring.nranks", "2"), "ring.nranks must be an integer"),
+    ("channels-huge", _set("ring.rings", [[0, 1]] * 1000), "ring.rings lists 1000 channels"),
+    ("ring-bad-rank", _set("ring.rings", [[0, 7]]), "ring.rings[0]"),
+    ("threads-huge", _set("ring.max_threads", 10 ** 9), "ring.max_threads"),
+    ("buffsize-huge", _set("ring.buffsize", 1 << 40), "ring.buffsize"),
+    ("mtu", _set("ring.mtu", 1500), "MTU 1500"),
+    ("nccl-version", _set("ring.nccl_version", "two"), "ring.nccl_version"),
+    ("rebuilt-merged", _merge_rebuilt, "bucket-cap rule"),
+    ("rebuilt-twice", _swap_rebuilt, "exactly once"),
+    ("bucket-unknown", _set("buckets.first.0.params", ["nope"]), "unknown parameter 'nope'"),
+    ("buckets-str", _set("buckets", "all"), "buckets must be an object"),
+    ("addr", _set("ranks.0.addr", "not-an-ip"), "not-an-ip"),
+    ("rank-missing", _set("ranks", [{"rank": 0, "addr": "10.0.0.1"}]), "ranks must list ranks 0..1"),
+    ("mirror-dir", _set("mirrors", [{"rank": 0, "direction": "up"}]), "mirrors[0].direction"),
+    ("transport", _set("transport", "carrier-pigeon"), "transport"),
+    ("format", _set("format", "other"), "not a ckptd plan"),
+    ("start-iteration", _set("start_iteration", 5), "start_iteration 5 is not below iterations"),
+    ("not-json", "{nope", "cannot read plan"),
+    ("a-list", "[1, 2]", "must be an object"),
+    ("deep", "[" * 100000 + "]" * 100000, "plan"),
+]
+
+
+def _prepare_plan(d, name, change):
+    plan = _plan(d, change, name)
+    return ["replay", "--plan", plan, "--init", d / "init.pt", *sorted((d / "mirrors").glob("*.pcap"))], str(plan)
+
+
+@pytest.mark.parametrize("name,change,message", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_bad_plan(scenario, capsys, name, change, message):
+    _run_case(scenario, capsys, "plan", name, message)
+
+
+# -- init / checkpoints -------------------------------------------------------------------
+def _init(d: Path, name: str, change) -> Path:
+    p = d / f"init-{name}.pt"
+    if isinstance(change, bytes):
+        p.write_bytes(change)
+        return p
+    doc = torch.load(d / "init.pt", weights_only=True)
+    change(doc)
+    torch.save(doc, p)
+    return p
+
+
+def _first_param(doc):
+    return next(iter(doc["model"]))
+
+
+INIT_CASES = [
+    ("missing", None, "cannot read checkpoint"),
+    ("empty", b"", "cannot read checkpoint"),
+    ("garbage", b"\x00garbage" * 100, "cannot read checkpoint"),
+    ("not-ckptd", lambda doc: doc.update(format="other"), "not a ckptd checkpoint"),
+    ("iteration-str", lambda doc: doc.update(iteration="zero"), "iteration must be an integer"),
+    ("iteration-past-end", lambda doc: doc.update(iteration=99), "holds iteration 99"),
+    ("shape", lambda doc: doc["model"].update({_first_param(doc): torch.zeros(3)}), "the plan says"),
+    ("param-missing", lambda doc: doc["model"].pop(_first_param(doc)), "is missing or not a tensor"),
+    ("opt-state", lambda doc: doc.update(optimizer={"state": {"x": 1}}), "optimizer.state lacks"),
+]
+
+
+def _prepare_init(d, name, change):
+    init = d / "init-missing.pt" if change is None else _init(d, name, change)
+    return ["replay", "--plan", d / "plan.json", "--init", init, *sorted((d / "mirrors").glob("*.pcap"))], str(init)
+
+
+@pytest.mark.parametrize("name,change,message", INIT_CASES, ids=[c[0] for c in INIT_CASES])
+def test_bad_init(scenario, capsys, name, change, message):
+    _run_case(scenario, capsys, "init", name, message)
+
+
+def test_init_iteration_against_plan_start(scenario, capsys):
+    """A plan that says where the job starts refuses an init of another iteration."""
+    plan = _plan(scenario, _set("start_iteration", 0), "starts-at-0")
+    init = _init(scenario, "iteration-3", lambda doc: doc.update(iteration=3))
+    r = ckptd_main(capsys, "replay", "--plan", plan, "--init", init, *sorted((scenario / "mirrors").glob("*.pcap")))
+    _one_line_error(r, str(init), "holds iteration 3, but the plan's start_iteration is 0")
+    ok = ckptd_main(capsys, "replay", "--plan", plan, "--init", scenario / "init.pt",
+                    *sorted((scenario / "mirrors").glob("*.pcap")))
+    assert ok.returncode == 0, ok.stderr
+
+
+# -- captures -----------------------------------------------------------------------------
+def _pcap_header() -> bytes:
+    return struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, 1)
+
+
+def _huge_records(n=3) -> bytes:
+    """Records whose headers claim 256 MB each (the file holds a few bytes of each)."""
+    return _pcap_header() + b"".join(struct.pack("<IIII", 0, 0, 1 << 28, 1 << 28) + b"\x00" * 64
+                                     for _ in range(n))
+
+
+CAPTURES = {
+    "missing": None,
+    "empty": b"",
+    "garbage": b"not a capture at all",
+    "header-only-truncated": _pcap_header()[:10],
+    "record-truncated": _pcap_header() + struct.pack("<IIII", 0, 0, 100, 100) + b"\x00" * 10,
+    "huge-record": _huge_records(),
+    "pcapng-bad-block": b"\x0a\x0d\x0d\x0a" + struct.pack("<I", 7) + b"\x4d\x3c\x2b\x1a",
+}
+CAPTURE_MESSAGE = {
+    "missing": "No such file", "empty": "neither pcap nor pcapng", "garbage": "neither pcap nor pcapng",
+    "header-only-truncated": "header truncated", "record-truncated": "frame 1: record truncated",
+    "huge-record": "frame 1: captured length 268435456 is more than the largest snaplen",
+    "pcapng-bad-block": "bad block length 7",
+}
+
+
+def _capture(d: Path, name: str) -> Path:
+    p = d / f"cap-{name}.pcap"
+    if CAPTURES[name] is not None:
+        p.write_bytes(CAPTURES[name])
+    return p
+
+
+def _prepare_capture(d, name, _):
+    cap = _capture(d, name)
+    return ["inspect", cap], str(cap)
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURES))
+def test_inspect_fails_on_unreadable_capture(scenario, capsys, name):
+    _run_case(scenario, capsys, "capture", name, CAPTURE_MESSAGE[name])
+
+
+def test_inspect_reports_every_file_and_fails_if_one_is_bad(scenario, capsys):
+    good = sorted((scenario / "mirrors").glob("*.pcap"))[0]
+    bad = _capture(scenario, "garbage")
+    r = ckptd_main(capsys, "inspect", good, bad)
+    _one_line_error(r, str(bad), "neither pcap nor pcapng")
+    assert str(good) in r.stdout  # the good file's table is still printed
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_replay_huge_records_are_a_capture_error(scenario, capsys, fast):
+    """Records claiming 256 MB end the file with an error naming the frame; nothing
+    sized from the claim is allocated (the run stays small and quick)."""
+    cap = _capture(scenario, "huge-record")
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", *(["--fast"] if fast else []), cap)
+    assert "Traceback" not in r.stderr
+    assert "frame 1: captured length 268435456 is more than the largest snaplen" in r.stdout
+
+
+# -- command-line arguments ---------------------------------------------------------------
+def _pcap0(d):
+    return sorted((d / "mirrors").glob("*.pcap"))[0]
+
+
+def _fifo(d):
+    p = d / "stream.fifo"
+    if not p.exists():
+        os.mkfifo(p)
+    return p
+
+
+ARG_CASES = [
+    ("same-capture-twice", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _pcap0(d)], "the same capture as"),
+    ("fifo-twice", lambda d: ["replay", "--plan", d / "plan.json", _fifo(d), _fifo(d)], "the same capture as"),
+    ("capture-missing", lambda d: ["replay", "--plan", d / "plan.json", d / "nope.pcap"], "nope.pcap"),
+    ("plan-missing", lambda d: ["replay", "--plan", d / "nope.json", _pcap0(d)], "nope.json"),
+    ("join-from-negative", lambda d: ["replay", "--plan", d / "plan.json", "--join-from", "-1", _pcap0(d)], "--join-from"),
+    ("synth-iterations", lambda d: ["synth", "--out", d / "s", "--iterations", "1e12"], "--iterations"),
+    ("synth-iterations-huge", lambda d: ["synth", "--out", d / "s", "--iterations", str(10 ** 12)], "--iterations"),
+    ("synth-loss", lambda d: ["synth", "--out", d / "s", "--loss", "nan"], "--loss"),
+    ("synth-ranks", lambda d: ["synth", "--out", d / "s", "--ranks", "1"], "--ranks"),
+    ("plan-model", lambda d: ["plan", "--model", "no_such_module:f", "--ranks", "2", "--out", d / "p.json"], "cannot import"),
+    ("plan-model-attr", lambda d: ["plan", "--model", "json:no_such_fn", "--ranks", "2", "--out", d / "p.json"], "has no 'no_such_fn'"),
+    ("plan-model-spec", lambda d: ["plan", "--model", "json", "--ranks", "2", "--out", d / "p.json"], "module:function"),
+    ("verify-missing", lambda d: ["verify", d / "nope.pt", d / "init.pt"], "nope.pt"),
+    ("verify-garbage", lambda d: ["verify", _capture(d, "garbage"), d / "init.pt"], "cannot read checkpoint"),
+    ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),
+    ("unknown-option", lambda d: ["inspect", "--colour", _pcap0(d)], "--colour"),
+    ("run-config-missing", lambda d: ["run", "--config", d / "nope.yaml"], "nope.yaml"),
+    ("risk-mirrors", lambda d: ["mirror-risk", "--mirrors", "two", "--loss", "0.1", "--ring", "4"], "--mirrors"),
+]
+
+
+def _prepare_args(d, name, argv):
+    return argv(d), None
+
+
+@pytest.mark.parametrize("name,argv,message", ARG_CASES, ids=[c[0] for c in ARG_CASES])
+def test_bad_arguments(scenario, capsys, name, argv, message):
+    _run_case(scenario, capsys, "args", name, message)
+
+
+# -- daemon configs -------------------------------------------------------------------------
+def _config(d: Path, name: str, text: str) -> Path:
+    p = d / f"cfg-{name}.yaml"
+    p.write_text(f"plan: plan.json\ninit: init.pt\nout: ckpt\n{text}")
+    return p
+
+
+IF = "interfaces:\n  - ifname: hdnone0\n"
+CONFIG_CASES = [
+    ("block-size-unit", IF + "    block_size: 4X\n", "interfaces[0].block_size"),
+    ("block-size-page", IF + "    block_size: 5000\n", "interfaces[0].block_size"),
+    ("block-size-list", IF + "    block_size: [1]\n", "interfaces[0].block_size"),
+    ("block-nr-huge", IF + "    block_nr: 100000\n", "interfaces[0].block_nr"),
+    ("ring-memory", IF + "    block_size: 64M\n    block_nr: 4096\n", "block_nr"),
+    ("ring-memory-cap", "max_ring_memory: 16M\n" + IF + "    block_size: 4M\n    block_nr: 8\n", "max_ring_memory"),
+    ("frame-size", IF + "    frame_size: 100\n", "interfaces[0].frame_size"),
+    ("snaplen", IF + "    snaplen: 1000000000\n", "interfaces[0].snaplen"),
+    ("retire", IF + "    retire_ms: -5\n", "interfaces[0].retire_ms"),
+    ("fanout-mode", IF + "    fanout_mode: random\n", "interfaces[0].fanout_mode"),
+    ("netns-path", IF + "    netns: ../../etc\n", "interfaces[0].netns"),
+    ("netns-slash", IF + "    netns: /run/netns/x\n", "interfaces[0].netns"),
+    ("ifname-long", "interfaces:\n  - ifname: averyveryverylongname\n", "interfaces[0].ifname"),
+    ("ifname-slash", "interfaces:\n  - ifname: eth0/1\n", "interfaces[0].ifname"),
+    ("ifname-int", "interfaces:\n  - ifname: 5\n", "interfaces[0].ifname"),
+    ("same-interface", IF + "  - ifname: hdnone0\n", "again"),
+    ("unknown-if-key", IF + "    colour: red\n", "unknown keys"),
+    ("no-interfaces", "interfaces: []\n", "interfaces"),
+    ("listen-port", IF + "listen: 127.0.0.1:99999\n", "listen"),
+    ("listen-v6-bare", IF + "listen: '::1:9187'\n", "brackets"),
+    ("listen-v6-bad", IF + "listen: '[::zz]:0'\n", "not an IPv6 address"),
+    ("listen-garbage", IF + "listen: 'a b:1'\n", "listen"),
+    ("log-level", IF + "log_level: loud\n", "log_level"),
+    ("fast-str", IF + "fast: 'yes'\n", "'fast' must be true or false"),
+    ("join-from", IF + "join_from: soon\n", "join_from"),
+    ("keep-last", IF + "keep_last: 0\n", "keep_last"),
+    ("keep-every", IF + "keep_every: x\n", "keep_every"),
+    ("user", IF + "user: 'root;rm'\n", "user"),
+    ("group-alone", IF + "group: nogroup\n", "group"),
+    ("unknown-key", IF + "colour: red\n", "unknown keys"),
+    ("plan-int", IF.replace("interfaces", "interfaces") + "plan: 5\n", "plan"),
+    ("yaml-syntax", "interfaces: [\n  {ifname: x\n", "cannot read config"),
+    ("not-mapping", None, "must be a mapping"),
+]
+
+
+def _prepare_config(d, name, text):
+    if text is None:
+        cfg = d / "cfg-list.yaml"
+        cfg.write_text("- 1\n- 2\n")
+    elif name == "plan-int":
+        cfg = d / "cfg-plan-int.yaml"
+        cfg.write_text("plan: 5\ninit: init.pt\nout: ckpt\n" + IF)
+    else:
+        cfg = _config(d, name, text)
+    return ["run", "--config", cfg], str(cfg)
+
+
+@pytest.mark.parametrize("name,text,message", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_bad_daemon_config(scenario, capsys, name, text, message):
+    _run_case(scenario, capsys, "config", name, message)
+
+
+TABLES = {"plan": (PLAN_CASES, _prepare_plan), "init": (INIT_CASES, _prepare_init),
+          "capture": ([(n, n, None) for n in sorted(CAPTURES)], _prepare_capture),
+          "args": (ARG_CASES, _prepare_args), "config": (CONFIG_CASES, _prepare_config)}
+
+
+def _case(table: str, name: str):
+    cases, prepare = TABLES[table]
+    _, arg, message = next(c for c in cases if c[0] == name)
+    return prepare, arg, message
+
+
+def _run_case(d, capsys, table, name, message):
+    prepare, arg, _ = _case(table, name)
+    argv, culprit = prepare(d, name, arg)
+    _one_line_error(ckptd_main(capsys, *argv), culprit, message)
+
+
+# the headline cases of issue 13, through a real `python -m ckptd`
+THROUGH_PYTHON_M = [("plan", "no-shape"), ("plan", "iterations-float"), ("plan", "huge-shape"),
+                    ("init", "garbage"), ("config", "block-size-unit"), ("config", "block-nr-huge"),
+                    ("config", "listen-v6-bad"), ("args", "fifo-twice"), ("args", "synth-iterations-huge"),
+                    ("capture", "huge-record"), ("capture", "missing")]
+
+
+@pytest.mark.parametrize("table,name", THROUGH_PYTHON_M, ids=[f"{t}-{n}" for t, n in THROUGH_PYTHON_M])
+def test_through_python_dash_m(scenario, table, name):
+    prepare, arg, message = _case(table, name)
+    if table == "capture":
+        message = CAPTURE_MESSAGE[name]
+    argv, culprit = prepare(scenario, name, arg)
+    _one_line_error(ckptd(*argv), culprit, message)
+
+
+@pytest.mark.parametrize("listen,message", [("[::1", "--listen"), ("localhost:x", "--listen"),
+                                            ("1.2.3.4:70000", "--listen")])
+def test_bad_listen_argument(scenario, capsys, listen, message):
+    r = ckptd_main(capsys, "run", "--config", _config(scenario, "ok", IF), "--listen", listen)
+    _one_line_error(r, None, message)
+
+
+def test_daemon_refuses_bad_init_and_plan_before_capturing(scenario, capsys):
+    bad_init = _init(scenario, "garbage", b"\x00garbage" * 100)
+    cfg = scenario / "cfg-bad-init.yaml"
+    cfg.write_text(f"plan: plan.json\ninit: {bad_init.name}\nout: ckpt\n{IF}")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(bad_init), "cannot read checkpoint")
+    plan = _plan(scenario, _set("optimizer.lr", -1), "daemon-lr")
+    cfg.write_text(f"plan: {plan.name}\ninit: init.pt\nout: ckpt\n{IF}")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(plan), "optimizer.lr")
+
+
+def test_closed_stdout_is_not_a_traceback(scenario):
+    """`ckptd inspect x | head -1`: the reader goes away; ckptd ends quietly."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-m", "ckptd", "inspect", *sorted((scenario / "mirrors").glob("*.pcap"))],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert p.returncode == 0
+
+
+def _one_line_error(r: subprocess.CompletedProcess, culprit: str | None = None, message: str = ""):
+    lines = r.stderr.splitlines()
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert message in lines[0], lines[0]
+    if culprit is not None:
+        assert culprit in lines[0], lines[0]

@@ -1,0 +1,122 @@
+"""The daemon survives its checkpoint disk (issue 13, item 4): a small tmpfs as `out`
+fills mid-run; capture and commits go on (reported committed, not persisted), /status
+says the writes fail, and when space returns the newest state is written, old ones are
+pruned to keep_last, and every file written is bit-identical to the trainer's. Also:
+SIGHUP does not stop the daemon."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from ckptd.core import keep
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.live.daemon import Daemon, load_config
+from ckptd.pipeline import file_source
+
+from helpers import pcaps, synth
+
+ITERATIONS = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("disk")
+    synth(d, ranks=2, channels=1, mtu=1024, iterations=ITERATIONS, mirrors=2)
+    return d
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / f"hd-ck-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _fill(path):
+    """Write until the file system is full; the filler's path."""
+    filler = path / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def test_full_disk_mid_run_capture_goes_on_and_writes_resume(run, tmpfs, tmp_path, monkeypatch):
+    monkeypatch.setattr(keep, "BACKOFF_FIRST_S", 0.0)  # retry at every commit (back-off: test_keep.py)
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmpfs}\n"
+                   "listen: 127.0.0.1:0\nkeep_last: 3\ninterfaces:\n"
+                   "  - {name: mirror0, ifname: m0}\n  - {name: mirror1, ifname: m1}\n")
+    daemon = Daemon(load_config(cfg))
+    seen = {}
+
+    def committed():
+        return [r.iteration for r in daemon.pipe.reports if r.status == "committed"]
+
+    def source():
+        filler = None
+        for item in file_source(pcaps(run), []):
+            done = committed()
+            if filler is None and done and done[-1] >= 1 and "full" not in seen:
+                filler = _fill(tmpfs)
+                seen["full"] = done[-1]
+            if filler is not None and done and done[-1] >= seen["full"] + 3:
+                seen["status"] = json.loads(urllib.request.urlopen(
+                    f"http://127.0.0.1:{daemon.address[1]}/status").read())
+                os.unlink(filler)  # space returns
+                filler = None
+            yield item
+
+    rc = daemon.run(source=source(), install_signals=False)
+    reps = {r.iteration: r for r in daemon.pipe.reports}
+    assert rc == 0 and committed() == list(range(ITERATIONS))
+    full = seen["full"]
+    unpersisted = [i for i, r in reps.items() if r.persisted is False]
+    assert unpersisted == list(range(full + 1, full + 4)), [(i, r.persisted) for i, r in reps.items()]
+    assert all(reps[i].persisted for i in range(ITERATIONS) if i not in unpersisted)
+    st = seen["status"]["checkpoints"]
+    assert st["state"] == "failing" and st["last_persisted"] == full
+    assert "No space left on device" in st["last_error"], st
+    # keep_last 3: only the newest three remain, each exactly the trainer's
+    names = sorted(p.name for p in tmpfs.iterdir())
+    assert names == [checkpoint_name(i) for i in range(ITERATIONS - 3, ITERATIONS)], names
+    for name in names:
+        assert (os.stat(tmpfs / name).st_mode & 0o777) == 0o600
+        assert diff_checkpoints(load_checkpoint(tmpfs / name), load_checkpoint(run / "reference" / name)) == []
+
+
+def test_sighup_is_ignored(run, tmp_path):
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
+                   "listen: 127.0.0.1:0\ninterfaces:\n  - {name: mirror0, ifname: m0}\n")
+    daemon = Daemon(load_config(cfg))
+    daemon.install_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)  # would end the process with the default action
+        time.sleep(0.1)
+        assert not daemon.stop.is_set()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert daemon.stop.is_set()
+    finally:
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)

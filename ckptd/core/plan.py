@@ -22,6 +22,14 @@ from ckptd.errors import CkptdError
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8")
+# plan optimizer kind -> the torch.optim class the trainer steps (each has a functional form
+# that its step() calls; ckptd.core.optim.STEPS calls the same)
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad",
+                     "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
+                     "asgd": "ASGD", "adadelta": "Adadelta", "rprop": "Rprop"}
+# DDP communication hooks ckptd decodes: hook -> the dtype its allreduce puts on the wire
+COMM_HOOKS = {"allreduce": None, "fp16_compress": "float16", "bf16_compress": "bfloat16"}
+GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 class PlanError(CkptdError, ValueError):
@@ -51,7 +59,7 @@ class BucketLayout:
 
 @dataclass(frozen=True)
 class Optimizer:
-    kind: str = "adamw"  # adam | adamw
+    kind: str = "adamw"  # a key of OPTIMIZER_CLASSES
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -60,6 +68,31 @@ class Optimizer:
     implementation: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: dict = field(default_factory=lambda: {"kind": "constant"})
     max_grad_norm: float | None = None
+    # torch's param_groups: {"params": [names], hyperparameter: value, ...}; empty: one
+    # group of every parameter with the fields above (adam/adamw plans before groups)
+    groups: tuple = ()
+    lr_scheduler: dict | None = None  # {"class": "StepLR", "args": {...}}: replayed by torch
+    grad_scaler: dict | None = None  # GradScaler settings: the wire carries scaled gradients
+
+    def legacy_hyperparameters(self) -> dict:
+        """The one group a plan without `groups` describes, as torch's constructor takes it."""
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay, "amsgrad": self.amsgrad,
+                "foreach": self.implementation == "foreach",
+                "fused": True if self.implementation == "fused" else None}
+
+    def to_json(self) -> dict:
+        doc = {"kind": self.kind, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+               "weight_decay": self.weight_decay, "amsgrad": self.amsgrad,
+               "implementation": self.implementation, "lr_schedule": dict(self.lr_schedule),
+               "max_grad_norm": self.max_grad_norm}
+        if self.groups:
+            doc["groups"] = [dict(g) for g in self.groups]
+        if self.lr_scheduler is not None:
+            doc["lr_scheduler"] = dict(self.lr_scheduler)
+        if self.grad_scaler is not None:
+            doc["grad_scaler"] = dict(self.grad_scaler)
+        return doc
 
 
 @dataclass(frozen=True)
@@ -87,6 +120,7 @@ class Plan:
     iterations: int | None = None
     transport: str = "roce"  # roce: NCCL over RoCEv2 | gloo: torch.distributed gloo over TCP
     rebuilt_learn: bool = False  # buckets.rebuilt is "learn": taken from the wire (gloo only)
+    comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -120,7 +154,10 @@ class Plan:
         return b.count
 
     def bucket_dtype(self, b: BucketLayout) -> str:
-        return self.param(b.params[0]).dtype if b.params else b.dtype
+        """The dtype on the wire: a compression hook's, else the parameters'."""
+        if b.params:
+            return COMM_HOOKS[self.comm_hook] or self.param(b.params[0]).dtype
+        return b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
         return RingSchedule(self.ring, self.buckets(iteration))
@@ -158,14 +195,7 @@ class Plan:
                 "qps_per_connection": r.qps_per_connection,
                 "split_data_on_qps": r.split_data_on_qps, "mtu": r.mtu,
             },
-            "optimizer": None if self.optimizer is None else {
-                "kind": self.optimizer.kind, "lr": self.optimizer.lr,
-                "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
-                "weight_decay": self.optimizer.weight_decay, "amsgrad": self.optimizer.amsgrad,
-                "implementation": self.optimizer.implementation,
-                "lr_schedule": dict(self.optimizer.lr_schedule),
-                "max_grad_norm": self.optimizer.max_grad_norm,
-            },
+            "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
             "ranks": [{"rank": i, "addr": a} for i, a in enumerate(self.addresses)],
             "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction}
                         for m in self.mirrors],
@@ -174,6 +204,8 @@ class Plan:
             doc["iterations"] = self.iterations
         if self.transport != "roce":
             doc["transport"] = self.transport
+        if self.comm_hook != "allreduce":
+            doc["comm_hook"] = self.comm_hook
         return doc
 
     def save(self, path: str | Path):
@@ -278,9 +310,21 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
             amsgrad=bool(opt.get("amsgrad", False)),
             implementation=opt.get("implementation", "foreach"),
             lr_schedule=dict(opt.get("lr_schedule") or {"kind": "constant"}),
-            max_grad_norm=opt.get("max_grad_norm"))
-        if optimizer.kind not in ("adam", "adamw"):
-            raise PlanError(f"{where}: optimizer.kind {optimizer.kind!r} is not supported (adam, adamw)")
+            max_grad_norm=opt.get("max_grad_norm"),
+            groups=_optimizer_groups(opt.get("groups") or [], names, where),
+            lr_scheduler=opt.get("lr_scheduler"), grad_scaler=opt.get("grad_scaler"))
+        if optimizer.kind not in OPTIMIZER_CLASSES:
+            raise PlanError(f"{where}: optimizer.kind {optimizer.kind!r} is not supported "
+                            f"({', '.join(OPTIMIZER_CLASSES)})")
+        if not optimizer.groups and optimizer.kind not in ("adam", "adamw"):
+            raise PlanError(f"{where}: optimizer.kind {optimizer.kind!r} needs optimizer.groups")
+        sch = optimizer.lr_scheduler
+        if sch is not None and (not isinstance(sch, dict) or not isinstance(sch.get("class"), str)
+                                or not isinstance(sch.get("args", {}), dict)):
+            raise PlanError(f"{where}: optimizer.lr_scheduler must be {{\"class\": name, \"args\": {{...}}}}")
+        gs = optimizer.grad_scaler
+        if gs is not None and (not isinstance(gs, dict) or set(gs) - set(GRAD_SCALER_KEYS)):
+            raise PlanError(f"{where}: optimizer.grad_scaler takes only {', '.join(GRAD_SCALER_KEYS)}")
         if optimizer.implementation not in ("for-loop", "foreach", "fused"):
             raise PlanError(f"{where}: optimizer.implementation must be for-loop, foreach or fused")
         if not params:
@@ -305,5 +349,26 @@ def plan_from_json(doc: dict, where: str = "plan") -> Plan:
         raise PlanError(f"{where}: transport {transport!r} is not one of roce, gloo")
     if learn and (transport != "gloo" or not params):
         raise PlanError(f'{where}: buckets.rebuilt "learn" needs transport gloo and parameters')
+    hook = doc.get("comm_hook", "allreduce")
+    if hook not in COMM_HOOKS:
+        raise PlanError(f"{where}: comm_hook {hook!r} is not one of {', '.join(COMM_HOOKS)}")
     return Plan(tuple(params), first, rebuilt, ring, optimizer, addrs, tuple(mirrors),
-                doc.get("iterations"), transport, learn)
+                doc.get("iterations"), transport, learn, hook)
+
+
+def _optimizer_groups(groups: list, names: list[str], where: str) -> tuple:
+    """optimizer.groups: every parameter in exactly one group; hyperparameters are
+    checked by torch itself when the shadow builds them (ckptd.core.optim.full_groups)."""
+    if not groups:
+        return ()
+    seen: list[str] = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise PlanError(f"{where}: optimizer.groups[{i}] needs a list of parameter names")
+        unknown = [n for n in g["params"] if n not in names]
+        if unknown:
+            raise PlanError(f"{where}: optimizer.groups[{i}] names unknown parameters {unknown[:5]}")
+        seen += g["params"]
+    if sorted(seen) != sorted(names):
+        raise PlanError(f"{where}: optimizer.groups must hold every parameter exactly once")
+    return tuple(dict(g) for g in groups)

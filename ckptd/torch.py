@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
-from ckptd.core.optim import GroupSchedule, full_groups
+from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (OPTIMIZER_CLASSES, BucketLayout, Optimizer, Parameter, Plan)
 from ckptd.core.schedule import RingConfig
 from ckptd.errors import CkptdError
@@ -153,20 +153,31 @@ def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str]) -> tup
 _SCHED_SKIP = ("self", "optimizer", "last_epoch", "verbose")
 
 
-def _scheduler(scheduler, args: dict | None) -> dict | None:
+def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
     if scheduler is None:
         return None
     cls = type(scheduler)
     name = cls.__name__
     if getattr(torch.optim.lr_scheduler, name, None) is not cls:
         raise TrainerError(f"lr scheduler {cls.__module__}.{name} is not a torch.optim.lr_scheduler class")
+    if name in UNREPLAYABLE:
+        raise TrainerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE[name]}")
+    if scheduler.last_epoch != 0:
+        raise TrainerError(f"lr scheduler {name} has stepped {scheduler.last_epoch} times: call "
+                           "write_plan before the first step")
     if args is None:
         args = {}
         for k, prm in inspect.signature(cls.__init__).parameters.items():
             if k in _SCHED_SKIP or prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
                 continue
+            if callable(getattr(scheduler, k, None)) and prm.default is None:
+                continue  # a default function the scheduler picked itself (CyclicLR's scale_fn)
             if hasattr(scheduler, k):
                 args[k] = _jsonable(getattr(scheduler, k), f"lr scheduler {name} {k}")
+            elif isinstance(getattr(scheduler, k + "s", None), list):  # CyclicLR's base_lrs, max_lrs
+                args[k] = _jsonable(getattr(scheduler, k + "s"), f"lr scheduler {name} {k}")
+            elif all(k in g for g in optimizer.param_groups):  # OneCycleLR's max_lr, momenta
+                args[k] = [_jsonable(g[k], f"lr scheduler {name} {k}") for g in optimizer.param_groups]
             elif prm.default is inspect.Parameter.empty:
                 raise TrainerError(f"lr scheduler {name}: argument {k!r} is not readable from the "
                                    "scheduler; pass scheduler_args={...} to write_plan")
@@ -190,7 +201,7 @@ def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
     if scheduler is not None and replay.sched is not None:
         a, b = scheduler.state_dict(), replay.sched.state_dict()
         for k in a:
-            if k.startswith("_") or callable(a[k]) or k in ("base_lrs",):
+            if callable(a[k]):
                 continue
             if _jsonable_or_none(a[k]) != _jsonable_or_none(b.get(k)):
                 raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed {k} is "
@@ -266,7 +277,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
     kind, groups = _optimizer(optimizer, names_of, names)
     opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
-                    lr_scheduler=_scheduler(scheduler, scheduler_args), grad_scaler=_scaler(scaler),
+                    lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
                     max_grad_norm=max_grad_norm)
     _check_replay(opt, names, optimizer, scheduler)
     first = _layout(ddp, names_of)

@@ -11,7 +11,10 @@ jobs to keep the suite short:
            and norms), StepLR, clip_grad_norm_
     amp:   AdamW, fp16 autocast with a GradScaler (skipped steps, backoff and growth),
            the fp16 compression hook, gradient accumulation under no_sync, CosineAnnealingLR
-    bf16:  RMSprop (momentum, centered), the bf16 compression hook, two groups, OneCycleLR
+    rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
+
+DDP refuses the bf16 compression hook without CUDA and NCCL, so bf16 on the wire is
+tested through the RoCE path with synthesized traffic (tests/test_replay_synth.py).
 """
 from __future__ import annotations
 
@@ -31,11 +34,11 @@ JOBS = {
     "sgd": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--nesterov",
             "--weight-decay", "0.01", "--no-decay-group", "--scheduler", "StepLR:step_size=3,gamma=0.5",
             "--clip", "0.5"],
-    "amp": ["--optimizer", "AdamW", "--lr", "0.003", "--amp", "--init-scale", "16777216",
+    "amp": ["--optimizer", "AdamW", "--lr", "0.003", "--amp", "--init-scale", "1048576",
             "--growth-interval", "3", "--hook", "fp16", "--accumulate", "2",
             "--scheduler", "CosineAnnealingLR:T_max=10,eta_min=0.0001"],
-    "bf16": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
-             "--hook", "bf16", "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
+    "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
+                "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
 }
 
 
@@ -125,14 +128,14 @@ def test_amp_fp16_hook_accumulation_cosine(jobs):
     scales = [float(load_checkpoint(run / "rank0" / checkpoint_name(i))["optimizer"]["grad_scaler"]["scale"])
               for i in range(ITERATIONS)]
     # the job really skipped steps and backed off, and grew the scale again
-    assert any(b < a for a, b in zip(scales, scales[1:])) or scales[0] < 16777216
+    assert any(b < a for a, b in zip(scales, scales[1:])) and scales[0] < 1048576
     assert any(b > a for a, b in zip(scales, scales[1:])), scales
 
 
-def test_rmsprop_bf16_hook_onecycle(jobs):
-    run, pcap = jobs("bf16")
+def test_rmsprop_two_groups_onecycle(jobs):
+    run, pcap = jobs("rmsprop")
     plan, pipe = _replay_exact(run, pcap)
-    assert plan.comm_hook == "bf16_compress" and plan.optimizer.kind == "rmsprop"
+    assert plan.optimizer.kind == "rmsprop" and len(plan.optimizer.groups) == 2
     assert plan.optimizer.lr_scheduler["class"] == "OneCycleLR"
 
 

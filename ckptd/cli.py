@@ -192,46 +192,58 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    """A plan without running the job: DDP's buckets from a real (one-rank) DDP around
+    the model. A training script should call ckptd.torch.write_plan instead (docs/TRAINING.md)."""
+    import os
 
-    from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
+    from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
-    from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
-    mod, _, fn = a.model.partition(":")
-    model = getattr(importlib.import_module(mod), fn)()
-    named = list(model.named_parameters())
-    params = [p for _, p in named if p.requires_grad]
-    names = [n for n, p in named if p.requires_grad]
-    cap = int(a.bucket_cap_mb * 1024 * 1024)
-    first = first_buckets(params, cap)
-    if a.sample:
-        smod, _, sfn = a.sample.partition(":")
-        batch = getattr(importlib.import_module(smod), sfn)()
-        if not hasattr(model, "loss"):
-            model.loss = lambda b: model(b).float().sum()
-        order = grad_ready_order(model, batch)
-    else:
-        order = list(reversed(range(len(params))))  # a sequential model's backward order
-    rebuilt = rebuilt_buckets(params, order, cap)
-    major, minor = (int(x) for x in a.nccl_version.split("."))
+    from ckptd.errors import CkptdError
+    from ckptd.torch import ddp_layouts
+    sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
+
+    def load(spec: str, what: str):
+        mod, _, fn = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(mod), fn)()
+        except (ImportError, AttributeError) as e:
+            raise CkptdError(f"{what} {spec!r}: {e}") from e
     addrs = a.addr or []
     if len(addrs) != a.ranks:
-        print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
-        return 2
-    opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
-                    weight_decay=a.weight_decay, implementation=a.implementation)
-    plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(names, params)),
-                tuple(BucketLayout(tuple(names[i] for i in b)) for b in first),
-                tuple(BucketLayout(tuple(names[i] for i in b)) for b in rebuilt),
-                RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
+        raise CkptdError(f"give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)")
+    model = load(a.model, "--model")
+    batch = load(a.sample, "--sample") if a.sample else None
+    first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch)
+    if rebuilt is None and a.transport == "nccl":
+        raise CkptdError("--transport nccl needs --sample: the layout DDP rebuilds after "
+                         "iteration 0 follows the order gradients become ready")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, _ in named]
+    if a.optimizer in ("adam", "adamw"):
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
+                        weight_decay=a.weight_decay, implementation=a.implementation)
+    else:
+        hyper = {"lr": a.lr, "weight_decay": a.weight_decay, "foreach": a.implementation == "foreach"}
+        if a.optimizer in ("sgd", "rmsprop"):
+            hyper["momentum"] = a.momentum
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
+    major, minor = (int(x) for x in a.nccl_version.split("."))
+    gloo = a.transport == "gloo"
+    plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
+                first, rebuilt or first,
+                RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(1 if gloo else a.channels)),
                            a.protocol, (major, minor), mtu=a.mtu),
-                opt, tuple(addrs), tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))))
+                opt, tuple(addrs), () if gloo else tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))),
+                transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None)
     plan.save(a.out)
-    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets")
+    print(f"wrote {a.out}: {len(named)} parameters, {len(first)} first / "
+          f"{'learned from the wire' if plan.rebuilt_learn else len(plan.buckets_rebuilt)} rebuilt buckets")
     return 0
 
 
 # -- parser --------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from ckptd.core.plan import OPTIMIZER_CLASSES
     p = argparse.ArgumentParser(
         prog="ckptd", description="Per-iteration checkpoints rebuilt from mirrored RoCEv2 "
         "allreduce traffic, at no cost to the training job.")
@@ -324,9 +336,12 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_config.add_subparser(sub)
     risk.add_subparser(sub)
 
-    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP/NCCL settings")
-    pl.add_argument("--model", required=True, help="module:function returning the nn.Module")
-    pl.add_argument("--sample", help="module:function returning one input batch (for the "
+    pl = sub.add_parser("plan", help="write a plan from a torch model and DDP settings, offline "
+                        "(a training script calls ckptd.torch.write_plan instead: docs/TRAINING.md)")
+    pl.add_argument("--model", required=True, help="module:function returning the nn.Module "
+                    "(modules in the current directory are found)")
+    pl.add_argument("--sample", help="module:function returning one input batch, on which the "
+                    "model's output .sum() (or its .loss(batch)) is the loss (for the "
                     "gradient-ready order DDP rebuilds buckets in)")
     pl.add_argument("--ranks", type=int, required=True)
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
@@ -335,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nccl-version", default="2.19")
     pl.add_argument("--mtu", type=int, default=4096)
     pl.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    pl.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw")
+    pl.add_argument("--transport", choices=["nccl", "gloo"], default="nccl",
+                    help="the process group's backend: nccl (RoCEv2) or gloo (TCP; without "
+                    "--sample the rebuilt layout is learned from DDP's broadcast)")
+    pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw")
+    pl.add_argument("--momentum", type=float, default=0.0, help="sgd, rmsprop")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
     pl.add_argument("--lr", type=float, default=1e-3)
     pl.add_argument("--beta1", type=float, default=0.9)

@@ -344,3 +344,48 @@ def _save(plan: Plan, path: Path):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+class _LossOf(torch.nn.Module):
+    """A model whose .loss(batch) is its training step, as one forward DDP can wrap."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        return self.model.loss(batch)
+
+
+def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
+                ) -> tuple[tuple[BucketLayout, ...], tuple[BucketLayout, ...] | None]:
+    """DDP's own first and rebuilt bucket layouts for `model`, offline (`ckptd plan`):
+    the model is wrapped in a real DistributedDataParallel on a one-rank gloo group in
+    this process, and the layouts are read from its reducer. Bucketing does not depend
+    on the world size. The rebuilt layout needs one forward and backward on `batch`
+    (the order gradients become ready; the loss is model.loss(batch) if the model has
+    one, else model(batch).sum()) and the next forward (where DDP rebuilds); None
+    without a batch."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        has_loss = callable(getattr(model, "loss", None))
+        ddp = torch.nn.parallel.DistributedDataParallel(_LossOf(model) if has_loss else model,
+                                                        bucket_cap_mb=bucket_cap_mb,
+                                                        find_unused_parameters=False)
+        names_of = {id(p): n for n, p in model.named_parameters()}
+        first = _layout(ddp, names_of)
+        rebuilt = None
+        if batch is not None:
+            out = ddp(batch)
+            (out if has_loss else out.float().sum()).backward()
+            ddp(batch)
+            if not getattr(ddp, "_has_rebuilt_buckets", False):
+                raise TrainerError("DDP did not rebuild its buckets after one backward")
+            rebuilt = _layout(ddp, names_of)
+            model.zero_grad(set_to_none=True)
+        return first, rebuilt
+    finally:
+        if own:
+            dist.destroy_process_group()

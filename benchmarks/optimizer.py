@@ -1,10 +1,10 @@
-"""Optimizer update throughput: ckptd.core.optim.optimizer_step against torch's fused AdamW.
+"""Optimizer update throughput: ckptd.core.optim.step_groups against torch's fused AdamW.
 
     python -m benchmarks.optimizer [--params 25] [--reps 7] [--threads 1]
 
 The same parameter, gradient and state tensors (a transformer-like list of --params
 million float32 parameters: 12 blocks of 4 matrices plus biases and norms) go through
-torch.optim.AdamW(fused=True).step() and through ckptd.core.optim.optimizer_step with the
+torch.optim.AdamW(fused=True).step() and through ckptd.core.optim.step_groups with the
 plan's three implementations (fused, foreach, for-loop). Each step is timed alone, the
 variants interleaved, best of --reps. Reported as million parameters per second and as
 a ratio to torch's fused AdamW (the target for the shadow's fused step is >= 0.9x).
@@ -17,7 +17,7 @@ import time
 import torch
 
 from benchmarks.machine import machine
-from ckptd.core.optim import AdamState, optimizer_step
+from ckptd.core.optim import full_groups, init_state, step_groups
 from ckptd.core.plan import Optimizer
 
 
@@ -55,11 +55,12 @@ def main():
     runs = {"torch AdamW fused": lambda: torch_opt.step()}
     for impl in ("fused", "foreach", "for-loop"):
         params = [p.detach().clone() for p in t_params]
-        state = AdamState.zeros_like(params, amsgrad=False)
         o = Optimizer(kind="adamw", lr=opt.lr, betas=opt.betas, eps=opt.eps,
                       weight_decay=opt.weight_decay, implementation=impl)
-        runs[f"optimizer_step {impl}"] = (lambda params=params, state=state, o=o:
-                                          optimizer_step(params, grads, state, o, o.lr))
+        hyper = full_groups(o, [str(i) for i in range(len(params))])[0]
+        state = [init_state(o.kind, p, hyper) for p in params]
+        runs[f"step_groups {impl}"] = (lambda params=params, state=state, hyper=hyper:
+                                       step_groups("adamw", params, grads, state, hyper))
     for fn in runs.values():  # warm up: lazy state, first-touch pages
         fn()
     best = {k: float("inf") for k in runs}

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ckptd.fast import batches
-from ckptd.core.optim import AdamState, lr_at, optimizer_step
+from ckptd.core.optim import full_groups, init_state, lr_at, step_groups
 from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan, load_plan
 from ckptd.core.schedule import RingConfig
 from ckptd.testing.synth.bulk import BulkSynth
@@ -154,11 +154,11 @@ def tensor_crc(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(t.detach().contiguous().numpy()).cast("B"))
 
 
-def state_digest(names, params, state: AdamState) -> dict:
+def state_digest(names, params, state: list[dict]) -> dict:
     """name -> [step, crc(param), crc(exp_avg), crc(exp_avg_sq)]: equal digests mean the
     same bits (up to CRC-32 collisions, 2^-32 per tensor for a random difference)."""
-    return {n: [float(state.step[i]), tensor_crc(params[i]), tensor_crc(state.exp_avg[i]),
-                tensor_crc(state.exp_avg_sq[i])] for i, n in enumerate(names)}
+    return {n: [float(state[i]["step"]), tensor_crc(params[i]), tensor_crc(state[i]["exp_avg"]),
+                tensor_crc(state[i]["exp_avg_sq"])] for i, n in enumerate(names)}
 
 
 # -- traffic and the expected state -------------------------------------------------------------
@@ -168,7 +168,8 @@ def generate(plan: Plan, paths: list[Path], iterations: int, seed: int, log=prin
     names = [p.name for p in plan.parameters]
     index = {n: i for i, n in enumerate(names)}
     params = [start_value(seed, i, p.shape) for i, p in enumerate(plan.parameters)]
-    state = AdamState.zeros_like(params, amsgrad=False)
+    hyper = full_groups(plan.optimizer, names)[0]
+    state = [init_state(plan.optimizer.kind, p, hyper) for p in params]
     finals: dict[int, np.ndarray] = {}
     t0 = time.monotonic()
 
@@ -182,7 +183,7 @@ def generate(plan: Plan, paths: list[Path], iterations: int, seed: int, log=prin
             flat = torch.from_numpy(buf)
             for name, s, e in plan.param_ranges(t, bb):
                 grads[index[name]] = flat[s:e].view(plan.parameters[index[name]].shape)
-        optimizer_step(params, grads, state, plan.optimizer, lr_at(plan.optimizer, t))
+        step_groups(plan.optimizer.kind, params, grads, state, {**hyper, "lr": lr_at(plan.optimizer, t)})
         finals.clear()
         log(f"  generated iteration {t} ({time.monotonic() - t0:.0f} s)")
 
@@ -264,7 +265,7 @@ def structure_bytes(pipe, finishing) -> dict:
 
 
 def time_optimizer(plan: Plan, layout_iteration: int, reps: int, seed: int) -> dict:
-    """ckptd.core.optim.optimizer_step on fresh tensors shaped like the last bucket's
+    """ckptd.core.optim.step_groups on fresh tensors shaped like the last bucket's
     parameters, alone: once cold (state pages touched for the first time, as in
     iteration 0), then `reps` times warm; best and median. The best is the reference:
     on these 2 shared cores a step's time varies many-fold when another process takes a
@@ -274,7 +275,8 @@ def time_optimizer(plan: Plan, layout_iteration: int, reps: int, seed: int) -> d
     shapes = [plan.param(n).shape for n in last.params]
     params = [start_value(seed, 10_000 + i, s) for i, s in enumerate(shapes)]
     grads = [start_value(seed, 20_000 + i, s).mul_(0.01) for i, s in enumerate(shapes)]
-    state = AdamState.zeros_like(params, amsgrad=False)
+    hyper = full_groups(plan.optimizer, list(last.params))[0]
+    state = [init_state(plan.optimizer.kind, p, hyper) for p in params]
     out = {"params": sum(int(np.prod(s)) for s in shapes), "tensors": len(shapes)}
     threads = torch.get_num_threads()
     for label, n in (("", threads), ("one_thread_", 1)):
@@ -282,7 +284,7 @@ def time_optimizer(plan: Plan, layout_iteration: int, reps: int, seed: int) -> d
         times = []
         for k in range(reps + 1):
             t = time.perf_counter()
-            optimizer_step(params, grads, state, plan.optimizer, lr_at(plan.optimizer, k))
+            step_groups(plan.optimizer.kind, params, grads, state, {**hyper, "lr": lr_at(plan.optimizer, k)})
             times.append(time.perf_counter() - t)
         out.update({label + "cold": times[0], label + "warm": statistics.median(times[1:]),
                     label + "warm_min": min(times[1:])})

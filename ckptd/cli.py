@@ -223,58 +223,66 @@ def cmd_run(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    """A plan without running the job: DDP's buckets from a real (one-rank) DDP around
+    the model; the ring from the arguments or from the job's NCCL_DEBUG=INFO log. A
+    training script should call ckptd.torch.write_plan instead (docs/TRAINING.md)."""
     import dataclasses
+    import os
 
-    from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
+    from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
-    from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
+    from ckptd.torch import ddp_layouts
     topo = None
     if a.nccl_log:
         from ckptd.tools.nccl_log import load_nic_addrs, parse_nccl_log, ring_topology
         if not a.nic_addrs:
-            print("error: --nccl-log needs --nic-addrs (each host's NIC addresses in NCCL device order; "
-                  "the log names NET/IB devices, not their addresses)", file=sys.stderr)
-            return 2
+            raise UsageError("--nccl-log needs --nic-addrs (each host's NIC addresses in NCCL device order; "
+                             "the log names NET/IB devices, not their addresses)")
         text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
         topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
     elif a.ranks is None:
-        print("error: give --ranks and --addr, or --nccl-log", file=sys.stderr)
-        return 2
+        raise UsageError("give --ranks and --addr, or --nccl-log")
+    sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
     model = _call_named(a.model, "--model")
-    named = list(model.named_parameters())
-    params = [p for _, p in named if p.requires_grad]
-    names = [n for n, p in named if p.requires_grad]
-    cap = int(a.bucket_cap_mb * 1024 * 1024)
-    first = first_buckets(params, cap)
-    if a.sample:
-        batch = _call_named(a.sample, "--sample")
-        if not hasattr(model, "loss"):
-            model.loss = lambda b: model(b).float().sum()
-        order = grad_ready_order(model, batch)
+    batch = _call_named(a.sample, "--sample") if a.sample else None
+    first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch)
+    if rebuilt is None and a.transport == "nccl":
+        raise UsageError("--transport nccl needs --sample: the layout DDP rebuilds after "
+                         "iteration 0 follows the order gradients become ready")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names = [n for n, _ in named]
+    if a.optimizer in ("adam", "adamw"):
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
+                        weight_decay=a.weight_decay, implementation=a.implementation)
     else:
-        order = list(reversed(range(len(params))))  # a sequential model's backward order
-    rebuilt = rebuilt_buckets(params, order, cap)
+        hyper = {"lr": a.lr, "weight_decay": a.weight_decay, "foreach": a.implementation == "foreach"}
+        if a.optimizer in ("sgd", "rmsprop"):
+            hyper["momentum"] = a.momentum
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
+    gloo = a.transport == "gloo"
     if topo is not None:
+        if gloo:
+            raise UsageError("--nccl-log describes an NCCL job: it cannot go with --transport gloo")
         ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
         addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
     else:
         major, minor = _nccl_version(a.nccl_version)
         addrs = a.addr or []
         if len(addrs) != a.ranks:
-            print(f"error: give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)", file=sys.stderr)
-            return 2
-        ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
+            raise UsageError(f"give --addr once per rank ({a.ranks} ranks, {len(addrs)} addresses)")
+        ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(1 if gloo else a.channels)),
                           a.protocol, (major, minor), mtu=a.mtu)
         nodes, nics = (), ()
-    opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
-                    weight_decay=a.weight_decay, implementation=a.implementation)
-    plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in zip(names, params)),
-                tuple(BucketLayout(tuple(names[i] for i in b)) for b in first),
-                tuple(BucketLayout(tuple(names[i] for i in b)) for b in rebuilt),
-                ring, opt, tuple(addrs), (), nodes=nodes, channel_nics=nics)
-    plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both") for r in default_mirror_ports(plan)))
+    plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
+                first, rebuilt or first, ring, opt, tuple(addrs), (),
+                transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
+                nodes=nodes, channel_nics=nics)
+    if not gloo:
+        plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
+                                                       for r in default_mirror_ports(plan)))
     plan.save(a.out)
-    print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets, "
+    print(f"wrote {a.out}: {len(named)} parameters, {len(first)} first / "
+          f"{'learned from the wire' if plan.rebuilt_learn else len(plan.buckets_rebuilt)} rebuilt buckets, "
           f"{ring.nranks} ranks on {len(set(plan.nodes))} nodes, {ring.channels} channel(s)")
     return 0
 
@@ -340,6 +348,7 @@ def _ranged(kind, lo, hi):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ckptd.core.plan import OPTIMIZER_CLASSES
     p = _Parser(
         prog="ckptd", description="Per-iteration checkpoints rebuilt from mirrored RoCEv2 "
         "allreduce traffic, at no cost to the training job.")
@@ -485,7 +494,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nccl-version", default="2.19")
     pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
     pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)
-    pl.add_argument("--optimizer", choices=["adam", "adamw"], default="adamw")
+    pl.add_argument("--transport", choices=["nccl", "gloo"], default="nccl",
+                    help="the process group's backend: nccl (RoCEv2) or gloo (TCP; without "
+                    "--sample the rebuilt layout is learned from DDP's broadcast)")
+    pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw")
+    pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=0.0, help="sgd, rmsprop")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
     pl.add_argument("--lr", type=float, default=1e-3)
     pl.add_argument("--beta1", type=float, default=0.9)

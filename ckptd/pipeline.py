@@ -399,8 +399,7 @@ class Pipeline:
             self.on_iteration(rep)
 
     def _bucketwise(self) -> bool:
-        return (self.shadow is not None and self.stopped_after is None
-                and self.plan.optimizer.max_grad_norm is None)
+        return self.shadow is not None and self.stopped_after is None and self.shadow.bucketwise
 
     def _apply_ready_buckets(self, asm: IterationAssembly):
         """Step the shadow on each bucket of the next iteration as soon as it is whole,

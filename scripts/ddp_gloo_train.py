@@ -1,27 +1,35 @@
 #!/usr/bin/env python3
 """Real DDP training over the gloo backend (TCP), for ckptd's TCP/gloo decode.
 
-    python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/
+    python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/ \
+        [--optimizer sgd --momentum 0.9 --nesterov] [--no-decay-group] \
+        [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0] [--amp] \
+        [--hook fp16|bf16] [--accumulate 2]
 
 starts `--world` processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), trains a small MLP
-with DistributedDataParallel (gloo, find_unused_parameters=False, bucket_cap_mb) and
-torch.optim.AdamW (foreach), and writes under --out:
+with DistributedDataParallel (gloo, find_unused_parameters=False, bucket_cap_mb) and a
+torch.optim optimizer, the way a user's script does: the plan is written by
+`ckptd.torch.write_plan` inside the script. Under --out:
 
-    plan.json                    the ckptd plan: parameters, DDP's first and rebuilt
-                                 bucket layouts, AdamW, rank addresses
+    plan.json                    the ckptd plan (ckptd.torch.write_plan; rewritten with
+                                 DDP's rebuilt buckets in iteration 1)
     init.pt                      the initial state (iteration -1)
     rank<R>/iter_NNNNNN.pt       every rank's own state after each iteration
-                                 (ckptd.core.checkpoint format, ckptd.testing.synth.trainer_checkpoint)
-    ddp.json                     DDP's own bucket sizes (its logging data), to check the plan
+                                 (ckptd.torch.initial_state: parameters, optimizer
+                                 state, GradScaler scale and growth tracker)
+    ddp.json                     DDP's own bucket sizes per iteration (its logging data)
 
-The bucket layouts in the plan are computed the way DDP computes them
-(ckptd.testing.synth.ddp: iteration 0 one bucket of every parameter, since
-find_unused_parameters=False; from iteration 1 the rebuild in gradient-ready order)
-and checked against DDP's logging data after the run.
+Options: --optimizer (any torch.optim class ckptd shadows) with --lr, --momentum,
+--nesterov, --weight-decay; --no-decay-group puts biases and norm weights in a second
+group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
+(clip_grad_norm_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
+--growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
+micro-batches per step, the first K-1 under ddp.no_sync()).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,9 +44,6 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint  # noqa: E402
-from ckptd.core.plan import BucketLayout, Optimizer, Parameter, Plan  # noqa: E402
-from ckptd.core.schedule import RingConfig  # noqa: E402
-from ckptd.testing.synth import trainer_checkpoint  # noqa: E402
 
 SIZES = {  # name: (in, hidden, wide, classes)
     "tiny": (32, 128, 256, 10),      # ~70 K parameters, 2 buckets
@@ -73,33 +78,25 @@ def batch(model: MLP, rank: int, it: int, seed: int, n: int = 16):
     return x, y
 
 
-def plan_for(model: MLP, args, ready_order: list[int]) -> Plan:
-    from ckptd.testing.synth.ddp import rebuilt_buckets
-
-    named = list(model.named_parameters())
-    params = [p for _, p in named]
-    cap = int(args.bucket_cap_mb * 1024 * 1024)
-    first = [BucketLayout(params=tuple(n for n, _ in named))]  # find_unused_parameters=False
-    rebuilt = [BucketLayout(params=tuple(named[i][0] for i in idx))
-               for idx in rebuilt_buckets(params, ready_order, cap, first_bytes=cap)]
-    opt = Optimizer(kind="adamw", lr=args.lr, weight_decay=0.01, implementation="foreach")
-    return Plan(tuple(Parameter(n, tuple(p.shape), "float32") for n, p in named), tuple(first),
-                tuple(rebuilt), RingConfig(args.world, (tuple(range(args.world)),)), opt,
-                tuple(args.addrs or ["127.0.0.1"] * args.world), (), args.iterations, "gloo")
+def _scheduler_arg(text: str):
+    name, _, rest = text.partition(":")
+    args = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        args[k] = json.loads(v) if v[:1] in "[{" else (int(v) if v.lstrip("-").isdigit() else float(v))
+    return name, args
 
 
-def ready_order(model: MLP, args) -> list[int]:
-    """Parameter indices in the order backward makes their gradients ready (DDP's rebuild)."""
-    params = list(model.parameters())
-    order: list[int] = []
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
-             for i, p in enumerate(params)]
-    x, y = batch(model, 0, 0, args.seed)
-    F.cross_entropy(model(x), y).backward()
-    for h in hooks:
-        h.remove()
-    model.zero_grad(set_to_none=True)
-    return order
+def make_optimizer(model: MLP, args):
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if args.no_decay_group and (n.endswith("bias") or n.startswith("ln.")) else decay).append(p)
+    hyper = {"lr": args.lr, "weight_decay": args.weight_decay}
+    cls = {c.lower(): getattr(torch.optim, c) for c in dir(torch.optim)}[args.optimizer.lower()]
+    if cls is torch.optim.SGD:
+        hyper.update(momentum=args.momentum, nesterov=args.nesterov)
+    groups = [{"params": decay}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+    return cls(groups, **hyper)
 
 
 def worker(rank: int, args):
@@ -107,25 +104,50 @@ def worker(rank: int, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}",
                            rank=rank, world_size=args.world)
+    import ckptd.torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     out = Path(args.out)
     model = build(args.size, args.seed)
-    if rank == 0:
-        save_checkpoint(out / "init.pt", -1, {n: p.detach().clone() for n, p in model.named_parameters()},
-                        None)
-        plan_for(model, args, ready_order(build(args.size, args.seed), args)).save(out / "plan.json")
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                               find_unused_parameters=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
+    if args.hook:
+        ddp.register_comm_hook(None, {"fp16": default_hooks.fp16_compress_hook,
+                                      "bf16": default_hooks.bf16_compress_hook}[args.hook])
+    opt = make_optimizer(model, args)
+    sched = None
+    if args.scheduler:
+        name, sargs = _scheduler_arg(args.scheduler)
+        sched = getattr(torch.optim.lr_scheduler, name)(opt, **sargs)
+    scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale,
+                                  growth_interval=args.growth_interval) if args.amp else None
+    ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
+                           max_grad_norm=args.clip, iterations=args.iterations,
+                           addresses=args.addrs)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     sizes = []
     for it in range(args.iterations):
-        x, y = batch(model, rank, it, args.seed)
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        lr = opt.param_groups[0]["lr"]
-        m, o = trainer_checkpoint(model, opt, lr)
+        for micro in range(args.accumulate):
+            x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
+            sync = micro == args.accumulate - 1
+            with (contextlib.nullcontext() if sync else ddp.no_sync()):
+                with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
+                    loss = F.cross_entropy(ddp(x).float(), y)
+                (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        m, o = ckptd.torch.initial_state(ddp, opt, scaler)  # the lr this step used
         save_checkpoint(out / f"rank{rank}" / checkpoint_name(it), it, m, o)
+        if sched:
+            sched.step()
         sizes.append(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
     if rank == 0:
         (out / "ddp.json").write_text(json.dumps({"bucket_sizes_per_iteration": sizes}) + "\n")
@@ -145,6 +167,20 @@ def main(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--bucket-cap-mb", type=float, default=2.0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", default="AdamW", help="a torch.optim class (AdamW, SGD, Adagrad, ...)")
+    ap.add_argument("--momentum", type=float, default=0.0)
+    ap.add_argument("--nesterov", action="store_true")
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--no-decay-group", action="store_true",
+                    help="biases and LayerNorm weights in a second group without weight decay")
+    ap.add_argument("--scheduler", help="CLASS:arg=value,... of torch.optim.lr_scheduler")
+    ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
+    ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
+    ap.add_argument("--init-scale", type=float, default=2.0 ** 16)
+    ap.add_argument("--growth-interval", type=int, default=2000)
+    ap.add_argument("--hook", choices=["fp16", "bf16"], help="DDP gradient compression hook")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per step, all but the last under ddp.no_sync()")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="TCPStore port (0: pick a free one)")
     ap.add_argument("--out", required=True)

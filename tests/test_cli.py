@@ -89,6 +89,7 @@ def sample_batch():
 
 
 def test_plan_from_a_torch_model(tmp_path, capsys):
+    from ckptd.core.plan import BucketLayout
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
                "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02",
@@ -98,9 +99,35 @@ def test_plan_from_a_torch_model(tmp_path, capsys):
     plan = load_plan(out)
     model = build_model()
     assert [p.name for p in plan.parameters] == [n for n, _ in model.named_parameters()]
-    assert len(plan.buckets_first) > 1 and plan.ring.protocol == "ll"
-    # DDP's first layout reduces the last layers first
-    assert plan.buckets_first[0].params[-1] == plan.parameters[-1].name
+    assert plan.ring.protocol == "ll" and plan.transport == "roce"
+    # torch 2.13 DDP (find_unused_parameters=False): iteration 0 is one bucket of every
+    # parameter in registration order; the rebuilt buckets follow bucket_cap_mb in the
+    # order backward made the gradients ready (the last layers first)
+    assert plan.buckets_first == (BucketLayout(params=tuple(p.name for p in plan.parameters)),)
+    assert len(plan.buckets_rebuilt) > 1
+    assert plan.buckets_rebuilt[0].params[0] == plan.parameters[-1].name
+
+
+def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "mymodel:build", "--ranks", "3", "--addr", "127.0.0.1", "--addr", "127.0.0.1",
+            "--addr", "127.0.0.1", "--transport", "gloo", "--optimizer", "sgd", "--momentum", "0.9",
+            "--lr", "0.1", "--out", "plan.json"]
+    assert main(args) == 0, capsys.readouterr().err
+    from ckptd.core.plan import load_plan
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.transport == "gloo" and plan.rebuilt_learn and len(plan.buckets_first) == 1
+    assert plan.optimizer.kind == "sgd" and plan.optimizer.groups[0]["momentum"] == 0.9
+    assert main(args[:-10] + ["--transport", "nccl", "--out", "p2.json"]) == 2
+    assert "--sample" in capsys.readouterr().err
+    assert main(["plan", "--model", "nosuch:build", "--ranks", "2", "--addr", "10.0.0.1",
+                 "--addr", "10.0.0.2", "--out", "p3.json"]) == 2
+    assert "error: --model 'nosuch:build'" in capsys.readouterr().err
 
 
 def test_demo_small(capsys):

@@ -1,47 +1,146 @@
-"""The shadow's functional optimizer step is bit-identical to torch.optim's classes."""
+"""The shadow's functional optimizer step is bit-identical to torch.optim's classes:
+every optimizer with a functional form, several param groups, lr schedulers replayed
+by class, clipping, and GradScaler (skipped steps, scale growth and backoff)."""
+import numpy as np
 import pytest
 import torch
 
-from ckptd.core.optim import AdamState, lr_at, lr_factor, optimizer_step, torch_optimizer
-from ckptd.core.plan import Optimizer
+from ckptd.core.checkpoint import CheckpointError
+from ckptd.core.optim import GroupSchedule, full_groups, lr_factor, torch_optimizer
+from ckptd.core.plan import BucketLayout, Optimizer, Parameter, Plan
+from ckptd.core.schedule import RingConfig
+from ckptd.core.shadow import ShadowModel
+
+SHAPES = {"w1": (7, 5), "b1": (7,), "w2": (4, 4, 3), "b2": (1,)}
 
 
-def _tensors(seed):
-    g = torch.Generator().manual_seed(seed)
-    shapes = [(7, 5), (33,), (4, 4, 3), (1,)]
-    return ([torch.randn(s, generator=g) for s in shapes],
-            [[torch.randn(s, generator=g) * 1e-2 for s in shapes] for _ in range(6)])
+def _plan(opt: Optimizer) -> Plan:
+    names = tuple(SHAPES)
+    return Plan(tuple(Parameter(n, s) for n, s in SHAPES.items()), (BucketLayout(params=names),),
+                (BucketLayout(params=names),), RingConfig(2, ((0, 1),)), opt,
+                ("10.0.0.1", "10.0.0.2"))
 
 
-@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
-@pytest.mark.parametrize("kind", ["adam", "adamw"])
-@pytest.mark.parametrize("extra", [{}, {"amsgrad": True}, {"max_grad_norm": 0.05},
-                                   {"lr_schedule": {"kind": "cosine", "warmup_steps": 2, "total_steps": 6}}])
-def test_functional_step_matches_torch_optim(impl, kind, extra):
-    opt = Optimizer(kind=kind, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                    implementation=impl, **extra)
-    init, grads = _tensors(0)
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    ref_opt = torch_optimizer(opt, ref)
-    mine = [t.clone() for t in init]
-    state = AdamState.zeros_like(mine, opt.amsgrad)
-    for step, gs in enumerate(grads):
-        lr = lr_at(opt, step)
-        for p, g in zip(ref, gs):
-            p.grad = g.clone()
-        for group in ref_opt.param_groups:
-            group["lr"] = lr
+def _run(opt: Optimizer, steps=8, inf_at=(), grad_scale=1.0, sched_args=None):
+    """Step torch's optimizer (and scheduler, scaler) and the shadow on the same gradients;
+    assert both hold the same bits after every step."""
+    g = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    groups = full_groups(opt, list(SHAPES))
+    ref_opt = torch_optimizer(opt, ref.items())
+    assert len(ref_opt.param_groups) == len(groups)
+    sched = None
+    if opt.lr_scheduler:
+        sched = getattr(torch.optim.lr_scheduler, opt.lr_scheduler["class"])(ref_opt, **opt.lr_scheduler["args"])
+    scaler = None
+    if opt.grad_scaler:
+        scaler = torch.amp.GradScaler("cpu", **opt.grad_scaler)
+    shadow = ShadowModel(_plan(opt), {"model": {n: t.clone() for n, t in init.items()}})
+    skipped = 0
+    for step in range(steps):
+        grads = {n: torch.randn(s, generator=g) * 1e-2 * grad_scale for n, s in SHAPES.items()}
+        if step in inf_at:
+            grads["w2"][1, 2, 0] = float("inf")
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        lr = ref_opt.param_groups[0]["lr"]
+        if scaler is not None:
+            scaler.scale(torch.ones(()))  # creates the scale, as scaler.scale(loss) does
+            scaler.unscale_(ref_opt)
         if opt.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref, opt.max_grad_norm)
-        ref_opt.step()
-        optimizer_step(mine, [g.clone() for g in gs], state, opt, lr)
-        for a, b, p in zip(mine, ref, ref):
-            assert torch.equal(a, b.detach()), f"step {step}"
-        for i, p in enumerate(ref):
-            st = ref_opt.state[p]
-            assert torch.equal(st["exp_avg"], state.exp_avg[i])
-            assert torch.equal(st["exp_avg_sq"], state.exp_avg_sq[i])
-            assert torch.equal(st["step"], state.step[i])
+            torch.nn.utils.clip_grad_norm_(list(ref.values()), opt.max_grad_norm)
+        if scaler is not None:
+            scaler.step(ref_opt)
+            scaler.update()
+        else:
+            ref_opt.step()
+        if sched is not None:
+            sched.step()
+        flat = torch.cat([grads[n].reshape(-1) for n in SHAPES]).numpy().copy()
+        shadow.apply(step, [flat])
+        skipped += shadow.skipped
+        assert shadow.lr == lr, f"step {step}: lr {shadow.lr} != {lr}"
+        for n, p in ref.items():
+            assert torch.equal(shadow.params[list(SHAPES).index(n)], p.detach()), f"step {step} {n}"
+            want = ref_opt.state.get(p, {})
+            have = shadow.state.get(n, {})
+            assert sorted(want) == sorted(have), f"step {step} {n}: {sorted(want)} != {sorted(have)}"
+            for k in want:
+                assert torch.equal(want[k], have[k]), f"step {step} {n}.{k}"
+        if scaler is not None:
+            assert torch.equal(shadow.scaler["scale"], scaler._scale)
+            assert torch.equal(shadow.scaler["growth_tracker"], scaler._growth_tracker)
+    return shadow, skipped
+
+
+NO_DECAY = ["b1", "b2"]
+
+
+def _two_groups(base: dict, **second) -> tuple:
+    return ({"params": ["w1", "w2"], **base}, {"params": NO_DECAY, **base, "weight_decay": 0.0, **second})
+
+
+KINDS = {
+    "sgd": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2},
+    "adam": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1, "amsgrad": True},
+    "adamw": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1},
+    "adagrad": {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 1e-2, "initial_accumulator_value": 0.1},
+    "rmsprop": {"lr": 1e-2, "momentum": 0.5, "centered": True, "weight_decay": 1e-2},
+    "adamax": {"lr": 2e-2, "weight_decay": 1e-2},
+    "nadam": {"lr": 1e-2, "weight_decay": 1e-2, "decoupled_weight_decay": True},
+    "radam": {"lr": 1e-2, "weight_decay": 1e-2},
+    "asgd": {"lr": 1e-2, "t0": 3, "weight_decay": 1e-2},
+    "adadelta": {"lr": 1.0, "weight_decay": 1e-2},
+    "rprop": {"lr": 1e-2, "etas": [0.4, 1.3]},
+}
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_torch_optimizer_with_two_groups_and_a_scheduler(kind, foreach):
+    opt = Optimizer(kind=kind, groups=_two_groups({**KINDS[kind], "foreach": foreach}, lr=KINDS[kind]["lr"] / 2),
+                    lr_scheduler={"class": "StepLR", "args": {"step_size": 3, "gamma": 0.5}})
+    _run(opt)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw", "adagrad"])
+def test_fused_implementations(kind):
+    _run(Optimizer(kind=kind, groups=_two_groups({**KINDS[kind], "fused": True})))
+
+
+@pytest.mark.parametrize("sched", [
+    {"class": "CosineAnnealingLR", "args": {"T_max": 5, "eta_min": 1e-4}},
+    {"class": "MultiStepLR", "args": {"milestones": [2, 5], "gamma": 0.3}},
+    {"class": "LinearLR", "args": {"start_factor": 0.25, "total_iters": 4}},
+    {"class": "OneCycleLR", "args": {"max_lr": [0.2, 0.1], "total_steps": 10}},
+    {"class": "CyclicLR", "args": {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 2}},
+    {"class": "PolynomialLR", "args": {"total_iters": 6, "power": 2.0}},
+])
+def test_schedulers_replayed_by_class(sched):
+    # OneCycleLR and CyclicLR also cycle SGD's momentum: the replay reads every
+    # hyperparameter the scheduler moves, not only the lr
+    opt = Optimizer(kind="sgd", groups=_two_groups({"lr": 0.05, "momentum": 0.9}), lr_scheduler=sched)
+    _run(opt, steps=10)
+
+
+def test_clipping_and_grad_scaler_skip_and_rescale():
+    opt = Optimizer(kind="adamw", groups=_two_groups({"lr": 1e-2, "weight_decay": 0.1}), max_grad_norm=0.5,
+                    grad_scaler={"init_scale": 1024.0, "growth_interval": 2})
+    shadow, skipped = _run(opt, steps=10, inf_at=(0, 4, 5), grad_scale=1024.0)
+    assert skipped == 3
+    # three backoffs (x0.5: steps 0, 4, 5) and three growths (after steps 2, 7, 9: two
+    # clean steps each, x2) from 1024
+    assert float(shadow.scaler["scale"]) == 1024.0 * 0.5 ** 3 * 2 ** 3
+
+
+def test_legacy_plan_schedule_is_lambdalr():
+    opt = Optimizer(kind="adamw", lr=1e-2, weight_decay=0.1,
+                    lr_schedule={"kind": "cosine", "warmup_steps": 2, "total_steps": 6})
+    groups = full_groups(opt, list(SHAPES))
+    sched = GroupSchedule(opt, groups)
+    assert [sched.at(s)[0]["lr"] for s in range(3)] == [0.0, 0.005, 0.01]
+    assert groups[0]["decoupled_weight_decay"] and groups[0]["foreach"]
 
 
 def test_lr_schedules():
@@ -52,3 +151,23 @@ def test_lr_schedules():
     assert lr_factor(cos, 0) == 1.0 and abs(lr_factor(cos, 10) - 0.1) < 1e-12
     with pytest.raises(ValueError, match="unknown lr schedule"):
         lr_factor({"kind": "step", "total_steps": 3}, 1)
+
+
+@pytest.mark.parametrize("sched,why", [
+    ({"class": "LambdaLR", "args": {}}, "Python code"),
+    ({"class": "ReduceLROnPlateau", "args": {}}, "loss"),
+    ({"class": "NoSuchLR", "args": {}}, "not a torch.optim.lr_scheduler"),
+    ({"class": "StepLR", "args": {}}, "step_size"),
+])
+def test_schedulers_that_cannot_be_replayed_are_refused(sched, why):
+    opt = Optimizer(kind="sgd", groups=({"params": list(SHAPES), "lr": 0.1},), lr_scheduler=sched)
+    shadow = ShadowModel(_plan(opt), {"model": {n: torch.zeros(s) for n, s in SHAPES.items()}})
+    with pytest.raises(Exception, match=why) as e:
+        shadow.apply(0, [np.zeros(sum(int(np.prod(s)) for s in SHAPES.values()), np.float32)])
+    assert e.type.__name__ == "OptimizerError"
+
+
+def test_bad_hyperparameters_are_one_line_errors():
+    opt = Optimizer(kind="sgd", groups=({"params": list(SHAPES), "lr": 0.1, "nesterov": True},))
+    with pytest.raises(CheckpointError, match="Nesterov"):
+        ShadowModel(_plan(opt), {"model": {n: torch.zeros(s) for n, s in SHAPES.items()}})

@@ -23,7 +23,7 @@ def test_replay_from_a_later_checkpoint_numbers_iterations_from_it(tmp_path):
     plan = make_plan(opts, model, rng)
     plan.save(tmp_path / "plan.json")
     params = dict(model.named_parameters())
-    optimizer = torch_optimizer(plan.optimizer, model.parameters())
+    optimizer = torch_optimizer(plan.optimizer, model.named_parameters())
     k = 4  # the job restarts after iteration 4, from its checkpoint
     frames = []
     wire = Wire(plan, opts, rng)  # the restarted job's fresh connections

@@ -1,38 +1,299 @@
-"""The optimizer step, as one plain function: state in, state out.
+"""The optimizer step, as plain functions: state in, state out.
 
-The trainer steps torch.optim.Adam/AdamW; the shadow calls the functional
-`torch.optim.adam.adam` that those classes call, with the same flags (for-loop,
-foreach or fused) and the same float learning rate, so on CPU the result is bit for
-bit the trainer's. The learning-rate schedule is computed the way LambdaLR does:
-base_lr * factor(step), in Python floats.
+The trainer steps a torch.optim optimizer; the shadow calls the functional form that
+the optimizer's own `step()` calls (torch.optim.sgd.sgd, torch.optim.adam.adam, ...)
+with the same group hyperparameters (foreach, fused, ... as torch filled them in), so
+on CPU the result is bit for bit the trainer's. `STEPS` is the one place that maps a
+plan's optimizer kind to its step function; `init_state` creates a parameter's state
+lazily, on its first real step, with the names and dtypes `_init_group` uses, so the
+shadow's per-parameter state is exactly `optimizer.state_dict()["state"]`.
+
+Hyperparameters per step come from `GroupSchedule`: the trainer's
+torch.optim.lr_scheduler class replayed on a dummy optimizer of the same class (never
+re-implemented), or the legacy LambdaLR-style `lr_schedule` of a plan.
+
+AMP: with a GradScaler the wire carries scaled gradients; `scaler_unscale` and
+`scaler_update` are GradScaler's unscale_ / update (the same torch._amp_* kernels),
+and a step whose gradients hold an inf or nan is skipped, as `scaler.step` does.
 """
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable
 
 import torch
+from torch.optim.adadelta import adadelta
+from torch.optim.adagrad import adagrad
 from torch.optim.adam import adam
+from torch.optim.adamax import adamax
+from torch.optim.asgd import asgd
+from torch.optim.nadam import nadam
+from torch.optim.radam import radam
+from torch.optim.rmsprop import rmsprop
+from torch.optim.rprop import rprop
+from torch.optim.sgd import sgd
 
-from ckptd.core.plan import Optimizer
+from ckptd.core.plan import OPTIMIZER_CLASSES, Optimizer
+from ckptd.errors import CkptdError
 
 
-@dataclass
-class AdamState:
-    """Per-parameter optimizer state, in the plan's parameter order."""
+class OptimizerError(CkptdError, ValueError):
+    """An optimizer, group or scheduler that the shadow cannot reproduce exactly."""
 
-    step: list[torch.Tensor] = field(default_factory=list)
-    exp_avg: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
-    max_exp_avg_sq: list[torch.Tensor] = field(default_factory=list)
 
-    @classmethod
-    def zeros_like(cls, params: list[torch.Tensor], amsgrad: bool) -> "AdamState":
-        # torch.optim.Adam._init_group: step is a float32 scalar tensor on CPU.
-        return cls(step=[torch.tensor(0.0, dtype=torch.float32) for _ in params],
-                   exp_avg=[torch.zeros_like(p, memory_format=torch.preserve_format) for p in params],
-                   exp_avg_sq=[torch.zeros_like(p, memory_format=torch.preserve_format) for p in params],
-                   max_exp_avg_sq=[torch.zeros_like(p) for p in params] if amsgrad else [])
+def _scalar(value: float = 0.0) -> torch.Tensor:
+    # torch.optim's `step` (and ASGD's mu, NAdam's mu_product): a float32 scalar on CPU
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _zeros(p):
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# Adagrad creates its state in __init__, from the constructor's initial_accumulator_value
+# (a group's own value is ignored); every other class on the parameter's first step.
+EAGER_STATE = ("adagrad",)
+
+
+def init_state(kind: str, p: torch.Tensor, g: dict) -> dict:
+    """A parameter's state on its first step (in __init__ for EAGER_STATE kinds), as the
+    class creates it."""
+    if kind == "sgd":
+        return {}  # momentum_buffer appears after the first step (the functional creates it)
+    if kind in ("adam", "adamw"):
+        st = {"step": _scalar(), "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+        if g["amsgrad"]:
+            st["max_exp_avg_sq"] = _zeros(p)
+        return st
+    if kind == "adagrad":
+        return {"step": _scalar(), "sum": torch.full_like(p, g["initial_accumulator_value"],
+                                                         memory_format=torch.preserve_format)}
+    if kind == "rmsprop":
+        st = {"step": _scalar(), "square_avg": _zeros(p)}
+        if g["momentum"] > 0:
+            st["momentum_buffer"] = _zeros(p)
+        if g["centered"]:
+            st["grad_avg"] = _zeros(p)
+        return st
+    if kind == "adamax":
+        return {"step": _scalar(), "exp_avg": _zeros(p), "exp_inf": _zeros(p)}
+    if kind == "nadam":
+        return {"step": _scalar(), "mu_product": _scalar(1.0), "exp_avg": _zeros(p),
+                "exp_avg_sq": _zeros(p)}
+    if kind == "radam":
+        return {"step": _scalar(), "exp_avg": _zeros(p), "exp_avg_sq": _zeros(p)}
+    if kind == "asgd":
+        return {"step": _scalar(), "eta": torch.as_tensor(float(g["lr"]), dtype=torch.float32).clone(),
+                "mu": _scalar(1.0), "ax": _zeros(p)}
+    if kind == "adadelta":
+        return {"step": _scalar(), "square_avg": _zeros(p), "acc_delta": _zeros(p)}
+    if kind == "rprop":
+        return {"step": _scalar(), "prev": _zeros(p),
+                "step_size": torch.full_like(p, float(g["lr"]))}
+    raise OptimizerError(f"optimizer kind {kind!r} has no step function")
+
+
+def _col(states, key):
+    return [s[key] for s in states]
+
+
+# One function per torch.optim class: the call its `step()` makes, flag for flag.
+def _sgd(params, grads, states, g):
+    bufs = [s.get("momentum_buffer") for s in states] if g["momentum"] != 0 else []
+    sgd(params, grads, bufs, has_sparse_grad=False, foreach=g["foreach"], fused=g["fused"],
+        weight_decay=g["weight_decay"], momentum=g["momentum"], lr=g["lr"],
+        dampening=g["dampening"], nesterov=g["nesterov"], maximize=g["maximize"])
+    if g["momentum"] != 0:
+        for s, b in zip(states, bufs):
+            s["momentum_buffer"] = b
+
+
+def _adam(params, grads, states, g):
+    b1, b2 = g["betas"]
+    adam(params, grads, _col(states, "exp_avg"), _col(states, "exp_avg_sq"),
+         _col(states, "max_exp_avg_sq") if g["amsgrad"] else [], _col(states, "step"),
+         amsgrad=g["amsgrad"], has_complex=False, beta1=b1, beta2=b2, lr=g["lr"],
+         weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"],
+         foreach=g["foreach"], capturable=g["capturable"], differentiable=g["differentiable"],
+         fused=g["fused"], decoupled_weight_decay=g["decoupled_weight_decay"])
+
+
+def _adagrad(params, grads, states, g):
+    adagrad(params, grads, _col(states, "sum"), _col(states, "step"), lr=g["lr"],
+            weight_decay=g["weight_decay"], lr_decay=g["lr_decay"], eps=g["eps"],
+            has_sparse_grad=False, foreach=g["foreach"], maximize=g["maximize"],
+            differentiable=g["differentiable"], has_complex=False, fused=g["fused"])
+
+
+def _rmsprop(params, grads, states, g):
+    rmsprop(params, grads, _col(states, "square_avg"),
+            _col(states, "grad_avg") if g["centered"] else [],
+            _col(states, "momentum_buffer") if g["momentum"] > 0 else [], _col(states, "step"),
+            lr=g["lr"], alpha=g["alpha"], eps=g["eps"], weight_decay=g["weight_decay"],
+            momentum=g["momentum"], centered=g["centered"], foreach=g["foreach"],
+            maximize=g["maximize"], differentiable=g["differentiable"],
+            capturable=g["capturable"], has_complex=False)
+
+
+def _adamax(params, grads, states, g):
+    b1, b2 = g["betas"]
+    adamax(params, grads, _col(states, "exp_avg"), _col(states, "exp_inf"), _col(states, "step"),
+           eps=g["eps"], beta1=b1, beta2=b2, lr=g["lr"], weight_decay=g["weight_decay"],
+           foreach=g["foreach"], maximize=g["maximize"], differentiable=g["differentiable"],
+           capturable=g["capturable"], has_complex=False)
+
+
+def _nadam(params, grads, states, g):
+    b1, b2 = g["betas"]
+    nadam(params, grads, _col(states, "exp_avg"), _col(states, "exp_avg_sq"),
+          _col(states, "mu_product"), _col(states, "step"), beta1=b1, beta2=b2, lr=g["lr"],
+          weight_decay=g["weight_decay"], momentum_decay=g["momentum_decay"], eps=g["eps"],
+          maximize=g["maximize"], decoupled_weight_decay=g["decoupled_weight_decay"],
+          foreach=g["foreach"], capturable=g["capturable"], differentiable=g["differentiable"],
+          has_complex=False)
+
+
+def _radam(params, grads, states, g):
+    b1, b2 = g["betas"]
+    radam(params, grads, _col(states, "exp_avg"), _col(states, "exp_avg_sq"), _col(states, "step"),
+          beta1=b1, beta2=b2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+          maximize=g["maximize"], foreach=g["foreach"], capturable=g["capturable"],
+          differentiable=g["differentiable"], decoupled_weight_decay=g["decoupled_weight_decay"],
+          has_complex=False)
+
+
+def _asgd(params, grads, states, g):
+    asgd(params, grads, _col(states, "ax"), _col(states, "mu"), _col(states, "eta"),
+         _col(states, "step"), lambd=g["lambd"], lr=g["lr"], t0=g["t0"], alpha=g["alpha"],
+         weight_decay=g["weight_decay"], foreach=g["foreach"], maximize=g["maximize"],
+         differentiable=g["differentiable"], capturable=g["capturable"], has_complex=False)
+
+
+def _adadelta(params, grads, states, g):
+    adadelta(params, grads, _col(states, "square_avg"), _col(states, "acc_delta"),
+             _col(states, "step"), lr=g["lr"], rho=g["rho"], eps=g["eps"],
+             weight_decay=g["weight_decay"], foreach=g["foreach"], maximize=g["maximize"],
+             differentiable=g["differentiable"], capturable=g["capturable"], has_complex=False)
+
+
+def _rprop(params, grads, states, g):
+    etaminus, etaplus = g["etas"]
+    lo, hi = g["step_sizes"]
+    rprop(params, grads, _col(states, "prev"), _col(states, "step_size"), _col(states, "step"),
+          step_size_min=lo, step_size_max=hi, etaminus=etaminus, etaplus=etaplus,
+          foreach=g["foreach"], maximize=g["maximize"], differentiable=g["differentiable"],
+          capturable=g["capturable"], has_complex=False)
+
+
+STEPS: dict[str, Callable] = {
+    "sgd": _sgd, "adam": _adam, "adamw": _adam, "adagrad": _adagrad, "rmsprop": _rmsprop,
+    "adamax": _adamax, "nadam": _nadam, "radam": _radam, "asgd": _asgd, "adadelta": _adadelta,
+    "rprop": _rprop,
+}
+assert set(STEPS) == set(OPTIMIZER_CLASSES)
+
+
+# -- groups and their hyperparameters over time ---------------------------------------
+def optimizer_class(kind: str) -> type:
+    return getattr(torch.optim, OPTIMIZER_CLASSES[kind])
+
+
+def _hyper_for_torch(g: dict) -> dict:
+    """A recorded group's hyperparameters as torch's constructor takes them (JSON lists back
+    to the tuples torch stores)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
+
+
+def construct(kind: str, groups: list[dict]) -> torch.optim.Optimizer:
+    """torch's optimizer over `groups` (hyperparameters as torch takes them, "params" the
+    tensors), with the first group's values also as the constructor's defaults: what some
+    classes read from the constructor alone (Adagrad's initial_accumulator_value, SGD's
+    nesterov check) then agrees with the groups."""
+    cls = optimizer_class(kind)
+    takes = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in groups[0].items() if k in takes and k != "params"}
+    return cls(groups, **defaults)
+
+
+def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
+    """Every param group with every hyperparameter filled in as torch fills it: the plan's
+    values over the class's defaults (resolved by constructing the class itself)."""
+    groups = opt.groups or ({"params": list(names), **opt.legacy_hyperparameters()},)
+    cls = optimizer_class(opt.kind)
+    dummy = [torch.zeros(1) for _ in groups]
+    try:
+        filled = construct(opt.kind, [{**_hyper_for_torch(g), "params": [d]}
+                                      for g, d in zip(groups, dummy)]).param_groups
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise OptimizerError(f"optimizer {cls.__name__}: {e}") from e
+    out = []
+    for g, f in zip(groups, filled):
+        h = {k: v for k, v in f.items() if k != "params"}
+        if isinstance(h.get("lr"), torch.Tensor):
+            raise OptimizerError(f"optimizer {cls.__name__}: a tensor lr is not supported")
+        out.append({**h, "params": list(g["params"])})
+    return out
+
+
+UNREPLAYABLE = {
+    "LambdaLR": "its lr_lambda is Python code",
+    "MultiplicativeLR": "its lr_lambda is Python code",
+    "ReduceLROnPlateau": "it steps on the training loss, which is not on the wire",
+    "SequentialLR": "it nests other schedulers",
+    "ChainedScheduler": "it nests other schedulers",
+}
+
+
+class GroupSchedule:
+    """Each group's hyperparameters for training step i: the plan's values, moved by the
+    trainer's lr scheduler replayed on a dummy optimizer of the same class (the real
+    scheduler class, so any scheduler that only reads its step count is exact), or by
+    the legacy `lr_schedule` (base lr x factor(step), LambdaLR semantics)."""
+
+    def __init__(self, opt: Optimizer, groups: list[dict]):
+        self.opt, self.groups = opt, groups
+        self.pos = -1
+        self.dummy = self.sched = None
+
+    def _start(self):
+        s = self.opt.lr_scheduler
+        name = s["class"]
+        if name in UNREPLAYABLE:
+            raise OptimizerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE[name]}")
+        cls = getattr(torch.optim.lr_scheduler, name, None)
+        if not isinstance(cls, type):
+            raise OptimizerError(f"lr scheduler {name!r} is not a torch.optim.lr_scheduler class")
+        groups = []
+        for g in self.groups:
+            h = _hyper_for_torch(g)
+            h["lr"] = h.pop("initial_lr", h["lr"])  # the lr before the scheduler first set it
+            groups.append({**h, "params": [torch.zeros(1)]})
+        self.dummy = construct(self.opt.kind, groups)
+        args = {k: tuple(v) if isinstance(v, list) and k != "milestones" else v
+                for k, v in (s.get("args") or {}).items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                self.sched = cls(self.dummy, **args)
+            except (TypeError, ValueError, KeyError) as e:
+                raise OptimizerError(f"lr scheduler {name}{args}: {e}") from e
+        self.pos = 0
+
+    def at(self, step: int) -> list[dict]:
+        if self.opt.lr_scheduler is None:
+            f = lr_factor(self.opt.lr_schedule, step)
+            return [{**g, "lr": g["lr"] * f} if f != 1.0 else g for g in self.groups]
+        if self.sched is None or step < self.pos:
+            self._start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # scheduler.step() with no optimizer.step()
+            while self.pos < step:
+                self.sched.step()
+                self.pos += 1
+        return [{**g, **{k: v for k, v in d.items() if k not in ("params", "initial_lr")}}
+                for g, d in zip(self.groups, self.dummy.param_groups)]
 
 
 def lr_factor(schedule: dict, step: int) -> float:
@@ -58,29 +319,64 @@ def lr_factor(schedule: dict, step: int) -> float:
 
 
 def lr_at(opt: Optimizer, step: int) -> float:
+    """The legacy schedule's lr (one group): base lr x factor(step)."""
     return opt.lr * lr_factor(opt.lr_schedule, step)
 
 
-def optimizer_step(params: list[torch.Tensor], grads: list[torch.Tensor], state: AdamState,
-                   opt: Optimizer, lr: float) -> None:
-    """One Adam/AdamW step in place on params and state, exactly as torch.optim does it."""
-    if opt.max_grad_norm is not None:
-        # torch.nn.utils.clip_grad_norm_ scales the grads in place, as the trainer's call does.
-        torch.nn.utils.clip_grad_norm_(_as_leaves(params, grads), opt.max_grad_norm)
+# -- AMP -------------------------------------------------------------------------------
+def scaler_state(cfg: dict) -> dict:
+    """GradScaler's lazily created state (_lazy_init_scale_growth_tracker)."""
+    return {"scale": torch.full((), float(cfg.get("init_scale", 65536.0)), dtype=torch.float32),
+            "growth_tracker": torch.full((), 0, dtype=torch.int32)}
+
+
+def scaler_unscale(grads: list[torch.Tensor], state: dict) -> bool:
+    """GradScaler.unscale_: grads times 1/scale in place; True if any is inf or nan."""
+    inv_scale = state["scale"].double().reciprocal().float()
+    found_inf = torch.full((), 0.0, dtype=torch.float32)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
+    state["found_inf"] = found_inf
+    return bool(found_inf.item())
+
+
+def scaler_update(state: dict, cfg: dict) -> None:
+    """GradScaler.update: grow the scale after growth_interval clean steps, back off on inf."""
+    torch._amp_update_scale_(state["scale"], state["growth_tracker"], state.pop("found_inf"),
+                             float(cfg.get("growth_factor", 2.0)), float(cfg.get("backoff_factor", 0.5)),
+                             int(cfg.get("growth_interval", 2000)))
+
+
+# -- one step ---------------------------------------------------------------------------
+def step_groups(kind: str, params: list[torch.Tensor], grads: list[torch.Tensor],
+                states: list[dict], hyper: dict) -> None:
+    """The optimizer's update of one group (or any subset of it) in place."""
     with torch.no_grad():
-        adam(params, grads, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, state.step,
-             foreach=opt.implementation == "foreach", fused=opt.implementation == "fused" or None,
-             decoupled_weight_decay=opt.kind == "adamw", amsgrad=opt.amsgrad,
-             beta1=opt.betas[0], beta2=opt.betas[1], lr=lr, weight_decay=opt.weight_decay,
-             eps=opt.eps, maximize=False)
+        STEPS[kind](params, grads, states, hyper)
 
 
-def torch_optimizer(opt: Optimizer, params) -> torch.optim.Optimizer:
-    """The trainer-side optimizer the plan describes (used by the synthesizer)."""
-    cls = torch.optim.AdamW if opt.kind == "adamw" else torch.optim.Adam
-    return cls(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
-               amsgrad=opt.amsgrad, foreach=opt.implementation == "foreach",
-               fused=opt.implementation == "fused" or None)
+def clip_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float) -> None:
+    # torch.nn.utils.clip_grad_norm_ scales the grads in place, as the trainer's call does.
+    torch.nn.utils.clip_grad_norm_(_as_leaves(params, grads), max_norm)
+
+
+def torch_optimizer(opt: Optimizer, named_params) -> torch.optim.Optimizer:
+    """The trainer-side optimizer the plan describes (the synthesizer's trainer):
+    `named_params` is model.named_parameters()."""
+    by_name = dict(named_params)
+    return construct(opt.kind, [{**_hyper_for_torch(g), "params": [by_name[n] for n in g["params"]]}
+                                 for g in full_groups(opt, list(by_name))])
+
+
+def torch_scheduler(opt: Optimizer, optimizer: torch.optim.Optimizer):
+    """The trainer-side lr scheduler the plan names, or None."""
+    if opt.lr_scheduler is None:
+        return None
+    s = opt.lr_scheduler
+    return getattr(torch.optim.lr_scheduler, s["class"])(optimizer, **(s.get("args") or {}))
 
 
 def _as_leaves(params, grads):

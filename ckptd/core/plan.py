@@ -33,6 +33,14 @@ from ckptd.errors import CkptdError
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8")
+# plan optimizer kind -> the torch.optim class the trainer steps (each has a functional form
+# that its step() calls; ckptd.core.optim.STEPS calls the same)
+OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad",
+                     "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam",
+                     "asgd": "ASGD", "adadelta": "Adadelta", "rprop": "Rprop"}
+# DDP communication hooks ckptd decodes: hook -> the dtype its allreduce puts on the wire
+COMM_HOOKS = {"allreduce": None, "fp16_compress": "float16", "bf16_compress": "bfloat16"}
+GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 class PlanError(CkptdError, ValueError):
@@ -76,7 +84,7 @@ class BucketLayout:
 
 @dataclass(frozen=True)
 class Optimizer:
-    kind: str = "adamw"  # adam | adamw
+    kind: str = "adamw"  # a key of OPTIMIZER_CLASSES
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -85,6 +93,31 @@ class Optimizer:
     implementation: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: dict = field(default_factory=lambda: {"kind": "constant"})
     max_grad_norm: float | None = None
+    # torch's param_groups: {"params": [names], hyperparameter: value, ...}; empty: one
+    # group of every parameter with the fields above (adam/adamw plans before groups)
+    groups: tuple = ()
+    lr_scheduler: dict | None = None  # {"class": "StepLR", "args": {...}}: replayed by torch
+    grad_scaler: dict | None = None  # GradScaler settings: the wire carries scaled gradients
+
+    def legacy_hyperparameters(self) -> dict:
+        """The one group a plan without `groups` describes, as torch's constructor takes it."""
+        return {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay, "amsgrad": self.amsgrad,
+                "foreach": self.implementation == "foreach",
+                "fused": True if self.implementation == "fused" else None}
+
+    def to_json(self) -> dict:
+        doc = {"kind": self.kind, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+               "weight_decay": self.weight_decay, "amsgrad": self.amsgrad,
+               "implementation": self.implementation, "lr_schedule": dict(self.lr_schedule),
+               "max_grad_norm": self.max_grad_norm}
+        if self.groups:
+            doc["groups"] = [dict(g) for g in self.groups]
+        if self.lr_scheduler is not None:
+            doc["lr_scheduler"] = dict(self.lr_scheduler)
+        if self.grad_scaler is not None:
+            doc["grad_scaler"] = dict(self.grad_scaler)
+        return doc
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -97,8 +130,16 @@ def check_optimizer(opt: Optimizer) -> None:
     def bad(key, why):
         raise PlanError(f"optimizer.{key} {why}")
 
-    if opt.kind not in ("adam", "adamw"):
-        bad("kind", f"{opt.kind!r} is not supported (adam, adamw)")
+    if opt.kind not in OPTIMIZER_CLASSES:
+        bad("kind", f"{opt.kind!r} is not supported ({', '.join(OPTIMIZER_CLASSES)})")
+    if not opt.groups and opt.kind not in ("adam", "adamw"):
+        bad("kind", f"{opt.kind!r} needs optimizer.groups (its hyperparameters, as torch's param_groups)")
+    sch, gs = opt.lr_scheduler, opt.grad_scaler
+    if sch is not None and (not isinstance(sch, dict) or not isinstance(sch.get("class"), str)
+                            or not isinstance(sch.get("args", {}), dict)):
+        bad("lr_scheduler", 'must be {"class": name, "args": {...}}')
+    if gs is not None and (not isinstance(gs, dict) or set(gs) - set(GRAD_SCALER_KEYS)):
+        bad("grad_scaler", f"takes only {', '.join(GRAD_SCALER_KEYS)}")
     if opt.implementation not in ("for-loop", "foreach", "fused"):
         bad("implementation", f"{opt.implementation!r} must be for-loop, foreach or fused")
     if not _finite(opt.lr) or opt.lr < 0:
@@ -167,6 +208,7 @@ class Plan:
     nodes: tuple[str, ...] = ()  # rank -> node name; empty: every rank a node of its own
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
+    comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
 
     def __post_init__(self):
         if not self.nodes:
@@ -211,7 +253,10 @@ class Plan:
         return b.count
 
     def bucket_dtype(self, b: BucketLayout) -> str:
-        return self.param(b.params[0]).dtype if b.params else b.dtype
+        """The dtype on the wire: a compression hook's, else the parameters'."""
+        if b.params:
+            return COMM_HOOKS[self.comm_hook] or self.param(b.params[0]).dtype
+        return b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
         """The ring schedule of an iteration's allreduces, built once per (ring, buckets):
@@ -305,6 +350,7 @@ class Plan:
         per_param = opt.get("state") if isinstance(opt, dict) else None
         if opt is not None and per_param is not None and not isinstance(per_param, dict):
             raise CheckpointError(f"{where}: optimizer.state must map parameter names to state")
+        adam = self.optimizer.kind in ("adam", "adamw")
         keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.optimizer.amsgrad else ())
         for p in self.parameters:
             _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
@@ -312,7 +358,9 @@ class Plan:
                 st = per_param.get(p.name)
                 if not isinstance(st, dict):
                     raise CheckpointError(f"{where}: optimizer.state lacks {p.name!r}")
-                for k in keys:
+                # other optimizers: every per-element buffer (not a scalar like step) has
+                # the parameter's shape and dtype
+                for k in keys if adam else [k for k, v in st.items() if getattr(v, "ndim", 0)]:
                     if k == "step":
                         if not hasattr(st.get(k), "dtype"):
                             raise CheckpointError(f"{where}: optimizer.state.{p.name}.step is not a tensor")
@@ -337,14 +385,7 @@ class Plan:
                 "qps_per_connection": r.qps_per_connection,
                 "split_data_on_qps": r.split_data_on_qps, "mtu": r.mtu,
             },
-            "optimizer": None if self.optimizer is None else {
-                "kind": self.optimizer.kind, "lr": self.optimizer.lr,
-                "betas": list(self.optimizer.betas), "eps": self.optimizer.eps,
-                "weight_decay": self.optimizer.weight_decay, "amsgrad": self.optimizer.amsgrad,
-                "implementation": self.optimizer.implementation,
-                "lr_schedule": dict(self.optimizer.lr_schedule),
-                "max_grad_norm": self.optimizer.max_grad_norm,
-            },
+            "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
             "ranks": [self._rank_json(r) for r in range(self.nranks)],
             "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction}
                         for m in self.mirrors],
@@ -355,6 +396,8 @@ class Plan:
             doc["start_iteration"] = self.start_iteration
         if self.transport != "roce":
             doc["transport"] = self.transport
+        if self.comm_hook != "allreduce":
+            doc["comm_hook"] = self.comm_hook
         return doc
 
     def _rank_json(self, r: int) -> dict:
@@ -714,7 +757,9 @@ def _plan_from_json(raw) -> Plan:
             eps=o.num("eps", 1e-8), weight_decay=o.num("weight_decay", 0.0),
             amsgrad=o.get("amsgrad", False), implementation=o.str("implementation", "foreach"),
             lr_schedule=dict(sched),
-            max_grad_norm=None if mgn is None else o.num("max_grad_norm", None))
+            max_grad_norm=None if mgn is None else o.num("max_grad_norm", None),
+            groups=_optimizer_groups(o.list("groups", []), [p.name for p in params]),
+            lr_scheduler=o.get("lr_scheduler"), grad_scaler=o.get("grad_scaler"))
 
     ranks = []
     for i, raw_r in enumerate(doc.list("ranks", required=True)):
@@ -748,7 +793,9 @@ def _plan_from_json(raw) -> Plan:
                               m.str("direction", "both", ("tx", "rx", "both"))))
     return Plan(tuple(params), first, rebuilt, ring_cfg, optimizer, addrs, tuple(mirrors),
                 doc.int("iterations", 1, MAX_ITERATIONS), doc.str("transport", "roce"), learn,
-                tuple(nodes), tuple(nics), doc.int("start_iteration", 0, MAX_ITERATIONS))
+                nodes=tuple(nodes), channel_nics=tuple(nics),
+                start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
+                comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)))
 
 
 def _check_topology(plan: Plan):
@@ -778,3 +825,21 @@ def _check_topology(plan: Plan):
             raise PlanError(f"mirrors[{i}] names rank {m.rank}, whose NIC "
                             f"{plan.addresses[m.rank]} is rank {plan.rank_of(plan.addresses[m.rank])}'s "
                             "too: name the port by that rank")
+
+
+def _optimizer_groups(groups: list, names: list[str]) -> tuple:
+    """optimizer.groups: every parameter in exactly one group; hyperparameters are
+    checked by torch itself when the shadow builds them (ckptd.core.optim.full_groups)."""
+    if not groups:
+        return ()
+    seen: list[str] = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise PlanError(f"optimizer.groups[{i}] needs a list of parameter names")
+        unknown = [n for n in g["params"] if n not in names]
+        if unknown:
+            raise PlanError(f"optimizer.groups[{i}] names unknown parameters {unknown[:5]}")
+        seen += g["params"]
+    if sorted(seen) != sorted(names):
+        raise PlanError(f"optimizer.groups must hold every parameter exactly once")
+    return tuple(dict(g) for g in groups)

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
-from ckptd.core.optim import AdamState, lr_at, optimizer_step
-from ckptd.core.plan import Plan
+from ckptd.core.optim import (EAGER_STATE, GroupSchedule, OptimizerError, clip_grad_norm, full_groups, init_state,
+                              scaler_state, scaler_unscale, scaler_update, step_groups)
+from ckptd.core.plan import COMM_HOOKS, Plan
 
 
 class ShadowModel:
@@ -22,6 +23,7 @@ class ShadowModel:
         if plan.optimizer is None:
             raise CheckpointError("the plan has no optimizer: there is no model to shadow")
         self.plan = plan
+        self.opt = plan.optimizer
         self.names = [p.name for p in plan.parameters]
         self.index = {n: i for i, n in enumerate(self.names)}
         model = start.get("model") or {}
@@ -36,49 +38,84 @@ class ShadowModel:
                                       f"plan says {p.dtype}{list(p.shape)}")
             self.params.append(t)
         self.iteration = int(start.get("iteration", -1))
-        opt = start.get("optimizer")
-        if opt and opt.get("state"):
-            st = opt["state"]
-            self.state = AdamState(
-                step=[st[n]["step"] for n in self.names],
-                exp_avg=[st[n]["exp_avg"] for n in self.names],
-                exp_avg_sq=[st[n]["exp_avg_sq"] for n in self.names],
-                max_exp_avg_sq=[st[n]["max_exp_avg_sq"] for n in self.names]
-                if plan.optimizer.amsgrad else [])
-        else:
-            self.state = AdamState.zeros_like(self.params, plan.optimizer.amsgrad)
+        try:
+            self.groups = full_groups(self.opt, self.names)
+        except OptimizerError as e:
+            raise CheckpointError(f"plan optimizer: {e}") from e
+        self.group_of = {n: gi for gi, g in enumerate(self.groups) for n in g["params"]}
+        self.hyper = GroupSchedule(self.opt, self.groups)
+        opt = start.get("optimizer") or {}
+        # per parameter name, torch's optimizer.state[p] (created on its first step)
+        self.state: dict[str, dict] = {n: dict(st) for n, st in (opt.get("state") or {}).items()}
+        if self.opt.kind in EAGER_STATE and not self.state:
+            first = self.hyper.at(self.iteration + 1)
+            for i, n in enumerate(self.names):
+                self.state[n] = init_state(self.opt.kind, self.params[i], first[self.group_of[n]])
+        self.scaler = None
+        if self.opt.grad_scaler is not None:
+            self.scaler = dict(opt.get("grad_scaler") or scaler_state(self.opt.grad_scaler))
         self.lr = None
+        self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
+
+    @property
+    def bucketwise(self) -> bool:
+        """Whether buckets can be stepped one by one as they complete: not when the step
+        needs every gradient first (clipping's total norm, the scaler's inf check)."""
+        return self.opt.max_grad_norm is None and self.scaler is None
+
+    def _step(self, iteration: int, idx: list[int], grads: list[torch.Tensor]):
+        hyper = self.hyper.at(iteration)
+        self.lr = hyper[0]["lr"]
+        by_group: dict[int, list[int]] = {}
+        for k, i in enumerate(idx):
+            by_group.setdefault(self.group_of[self.names[i]], []).append(k)
+        for gi in sorted(by_group):
+            ks = by_group[gi]
+            states = []
+            for k in ks:
+                n = self.names[idx[k]]
+                if n not in self.state:
+                    self.state[n] = init_state(self.opt.kind, self.params[idx[k]], hyper[gi])
+                states.append(self.state[n])
+            step_groups(self.opt.kind, [self.params[idx[k]] for k in ks], [grads[k] for k in ks],
+                        states, hyper[gi])
 
     def apply_bucket(self, iteration: int, b: int, buffer: np.ndarray, layout_iteration: int):
         """Step only bucket b's parameters: as soon as DDP's bucket is reduced, while the
-        next buckets are still on the wire. Adam is elementwise per tensor, so stepping
-        bucket by bucket is bit-identical to one step over all parameters. The iteration
-        is done when `finish_iteration` is called after the last bucket; if it never
-        completes, this in-memory state is abandoned (the last checkpoint is on disk)."""
+        next buckets are still on the wire. torch's optimizers are elementwise per tensor,
+        so stepping bucket by bucket is bit-identical to one step over all parameters. The
+        iteration is done when `finish_iteration` is called after the last bucket; if it
+        never completes, this in-memory state is abandoned (the last checkpoint is on disk)."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
-        if self.plan.optimizer.max_grad_norm is not None:
-            raise RuntimeError("gradient clipping needs every bucket: use apply()")
-        flat = torch.from_numpy(buffer)
+        if not self.bucketwise:
+            raise RuntimeError("gradient clipping and AMP need every bucket: use apply()")
+        flat = self._wire_to_param_dtype(buffer)
         idx, grads = [], []
         for name, start, end in self.plan.param_ranges(layout_iteration, b):
             idx.append(self.index[name])
             grads.append(flat[start:end].view(self.plan.param(name).shape))
-        st = self.state
-        sub = AdamState([st.step[i] for i in idx], [st.exp_avg[i] for i in idx],
-                        [st.exp_avg_sq[i] for i in idx],
-                        [st.max_exp_avg_sq[i] for i in idx] if st.max_exp_avg_sq else [])
-        self.lr = lr_at(self.plan.optimizer, iteration)
-        optimizer_step([self.params[i] for i in idx], grads, sub, self.plan.optimizer, self.lr)
+        self._step(iteration, idx, grads)
 
     def finish_iteration(self, iteration: int):
         self.iteration = iteration
+
+    def _wire_to_param_dtype(self, buf: np.ndarray) -> torch.Tensor:
+        """A reduced bucket as the parameters' gradients: a compression hook's decompress
+        is `bucket.buffer().copy_(reduced)`, a cast to the parameters' dtype."""
+        t = torch.from_numpy(buf)
+        wire = COMM_HOOKS[self.plan.comm_hook]
+        if wire is None:
+            return t
+        if wire == "bfloat16":
+            t = t.view(torch.bfloat16)  # carried as raw 16-bit words (numpy has no bfloat16)
+        return t.to(getattr(torch, self.plan.parameters[0].dtype))
 
     def grads_from_buckets(self, iteration: int, buffers: list[np.ndarray]) -> list[torch.Tensor]:
         """Per-parameter gradient views of the reduced bucket buffers (DDP's grad views)."""
         by_name = {}
         for b, buf in enumerate(buffers):
-            t = torch.from_numpy(buf)
+            t = self._wire_to_param_dtype(buf)
             for name, start, end in self.plan.param_ranges(iteration, b):
                 by_name[name] = t[start:end].view(self.plan.param(name).shape)
         return [by_name[n] for n in self.names]
@@ -86,13 +123,25 @@ class ShadowModel:
     def apply(self, iteration: int, buffers: list[np.ndarray], layout_iteration: int | None = None):
         """Step with one iteration's reduced buckets. `iteration` is the training
         iteration (it drives the lr schedule); `layout_iteration` says which bucket
-        layout the buffers follow (0: DDP's first layout), default the same."""
+        layout the buffers follow (0: DDP's first layout), default the same.
+        The trainer's order: scaler.unscale_, clip_grad_norm_, scaler.step (skipped on
+        inf/nan), scaler.update."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
         grads = self.grads_from_buckets(iteration if layout_iteration is None else layout_iteration,
                                         buffers)
-        self.lr = lr_at(self.plan.optimizer, iteration)
-        optimizer_step(self.params, grads, self.state, self.plan.optimizer, self.lr)
+        self.skipped = False
+        if self.scaler is not None:
+            grads = [g.clone() for g in grads]  # unscaled in place; the assembly keeps the wire's
+            self.skipped = scaler_unscale(grads, self.scaler)
+        if self.opt.max_grad_norm is not None:
+            clip_grad_norm(self.params, grads, self.opt.max_grad_norm)
+        if self.skipped:
+            self.lr = self.hyper.at(iteration)[0]["lr"]
+        else:
+            self._step(iteration, list(range(len(self.names))), grads)
+        if self.scaler is not None:
+            scaler_update(self.scaler, self.opt.grad_scaler)
         self.iteration = iteration
 
     def model_state(self, copy: bool = True) -> dict:
@@ -102,11 +151,11 @@ class ShadowModel:
         return {n: keep(p) for n, p in zip(self.names, self.params)}
 
     def optimizer_state(self, copy: bool = True) -> dict:
+        """{"lr": the first group's lr of the last step, "state": {name: torch's per-parameter
+        state}}, plus "grad_scaler": {scale, growth_tracker} with AMP."""
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
-        st = {}
-        for i, n in enumerate(self.names):
-            st[n] = {"step": keep(self.state.step[i]), "exp_avg": keep(self.state.exp_avg[i]),
-                     "exp_avg_sq": keep(self.state.exp_avg_sq[i])}
-            if self.state.max_exp_avg_sq:
-                st[n]["max_exp_avg_sq"] = keep(self.state.max_exp_avg_sq[i])
-        return {"lr": self.lr, "state": st}
+        st = {n: {k: keep(v) for k, v in self.state[n].items()} for n in self.names if n in self.state}
+        out = {"lr": self.lr, "state": st}
+        if self.scaler is not None:
+            out["grad_scaler"] = {k: keep(v) for k, v in self.scaler.items()}
+        return out

@@ -369,7 +369,7 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     plan = make_plan(opts, model, rng)
     plan.save(out / "plan.json")
     save_checkpoint(out / "init.pt", -1, {n: p.detach().clone() for n, p in model.named_parameters()}, None)
-    optimizer = torch_optimizer(plan.optimizer, model.parameters())
+    optimizer = torch_optimizer(plan.optimizer, model.named_parameters())
     wire = Wire(plan, opts, rng)
     files = [open(out / "mirrors" / f"{m.name}.pcap", "wb") for m in plan.mirrors]
     writers = [PcapWriter(f) for f in files]

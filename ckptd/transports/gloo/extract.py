@@ -35,7 +35,7 @@ mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
 """
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -58,8 +58,31 @@ class _Data:
     key: tuple
     src: int
     dst: int
-    index: int
+    index: int  # within its tag on its direction; -1: not known yet (after a framing loss)
     msg: GlooMessage
+    epoch: int = 0  # framing losses on its direction before it
+
+
+def _whole_elements(have: list[tuple[int, int, int]], e: int) -> list[tuple[int, int, int]]:
+    """The whole elements of a payload's delivered byte ranges, by the mirror stream that
+    delivered them. Adjacent ranges from different streams join: an element whose bytes
+    came partly from one stream and partly from another is whole (it counts for the
+    stream that delivered its first byte)."""
+    out: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(have):
+        j = i
+        while j + 1 < len(have) and have[j + 1][0] == have[j][1]:
+            j += 1  # a run of adjacent ranges
+        cur = -(-have[i][0] // e) * e
+        end = have[j][1] // e * e
+        for _, en, stream in have[i:j + 1]:
+            hi = min(end, -(-en // e) * e)  # with the element this range begins
+            if hi > cur:
+                out.append((cur, hi, stream))
+                cur = hi
+        i = j + 1
+    return out
 
 
 class RankMap:
@@ -131,6 +154,9 @@ class GlooExtractor:
         self.map_pos = 0  # tags[:map_pos] are numbered
         self.data: dict[int, list[_Data]] = defaultdict(list)  # tag -> data awaiting its mapping
         self.counter: Counter = Counter()  # (direction, tag) -> data messages so far
+        # (direction, tag) -> data messages after a framing loss that cut the tag: indexed
+        # from the tag's end once it is numbered, if no later loss on that direction
+        self.tail: dict[tuple, list[_Data]] = defaultdict(list)
         self.map_lag = map_lag
         self.counters: Counter = Counter()
         self.examples: list[str] = []
@@ -240,7 +266,9 @@ class GlooExtractor:
         idx = self.counter[(key, t)]
         self.counter[(key, t)] += 1
         if t <= self.uncertain_upto.get(key, -1):
-            self._note(key, m, "after_framing_loss")
+            lost = self.framers[key].lost
+            epoch = bisect_right([lo for lo, _ in lost], m.offset)
+            self.tail[(key, t)].append(_Data(key, src, dst, -1, m, epoch))
             return
         self.data[t].append(_Data(key, src, dst, idx, m))
 
@@ -320,8 +348,29 @@ class GlooExtractor:
                 self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
                               else "rebuilt_unknown_dropped"] += len(dropped)
                 continue
-            for d in self.data.pop(t, []):
+            for d in self.data.pop(t, []) + self._from_the_end(t, b, it):
                 self._place(it, b, d, out)
+
+    def _from_the_end(self, t: int, b: int, it: int) -> list[_Data]:
+        """Data messages of tag t that followed a framing loss on their direction: their
+        index counts back from the tag's last message (the schedule gives how many there
+        are) when no framing was lost on that direction after them: then every later
+        message of the tag was framed. Earlier groups (between two losses) stay unplaced."""
+        out = []
+        for key in [k for k in self.tail if k[1] == t]:
+            held = self.tail.pop(key)
+            last = held[-1].epoch
+            if last < len(self.framers[key[0]].lost):
+                self.counters["after_framing_loss"] += len(held)
+                continue
+            group = [d for d in held if d.epoch == last]
+            self.counters["after_framing_loss"] += len(held) - len(group)
+            n = len(self.sched[min(it, 1)].connection_sends(group[0].src, b))
+            for j, d in enumerate(group):
+                d.index = n - len(group) + j
+            self.counters["indexed_from_end"] += len(group)
+            out += group
+        return out
 
     def _place(self, it: int, b: int, d: _Data, out: list[Placement]):
         sched = self.sched[min(it, 1)]
@@ -342,10 +391,7 @@ class GlooExtractor:
         if send.phase != AG:
             return
         e = sched.buckets[b].dtype.itemsize
-        for s, en, stream in d.msg.have:
-            lo, hi = -(-s // e) * e, en // e * e
-            if hi <= lo:
-                continue
+        for lo, hi, stream in _whole_elements(d.msg.have, e):
             self.supplied[(stream, it)] += hi - lo
             out.append(Placement(stream, it, AG, b, send.start + lo // e,
                                  bytes(d.msg.payload[lo:hi]), d.src, d.index))

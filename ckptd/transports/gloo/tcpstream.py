@@ -8,8 +8,11 @@ conflict, recorded with its exact range, and the first copy is kept.
 
 Delivery is in order: the bytes contiguous at the frontier are handed out at once as
 `Piece(offset, data, stream)`. A hole (bytes no stream has delivered) holds back what
-lies beyond it until either another stream fills it or it is given up: when more than
-`hole_window` bytes wait beyond it, or at `flush`. A given-up hole is handed out as
+lies beyond it until either another stream fills it or it is given up: when every
+mirror stream that carries this direction has delivered bytes `REORDER_WINDOW` beyond
+it (none of them will fill it: a mirror reorders little), when more than `hole_window`
+bytes wait beyond it, or at `flush`. Giving a hole up early matters: what lies behind
+it reaches the assembler before its iteration is finalized. A given-up hole is handed out as
 `Piece(offset, None, stream=-1, length)` with its exact range and stays a hole: a copy
 of those bytes that arrives later is counted as late, never spliced back in, and no
 byte is ever invented.
@@ -27,6 +30,7 @@ from parsers.tcp import ACK, FIN, RST, SYN, TcpSegment
 
 SEQ_MOD = 1 << 32
 HOLE_WINDOW = 8 << 20  # bytes waiting beyond a hole before it is given up
+REORDER_WINDOW = 256 << 10  # every stream this far past a hole: no stream will fill it
 
 
 def seq_diff(a: int, b: int) -> int:
@@ -71,6 +75,7 @@ class Direction:
     counts: Counter = field(default_factory=Counter)
     by_stream: Counter = field(default_factory=Counter)  # new bytes each stream supplied first
     highest: int = 0  # end of the furthest byte seen
+    reach: dict[int, int] = field(default_factory=dict)  # stream -> end of its furthest byte
 
     # -- input ---------------------------------------------------------------------
     def add(self, seg: TcpSegment, stream: int) -> list[Piece]:
@@ -94,6 +99,7 @@ class Direction:
             self.counts["truncated_segments"] += 1  # the captured prefix still counts
         data = bytes(seg.payload)
         if data:
+            self.reach[stream] = max(self.reach.get(stream, 0), off + len(data))
             self._insert(off, data, stream)
         return self._release()
 
@@ -170,7 +176,8 @@ class Direction:
         while self.starts:
             s = self.starts[0]
             if s > self.delivered:
-                if not (give_up or self.pending > self.hole_window):
+                if not (give_up or self.pending > self.hole_window
+                        or min(self.reach.values()) >= s + REORDER_WINDOW):
                     break
                 out.append(Piece(self.delivered, None, -1, s - self.delivered))
                 self.holes.append((self.delivered, s))

@@ -1,0 +1,391 @@
+"""The trainer's side: the plan and initial state, written by the training script itself.
+
+    import ckptd.torch
+    ckptd.torch.write_plan(ddp_model, optimizer, "ckptd/plan.json", scheduler=scheduler, scaler=scaler)
+
+called on every rank after DDP, the optimizer, the lr scheduler and the GradScaler are
+built and before the first forward. Everything is read from the live objects, not
+re-derived: DDP's bucket layout from its reducer (the first one now; the rebuilt one
+when DDP rebuilds it in iteration 1's forward: a forward hook then rewrites the plan),
+the communication hook, the wire dtype, the optimizer's class and param groups as torch
+filled them in, the scheduler's class and arguments (checked by replaying it), the
+GradScaler's settings, the backend (gloo or nccl) and the NCCL settings of the
+environment. Rank 0 writes the plan and the initial state (`init.pt` beside the plan,
+a ckptd checkpoint of iteration -1); `ckptd replay --plan plan.json --init init.pt` and
+`ckptd run` read both as they are.
+
+What ckptd cannot reproduce bit for bit is refused here with a CkptdError naming the
+reason (FSDP and ZeRO shard the state, unknown communication hooks change the wire,
+some optimizers and schedulers have no deterministic functional form), rather than
+let the shadow drift.
+
+Every import is absolute: inside this module `torch` is the torch package.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import socket
+import struct
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ckptd.core.checkpoint import save_checkpoint
+from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
+from ckptd.core.plan import (OPTIMIZER_CLASSES, BucketLayout, Optimizer, Parameter, Plan)
+from ckptd.core.schedule import RingConfig
+from ckptd.errors import CkptdError
+
+PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
+_KIND_OF_CLASS = {v: k for k, v in OPTIMIZER_CLASSES.items()}
+
+
+class TrainerError(CkptdError, ValueError):
+    """A training job whose state ckptd cannot reproduce exactly; the message says why."""
+
+
+def _refuse_sharding(model, optimizer):
+    kind = type(model).__name__
+    if kind in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "_fsdp_wrapped_module"):
+        raise TrainerError("FSDP shards parameters and optimizer state across ranks: no rank's "
+                           "allreduce carries whole gradients, so ckptd cannot shadow it")
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TrainerError(f"write_plan needs the DistributedDataParallel model, got {kind}")
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        raise TrainerError("ZeroRedundancyOptimizer shards the optimizer state (ZeRO): each rank "
+                           "steps its own shard and broadcasts parameters, which ckptd does not decode")
+
+
+# DDP's Python hooks and what they put on the wire (ckptd.core.plan.COMM_HOOKS)
+def _comm_hook(ddp) -> str:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    known = {default_hooks.allreduce_hook: "allreduce", default_hooks.fp16_compress_hook: "fp16_compress",
+             default_hooks.bf16_compress_hook: "bf16_compress"}
+    hooks = list(getattr(ddp, "_comm_hooks", []))
+    logged = ddp._get_ddp_logging_data().get("comm_hook", "")
+    if not hooks:
+        if logged:  # a built-in C++ hook (_register_builtin_comm_hook)
+            raise TrainerError(f"DDP comm hook {logged!r} is not one ckptd decodes "
+                               "(default allreduce, fp16_compress_hook, bf16_compress_hook)")
+        return "allreduce"
+    hook, state = hooks[-1]
+    name = known.get(getattr(hook, "__wrapped__", hook))
+    if name is None or state is not None and state is not ddp.process_group:
+        raise TrainerError(f"DDP comm hook {getattr(hook, '__name__', hook)!r} is not one ckptd decodes "
+                           "(default allreduce, fp16_compress_hook, bf16_compress_hook with the default "
+                           "process group): its wire format is unknown")
+    return name
+
+
+def _refuse_ddp_modes(ddp):
+    if ddp.find_unused_parameters:
+        raise TrainerError("find_unused_parameters=True: DDP then allreduces its unused-parameter "
+                           "map every iteration, which ckptd does not decode")
+    if getattr(ddp, "static_graph", False):
+        raise TrainerError("static_graph=True changes when DDP rebuilds its buckets; not supported")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise TrainerError("DDP's own mixed_precision keeps low-precision parameter copies; use "
+                           "torch.autocast with a GradScaler or a compression hook instead")
+    if getattr(ddp, "_has_rebuilt_buckets", False):
+        raise TrainerError("DDP has already rebuilt its buckets: call write_plan before the "
+                           "first forward, so the first iteration's layout is still DDP's")
+
+
+def _names(ddp) -> tuple[list[str], list[torch.Tensor]]:
+    """DDP's parameters, in its order (the rebuilt-bucket broadcast's indices count these)."""
+    by_id = {id(p): n for n, p in ddp.module.named_parameters()}
+    params = list(ddp._module_parameters)
+    return [by_id[id(p)] for p in params], params
+
+
+def _layout(ddp, names_of: dict[int, str]) -> tuple[BucketLayout, ...]:
+    """The reducer's buckets now, in allreduce order, each in buffer order."""
+    out = []
+    for b in sorted(ddp.reducer._get_zeros_like_grad_buckets(), key=lambda b: b.index()):
+        out.append(BucketLayout(params=tuple(names_of[id(p)] for p in b.parameters())))
+    return tuple(out)
+
+
+def _jsonable(v, where: str):
+    if isinstance(v, Counter):
+        return sorted(v.elements())
+    if isinstance(v, tuple | list):
+        return [_jsonable(x, where) for x in v]
+    if isinstance(v, bool | int | float | str) or v is None:
+        return v
+    raise TrainerError(f"{where}: value {v!r} ({type(v).__name__}) cannot be recorded in a plan")
+
+
+def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str]) -> tuple[str, list[dict]]:
+    cls = type(optimizer)
+    kind = _KIND_OF_CLASS.get(cls.__name__)
+    if kind is None or getattr(torch.optim, cls.__name__, None) is not cls:
+        raise TrainerError(f"optimizer {cls.__module__}.{cls.__name__} has no deterministic functional "
+                           f"form ckptd reproduces (supported: torch.optim {', '.join(OPTIMIZER_CLASSES.values())})")
+    groups, seen = [], set()
+    for i, g in enumerate(optimizer.param_groups):
+        names = []
+        for p in g["params"]:
+            if id(p) not in names_of:
+                raise TrainerError(f"optimizer group {i} holds a tensor that is not a parameter of the DDP model")
+            names.append(names_of[id(p)])
+        seen.update(names)
+        hyper = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                raise TrainerError(f"optimizer group {i}: {k} is a tensor; ckptd needs Python numbers")
+            hyper[k] = _jsonable(v, f"optimizer group {i} {k}")
+        if kind == "adagrad":  # Adagrad's state starts from the constructor's value, not the group's
+            hyper["initial_accumulator_value"] = optimizer.defaults["initial_accumulator_value"]
+        groups.append({"params": names, **hyper})
+    left = [n for n in ddp_names if n not in seen]
+    if left:
+        raise TrainerError(f"parameters {left[:3]} are trained by DDP but not in the optimizer")
+    return kind, groups
+
+
+_SCHED_SKIP = ("self", "optimizer", "last_epoch", "verbose")
+
+
+def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
+    if scheduler is None:
+        return None
+    cls = type(scheduler)
+    name = cls.__name__
+    if getattr(torch.optim.lr_scheduler, name, None) is not cls:
+        raise TrainerError(f"lr scheduler {cls.__module__}.{name} is not a torch.optim.lr_scheduler class")
+    if name in UNREPLAYABLE:
+        raise TrainerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE[name]}")
+    if scheduler.last_epoch != 0:
+        raise TrainerError(f"lr scheduler {name} has stepped {scheduler.last_epoch} times: call "
+                           "write_plan before the first step")
+    if args is None:
+        args = {}
+        for k, prm in inspect.signature(cls.__init__).parameters.items():
+            if k in _SCHED_SKIP or prm.kind in (prm.VAR_POSITIONAL, prm.VAR_KEYWORD):
+                continue
+            if callable(getattr(scheduler, k, None)) and prm.default is None:
+                continue  # a default function the scheduler picked itself (CyclicLR's scale_fn)
+            if hasattr(scheduler, k):
+                args[k] = _jsonable(getattr(scheduler, k), f"lr scheduler {name} {k}")
+            elif isinstance(getattr(scheduler, k + "s", None), list):  # CyclicLR's base_lrs, max_lrs
+                args[k] = _jsonable(getattr(scheduler, k + "s"), f"lr scheduler {name} {k}")
+            elif all(k in g for g in optimizer.param_groups):  # OneCycleLR's max_lr, momenta
+                args[k] = [_jsonable(g[k], f"lr scheduler {name} {k}") for g in optimizer.param_groups]
+            elif prm.default is inspect.Parameter.empty:
+                raise TrainerError(f"lr scheduler {name}: argument {k!r} is not readable from the "
+                                   "scheduler; pass scheduler_args={...} to write_plan")
+    return {"class": name, "args": args}
+
+
+def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
+    """The replayed scheduler must reproduce the trainer's hyperparameters and internal
+    state now; anything a replay gets wrong shows here, before any iteration."""
+    from ckptd.core.optim import OptimizerError
+    try:
+        replay = GroupSchedule(opt, full_groups(opt, names))
+        now = replay.at(0)
+    except OptimizerError as e:
+        raise TrainerError(str(e)) from e
+    for i, (mine, real) in enumerate(zip(now, optimizer.param_groups)):
+        for k, v in real.items():
+            if k not in ("params", "initial_lr") and _jsonable(v, k) != _jsonable(mine.get(k), k):
+                raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed group {i} {k} "
+                                   f"is {mine.get(k)!r}, the trainer's is {v!r}; pass scheduler_args")
+    if scheduler is not None and replay.sched is not None:
+        a, b = scheduler.state_dict(), replay.sched.state_dict()
+        for k in a:
+            if callable(a[k]):
+                continue
+            if _jsonable_or_none(a[k]) != _jsonable_or_none(b.get(k)):
+                raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed {k} is "
+                                   f"{b.get(k)!r}, the trainer's is {a[k]!r}; pass scheduler_args")
+
+
+def _jsonable_or_none(v):
+    try:
+        return _jsonable(v, "")
+    except TrainerError:
+        return repr(v)
+
+
+def _scaler(scaler) -> dict | None:
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return {"init_scale": float(scaler._init_scale), "growth_factor": float(scaler._growth_factor),
+            "backoff_factor": float(scaler._backoff_factor), "growth_interval": int(scaler._growth_interval)}
+
+
+def _local_address(backend: str) -> str:
+    """The address this rank's collective traffic uses: its interface's (GLOO_/NCCL_
+    SOCKET_IFNAME) or the host's."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME")
+    if ifname and "," not in ifname:
+        import fcntl
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                req = struct.pack("256s", ifname.encode()[:15])
+                return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError as e:
+                raise TrainerError(f"interface {ifname} has no IPv4 address: {e}") from e
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _ring(backend: str, world: int) -> RingConfig:
+    env = os.environ
+    if backend == "gloo":
+        return RingConfig(world, (tuple(range(world)),))
+    if env.get("NCCL_ALGO", "ring").lower() not in ("ring", "allreduce:ring"):
+        raise TrainerError(f"NCCL_ALGO={env['NCCL_ALGO']}: ckptd decodes NCCL's ring allreduce only")
+    try:
+        major, minor = torch.cuda.nccl.version()[:2]
+    except (AttributeError, RuntimeError, TypeError):
+        major, minor = 2, 19
+    split = env.get("NCCL_IB_SPLIT_DATA_ON_QPS")
+    return RingConfig(world, (tuple(range(world)),), protocol=env.get("NCCL_PROTO", "simple").lower(),
+                      nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
+                      buffsize=int(env["NCCL_BUFFSIZE"]) if "NCCL_BUFFSIZE" in env else None,
+                      qps_per_connection=int(env.get("NCCL_IB_QPS_PER_CONNECTION", 1)),
+                      split_data_on_qps=int(split) if split is not None else None)
+
+
+def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
+               addresses: list[str] | None = None, iterations: int | None = None,
+               scheduler_args: dict | None = None) -> Plan:
+    """The plan of this job as it stands now (no file written, no collective called
+    unless `addresses` is None)."""
+    _refuse_sharding(ddp, optimizer)
+    _refuse_ddp_modes(ddp)
+    hook = _comm_hook(ddp)
+    names, params = _names(ddp)
+    names_of = {id(p): n for n, p in zip(names, params)}
+    dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
+    if len(dtypes) > 1:
+        raise TrainerError(f"parameters of several dtypes {sorted(dtypes)}: not supported")
+    backend = dist.get_backend(ddp.process_group)
+    if backend not in ("gloo", "nccl"):
+        raise TrainerError(f"process group backend {backend!r}: ckptd decodes gloo and nccl")
+    world = dist.get_world_size(ddp.process_group)
+    if addresses is None:
+        addresses = [None] * world
+        dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
+    kind, groups = _optimizer(optimizer, names_of, names)
+    opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
+                    lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
+                    max_grad_norm=max_grad_norm)
+    _check_replay(opt, names, optimizer, scheduler)
+    first = _layout(ddp, names_of)
+    transport = "gloo" if backend == "gloo" else "roce"
+    return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                      for n, p in zip(names, params)),
+                first, first, _ring(backend, world), opt, tuple(addresses), (), iterations,
+                transport, rebuilt_learn=transport == "gloo", comm_hook=hook)
+
+
+def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
+    """(model, optimizer) of the ckptd checkpoint format, by parameter name: the state the
+    shadow starts from (and, after a step, the trainer's own state to compare with)."""
+    names, params = _names(ddp)
+    names_of = {id(p): n for n, p in zip(names, params)}
+    state = {names_of[id(p)]: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+             for p, st in optimizer.state.items() if id(p) in names_of}
+    opt = {"lr": optimizer.param_groups[0]["lr"], "state": state}
+    if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
+        opt["grad_scaler"] = {"scale": scaler._scale.detach().clone(),
+                              "growth_tracker": scaler._growth_tracker.detach().clone()}
+    return {n: p.detach().clone() for n, p in zip(names, params)}, opt
+
+
+def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
+               max_grad_norm: float | None = None, init: str | Path | None = None,
+               addresses: list[str] | None = None, iterations: int | None = None,
+               scheduler_args: dict | None = None) -> Plan:
+    """Record this job for ckptd; call on every rank before the first forward.
+
+    `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
+    model.parameters() (after scaler.unscale_ with AMP). Rank 0 writes the plan to
+    `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
+    rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
+    plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
+                      scheduler_args)
+    rank = dist.get_rank(ddp_model.process_group)
+    path = Path(path)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model, opt = initial_state(ddp_model, optimizer, scaler)
+        save_checkpoint(Path(init) if init else path.with_name("init.pt"), -1, model, opt)
+        _save(plan, path)
+    names, params = _names(ddp_model)
+    names_of = {id(p): n for n, p in zip(names, params)}
+
+    def after_forward(module, inputs, output):
+        if not getattr(module, "_has_rebuilt_buckets", False):
+            return
+        handle.remove()
+        if rank == 0:
+            rebuilt = _layout(module, names_of)
+            object.__setattr__(plan, "buckets_rebuilt", rebuilt)
+            object.__setattr__(plan, "rebuilt_learn", False)
+            _save(plan, path)
+
+    handle = ddp_model.register_forward_hook(after_forward)
+    return plan
+
+
+def _save(plan: Plan, path: Path):
+    doc = plan.to_json()
+    doc["written_by"] = PLAN_VERSION_NOTE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class _LossOf(torch.nn.Module):
+    """A model whose .loss(batch) is its training step, as one forward DDP can wrap."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch):
+        return self.model.loss(batch)
+
+
+def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
+                ) -> tuple[tuple[BucketLayout, ...], tuple[BucketLayout, ...] | None]:
+    """DDP's own first and rebuilt bucket layouts for `model`, offline (`ckptd plan`):
+    the model is wrapped in a real DistributedDataParallel on a one-rank gloo group in
+    this process, and the layouts are read from its reducer. Bucketing does not depend
+    on the world size. The rebuilt layout needs one forward and backward on `batch`
+    (the order gradients become ready; the loss is model.loss(batch) if the model has
+    one, else model(batch).sum()) and the next forward (where DDP rebuilds); None
+    without a batch."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        has_loss = callable(getattr(model, "loss", None))
+        ddp = torch.nn.parallel.DistributedDataParallel(_LossOf(model) if has_loss else model,
+                                                        bucket_cap_mb=bucket_cap_mb,
+                                                        find_unused_parameters=False)
+        names_of = {id(p): n for n, p in model.named_parameters()}
+        first = _layout(ddp, names_of)
+        rebuilt = None
+        if batch is not None:
+            out = ddp(batch)
+            (out if has_loss else out.float().sum()).backward()
+            ddp(batch)
+            if not getattr(ddp, "_has_rebuilt_buckets", False):
+                raise TrainerError("DDP did not rebuild its buckets after one backward")
+            rebuilt = _layout(ddp, names_of)
+            model.zero_grad(set_to_none=True)
+        return first, rebuilt
+    finally:
+        if own:
+            dist.destroy_process_group()

@@ -70,8 +70,6 @@ from ckptd.core.plan import Plan
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
 STOP_NAMES = _kernel.STOP_NAMES
-MAX_SLOTS = _kernel.MAX_SLOTS
-CONFLICT_CAP = _kernel.CONFLICT_CAP
 FLOW_BOUND, FLOW_UNRELATED = _kernel.FLOW_KINDS["bound"], _kernel.FLOW_KINDS["unrelated"]
 BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline.run)
 

@@ -79,7 +79,7 @@ _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + so
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
 BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
 _MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
-TURN_BYTES = 4 << 20                   # ring_batches: ring bytes per ring and turn, at most
+TURN_BYTES = 1 << 20                   # ring_batches: ring bytes per ring and turn, at most
 
 
 class CaptureSetupError(CkptdError, OSError):

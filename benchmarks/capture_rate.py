@@ -497,7 +497,7 @@ def main(argv=None):
     ap.add_argument("--bisect", type=int, default=2, help="bisection rounds after the doubling")
     ap.add_argument("--tolerance", type=float, default=0.15, help="stop bisecting when hi/lo <= 1 + this")
     ap.add_argument("--ring-mib", type=int, default=32, help="ring memory per interface, both capturers")
-    ap.add_argument("--block-kb", type=int, default=256, help="the daemon's ring block size (KiB)")
+    ap.add_argument("--block-kb", type=int, default=1024, help="the daemon's ring block size (KiB)")
     ap.add_argument("--workers", action="store_true",
                     help="the daemon with capture_workers: true (a capture process per interface)")
     ap.add_argument("--tcpdump-filter", default=TCPDUMP_FILTER)

@@ -67,7 +67,7 @@ def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_
                  int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
                  int64_t[::1] ts, int64_t[::1] frame_no):
     """Index the user-owned blocks first, first+1, ... (mod block_nr), at most max_blocks
-    of them and no more frames than the arrays hold; frames are numbered frame_base+1
+    of them (and block_nr) and no more frames than the arrays hold; frames are numbered frame_base+1
     on. Returns (blocks, frames, vlan_restored, vlan_unrestored): vlan_unrestored
     counts tagged frames with no room before them to put the tag back (never seen from
     a kernel that follows the documented layout; those frames keep the tag off)."""
@@ -75,6 +75,8 @@ def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_
     cdef int64_t base, pos, start, cl, wl, j
     cdef uint32_t num, status, tci, tpid
     cdef uint8_t *p = &ring[0]
+    if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
+        max_blocks = block_nr
     with nogil:
         while nb < max_blocks:
             base = ((first + nb) % block_nr) * block_size

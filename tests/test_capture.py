@@ -272,11 +272,12 @@ def test_ring_batches_streams_and_hands_blocks_back(link):
     try:
         reader = threading.Thread(target=consume)
         reader.start()
-        for r in range(10):  # far more than 4 blocks hold: blocks must come back
-            send_frames([roce_v4(r * 50 + i, size=1000) for i in range(50)], "tx", link[0])
+        for r in range(20):  # each round fits the 4 blocks, all of them ten times over
+            send_frames([roce_v4(r * 25 + i, size=1000) for i in range(25)], "tx", link[0])
             send_frames([roce_v4(i) for i in range(5)], "tx2", link[0])
-            time.sleep(0.03)
-        time.sleep(0.1)
+            deadline = time.monotonic() + 5  # the reader catches up before the next round
+            while len(got) < (r + 1) * 30 and time.monotonic() < deadline:
+                time.sleep(0.01)
         stop.set()
         reader.join(5)
         assert not reader.is_alive()
@@ -286,7 +287,7 @@ def test_ring_batches_streams_and_hands_blocks_back(link):
             c.close()
     assert errors == []
     assert [struct.unpack_from("!I", f.data, 42)[0] for k, f in got if k == 0] == list(range(500))
-    assert sum(1 for k, _ in got if k == 1) == 50
+    assert sum(1 for k, _ in got if k == 1) == 100
     assert all(c.stats()["drops"] == 0 for c in caps)
 
 

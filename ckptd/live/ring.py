@@ -79,7 +79,7 @@ _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + so
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
 BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
 _MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
-TURN_BYTES = 4 << 20                   # ring_batches: ring bytes per ring and turn, at most
+TURN_BYTES = 1 << 20                   # ring_batches: ring bytes per ring and turn, at most
 
 
 class CaptureSetupError(CkptdError, OSError):
@@ -378,8 +378,8 @@ class RingCapture:
         return frames
 
     def read_batch(self, stream: int = 0, max_blocks: int | None = None) -> Batch | None:
-        """Every block the kernel has handed over (at most max_blocks, and whole blocks
-        up to BATCH_FRAMES frames) as one Batch whose buffer is the ring itself: frames
+        """Every block the kernel has handed over (at most max_blocks, never more than
+        the ring has, and whole blocks up to BATCH_FRAMES frames) as one Batch whose buffer is the ring itself: frames
         are indexed in place (cython_ext/ring.pyx), with the same bytes, lengths,
         timestamps and numbering `read_block` gives. None when no block is ready.
         The blocks stay out of the kernel's hands until `release()`, which must come
@@ -391,7 +391,7 @@ class RingCapture:
         offsets, caplen, origlen, ts, frame_no = self._arrays
         nb, n, restored, unrestored = _ring_index.index_blocks(
             self._array, self.block_size, self.block_nr, self._block,
-            self.block_nr if max_blocks is None else max_blocks, self.snaplen, self._index,
+            self.block_nr if max_blocks is None else min(max_blocks, self.block_nr), self.snaplen, self._index,
             offsets, caplen, origlen, ts, frame_no)
         if nb == 0:
             return None

@@ -57,6 +57,13 @@ def _layout(block_size: int) -> tuple[int, int, int]:
     return data, frames, data + _META * 8 * frames
 
 
+def _busy_flags(shm: SharedMemory, block_size: int) -> np.ndarray:
+    """One byte per slot after the slots: 1 while the slot holds frames the coordinator
+    has not processed yet. The worker sets it, the coordinator clears it: a slot goes
+    back without a message (and the wakeup a message costs)."""
+    return np.ndarray(SLOTS, np.uint8, shm.buf, SLOTS * _layout(block_size)[2])
+
+
 def _slot_views(shm: SharedMemory, slot: int, block_size: int):
     nbytes, frames, size = _layout(block_size)
     base = slot * size
@@ -90,8 +97,8 @@ def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray,
 # -- the worker process ---------------------------------------------------------------------
 def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, busy_poll: bool):
     """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
-    ("free", slot) from the coordinator gives a slot back, ("stop",) ends it after the
-    ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
+    the coordinator clears the slot's busy flag when done with it; ("stop",) ends the
+    worker after the ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
     service must not end a worker before its ring is drained."""
     from ckptd.live.ring import RingCapture
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -114,7 +121,7 @@ def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
     bs = cap.block_size
     per_slot = slot_blocks(bs)
     views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
-    free = list(range(SLOTS))
+    busy = _busy_flags(shm, bs)
     poller = select.poll()
     poller.register(cap.fileno(), select.POLLIN | select.POLLERR)
     poller.register(conn.fileno(), select.POLLIN)
@@ -122,15 +129,13 @@ def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
     conn.send(("ready", cap.stats()))
     while True:
         while conn.poll(0):
-            msg = conn.recv()
-            if msg[0] == "free":
-                free.append(msg[1])
-            elif msg[0] == "stop" and stop_at is None:
+            if conn.recv()[0] == "stop" and stop_at is None:
                 stop_at = time.monotonic() + STOP_DRAIN_S
         if stop_at is not None and time.monotonic() > stop_at:
             break
-        if not free:  # the coordinator is behind: the ring holds what comes meanwhile
-            conn.poll(0.05)
+        free = np.flatnonzero(busy == 0)
+        if not len(free):  # the coordinator is behind: the ring holds what comes meanwhile
+            conn.poll(0.001)
             continue
         batch = cap.read_batch(stream, per_slot)
         if batch is None:
@@ -141,8 +146,9 @@ def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
                     if fd == cap.fileno() and ev & select.POLLERR:
                         cap.take_error()
             continue
-        slot = free.pop()
+        slot = int(free[0])
         n = _copy_blocks(batch, bs, cap.block_nr, *views[slot])
+        busy[slot] = 1
         del batch
         cap.release()
         conn.send(("batch", slot, n, cap.stats()))
@@ -192,6 +198,7 @@ class CaptureWorkers:
         self.conns, self.procs = [], []
         self._closed = False
         self._views: list[list] = []
+        self._busy: list[np.ndarray] = []
         try:
             self._spawn(ctx, interfaces, bpf, busy_poll)
         except BaseException:
@@ -205,9 +212,10 @@ class CaptureWorkers:
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
                     "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
-            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[2])
+            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[2] + SLOTS)
             self.shms.append(shm)
             self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
+            self._busy.append(_busy_flags(shm, i.block_size))
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, args=(k, spec, shm.name, child, i.cpu, busy_poll),
                             name=f"ckptd-capture-{i.name}", daemon=True)
@@ -226,11 +234,11 @@ class CaptureWorkers:
         for k, conn in enumerate(self.conns):
             if not conn.poll(30):
                 self.close()
-                raise CaptureSetupError(0, f"capture worker for {self.captures[k].ifname} did not start")
+                raise CaptureSetupError(f"capture worker for {self.captures[k].ifname} did not start in 30 s")
             msg = conn.recv()
             if msg[0] == "error":
                 self.close()
-                raise CaptureSetupError(0, msg[1])
+                raise CaptureSetupError(msg[1])
             self.captures[k].last.update(msg[1])
 
     def batches(self, stop, errors: list[str]) -> Iterator[tuple[int, Batch]]:
@@ -258,7 +266,7 @@ class CaptureWorkers:
                         cap.last.update(st)
                         cap.received += n
                         yield k, self._batch(k, slot, n)
-                        self._send(k, ("free", slot))
+                        self._busy[k][slot] = 0
                     elif msg[0] == "done":
                         self.captures[k].last.update(msg[1])
                         self.captures[k].done = True
@@ -294,7 +302,7 @@ class CaptureWorkers:
                 p.join(5)
         for c in self.conns:
             c.close()
-        self._views = []
+        self._views, self._busy = [], []
         for shm in self.shms:
             try:
                 shm.close()

@@ -248,7 +248,8 @@ def cmd_plan(a) -> int:
                 tuple(BucketLayout(tuple(names[i] for i in b)) for b in rebuilt),
                 RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(a.channels)),
                            a.protocol, (major, minor), mtu=a.mtu),
-                opt, tuple(addrs), tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))))
+                opt, tuple(addrs), tuple(Mirror(f"mirror{r}", r, "both") for r in range(min(3, a.ranks))),
+                start_iteration=a.start_iteration)
     plan.save(a.out)
     print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets")
     return 0
@@ -415,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--beta2", type=float, default=0.999)
     pl.add_argument("--eps", type=float, default=1e-8)
     pl.add_argument("--weight-decay", type=float, default=0.01)
+    pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
+                    help="the iteration the job (re)starts at: replay and the daemon then refuse an "
+                         "init that is not the state of iteration N-1")
     pl.add_argument("--out", required=True)
     pl.set_defaults(func=cmd_plan)
     return p

@@ -423,10 +423,14 @@ def check_cap_rule(plan: Plan) -> None:
     not in the plan, and the two layouts may use different ones (DDP without
     find_unused_parameters puts iteration 0 in one bucket): a layout no cap can explain is
     refused. Iteration 0 assigns in registration order and allreduces the buckets
-    reversed; the rebuilt layout is listed in assignment order."""
+    reversed; the rebuilt layout is listed in assignment order. A gloo plan's rebuilt
+    layout is left to the stronger check on the wire (DDP broadcasts the layout it
+    rebuilt; docs/GLOO.md)."""
     why = []
-    for key, layout, reverse in (("first", plan.buckets_first, True),
-                                 ("rebuilt", plan.buckets_rebuilt, False)):
+    layouts = [("first", plan.buckets_first, True)]
+    if plan.transport != "gloo":  # gloo checks its rebuilt layout against DDP's broadcast
+        layouts.append(("rebuilt", plan.buckets_rebuilt, False))
+    for key, layout, reverse in layouts:
         lo, hi = 0, math.inf  # this layout's cap lies in (lo, hi]
         order = list(enumerate(layout))
         if reverse:

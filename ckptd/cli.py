@@ -276,7 +276,7 @@ def cmd_plan(a) -> int:
     plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
-                nodes=nodes, channel_nics=nics)
+                nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration)
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))
@@ -505,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--beta2", type=float, default=0.999)
     pl.add_argument("--eps", type=float, default=1e-8)
     pl.add_argument("--weight-decay", type=float, default=0.01)
+    pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
+                    help="the iteration the job (re)starts at: replay and the daemon then refuse an "
+                         "init that is not the state of iteration N-1")
     pl.add_argument("--out", required=True)
     pl.set_defaults(func=cmd_plan)
     return p

@@ -448,3 +448,29 @@ def _one_line_error(r: subprocess.CompletedProcess, culprit: str | None = None, 
     assert message in lines[0], lines[0]
     if culprit is not None:
         assert culprit in lines[0], lines[0]
+
+
+def test_good_values_the_checks_accept(scenario):
+    """The other side of the table: sizes with units, an IPv6 status address, a shared
+    fanout group, names as `ip` takes them."""
+    from ckptd.live.daemon import load_config
+    cfg = load_config(_config(scenario, "good", "listen: '[::1]:0'\nkeep_last: 3\nkeep_every: 100\n"
+                              "interfaces:\n  - {ifname: ens1f0.100, netns: ck-lab_1, block_size: 4M, "
+                              "frame_size: 16K, fanout_group: 7}\n"
+                              "  - {name: second, ifname: ens1f0.100, netns: ck-lab_1, fanout_group: 7}\n"))
+    assert cfg.interfaces[0].block_size == 4 << 20 and cfg.interfaces[0].frame_size == 16 << 10
+    assert cfg.listen == "[::1]:0" and cfg.keep_last == 3 and cfg.keep_every == 100
+    assert [i.netns for i in cfg.interfaces] == ["ck-lab_1", "ck-lab_1"]
+
+
+def test_plan_command_writes_where_the_job_starts(tmp_path, capsys):
+    from ckptd.core.plan import load_plan
+    out = tmp_path / "plan.json"
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "10.0.0.1",
+                   "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02", "--start-iteration", "4", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert load_plan(out).start_iteration == 4
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "10.0.0.1",
+                   "--addr", "10.0.0.2", "--lr", "-1", "--out", tmp_path / "bad.json")
+    _one_line_error(r, None, "optimizer.lr must be a finite number >= 0, not -1.0")
+    assert not (tmp_path / "bad.json").exists()

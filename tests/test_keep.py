@@ -50,14 +50,16 @@ def test_stale_temporary_from_a_crash_is_replaced(tmp_path):
 
 
 def test_retention_keeps_the_newest_and_every_mth(tmp_path):
-    k = CheckpointKeeper(tmp_path, keep_last=3, keep_every=10)
+    out = tmp_path / "ck"
+    k = CheckpointKeeper(out, keep_last=3, keep_every=10)
+    assert (os.stat(out).st_mode & 0o777) == 0o700  # the directory it creates is private
     for it in range(25):
         assert k.write(it, *_state(10))
-    assert _names(tmp_path) == [checkpoint_name(i) for i in (0, 10, 20, 22, 23, 24)]
+    assert _names(out) == [checkpoint_name(i) for i in (0, 10, 20, 22, 23, 24)]
     assert k.pruned == 19
-    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (out / "notes.txt").write_text("not a checkpoint")
     k.write(25, *_state(10))
-    assert "notes.txt" in _names(tmp_path)
+    assert "notes.txt" in _names(out)
 
 
 class _Clock:

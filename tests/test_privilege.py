@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -109,12 +110,13 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
             assert proc.returncode == 0, err
             assert st["last_committed"] == ITERATIONS - 1, st
             assert st["checkpoints"]["state"] == "ok"
+        for it in range(ITERATIONS):
+            path = out / checkpoint_name(it)
+            assert path.stat().st_uid == 65534 and (path.stat().st_mode & 0o777) == 0o600
+            assert diff_checkpoints(load_checkpoint(path),
+                                    load_checkpoint(run / "reference" / checkpoint_name(it))) == []
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
+        shutil.rmtree(top, ignore_errors=True)
         assert not netlab.down(prefix, exact=True)
-    for it in range(ITERATIONS):
-        path = out / checkpoint_name(it)
-        assert path.stat().st_uid == 65534 and (path.stat().st_mode & 0o777) == 0o600
-        assert diff_checkpoints(load_checkpoint(path), load_checkpoint(run / "reference" / checkpoint_name(it))) == []
-    subprocess.run(["rm", "-rf", str(top)], check=True)

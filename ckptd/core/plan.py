@@ -524,19 +524,24 @@ def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> Non
 
 
 def check_cap_rule(plan: Plan) -> None:
-    """Both layouts must be what DDP's bucket assignment could produce for one bucket cap
+    """Each layout must be what DDP's bucket assignment could produce for some bucket cap
     (torch's compute_bucket_assignment_by_size): per dtype, in assignment order, a bucket
     is closed as soon as it reaches its limit -- the first bucket's limit (a small first
     bucket; any value up to the cap is allowed here), then the cap. So every closed bucket
     minus its last parameter is below its limit and the whole bucket reaches it, and the
     bucket left open at the end is below the cap before its last parameter. The cap is
-    not in the plan: a layout no cap can explain is refused. Iteration 0 assigns in
-    reverse registration order and allreduces the buckets reversed; the rebuilt layout
-    is listed in assignment order."""
-    lo, hi = 0, math.inf  # the cap lies in (lo, hi]
+    not in the plan, and the two layouts may use different ones (DDP without
+    find_unused_parameters puts iteration 0 in one bucket): a layout no cap can explain is
+    refused. Iteration 0 assigns in registration order and allreduces the buckets
+    reversed; the rebuilt layout is listed in assignment order. A gloo plan's rebuilt
+    layout is left to the stronger check on the wire (DDP broadcasts the layout it
+    rebuilt; docs/GLOO.md)."""
     why = []
-    for key, layout, reverse in (("first", plan.buckets_first, True),
-                                 ("rebuilt", plan.buckets_rebuilt, False)):
+    layouts = [("first", plan.buckets_first, True)]
+    if plan.transport != "gloo":  # gloo checks its rebuilt layout against DDP's broadcast
+        layouts.append(("rebuilt", plan.buckets_rebuilt, False))
+    for key, layout, reverse in layouts:
+        lo, hi = 0, math.inf  # this layout's cap lies in (lo, hi]
         order = list(enumerate(layout))
         if reverse:
             order.reverse()

@@ -509,8 +509,8 @@ class Daemon:
             "state": state, "uptime_s": round(time.time() - self.started, 3),
             "last_committed": committed[-1].iteration if committed else -1,
             "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
-                                if keeper.last_persisted is not None else None),
-            "checkpoints": keeper.status(),
+                                if keeper and keeper.last_persisted is not None else None),
+            "checkpoints": keeper.status() if keeper else None,
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),

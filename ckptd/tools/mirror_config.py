@@ -75,7 +75,7 @@ def run(a) -> int:
         plan = load_plan(a.plan)
         cabling = load_cabling(a.cabling)
     except (PlanError, CablingError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return EXIT_INPUT
     extra = sorted(r.rank for r in cabling.ranks if r.rank >= plan.nranks)
     if extra:
@@ -88,7 +88,7 @@ def run(a) -> int:
         sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams, network=network)
         files = render_all(sel, vendors)
     except (SelectionError, RenderError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return EXIT_UNMET
     summary = sel.to_json()
     files["selection.json"] = compact_json(summary)

@@ -208,6 +208,10 @@ def cmd_plan(a) -> int:
             return 2
         text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
         topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
+        if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:
+            print(f"error: --nccl-log gives the ranks ({len(topo.addresses)}) and their NICs: leave out --ranks "
+                  "and --addr, or make --ranks agree", file=sys.stderr)
+            return 2
     elif a.ranks is None:
         print("error: give --ranks and --addr, or --nccl-log", file=sys.stderr)
         return 2

@@ -106,7 +106,8 @@ class Plan:
         if not self.channel_nics:
             object.__setattr__(self, "channel_nics",
                                tuple((a,) * self.ring.channels for a in self.addresses))
-        _check_topology(self)
+        if self.transport == "roce":  # gloo ranks are TCP endpoints: they may share an address
+            _check_topology(self)
 
     # -- derived ------------------------------------------------------------------
     @property

@@ -252,7 +252,7 @@ def cmd_plan(a) -> int:
     plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both") for r in default_mirror_ports(plan)))
     plan.save(a.out)
     print(f"wrote {a.out}: {len(params)} parameters, {len(first)} first / {len(rebuilt)} rebuilt buckets, "
-          f"{ring.nranks} ranks on {len(set(plan.nodes))} nodes, {ring.channels} channel(s)")
+          f"{ring.nranks} ranks on {len(set(plan.node_names))} nodes, {ring.channels} channel(s)")
     return 0
 
 

@@ -240,6 +240,9 @@ def cmd_plan(a) -> int:
                              "the log names NET/IB devices, not their addresses)")
         text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
         topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
+        if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:
+            raise UsageError(f"--nccl-log gives the ranks ({len(topo.addresses)}) and their NICs: leave out "
+                             "--ranks and --addr, or make --ranks agree")
     elif a.ranks is None:
         raise UsageError("give --ranks and --addr, or --nccl-log")
     sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
@@ -283,7 +286,7 @@ def cmd_plan(a) -> int:
     plan.save(a.out)
     print(f"wrote {a.out}: {len(named)} parameters, {len(first)} first / "
           f"{'learned from the wire' if plan.rebuilt_learn else len(plan.buckets_rebuilt)} rebuilt buckets, "
-          f"{ring.nranks} ranks on {len(set(plan.nodes))} nodes, {ring.channels} channel(s)")
+          f"{ring.nranks} ranks on {len(set(plan.node_names))} nodes, {ring.channels} channel(s)")
     return 0
 
 

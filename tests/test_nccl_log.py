@@ -85,6 +85,10 @@ def test_plan_command_writes_the_hand_made_plan(tmp_path):
     (lambda t: "\n".join(x for x in t.splitlines() if "NCCL_ALGO set" not in x), "Tree", "NCCL_ALGO=Ring"),
     (lambda t: t.replace("NCCL_ALGO set by environment to Ring", "NCCL_ALGO set by environment to ^Tree")
      .replace("0 nvls channels", "16 nvls channels"), "NVLS", "NCCL_ALGO=Ring"),
+    (lambda t: t.replace("NCCL_ALGO set by environment to Ring", "NCCL_ALGO set by environment to ^Tree")
+     .replace("NCCL_PROTO set by environment to Simple",
+              "NCCL_PROTO set by environment to Simple\ndgx-a07:1:1 [0] NCCL INFO NCCL_COLLNET_ENABLE set by environment to 1."),
+     "CollNetDirect/CollNetChain", "NCCL_ALGO=Ring"),
     (lambda t: t.replace("NCCL_PROTO set by environment to Simple", "NCCL_PROTO set by environment to LL,Simple"),
      "LL/Simple", "NCCL_PROTO=Simple"),
 ])

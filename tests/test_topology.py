@@ -30,12 +30,12 @@ def nodes4(tmp_path_factory):
 
 def test_plan_knows_nodes_nics_and_network_hops(nodes4):
     plan = load_plan(nodes4 / "plan.json")
-    assert plan.nranks == 16 and len(set(plan.nodes)) == 4
+    assert plan.nranks == 16 and len(set(plan.node_names)) == 4
     # NCCL-style rings: each node's ranks consecutive, channel 1 enters each node at GPU 1
     assert plan.ring.rings[1][:4] == (1, 2, 3, 0)
     wire = plan.network_connections
     assert len(wire) == 8  # 4 of each ring's 16 hops cross a node boundary
-    assert all(plan.nodes[s] != plan.nodes[d] for s, d, _ in wire)
+    assert all(plan.node_names[s] != plan.node_names[d] for s, d, _ in wire)
     # channel 0 leaves node 0 from GPU 3 through NIC 0 (GPU 0's: PXN) into GPU 4's NIC 0
     assert (3, 4, 0) in wire and plan.link_of((3, 4, 0)) == (0, 4)
     assert plan.nic(3, 0) == plan.addresses[0] and plan.nic(3, 1) == plan.addresses[3]

@@ -205,19 +205,17 @@ class Plan:
     iterations: int | None = None
     transport: str = "roce"  # roce: NCCL over RoCEv2 | gloo: torch.distributed gloo over TCP
     rebuilt_learn: bool = False  # buckets.rebuilt is "learn": taken from the wire (gloo only)
+    # As given, empty for the defaults (read them through node_names and nic(), so that
+    # dataclasses.replace(plan, addresses=...) keeps meaning "own NIC, own node"):
     nodes: tuple[str, ...] = ()  # rank -> node name; empty: every rank a node of its own
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
 
     def __post_init__(self):
-        if not self.nodes:
-            object.__setattr__(self, "nodes", tuple(f"rank{r}" for r in range(len(self.addresses))))
-        if not self.channel_nics:
-            object.__setattr__(self, "channel_nics",
-                               tuple((a,) * self.ring.channels for a in self.addresses))
         check_plan(self)
-        _check_topology(self)
+        if self.transport == "roce":  # gloo ranks are TCP endpoints: they may share an address
+            _check_topology(self)
 
     # -- derived ------------------------------------------------------------------
     @property
@@ -285,13 +283,18 @@ class Plan:
 
     def nic(self, rank: int, channel: int) -> str:
         """The address of the NIC `rank`'s network hops of `channel` use."""
-        return self.channel_nics[rank][channel]
+        return self.channel_nics[rank][channel] if self.channel_nics else self.addresses[rank]
+
+    @property
+    def node_names(self) -> tuple[str, ...]:
+        """rank -> the node it runs on ("rank<r>" where the plan gives none)."""
+        return self.nodes or tuple(f"rank{r}" for r in range(len(self.addresses)))
 
     @cached_property
     def network_connections(self) -> frozenset[tuple[int, int, int]]:
         """The ring connections (src, dst, channel) that cross the network: the only
         ones a mirror can see (ckptd.core.schedule.network_connections)."""
-        return network_connections(self.ring, self.nodes)
+        return network_connections(self.ring, self.node_names)
 
     def link_of(self, conn: tuple[int, int, int]) -> tuple[int, int]:
         """The NIC pair a network connection's frames travel between, each NIC named by
@@ -303,8 +306,8 @@ class Plan:
     def one_host_per_rank(self) -> bool:
         """Every rank a host of its own with one NIC: every ring hop is on the wire,
         between the ranks' own NICs (every plan written before nodes existed)."""
-        return len(set(self.nodes)) == self.nranks and all(
-            all(a == own for a in per) for per, own in zip(self.channel_nics, self.addresses))
+        return len(set(self.node_names)) == self.nranks and all(
+            self.nic(r, c) == a for r, a in enumerate(self.addresses) for c in range(self.ring.channels))
 
     def param_ranges(self, iteration: int, b: int) -> list[tuple[str, int, int]]:
         """(name, start, end) element ranges of each parameter inside bucket b."""
@@ -404,10 +407,11 @@ class Plan:
         """A rank's entry; node and nics only where they differ from the defaults, so a
         one-GPU-per-host plan reads as it always did."""
         out = {"rank": r, "addr": self.addresses[r]}
-        if self.nodes[r] != f"rank{r}":
-            out["node"] = self.nodes[r]
-        if any(a != self.addresses[r] for a in self.channel_nics[r]):
-            out["nics"] = list(self.channel_nics[r])
+        if self.node_names[r] != f"rank{r}":
+            out["node"] = self.node_names[r]
+        nics = [self.nic(r, c) for c in range(self.ring.channels)]
+        if any(a != self.addresses[r] for a in nics):
+            out["nics"] = nics
         return out
 
     def save(self, path: str | Path):
@@ -798,7 +802,8 @@ def _plan_from_json(raw) -> Plan:
                               m.str("direction", "both", ("tx", "rx", "both"))))
     return Plan(tuple(params), first, rebuilt, ring_cfg, optimizer, addrs, tuple(mirrors),
                 doc.int("iterations", 1, MAX_ITERATIONS), doc.str("transport", "roce"), learn,
-                nodes=tuple(nodes), channel_nics=tuple(nics),
+                nodes=tuple(nodes) if any(isinstance(x, dict) and "node" in x for x in doc.list("ranks")) else (),
+                channel_nics=tuple(nics) if any(isinstance(x, dict) and "nics" in x for x in doc.list("ranks")) else (),
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
                 comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)))
 
@@ -808,11 +813,12 @@ def _check_topology(plan: Plan):
     a channel uses is some rank's own NIC on the rank's node (the rank NCCL's proxy for
     it runs on, with PXN), so that a NIC address always names one rank (rank_of)."""
     n = len(plan.addresses)
-    if len(plan.nodes) != n or len(plan.channel_nics) != n:
+    if plan.nodes and len(plan.nodes) != n or plan.channel_nics and len(plan.channel_nics) != n:
         raise PlanError(f"ranks: {n} addresses, {len(plan.nodes)} nodes, "
                         f"{len(plan.channel_nics)} NIC lists")
+    nodes = plan.node_names
     node_of_addr: dict[str, tuple[str, int]] = {}
-    for r, (a, node) in enumerate(zip(plan.addresses, plan.nodes)):
+    for r, (a, node) in enumerate(zip(plan.addresses, nodes)):
         other = node_of_addr.setdefault(a, (node, r))
         if other[0] != node:
             raise PlanError(f"ranks {other[1]} and {r} share NIC {a} but are on nodes "
@@ -822,9 +828,9 @@ def _check_topology(plan: Plan):
             raise PlanError(f"ranks[{r}].nics must list one NIC address per channel "
                             f"({plan.ring.channels})")
         for c, a in enumerate(per):
-            if node_of_addr.get(a, (None,))[0] != plan.nodes[r]:
+            if node_of_addr.get(a, (None,))[0] != nodes[r]:
                 raise PlanError(f"ranks[{r}].nics[{c}] is {a}, which is no rank's own NIC "
-                                f"(addr) on node {plan.nodes[r]!r}: list the NIC's owner rank with it as addr")
+                                f"(addr) on node {nodes[r]!r}: list the NIC's owner rank with it as addr")
     for i, m in enumerate(plan.mirrors):
         if 0 <= m.rank < n and plan.rank_of(plan.addresses[m.rank]) != m.rank:
             raise PlanError(f"mirrors[{i}] names rank {m.rank}, whose NIC "
@@ -846,5 +852,5 @@ def _optimizer_groups(groups: list, names: list[str]) -> tuple:
             raise PlanError(f"optimizer.groups[{i}] names unknown parameters {unknown[:5]}")
         seen += g["params"]
     if sorted(seen) != sorted(names):
-        raise PlanError(f"optimizer.groups must hold every parameter exactly once")
+        raise PlanError("optimizer.groups must hold every parameter exactly once")
     return tuple(dict(g) for g in groups)

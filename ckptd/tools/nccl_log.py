@@ -167,7 +167,9 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
             raise NcclLogError(f"{where}: rank {r} says localRanks {local}, but {hosts.count(hosts[r])} ranks' "
                                f"lines come from its host {hosts[r]}")
     algo = job.settings.get("NCCL_ALGO")
-    collnet = None if "NCCL_COLLNET_ENABLE" not in job.settings else job.settings["NCCL_COLLNET_ENABLE"] != "0"
+    # CollNet runs only when NCCL_COLLNET_ENABLE=1, which NCCL then logs (init.cc:897-902@v2.19.4-1,
+    # :1566-1571@v2.27.5-1); a ncclConfig_t could enable it without a line, which PyTorch does not do.
+    collnet = job.settings.get("NCCL_COLLNET_ENABLE") == "1"
     check_allreduce_algorithm(algo, nnodes=nnodes, nvls_channels=job.nvls_channels, collnet=collnet,
                               where=f"{where}: ")
     protocol = allreduce_protocol(job.settings.get("NCCL_PROTO"), where=f"{where}: ")

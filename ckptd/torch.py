@@ -49,8 +49,9 @@ class TrainerError(CkptdError, ValueError):
 
 
 def _refuse_sharding(model, optimizer):
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     kind = type(model).__name__
-    if kind in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "_fsdp_wrapped_module"):
+    if isinstance(model, FullyShardedDataParallel | FSDPModule):
         raise TrainerError("FSDP shards parameters and optimizer state across ranks: no rank's "
                            "allreduce carries whole gradients, so ckptd cannot shadow it")
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -276,6 +277,9 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         addresses = [None] * world
         dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
     kind, groups = _optimizer(optimizer, names_of, names)
+    if _scaler(scaler) and any(g.get("fused") for g in groups):
+        raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
+                           "ckptd reproduces AMP with foreach or for-loop optimizers")
     opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                     lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
                     max_grad_norm=max_grad_norm)

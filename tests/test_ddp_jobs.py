@@ -207,3 +207,18 @@ def test_two_copies_each_losing_2pct_commit_every_iteration_their_union_covers(j
         alone = go([path])
         assert sum(fr.counts["framing_lost"] for fr in alone.extract.framers.values()) > 0
         assert all(r.exact is not False for r in alone.reports)
+
+
+def test_inspect_shows_the_gloo_conversations(jobs):
+    from ckptd.tools.inspect import format_inspect, inspect_captures
+    run, pcap = jobs("sgd")
+    res = inspect_captures([pcap])
+    gloo = [c for c in res["tcp"] if c["gloo"]]
+    data = [c for c in gloo if c["gloo"]["collectives"].get("allreduce")]
+    # 3 ranks: 3 connections, each carrying allreduce data one way (r -> r-1)
+    assert len(data) == 3 and all(c["missing_bytes"] == 0 for c in res["tcp"])
+    # the connecting side of each of the 3 connections presents its rank
+    seqs = [c["gloo"]["sequence"] for c in gloo if c["gloo"]["sequence"] is not None]
+    assert len(seqs) == 3 and all(0 <= q < 3 for q in seqs)
+    text = format_inspect(res)
+    assert "TCP conversations" in text and "gloo" in text and "allreduce:" in text

@@ -53,6 +53,16 @@ def test_unknown_comm_hooks_and_ddp_modes_are_refused(group):
     _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), "find_unused_parameters")
 
 
+def test_buffers_the_checkpoints_would_lack_are_refused_unless_accepted(group):
+    torch.manual_seed(0)
+    m = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _refused(m, opt, r"buffers \(1.running_mean, 1.running_var")
+    with pytest.raises(CkptdError, match="2 ranks"):  # past the buffer check: a one-rank group has no ring
+        ct.build_plan(m, opt, addresses=["127.0.0.1"], without_buffers=True)
+
+
 def test_optimizers_and_schedulers_without_a_deterministic_form_are_refused(group):
     m = _ddp()
     _refused(m, torch.optim.LBFGS(m.parameters()), "no deterministic functional form")

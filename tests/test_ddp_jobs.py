@@ -12,6 +12,8 @@ jobs to keep the suite short:
     amp:   AdamW, fp16 autocast with a GradScaler (skipped steps, backoff and growth),
            the fp16 compression hook, gradient accumulation under no_sync, CosineAnnealingLR
     rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
+    adagrad: Adagrad (state created at construction), two groups, MultiStepLR
+    nadam:   NAdam (its mu_product state), LinearLR
     lossy: AdamW on a larger model, captured once and split into two mirror copies that
            each lose 2% of frames independently
 
@@ -41,6 +43,9 @@ JOBS = {
             "--scheduler", "CosineAnnealingLR:T_max=10,eta_min=0.0001"],
     # a 1.8 M-parameter MLP: 7.3 MB allreduces, many segments per gloo message
     "lossy": ["--size", "small", "--optimizer", "AdamW"],
+    "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
+                "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
+    "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
 }
@@ -141,6 +146,16 @@ def test_rmsprop_two_groups_onecycle(jobs):
     plan, pipe = _replay_exact(run, pcap)
     assert plan.optimizer.kind == "rmsprop" and len(plan.optimizer.groups) == 2
     assert plan.optimizer.lr_scheduler["class"] == "OneCycleLR"
+
+
+@pytest.mark.parametrize("name", ["adagrad", "nadam"])
+def test_more_torch_optimizers_on_real_jobs(jobs, name):
+    run, pcap = jobs(name)
+    plan, pipe = _replay_exact(run, pcap)
+    assert plan.optimizer.kind == name
+    state = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))["optimizer"]["state"]
+    assert {"adagrad": {"step", "sum"}, "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"}}[name] \
+        == set(next(iter(state.values())))
 
 
 def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):

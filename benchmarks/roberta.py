@@ -260,8 +260,8 @@ def structure_bytes(pipe, finishing) -> dict:
            "pool": sum(a.nbytes for arrs in pipe.pool.free.values() for a in arrs),
            "received_maps": sum(m.nbytes for m in pipe.extract.slot_recv_maps.values())}
     if pipe.shadow is not None:
-        st = pipe.shadow.state
-        out["shadow"] = sum(t.nbytes for t in pipe.shadow.params + st.exp_avg + st.exp_avg_sq)
+        state = [t for st in pipe.shadow.state.values() for t in st.values()]
+        out["shadow"] = sum(t.nbytes for t in pipe.shadow.params + state)
     return out
 
 

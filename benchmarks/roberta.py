@@ -458,7 +458,7 @@ def child_main(spec_path: str) -> int:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed = {"rss_before": rss_end, "rss_after": rss_bytes(), "malloc_before": heap}
     names = [p.name for p in plan.parameters]
-    digest = state_digest(names, pipe.shadow.params, pipe.shadow.state) if pipe.shadow else {}
+    digest = state_digest(names, pipe.shadow.params, [pipe.shadow.state[n] for n in names]) if pipe.shadow else {}
     stops = dict(pipe.stops)
     result = {
         "wall": wall, "vm_hwm": hwm, "baseline_rss": baseline, "commits": commits,

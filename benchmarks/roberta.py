@@ -259,8 +259,8 @@ def structure_bytes(pipe, finishing) -> dict:
            "covered_per_stream": sum(a.nbytes for asm in asms for maps in asm.by_stream for a in maps),
            **{k: v for k, v in pipe.extract.kernel.buffer_bytes().items() if k != "lent"}}
     if pipe.shadow is not None:
-        st = pipe.shadow.state
-        out["shadow"] = sum(t.nbytes for t in pipe.shadow.params + st.exp_avg + st.exp_avg_sq)
+        state = [t for st in pipe.shadow.state.values() for t in st.values()]
+        out["shadow"] = sum(t.nbytes for t in pipe.shadow.params + state)
     return out
 
 
@@ -457,7 +457,7 @@ def child_main(spec_path: str) -> int:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed = {"rss_before": rss_end, "rss_after": rss_bytes(), "malloc_before": heap}
     names = [p.name for p in plan.parameters]
-    digest = state_digest(names, pipe.shadow.params, pipe.shadow.state) if pipe.shadow else {}
+    digest = state_digest(names, pipe.shadow.params, [pipe.shadow.state[n] for n in names]) if pipe.shadow else {}
     stops = dict(pipe.stops)
     result = {
         "wall": wall, "vm_hwm": hwm, "baseline_rss": baseline, "commits": commits,

@@ -49,8 +49,9 @@ class TrainerError(CkptdError, ValueError):
 
 
 def _refuse_sharding(model, optimizer):
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     kind = type(model).__name__
-    if kind in ("FullyShardedDataParallel", "FSDPModule") or hasattr(model, "_fsdp_wrapped_module"):
+    if isinstance(model, FullyShardedDataParallel | FSDPModule):
         raise TrainerError("FSDP shards parameters and optimizer state across ranks: no rank's "
                            "allreduce carries whole gradients, so ckptd cannot shadow it")
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -257,11 +258,16 @@ def _ring(backend: str, world: int) -> RingConfig:
 
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
-               scheduler_args: dict | None = None) -> Plan:
+               scheduler_args: dict | None = None, without_buffers: bool = False) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
+    buffers = [n for n, b in ddp.module.named_buffers() if b.is_floating_point()]
+    if buffers and not without_buffers:
+        raise TrainerError(f"the model has buffers ({', '.join(buffers[:3])}...: BatchNorm running "
+                           "statistics) that ckptd does not rebuild yet; its checkpoints would lack "
+                           "them: pass without_buffers=True to accept that")
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
@@ -276,6 +282,9 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         addresses = [None] * world
         dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
     kind, groups = _optimizer(optimizer, names_of, names)
+    if _scaler(scaler) and any(g.get("fused") for g in groups):
+        raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
+                           "ckptd reproduces AMP with foreach or for-loop optimizers")
     opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                     lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
                     max_grad_norm=max_grad_norm)
@@ -305,7 +314,7 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
 def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                max_grad_norm: float | None = None, init: str | Path | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
-               scheduler_args: dict | None = None) -> Plan:
+               scheduler_args: dict | None = None, without_buffers: bool = False) -> Plan:
     """Record this job for ckptd; call on every rank before the first forward.
 
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
@@ -313,7 +322,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
     plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
-                      scheduler_args)
+                      scheduler_args, without_buffers)
     rank = dist.get_rank(ddp_model.process_group)
     path = Path(path)
     if rank == 0:

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -81,9 +82,8 @@ def batch(model: MLP, rank: int, it: int, seed: int, n: int = 16):
 def _scheduler_arg(text: str):
     name, _, rest = text.partition(":")
     args = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        args[k] = json.loads(v) if v[:1] in "[{" else (int(v) if v.lstrip("-").isdigit() else float(v))
+    for k, v in re.findall(r"(\w+)=(\[[^\]]*\]|[^,]+)", rest):  # a list's commas stay in it
+        args[k] = json.loads(v) if v[:1] == "[" else (int(v) if v.lstrip("-").isdigit() else float(v))
     return name, args
 
 

@@ -12,6 +12,10 @@ jobs to keep the suite short:
     amp:   AdamW, fp16 autocast with a GradScaler (skipped steps, backoff and growth),
            the fp16 compression hook, gradient accumulation under no_sync, CosineAnnealingLR
     rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
+    adagrad: Adagrad (state created at construction), two groups, MultiStepLR
+    nadam:   NAdam (its mu_product state), LinearLR
+    lossy: AdamW on a larger model, captured once and split into two mirror copies that
+           each lose 2% of frames independently
 
 DDP refuses the bf16 compression hook without CUDA and NCCL, so bf16 on the wire is
 tested through the RoCE path with synthesized traffic (tests/test_replay_synth.py).
@@ -37,6 +41,11 @@ JOBS = {
     "amp": ["--optimizer", "AdamW", "--lr", "0.003", "--amp", "--init-scale", "1048576",
             "--growth-interval", "3", "--hook", "fp16", "--accumulate", "2",
             "--scheduler", "CosineAnnealingLR:T_max=10,eta_min=0.0001"],
+    # a 1.8 M-parameter MLP: 7.3 MB allreduces, many segments per gloo message
+    "lossy": ["--size", "small", "--optimizer", "AdamW"],
+    "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
+                "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
+    "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
 }
@@ -139,6 +148,16 @@ def test_rmsprop_two_groups_onecycle(jobs):
     assert plan.optimizer.lr_scheduler["class"] == "OneCycleLR"
 
 
+@pytest.mark.parametrize("name", ["adagrad", "nadam"])
+def test_more_torch_optimizers_on_real_jobs(jobs, name):
+    run, pcap = jobs(name)
+    plan, pipe = _replay_exact(run, pcap)
+    assert plan.optimizer.kind == name
+    state = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))["optimizer"]["state"]
+    assert {"adagrad": {"step", "sum"}, "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"}}[name] \
+        == set(next(iter(state.values())))
+
+
 def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):
     run, pcap = jobs("sgd")
     r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(run / "plan.json"),
@@ -148,3 +167,73 @@ def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"{ITERATIONS} iterations, {ITERATIONS} committed, 0 not recovered" in r.stdout
     assert r.stdout.count("bit-exact") == ITERATIONS and "NOT bit-exact" not in r.stdout
+
+
+def _copies(pcap: Path, out: Path, loss: float, seeds=(1, 2)) -> tuple[list[str], str, int]:
+    """Two mirror copies of a capture, each losing `loss` of the frames independently
+    (connection setup kept), and their union: every frame at least one copy has."""
+    import random
+
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    rngs = [random.Random(s) for s in seeds]
+    paths = [out / "copy0.pcap", out / "copy1.pcap", out / "union.pcap"]
+    files = [open(p, "wb") for p in paths]
+    writers = [PcapWriter(f) for f in files]
+    both = 0
+    try:
+        for fr in open_capture(pcap):
+            drop = [fr.index > 60 and r.random() < loss for r in rngs]
+            both += all(drop)
+            for k in range(2):
+                if not drop[k]:
+                    writers[k].write(fr.data, fr.ts_ns, fr.origlen)
+            if not all(drop):
+                writers[2].write(fr.data, fr.ts_ns, fr.origlen)
+    finally:
+        for f in files:
+            f.close()
+    return [str(p) for p in paths[:2]], str(paths[2]), both
+
+
+def test_two_copies_each_losing_2pct_commit_every_iteration_their_union_covers(jobs, tmp_path):
+    """One lost gloo preamble costs only the messages it touched: two mirror copies that
+    each lose 2% of frames commit every iteration that the union of the two copies
+    commits as one stream, and with no frame lost in both, every iteration."""
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    run, pcap = jobs("lossy")
+    copies, union, both = _copies(pcap, tmp_path, 0.02)
+
+    def go(paths):
+        return replay(load_plan(run / "plan.json"), paths, load_checkpoint(run / "init.pt"),
+                      ReplayOptions(reference=str(run / "rank0")))
+    merged = go(copies)
+    whole = go([union])
+    done = [r.iteration for r in merged.reports if r.status == "committed"]
+    assert all(r.exact for r in merged.reports if r.status == "committed")
+    assert all(r.exact is not False for r in merged.reports)  # never a wrong checkpoint
+    assert done == [r.iteration for r in whole.reports if r.status == "committed"]
+    # each frame lost in both copies can cost at most the iteration it carried
+    assert len(done) >= ITERATIONS - both, ([(r.iteration, r.status, r.note) for r in merged.reports], both)
+    # each copy alone did lose gloo framing (a preamble in a lost frame), and each alone
+    # cannot commit every iteration: the merge is what recovers them
+    for path in copies:
+        alone = go([path])
+        assert sum(fr.counts["framing_lost"] for fr in alone.extract.framers.values()) > 0
+        assert all(r.exact is not False for r in alone.reports)
+
+
+def test_inspect_shows_the_gloo_conversations(jobs):
+    from ckptd.tools.inspect import format_inspect, inspect_captures
+    run, pcap = jobs("sgd")
+    res = inspect_captures([pcap])
+    gloo = [c for c in res["tcp"] if c["gloo"]]
+    data = [c for c in gloo if c["gloo"]["collectives"].get("allreduce")]
+    # 3 ranks: 3 connections, each carrying allreduce data one way (r -> r-1)
+    assert len(data) == 3 and all(c["missing_bytes"] == 0 for c in res["tcp"])
+    # the connecting side of each of the 3 connections presents its rank
+    seqs = [c["gloo"]["sequence"] for c in gloo if c["gloo"]["sequence"] is not None]
+    assert len(seqs) == 3 and all(0 <= q < 3 for q in seqs)
+    text = format_inspect(res)
+    assert "TCP conversations" in text and "gloo" in text and "allreduce:" in text

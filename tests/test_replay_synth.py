@@ -26,6 +26,18 @@ SCENARIOS = {
     "nccl2.19-split-qps-ll-forloop-clip": dict(
         ranks=3, channels=2, protocol="ll", mtu=2048, mirrors=2, loss=1e-3, qps=2,
         optimizer="for-loop", max_grad_norm=0.5, lr_schedule="linear"),
+    # jobs beyond AdamW (issue 15): the synthesizer's trainer steps the same torch
+    # optimizer, scheduler and GradScaler the plan names, through the same comm hook
+    "sgd-nesterov-2groups-steplr-clip-bf16hook": dict(
+        ranks=3, channels=2, protocol="simple", mtu=1024, mirrors=2, loss=1e-3, opt_kind="sgd",
+        opt_hyper={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+        no_decay_group=True, lr_scheduler={"class": "StepLR", "args": {"step_size": 3, "gamma": 0.5}},
+        max_grad_norm=0.5, comm_hook="bf16_compress"),
+    "amp-fp16hook-rmsprop-2groups-onecycle": dict(
+        ranks=4, channels=2, protocol="ll", mtu=2048, mirrors=2, loss=1e-3, opt_kind="rmsprop",
+        opt_hyper={"lr": 1e-3, "momentum": 0.5, "centered": True}, no_decay_group=True,
+        lr_scheduler={"class": "OneCycleLR", "args": {"max_lr": 0.01, "total_steps": 25}},
+        amp_init_scale=2.0 ** 20, amp_growth_interval=3, comm_hook="fp16_compress"),
 }
 
 
@@ -58,3 +70,10 @@ def test_bit_exact_every_iteration(tmp_path, name):
         assert any(wraps(b, t) for b in pipe.extract.binder.bound.values() for t in range(iterations))
     if opts.corrupt:
         assert sum(c["bad_icrc"] for c in pipe.classes) > 0
+    if opts.amp_init_scale:  # the trainer skipped steps and moved its scale; the shadow followed
+        scales = [float(load_checkpoint(tmp_path / "reference" / checkpoint_name(t))["optimizer"]
+                        ["grad_scaler"]["scale"]) for t in range(iterations)]
+        assert scales[0] < opts.amp_init_scale and len(set(scales)) > 2, scales
+    if opts.comm_hook != "allreduce":
+        wire = {"bf16_compress": "bfloat16", "fp16_compress": "float16"}[opts.comm_hook]
+        assert pipe.plan.bucket_dtype(pipe.plan.buckets_first[0]) == wire

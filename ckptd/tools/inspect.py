@@ -18,6 +18,13 @@ it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as
                   psn_repeats (retransmissions), RC/UC only; dma_lengths and imm (hex)
                   (first few, in order), udp_sports, icrc_invalid, files {path: packets},
                   first_ts_ns/last_ts_ns
+    tcp           one record per TCP direction (src, sport, dst, dport), in order of
+                  first appearance: segments, payload_bytes, syn/fin, missing_bytes
+                  (stream bytes no file delivered: the files are merged as mirror
+                  copies), and `gloo` when the direction speaks torch.distributed's gloo
+                  protocol: the connector's sequence number (its rank), messages by
+                  opcode, data messages by collective (allreduce, broadcast, ...), the
+                  tag range, and framing_lost (preambles lost in a hole); else null
     errors        capture-file errors ("file: frame N: ..."); the frames before the
                   error are counted, the rest of that file is not read
 
@@ -30,8 +37,11 @@ from __future__ import annotations
 from collections import Counter
 
 from ckptd.core.psn import psn_diff
+from ckptd.transports.gloo.framing import OPCODE_NAMES, SLOT_PREFIXES, GlooFramer
+from ckptd.transports.gloo.tcpstream import TcpReassembler
 from parsers.capfile import CaptureError, open_capture
 from parsers.roce import FrameClass, decode_frame
+from parsers.tcp import decode_tcp_frame
 
 MAX_LISTED = 8   # dma lengths / imm values / ports kept per flow: "the first few"
 
@@ -116,6 +126,60 @@ class _Flow:
         }
 
 
+class _Conversations:
+    """TCP directions, reassembled across files (mirror copies) and framed as gloo."""
+
+    def __init__(self):
+        self.reasm = TcpReassembler()
+        self.framers: dict[tuple, GlooFramer] = {}
+        self.stats: dict[tuple, Counter] = {}
+        self.gloo: dict[tuple, dict] = {}
+
+    def add(self, data, linktype, origlen, stream: int) -> bool:
+        seg, _ = decode_tcp_frame(data, linktype, origlen)
+        if seg is None:
+            return False
+        st = self.stats.setdefault(seg.key, Counter())
+        st["segments"] += 1
+        st["payload_bytes"] += len(seg.payload)
+        for key, piece in self.reasm.feed(seg, stream):
+            self._frame(key, piece)
+        return True
+
+    def _frame(self, key, piece):
+        fr = self.framers.get(key)
+        if fr is None:
+            d = self.reasm.dirs[key]
+            fr = self.framers[key] = GlooFramer(None if not d.syn else bool(d.initiator), lambda h: True)
+        g = self.gloo.setdefault(key, {"messages": Counter(), "collectives": Counter(), "tags": []})
+        for m in fr.feed(piece):
+            h = m.header
+            g["messages"][OPCODE_NAMES[h.opcode]] += 1
+            if h.is_data:
+                g["collectives"][SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
+            t = h.tag
+            g["tags"] = [min(g["tags"][0], t), max(g["tags"][1], t)] if g["tags"] else [t, t]
+
+    def records(self) -> list[dict]:
+        for key, piece in self.reasm.flush():
+            self._frame(key, piece)
+        out = []
+        for key, st in self.stats.items():
+            d = self.reasm.dirs[key]
+            fr = self.framers.get(key)
+            g = self.gloo.get(key)
+            gloo = None
+            if fr is not None and not fr.not_gloo and g and g["messages"]:
+                gloo = {"sequence": fr.sequence, "messages": dict(g["messages"]),
+                        "collectives": dict(g["collectives"]), "tags": g["tags"],
+                        "framing_lost": fr.counts["framing_lost"]}
+            out.append({"src": key[0], "sport": key[1], "dst": key[2], "dport": key[3],
+                        "segments": st["segments"], "payload_bytes": st["payload_bytes"],
+                        "syn": d.syn, "fin": d.fin_at is not None,
+                        "missing_bytes": sum(e - s for s, e in d.missing()), "gloo": gloo})
+        return out
+
+
 def _empty_classes():
     return {c.value: 0 for c in FrameClass}
 
@@ -126,6 +190,7 @@ def inspect_captures(paths) -> dict:
     files, errors = [], []
     flows: dict[tuple, _Flow] = {}
     opcodes = Counter()
+    tcp_frames = 0
     for path in paths:
         path = str(path)
         fi = {"path": path, "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
@@ -143,6 +208,7 @@ def inspect_captures(paths) -> dict:
                 d = decode_frame(fr.data, fr.linktype, fr.origlen)
                 fi["classes"][d.cls.value] += 1
                 if not d.is_roce:
+                    tcp_frames += 1
                     continue
                 fi["roce_frames"] += 1
                 if d.icrc_ok is True:
@@ -162,6 +228,11 @@ def inspect_captures(paths) -> dict:
             fi["error"] = str(e)
             errors.append(str(e))
 
+    tcp = _Conversations()
+    if tcp_frames:  # the files as mirror copies of one another, merged in capture-time order
+        from ckptd.pipeline import file_source
+        for k, fr in file_source([str(p) for p in paths], []):
+            tcp.add(fr.data, fr.linktype, fr.origlen, k)
     classes = _empty_classes()
     for fi in files:
         for k, v in fi["classes"].items():
@@ -175,6 +246,7 @@ def inspect_captures(paths) -> dict:
         "classes": classes,
         "opcodes": dict(opcodes),
         "flows": [f.as_dict() for f in flows.values()],
+        "tcp": tcp.records(),
         "errors": errors,
     }
 
@@ -192,7 +264,7 @@ def _table(headers, rows) -> list[str]:
 
 
 def format_inspect(result: dict) -> str:
-    """Human-readable summary, like `tshark -z conv` for RoCE QPs."""
+    """Human-readable summary, like `tshark -z conv` for RoCE QPs and TCP/gloo."""
     out = []
     for fi in result["files"]:
         line = (f"{fi['path']}: {fi['frames']} frames, {fi['roce_frames']} RoCEv2, "
@@ -218,6 +290,20 @@ def format_inspect(result: dict) -> str:
                          f["psn_missing"] or "", f["icrc_invalid"] or "", dma, ops])
         out += _table(["src", "dst", "QP", "pkts", "msgs", "bytes", "PSN", "lost", "badICRC",
                        "DMA lengths", "opcodes"], rows)
+    if result.get("tcp"):
+        out.append("")
+        out.append("TCP conversations (one direction each; gloo: torch.distributed's gloo protocol)")
+        rows = []
+        for c in result["tcp"]:
+            g = c["gloo"]
+            what = "" if g is None else (
+                f"gloo rank {g['sequence']} " if g["sequence"] is not None else "gloo ") + \
+                " ".join(f"{k}:{v}" for k, v in sorted(g["collectives"].items())) + \
+                (f" tags {g['tags'][0]}-{g['tags'][1]}" if g["tags"] else "") + \
+                (f" framing lost {g['framing_lost']}x" if g["framing_lost"] else "")
+            rows.append([f"{c['src']}:{c['sport']}", f"{c['dst']}:{c['dport']}", c["segments"],
+                         c["payload_bytes"], c["missing_bytes"] or "", what])
+        out += _table(["src", "dst", "segs", "bytes", "missing", "gloo"], rows)
     if result["errors"]:
         out.append("")
         out += [f"error: {e}" for e in result["errors"]]

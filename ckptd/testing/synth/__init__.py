@@ -21,7 +21,7 @@ import torch
 from parsers.pcap import PcapWriter
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
-from ckptd.core.optim import lr_at, torch_optimizer
+from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
 from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
 from ckptd.core.psn import PSN_MOD
 from ckptd.core.schedule import AG, RingConfig
@@ -49,6 +49,15 @@ class SynthOptions:
     optimizer: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: str = "cosine"
     max_grad_norm: float | None = None
+    # the trainer's torch.optim class (a plan optimizer kind) and its hyperparameters,
+    # for jobs beyond the default AdamW: with any of these the plan has param groups
+    opt_kind: str = "adamw"
+    opt_hyper: dict = field(default_factory=dict)
+    no_decay_group: bool = False  # biases and norms in a second group without weight decay
+    lr_scheduler: dict | None = None  # {"class": "StepLR", "args": {...}}: the real torch class
+    amp_init_scale: float | None = None  # a GradScaler: the wire carries scaled gradients
+    amp_growth_interval: int = 2000
+    comm_hook: str = "allreduce"  # fp16_compress | bf16_compress: the wire dtype
     loss: float = 0.0  # per mirror link, independently
     duplicate: float = 0.0
     reorder: float = 0.0
@@ -152,6 +161,20 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     optimizer = Optimizer(kind="adamw", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                           implementation=opts.optimizer, lr_schedule=sched[opts.lr_schedule],
                           max_grad_norm=opts.max_grad_norm)
+    if opts.opt_kind != "adamw" or opts.opt_hyper or opts.no_decay_group or opts.lr_scheduler \
+            or opts.amp_init_scale:
+        hyper = {"lr": 3e-3, "weight_decay": 0.1, "foreach": opts.optimizer == "foreach",
+                 **({"fused": True} if opts.optimizer == "fused" else {}), **opts.opt_hyper}
+        no_decay = [n for n in names if opts.no_decay_group and (n.endswith("bias") or "ln" in n or "norm" in n)]
+        groups = [{"params": [n for n in names if n not in no_decay], **hyper}]
+        if no_decay:
+            groups.append({"params": no_decay, **hyper, "weight_decay": 0.0})
+        scaler = None if opts.amp_init_scale is None else {
+            "init_scale": opts.amp_init_scale, "growth_interval": opts.amp_growth_interval}
+        optimizer = Optimizer(kind=opts.opt_kind, lr=hyper["lr"], groups=tuple(groups),
+                              lr_schedule=sched[opts.lr_schedule] if not opts.lr_scheduler else {"kind": "constant"},
+                              lr_scheduler=opts.lr_scheduler, grad_scaler=scaler,
+                              max_grad_norm=opts.max_grad_norm)
     nodes, nics = (), ()
     if opts.nodes:
         addrs, nodes, nics = _node_nics(opts, ring.rings)
@@ -168,17 +191,36 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
-        iterations=opts.iterations, nodes=nodes, channel_nics=nics)
+        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook)
 
 
-def trainer_checkpoint(model, optimizer, lr) -> tuple[dict, dict]:
+def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:
     """The trainer's own state, keyed by parameter name (the checkpoint format)."""
     names = {p: n for n, p in model.named_parameters()}
     state = {}
     for p, st in optimizer.state.items():
         state[names[p]] = {k: v.detach().clone() for k, v in st.items()}
-    return ({n: p.detach().clone() for n, p in model.named_parameters()},
-            {"lr": lr, "state": state})
+    opt = {"lr": lr, "state": state}
+    if scaler is not None:
+        opt["grad_scaler"] = {"scale": scaler._scale.clone(), "growth_tracker": scaler._growth_tracker.clone()}
+    return ({n: p.detach().clone() for n, p in model.named_parameters()}, opt)
+
+
+def _to_wire(flat: torch.Tensor, hook: str, nranks: int) -> np.ndarray:
+    """One bucket as DDP's comm hook puts it on the wire: the default hook divides by the
+    world size; the compression hooks cast first, then divide in the wire dtype."""
+    if hook == "allreduce":
+        return flat.div_(nranks).numpy()
+    t = flat.to(torch.float16 if hook == "fp16_compress" else torch.bfloat16).div_(nranks)
+    return t.numpy() if t.dtype == torch.float16 else t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _from_wire(buf: np.ndarray, hook: str) -> torch.Tensor:
+    """The hook's decompress: the reduced bucket cast back into the float32 grads."""
+    t = torch.from_numpy(buf)
+    if hook == "bf16_compress":
+        t = t.view(torch.bfloat16)
+    return t.to(torch.float32)
 
 
 class Wire:
@@ -370,6 +412,10 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     plan.save(out / "plan.json")
     save_checkpoint(out / "init.pt", -1, {n: p.detach().clone() for n, p in model.named_parameters()}, None)
     optimizer = torch_optimizer(plan.optimizer, model.named_parameters())
+    scheduler = torch_scheduler(plan.optimizer, optimizer)
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    gs = plan.optimizer.grad_scaler
+    scaler = None if gs is None else torch.amp.GradScaler("cpu", **gs)
     wire = Wire(plan, opts, rng)
     files = [open(out / "mirrors" / f"{m.name}.pcap", "wb") for m in plan.mirrors]
     writers = [PcapWriter(f) for f in files]
@@ -389,22 +435,31 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
             local = []
             for r in range(plan.nranks):
                 model.zero_grad(set_to_none=True)
-                model.loss(shard_batches(model, r, t, opts.seed)).backward()
-                # DDP's default hook divides each bucket by the world size before the allreduce.
-                local.append([torch.cat([params[n].grad.reshape(-1) for n in b.params])
-                              .div_(plan.nranks).numpy() for b in layout])
+                loss = model.loss(shard_batches(model, r, t, opts.seed))
+                (scaler.scale(loss) if scaler else loss).backward()
+                local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
+                                       plan.comm_hook, plan.nranks) for b in layout])
             final, payloads = reduce_iteration(sched, local)
             for b, buf in enumerate(final):
-                flat = torch.from_numpy(buf)
+                flat = _from_wire(buf, plan.comm_hook)
                 for name, s, e in plan.param_ranges(t, b):
                     params[name].grad = flat[s:e].view(params[name].shape).clone()
-            lr = lr_at(plan.optimizer, t)
-            for g in optimizer.param_groups:
-                g["lr"] = lr  # what LambdaLR sets: base_lr * factor(step)
+            if scheduler is None:
+                for g, base in zip(optimizer.param_groups, base_lrs):
+                    g["lr"] = base * lr_factor(plan.optimizer.lr_schedule, t)  # LambdaLR's rule
+            lr = optimizer.param_groups[0]["lr"]
+            if scaler:
+                scaler.unscale_(optimizer)
             if plan.optimizer.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), plan.optimizer.max_grad_norm)
-            optimizer.step()
-            m_state, o_state = trainer_checkpoint(model, optimizer, lr)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            m_state, o_state = trainer_checkpoint(model, optimizer, lr, scaler)
             save_checkpoint(out / "reference" / checkpoint_name(t), t, m_state, o_state)
 
             frames = wire.iteration_frames(sched, payloads)

@@ -9,8 +9,19 @@ what a real ring would produce.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ckptd.core.schedule import RS, RingSchedule
+
+
+def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One ring hop's sum. uint16 buckets are bfloat16 words (a bf16 compression hook;
+    numpy has no bfloat16): added as bfloat16, as the reduction kernel does."""
+    if a.dtype != np.uint16:
+        return a + b
+    s = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) + \
+        torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
+    return s.view(torch.int16).numpy().view(np.uint16)
 
 
 def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
@@ -41,7 +52,7 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
                 partial = {first: acc}
                 for k in range(2, n + 1):
                     idx = (s.chunk + k) % n
-                    acc = acc + local[cfg.rank_at(ch, idx)][s.bucket][sl]
+                    acc = _add(acc, local[cfg.rank_at(ch, idx)][s.bucket][sl])
                     partial[idx] = acc
                 memo[key] = partial
             if s.phase == RS:

@@ -264,7 +264,7 @@ class GlooFramer:
                 self._consume(memoryview(rest), at, -2, out)
                 for m in out[n0:n0 + 1]:
                     m.resync = True
-                self._restream(out[n0:])
+                self._restream(out[n0:] + ([self.cur] if self.cur is not None else []))
                 return
             p += 1
 

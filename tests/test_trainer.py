@@ -1,0 +1,101 @@
+"""ckptd.torch refuses, in one line naming the reason, what the shadow cannot reproduce
+bit for bit; and `ckptd plan`'s offline layouts come from a real DDP. (The plans it
+writes for real jobs are exercised end to end in tests/test_ddp_jobs.py.)"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ckptd.torch as ct
+from ckptd.errors import CkptdError
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+
+
+def _ddp(**kw):
+    return torch.nn.parallel.DistributedDataParallel(_net(), **kw)
+
+
+def _refused(model, optimizer, match, **kw):
+    with pytest.raises(ct.TrainerError, match=match) as e:
+        ct.build_plan(model, optimizer, addresses=["127.0.0.1"], **kw)
+    assert isinstance(e.value, CkptdError) and "\n" not in str(e.value)
+
+
+def test_sharded_jobs_are_refused(group):
+    from torch.distributed.fsdp import fully_shard
+    net = _net()
+    fully_shard(net)
+    _refused(net, torch.optim.SGD(net.parameters(), lr=0.1), "FSDP shards")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    m = _ddp()
+    zero = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    _refused(m, zero, "ZeRO")
+
+
+def test_unknown_comm_hooks_and_ddp_modes_are_refused(group):
+    m = _ddp()
+
+    def my_hook(state, bucket):
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+    m.register_comm_hook(None, my_hook)
+    _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), "comm hook 'my_hook'")
+    m = _ddp(find_unused_parameters=True)
+    _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), "find_unused_parameters")
+
+
+def test_buffers_the_checkpoints_would_lack_are_refused_unless_accepted(group):
+    torch.manual_seed(0)
+    m = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _refused(m, opt, r"buffers \(1.running_mean, 1.running_var")
+    with pytest.raises(CkptdError, match="2 ranks"):  # past the buffer check: a one-rank group has no ring
+        ct.build_plan(m, opt, addresses=["127.0.0.1"], without_buffers=True)
+
+
+def test_optimizers_and_schedulers_without_a_deterministic_form_are_refused(group):
+    m = _ddp()
+    _refused(m, torch.optim.LBFGS(m.parameters()), "no deterministic functional form")
+
+    class MyAdam(torch.optim.Adam):
+        pass
+    _refused(m, MyAdam(m.parameters()), "MyAdam has no deterministic functional form")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _refused(m, opt, "lr_lambda is Python code",
+             scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.1, step_size_up=3)
+    _refused(m, opt, "replayed total_size", scheduler=sched)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    _refused(m, opt, "fused", scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_scheduler_args_given_by_hand_are_checked_and_recorded(group):
+    m = _ddp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.1, step_size_up=3)
+    args = {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 3}
+    rec = ct._scheduler(sched, opt, args)
+    names = [n for n, _ in m.module.named_parameters()]
+    kind, groups = ct._optimizer(opt, {id(p): n for n, p in m.module.named_parameters()}, names)
+    from ckptd.core.plan import Optimizer
+    ct._check_replay(Optimizer(kind=kind, groups=tuple(groups), lr_scheduler=rec), names, opt, sched)
+    assert rec == {"class": "CyclicLR", "args": args}
+
+
+def test_offline_layouts_come_from_ddp(group):
+    net = _net()
+    first, rebuilt = ct.ddp_layouts(net, 25.0, torch.randn(3, 4))
+    names = tuple(n for n, _ in net.named_parameters())
+    assert [b.params for b in first] == [names]  # torch 2.13: iteration 0 is one bucket
+    assert sorted(rebuilt[0].params) == sorted(names) and rebuilt[0].params[0] == "2.bias"

@@ -51,6 +51,12 @@ from ckptd.core.schedule import RS
 from ckptd.core.shadow import ShadowModel
 
 FINALIZE_LAG = 2
+# Mirror copies of one packet reach the capture host at different times (another switch
+# port, another queue): 9-11 ms apart were seen. An iteration commits only once every
+# stream's capture clock has passed this much beyond the moment it became complete, so
+# those copies are compared first (docs/ARCHITECTURE.md "Copies must agree").
+AGREE_WINDOW_MS = 50.0
+SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer holds commits
 
 
 # -- source --------------------------------------------------------------------------
@@ -146,6 +152,9 @@ class ReplayOptions:
     keep_last: int | None = None  # retention (ckptd.core.keep): None keeps every checkpoint
     keep_every: int | None = None
     retry_writes: bool = False  # a daemon: a failed write is reported and retried, not raised
+    # Copies of an iteration's elements that arrive within this much capture time after it
+    # became complete are compared before it commits (Pipeline._agreed); 0 commits at once.
+    agree_window_ms: float = AGREE_WINDOW_MS
 
 
 class Pipeline:
@@ -200,6 +209,13 @@ class Pipeline:
         self.highest = -1
         self.done = -1
         self.late = 0
+        # the agreement window (AGREE_WINDOW_MS): each stream's newest capture time, the
+        # capture time of the frame being processed, and when each complete iteration
+        # began to wait for its window
+        self.window_ns = int(opts.agree_window_ms * 1e6)
+        self.stream_time = [0] * nstreams
+        self.now_ns = 0
+        self.held_since: dict[int, int] = {}
         self.classes = [Counter() for _ in range(nstreams)]
         self.errors: list[str] = []
         # a long-running daemon keeps only the newest reports (keep_reports)
@@ -218,9 +234,24 @@ class Pipeline:
         for stream, fr in frames:
             classes = self.classes[stream]
             classes["frames"] += 1
+            self.now_ns = fr.ts_ns or 0
             for pl in self.extract.feed_frame(stream, fr, classes):
                 self.place(pl)
+            if self.now_ns > self.stream_time[stream]:
+                self.stream_time[stream] = self.now_ns
+                if self.held_since:
+                    self.after_placement(self.done + 1)
         return self.finish(abandon)
+
+    def advance_clock(self, stream_time: list[int]):
+        """The newest capture time of each stream, once every frame up to it was placed
+        (the fast path calls this after each batch; the daemon with the wall clock when
+        the rings are idle): iterations whose agreement window has passed commit."""
+        for s, t in enumerate(stream_time):
+            if t > self.stream_time[s]:
+                self.stream_time[s] = t
+        if self.held_since:
+            self.after_placement(self.done + 1)
 
     def finish(self, abandon: bool = False) -> list[IterationReport]:
         """End of input: place what the transport held back, then finalize (or abandon)
@@ -341,7 +372,28 @@ class Pipeline:
         if it == self.done + 1 and it in self.open:
             self._apply_ready_buckets(self.open[it])
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
+            if not self._agreed(nxt.iteration):
+                break
             self._finalize_through(self.done + 1)
+
+    def _agreed(self, it: int) -> bool:
+        """Whether a complete iteration may commit: every stream that has carried
+        anything has had its chance to deliver its copies, i.e. its capture clock passed
+        the agreement window after the iteration became complete (copies that arrive
+        meanwhile are placed and compared: a disagreement is a conflict, never a commit).
+        A stream silent for SILENT_STREAM_WINDOWS windows holds nothing up. Without
+        timestamps (pcapng simple blocks) no clock passes the window: the iteration
+        commits when it is finalized, FINALIZE_LAG iterations on or at the end."""
+        if self.window_ns <= 0:
+            return True
+        since = self.held_since.setdefault(it, self.now_ns or max(self.stream_time))
+        need = since + self.window_ns
+        newest = max(self.stream_time)
+        if newest < need:  # no stream's clock is past the window yet
+            return False
+        if newest >= since + SILENT_STREAM_WINDOWS * self.window_ns:
+            return True
+        return all(t >= need for t in self.stream_time if t)
 
     def wants_every_placement(self, asm: IterationAssembly) -> bool:
         """Would a placement into asm that completes no bucket make the pipeline act?
@@ -358,6 +410,7 @@ class Pipeline:
     def _finalize_through(self, upto: int):
         while self.done < upto:
             it = self.done + 1
+            self.held_since.pop(it, None)
             asm = self.open.pop(it, None) or self.open_assembly(it)
             self.done = self.extract.done = it
             self._finalize(asm)

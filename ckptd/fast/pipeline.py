@@ -546,6 +546,14 @@ class FastPipeline:
                 gc.enable()
 
     def _run_batch(self, batch: Batch):
+        self._place_batch(batch)
+        if len(batch):  # every frame placed: the streams' clocks move on (agreement windows)
+            newest = np.zeros(self.nstreams, np.int64)
+            np.maximum.at(newest, batch.stream, batch.ts)
+            self.pipeline.advance_clock(newest.tolist())
+            self._sync_iterations()
+
+    def _place_batch(self, batch: Batch):
         ex, pipe = self.extract, self.pipeline
         i, n = 0, len(batch)
         while i < n:
@@ -559,8 +567,10 @@ class FastPipeline:
                 break
             self.stops[reason] += 1
             if reason == "complete":
+                pipe.now_ns = int(batch.ts[i - 1])  # when it became complete (the agreement window)
                 pipe.after_placement(entry)  # frame i-1 completed a bucket of iteration `entry`
             elif reason != "conflicts_full":  # (drained: resume at the same frame)
+                pipe.now_ns = int(batch.ts[i])
                 self._python_frame(batch, i, reason)
                 i += 1
             self._sync_iterations()

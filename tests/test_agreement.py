@@ -1,0 +1,155 @@
+"""Copies must agree, late ones included: an iteration commits only after every mirror
+stream's copies of it had their chance to be compared (the agreement window), so one
+altered copy is a reported conflict, never a wrong checkpoint (issue 13, item 1)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from parsers import icrc
+from parsers.capfile import open_capture
+from parsers.pcap import write_pcap
+from parsers.roce import FrameClass, decode_frame
+
+from ckptd.core.checkpoint import load_checkpoint
+from ckptd.core.plan import load_plan
+from ckptd.core.schedule import AG
+from ckptd.fast.pipeline import fast_replay
+from ckptd.pipeline import ReplayOptions, replay
+from ckptd.transports.roce.transport import RoceTransport
+from tests.helpers import pcaps, synth
+
+
+@pytest.fixture(scope="module")
+def three_mirrors(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agree")
+    synth(tmp, ranks=4, channels=1, mirrors=3, iterations=4, seed=3)
+    return tmp
+
+
+def _allgather_frame(plan, path, iteration: int) -> int:
+    """Index (0-based, file order) of a frame of `path` that carries allgather elements of
+    `iteration` and nothing else, as the reference transport places it."""
+    tr = RoceTransport(plan)
+    classes = Counter()
+    for k, fr in enumerate(open_capture(path)):
+        pls = tr.feed_frame(0, fr, classes)
+        if len(pls) == 1 and pls[0].phase == AG and pls[0].iteration == iteration and k > 50:
+            return k
+    raise AssertionError(f"no allgather frame of iteration {iteration} in {path}")
+
+
+def _alter(frames, k: int, flip_bit: bool = False) -> tuple[list, bytes]:
+    """frames with frame k's payload changed: its ICRC recomputed (an altered copy that
+    checks intact), or with flip_bit one bit flipped and the ICRC left (only --trust-icrc
+    lets that through)."""
+    fr = frames[k]
+    f = decode_frame(fr.data, fr.linktype, fr.origlen)
+    assert f.cls is FrameClass.ROCE_DATA and f.payload_len >= 8
+    buf = bytearray(fr.data)
+    buf[f.payload_offset + 5] ^= 0x10
+    if not flip_bit:
+        buf[f.icrc_offset:f.icrc_offset + 4] = icrc.pack(
+            icrc.compute(buf, f.ip_offset, f.udp_offset, f.icrc_offset))
+    out = list(frames)
+    out[k] = type(fr)(fr.index, fr.ts_ns, fr.linktype, fr.caplen, fr.origlen, bytes(buf))
+    return out, bytes(fr.data)
+
+
+LATER_NS = 10_000_000  # the other mirror ports' copies reach the capture host 10 ms later
+
+
+def _altered_scenario(tmp: Path, src: Path, flip_bit: bool = False) -> tuple[list[str], int]:
+    """The three mirror captures with one allgather packet of iteration 1 altered in the
+    first, whose port (both directions of rank 0: two links of the ring) sees every
+    element first; the other two streams' copies, the intact ones, arrive 10 ms later,
+    as on the real switch where this was found. Returns the paths and the training
+    iteration the packet belongs to."""
+    plan = load_plan(src / "plan.json")
+    paths = pcaps(src)
+    k = _allgather_frame(plan, paths[0], 1)
+    frames = list(open_capture(paths[0]))
+    altered, original = _alter(frames, k, flip_bit)
+    later = [[type(fr)(fr.index, fr.ts_ns + LATER_NS, fr.linktype, fr.caplen, fr.origlen, fr.data)
+              for fr in open_capture(p)] for p in paths[1:]]
+    assert original in {bytes(fr.data) for fs in later for fr in fs}, \
+        "the altered packet must have an intact copy in another stream"
+    out = [str(tmp / f"mirror{m}.pcap") for m in range(len(paths))]
+    for path, fs in zip(out, [altered] + later):
+        write_pcap(path, fs)
+    return out, 1
+
+
+def _run(src: Path, paths, fast: bool, out: Path, window_ms=None, trust_icrc=False):
+    plan = load_plan(src / "plan.json")
+    opts = ReplayOptions(out=str(out), reference=str(src / "reference"))
+    if window_ms is not None:
+        opts.agree_window_ms = window_ms
+    start = load_checkpoint(src / "init.pt")
+    if fast:
+        return fast_replay(plan, paths, start, opts, trust_icrc=trust_icrc)
+    return replay(plan, paths, start, opts)
+
+
+def _statuses(pipe) -> dict[int, str]:
+    return {r.iteration: r.status for r in pipe.reports}
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_an_altered_copy_with_a_valid_icrc_is_a_conflict_not_a_commit(three_mirrors, tmp_path, fast):
+    paths, bad = _altered_scenario(tmp_path, three_mirrors)
+    pipe = _run(three_mirrors, paths, fast, tmp_path / "out")
+    st = _statuses(pipe)
+    assert st[0] == "committed"
+    assert st[bad] == "conflict", st
+    rep = next(r for r in pipe.reports if r.iteration == bad)
+    assert "disagree with another stream's intact copy" in rep.note and "bucket" in rep.note
+    # nothing wrong is ever written: no checkpoint from the conflicting iteration on
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]
+    assert all(r.exact is not False for r in pipe.reports)
+
+
+def test_without_the_window_the_altered_copy_commits_wrong_state(three_mirrors, tmp_path):
+    """What the window prevents (and so what the test above can catch): committing at
+    the first complete copy lets the altered one through."""
+    paths, bad = _altered_scenario(tmp_path, three_mirrors)
+    pipe = _run(three_mirrors, paths, False, tmp_path / "out", window_ms=0)
+    rep = next(r for r in pipe.reports if r.iteration == bad)
+    assert rep.status == "committed" and rep.exact is False
+
+
+def test_a_bit_flip_through_trust_icrc_is_caught_by_the_other_copies(three_mirrors, tmp_path):
+    paths, bad = _altered_scenario(tmp_path, three_mirrors, flip_bit=True)
+    pipe = _run(three_mirrors, paths, True, tmp_path / "out", trust_icrc=True)
+    assert _statuses(pipe)[bad] == "conflict"
+    assert all(r.exact is not False for r in pipe.reports)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_clean_streams_and_a_single_stream_commit_every_iteration_exactly(three_mirrors, tmp_path, fast):
+    pipe = _run(three_mirrors, pcaps(three_mirrors), fast, tmp_path / "all")
+    assert [r.status for r in pipe.reports] == ["committed"] * 4
+    assert all(r.exact for r in pipe.reports)
+
+
+def test_a_legitimately_lost_copy_still_commits(tmp_path):
+    synth(tmp_path, ranks=4, channels=1, mirrors=3, iterations=4, seed=5, loss=0.01)
+    ref = _run(tmp_path, pcaps(tmp_path), False, tmp_path / "ref")
+    fast = _run(tmp_path, pcaps(tmp_path), True, tmp_path / "fast")
+    assert [r.status for r in ref.reports] == [r.status for r in fast.reports]
+    assert [r.status for r in ref.reports] == ["committed"] * 4
+    assert all(r.exact for r in list(ref.reports) + list(fast.reports))
+
+
+def test_the_cli_exits_3_and_names_the_conflict(three_mirrors, tmp_path):
+    paths, bad = _altered_scenario(tmp_path, three_mirrors)
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(three_mirrors / "plan.json"),
+                        "--init", str(three_mirrors / "init.pt"), "--out", str(tmp_path / "cli"), *paths],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"iteration {bad:>4}: conflict" in r.stdout
+    assert "Traceback" not in r.stderr

@@ -107,7 +107,8 @@ def cmd_replay(a) -> int:
         return 2
     names = [Path(p).stem for p in a.pcap]
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
-                         resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from)
+                         resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from,
+                         agree_window_ms=a.agree_window_ms)
     if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
         print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
         return 2
@@ -351,6 +352,7 @@ def _ranged(kind, lo, hi):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ckptd.pipeline import AGREE_WINDOW_MS
     from ckptd.core.plan import OPTIMIZER_CLASSES
     p = _Parser(
         prog="ckptd", description="Per-iteration checkpoints rebuilt from mirrored RoCEv2 "
@@ -440,6 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "of their own); gloo plans always take the reference path")
     r.add_argument("--fast", action="store_true",
                    help="the batch kernel, which is the default now (accepted so older command lines work)")
+    r.add_argument("--agree-window-ms", type=_ranged(float, 0, 60_000), default=AGREE_WINDOW_MS, metavar="MS",
+                   help="an iteration commits only after every stream's capture clock has passed this "
+                        "much beyond the moment it became complete, so the other mirrors' copies are "
+                        f"compared first (default {AGREE_WINDOW_MS:g}; 0 commits at once and compares "
+                        "nothing that arrives later)")
     r.add_argument("--trust-icrc", action="store_true",
                    help="skip ICRC checks (the NIC/switch already verified them); fast path only")
     r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")

@@ -265,6 +265,10 @@ class Pipeline:
             self._close_applier()
             return self.reports
         if abandon:
+            # complete iterations still in their agreement window: every copy captured
+            # has been placed and compared, and no more will come
+            while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
+                self._finalize_through(self.done + 1)
             for it in sorted(self.open):
                 asm = self.open.pop(it)
                 self.done = max(self.done, it)

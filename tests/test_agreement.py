@@ -21,7 +21,7 @@ from ckptd.core.schedule import AG
 from ckptd.fast.pipeline import fast_replay
 from ckptd.pipeline import ReplayOptions, replay
 from ckptd.transports.roce.transport import RoceTransport
-from tests.helpers import pcaps, synth
+from helpers import pcaps, synth
 
 
 @pytest.fixture(scope="module")

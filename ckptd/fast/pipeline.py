@@ -550,8 +550,12 @@ class FastPipeline:
         if len(batch):  # every frame placed: the streams' clocks move on (agreement windows)
             newest = np.zeros(self.nstreams, np.int64)
             np.maximum.at(newest, batch.stream, batch.ts)
-            self.pipeline.advance_clock(newest.tolist())
-            self._sync_iterations()
+            self.advance_clock(newest.tolist())
+
+    def advance_clock(self, stream_time: list[int]):
+        """Pipeline.advance_clock, then the kernel's tables follow what it committed."""
+        self.pipeline.advance_clock(stream_time)
+        self._sync_iterations()
 
     def _place_batch(self, batch: Batch):
         ex, pipe = self.extract, self.pipeline

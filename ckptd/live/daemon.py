@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
 from ckptd.core.memory import available_memory, require_memory
-from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
+from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.status import Snapshot, StatusServer
@@ -86,6 +86,7 @@ class DaemonConfig:
     cpus: list[int] | None = None  # the daemon's own process (the coordinator) is pinned to these
     keep_last: int = 10  # retention: the newest K checkpoints stay
     keep_every: int | None = None  # retention: and every M-th iteration's, for good
+    agree_window_ms: float = AGREE_WINDOW_MS  # copies compared before a commit (ckptd.pipeline)
     max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
     user: str | None = None  # drop to this user once the capture sockets are open
     group: str | None = None
@@ -230,7 +231,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     base = path.parent
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
-             "capture_workers", "busy_poll", "cpus"}
+             "capture_workers", "busy_poll", "cpus", "agree_window_ms"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -284,6 +285,8 @@ def load_config(path: str | Path) -> DaemonConfig:
                         fast=fast, join=join or join_from is not None, join_from=join_from,
                         keep_last=k.int("keep_last", 1, 1 << 31, 10),
                         keep_every=k.int("keep_every", 1, 1 << 31),
+                        agree_window_ms=k.int("agree_window_ms", 0, 60_000, int(AGREE_WINDOW_MS),
+                                              what="milliseconds"),
                         max_ring_memory=cap, user=user, group=group, **workers)
 
 
@@ -364,7 +367,8 @@ class Daemon:
         self._drops_looked = 0.0  # time.monotonic() of the last look
         opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
-                             keep_every=cfg.keep_every, retry_writes=True)
+                             keep_every=cfg.keep_every, retry_writes=True,
+                             agree_window_ms=cfg.agree_window_ms)
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
@@ -469,9 +473,15 @@ class Daemon:
         if self.workers is not None:
             batches = self.workers.batches(self.stop, self.pipe.errors)
         else:
-            batches = ring_batches(self.captures, self.stop, self.pipe.errors)
+            batches = ring_batches(self.captures, self.stop, self.pipe.errors, idle=True)
+        # frames wait in a ring block for at most retire_ms before it is handed over: all
+        # frames older than that have been placed when the rings are quiet
+        settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000
         reported = len(self.pipe.errors)
         for _, batch in batches:
+            if batch is None:  # the mirror ports are quiet: the capture clock moves on
+                self.pipe.advance_clock([time.time_ns() - settled_ns] * len(self.captures))
+                continue
             self._watch_drops()
             if len(self.pipe.errors) > reported:  # e.g. a capture worker died: say so now
                 for e in self.pipe.errors[reported:]:

@@ -536,7 +536,8 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
 
 
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
-                 errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, Batch]]:
+                 errors: list[str], poll_s: float = 0.05,
+                 idle: bool = False) -> Iterator[tuple[int, Batch | None]]:
     """(stream index, Batch) from every capture, as ring_source gives frames: round
     robin, each ring's ready blocks up to TURN_BYTES (at least one block) as one Batch,
     one poll(2) on all rings when none is ready, socket errors reported and the stream
@@ -548,7 +549,9 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     stream would close iterations before another stream's copies of them came in.
 
     A Batch's frames are the ring's own bytes: its blocks go back to the kernel when
-    the consumer asks for the next item, so it must be done with the Batch by then."""
+    the consumer asks for the next item, so it must be done with the Batch by then.
+    With idle=True a poll that found nothing yields (-1, None): the consumer's clock
+    can move on while the mirror ports are quiet (the agreement window)."""
     live = list(range(len(captures)))
     poller = select.poll()
     for k in live:
@@ -583,11 +586,14 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            for fd, ev in poller.poll(int(poll_s * 1000)):
+            ready = poller.poll(int(poll_s * 1000))
+            for fd, ev in ready:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
                     msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
                     if msg:
                         errors.append(f"capture stream {by_fd[fd]}: {msg}")
+            if idle and not ready:
+                yield -1, None
     deadline = time.monotonic() + 1.0
     while live and time.monotonic() < deadline:
         got = yield from sweep()

@@ -32,6 +32,11 @@ from ckptd.testing.synth.wire import Host, QueuePair, imm_bytes, ip_udp_frame, l
 from parsers.bth import BTH
 
 
+# Between one iteration's last allreduce and the next one's first: the optimizer step,
+# the forward pass and the first part of the backward pass. Tens to hundreds of ms in real
+# jobs; longer than the agreement window (ckptd.pipeline.AGREE_WINDOW_MS), as there.
+ITERATION_GAP_NS = 100_000_000
+
 @dataclass
 class SynthOptions:
     out: str
@@ -470,7 +475,7 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
                 for when, f in impair(seen, opts, rng, stats[mirror.name]):
                     writers[k].write(f, when)
                     stats[mirror.name]["frames"] += 1
-            ts += 100 * len(frames) + 5_000_000  # then the next iteration's forward and backward
+            ts += 100 * len(frames) + ITERATION_GAP_NS  # then the next iteration's forward and backward
             if progress:
                 progress(t, opts.iterations)
     finally:

@@ -43,12 +43,11 @@ from parsers.reth import RETH
 from ckptd.core.plan import Plan
 from ckptd.core.psn import PSN_MASK, PSN_MOD, psn_add
 from ckptd.core.schedule import AG, RingSchedule, npkts
-from ckptd.testing.synth import SynthOptions, Wire
+from ckptd.testing.synth import ITERATION_GAP_NS, SynthOptions, Wire
 from ckptd.testing.synth.wire import OP_WRITE_FIRST, OP_WRITE_LAST_IMM, OP_WRITE_MIDDLE, QueuePair, imm_bytes, roce_frame
 
 OP_WRITE_LAST = 8
 FRAME_NS = 100  # timestamp step between consecutive frames (any file)
-ITERATION_GAP_NS = 5_000_000  # the next iteration's forward and backward
 _LRH_CRC = zlib.crc32(b"\xff" * 8)  # the ICRC's constant 8-byte prefix, folded once
 _RANDOM_CHUNK = 1 << 22  # elements drawn at a time (bounded temporaries)
 _PCAP_RECORD = 16

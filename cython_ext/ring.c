@@ -3691,7 +3691,7 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_x __pyx_string_tab[126]
 #define __pyx_n_b_O __pyx_string_tab[127]
 #define __pyx_kp_b_iso88591_at1A_E_aq_D_b_2Zr_BnTU __pyx_string_tab[128]
-#define __pyx_kp_b_iso88591_wfAYg_CSST_at1A_c_1_V2T_Rq_1Bb __pyx_string_tab[129]
+#define __pyx_kp_b_iso88591_wfAYg_CSST_at1A_A_Q_c_1_V2T_Rq __pyx_string_tab[129]
 #define __pyx_kp_b_iso88591_I_q_QfBk_OSVVW __pyx_string_tab[130]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_neg_1 __pyx_number_tab[1]
@@ -18129,7 +18129,7 @@ PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_10cython_ext_4ring_2index_blocks, "Index the user-owned blocks first, first+1, ... (mod block_nr), at most max_blocks\n    of them and no more frames than the arrays hold; frames are numbered frame_base+1\n    on. Returns (blocks, frames, vlan_restored, vlan_unrestored): vlan_unrestored\n    counts tagged frames with no room before them to put the tag back (never seen from\n    a kernel that follows the documented layout; those frames keep the tag off).");
+PyDoc_STRVAR(__pyx_doc_10cython_ext_4ring_2index_blocks, "Index the user-owned blocks first, first+1, ... (mod block_nr), at most max_blocks\n    of them (and block_nr) and no more frames than the arrays hold; frames are numbered frame_base+1\n    on. Returns (blocks, frames, vlan_restored, vlan_unrestored): vlan_unrestored\n    counts tagged frames with no room before them to put the tag back (never seen from\n    a kernel that follows the documented layout; those frames keep the tag off).");
 static PyMethodDef __pyx_mdef_10cython_ext_4ring_3index_blocks = {"index_blocks", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_10cython_ext_4ring_3index_blocks, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_10cython_ext_4ring_2index_blocks};
 static PyObject *__pyx_pw_10cython_ext_4ring_3index_blocks(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
@@ -18348,6 +18348,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("index_blocks", 0);
 
+
   /* "cython_ext/ring.pyx":74
  *     counts tagged frames with no room before them to put the tag back (never seen from
  *     a kernel that follows the documented layout; those frames keep the tag off)."""
@@ -18365,8 +18366,8 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
  *     cdef int64_t base, pos, start, cl, wl, j
  *     cdef uint32_t num, status, tci, tpid
  *     cdef uint8_t *p = &ring[0]             # <<<<<<<<<<<<<<
- *     with nogil:
- *         while nb < max_blocks:
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
+ *         max_blocks = block_nr
 */
   __pyx_t_1 = 0;
   __pyx_v_p = (&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))));
@@ -18374,6 +18375,36 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   /* "cython_ext/ring.pyx":78
  *     cdef uint32_t num, status, tci, tpid
  *     cdef uint8_t *p = &ring[0]
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed             # <<<<<<<<<<<<<<
+ *         max_blocks = block_nr
+ *     with nogil:
+*/
+  __pyx_t_2 = (__pyx_v_max_blocks > __pyx_v_block_nr);
+
+  if (__pyx_t_2) {
+
+
+    /* "cython_ext/ring.pyx":79
+ *     cdef uint8_t *p = &ring[0]
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
+ *         max_blocks = block_nr             # <<<<<<<<<<<<<<
+ *     with nogil:
+ *         while nb < max_blocks:
+*/
+    __pyx_v_max_blocks = __pyx_v_block_nr;
+
+    /* "cython_ext/ring.pyx":78
+ *     cdef uint32_t num, status, tci, tpid
+ *     cdef uint8_t *p = &ring[0]
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed             # <<<<<<<<<<<<<<
+ *         max_blocks = block_nr
+ *     with nogil:
+*/
+  }
+
+  /* "cython_ext/ring.pyx":80
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
+ *         max_blocks = block_nr
  *     with nogil:             # <<<<<<<<<<<<<<
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
@@ -18384,8 +18415,8 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "cython_ext/ring.pyx":79
- *     cdef uint8_t *p = &ring[0]
+        /* "cython_ext/ring.pyx":81
+ *         max_blocks = block_nr
  *     with nogil:
  *         while nb < max_blocks:             # <<<<<<<<<<<<<<
  *             base = ((first + nb) % block_nr) * block_size
@@ -18397,7 +18428,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 
           if (!__pyx_t_2) break;
 
-          /* "cython_ext/ring.pyx":80
+          /* "cython_ext/ring.pyx":82
  *     with nogil:
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size             # <<<<<<<<<<<<<<
@@ -18406,7 +18437,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_base = (((__pyx_v_first + __pyx_v_nb) % __pyx_v_block_nr) * __pyx_v_block_size);
 
-          /* "cython_ext/ring.pyx":81
+          /* "cython_ext/ring.pyx":83
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:             # <<<<<<<<<<<<<<
@@ -18418,16 +18449,16 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           if (__pyx_t_2) {
 
 
-            /* "cython_ext/ring.pyx":82
+            /* "cython_ext/ring.pyx":84
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:
  *                 break             # <<<<<<<<<<<<<<
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:
 */
-            goto __pyx_L7_break;
+            goto __pyx_L8_break;
 
-            /* "cython_ext/ring.pyx":81
+            /* "cython_ext/ring.pyx":83
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:             # <<<<<<<<<<<<<<
@@ -18436,7 +18467,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           }
 
-          /* "cython_ext/ring.pyx":83
+          /* "cython_ext/ring.pyx":85
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)             # <<<<<<<<<<<<<<
@@ -18445,7 +18476,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_num = ckptd_u32(((__pyx_v_p + __pyx_v_base) + 12));
 
-          /* "cython_ext/ring.pyx":84
+          /* "cython_ext/ring.pyx":86
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:             # <<<<<<<<<<<<<<
@@ -18457,16 +18488,16 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           if (__pyx_t_2) {
 
 
-            /* "cython_ext/ring.pyx":85
+            /* "cython_ext/ring.pyx":87
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:
  *                 break             # <<<<<<<<<<<<<<
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)
  *             for j in range(num):
 */
-            goto __pyx_L7_break;
+            goto __pyx_L8_break;
 
-            /* "cython_ext/ring.pyx":84
+            /* "cython_ext/ring.pyx":86
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:             # <<<<<<<<<<<<<<
@@ -18475,7 +18506,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           }
 
-          /* "cython_ext/ring.pyx":86
+          /* "cython_ext/ring.pyx":88
  *             if k + num > cap:
  *                 break
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)             # <<<<<<<<<<<<<<
@@ -18484,7 +18515,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_pos = (__pyx_v_base + ckptd_u32(((__pyx_v_p + __pyx_v_base) + 16)));
 
-          /* "cython_ext/ring.pyx":87
+          /* "cython_ext/ring.pyx":89
  *                 break
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)
  *             for j in range(num):             # <<<<<<<<<<<<<<
@@ -18498,7 +18529,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
             __pyx_v_j = __pyx_t_5;
 
-            /* "cython_ext/ring.pyx":88
+            /* "cython_ext/ring.pyx":90
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)
  *             for j in range(num):
  *                 start = pos + u16(p + pos + PKT_MAC)             # <<<<<<<<<<<<<<
@@ -18507,7 +18538,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_start = (__pyx_v_pos + ckptd_u16(((__pyx_v_p + __pyx_v_pos) + 24)));
 
-            /* "cython_ext/ring.pyx":89
+            /* "cython_ext/ring.pyx":91
  *             for j in range(num):
  *                 start = pos + u16(p + pos + PKT_MAC)
  *                 cl = u32(p + pos + PKT_SNAPLEN)             # <<<<<<<<<<<<<<
@@ -18516,7 +18547,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_cl = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 12));
 
-            /* "cython_ext/ring.pyx":90
+            /* "cython_ext/ring.pyx":92
  *                 start = pos + u16(p + pos + PKT_MAC)
  *                 cl = u32(p + pos + PKT_SNAPLEN)
  *                 wl = u32(p + pos + PKT_LEN)             # <<<<<<<<<<<<<<
@@ -18525,7 +18556,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_wl = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 16));
 
-            /* "cython_ext/ring.pyx":91
+            /* "cython_ext/ring.pyx":93
  *                 cl = u32(p + pos + PKT_SNAPLEN)
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)             # <<<<<<<<<<<<<<
@@ -18534,7 +18565,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_status = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 20));
 
-            /* "cython_ext/ring.pyx":92
+            /* "cython_ext/ring.pyx":94
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:             # <<<<<<<<<<<<<<
@@ -18546,7 +18577,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             if (__pyx_t_2) {
 
 
-              /* "cython_ext/ring.pyx":93
+              /* "cython_ext/ring.pyx":95
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:             # <<<<<<<<<<<<<<
@@ -18558,7 +18589,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
               if (__pyx_t_2) {
 
 
-                /* "cython_ext/ring.pyx":94
+                /* "cython_ext/ring.pyx":96
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)             # <<<<<<<<<<<<<<
@@ -18567,7 +18598,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_tpid = ckptd_u16(((__pyx_v_p + __pyx_v_pos) + 36));
 
-                /* "cython_ext/ring.pyx":95
+                /* "cython_ext/ring.pyx":97
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):             # <<<<<<<<<<<<<<
@@ -18582,21 +18613,21 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 
                   __pyx_t_2 = __pyx_t_6;
 
-                  goto __pyx_L15_bool_binop_done;
+                  goto __pyx_L16_bool_binop_done;
                 }
                 __pyx_t_6 = (__pyx_v_tpid != 0);
 
 
                 __pyx_t_2 = __pyx_t_6;
 
-                __pyx_L15_bool_binop_done:;
+                __pyx_L16_bool_binop_done:;
                 __pyx_t_6 = (!__pyx_t_2);
 
 
                 if (__pyx_t_6) {
 
 
-                  /* "cython_ext/ring.pyx":96
+                  /* "cython_ext/ring.pyx":98
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):
  *                             tpid = 0x8100             # <<<<<<<<<<<<<<
@@ -18605,7 +18636,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                   __pyx_v_tpid = 0x8100;
 
-                  /* "cython_ext/ring.pyx":95
+                  /* "cython_ext/ring.pyx":97
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):             # <<<<<<<<<<<<<<
@@ -18614,7 +18645,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 }
 
-                /* "cython_ext/ring.pyx":97
+                /* "cython_ext/ring.pyx":99
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):
  *                             tpid = 0x8100
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF             # <<<<<<<<<<<<<<
@@ -18623,7 +18654,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_tci = (ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 32)) & 0xFFFF);
 
-                /* "cython_ext/ring.pyx":98
+                /* "cython_ext/ring.pyx":100
  *                             tpid = 0x8100
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF
  *                         memmove(p + start - 4, p + start, 12)             # <<<<<<<<<<<<<<
@@ -18632,7 +18663,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (void)(memmove(((__pyx_v_p + __pyx_v_start) - 4), (__pyx_v_p + __pyx_v_start), 12));
 
-                /* "cython_ext/ring.pyx":99
+                /* "cython_ext/ring.pyx":101
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF
  *                         memmove(p + start - 4, p + start, 12)
  *                         start -= 4             # <<<<<<<<<<<<<<
@@ -18641,7 +18672,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_start = (__pyx_v_start - 4);
 
-                /* "cython_ext/ring.pyx":100
+                /* "cython_ext/ring.pyx":102
  *                         memmove(p + start - 4, p + start, 12)
  *                         start -= 4
  *                         p[start + 12] = tpid >> 8             # <<<<<<<<<<<<<<
@@ -18650,7 +18681,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 12)]) = (__pyx_v_tpid >> 8);
 
-                /* "cython_ext/ring.pyx":101
+                /* "cython_ext/ring.pyx":103
  *                         start -= 4
  *                         p[start + 12] = tpid >> 8
  *                         p[start + 13] = tpid & 0xFF             # <<<<<<<<<<<<<<
@@ -18659,7 +18690,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 13)]) = (__pyx_v_tpid & 0xFF);
 
-                /* "cython_ext/ring.pyx":102
+                /* "cython_ext/ring.pyx":104
  *                         p[start + 12] = tpid >> 8
  *                         p[start + 13] = tpid & 0xFF
  *                         p[start + 14] = tci >> 8             # <<<<<<<<<<<<<<
@@ -18668,7 +18699,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 14)]) = (__pyx_v_tci >> 8);
 
-                /* "cython_ext/ring.pyx":103
+                /* "cython_ext/ring.pyx":105
  *                         p[start + 13] = tpid & 0xFF
  *                         p[start + 14] = tci >> 8
  *                         p[start + 15] = tci & 0xFF             # <<<<<<<<<<<<<<
@@ -18677,7 +18708,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 15)]) = (__pyx_v_tci & 0xFF);
 
-                /* "cython_ext/ring.pyx":104
+                /* "cython_ext/ring.pyx":106
  *                         p[start + 14] = tci >> 8
  *                         p[start + 15] = tci & 0xFF
  *                         cl += 4             # <<<<<<<<<<<<<<
@@ -18686,7 +18717,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_cl = (__pyx_v_cl + 4);
 
-                /* "cython_ext/ring.pyx":105
+                /* "cython_ext/ring.pyx":107
  *                         p[start + 15] = tci & 0xFF
  *                         cl += 4
  *                         wl += 4             # <<<<<<<<<<<<<<
@@ -18695,7 +18726,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_wl = (__pyx_v_wl + 4);
 
-                /* "cython_ext/ring.pyx":106
+                /* "cython_ext/ring.pyx":108
  *                         cl += 4
  *                         wl += 4
  *                         restored += 1             # <<<<<<<<<<<<<<
@@ -18704,17 +18735,17 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_restored = (__pyx_v_restored + 1);
 
-                /* "cython_ext/ring.pyx":93
+                /* "cython_ext/ring.pyx":95
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:             # <<<<<<<<<<<<<<
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):
 */
-                goto __pyx_L13;
+                goto __pyx_L14;
               }
 
-              /* "cython_ext/ring.pyx":108
+              /* "cython_ext/ring.pyx":110
  *                         restored += 1
  *                     else:
  *                         unrestored += 1             # <<<<<<<<<<<<<<
@@ -18724,9 +18755,9 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
               /*else*/ {
                 __pyx_v_unrestored = (__pyx_v_unrestored + 1);
               }
-              __pyx_L13:;
+              __pyx_L14:;
 
-              /* "cython_ext/ring.pyx":92
+              /* "cython_ext/ring.pyx":94
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:             # <<<<<<<<<<<<<<
@@ -18735,7 +18766,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             }
 
-            /* "cython_ext/ring.pyx":109
+            /* "cython_ext/ring.pyx":111
  *                     else:
  *                         unrestored += 1
  *                 if cl > snaplen:             # <<<<<<<<<<<<<<
@@ -18747,7 +18778,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             if (__pyx_t_6) {
 
 
-              /* "cython_ext/ring.pyx":110
+              /* "cython_ext/ring.pyx":112
  *                         unrestored += 1
  *                 if cl > snaplen:
  *                     cl = snaplen             # <<<<<<<<<<<<<<
@@ -18756,7 +18787,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
               __pyx_v_cl = __pyx_v_snaplen;
 
-              /* "cython_ext/ring.pyx":109
+              /* "cython_ext/ring.pyx":111
  *                     else:
  *                         unrestored += 1
  *                 if cl > snaplen:             # <<<<<<<<<<<<<<
@@ -18765,7 +18796,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             }
 
-            /* "cython_ext/ring.pyx":111
+            /* "cython_ext/ring.pyx":113
  *                 if cl > snaplen:
  *                     cl = snaplen
  *                 offsets[k] = start             # <<<<<<<<<<<<<<
@@ -18775,7 +18806,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_offsets.data) + __pyx_t_1)) )) = __pyx_v_start;
 
-            /* "cython_ext/ring.pyx":112
+            /* "cython_ext/ring.pyx":114
  *                     cl = snaplen
  *                 offsets[k] = start
  *                 caplen[k] = cl             # <<<<<<<<<<<<<<
@@ -18785,7 +18816,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_caplen.data) + __pyx_t_1)) )) = __pyx_v_cl;
 
-            /* "cython_ext/ring.pyx":113
+            /* "cython_ext/ring.pyx":115
  *                 offsets[k] = start
  *                 caplen[k] = cl
  *                 origlen[k] = wl             # <<<<<<<<<<<<<<
@@ -18795,7 +18826,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_origlen.data) + __pyx_t_1)) )) = __pyx_v_wl;
 
-            /* "cython_ext/ring.pyx":114
+            /* "cython_ext/ring.pyx":116
  *                 caplen[k] = cl
  *                 origlen[k] = wl
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)             # <<<<<<<<<<<<<<
@@ -18805,7 +18836,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_ts.data) + __pyx_t_1)) )) = ((((int64_t)ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 4))) * 0x3B9ACA00) + ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 8)));
 
-            /* "cython_ext/ring.pyx":115
+            /* "cython_ext/ring.pyx":117
  *                 origlen[k] = wl
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)
  *                 frame_no[k] = frame_base + k + 1             # <<<<<<<<<<<<<<
@@ -18815,7 +18846,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_frame_no.data) + __pyx_t_1)) )) = ((__pyx_v_frame_base + __pyx_v_k) + 1);
 
-            /* "cython_ext/ring.pyx":116
+            /* "cython_ext/ring.pyx":118
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)
  *                 frame_no[k] = frame_base + k + 1
  *                 k += 1             # <<<<<<<<<<<<<<
@@ -18824,7 +18855,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_k = (__pyx_v_k + 1);
 
-            /* "cython_ext/ring.pyx":117
+            /* "cython_ext/ring.pyx":119
  *                 frame_no[k] = frame_base + k + 1
  *                 k += 1
  *                 pos += u32(p + pos + PKT_NEXT)             # <<<<<<<<<<<<<<
@@ -18835,7 +18866,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           }
 
 
-          /* "cython_ext/ring.pyx":118
+          /* "cython_ext/ring.pyx":120
  *                 k += 1
  *                 pos += u32(p + pos + PKT_NEXT)
  *             nb += 1             # <<<<<<<<<<<<<<
@@ -18844,12 +18875,12 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_nb = (__pyx_v_nb + 1);
         }
-        __pyx_L7_break:;
+        __pyx_L8_break:;
       }
 
-      /* "cython_ext/ring.pyx":78
- *     cdef uint32_t num, status, tci, tpid
- *     cdef uint8_t *p = &ring[0]
+      /* "cython_ext/ring.pyx":80
+ *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
+ *         max_blocks = block_nr
  *     with nogil:             # <<<<<<<<<<<<<<
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
@@ -18858,37 +18889,37 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
         /*normal exit:*/{
           __Pyx_FastGIL_Forget();
           PyEval_RestoreThread(_save);
-          goto __pyx_L5;
+          goto __pyx_L6;
         }
-        __pyx_L5:;
+        __pyx_L6:;
       }
   }
 
-  /* "cython_ext/ring.pyx":119
+  /* "cython_ext/ring.pyx":121
  *                 pos += u32(p + pos + PKT_NEXT)
  *             nb += 1
  *     return nb, k, restored, unrestored             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_7 = __Pyx_PyLong_From_int64_t(__pyx_v_nb); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 119, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int64_t(__pyx_v_nb); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 121, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_k); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 119, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_k); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 121, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_restored); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 119, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_restored); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 121, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = __Pyx_PyLong_From_int64_t(__pyx_v_unrestored); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 119, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyLong_From_int64_t(__pyx_v_unrestored); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 121, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_11 = PyTuple_New(4); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 119, __pyx_L1_error)
+  __pyx_t_11 = PyTuple_New(4); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 121, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 0, __pyx_t_7) != (0)) __PYX_ERR(0, 119, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 0, __pyx_t_7) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 119, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 119, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 3, __pyx_t_10) != (0)) __PYX_ERR(0, 119, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 3, __pyx_t_10) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
   __pyx_t_7 = 0;
   __pyx_t_8 = 0;
   __pyx_t_9 = 0;
@@ -18938,12 +18969,13 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 
 
 
+
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-/* "cython_ext/ring.pyx":122
+/* "cython_ext/ring.pyx":124
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -18995,60 +19027,60 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ring,&__pyx_mstate_global->__pyx_n_u_block_size,&__pyx_mstate_global->__pyx_n_u_block_nr,&__pyx_mstate_global->__pyx_n_u_first,&__pyx_mstate_global->__pyx_n_u_count,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 122, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 124, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 122, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 124, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 122, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 124, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 122, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 124, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 122, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 124, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 122, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 124, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "release_blocks", 0) < (0)) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "release_blocks", 0) < (0)) __PYX_ERR(0, 124, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 5; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, i); __PYX_ERR(0, 122, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, i); __PYX_ERR(0, 124, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 5)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 124, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 124, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 124, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 124, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 122, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 124, __pyx_L3_error)
     }
-    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 122, __pyx_L3_error)
-    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 122, __pyx_L3_error)
-    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 122, __pyx_L3_error)
-    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 122, __pyx_L3_error)
-    __pyx_v_count = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_count == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 123, __pyx_L3_error)
+    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 124, __pyx_L3_error)
+    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
+    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
+    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
+    __pyx_v_count = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_count == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 125, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 122, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 124, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -19086,7 +19118,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
   int64_t __pyx_t_4;
   __Pyx_RefNannySetupContext("release_blocks", 0);
 
-  /* "cython_ext/ring.pyx":126
+  /* "cython_ext/ring.pyx":128
  *     """Hand blocks first .. first+count-1 (mod block_nr) back to the kernel."""
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]             # <<<<<<<<<<<<<<
@@ -19096,7 +19128,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
   __pyx_t_1 = 0;
   __pyx_v_p = (&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))));
 
-  /* "cython_ext/ring.pyx":127
+  /* "cython_ext/ring.pyx":129
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -19109,7 +19141,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "cython_ext/ring.pyx":128
+        /* "cython_ext/ring.pyx":130
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:
  *         for b in range(count):             # <<<<<<<<<<<<<<
@@ -19122,7 +19154,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
         for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
           __pyx_v_b = __pyx_t_4;
 
-          /* "cython_ext/ring.pyx":129
+          /* "cython_ext/ring.pyx":131
  *     with nogil:
  *         for b in range(count):
  *             store_release(p + ((first + b) % block_nr) * block_size + BLOCK_STATUS, TP_STATUS_KERNEL)             # <<<<<<<<<<<<<<
@@ -19132,7 +19164,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
 
       }
 
-      /* "cython_ext/ring.pyx":127
+      /* "cython_ext/ring.pyx":129
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -19149,7 +19181,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
       }
   }
 
-  /* "cython_ext/ring.pyx":122
+  /* "cython_ext/ring.pyx":124
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -21348,19 +21380,19 @@ __Pyx_RefNannySetupContext("PyInit_ring", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_index_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 65, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-  /* "cython_ext/ring.pyx":122
+  /* "cython_ext/ring.pyx":124
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
  *                    int64_t count):
  *     """Hand blocks first .. first+count-1 (mod block_nr) back to the kernel."""
 */
-  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_5release_blocks, 0, __pyx_mstate_global->__pyx_n_u_release_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 122, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_5release_blocks, 0, __pyx_mstate_global->__pyx_n_u_release_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 124, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_5);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_release_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 122, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_release_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 124, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
   /* "cython_ext/ring.pyx":1
@@ -21538,30 +21570,30 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
     const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{8},{15},{19},{7},{6},{2},{9},{50},{30},{37},{5},{8},{8},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{18},{1},{4},{5},{8},{11},{10},{4},{1},{3},{6},{2},{18},{5},{15},{15},{6},{9},{5},{5},{5},{6},{7},{10},{8},{2},{5},{12},{5},{8},{1},{1},{10},{7},{4},{4},{2},{4},{3},{3},{7},{7},{1},{4},{3},{3},{8},{14},{8},{6},{4},{10},{5},{4},{7},{5},{6},{4},{4},{6},{3},{4},{2},{6},{10},{6},{6},{2},{1}};
-    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{59},{574},{38}};
+    const struct { const unsigned int length: 10; } bytes_length_index[] = {{1},{59},{588},{38}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1263 bytes) */
-static const char cstring[] = "x\332}T\315o\023G\024\307)\241\320Fmb\222bD\325\216C!j\013n\223\006Q!\004rB\220r\340#v\222\252=t5;;\353\014^\317\254\347#\330\250j{\314q\217s\334\343\036}\314\321\307\034}\334#\177\002\177B\337\254\355$ \324(\336}\373>\177\357\367\336\014\302\032\375\334C\302\177E\211~T{\200\036>\243\035!\373\373\214\276F\"D\017\211\340\232\265\2140\na\036\240\200I\347\370\241\232\361\251Ai\311\002\032\234sFB\376\257\375}\335\251\347\243\307\233\230s\241\021V\212\2658\322\002I\212\203\273\202G}\324)@\036\002\310m~\210#\026\240\216\010\350\035D{1\304B\252\025\262\342\352\256\204Bj\211\371\312\035\324\202TSgu\200c\n\245\020\3561\205\236\013M\221>\000&6\373\372@p\004\272\200F\314\247\022k\n\325\034>\310*\235\023G/\267^\336]\377u\275@+\251\343M!e|\022\001P\252\034i\276a\221\206\354\272\037SUC\333!\352\013\2038\005\\\320E\014~\347\003\364\001\345HQ\355\004\264R\364\2145\023\334\203p\306[+\023\232\330!u\321Oq\244h\r\007\201\007~\224\210(r6\301U\r\373\204\024\370=\332\323?I\010\255\305\375^\300\024\366#J\271{\266\010Sc)\340\002z\014\261\2114\362<I\003C\250\347\241\300\024E\270\340w\241\347C\206#\260\022\306\231\366<S\004:3\216\"A\200\032\204\245\304}\024`\215k\037\261\216Yv4\215\007\254j\365\346\346\366\366V\024\261X1\325\244]C9\241n\325jg[\347y/\373=\370=\001\312\275\347\320J\203\206\2367\241\0050\002\036G\334\231\320\242\232i\332q\212\300\305\300_h8qo0\251i\024\353\304\260\013N\352`\306\213\267\010LT\3308\356\214\337\256\274\347\001m\0369\240\244\255Lg\3745\311\342D7\324\261dx\314H\0332l\361\251\337\241v,\270\034]\203\243i\332)\275\247\322dNg\n\332s\037\260\004\247P\3249\350\247\362Y\234\246\312\365\302\224G\204\024\006\266\215\302\374\247\324{\276\tC\330^\325\347\204\211\332\251\213\362}\254\250\017N\355\342\341q9~\273\223\325\037\213\212\275\241\276\020\021!8\206\377\010F\024\221\010\202=`\r\316\022\241>&m\"\014\327g\353Vs\353\026\024\324\000\244\361m\002\201p&)pS\234#*\245\220!\223J\207\021n)8\230\035\254\047\3073\224\256k\207m,q\301\002\270\010h\257xx\0050\345\206<y\274\241\257\332""\035<5\300e\340n\002w\0038\366\270\017WH\007\312\002\014\021\206\216<!Y\013\032\211c@\036\2138\026J\322\026Sp\244%\215(\224\235d\222\300\252\200\221H\252\215\344\256\047\210\236\034\223b\233]i\305\013V`\"\262\030\213Q\220(\206@\370IC\264&L\307,\320\n\366\003\352\031>\315jb8)\024n C\325\353\250\367\342\337\322\273\313\027f\257%8\321v\325\326\363+\237\345\227\347\216\266\222%\320t\363\271\353v\301.\333\047\351\245\324\317>\311\326\262?\006\362\370\306pc\310G\273{\020Z\2760[I^\3330\255\247\277g\255\301\237\243\315\346\250\271\373\356\322\207\031\2778\"I9Y\315\347\226\222}\273fw\323r\372 kdP\340\313\243\277\300k\303\372\351l\332H\377\0364\006\377\014\311\311B>\277\220\317\225\223\233\311N\342\333\031{\313\312t\3019KH\263\236H;u\270\005\362U[\267\rpX\002\214\245|n>\231M\366l\325\256\346\363\025{\021R\223t!]N7\322 [\316\352\371\374R\322\264%[\236\300X\375\210\342\372i\312E\300\324\315\347\257&\367\201\205z\276x-9,\364W\323\047\331LV\315+\337Z\225V\3235p\323\300\316N^\271a\357\245\237\246r\364\375\346p}\330\315\277\276\t\t+\337\274\207a\033\232\354\272\320n:\003\312\247\240\332\314\344\240<\270\177\014\031\253\320h\305\321~\033\254\267\263\331\2549(\275\257p\274\235S\\\204\350\017\024\033\031vE\247\217\357\322\372\333\312\355\024\273F~\001>K\371\342u\307\340\265\244kg\355N>\377\025\014\313@\177g\232rRM\356\331+\320h\035z\223\331\"T\355\037\317\034\3778l\014\325I\365d\355\244q\242G\315\275\321\336\276\243\271d\227l;+\003\005\016\0340\272\343r)\230\302\032\360\245\201\240\0357\255j~\361\363\243\365#\225\374`\353\243\013\333\047\013o\341\373!\324,\331E\273\003k\264\221\266\201\207\307\303\345\341\213Qs\177\264\377\333\1776\0045\253";
-    PyObject *data = __Pyx_DecompressString(cstring, 1263, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1278 bytes) */
+static const char cstring[] = "x\332}T\317O\033G\024\306\024\022\322\242\3268\3208J\325\216I\003j\233\270\205\022\245\212P\"C\210\304\241I\260\201\252=t5;;k&^\317\254gf\211\235Vm\216\034\3678\307=\356\321G\216>r\364q\217\371\023\362\047\364\315\332\006\022EEx\367\355\373\371\275\357\275\031\2045\372\251\213\204\373\222\022\375\250\372\020m\376J\333B\366\016\031}\205\204\2176\211\340\2325#\021)\204\271\207<&\255\343\207j\306\047\006\245%\363\250w\311\031\t\371\277\366\367u\347\236\217\036oc\316\205FX)\326\344H\013$)\366\356\t\036\364P;\007y\014 w\3711\016\230\207\332\302\243w\021\355\206\020\013\251V\311\252\255\273\352\013\251%\346\253wQ\023RM\234\325\021\016)\224B\270\313\024z&4E\372\010\230\330\356\351#\301\021\350<\0320\227J\254)T\263\370 \253\264N\034\275\330yqo\343\227\215\034\255\244\2267\205T\344\222\000\200ReIs#\026h\310\256{!UU\264\353\243\236\210\020\247\200\013\272\010\301\357r\200>\242\034)\252\255\200V\363\236\261f\202;\020\316xsuL\023;\2466\372)\016\024\255b\317s\300\217\022\021\004\326&\270\252b\227\220\034\277C\273\372G\t\241\325\260\327\365\230\302n@)\267\317&aj$y\\@\217>\216\002\215\034GR/\"\324q\220\027\345E\270\340\367\240\347c\206\003\260\022\306\231v\234(\017\264f\034\004\202\0005\010K\211{\310\303\032W?b\035\261li\032\rXUk\215\355\335\335\235 `\241b\252A;\021\345\204\332U\253^l\235\343\274\350u\341\367\004(w\236A+u\352;\316\230\026\300\010x,q\027B\223j\246i\333*<\033\003\177~\304\211}\203IM\242X;\204]\260R\0333\236\277\205\027\005\271\215\343\366\350m\313;\016\320\346\220#JZ*j\217\276\306Y\254h\207:\222\"\0362\322\202\014;|\342w\254-\0136G\047\302\301$\355\204\336si<\247\013\005\355\332\017X\202s(\352\022\364s\371\"NSe{a\312!B\212\010\266\215\302\374\047\324;n\344\373\260\275\252\307\t\023\325s\027\345\272XQ\027\234Z\371\303\341r\364\266\047\2537\022\025{M]!\002Bp\010\377\001\214( \001\004;\300\032\234%B]LZDD\\_\254[\325\256\233\227S\003\220F\267\t\004\302\231\244\300M~\216\250\224B\372L*\355\007\270\251\340`\266\261\036\037O_\332\256-\266\221\304\005\363\340\"\240\335\374""\341\344\300\224\035\362\370\361\232\276l\265\361\304\000\227\201\275\t\354\r`\331\343.\\!m(\0130\204\357[\362\204dMh$\014\001y(\302P(I\233L\301\221\2264\240Pv\234I\002\253\002F\"\251\216$\267=A\364\370\230\344\333lK+\236\263\002\023\221\371X\"\005\211B\010\204\237\214\210\326\204\351\220yZ\301~@\275\210O\262F!\234\024\n7PD\325\253\240\373\374M\341\335\334\324\354\215\030\307\332\254\231Zv\355\323ln\376d\047^\002M\047\233\277i\026\314\262y\222\\I\334\364\223t=\375\243/Oo\r\266\006|\270\177\000\241\245\251\331r\374\312\370I-\371=m\366\377\034n7\206\215\375wW.g\234\271\372\346\257x9\256esK\361^\236\377\363\023\022\227\342\265l~)>4\353f?)%\017\323z\n\345\2768\371\033b\266\214\233\314&\365\344\237~\275\377\357\200\234-d\305\205l\276\024\337\216\367b\327L\233;F&\013\326YB\232\215X\232\211\303\035\220\257\233\232\251\203\303\022 .d\363\305x6>0\025\263\226\025\313f\006R\223d!YN\266\022/]NkYq)n\230\202)\215a\254}Dq\363<\345\"`\352d\305\353\361\003\340\244\226-\336\210\217s\375\365\344I:\235V\262\3627F%\225d\035\3344p\265\227\225o\231\373\311\325D\016\277\333\036l\014:\331W\267!a\371\353\3670\354B\223\035\033\332I\246A\371\024T\333\251\354\227\372\017N!c\005\032-\333!\254\200u%\235M\033\375\302\373\n\313\333%\305\014D\177\240\330J\261-:y|\233\324\336\226W\022l\033\371\031\370,d\2137-\2037\342\216\2315{Y\361K\030]\004\375]hJq%\276o\256A\2435\350M\246\213P\265w:}\372\303\240>Pg\225\263\365\263\372\231\0366\016\206\007\207\226\346\202Y2\255\264\004\024XpE;v\310\245`\n\353\300\227\006\202\366\354\264*\331\314g\047\033\047*\376\336\324\206S\273g\013o\341{\023j\026\314\242\331\203\245\332JZ\300\303\343\301\362\340\371\260q8<\374\355\077\077|:\342";
+    PyObject *data = __Pyx_DecompressString(cstring, 1278, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1633 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject>.:\377 <Memory\377View of \377<contigu\377ous and gdir%\001\007\rin\021\005\177strided\"\010o or \004\031><(\t\376A\006>?Canno\377t assign\377 to read\177-only m\240\002\375v\242\000Invali\377d mode, \347exp\305\000|\000\047c\047\376t\001\047fortra\237n\047, gH\000%\005s\357hape\222\000 ax\377is Note \373th\207 Cytho\373n \021\000delib\237eratek\000\320\001c\367ter!\001n PE\337P-484\212\"re\376\264!s subcl\366\246\000es\261!buil\373ti\260\000ypes.\377 If you \223ne\224 \303\000p\316\000%\tt\177hen set\200\000\367e \047\357\002atio\377n_typing\355\047\355$iv\242\000o F\377alse.add}_\231 ecoll\266@~+\000s.abcc\273\002\277_ext/r8\000.\377pyxdisab\357leen\002\001gci\375s\004\003dno de\377fault __\377reduce__\367 du`\002non-\336\305@vial\033\000ci?nit__u>\002\204A\337alloc\230  a\377rray dat\303a.\013\020\340#\262a\217cs.\377ASCIIEll\377ipsisSeq_uence\347a.\354g\337__Pyx\001\000Di\357ct_N\310\000Ref\263__\220$\241\000__\345\"_\375_\001\005getite\345m\r\001d0\001\027\000fun\231c\035\001\030\000st\301@)\001i\363mp\211`3\001main\336\003\002odulM\002na\315m\002\003ewT\001\264 _c?hecksuT\000\n\001\340?\004\025\001\223@\247 \037\001unp\267ick?\000En \005vyt\351!\230\001qualO\005h\327%\340&\241D_\361&ex\314\001\202\202`_\203\005\216`\262\006\003\006.\007t\373es\220@_is_c/orou\353`e\375@\221E\377_buffera\177syncio.\032\006\177sbbaseb\273@\235k\000\002_nr\002\003\326\205\001y\376\r\003sizeboo_lccap\000\000l\240@\177lcline_\263 \377tracebac\277kcount\345g.\302\353ad\226\"\220\000\310\207\003\331@od\366\366`um\303\205\002erro\377rfirstfl\377agsforma\215t\230\206\004fr\375!\230\001\004\003n\377oidindex\212\000\002_\254\002s\341A\000\002\236\001j\357kmax\022\004mem\370\206\207\001\376\206\001\305Anbndi\375m\220@objoff\336\305!orig\306\000pp\376\267\000popposr\337egist\221\000el\351e\220 \\\004r\323 ore\177dreturn\277\205\001\307set\240\205\004\257\207\002\231!sn\263ap\223 \326`rt\332au\275sF\000psto\001\000r\377ucttcitp\317idts\235`\247 un\376N\005updatev\377alu""eswlx\377O\200\001\360\010\000\005\027\377\220a\220t\2301\230A\377\330\t\n\330\010\014\210E\373\220\025\017\000q\330\014\031\230\377\021\230\"\230D\240\006\240\377b\250\003\2502\250Z\260\377r\270\033\300B\300n\320\373TU8\000\022\000\005\030\220\377w\230f\240A\240Y\250\377g\260^\320CS\320S\367T\360\006B\r\016\210c\220\377\022\2201\330\014\025\220V\377\2302\230T\240\022\240:w\250R\250^\000\017\210|u\000\377B\230b\240\005\240R\240\377~\260R\260\177\300c\310\377\021\330\020\021\330\014\022\220\377#\220Q\220b\230\002\230\357%\230r\240\016\000\017\210r^D\0004\220r\230\031\005%\t\000_\023\230A\230R\036\000\025\241\000\377\001\330\014\020\220\005\220U\377\230!\2301\330\020\030\230\377\004\230B\230c\240\021\240\377\"\240B\240d\250\"\250\377A\330\020\025\220S\230\001\353\230\022\200\0041\000\016\330\020\031\365\230K\005\024\221\000q\330\020\023\373\2207\203 A\330\024\027\220\375vf\002\023\240D\250\002\250\377!\330\030\037\230s\240!\353\2402\270\000t\233 Q\330\030\377\033\2305\240\007\240r\320\377)C\3004\300q\330\034\277#\2401\330\030\036w\nI\272\342\000q7\001q\240\002\226\000F\376\224\000C\250r\260\022\2607U\270O\000!\346\000\030\363!&\033\000\377&\250\005\250S\260\001\3308\004\n\264!\027\010\004\250C\306 \004\n\307B\250aq\001\000\002\007\000$\240\277A\340\030&\240a\305\0013\356\315 \001\330\024\325@\330\020\027\377\220q\230\005\230Q\330\020\345\026\374@u\372@\010\007\022\220!\277\2205\230\t\240\023\327@R\357\240r\250\024\253@y\270\002\377\270+\300R\300s\310!\377\3102\310R\310t\320S\357U\320UV\343!\001\230\025\017\230k\250\022\236`\321A\340 R\000W\027\220s\203@2\230@t\236 \375Q\313A!\330\004\013\2104\377\210s\220*\230A\320\000\257I\310\021\340\r\000<\203\000\001\357\230\024\230Q\304`B\240k\376\205 ?\300\"\300O\320S\017V\320VW";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1633, 2075);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1650 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject>.:\377 <Memory\377View of \377<contigu\377ous and gdir%\001\007\rin\021\005\177strided\"\010o or \004\031><(\t\376A\006>?Canno\377t assign\377 to read\177-only m\240\002\375v\242\000Invali\377d mode, \347exp\305\000|\000\047c\047\376t\001\047fortra\237n\047, gH\000%\005s\357hape\222\000 ax\377is Note \373th\207 Cytho\373n \021\000delib\237eratek\000\320\001c\367ter!\001n PE\337P-484\212\"re\376\264!s subcl\366\246\000es\261!buil\373ti\260\000ypes.\377 If you \223ne\224 \303\000p\316\000%\tt\177hen set\200\000\367e \047\357\002atio\377n_typing\355\047\355$iv\242\000o F\377alse.add}_\231 ecoll\266@~+\000s.abcc\273\002\277_ext/r8\000.\377pyxdisab\357leen\002\001gci\375s\004\003dno de\377fault __\377reduce__\367 du`\002non-\336\305@vial\033\000ci?nit__u>\002\204A\337alloc\230  a\377rray dat\303a.\013\020\340#\262a\217cs.\377ASCIIEll\377ipsisSeq_uence\347a.\354g\337__Pyx\001\000Di\357ct_N\310\000Ref\263__\220$\241\000__\345\"_\375_\001\005getite\345m\r\001d0\001\027\000fun\231c\035\001\030\000st\301@)\001i\363mp\211`3\001main\336\003\002odulM\002na\315m\002\003ewT\001\264 _c?hecksuT\000\n\001\340?\004\025\001\223@\247 \037\001unp\267ick?\000En \005vyt\351!\230\001qualO\005h\327%\340&\241D_\361&ex\314\001\202\202`_\203\005\216`\262\006\003\006.\007t\373es\220@_is_c/orou\353`e\375@\221E\377_buffera\177syncio.\032\006\177sbbaseb\273@\235k\000\002_nr\002\003\326\205\001y\376\r\003sizeboo_lccap\000\000l\240@\177lcline_\263 \377tracebac\277kcount\345g.\302\353ad\226\"\220\000\310\207\003\331@od\366\366`um\303\205\002erro\377rfirstfl\377agsforma\215t\230\206\004fr\375!\230\001\004\003n\377oidindex\212\000\002_\254\002s\341A\000\002\236\001j\357kmax\022\004mem\370\206\207\001\376\206\001\305Anbndi\375m\220@objoff\336\305!orig\306\000pp\376\267\000popposr\337egist\221\000el\351e\220 \\\004r\323 ore\177dreturn\277\205\001\307set\240\205\004\257\207\002\231!sn\263ap\223 \326`rt\332au\275sF\000psto\001\000r\377ucttcitp\317idts\235`\247 un\376N\005updatev\377alu""eswlx\377O\200\001\360\010\000\005\027\377\220a\220t\2301\230A\377\330\t\n\330\010\014\210E\373\220\025\017\000q\330\014\031\230\377\021\230\"\230D\240\006\240\377b\250\003\2502\250Z\260\377r\270\033\300B\300n\320\373TU8\000\022\000\005\030\220\377w\230f\240A\240Y\250\377g\260^\320CS\320S\367T\360\006F\t\004\007\200{\377\220\"\220A\330\010\025\220\375Q[\002\016\210c\220\022\220\3771\330\014\025\220V\2302\377\230T\240\022\240:\250R\335\250l\000\017\210|\203\000B\230\377b\240\005\240R\240~\260\377R\260\177\300c\310\021\330\377\020\021\330\014\022\220#\220\377Q\220b\230\002\230%\230\273r\240\016\000\017\210rD\0004\327\220r\230\031\005%\t\000\023\230\327A\230R\036\000\025\257\000\001\330\377\014\020\220\005\220U\230!\377\2301\330\020\030\230\004\230\377B\230c\240\021\240\"\240\377B\240d\250\"\250A\330\377\020\025\220S\230\001\230\022z\200\0041\000\016\330\020\031\230K\005\375\024\221\000q\330\020\023\2207~\221 A\330\024\027\220vf\002\377\023\240D\250\002\250!\330\377\030\037\230s\240!\2402\372\270\000t\251 Q\330\030\033\230\3775\240\007\240r\320)C\377\3004\300q\330\034#\240\2571\330\030\036w\nI\342\000q\2567\001q\240\002\226\000F\224\000C\177\250r\260\022\2607\270O\000\325!\346\000\030\201A&\033\000&\250?\005\250S\260\001\330\004\n\264!\316\027\010\004\250C\306 \004\nB\250\361aq\001\000\002\007\000$\240A\340\257\030&\240a\305\0013\315 \001\373\330\024\343@\330\020\027\220q\177\230\005\230Q\330\020\026\212`\371u\210`\010\007\022\220!\2205\357\230\t\240\023\345@R\240r\373\250\024\253@y\270\002\270+\377\300R\300s\310!\3102\377\310R\310t\320SU\320\373UV\343!\001\230\025\230k\303\250\022\254`\321A\340 R\000\027\220Us\203@2\230@t\236 Q\313A\377!\330\004\013\2104\210s\377\220*\230A\320\000I\310\353\021\340\r\000<\203\000\001\230\024\273\230Q\322`B\240k\205 ?\377\300\"\300O\320SV\320\003VW";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1650, 2089);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (2075 bytes) */
-static const char bytes[] = " at 0x object>.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notecollections.abccython_ext/ring.pyxdisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__unable to allocate array data.unable to allocate shape and strides.ASCIIEllipsisSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferasyncio.coroutinesbbaseblockblock_nrblock_readyblock_sizeboolccapcaplenclcline_in_tracebackcountcython_ext.ringdtype_is_objectencodeenumerateerrorfirstflagsformatfortranframe_baseframe_noidindexindex_blocksitemsitemsizejkmax_blocksmemviewmodenamenbndimnumobjoffsetsoriglenppackpopposregisterrelease_blocksrestoredreturnringsetdefaultshapesizesnaplenstartstatusstepstopstructtcitpidtsunpackunrestoredupdatevalueswlxO\200\001\360\010\000\005\027\220a\220t\2301\230A\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\031\230\021\230\"\230D\240\006\240b\250\003\2502\250Z\260r\270\033\300B\300n\320TU\200\001\360\022\000\005\030\220w\230f\240A\240Y\250g\260^\320CS\320ST\360\006\000\005\027\220a\220t\2301\230A\330\t\n\330\010\016\210c\220\022\2201\330\014\025\220V\2302\230T\240\022\240:\250R\250q\330\014\017\210|\2301\230B\230b\240\005\240R\240~\260R\260\177\300c\310\021\330\020\021\330\014\022\220#\220Q\220b\230\002\230%\230r\240\021\330\014\017\210r\220\022\2204\220r\230\021\330\020\021""\330\014\022\220%\220r\230\023\230A\230R\230r\240\025\240b\250\001\330\014\020\220\005\220U\230!\2301\330\020\030\230\004\230B\230c\240\021\240\"\240B\240d\250\"\250A\330\020\025\220S\230\001\230\022\2302\230T\240\022\2401\330\020\025\220S\230\001\230\022\2302\230T\240\022\2401\330\020\031\230\023\230A\230R\230r\240\024\240R\240q\330\020\023\2207\230\"\230A\330\024\027\220v\230R\230r\240\023\240D\250\002\250!\330\030\037\230s\240!\2402\240R\240t\2502\250Q\330\030\033\2305\240\007\240r\320)C\3004\300q\330\034#\2401\330\030\036\230c\240\021\240\"\240B\240d\250\"\250I\260R\260q\330\030\037\230q\240\002\240\"\240F\250\"\250C\250r\260\022\2607\270!\330\030!\240\021\330\030\031\230\021\230&\240\002\240&\250\005\250S\260\001\330\030\031\230\021\230&\240\002\240&\250\005\250R\250q\330\030\031\230\021\230&\240\002\240&\250\004\250C\250q\330\030\031\230\021\230&\240\002\240&\250\004\250B\250a\330\030\036\230a\330\030\036\230a\330\030$\240A\340\030&\240a\330\020\023\2203\220b\230\001\330\024\031\230\021\330\020\027\220q\230\005\230Q\330\020\026\220a\220u\230A\330\020\027\220q\230\005\230Q\330\020\022\220!\2205\230\t\240\023\240A\240R\240r\250\024\250R\250y\270\002\270+\300R\300s\310!\3102\310R\310t\320SU\320UV\330\020\030\230\001\230\025\230k\250\022\2502\250R\250q\330\020\025\220Q\330\020\027\220s\230!\2302\230R\230t\2402\240Q\330\014\022\220!\330\004\013\2104\210s\220*\230A\320\000I\310\021\340\004\013\210<\220q\230\001\230\024\230Q\230f\240B\240k\260\022\260?\300\"\300O\320SV\320VW";
+    #else /* compression: none (2089 bytes) */
+static const char bytes[] = " at 0x object>.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.add_notecollections.abccython_ext/ring.pyxdisableenablegcisenabledno default __reduce__ due to non-trivial __cinit__unable to allocate array data.unable to allocate shape and strides.ASCIIEllipsisSequenceView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferasyncio.coroutinesbbaseblockblock_nrblock_readyblock_sizeboolccapcaplenclcline_in_tracebackcountcython_ext.ringdtype_is_objectencodeenumerateerrorfirstflagsformatfortranframe_baseframe_noidindexindex_blocksitemsitemsizejkmax_blocksmemviewmodenamenbndimnumobjoffsetsoriglenppackpopposregisterrelease_blocksrestoredreturnringsetdefaultshapesizesnaplenstartstatusstepstopstructtcitpidtsunpackunrestoredupdatevalueswlxO\200\001\360\010\000\005\027\220a\220t\2301\230A\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\031\230\021\230\"\230D\240\006\240b\250\003\2502\250Z\260r\270\033\300B\300n\320TU\200\001\360\022\000\005\030\220w\230f\240A\240Y\250g\260^\320CS\320ST\360\006\000\005\027\220a\220t\2301\230A\330\004\007\200{\220\"\220A\330\010\025\220Q\330\t\n\330\010\016\210c\220\022\2201\330\014\025\220V\2302\230T\240\022\240:\250R\250q\330\014\017\210|\2301\230B\230b\240\005\240R\240~\260R\260\177\300c\310\021\330\020\021\330\014\022\220#\220Q\220b\230\002\230%\230r\240\021\330\014""\017\210r\220\022\2204\220r\230\021\330\020\021\330\014\022\220%\220r\230\023\230A\230R\230r\240\025\240b\250\001\330\014\020\220\005\220U\230!\2301\330\020\030\230\004\230B\230c\240\021\240\"\240B\240d\250\"\250A\330\020\025\220S\230\001\230\022\2302\230T\240\022\2401\330\020\025\220S\230\001\230\022\2302\230T\240\022\2401\330\020\031\230\023\230A\230R\230r\240\024\240R\240q\330\020\023\2207\230\"\230A\330\024\027\220v\230R\230r\240\023\240D\250\002\250!\330\030\037\230s\240!\2402\240R\240t\2502\250Q\330\030\033\2305\240\007\240r\320)C\3004\300q\330\034#\2401\330\030\036\230c\240\021\240\"\240B\240d\250\"\250I\260R\260q\330\030\037\230q\240\002\240\"\240F\250\"\250C\250r\260\022\2607\270!\330\030!\240\021\330\030\031\230\021\230&\240\002\240&\250\005\250S\260\001\330\030\031\230\021\230&\240\002\240&\250\005\250R\250q\330\030\031\230\021\230&\240\002\240&\250\004\250C\250q\330\030\031\230\021\230&\240\002\240&\250\004\250B\250a\330\030\036\230a\330\030\036\230a\330\030$\240A\340\030&\240a\330\020\023\2203\220b\230\001\330\024\031\230\021\330\020\027\220q\230\005\230Q\330\020\026\220a\220u\230A\330\020\027\220q\230\005\230Q\330\020\022\220!\2205\230\t\240\023\240A\240R\240r\250\024\250R\250y\270\002\270+\300R\300s\310!\3102\310R\310t\320SU\320UV\330\020\030\230\001\230\025\230k\250\022\2502\250R\250q\330\020\025\220Q\330\020\027\220s\230!\2302\230R\230t\2402\240Q\330\014\022\220!\330\004\013\2104\210s\220*\230A\320\000I\310\021\340\004\013\210<\220q\230\001\230\024\230Q\230f\240B\240k\260\022\260?\300\"\300O\320SV\320VW";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
@@ -21692,10 +21724,10 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   {
     const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 28, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 65};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_block_size, __pyx_mstate->__pyx_n_u_block_nr, __pyx_mstate->__pyx_n_u_first, __pyx_mstate->__pyx_n_u_max_blocks, __pyx_mstate->__pyx_n_u_snaplen, __pyx_mstate->__pyx_n_u_frame_base, __pyx_mstate->__pyx_n_u_offsets, __pyx_mstate->__pyx_n_u_caplen, __pyx_mstate->__pyx_n_u_origlen, __pyx_mstate->__pyx_n_u_ts, __pyx_mstate->__pyx_n_u_frame_no, __pyx_mstate->__pyx_n_u_cap, __pyx_mstate->__pyx_n_u_nb, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_restored, __pyx_mstate->__pyx_n_u_unrestored, __pyx_mstate->__pyx_n_u_base, __pyx_mstate->__pyx_n_u_pos, __pyx_mstate->__pyx_n_u_start, __pyx_mstate->__pyx_n_u_cl, __pyx_mstate->__pyx_n_u_wl, __pyx_mstate->__pyx_n_u_j, __pyx_mstate->__pyx_n_u_num, __pyx_mstate->__pyx_n_u_status, __pyx_mstate->__pyx_n_u_tci, __pyx_mstate->__pyx_n_u_tpid, __pyx_mstate->__pyx_n_u_p};
-    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_index_blocks, __pyx_mstate->__pyx_kp_b_iso88591_wfAYg_CSST_at1A_c_1_V2T_Rq_1Bb, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_index_blocks, __pyx_mstate->__pyx_kp_b_iso88591_wfAYg_CSST_at1A_A_Q_c_1_V2T_Rq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 122};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 124};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_block_size, __pyx_mstate->__pyx_n_u_block_nr, __pyx_mstate->__pyx_n_u_first, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_p};
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_release_blocks, __pyx_mstate->__pyx_kp_b_iso88591_at1A_E_aq_D_b_2Zr_BnTU, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }

@@ -72,6 +72,11 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     (reference's, fast one's) gradient dump directories. With chunk_bytes the fast one
     reads the files in chunks of that size on the reader thread (many Batches), else
     all at once (one Batch)."""
+    # Frame-exact equality (the same frame finalizes each iteration in both) holds with
+    # commits at once; with the agreement window the fast path commits at the batch end
+    # after the window passed, and tests/test_agreement.py compares the outcomes.
+    opts.setdefault("agree_window_ms", 0)
+
     def new(cls, dump=None, **kw):
         start = load_checkpoint(start_path) if start_path else None
         return _record(cls(plan, start, len(paths), ReplayOptions(dump_gradients=dump, **opts), **kw))

@@ -65,7 +65,8 @@ def test_plan_command_writes_the_hand_made_plan(tmp_path):
     nics = tmp_path / "nics.json"
     nics.write_text(json.dumps(NIC_ADDRS))
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "test_cli:build_model", "--nccl-log", str(LOGS / "nccl-2.19-2x4.log"),
+    assert main(["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                 "--nccl-log", str(LOGS / "nccl-2.19-2x4.log"),
                  "--nic-addrs", str(nics), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["ranks"] == hand_ranks()

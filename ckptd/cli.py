@@ -386,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M)")
-    s.add_argument("--nccl-version", default="2.19", help="2.14..2.19 (interleaved) or 2.20, 2.21 (contiguous)")
+    s.add_argument("--nccl-version", default="2.19",
+                   help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
+                        "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
     s.add_argument("--qps", type=_ranged(int, 1, 128), default=1, help="NCCL_IB_QPS_PER_CONNECTION")
     s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
     s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach")
@@ -501,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
     pl.add_argument("--channels", type=_ranged(int, 1, 64), default=2)
     pl.add_argument("--protocol", choices=["simple", "ll"], default="simple")
-    pl.add_argument("--nccl-version", default="2.19")
+    pl.add_argument("--nccl-version", default="2.19", help="the job's NCCL, MAJOR.MINOR (2.14..2.32)")
     pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
     pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)
     pl.add_argument("--transport", choices=["nccl", "gloo"], default="nccl",

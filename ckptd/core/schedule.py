@@ -70,11 +70,11 @@ class RingConfig:
                                 "in the job, or wait for LL128 support")
         if self.protocol not in ("simple", "ll"):
             raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple or ll)")
-        if not ((2, 14) <= tuple(self.nccl_version) <= (2, 21)):
+        if not ((2, 14) <= tuple(self.nccl_version) <= (2, 32)):
             raise ScheduleError(
                 f"NCCL {self.nccl_version[0]}.{self.nccl_version[1]} is not supported: the ring "
-                "layout is implemented for 2.14-2.19 (channels interleaved) and 2.20-2.21 "
-                "(contiguous per channel); 2.22+ partitions work with ncclCollCbdPart")
+                "layout is implemented for 2.14-2.19 (channels interleaved), 2.20-2.21 "
+                "(contiguous per channel) and 2.22-2.32 (ncclCollCbdPart cells; docs/NCCL.md)")
         if self.nranks < 2:
             raise ScheduleError("a ring needs at least 2 ranks")
         for c, ring in enumerate(self.rings):
@@ -244,6 +244,80 @@ def ring_steps(nranks: int, ring_ix: int) -> list[tuple[int, int]]:
     return steps
 
 
+def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: int,
+               comm_channels: int, nc: int) -> list[tuple[int, int, int]]:
+    """(channel, first element, element count) of each channel an allreduce of `count`
+    elements uses, NCCL 2.22+: the host cuts the buffer into cells and gives each channel
+    one contiguous run of them (docs/NCCL.md section 2; enqueue.cc scheduleCollTasksToPlan
+    and include/device.h ncclCollCbdPart, 583-797 and 294-320@v2.22.3, 571-829@v2.29.7).
+    Checked row by row against NCCL's own code compiled at every tag
+    (tests/data/nccl/partition-*.json)."""
+    v = tuple(version)
+    ll = protocol == "ll"
+    min_traffic = 512 if v < (2, 23) else 16384 if v < (2, 29) else 32768
+    traffic = count * itemsize * 2  # an allreduce moves every byte twice
+    per_byte = 2
+    if ll and v >= (2, 26):  # LL lines carry 8 data bytes in 16 (enqueue.cc:389,570@v2.26.6)
+        traffic *= 4
+        per_byte = 8
+    if v >= (2, 23):
+        traffic = max(min_traffic, traffic)
+    nplan = min(nc, comm_channels)
+    if v >= (2, 29):
+        per_channel = _round_up(traffic // nplan, 16)
+    else:
+        per_channel = max(min_traffic, traffic // nplan)
+    cell = 16 if v < (2, 23) else _round_up(_div_up(min_traffic, per_byte), 16)
+    elts_per_cell = cell // itemsize
+    cells = _div_up(count * itemsize, cell)
+    per_cell = cell * per_byte
+    per_ch = min(cells, _div_up(per_channel, per_cell))
+    ch = 0
+    if ch + 1 == comm_channels:
+        lo = cells
+    elif v < (2, 23):  # 2.22 rounds the first channel's share down: work can spill
+        lo = min(cells, per_channel // per_cell)
+    else:
+        lo = min(cells, _div_up(per_channel, per_cell))
+    mid, hi = divmod(cells - lo, per_ch)
+    if ch + (lo > 0) + mid + (hi > 0) > comm_channels:  # squeeze into the channels there are
+        mid = comm_channels - ch - 2
+        per_ch = (cells - lo) // (mid + 1)
+        hi = per_ch + (cells - lo) % (mid + 1)
+    if hi == 0 and mid != 0:
+        hi, mid = per_ch, mid - 1
+    if lo == 0:
+        ch += 1
+        if mid == 0:
+            lo, hi = hi, 0
+        else:
+            lo, mid = per_ch, mid - 1
+    count_lo, count_mid, count_hi = lo * elts_per_cell, per_ch * elts_per_cell, hi * elts_per_cell
+    tail = cells * elts_per_cell - count  # the last cell is partial
+    if count_hi:
+        count_hi -= tail
+    else:
+        count_lo -= tail
+    out, off = [], 0
+    if count_lo > 0:
+        out.append((ch, 0, count_lo))
+        off, ch = count_lo, ch + 1
+    for _ in range(mid):
+        out.append((ch, off, count_mid))
+        off, ch = off + count_mid, ch + 1
+    if hi > 0:
+        out.append((ch, off, count_hi))
+    return out
+
+
+def cbd_chunk_count(protocol: str, step_bytes: int, itemsize: int) -> int:
+    """Elements per chunk for a ring, 2.22+ (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3):
+    Simple 4 steps, LL half a step, rounded down to the protocol's grain."""
+    grain = {"simple": 512, "ll": 16}[protocol]
+    chunk = step_bytes * ALLREDUCE_CHUNKSTEPS if protocol == "simple" else step_bytes // 2
+    return chunk // grain * grain // itemsize
+
+
 def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int):
     """For each channel bid, its loops as (chunk -> (offset, nelem)) callables.
 
@@ -280,6 +354,14 @@ def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int)
                 loops.append(at)
             yield bid, loops
         return
+    if tuple(cfg.nccl_version) >= (2, 22):
+        chunk_count = cbd_chunk_count(cfg.protocol, step, itemsize)
+        align = 16 // itemsize  # the short last loop: alignUp(divUp(rem, nranks), 16/sizeof(T))
+        for bid, work_offset, work in cbd_ranges(cfg.nccl_version, cfg.protocol, count, itemsize,
+                                                 cfg.channels, nc):
+            yield bid, _contiguous_loops(n, work_offset, work, chunk_count,
+                                         _round_up(_div_up(work % (n * chunk_count), n), align))
+        return
     # 2.20-2.21: each channel owns one contiguous range.
     if cfg.protocol == "simple":
         align = WARP_SIZE * 8 * 16 // itemsize  # NCCL_SIMPLE_ALIGNMENT / typeSize
@@ -293,19 +375,26 @@ def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int)
     for bid in range(nchan):
         work = min(per_channel, rem)
         last_chunk = _round_up(_div_up(work % (n * chunk_count), n), align)
-        loops = []
-        loop_count = n * chunk_count
-        for elem in range(0, work, loop_count):
-            remc = work - elem
-            cc = last_chunk if remc < loop_count else chunk_count
-
-            def at(chunk, base=work_offset + elem, cc=cc, remc=remc):
-                off = chunk * cc
-                return base + off, max(0, min(cc, remc - off))
-            loops.append(at)
-        yield bid, loops
+        yield bid, _contiguous_loops(n, work_offset, work, chunk_count, last_chunk)
         work_offset += work
         rem -= work
+
+
+def _contiguous_loops(n: int, work_offset: int, work: int, chunk_count: int, last_chunk: int):
+    """runRing over one channel's contiguous range (2.20+, device/all_reduce.h): loops of
+    n chunks of chunk_count elements, the short last loop with chunks of last_chunk;
+    each loop a function chunk index -> (first element, element count)."""
+    loops = []
+    loop_count = n * chunk_count
+    for elem in range(0, work, loop_count):
+        remc = work - elem
+        cc = last_chunk if remc < loop_count else chunk_count
+
+        def at(chunk, base=work_offset + elem, cc=cc, remc=remc):
+            off = chunk * cc
+            return base + off, max(0, min(cc, remc - off))
+        loops.append(at)
+    return loops
 
 
 class RingSchedule:

@@ -1,0 +1,86 @@
+"""NCCL 2.22+ channel partition and chunking against NCCL's own code: every row of the
+tables in tests/data/nccl/ (docs/NCCL.md section 6 says how they were made: the
+functions compiled from each tag's sources, run over a grid of inputs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptd.core.schedule import RingConfig, cbd_chunk_count, cbd_ranges
+
+TABLES = sorted((Path(__file__).parent / "data" / "nccl").glob("partition-*.json"))
+ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def _version(table: dict) -> tuple[int, int]:
+    major, minor = table["nccl"].split(".")[:2]
+    return int(major), int(minor)
+
+
+@pytest.mark.parametrize("path", TABLES, ids=[p.stem for p in TABLES])
+def test_partition_and_chunks_equal_nccls_own(path):
+    table = json.loads(path.read_text())
+    version = _version(table)
+    checked = 0
+    for count, dtype, nranks, comm_ch, proto, forced, tuned, _nwarps, channels in table["rows"]:
+        if proto == "ll128":
+            continue  # not decoded yet
+        E = ITEMSIZE[dtype]
+        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
+        nc = forced or cfg.tune(count * E)[0]
+        if not forced:
+            assert nc == tuned, (count, dtype, nranks, comm_ch, proto)
+        got = cbd_ranges(version, proto, count, E, comm_ch, nc)
+        want = [(c, off, n) for c, off, n, *_ in channels]
+        assert got == want, (count, dtype, nranks, comm_ch, proto, forced)
+        chunk = cbd_chunk_count(proto, cfg.step_bytes, E)
+        loop, align = nranks * chunk, 16 // E
+        for c, off, n, chunk_count, loops, last in channels:
+            assert chunk == chunk_count
+            assert -(-n // loop) == loops
+            rem = n % loop
+            # the short last loop's chunks: alignUp(divUp(rem, nranks), 16/sizeof(T))
+            assert (-(-(-(-rem // nranks)) // align) * align if rem else chunk) == last, (count, c)
+        checked += 1
+    assert checked > 1000
+
+
+@pytest.mark.parametrize("version,protocol,ranks,channels,ipv6", [
+    ("2.22", "simple", 3, 4, False),  # 2.22: small buckets may spill past the tuned channels
+    ("2.23", "ll", 4, 2, True),
+    ("2.26", "ll", 2, 3, False),
+    ("2.29", "simple", 4, 2, True),  # big-endian immediates from 2.29
+    ("2.32", "ll", 3, 1, False),
+])
+def test_todays_nccl_replays_bit_exact_on_both_paths(tmp_path, version, protocol, ranks, channels, ipv6):
+    from helpers import pcaps, synth
+
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions, replay
+    synth(tmp_path, ranks=ranks, channels=channels, protocol=protocol, nccl_version=version,
+          mirrors=2, iterations=3, ipv6=ipv6, loss=1e-3, seed=7)
+    plan = load_plan(tmp_path / "plan.json")
+    for run in (replay, fast_replay):
+        pipe = run(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
+                   ReplayOptions(reference=str(tmp_path / "reference")))
+        assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)] * 3, \
+            [(r.status, r.note) for r in pipe.reports]
+
+
+def test_qp_rotation_that_would_carry_over_is_refused_by_name(tmp_path, capsys):
+    """NCCL keeps rotating whole sends over the QPs across iterations; where an
+    iteration's sends are not a multiple of the QP count the schedule (which starts each
+    iteration at QP 0) would read equal-sized messages off the wrong QP: refused."""
+    from helpers import pcaps, synth
+
+    from ckptd.cli import main
+    synth(tmp_path, ranks=4, channels=1, protocol="ll", nccl_version="2.22", qps=4, mirrors=2, iterations=1)
+    rc = main(["replay", "--plan", str(tmp_path / "plan.json"), "--init", str(tmp_path / "init.pt"),
+               *pcaps(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "qps_per_connection 4" in err[0] and "NCCL_IB_SPLIT_DATA_ON_QPS=1" in err[0]

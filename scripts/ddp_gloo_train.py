@@ -35,6 +35,7 @@ import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -125,6 +126,8 @@ def worker(rank: int, args):
                            max_grad_norm=args.clip, iterations=args.iterations,
                            addresses=args.addrs)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
+    while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
+        time.sleep(0.05)
     sizes = []
     for it in range(args.iterations):
         opt.zero_grad(set_to_none=True)
@@ -189,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--master", default="127.0.0.1", help="rank 0's address (the TCPStore)")
     ap.add_argument("--addrs", type=lambda s: s.split(","), help="every rank's address, for the plan")
     ap.add_argument("--ifname", help="GLOO_SOCKET_IFNAME (default lo)")
+    ap.add_argument("--hold", metavar="FILE", help="after writing the plan, every rank waits for FILE "
+                    "to exist before training (a daemon started from the plan is capturing by then)")
     args = ap.parse_args(argv)
     if args.rank is not None:
         if not args.port:

@@ -466,11 +466,13 @@ def test_good_values_the_checks_accept(scenario):
 def test_plan_command_writes_where_the_job_starts(tmp_path, capsys):
     from ckptd.core.plan import load_plan
     out = tmp_path / "plan.json"
-    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "10.0.0.1",
-                   "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02", "--start-iteration", "4", "--out", out)
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--bucket-cap-mb", "0.02",
+                   "--start-iteration", "4", "--out", out)
     assert r.returncode == 0, r.stderr
     assert load_plan(out).start_iteration == 4
-    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "10.0.0.1",
-                   "--addr", "10.0.0.2", "--lr", "-1", "--out", tmp_path / "bad.json")
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--lr", "-1",
+                   "--out", tmp_path / "bad.json")
     _one_line_error(r, None, "optimizer.lr must be a finite number >= 0, not -1.0")
     assert not (tmp_path / "bad.json").exists()

@@ -41,7 +41,8 @@ def test_ddp_gloo_on_a_mirrored_bridge_is_bit_exact(tmp_path, loss):
             addrs = [str(h.addr) for h in lab.hosts]
             common = [sys.executable, str(REPO / "scripts" / "ddp_gloo_train.py"), "--world", "3",
                       "--iterations", str(ITERATIONS), "--out", str(run), "--port", "29517",
-                      "--master", addrs[0], "--addrs", ",".join(addrs), "--size", "small"]
+                      "--master", addrs[0], "--addrs", ",".join(addrs), "--size", "small",
+                      "--hold", str(tmp_path / "go")]
             env = dict(os.environ, PYTHONPATH=str(REPO))
             # rank 0 writes plan.json and init.pt before its DDP starts; start it first
             for r, h in enumerate(lab.hosts):
@@ -60,6 +61,13 @@ def test_ddp_gloo_on_a_mirrored_bridge_is_bit_exact(tmp_path, loss):
             t = threading.Thread(target=lambda: daemon.run(install_signals=False), name="daemon")
             t.start()
             try:
+                # the plan is written inside the job (ckptd.torch.write_plan), after its
+                # connections are up: the ranks wait until the daemon is capturing
+                deadline = time.time() + 60
+                while not (daemon.captures and getattr(daemon, "address", None)) and time.time() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                (tmp_path / "go").touch()
                 for p in procs:
                     out, _ = p.communicate(timeout=240)
                     assert p.returncode == 0, out.decode()[-3000:]

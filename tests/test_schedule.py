@@ -98,7 +98,8 @@ def test_imm_byte_order_by_version():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(protocol="ll128"), "LL128"),
-    (dict(nccl_version=(2, 23)), "2.22+"),
+    (dict(nccl_version=(2, 13)), "2.13 is not supported"),
+    (dict(nccl_version=(2, 33)), "2.33 is not supported"),
     (dict(rings=((0, 0),)), "exactly once"),
     (dict(mtu=1500), "MTU"),
 ])

@@ -1,0 +1,8 @@
+"""ckptd: checkpoints rebuilt from mirrored allreduce traffic. `ckptd.restore` puts one
+back into a training job (ckptd.recovery)."""
+
+
+def restore(model, optimizer, source, scheduler=None, token=None, timeout: float = 120.0):
+    """See ckptd.recovery.restore (imported on first use: torch is heavy)."""
+    from ckptd.recovery import restore as _restore
+    return _restore(model, optimizer, source, scheduler=scheduler, token=token, timeout=timeout)

@@ -1,4 +1,4 @@
-"""ckptd command line: demo, synth, replay, inspect, verify, plan."""
+"""ckptd command line: demo, synth, replay, inspect, verify, export, plan."""
 from __future__ import annotations
 
 import argparse
@@ -99,7 +99,7 @@ def cmd_replay(a) -> int:
     _distinct_captures(a.pcap)
     start = None
     if a.init:
-        start = load_checkpoint(a.init)
+        start = load_checkpoint(a.init, [p.name for p in plan.parameters])
         plan.check_start(start, a.init)
         require_memory(plan.shadow_bytes(), f"shadowing the plan {a.plan}")
     if start is None and plan.optimizer is not None and a.out:
@@ -177,9 +177,22 @@ def _distinct_captures(paths: list[str]) -> None:
         seen[key] = p
 
 
+def _plan_names(plan_path) -> list[str] | None:
+    if not plan_path:
+        return None
+    from ckptd.core.plan import load_plan
+    return [p.name for p in load_plan(plan_path).parameters]
+
+
 def cmd_verify(a) -> int:
     from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
-    diffs = diff_checkpoints(load_checkpoint(a.a), load_checkpoint(a.b), limit=a.limit)
+    names = _plan_names(a.plan)
+    first, second = load_checkpoint(a.a, names), load_checkpoint(a.b, names)
+    if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
+        keep = set(names or []) or (set(first["model"]) & set(second["model"]))
+        for doc in (first, second):
+            doc["model"] = {n: t for n, t in doc["model"].items() if n in keep}
+    diffs = diff_checkpoints(first, second, limit=a.limit)
     if not diffs:
         print(f"identical: {a.a} == {a.b}")
         return 0
@@ -187,6 +200,17 @@ def cmd_verify(a) -> int:
     for d in diffs:
         print(f"  {d}")
     return 1
+
+
+def cmd_export(a) -> int:
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.formats import export_checkpoint
+    from ckptd.core.plan import load_plan
+    plan = load_plan(a.plan) if a.plan else None
+    ckpt = load_checkpoint(a.checkpoint, [p.name for p in plan.parameters] if plan else None)
+    out = export_checkpoint(ckpt, a.out, a.format, plan)
+    print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
+    return 0
 
 
 def cmd_demo(a) -> int:
@@ -475,7 +499,25 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("a")
     v.add_argument("b")
     v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list")
+    v.add_argument("--plan", help="the plan: names the parameters of a trainer's file that "
+                   "does not say which model entries they are")
+    v.add_argument("--parameters-only", action="store_true",
+                   help="compare parameters and optimizer state only, not module buffers "
+                   "(ckptd's checkpoints carry none: they are not on the wire)")
+    v.epilog = ("A and B may each be a ckptd checkpoint, a trainer's torch.save of "
+                "{model, optimizer, step|iteration}, a torch.distributed.checkpoint directory "
+                "or a safetensors file (see docs/RECOVERY.md for the iteration numbering).")
     v.set_defaults(func=cmd_verify)
+
+    ex = sub.add_parser("export", help="write a checkpoint in a standard format: torch "
+                        "(torch.save of {model, optimizer, step, lr_scheduler}), dcp "
+                        "(torch.distributed.checkpoint directory) or safetensors (weights)")
+    ex.add_argument("checkpoint", help="any checkpoint ckptd reads")
+    ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True)
+    ex.add_argument("--out", required=True, help="file (torch, safetensors) or directory (dcp)")
+    ex.add_argument("--plan", help="the plan: puts torch's own optimizer param_groups (every "
+                    "hyperparameter) in the file, so optimizer.load_state_dict takes it as is")
+    ex.set_defaults(func=cmd_export)
 
     from ckptd.tools import mirror_config, risk
     mirror_config.add_subparser(sub)

@@ -43,7 +43,8 @@ import numpy as np
 from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import IterationAssembly, Missing
-from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
+from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import Plan
@@ -174,6 +175,7 @@ class Pipeline:
                  open_assembly: Callable[[int], IterationAssembly] | None = None,
                  close_assembly: Callable[[IterationAssembly], None] | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
+        self.param_names = [p.name for p in plan.parameters]  # a trainer's file's optimizer order
         # Wire iteration 0 (the first allreduces of this communicator) is the training
         # iteration after the starting state: a job restarted from checkpoint k runs
         # iteration k+1 first. Reports, checkpoints and the lr schedule use that number.
@@ -194,7 +196,7 @@ class Pipeline:
         # shadow takes over (and then changes) the tensors of the state it starts from
         self.resume_iteration = None
         if opts.resume and not Path(opts.resume).is_dir():
-            self.resume_iteration = int(load_checkpoint(opts.resume).get("iteration", -2))
+            self.resume_iteration = int(load_checkpoint(opts.resume, self.param_names).get("iteration", -2))
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
@@ -501,11 +503,11 @@ class Pipeline:
             rep.write_seconds = time.monotonic() - t0
         rep.status = "committed"
         if self.opts.reference:
-            ref_path = Path(self.opts.reference) / checkpoint_name(it)
-            if ref_path.exists():
+            ref = find_checkpoint(self.opts.reference, it, self.param_names)
+            if ref is not None:
                 mine = {"iteration": it, "model": self.shadow.model_state(copy=False),
                         "optimizer": self.shadow.optimizer_state(copy=False)}
-                diffs = diff_checkpoints(mine, load_checkpoint(ref_path), limit=3)
+                diffs = diff_checkpoints(mine, _parameters_only(ref, self.param_names), limit=3)
                 rep.exact = not diffs
                 if diffs:
                     rep.note = "differs from reference: " + "; ".join(diffs)
@@ -516,15 +518,9 @@ class Pipeline:
         if not self.opts.resume:
             return None
         if self.resume_iteration is not None:
-            return load_checkpoint(self.opts.resume) if self.resume_iteration == iteration else None
-        path = Path(self.opts.resume) / checkpoint_name(iteration)
-        if not path.exists():
-            return None
-        state = load_checkpoint(path)
-        if int(state.get("iteration", -2)) != iteration:
-            self.errors.append(f"{path}: holds iteration {state.get('iteration')}, not {iteration}")
-            return None
-        return state
+            return (load_checkpoint(self.opts.resume, self.param_names)
+                    if self.resume_iteration == iteration else None)
+        return find_checkpoint(self.opts.resume, iteration, self.param_names)
 
     def _dump(self, asm: IterationAssembly):
         d = Path(self.opts.dump_gradients)
@@ -554,6 +550,12 @@ class Pipeline:
                 stem = f"iter_{it + self.offset:06d}_bucket_{b:03d}_rs_rank{sender}"
                 np.save(d / f"{stem}.npy", vals)
                 np.save(d / f"{stem}_coverage.npy", cov)
+
+
+def _parameters_only(ckpt: dict, names: list[str]) -> dict:
+    """A trainer's checkpoint without its module buffers: the shadow has none to compare."""
+    model = ckpt.get("model") or {}
+    return {**ckpt, "model": {n: model[n] for n in names if n in model}}
 
 
 def replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,

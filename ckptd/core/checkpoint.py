@@ -5,6 +5,13 @@ a torch.save'd dict {format, iteration, model: {name: tensor}, optimizer: {lr,
 state: {name: {step, exp_avg, exp_avg_sq[, max_exp_avg_sq]}}}}. Tensors are keyed by
 parameter name so two checkpoints compare without knowing either's object layout.
 A checkpoint is written to a temporary name and renamed: a file that exists is whole.
+
+`load_checkpoint` also reads the standard formats a trainer writes (ckptd.core.formats:
+a torch.save of {"model", "optimizer", "step"/"iteration", ...}, a torch.distributed.checkpoint
+directory, safetensors weights) and returns them in this format. Optimizer state moves
+between the two layouts through one pair of functions, `torch_optimizer_state` and
+`named_optimizer_state`: torch keys state by parameter index, ckptd by name; each
+parameter's state is a dict of tensors whatever the optimizer, so new optimizers fit.
 """
 from __future__ import annotations
 
@@ -103,14 +110,75 @@ def _errno_in(e: Exception) -> int | None:
     return None
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, names: list[str] | None = None) -> dict:
+    """Any supported checkpoint, as a ckptd checkpoint dict. `names`: the model's parameter
+    names in optimizer order (the plan's), needed for a trainer's file that does not say
+    which model entries are parameters."""
+    path = Path(path)
+    if path.is_dir() or not _is_torch_zip(path):
+        from ckptd.core.formats import load_standard
+        return load_standard(path, names)
     try:
         doc = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
         raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
-    if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: not a ckptd checkpoint")
-    return doc
+    if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
+        return doc
+    from ckptd.core.formats import from_torch_doc
+    return from_torch_doc(doc, path, names)
+
+
+def _is_torch_zip(path: Path) -> bool:
+    """torch.save's zip container (what ckptd and most trainers write)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint: {e.strerror or e}") from e
+
+
+def torch_optimizer_state(named: dict | None, names: list[str],
+                          param_groups: list[dict] | None = None) -> dict:
+    """ckptd's {lr, state: {name: {key: tensor}}} as torch's optimizer.state_dict():
+    {state: {index: {key: tensor}}, param_groups}. Index i is names[i], the order the
+    trainer's optimizer holds its parameters in. `param_groups` (torch's, with every
+    hyperparameter) make the result loadable by optimizer.load_state_dict; without them
+    one group carries the lr and the indices."""
+    named = named or {"lr": None, "state": {}}
+    state = {i: dict(named["state"][n]) for i, n in enumerate(names) if n in named["state"]}
+    if param_groups is None:
+        param_groups = [{"lr": named.get("lr"), "params": list(range(len(names)))}]
+    return {"state": state, "param_groups": param_groups}
+
+
+def named_optimizer_state(sd: dict, names: list[str] | None, where: str) -> dict:
+    """torch's optimizer.state_dict() (state keyed by index, or by name as
+    torch.distributed.checkpoint.state_dict writes it) as ckptd's {lr, state: {name: ...}}."""
+    if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
+        raise CheckpointError(f"{where}: 'optimizer' is not an optimizer.state_dict() (no 'state')")
+    groups = sd.get("param_groups") or []
+    order: list = [i for g in groups for i in g.get("params", [])]
+    given = [n for g in groups for n in g.get("param_names", [])]
+    if len(given) == len(order) and given:
+        names = given
+    position = {str(i): k for k, i in enumerate(order)}
+    state = {}
+    for key, st in sd["state"].items():
+        if not isinstance(st, dict):
+            raise CheckpointError(f"{where}: optimizer state of {key!r} is not a dict")
+        k = position.get(str(key))
+        if k is None and isinstance(key, str) and not key.isdigit():
+            state[key] = dict(st)  # keyed by name already
+            continue
+        if k is None:
+            raise CheckpointError(f"{where}: optimizer state for parameter index {key} that no "
+                                  f"param_group lists")
+        if names is None or k >= len(names):
+            raise CheckpointError(f"{where}: cannot tell which parameter optimizer index {key} is "
+                                  f"(the file does not name its parameters): pass the plan")
+        state[names[k]] = dict(st)
+    lr = groups[0].get("lr") if groups else None
+    return {"lr": float(lr) if isinstance(lr, (int, float)) else lr, "state": state}
 
 
 def diff_checkpoints(a: dict, b: dict, limit: int = 10) -> list[str]:

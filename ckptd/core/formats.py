@@ -1,0 +1,270 @@
+"""Standard checkpoint formats in and out: what a trainer writes and loads with plain torch.
+
+    torch        torch.save of {"model": state_dict, "optimizer": optimizer.state_dict(),
+                 "step": n, "iteration": n, "lr_scheduler": ..., "ckptd": {...}}
+    dcp          a torch.distributed.checkpoint directory of the same dict
+    safetensors  the model's weights only (metadata: "step")
+
+Iteration numbering. ckptd numbers iterations from 0: the checkpoint of iteration t
+holds the state after t+1 optimizer steps. A trainer's "step" or "iteration" is the
+number of steps done (the loop resumes with `for step in range(ckpt["step"], ...)`),
+so a trainer's file with step n is ckptd's iteration n-1, and an exported file of
+iteration t says step = iteration = t+1. Where the file has an Adam-style per-parameter
+"step" the two must agree; a file with neither is the initial state (iteration -1).
+
+Buffers (BatchNorm running statistics, ...) never cross the wire: the shadow holds
+parameters only, so exported files carry no buffers and say so under "ckptd"; a trainer's
+file that has buffers keeps them when read, and `ckptd verify` compares them.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, named_optimizer_state,
+                                   torch_optimizer_state)
+
+EXPORT_FORMATS = ("torch", "dcp", "safetensors")
+STANDARD_TAG = "ckptd-torch/1"
+BUFFERS_NOTE = "parameters only: module buffers (e.g. BatchNorm running stats) are not on the wire"
+
+
+# -- reading -------------------------------------------------------------------------------
+def load_standard(path: Path, names: list[str] | None) -> dict:
+    """A DCP directory or a safetensors file (a torch.save goes through from_torch_doc)."""
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"{path}: a directory without .metadata is not a "
+                                  f"torch.distributed.checkpoint checkpoint")
+        return from_torch_doc(_load_dcp(path), path, names)
+    if _is_safetensors(path):
+        return _load_safetensors(path)
+    try:  # torch.save's legacy (non-zip) serialization
+        doc = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a bad file
+        raise CheckpointError(f"{path}: not a checkpoint (torch.save, DCP directory or "
+                              f"safetensors): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
+        return doc
+    return from_torch_doc(doc, path, names)
+
+
+def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
+    """A trainer's checkpoint dict (or a bare model state_dict) as a ckptd checkpoint."""
+    where = str(path)
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{where}: holds a {type(doc).__name__}, not a checkpoint dict")
+    if "model" not in doc:
+        if doc and all(isinstance(v, torch.Tensor) for v in doc.values()):
+            doc = {"model": doc}  # a bare model.state_dict()
+        else:
+            raise CheckpointError(f"{where}: no 'model' entry (keys: {sorted(map(str, doc))[:8]})")
+    model = doc["model"]
+    if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        raise CheckpointError(f"{where}: 'model' is not a state_dict of tensors")
+    meta = doc.get("ckptd") if isinstance(doc.get("ckptd"), dict) else {}
+    names = meta.get("param_names") or names
+    opt = doc.get("optimizer")
+    optimizer = None
+    if opt is not None:
+        if names is None:
+            names = _parameter_names(model, opt, where)
+        optimizer = named_optimizer_state(opt, names, where)
+    steps = _steps(doc, optimizer, where)
+    out = {"format": CHECKPOINT_FORMAT, "iteration": steps - 1, "model": dict(model),
+           "optimizer": optimizer}
+    for key in ("lr_scheduler", "scaler"):
+        if doc.get(key) is not None:
+            out[key] = doc[key]
+    return out
+
+
+NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # torch's _NormBase
+
+
+def _parameter_names(model: dict, opt: dict, where: str) -> list[str]:
+    """Which model entries the optimizer's indices are, for a file that does not name
+    them: the floating-point entries in order, less the buffers torch's norm layers
+    name (running_mean, running_var), when their number is the optimizer's and every
+    per-parameter state tensor has its entry's shape."""
+    floats = [n for n, t in model.items() if t.is_floating_point()
+              and n.rsplit(".", 1)[-1] not in NORM_BUFFERS]
+    order = [i for g in opt.get("param_groups") or [] for i in g.get("params", [])]
+    fits = len(order) == len(floats)
+    state = opt.get("state") or {}
+    for k, i in enumerate(order if fits else []):
+        for v in (state.get(i) or state.get(str(i)) or {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape != model[floats[k]].shape:
+                fits = False
+    if fits:
+        return floats
+    raise CheckpointError(f"{where}: cannot tell which of the {len(floats)} floating-point model "
+                          f"entries are the optimizer's {len(order)} parameters (buffers?): pass the plan")
+
+
+def _steps(doc: dict, optimizer: dict | None, where: str) -> int:
+    """Optimizer steps done, from "step"/"iteration" and the per-parameter step counts."""
+    said = None
+    for key in ("step", "iteration"):
+        v = doc.get(key)
+        if v is not None:
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = int(v.item())
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointError(f"{where}: '{key}' must be a number of steps done, not {v!r}")
+            said = v
+            break
+    taken = None
+    if optimizer and optimizer["state"]:
+        first = next(iter(optimizer["state"].values()))
+        if isinstance(first.get("step"), (torch.Tensor, int, float)):
+            taken = int(float(first["step"]))
+    if said is not None and taken is not None and said != taken:
+        raise CheckpointError(f"{where}: says {said} steps done but its optimizer state has taken "
+                              f"{taken} (step/iteration must count steps done)")
+    return said if said is not None else (taken if taken is not None else 0)
+
+
+def _load_dcp(path: Path) -> dict:
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+            return _load_state_dict_from_keys(checkpoint_id=str(path))
+    except Exception as e:  # DCP raises CheckpointException and others for a bad directory
+        raise CheckpointError(f"{path}: cannot read DCP checkpoint: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def _is_safetensors(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint: {e.strerror or e}") from e
+    return len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < (1 << 27)
+
+
+def _load_safetensors(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        model = load_file(str(path), device="cpu")
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors: {e}") from e
+    step = meta.get("step", "0")
+    if not step.isdigit():
+        raise CheckpointError(f"{path}: safetensors metadata 'step' is {step!r}, not a number")
+    return {"format": CHECKPOINT_FORMAT, "iteration": int(step) - 1, "model": model, "optimizer": None}
+
+
+# -- writing -------------------------------------------------------------------------------
+def torch_doc(ckpt: dict, names: list[str], param_groups: list[dict] | None = None,
+              plan_hash: str | None = None) -> dict:
+    """A ckptd checkpoint as the dict a trainer torch.loads: the model's parameters, the
+    optimizer's state_dict (loadable by optimizer.load_state_dict when param_groups are
+    torch's own, see optimizer_param_groups), steps done, and what ckptd knows under "ckptd"."""
+    steps = int(ckpt["iteration"]) + 1
+    doc = {"model": dict(ckpt["model"]), "step": steps, "iteration": steps,
+           "ckptd": {"format": STANDARD_TAG, "last_iteration": steps - 1, "param_names": list(names),
+                     "buffers": BUFFERS_NOTE}}
+    if plan_hash:
+        doc["ckptd"]["plan_hash"] = plan_hash
+    if ckpt.get("optimizer") is not None:
+        doc["optimizer"] = torch_optimizer_state(ckpt["optimizer"], names, param_groups)
+        lr = ckpt["optimizer"].get("lr")
+        if lr is not None:
+            # LRScheduler.state_dict() after `steps` scheduler steps (LambdaLR's lambdas
+            # are not saved by torch either)
+            doc["lr_scheduler"] = {"last_epoch": steps, "_step_count": steps + 1,
+                                   "_last_lr": [lr], "_get_lr_called_within_step": False}
+    return doc
+
+
+def optimizer_param_groups(plan, lr: float | None) -> list[dict]:
+    """torch's own param_groups for the plan's optimizer (every hyperparameter the
+    optimizer's load_state_dict and step need), with the current lr."""
+    from ckptd.core.optim import torch_optimizer
+    if plan.optimizer is None:
+        return None
+    dummies = [(p.name, torch.zeros(0, requires_grad=True)) for p in plan.parameters]
+    groups = torch_optimizer(plan.optimizer, dummies).state_dict()["param_groups"]
+    if lr is not None and groups[0]["lr"]:
+        # A checkpoint carries the first group's lr; torch's schedulers scale every group's
+        # base lr by the same factor, so the others follow from it.
+        scale = lr / groups[0]["lr"]
+        for g in groups:
+            g["lr"] = lr if g is groups[0] else g["lr"] * scale
+    return groups
+
+
+def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
+    """Write a ckptd checkpoint as `fmt` at `out` (a file; a directory for dcp)."""
+    out = Path(out)
+    if fmt not in EXPORT_FORMATS:
+        raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
+    names = [p.name for p in plan.parameters] if plan is not None else list(ckpt["model"])
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        tmp = out.with_name(out.name + ".tmp")
+        save_file({n: t.contiguous() for n, t in ckpt["model"].items()}, str(tmp),
+                  metadata={"step": str(int(ckpt["iteration"]) + 1), "format": STANDARD_TAG})
+        tmp.replace(out)
+        return out
+    groups = None
+    if plan is not None and ckpt.get("optimizer") is not None:
+        groups = optimizer_param_groups(plan, ckpt["optimizer"].get("lr"))
+    doc = torch_doc(ckpt, names, groups)
+    if fmt == "torch":
+        tmp = out.with_name(out.name + ".tmp")
+        torch.save(doc, tmp)
+        tmp.replace(out)
+        return out
+    import torch.distributed.checkpoint as dcp
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; DCP writes a directory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(doc, checkpoint_id=str(out))
+    return out
+
+
+# -- finding -------------------------------------------------------------------------------
+def checkpoints_in(directory: str | Path) -> list[Path]:
+    """Every checkpoint-like entry of a directory: files (*.pt, *.pth, *.bin, *.safetensors)
+    and DCP subdirectories, unsorted."""
+    d = Path(directory)
+    out = []
+    for p in d.iterdir():
+        if p.is_dir() and (p / ".metadata").is_file():
+            out.append(p)
+        elif p.is_file() and p.suffix in (".pt", ".pth", ".bin", ".safetensors"):
+            out.append(p)
+    return out
+
+
+def find_checkpoint(directory: str | Path, iteration: int, names: list[str] | None = None) -> dict | None:
+    """The checkpoint of `iteration` in a directory: ckptd's iter_NNNNNN.pt, or any of the
+    trainer's files whose steps done say so (each read once per call)."""
+    from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+    d = Path(directory)
+    own = d / checkpoint_name(iteration)
+    if own.exists():
+        return load_checkpoint(own, names)
+    for p in sorted(checkpoints_in(d)):
+        if p.name.startswith("iter_") and p.suffix == ".pt":
+            continue  # ckptd's own: named by iteration, checked above
+        try:
+            doc = load_checkpoint(p, names)
+        except CheckpointError:
+            continue
+        if int(doc.get("iteration", -2)) == iteration:
+            return doc
+    return None

@@ -1,0 +1,178 @@
+"""The trainer's side of recovery: put a checkpoint back into a live model and optimizer.
+
+    import ckptd
+    r = ckptd.restore(model, optimizer, "http://ckpt-host:9187", scheduler=sched, token=...)
+    for step in range(r.step, total_steps): ...
+
+`source` is a checkpoint file or DCP directory (any format ckptd.core.checkpoint reads), a
+directory of checkpoints (the newest one that loads whole: a persisted tier's manifest
+first, else by iteration), or the daemon's URL (its in-memory latest state, streamed).
+Call it on every rank, before or after wrapping the model in DDP, before the first step.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ckptd.core.checkpoint import CheckpointError, load_checkpoint
+
+log = logging.getLogger("ckptd.recovery")
+URL = re.compile(r"^https?://", re.I)
+
+
+@dataclass
+class Restored:
+    iteration: int  # ckptd's number of the last iteration in the state (-1: initial)
+    source: str
+    buffers_not_restored: list[str] = field(default_factory=list)  # not on the wire
+    seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done: the loop resumes at this step index."""
+        return self.iteration + 1
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, source: str | os.PathLike,
+            scheduler=None, token: str | None = None, timeout: float = 120.0) -> Restored:
+    import time
+    t0 = time.perf_counter()
+    names = [n for n, _ in model.named_parameters()]
+    src = str(source)
+    nbytes = 0
+    if URL.match(src):
+        ckpt, nbytes = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout)
+    elif Path(src).is_dir() and not (Path(src) / ".metadata").is_file():
+        ckpt, src = newest_in(Path(src), names)
+    else:
+        ckpt = load_checkpoint(src, names)
+    missing_buffers = _load_model(model, ckpt, src)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, ckpt, src)
+    if scheduler is not None:
+        _load_scheduler(scheduler, optimizer, ckpt)
+    if missing_buffers:
+        log.warning("buffers not restored (not on the wire): %s", ", ".join(missing_buffers[:10]))
+    return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
+
+
+def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) -> tuple[dict, int]:
+    """The daemon's latest state: GET <url>/checkpoint (a URL naming a path is used as is)."""
+    if urllib.parse.urlsplit(url).path in ("", "/"):
+        url = url.rstrip("/") + "/checkpoint"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            buf = io.BytesIO()
+            while chunk := resp.read(1 << 22):
+                buf.write(chunk)
+    except urllib.error.HTTPError as e:
+        detail = e.read(300).decode(errors="replace").strip()
+        raise CheckpointError(f"{url}: HTTP {e.code} {e.reason}: {detail}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise CheckpointError(f"{url}: cannot fetch checkpoint: {getattr(e, 'reason', e)}") from e
+    n = buf.tell()
+    buf.seek(0)
+    try:
+        doc = torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as e:  # a cut stream
+        raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes): {e}") from e
+    from ckptd.core.formats import from_torch_doc
+    return from_torch_doc(doc, Path(url), names), n
+
+
+def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
+    """The newest checkpoint of a directory that loads whole: the manifest's order when
+    a persisted tier wrote one, else every checkpoint by its iteration, newest first."""
+    from ckptd.core.formats import checkpoints_in
+    manifest = directory / "manifest.json"
+    candidates: list[Path] = []
+    if manifest.is_file():
+        try:
+            entries = json.loads(manifest.read_text()).get("checkpoints", [])
+            candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])]
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("%s: unreadable manifest, scanning the directory: %s", manifest, e)
+    if not candidates:
+        found = []
+        for p in checkpoints_in(directory):
+            try:
+                found.append((int(load_checkpoint(p, names)["iteration"]), p))
+            except CheckpointError as e:
+                log.warning("skipping %s", e)
+        candidates = [p for _, p in sorted(found, key=lambda x: (-x[0], str(x[1])))]
+    for p in candidates:
+        try:
+            return load_checkpoint(p, names), str(p)
+        except CheckpointError as e:
+            log.warning("skipping %s", e)
+    raise CheckpointError(f"{directory}: no checkpoint here loads")
+
+
+def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
+    state = ckpt["model"]
+    own = model.state_dict()
+    params = dict(model.named_parameters())
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise CheckpointError(f"{where}: entries the model does not have: {unknown[:5]}")
+    lacking = [n for n in params if n not in state]
+    if lacking:
+        raise CheckpointError(f"{where}: lacks parameters {lacking[:5]}")
+    for n, t in state.items():
+        if tuple(t.shape) != tuple(own[n].shape) or t.dtype != own[n].dtype:
+            raise CheckpointError(f"{where}: {n} is {t.dtype}{list(t.shape)}, the model's is "
+                                  f"{own[n].dtype}{list(own[n].shape)}")
+    with torch.no_grad():
+        for n, t in state.items():
+            own[n].copy_(t)  # state_dict tensors share storage with the module's
+    return [n for n in own if n not in state and n not in params]
+
+
+def _load_optimizer(model, optimizer, ckpt: dict, where: str):
+    named = ckpt.get("optimizer")
+    if named is None:
+        raise CheckpointError(f"{where}: holds no optimizer state (weights only)")
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    sd = optimizer.state_dict()
+    index = 0
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            n = name_of.get(id(p))
+            if n is None:
+                raise CheckpointError("the optimizer holds a parameter that is not the model's")
+            st = named["state"].get(n)
+            if st is not None:
+                state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+            index += 1
+    sd["state"] = state
+    if named.get("lr") is not None:
+        for g in sd["param_groups"]:
+            g["lr"] = named["lr"]
+    optimizer.load_state_dict(sd)
+
+
+def _load_scheduler(scheduler, optimizer, ckpt: dict):
+    """The trainer's own scheduler state when the file has one; else the state after
+    `step` scheduler steps (one per optimizer step), the lr as the file says."""
+    saved = ckpt.get("lr_scheduler")
+    steps = int(ckpt["iteration"]) + 1
+    if isinstance(saved, dict) and "base_lrs" in saved:
+        scheduler.load_state_dict(saved)
+        return
+    scheduler.last_epoch = steps
+    scheduler._step_count = steps + 1
+    if optimizer is not None:
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

@@ -1,0 +1,181 @@
+"""Standard formats in and out, and ckptd.restore from files and directories: a trainer's
+own torch.save / DCP checkpoints are read with the right iteration, exports load with
+plain torch, and a job restored from any of them continues bit for bit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import ckptd
+from ckptd.core.checkpoint import (CheckpointError, diff_checkpoints, load_checkpoint,
+                                   save_checkpoint)
+from ckptd.core.plan import Optimizer, Parameter, Plan
+from ckptd.core.schedule import RingConfig
+from ckptd.testing.synth import trainer_checkpoint
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def train(model, opt, sched, steps: range):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def fresh():
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def plan_of(model) -> Plan:
+    from ckptd.core.plan import BucketLayout
+    names = tuple(n for n, _ in model.named_parameters())
+    layout = (BucketLayout(params=names),)
+    return Plan(parameters=tuple(Parameter(n, tuple(p.shape), "float32")
+                                 for n, p in model.named_parameters()),
+                buckets_first=layout, buckets_rebuilt=layout, ring=RingConfig(2, ((0, 1),)),
+                optimizer=Optimizer(kind="adamw", lr=1e-2, weight_decay=0.01,
+                                    implementation="foreach"),
+                addresses=("10.0.0.1", "10.0.0.2"), transport="gloo")
+
+
+def trainer_doc(model, opt, sched, steps):
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": steps,
+            "lr_scheduler": sched.state_dict()}
+
+
+def same_training_state(a, b):
+    ma, oa, sa = a
+    mb, ob, sb = b
+    for (n, x), (_, y) in zip(ma.state_dict().items(), mb.state_dict().items()):
+        assert torch.equal(x, y), n
+    for p, q in zip(ma.parameters(), mb.parameters()):
+        for k in oa.state[p]:
+            assert torch.equal(oa.state[p][k], ob.state[q][k]), k
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"]
+    assert sa.last_epoch == sb.last_epoch
+
+
+def test_trainer_torch_save_is_read_with_steps_done_as_the_iteration(tmp_path):
+    model, opt, sched = fresh()
+    train(model, opt, sched, range(5))
+    torch.save(trainer_doc(model, opt, sched, 5), tmp_path / "trainer.pt")
+    doc = load_checkpoint(tmp_path / "trainer.pt")
+    assert doc["iteration"] == 4  # 5 steps done: ckptd's iteration 4
+    assert set(doc["optimizer"]["state"]) == {n for n, _ in model.named_parameters()}
+    assert torch.equal(doc["optimizer"]["state"]["fc2.weight"]["exp_avg"],
+                       opt.state[model.fc2.weight]["exp_avg"])
+    assert "bn.running_mean" in doc["model"]  # buffers kept from a trainer's file
+    # and the same state in ckptd's own format compares identical to it (parameters only)
+    m, o = trainer_checkpoint(model, opt, opt.param_groups[0]["lr"])
+    save_checkpoint(tmp_path / "mine.pt", 4, m, o)
+    out = subprocess.run([sys.executable, "-m", "ckptd", "verify", "--parameters-only",
+                          str(tmp_path / "mine.pt"), str(tmp_path / "trainer.pt")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "ckptd", "verify",
+                          str(tmp_path / "mine.pt"), str(tmp_path / "trainer.pt")],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "model.bn.running_mean: only in second" in out.stdout
+
+
+def test_step_that_disagrees_with_the_optimizer_is_refused(tmp_path):
+    model, opt, sched = fresh()
+    train(model, opt, sched, range(3))
+    torch.save({**trainer_doc(model, opt, sched, 3), "step": 2}, tmp_path / "off.pt")
+    with pytest.raises(CheckpointError, match=r"off\.pt: says 2 steps done but its optimizer state has taken 3"):
+        load_checkpoint(tmp_path / "off.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
+    out = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(tmp_path / "junk.pt"),
+                          str(tmp_path / "off.pt")], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and "junk.pt" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_restore_from_trainer_files_continues_bit_for_bit(tmp_path, fmt):
+    ref = fresh()
+    train(*ref, range(6))
+    model, opt, sched = fresh()
+    train(model, opt, sched, range(3))
+    doc = trainer_doc(model, opt, sched, 3)
+    if fmt == "torch":
+        torch.save(doc, tmp_path / "ckpt.pt")
+        src = tmp_path / "ckpt.pt"
+    else:
+        dcp.save(doc, checkpoint_id=str(tmp_path / "dcp"))
+        src = tmp_path / "dcp"
+    back = fresh()
+    r = ckptd.restore(back[0], back[1], src, scheduler=back[2])
+    assert (r.iteration, r.step, r.buffers_not_restored) == (2, 3, [])
+    train(*back, range(r.step, 6))
+    same_training_state(ref, back)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
+def test_export_loads_with_plain_torch_and_verifies_against_the_source(tmp_path, fmt):
+    model, opt, sched = fresh()
+    train(model, opt, sched, range(4))
+    m, o = trainer_checkpoint(model, opt, opt.param_groups[0]["lr"])
+    save_checkpoint(tmp_path / "iter_000003.pt", 3, m, o)
+    out = tmp_path / {"torch": "x.pt", "dcp": "x.dcp", "safetensors": "x.safetensors"}[fmt]
+    plan_of(model).save(tmp_path / "plan.json")
+    rc = subprocess.run([sys.executable, "-m", "ckptd", "export", str(tmp_path / "iter_000003.pt"),
+                         "--format", fmt, "--out", str(out), "--plan", str(tmp_path / "plan.json")],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
+    verify = [sys.executable, "-m", "ckptd", "verify", str(tmp_path / "iter_000003.pt"), str(out)]
+    if fmt == "safetensors":  # weights only
+        weights = load_checkpoint(out)
+        assert weights["iteration"] == 3 and diff_checkpoints(
+            {**load_checkpoint(tmp_path / "iter_000003.pt"), "optimizer": None}, weights) == []
+        return
+    assert subprocess.run(verify, capture_output=True).returncode == 0
+    if fmt == "torch":  # plain torch: load_state_dict on a model with buffers, strict=False
+        doc = torch.load(out, weights_only=True)
+        assert doc["step"] == 4 and doc["iteration"] == 4
+        back, bopt, bsched = fresh()
+        missing, unexpected = back.load_state_dict(doc["model"], strict=False)
+        # (BatchNorm fills a missing num_batches_tracked in itself)
+        assert unexpected == [] and set(missing) == {"bn.running_mean", "bn.running_var"}
+        bopt.load_state_dict(doc["optimizer"])  # torch's own param_groups: loads as is
+        for p, q in zip(model.parameters(), back.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg_sq"], bopt.state[q]["exp_avg_sq"])
+        r = ckptd.restore(back, bopt, out, scheduler=bsched)
+        assert r.buffers_not_restored == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+
+
+def test_restore_from_a_directory_takes_the_newest_whole_checkpoint(tmp_path):
+    model, opt, sched = fresh()
+    for steps in (1, 2, 3):
+        train(model, opt, sched, range(steps - 1, steps))
+        m, o = trainer_checkpoint(model, opt, opt.param_groups[0]["lr"])
+        save_checkpoint(tmp_path / f"iter_{steps - 1:06d}.pt", steps - 1, m, o)
+    good = (tmp_path / "iter_000002.pt").read_bytes()
+    (tmp_path / "iter_000003.pt").write_bytes(good[: len(good) // 2])  # torn: never committed
+    back = fresh()
+    r = ckptd.restore(back[0], back[1], tmp_path)
+    assert r.iteration == 2 and r.source.endswith("iter_000002.pt")
+    for p, q in zip(model.parameters(), back[0].parameters()):
+        assert torch.equal(p, q)

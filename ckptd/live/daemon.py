@@ -35,6 +35,7 @@ from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
+from ckptd.live.notice import Notifier, NoticeConfig, notice_config
 from ckptd.live.status import Snapshot, StatusServer
 from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
@@ -90,6 +91,7 @@ class DaemonConfig:
     max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
     user: str | None = None  # drop to this user once the capture sockets are open
     group: str | None = None
+    notice: NoticeConfig | None = None  # tell the job about unrecoverable iterations (ckptd.live.notice)
     extra: dict = field(default_factory=dict)
 
 
@@ -231,7 +233,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     base = path.parent
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
-             "capture_workers", "busy_poll", "cpus", "agree_window_ms"}
+             "capture_workers", "busy_poll", "cpus", "agree_window_ms", "notice"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -287,7 +289,8 @@ def load_config(path: str | Path) -> DaemonConfig:
                         keep_every=k.int("keep_every", 1, 1 << 31),
                         agree_window_ms=k.int("agree_window_ms", 0, 60_000, int(AGREE_WINDOW_MS),
                                               what="milliseconds"),
-                        max_ring_memory=cap, user=user, group=group, **workers)
+                        max_ring_memory=cap, user=user, group=group,
+                        notice=notice_config(str(path), doc.get("notice")), **workers)
 
 
 def _one_line(e: Exception) -> str:
@@ -360,6 +363,7 @@ class Daemon:
         self.last_report: IterationReport | None = None
         self.unrecovered: list[dict] = []
         self.started = time.time()
+        self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
         self._join_logged = False
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen = 0  # kernel drops over all rings at the last look
@@ -387,6 +391,8 @@ class Daemon:
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
         self._mark_kernel_drops(rep)
+        if self.notifier is not None:
+            self.notifier.on_iteration(rep)
         self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
         self.last_report = rep
         fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
@@ -533,6 +539,7 @@ class Daemon:
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
             "unrecoverable": self.unrecovered[-20:],
+            "notice": self.notifier.stats() if self.notifier is not None else None,
         }
         self.snapshot.publish(doc)
 
@@ -640,6 +647,8 @@ class Daemon:
                     log.warning("kernel dropped frames", extra={"fields": st})
                 c.close()
             server.stop()
+            if self.notifier is not None:
+                self.notifier.close()
         committed = [r for r in self.pipe.reports if r.status == "committed"]
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]

@@ -25,6 +25,11 @@ group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
 (clip_grad_norm_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
 --growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
 micro-batches per step, the first K-1 under ddp.no_sync()).
+
+A restarted job: --restore SOURCE (a checkpoint, a directory of them, or the daemon's
+URL, with --token) puts ckptd's state back with `ckptd.restore` on every rank and trains
+from the step after it to --iterations; --pace S sleeps S seconds after each step (a
+test can then kill the job mid-run).
 """
 from __future__ import annotations
 
@@ -100,6 +105,9 @@ def make_optimizer(model: MLP, args):
     return cls(groups, **hyper)
 
 
+T0 = time.time()  # the process's start: time to the first (resumed) iteration
+
+
 def worker(rank: int, args):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", args.ifname or "lo")
     torch.set_num_threads(1)
@@ -122,6 +130,13 @@ def worker(rank: int, args):
         sched = getattr(torch.optim.lr_scheduler, name)(opt, **sargs)
     scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale,
                                   growth_interval=args.growth_interval) if args.amp else None
+    start = 0
+    if args.restore:
+        import ckptd
+        r = ckptd.restore(model, opt, args.restore, scheduler=sched, token=args.token)
+        start = r.step
+        print(json.dumps({"rank": rank, "restored_iteration": r.iteration, "source": r.source,
+                          "restore_s": round(r.seconds, 6)}), flush=True)
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
                            max_grad_norm=args.clip, iterations=args.iterations,
                            addresses=args.addrs)
@@ -129,7 +144,7 @@ def worker(rank: int, args):
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
     sizes = []
-    for it in range(args.iterations):
+    for it in range(start, args.iterations):
         opt.zero_grad(set_to_none=True)
         for micro in range(args.accumulate):
             x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
@@ -152,6 +167,10 @@ def worker(rank: int, args):
         if sched:
             sched.step()
         sizes.append(ddp._get_ddp_logging_data().get("bucket_sizes", ""))
+        if it == start:
+            print(json.dumps({"rank": rank, "first_iteration": it,
+                              "since_start_s": round(time.time() - T0, 3)}), flush=True)
+        time.sleep(args.pace)
     if rank == 0:
         (out / "ddp.json").write_text(json.dumps({"bucket_sizes_per_iteration": sizes}) + "\n")
     dist.destroy_process_group()
@@ -194,6 +213,10 @@ def main(argv=None):
     ap.add_argument("--ifname", help="GLOO_SOCKET_IFNAME (default lo)")
     ap.add_argument("--hold", metavar="FILE", help="after writing the plan, every rank waits for FILE "
                     "to exist before training (a daemon started from the plan is capturing by then)")
+    ap.add_argument("--restore", metavar="SOURCE", help="restart from ckptd's state (ckptd.restore): "
+                    "a checkpoint, a directory of them, or the daemon's http:// URL")
+    ap.add_argument("--token", help="the daemon's bearer token for --restore from a URL")
+    ap.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     args = ap.parse_args(argv)
     if args.rank is not None:
         if not args.port:

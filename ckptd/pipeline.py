@@ -255,6 +255,15 @@ class Pipeline:
         if self.held_since:
             self.after_placement(self.done + 1)
 
+    def idle(self, now_ns: int, place_held: bool = False):
+        """The capture is quiet up to `now_ns` (the daemon's wall clock, frames older
+        than that all delivered): the agreement window moves on; with place_held the
+        transport also places what it held back for want of later traffic."""
+        if place_held:
+            for pl in self.extract.idle():
+                self.place(pl)
+        self.advance_clock([now_ns] * self.nstreams)
+
     def finish(self, abandon: bool = False) -> list[IterationReport]:
         """End of input: place what the transport held back, then finalize (or abandon)
         what is open."""

@@ -97,14 +97,17 @@ def test_killed_ddp_job_restores_from_the_daemon_and_ends_bit_identical(tmp_path
                     p.wait(30)
                 done = {int(p.name[5:11]) for p in (first / "rank0").glob("iter_*.pt")}
                 assert max(done) < TOTAL - 1, "the job finished before it was killed"
-                # gloo numbers a collective only once a few later ones were seen (or at the
-                # end of the capture): stopping the daemon commits every iteration it has whole
+                # the job is dead, the daemon runs on: the capture goes quiet and the
+                # daemon commits the iterations it has whole (gloo's last collectives
+                # are numbered without the later traffic that will never come)
+                _wait(lambda: any(r.status == "committed" and r.iteration >= KILL_AFTER
+                                  for r in daemon.pipe.reports),
+                      lambda: f"the daemon did not commit the last iterations: {_reports(daemon)}", 60)
                 time.sleep(1.0)
+                assert daemon.pipe.reports[-1].status == "committed", _reports(daemon)
             finally:
                 daemon.stop.set()
                 t.join(60)
-            assert any(r.status == "committed" and r.iteration >= KILL_AFTER
-                       for r in daemon.pipe.reports), _reports(daemon)
             source = str(tmp_path / "ck")
             restarted = job(second, 29532, ["--restore", source])
             procs += restarted

@@ -95,6 +95,7 @@ class DaemonConfig:
     extra: dict = field(default_factory=dict)
 
 
+QUIET_S = 0.5  # a capture this long without a frame is quiet (Daemon._counting)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # IFNAMSIZ is 16 with the NUL; a netns name is a file under /run/netns.
 _IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
@@ -416,7 +417,20 @@ class Daemon:
         self._publish()
 
     def _counting(self, source):
+        """Frames to the pipeline, counted. A quiet tick from the rings ((-1, None)) moves
+        the capture clock on (the agreement window); after QUIET_S without a frame the
+        transport places what it held back for want of later traffic (a paused or
+        killed job sends none), so the last iterations commit now, not at the stop."""
+        settled_ns = (max((i.retire_ms for i in self.cfg.interfaces), default=0) + 5) * 1_000_000
+        last = time.monotonic()
         for k, fr in source:
+            if fr is None:
+                quiet = time.monotonic() - last >= QUIET_S
+                self.pipe.idle(time.time_ns() - settled_ns, place_held=quiet)
+                if quiet:
+                    last = time.monotonic()  # once per quiet spell, then every QUIET_S
+                continue
+            last = time.monotonic()
             self.frames += 1
             if self.frames % SNAPSHOT_EVERY == 0:
                 self._watch_drops()
@@ -630,7 +644,7 @@ class Daemon:
                 self.open_captures()
                 self.drop_privileges()
                 if not self.fast:
-                    source = ring_source(self.captures, self.stop, self.pipe.errors)
+                    source = ring_source(self.captures, self.stop, self.pipe.errors, idle=True)
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})

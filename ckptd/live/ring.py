@@ -480,7 +480,8 @@ class RingCapture:
 
 # -- several rings as one source -------------------------------------------------------
 def ring_source(captures: list[RingCapture], stop_event: threading.Event,
-                errors: list[str], poll_s: float = 0.05) -> Iterator[tuple[int, CapturedFrame]]:
+                errors: list[str], poll_s: float = 0.05,
+                idle: bool = False) -> Iterator[tuple[int, CapturedFrame | None]]:
     """(stream index, frame) from every capture, stream = position in the list, until
     stop_event is set; then whatever the rings still hold is delivered.
 
@@ -489,7 +490,8 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     is arrival order per stream and block-interleaved across streams (the pipeline
     tolerates that: it places packets by PSN, not by arrival).  Socket errors (a link
     going down) are reported in `errors` and the stream goes on; a ring that fails is
-    reported and dropped, and the others go on.
+    reported and dropped, and the others go on. With idle=True a poll that found
+    nothing yields (-1, None), as ring_batches does.
     """
     live = list(range(len(captures)))
     poller = select.poll()
@@ -522,7 +524,10 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            for fd, ev in poller.poll(int(poll_s * 1000)):
+            events = poller.poll(int(poll_s * 1000))
+            if idle and not events:
+                yield -1, None
+            for fd, ev in events:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
                     msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
                     if msg:

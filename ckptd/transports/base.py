@@ -45,6 +45,10 @@ class Transport(Protocol):
     def flush(self) -> list[Placement]:
         """End of input: place whatever was held back waiting for more evidence."""
 
+    def idle(self) -> list[Placement]:
+        """The capture has been quiet for a while (a paused or dead job): place what was
+        held back only for want of later traffic, keeping state for traffic to come."""
+
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Share of the iteration's data this stream should have carried and did not;
         None if it carried none."""

@@ -199,6 +199,14 @@ class GlooExtractor:
         self._map(out, final=True)
         return out
 
+    def idle(self) -> list[Placement]:
+        """Quiet capture: every collective that started has shown its tag, so the tags
+        seen can be numbered without waiting for MAP_LAG later ones (a killed job sends
+        none). Messages still being framed are placed when they complete."""
+        out: list[Placement] = []
+        self._map(out, quiet=True)  # (the rebuilt layout is still waited for)
+        return out
+
     def _framer(self, key) -> GlooFramer:
         fr = self.framers.get(key)
         if fr is None:
@@ -270,7 +278,11 @@ class GlooExtractor:
             epoch = bisect_right([lo for lo, _ in lost], m.offset)
             self.tail[(key, t)].append(_Data(key, src, dst, -1, m, epoch))
             return
-        self.data[t].append(_Data(key, src, dst, idx, m))
+        d = _Data(key, src, dst, idx, m)
+        if t in self.mapped:  # numbered already (after a quiet spell): place it now
+            self._place_numbered(t, self.mapped[t], [d], out)
+        else:
+            self.data[t].append(d)
 
     # -- the rebuilt layout ------------------------------------------------------------
     def _broadcast(self, key, m: GlooMessage):
@@ -322,12 +334,13 @@ class GlooExtractor:
         self.expected_ag[1] = sum(s.nbytes for per in sc.sends.values() for sends in per
                                   for s in sends if s.phase == AG)
 
-    def _map(self, out: list[Placement], final: bool = False):
-        """Number the allreduce tags that can no longer be preceded by an unseen one."""
+    def _map(self, out: list[Placement], final: bool = False, quiet: bool = False):
+        """Number the allreduce tags that can no longer be preceded by an unseen one
+        (final: the capture ended; quiet: it has been idle, more may come)."""
         top = self.tags[-1] if self.tags else -1
         while self.map_pos < len(self.tags):
             t = self.tags[self.map_pos]
-            if not final and t + self.map_lag > top:
+            if not (final or quiet) and t + self.map_lag > top:
                 break
             if self.next_number == self.nb[0] and self.rebuilt == "pending":
                 if not final and t + REBUILD_WAIT > top:
@@ -340,16 +353,19 @@ class GlooExtractor:
             self.map_pos += 1
             self.mapped[t] = n = self.next_number
             self.next_number += 1
-            it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
-                                                   (n - self.nb[0]) % self.nb[1])
-            if it >= 1 and (self.rebuilt == "mismatch"
-                            or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
-                dropped = self.data.pop(t, [])
-                self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
-                              else "rebuilt_unknown_dropped"] += len(dropped)
-                continue
-            for d in self.data.pop(t, []) + self._from_the_end(t, b, it):
-                self._place(it, b, d, out)
+            self._place_numbered(t, n, self.data.pop(t, []), out)
+
+    def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
+        """Place the data messages of allreduce number n (tag t)."""
+        it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
+                                               (n - self.nb[0]) % self.nb[1])
+        if it >= 1 and (self.rebuilt == "mismatch"
+                        or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
+            self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
+                          else "rebuilt_unknown_dropped"] += len(data)
+            return
+        for d in data + self._from_the_end(t, b, it):
+            self._place(it, b, d, out)
 
     def _from_the_end(self, t: int, b: int, it: int) -> list[_Data]:
         """Data messages of tag t that followed a framing loss on their direction: their

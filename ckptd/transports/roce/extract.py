@@ -102,6 +102,9 @@ class Extractor:
             out += self._place(bb, p)
         return out
 
+    def idle(self) -> list[Placement]:
+        return []  # RoCE places by PSN as packets come: nothing waits for later traffic
+
     def flush(self) -> list[Placement]:
         out = []
         for bb, p in self.binder.flush():

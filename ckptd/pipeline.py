@@ -202,8 +202,8 @@ class Pipeline:
         self.applier = ApplyStage() if self.shadow is not None else None
         self.apply_waits = 0  # times extraction waited on a full optimizer queue
         # Called with True once an iteration's last bucket step is queued and with False
-        # when it is done: a stage that shares the cores (the file reader) pauses
-        # meanwhile, since the commit waits for that step alone.
+        # when that step is done: a stage that shares the cores (the file reader) pauses
+        # meanwhile, since the commit waits for that step.
         self.yield_to_commit: Callable[[bool], None] | None = None
         self._yielding = False
         self.open: dict[int, IterationAssembly] = {}
@@ -456,7 +456,7 @@ class Pipeline:
                     (f" until resumed from {self.opts.resume}" if self.opts.resume else "")
         else:
             self._apply(asm, rep)
-        if self._yielding:
+        if self._yielding:  # (the applier let the reader go already, unless a step failed)
             self._yielding = False
             self.yield_to_commit(False)
         # per-stream statistics after the commit: they do not hold it up
@@ -482,6 +482,9 @@ class Pipeline:
         if self.next_bucket == len(asm.buckets) and self.yield_to_commit and not self._yielding:
             self._yielding = True
             self.yield_to_commit(True)
+            # The reader goes on once that last step is done, not at the commit: with an
+            # agreement window the commit waits for later traffic, which the reader brings.
+            self.applier.submit(partial(self.yield_to_commit, False))
 
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
         it = asm.iteration + self.offset

@@ -153,3 +153,23 @@ def test_the_cli_exits_3_and_names_the_conflict(three_mirrors, tmp_path):
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"iteration {bad:>4}: conflict" in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_the_fast_path_reading_in_small_chunks_commits_through_the_window(three_mirrors):
+    """The file reader pauses while an iteration's last optimizer step runs; with the
+    window the commit waits for later traffic, so the reader must go on once the step
+    is done (it once waited for the commit: a deadlock on any capture read in more than
+    a few chunks)."""
+    import threading
+    done = {}
+
+    def run():
+        done["pipe"] = fast_replay(load_plan(three_mirrors / "plan.json"), pcaps(three_mirrors),
+                                   load_checkpoint(three_mirrors / "init.pt"),
+                                   ReplayOptions(agree_window_ms=50), chunk_bytes=16384)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "fast replay hung"
+    reps = done["pipe"].reports
+    assert reps and all(r.status == "committed" for r in reps), [(r.iteration, r.status) for r in reps]

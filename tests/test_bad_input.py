@@ -179,7 +179,8 @@ INIT_CASES = [
     ("missing", None, "cannot read checkpoint"),
     ("empty", b"", "cannot read checkpoint"),
     ("garbage", b"\x00garbage" * 100, "cannot read checkpoint"),
-    ("not-ckptd", lambda doc: doc.update(format="other"), "not a ckptd checkpoint"),
+    # not ckptd's own format: read as a trainer's file, whose iteration counts steps done
+    ("not-ckptd", lambda doc: doc.update(format="other"), "'iteration' must be a number of steps done"),
     ("iteration-str", lambda doc: doc.update(iteration="zero"), "iteration must be an integer"),
     ("iteration-past-end", lambda doc: doc.update(iteration=99), "holds iteration 99"),
     ("shape", lambda doc: doc["model"].update({_first_param(doc): torch.zeros(3)}), "the plan says"),

@@ -46,8 +46,9 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
     try:  # torch.save's legacy (non-zip) serialization
         doc = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a bad file
-        raise CheckpointError(f"{path}: not a checkpoint (torch.save, DCP directory or "
-                              f"safetensors): {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        why = (str(e).split(". ")[0].splitlines() or [""])[0][:120] or type(e).__name__
+        raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
+                              f"directory or safetensors file ({why})") from e
     if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
         return doc
     return from_torch_doc(doc, path, names)

@@ -17,6 +17,7 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
@@ -35,7 +36,8 @@ from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
-from ckptd.live.status import Snapshot, StatusServer
+from ckptd.live.memory_tier import MemoryTier
+from ckptd.live.status import Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
 
@@ -90,6 +92,12 @@ class DaemonConfig:
     max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
     user: str | None = None  # drop to this user once the capture sockets are open
     group: str | None = None
+    token_file: str | None = None  # HTTP bearer token (required off loopback)
+    status_details: bool = False  # /status with absolute paths and parameter names
+    http_workers: int = 8  # worker threads answering requests
+    max_connections: int = 1024  # open HTTP connections at once; more are refused (503)
+    read_timeout_s: float = 10.0  # a request head must arrive whole within this
+    memory_tier: bool = True  # keep the latest two committed states in memory, serve /checkpoint
     extra: dict = field(default_factory=dict)
 
 
@@ -231,7 +239,8 @@ def load_config(path: str | Path) -> DaemonConfig:
     base = path.parent
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
-             "capture_workers", "busy_poll", "cpus", "agree_window_ms"}
+             "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
+             "http_workers", "max_connections", "read_timeout_s", "memory_tier"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -270,6 +279,9 @@ def load_config(path: str | Path) -> DaemonConfig:
                           "interfaces[].block_nr")
     listen = k.str("listen", "127.0.0.1:9187")
     parse_listen(listen, f"{path}: listen")
+    token_file = rel("token_file")
+    if token_file is not None:
+        read_token(token_file, f"{path}: token_file")
     log_level = k.str("log_level", "warning")
     if log_level not in LOG_LEVELS:
         k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -287,7 +299,42 @@ def load_config(path: str | Path) -> DaemonConfig:
                         keep_every=k.int("keep_every", 1, 1 << 31),
                         agree_window_ms=k.int("agree_window_ms", 0, 60_000, int(AGREE_WINDOW_MS),
                                               what="milliseconds"),
-                        max_ring_memory=cap, user=user, group=group, **workers)
+                        max_ring_memory=cap, user=user, group=group, token_file=token_file,
+                        status_details=k.bool("status_details", False),
+                        http_workers=k.int("http_workers", 1, 256, 8),
+                        max_connections=k.int("max_connections", 1, 1 << 20, 1024),
+                        read_timeout_s=k.int("read_timeout_s", 1, 3600, 10, what="seconds"),
+                        memory_tier=k.bool("memory_tier", True), **workers)
+
+
+def read_token(path: str, where: str) -> str:
+    """The bearer token: the file's one line (at least 16 characters)."""
+    try:
+        tok = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read {path}: {e.strerror or e}") from None
+    if len(tok) < 16 or any(c.isspace() or not c.isprintable() for c in tok):
+        raise ConfigError(f"{where}: {path} must hold one token of at least 16 printable "
+                          "characters without spaces")
+    return tok
+
+
+def http_server(cfg: DaemonConfig, routes: dict):
+    """The status server on cfg.listen (ckptd.live.serve). Off loopback it needs a token:
+    /checkpoint hands out the model, /status the job's shape."""
+    from ckptd.live.serve import HttpServer, is_loopback
+    host, port = parse_listen(cfg.listen)
+    token = read_token(cfg.token_file, "token_file") if cfg.token_file else None
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"listen {cfg.listen} is not a loopback address: set token_file "
+                          "(clients then send Authorization: Bearer <token>)")
+    try:
+        return HttpServer(routes, host, port, token=token, workers=cfg.http_workers,
+                          max_connections=cfg.max_connections,
+                          read_timeout_s=cfg.read_timeout_s).start()
+    except OSError as e:
+        raise ConfigError(f"listen {cfg.listen}: cannot serve /status there: "
+                          f"{e.strerror or e}") from None
 
 
 def _one_line(e: Exception) -> str:
@@ -383,6 +430,9 @@ class Daemon:
         else:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
+        self.memory = MemoryTier() if cfg.memory_tier else None
+        if self.memory is not None:
+            self.pipe.on_commit.append(self.memory.commit)
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -533,8 +583,23 @@ class Daemon:
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
             "unrecoverable": self.unrecovered[-20:],
+            "memory": ({"iterations": self.memory.iterations(),
+                        "copy_s": round(held.copy_seconds, 6) if (held := self.memory.latest()) else None}
+                       if self.memory is not None else None),
         }
         self.snapshot.publish(doc)
+
+    def routes(self) -> dict:
+        ckpt = None
+        if self.memory is not None:
+            from ckptd.core.formats import optimizer_param_groups
+            names = [p.name for p in self.plan.parameters]
+            plan_hash = hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
+
+            def groups_for(lr):  # the lr moves with the schedule: each state its own
+                return optimizer_param_groups(self.plan, lr) if self.plan.optimizer else None
+            ckpt = checkpoint_routes(self.memory, names, groups_for, plan_hash)
+        return routes(self.snapshot, self.cfg.status_details, ckpt)
 
     def _pipeline_stats(self) -> dict:
         if not self.fast:
@@ -611,11 +676,7 @@ class Daemon:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
             self.install_signals()
-        try:
-            server = StatusServer(self.snapshot, self.cfg.listen).start()
-        except OSError as e:
-            raise ConfigError(f"listen {self.cfg.listen}: cannot serve /status there: "
-                              f"{e.strerror or e}") from None
+        self.server = server = http_server(self.cfg, self.routes())
         self.address = server.address
         try:
             if source is None:

@@ -98,6 +98,9 @@ class DaemonConfig:
     max_connections: int = 1024  # open HTTP connections at once; more are refused (503)
     read_timeout_s: float = 10.0  # a request head must arrive whole within this
     memory_tier: bool = True  # keep the latest two committed states in memory, serve /checkpoint
+    persist_every: int | None = 10  # persistence tier: write every N-th committed iteration ...
+    persist_interval_s: float | None = 60  # ... or after this many seconds, whichever first
+    persist_sync: bool = False  # write every commit's file in the commit path instead (old default)
     extra: dict = field(default_factory=dict)
 
 
@@ -240,7 +243,8 @@ def load_config(path: str | Path) -> DaemonConfig:
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
              "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
-             "http_workers", "max_connections", "read_timeout_s", "memory_tier"}
+             "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
+             "persist_interval_s", "persist_sync"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -304,7 +308,10 @@ def load_config(path: str | Path) -> DaemonConfig:
                         http_workers=k.int("http_workers", 1, 256, 8),
                         max_connections=k.int("max_connections", 1, 1 << 20, 1024),
                         read_timeout_s=k.int("read_timeout_s", 1, 3600, 10, what="seconds"),
-                        memory_tier=k.bool("memory_tier", True), **workers)
+                        memory_tier=k.bool("memory_tier", True),
+                        persist_every=k.int("persist_every", 1, 1 << 31, 10, what="a number of iterations"),
+                        persist_interval_s=k.int("persist_interval_s", 1, 1 << 31, 60, what="seconds"),
+                        persist_sync=k.bool("persist_sync", False), **workers)
 
 
 def read_token(path: str, where: str) -> str:
@@ -412,7 +419,9 @@ class Daemon:
         self._drops_seen = 0  # kernel drops over all rings at the last look
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
         self._drops_looked = 0.0  # time.monotonic() of the last look
-        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
+        # the checkpoint files: written in the commit path (persist_sync), else by the
+        # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
+        opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
@@ -431,8 +440,31 @@ class Daemon:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
         self.memory = MemoryTier() if cfg.memory_tier else None
+        self.persist = None
+        if not cfg.persist_sync:
+            from ckptd.live.persist import PersistTier
+            self.persist = PersistTier(cfg.out, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
+                                       cfg.keep_every, self.plan_hash())
+        self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
+        self._last_commit: int | None = None
+        self.pipe.on_commit.append(self._committed)
+
+    def plan_hash(self) -> str:
+        return hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
+
+    def _committed(self, iteration: int, model: dict, optimizer: dict | None):
+        """The commit path's tiers: the memory tier copies every commit; the persistence
+        tier gets that copy when a write is due (without a memory tier, a copy is taken
+        only then)."""
+        from ckptd.live.memory_tier import HeldState, copy_state
+        held = None
         if self.memory is not None:
-            self.pipe.on_commit.append(self.memory.commit)
+            held = self.memory.commit(iteration, model, optimizer)
+        if self.persist is not None and self.persist.due(iteration):
+            held = held or HeldState(iteration, copy_state(model), copy_state(optimizer), time.time(), 0.0)
+            self.persist.offer(held)
+        self._newest = held or self._newest
+        self._last_commit = iteration
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -556,7 +588,7 @@ class Daemon:
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
         committed = [r for r in self.pipe.reports if r.status == "committed"]
-        keeper = self.pipe.keeper
+        keeper = self.pipe.keeper or (self.persist.keeper if self.persist else None)
         last = self.last_report
         streams = []
         for k, name in enumerate(self.names):
@@ -570,7 +602,7 @@ class Daemon:
             "last_committed": committed[-1].iteration if committed else -1,
             "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
                                 if keeper and keeper.last_persisted is not None else None),
-            "checkpoints": keeper.status() if keeper else None,
+            "checkpoints": (self.persist.status() if self.persist else keeper.status() if keeper else None),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
@@ -594,7 +626,7 @@ class Daemon:
         if self.memory is not None:
             from ckptd.core.formats import optimizer_param_groups
             names = [p.name for p in self.plan.parameters]
-            plan_hash = hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
+            plan_hash = self.plan_hash()
 
             def groups_for(lr):  # the lr moves with the schedule: each state its own
                 return optimizer_param_groups(self.plan, lr) if self.plan.optimizer else None
@@ -629,8 +661,19 @@ class Daemon:
                         [d for d in (self.cfg.out, self.cfg.dump_gradients) if d])
 
     def _persist_newest(self):
-        """On a clean stop after writes failed: one more try for the newest committed
-        state (the shadow holds it), so a disk that came back is used before exit."""
+        """On a clean stop: the persistence tier writes the newest committed state (if not
+        yet) and finishes. persist_sync, after writes failed: one more try for the newest
+        committed state (the shadow holds it), so a disk that came back is used before exit."""
+        if self.persist is not None:
+            newest = self._newest
+            shadow = self.pipe.shadow
+            if (shadow is not None and self._last_commit is not None and shadow.iteration == self._last_commit
+                    and (newest is None or newest.iteration != shadow.iteration)):
+                from ckptd.live.memory_tier import HeldState
+                newest = HeldState(shadow.iteration, shadow.model_state(), shadow.optimizer_state(),
+                                   time.time(), 0.0)
+            self.persist.close(newest)
+            return
         keeper, shadow = self.pipe.keeper, self.pipe.shadow
         if keeper is None or not keeper.failing or shadow is None:
             return

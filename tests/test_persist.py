@@ -1,0 +1,140 @@
+"""The persistence tier (ckptd.live.persist): which commits are written, the manifest and
+retention, and that a writer killed with SIGKILL at any moment leaves a newest persisted
+checkpoint that loads and verifies against its manifest."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckptd.core.checkpoint import CheckpointError
+from ckptd.live.memory_tier import HeldState
+from ckptd.live.persist import PersistTier, newest_verified, read_manifest, verify_checkpoint
+
+
+def held(it: int, n: int = 1000) -> HeldState:
+    model = {"w": torch.full((n,), float(it)), "b": torch.arange(7, dtype=torch.float32) + it}
+    opt = {"lr": 0.1, "state": {"w": {"step": torch.tensor(float(it + 1)), "exp_avg": torch.full((n,), it / 2)}}}
+    return HeldState(it, model, opt, time.time(), 0.0)
+
+
+def drain(tier):
+    for _ in range(500):
+        if tier.idle():
+            return
+        time.sleep(0.01)
+    raise AssertionError("writer did not finish")
+
+
+def test_every_n_iterations_manifest_and_retention(tmp_path):
+    tier = PersistTier(tmp_path, every=3, interval_s=None, keep_last=2, keep_every=6, plan_hash="abc")
+    handed = []
+    for it in range(11):
+        if tier.offer(held(it)):
+            handed.append(it)
+        drain(tier)
+    tier.close(held(10))
+    assert handed == [0, 3, 6, 9]
+    man = read_manifest(tmp_path)
+    assert man["plan_hash"] == "abc"
+    # kept: the newest two (9, 10: the stop writes the newest) and every 6th (0, 6)
+    assert [e["iteration"] for e in man["checkpoints"]] == [0, 6, 9, 10]
+    assert sorted(p.name for p in tmp_path.glob("iter_*.pt")) == [f"iter_{i:06d}.pt" for i in (0, 6, 9, 10)]
+    for e in man["checkpoints"]:
+        doc = verify_checkpoint(tmp_path, e)
+        assert torch.equal(doc["model"]["w"], held(e["iteration"]).model["w"])
+        assert set(e["tensors"]) == {"model.w", "model.b", "optimizer.w.step", "optimizer.w.exp_avg"}
+        assert e["write_s"] >= 0 and e["persisted_at"] >= e["committed_at"]
+    assert newest_verified(tmp_path)[1]["iteration"] == 10
+
+
+def test_interval_and_a_tampered_file_is_named(tmp_path):
+    now = [0.0]
+    tier = PersistTier(tmp_path, every=None, interval_s=10, keep_last=None, keep_every=None,
+                       clock=lambda: now[0])
+    assert tier.offer(held(0))
+    drain(tier)
+    assert not tier.offer(held(1))
+    now[0] = 10.5
+    assert tier.offer(held(2))
+    tier.close()
+    assert tier.superseded == 0
+    entries = read_manifest(tmp_path)["checkpoints"]
+    assert [e["iteration"] for e in entries] == [0, 2]
+    path = tmp_path / "iter_000002.pt"
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"iter_000002\.pt: SHA-256 differs"):
+        verify_checkpoint(tmp_path, entries[1])
+    # the newest that verifies is the one before
+    assert newest_verified(tmp_path)[1]["iteration"] == 0
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"manifest\.json: unreadable manifest"):
+        read_manifest(tmp_path)
+
+
+# The writers are forked by a helper process that never runs a torch op itself: a child
+# forked from a process whose OpenMP pool has run (pytest's, after other tests) can hang.
+SUPERVISOR = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from ckptd.live.persist import PersistTier
+from test_persist import drain, held
+out = sys.argv[1]
+for line in sys.stdin:
+    start = int(line)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            tier = PersistTier(out, every=1, interval_s=None, keep_last=3, keep_every=None)
+            it = start
+            while True:  # persist every iteration, for ever (until killed)
+                tier.offer(held(it, 200_000))
+                drain(tier)
+                it += 1
+        finally:
+            os._exit(1)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+"""
+
+
+def test_sigkill_at_20_random_moments_leaves_a_verified_newest(tmp_path):
+    rng = random.Random(14)
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path / "ck"), os.path.dirname(__file__)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    newest = -1
+    kills_mid_write = 0
+    try:
+        for _ in range(20):
+            sup.stdin.write(f"{newest + 1}\n")
+            sup.stdin.flush()
+            pid = int(sup.stdout.readline())
+            time.sleep(rng.uniform(0.05, 0.4))
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
+            out = tmp_path / "ck"
+            kills_mid_write += out.is_dir() and any(p.name.endswith(".tmp") for p in out.iterdir())
+            got = newest_verified(out) if out.is_dir() else None
+            if got is None:
+                assert not out.is_dir() or read_manifest(out) is None  # before the first manifest
+                continue
+            doc, entry = got
+            assert entry["iteration"] >= newest
+            assert entry["iteration"] == max(e["iteration"] for e in read_manifest(out)["checkpoints"])
+            assert torch.equal(doc["model"]["w"], torch.full((200_000,), float(entry["iteration"])))
+            newest = entry["iteration"]
+    finally:
+        sup.stdin.close()
+        sup.wait(10)
+    assert newest > 5
+    print(json.dumps({"newest": newest, "kills_with_a_temporary_left": kills_mid_write}))

@@ -138,3 +138,40 @@ def test_sigkill_at_20_random_moments_leaves_a_verified_newest(tmp_path):
         sup.wait(10)
     assert newest > 5
     print(json.dumps({"newest": newest, "kills_with_a_temporary_left": kills_mid_write}))
+
+
+def test_restarted_daemon_joins_from_its_own_persisted_state(tmp_path):
+    """A daemon captures iterations 0-2 and stops; started again (join: true, no resume)
+    on a capture that begins just before iteration 3, it takes its newest persisted state
+    (iteration 2, verified against the manifest) and commits 3-5 exactly."""
+    from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
+    from ckptd.live.daemon import Daemon, load_config
+    from ckptd.pipeline import file_source
+    from helpers import pcaps, synth
+
+    job = tmp_path / "job"
+    synth(job, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=6, mirrors=1, seed=5)
+    frames = list(file_source(pcaps(job), []))
+    ts = sorted({fr.ts_ns for _, fr in frames})
+    starts = [ts[0]] + [b for a, b in zip(ts, ts[1:]) if b - a > 1_000_000]  # 5 ms between iterations
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text(f"plan: {job / 'plan.json'}\ninit: {job / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
+                   "listen: 127.0.0.1:0\npersist_every: 1\njoin: true\n"
+                   "interfaces:\n  - {name: mirror0, ifname: m0}\n")
+    first = Daemon(load_config(cfg))
+    assert first.restarted_from is None
+    assert first.run(source=iter([f for f in frames if f[1].ts_ns < starts[3]]), install_signals=False) == 0
+    assert read_manifest(tmp_path / "ck")["checkpoints"][-1]["iteration"] == 2
+
+    again = Daemon(load_config(cfg))
+    assert again.restarted_from == (2, str(tmp_path / "ck" / checkpoint_name(2)))
+    assert again.run(source=iter([f for f in frames if f[1].ts_ns >= starts[3] - 1_000_000]),
+                     install_signals=False) == 0
+    assert [(r.iteration, r.status) for r in again.pipe.reports] == [(3, "committed"), (4, "committed"),
+                                                                    (5, "committed")]
+    assert again.snapshot.get()["join"]["restarted_from"] == 2
+    persisted = [e["iteration"] for e in read_manifest(tmp_path / "ck")["checkpoints"]]
+    assert persisted[-1] == 5  # those due while the writer was busy may be superseded
+    for it in [i for i in persisted if i >= 3]:
+        assert diff_checkpoints(load_checkpoint(tmp_path / "ck" / checkpoint_name(it)),
+                                load_checkpoint(job / "reference" / checkpoint_name(it))) == []

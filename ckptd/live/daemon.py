@@ -421,7 +421,9 @@ class Daemon:
         self._drops_looked = 0.0  # time.monotonic() of the last look
         # the checkpoint files: written in the commit path (persist_sync), else by the
         # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
-        opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
+        self.restarted_from = self._own_newest() if cfg.join and cfg.resume is None else None
+        opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None,
+                             resume=self.restarted_from[1] if self.restarted_from else cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
@@ -448,6 +450,25 @@ class Daemon:
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)
+
+    def _own_newest(self) -> tuple[int, str] | None:
+        """A restart: the newest state this daemon persisted before (the persistence
+        tier's manifest in `out`, verified against it), as the state to join from when
+        no `resume` is configured: (iteration, file)."""
+        from ckptd.live.persist import MANIFEST, newest_verified
+        from ckptd.core.checkpoint import CheckpointError
+        if not (Path(self.cfg.out) / MANIFEST).is_file():
+            return None
+        try:
+            got = newest_verified(self.cfg.out)
+        except CheckpointError as e:
+            log.warning("cannot restart from the persisted state", extra={"fields": {"error": str(e)}})
+            return None
+        if got is None:
+            return None
+        entry = got[1]
+        log.info("restarting from the persisted state", extra={"fields": {"iteration": entry["iteration"]}})
+        return entry["iteration"], str(Path(self.cfg.out) / entry["file"])
 
     def plan_hash(self) -> str:
         return hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
@@ -608,7 +629,9 @@ class Daemon:
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
-                      "packets_before": self.pipe.before_join} if self.cfg.join else None),
+                      "packets_before": self.pipe.before_join,
+                      "restarted_from": self.restarted_from[0] if self.restarted_from else None}
+                     if self.cfg.join else None),
             "streams": streams,
             "capture": {c.ifname: {k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st}
                         for c, st in ((c, c.stats()) for c in self.captures)},

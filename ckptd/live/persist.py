@@ -118,6 +118,8 @@ class PersistTier:
         self.handed: int | None = None  # iteration last handed to the writer
         self._handed_at = clock()
         self.superseded = 0
+        self.written = 0  # checkpoints written, and their bytes (manifests not counted)
+        self.bytes_written = 0
         self.last_write_s: float | None = None
         self._cv = threading.Condition()
         self._pending = None
@@ -185,6 +187,8 @@ class PersistTier:
         if not self.keeper.write(held.iteration, held.model, held.optimizer, prune=False):
             return  # failed or backing off (logged by the keeper); the next one due tries again
         name = checkpoint_name(held.iteration)
+        self.written += 1
+        self.bytes_written += (self.out / name).stat().st_size
         entry = {"iteration": held.iteration, "file": name,
                  "sha256": file_digest(self.out / name),
                  "tensors": tensor_digests(held.model, held.optimizer),
@@ -206,7 +210,8 @@ class PersistTier:
     def status(self) -> dict:
         st = self.keeper.status()
         st.update({"mode": "async", "persist_every": self.every, "persist_interval_s": self.interval_s,
-                   "superseded": self.superseded,
+                   "superseded": self.superseded, "written": self.written,
+                   "bytes_written": self.bytes_written,
                    "last_write_s": None if self.last_write_s is None else round(self.last_write_s, 6),
                    "manifest_newest": self.entries[-1]["iteration"] if self.entries else None})
         return st

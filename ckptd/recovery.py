@@ -11,6 +11,7 @@ Call it on every rank, before or after wrapping the model in DDP, before the fir
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -74,15 +75,20 @@ def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) 
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
+            want = resp.headers.get("X-Ckptd-SHA256")
+            digest = hashlib.sha256()
             buf = io.BytesIO()
             while chunk := resp.read(1 << 22):
                 buf.write(chunk)
+                digest.update(chunk)
     except urllib.error.HTTPError as e:
         detail = e.read(300).decode(errors="replace").strip()
         raise CheckpointError(f"{url}: HTTP {e.code} {e.reason}: {detail}") from e
     except (urllib.error.URLError, OSError) as e:
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {getattr(e, 'reason', e)}") from e
     n = buf.tell()
+    if want is not None and digest.hexdigest() != want:
+        raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
     buf.seek(0)
     try:
         doc = torch.load(buf, map_location="cpu", weights_only=True)

@@ -7,8 +7,11 @@ files; the daemon's features plug in around that one loop:
     fast      with `fast` (the default for RoCE plans) ckptd.fast.pipeline.FastPipeline runs
               the pipeline: ring blocks go to its Cython kernel as Batches (same reports
               and checkpoints as the reference Pipeline, which gloo plans always use)
-    status    ckptd.live.status: /status and /metrics, from snapshots the loop publishes
-    keep      checkpoint files, written by the pipeline as iterations commit
+    status    ckptd.live.status: /status and /metrics, from snapshots the loop publishes,
+              served by ckptd.live.serve (bounded workers, caps, timeouts, token)
+    memory    ckptd.live.memory_tier: the latest two committed states, as /checkpoint
+    persist   ckptd.live.persist: checkpoint files and manifest, by a writer thread
+              (persist_sync: written by the pipeline as iterations commit, ckptd.core.keep)
     logs      one JSON object per line on stderr, warnings only unless asked
 
 SIGINT/SIGTERM stop it cleanly: capture stops, what the rings already hold is

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ckptd.live.serve import Response, text
 
-CHUNK = 1 << 20
+CHUNK = 1 << 23
 _DIRS = re.compile(r"(/[^\s/:]+)+/")  # an absolute path's directories (its file name stays)
 
 

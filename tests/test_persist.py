@@ -175,3 +175,18 @@ def test_restarted_daemon_joins_from_its_own_persisted_state(tmp_path):
     for it in [i for i in persisted if i >= 3]:
         assert diff_checkpoints(load_checkpoint(tmp_path / "ck" / checkpoint_name(it)),
                                 load_checkpoint(job / "reference" / checkpoint_name(it))) == []
+
+
+def test_a_busy_writer_takes_the_newest_state_due(tmp_path):
+    """Due while the writer is still busy: the newer state replaces the one waiting."""
+    tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=None, keep_every=None)
+    gate = __import__("threading").Event()
+    write = tier._write
+    tier._write = lambda h: (gate.wait(5), write(h))
+    for it in range(4):  # 0 is taken by the writer (blocked), 1 and 2 wait in turn, 3 stays
+        tier.offer(held(it))
+        time.sleep(0.05)
+    gate.set()
+    tier.close()
+    assert tier.superseded == 2
+    assert [e["iteration"] for e in read_manifest(tmp_path)["checkpoints"]] == [0, 3]

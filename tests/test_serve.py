@@ -251,3 +251,17 @@ def test_restore_from_the_daemon_url_equals_the_trainers_own_state(run, tmp_path
         for k in mine[1].state[p]:
             assert torch.equal(mine[1].state[p][k], ref[1].state[q][k]), k
     assert mine[1].param_groups[0]["lr"] == ref[1].param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("max_connections", 0, r"'max_connections' is 0; it must be in 1\.\."),
+    ("read_timeout_s", "soon", r"'read_timeout_s' must be seconds"),
+    ("http_workers", 1000, r"'http_workers' is 1000"),
+    ("status_details", "'yes'", r"'status_details' must be true or false"),
+    ("persist_every", 0, r"'persist_every' is 0"),
+    ("persist_sync", 3, r"'persist_sync' must be true or false"),
+    ("token_file", "/nonexistent/tok", r"token_file: cannot read /nonexistent/tok")])
+def test_new_config_keys_are_checked(run, tmp_path, key, value, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(_config(run, tmp_path, **{key: value}))
+    assert "\n" not in str(e.value) and "ckptd.yaml" in str(e.value)

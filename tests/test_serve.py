@@ -161,6 +161,15 @@ def test_ipv6_loopback_listen(run, tmp_path):
         assert get(srv.address[1], "/x", host="[::1]")[2] == b"six"
     finally:
         srv.stop()
+    # and the daemon itself on [::1] (http.server's IPv4-only server used to crash here)
+    daemon = Daemon(cfg)
+    seen = {}
+
+    def source():
+        seen["status"] = json.loads(get(daemon.address[1], "/status", host="[::1]")[2])
+        yield from ()
+    assert daemon.run(source=source(), install_signals=False) == 0
+    assert seen["status"]["state"] == "running"
 
 
 def test_daemon_serves_1000_idle_connections_commits_and_restores_exactly(run, tmp_path):

@@ -131,7 +131,8 @@ class HttpServer:
                 s, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of descriptors: the backlog holds the rest for now
+            except OSError:  # out of descriptors: the backlog holds the rest for now (and
+                time.sleep(0.05)  # the listener stays readable: do not spin on it)
                 return
             with self._lock:
                 full = self.open >= self.max_connections

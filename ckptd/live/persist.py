@@ -184,7 +184,9 @@ class PersistTier:
 
     def _write(self, held):
         t0 = time.monotonic()
-        if not self.keeper.write(held.iteration, held.model, held.optimizer, prune=False):
+        # at the stop, one try even while backing off: there is no later moment
+        if not self.keeper.write(held.iteration, held.model, held.optimizer, force=self._closing,
+                                 prune=False):
             return  # failed or backing off (logged by the keeper); the next one due tries again
         name = checkpoint_name(held.iteration)
         self.written += 1

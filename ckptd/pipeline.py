@@ -223,6 +223,9 @@ class Pipeline:
         # a long-running daemon keeps only the newest reports (keep_reports)
         self.reports: deque[IterationReport] = deque(maxlen=keep_reports)
         self.on_iteration = on_iteration
+        # features told of each commit with the shadow's live state, before anything steps
+        # it again (the daemon's memory tier): (iteration, model, optimizer)
+        self.on_commit: list[Callable[[int, dict, dict | None], None]] = []
         self.keeper = (CheckpointKeeper(opts.out, opts.keep_last, opts.keep_every, opts.retry_writes)
                        if opts.out else None)
         if opts.dump_gradients:
@@ -508,6 +511,8 @@ class Pipeline:
         self.next_bucket = 0
         if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
+        for hook in self.on_commit:
+            hook(it, self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
         if self.keeper:  # written from the live tensors: nothing steps the shadow meanwhile
             t0 = time.monotonic()
             rep.persisted = self.keeper.write(it, self.shadow.model_state(copy=False),

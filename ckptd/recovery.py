@@ -11,6 +11,7 @@ Call it on every rank, before or after wrapping the model in DDP, before the fir
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -74,15 +75,17 @@ def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) 
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            buf = io.BytesIO()
-            while chunk := resp.read(1 << 22):
-                buf.write(chunk)
+            want = resp.headers.get("X-Ckptd-SHA256")
+            buf = _read_body(resp)
+            digest = hashlib.sha256(buf.getbuffer())
     except urllib.error.HTTPError as e:
         detail = e.read(300).decode(errors="replace").strip()
         raise CheckpointError(f"{url}: HTTP {e.code} {e.reason}: {detail}") from e
     except (urllib.error.URLError, OSError) as e:
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {getattr(e, 'reason', e)}") from e
-    n = buf.tell()
+    n = buf.getbuffer().nbytes
+    if want is not None and digest.hexdigest() != want:
+        raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
     buf.seek(0)
     try:
         doc = torch.load(buf, map_location="cpu", weights_only=True)
@@ -90,6 +93,25 @@ def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) 
         raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes): {e}") from e
     from ckptd.core.formats import from_torch_doc
     return from_torch_doc(doc, Path(url), names), n
+
+
+def _read_body(resp) -> io.BytesIO:
+    """The whole body; with a Content-Length read in place into one buffer of that size
+    (a growing BytesIO copies a multi-GB checkpoint several times over)."""
+    length = resp.headers.get("Content-Length")
+    if length is None or not length.isdigit():
+        return io.BytesIO(resp.read())
+    data = bytearray(int(length))
+    view, got = memoryview(data), 0
+    while got < len(data):
+        n = resp.readinto(view[got:got + (1 << 24)])
+        if not n:
+            break
+        got += n
+    del view
+    buf = io.BytesIO(data)  # shares nothing: BytesIO copies once here, then data is freed
+    buf.truncate(got)
+    return buf
 
 
 def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:

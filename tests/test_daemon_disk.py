@@ -64,7 +64,7 @@ def test_full_disk_mid_run_capture_goes_on_and_writes_resume(run, tmpfs, tmp_pat
     monkeypatch.setattr(keep, "BACKOFF_FIRST_S", 0.0)  # retry at every commit (back-off: test_keep.py)
     cfg = tmp_path / "ckptd.yaml"
     cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmpfs}\n"
-                   "listen: 127.0.0.1:0\nkeep_last: 3\ninterfaces:\n"
+                   "listen: 127.0.0.1:0\npersist_sync: true\nkeep_last: 3\ninterfaces:\n"
                    "  - {name: mirror0, ifname: m0}\n  - {name: mirror1, ifname: m1}\n")
     daemon = Daemon(load_config(cfg))
     seen = {}
@@ -107,7 +107,7 @@ def test_full_disk_mid_run_capture_goes_on_and_writes_resume(run, tmpfs, tmp_pat
 def test_sighup_is_ignored(run, tmp_path):
     cfg = tmp_path / "ckptd.yaml"
     cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
-                   "listen: 127.0.0.1:0\ninterfaces:\n  - {name: mirror0, ifname: m0}\n")
+                   "listen: 127.0.0.1:0\npersist_sync: true\ninterfaces:\n  - {name: mirror0, ifname: m0}\n")
     daemon = Daemon(load_config(cfg))
     daemon.install_signals()
     try:

@@ -56,7 +56,7 @@ def test_ddp_gloo_on_a_mirrored_bridge_is_bit_exact(tmp_path, loss):
             time.sleep(0.5)
             daemon = Daemon(DaemonConfig(
                 plan=str(run / "plan.json"), init=str(run / "init.pt"), out=str(tmp_path / "ck"),
-                listen="127.0.0.1:0",
+                listen="127.0.0.1:0", persist_sync=True,  # every commit checked on disk
                 interfaces=[InterfaceConfig(m.name, m.capture_ifname, lab.ckpt_ns) for m in lab.mirrors]))
             t = threading.Thread(target=lambda: daemon.run(install_signals=False), name="daemon")
             t.start()

@@ -51,7 +51,7 @@ def live_daemon(run, tmp_path, *, join=False, daemon_after=0.0, sender_after=0.0
         with NetLab(plan, prefix=prefix, loss={"mirror1": 0.01}) as lab:
             cfg = DaemonConfig(
                 plan=str(run / "plan.json"), init=str(run / "init.pt"), out=str(tmp_path / "ck"),
-                listen="127.0.0.1:0",
+                listen="127.0.0.1:0", persist_sync=True,  # every commit checked on disk
                 # A block is handed over when full or after retire_ms: at these rates
                 # blocks retire part-filled, so the ring's backlog capacity is about
                 # block_nr x (frames a block gets in retire_ms).

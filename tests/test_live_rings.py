@@ -55,7 +55,7 @@ def links():
 
 def daemon_config(run, out, ns, workers=False, **ring) -> DaemonConfig:
     return DaemonConfig(plan=str(run / "plan.json"), init=str(run / "init.pt"), out=str(out),
-                        listen="127.0.0.1:0", capture_workers=workers,
+                        listen="127.0.0.1:0", capture_workers=workers, persist_sync=True,
                         interfaces=[InterfaceConfig(f"mirror{k}", f"rx{k}", ns, **ring) for k in range(2)])
 
 

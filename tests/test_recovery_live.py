@@ -26,6 +26,7 @@ import pytest
 
 from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
 from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+from ckptd.recovery import fetch
 from ckptd.testing import netlab
 from ckptd.testing.netlab import NetLab
 
@@ -105,17 +106,22 @@ def test_killed_ddp_job_restores_from_the_daemon_and_ends_bit_identical(tmp_path
                       lambda: f"the daemon did not commit the last iterations: {_reports(daemon)}", 60)
                 time.sleep(1.0)
                 assert daemon.pipe.reports[-1].status == "committed", _reports(daemon)
+                # restarted from the daemon's memory, over HTTP, while it runs on (the
+                # new job on this host's loopback, where the daemon listens)
+                host, port = daemon.address[:2]
+                url = f"http://{host}:{port}"
+                served, _ = fetch(url, None, None, 60)
+                restarted = [_train(["--world", "3", "--iterations", str(TOTAL), "--out", str(second),
+                                     "--restore", url], env)]
+                outs = []
+                for p in restarted:
+                    out, _ = p.communicate(timeout=240)
+                    assert p.returncode == 0, out.decode()[-3000:]
+                    outs.append(out.decode())
             finally:
                 daemon.stop.set()
                 t.join(60)
-            source = str(tmp_path / "ck")
-            restarted = job(second, 29532, ["--restore", source])
             procs += restarted
-            outs = []
-            for p in restarted:
-                out, _ = p.communicate(timeout=240)
-                assert p.returncode == 0, out.decode()[-3000:]
-                outs.append(out.decode())
     finally:
         for p in procs:
             if p.poll() is None:
@@ -125,10 +131,15 @@ def test_killed_ddp_job_restores_from_the_daemon_and_ends_bit_identical(tmp_path
     restored = [json.loads(line) for o in outs for line in o.splitlines() if '"restored_iteration"' in line]
     assert sorted(x["rank"] for x in restored) == [0, 1, 2]
     assert {x["restored_iteration"] for x in restored} == {committed}
+    assert {x["source"] for x in restored} == {url}
+    first_step = [json.loads(line) for o in outs for line in o.splitlines() if '"first_iteration"' in line]
+    print(f"restore from the daemon's memory: {max(x['restore_s'] for x in restored):.3f} s; "
+          f"restart to the first resumed iteration: {max(x['since_start_s'] for x in first_step):.2f} s")
     assert KILL_AFTER <= committed < TOTAL - 1
     # the daemon's state is the job's own at that iteration
-    assert diff_checkpoints(load_checkpoint(tmp_path / "ck" / checkpoint_name(committed)),
-                            load_checkpoint(first / "rank0" / checkpoint_name(committed))) == []
+    mine = load_checkpoint(first / "rank0" / checkpoint_name(committed))
+    assert served["iteration"] == committed
+    assert diff_checkpoints(served, mine) == []
     # the same restart from the trainer's own checkpoint (all ranks on loopback)
     own = _train(["--world", "3", "--iterations", str(TOTAL), "--out", str(tmp_path / "own"),
                   "--restore", str(first / "rank0" / checkpoint_name(committed))], env)

@@ -47,9 +47,12 @@ class CheckpointKeeper:
     def failing(self) -> bool:
         return self.newest_unpersisted is not None
 
-    def write(self, iteration: int, model: dict, optimizer: dict | None, force: bool = False) -> bool:
+    def write(self, iteration: int, model: dict, optimizer: dict | None, force: bool = False,
+              prune: bool = True) -> bool:
         """Persist one committed iteration's state; True once its file is in place.
-        While backing off after a failure, returns False without trying (unless force)."""
+        While backing off after a failure, returns False without trying (unless force).
+        prune=False leaves pruning to the caller (the persistence tier lists the new file
+        in its manifest first, so the manifest never lists only pruned files)."""
         now = self.clock()
         if self.failing and not force and now < self._next_try:
             self._missed(iteration)
@@ -73,7 +76,8 @@ class CheckpointKeeper:
                 "iteration": iteration, "not_persisted": self.not_persisted}})
         self.last_persisted, self.newest_unpersisted = iteration, None
         self._backoff = 0.0
-        self.prune()
+        if prune:
+            self.prune()
         return True
 
     def _missed(self, iteration: int):

@@ -7,8 +7,11 @@ files; the daemon's features plug in around that one loop:
     fast      with `fast` (the default for RoCE plans) ckptd.fast.pipeline.FastPipeline runs
               the pipeline: ring blocks go to its Cython kernel as Batches (same reports
               and checkpoints as the reference Pipeline, which gloo plans always use)
-    status    ckptd.live.status: /status and /metrics, from snapshots the loop publishes
-    keep      checkpoint files, written by the pipeline as iterations commit
+    status    ckptd.live.status: /status and /metrics, from snapshots the loop publishes,
+              served by ckptd.live.serve (bounded workers, caps, timeouts, token)
+    memory    ckptd.live.memory_tier: the latest two committed states, as /checkpoint
+    persist   ckptd.live.persist: checkpoint files and manifest, by a writer thread
+              (persist_sync: written by the pipeline as iterations commit, ckptd.core.keep)
     logs      one JSON object per line on stderr, warnings only unless asked
 
 SIGINT/SIGTERM stop it cleanly: capture stops, what the rings already hold is
@@ -17,6 +20,7 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
@@ -35,8 +39,9 @@ from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
+from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
-from ckptd.live.status import Snapshot, StatusServer
+from ckptd.live.status import Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
 
@@ -91,6 +96,15 @@ class DaemonConfig:
     max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
     user: str | None = None  # drop to this user once the capture sockets are open
     group: str | None = None
+    token_file: str | None = None  # HTTP bearer token (required off loopback)
+    status_details: bool = False  # /status with absolute paths and parameter names
+    http_workers: int = 8  # worker threads answering requests
+    max_connections: int = 1024  # open HTTP connections at once; more are refused (503)
+    read_timeout_s: float = 10.0  # a request head must arrive whole within this
+    memory_tier: bool = True  # keep the latest two committed states in memory, serve /checkpoint
+    persist_every: int | None = 10  # persistence tier: write every N-th committed iteration ...
+    persist_interval_s: float | None = 60  # ... or after this many seconds, whichever first
+    persist_sync: bool = False  # write every commit's file in the commit path instead (old default)
     notice: NoticeConfig | None = None  # tell the job about unrecoverable iterations (ckptd.live.notice)
     extra: dict = field(default_factory=dict)
 
@@ -234,7 +248,9 @@ def load_config(path: str | Path) -> DaemonConfig:
     base = path.parent
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
-             "capture_workers", "busy_poll", "cpus", "agree_window_ms", "notice"}
+             "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
+             "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
+             "persist_interval_s", "persist_sync", "notice"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -273,6 +289,9 @@ def load_config(path: str | Path) -> DaemonConfig:
                           "interfaces[].block_nr")
     listen = k.str("listen", "127.0.0.1:9187")
     parse_listen(listen, f"{path}: listen")
+    token_file = rel("token_file")
+    if token_file is not None:
+        read_token(token_file, f"{path}: token_file")
     log_level = k.str("log_level", "warning")
     if log_level not in LOG_LEVELS:
         k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
@@ -290,8 +309,46 @@ def load_config(path: str | Path) -> DaemonConfig:
                         keep_every=k.int("keep_every", 1, 1 << 31),
                         agree_window_ms=k.int("agree_window_ms", 0, 60_000, int(AGREE_WINDOW_MS),
                                               what="milliseconds"),
-                        max_ring_memory=cap, user=user, group=group,
+                        max_ring_memory=cap, user=user, group=group, token_file=token_file,
+                        status_details=k.bool("status_details", False),
+                        http_workers=k.int("http_workers", 1, 256, 8),
+                        max_connections=k.int("max_connections", 1, 1 << 20, 1024),
+                        read_timeout_s=k.int("read_timeout_s", 1, 3600, 10, what="seconds"),
+                        memory_tier=k.bool("memory_tier", True),
+                        persist_every=k.int("persist_every", 1, 1 << 31, 10, what="a number of iterations"),
+                        persist_interval_s=k.int("persist_interval_s", 1, 1 << 31, 60, what="seconds"),
+                        persist_sync=k.bool("persist_sync", False),
                         notice=notice_config(str(path), doc.get("notice")), **workers)
+
+
+def read_token(path: str, where: str) -> str:
+    """The bearer token: the file's one line (at least 16 characters)."""
+    try:
+        tok = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read {path}: {e.strerror or e}") from None
+    if len(tok) < 16 or any(c.isspace() or not c.isprintable() for c in tok):
+        raise ConfigError(f"{where}: {path} must hold one token of at least 16 printable "
+                          "characters without spaces")
+    return tok
+
+
+def http_server(cfg: DaemonConfig, routes: dict):
+    """The status server on cfg.listen (ckptd.live.serve). Off loopback it needs a token:
+    /checkpoint hands out the model, /status the job's shape."""
+    from ckptd.live.serve import HttpServer, is_loopback
+    host, port = parse_listen(cfg.listen)
+    token = read_token(cfg.token_file, "token_file") if cfg.token_file else None
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"listen {cfg.listen} is not a loopback address: set token_file "
+                          "(clients then send Authorization: Bearer <token>)")
+    try:
+        return HttpServer(routes, host, port, token=token, workers=cfg.http_workers,
+                          max_connections=cfg.max_connections,
+                          read_timeout_s=cfg.read_timeout_s).start()
+    except OSError as e:
+        raise ConfigError(f"listen {cfg.listen}: cannot serve /status there: "
+                          f"{e.strerror or e}") from None
 
 
 def _one_line(e: Exception) -> str:
@@ -370,7 +427,11 @@ class Daemon:
         self._drops_seen = 0  # kernel drops over all rings at the last look
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
         self._drops_looked = 0.0  # time.monotonic() of the last look
-        opts = ReplayOptions(out=cfg.out, resume=cfg.resume, dump_gradients=cfg.dump_gradients,
+        # the checkpoint files: written in the commit path (persist_sync), else by the
+        # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
+        self.restarted_from = self._own_newest() if cfg.join and cfg.resume is None else None
+        opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None,
+                             resume=self.restarted_from[1] if self.restarted_from else cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
@@ -388,6 +449,51 @@ class Daemon:
         else:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
+        self.memory = MemoryTier() if cfg.memory_tier else None
+        self.persist = None
+        if not cfg.persist_sync:
+            from ckptd.live.persist import PersistTier
+            self.persist = PersistTier(cfg.out, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
+                                       cfg.keep_every, self.plan_hash())
+        self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
+        self._last_commit: int | None = None
+        self.pipe.on_commit.append(self._committed)
+
+    def _own_newest(self) -> tuple[int, str] | None:
+        """A restart: the newest state this daemon persisted before (the persistence
+        tier's manifest in `out`, verified against it), as the state to join from when
+        no `resume` is configured: (iteration, file)."""
+        from ckptd.live.persist import MANIFEST, newest_verified
+        from ckptd.core.checkpoint import CheckpointError
+        if not (Path(self.cfg.out) / MANIFEST).is_file():
+            return None
+        try:
+            got = newest_verified(self.cfg.out)
+        except CheckpointError as e:
+            log.warning("cannot restart from the persisted state", extra={"fields": {"error": str(e)}})
+            return None
+        if got is None:
+            return None
+        entry = got[1]
+        log.info("restarting from the persisted state", extra={"fields": {"iteration": entry["iteration"]}})
+        return entry["iteration"], str(Path(self.cfg.out) / entry["file"])
+
+    def plan_hash(self) -> str:
+        return hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
+
+    def _committed(self, iteration: int, model: dict, optimizer: dict | None):
+        """The commit path's tiers: the memory tier copies every commit; the persistence
+        tier gets that copy when a write is due (without a memory tier, a copy is taken
+        only then)."""
+        from ckptd.live.memory_tier import HeldState, copy_state
+        held = None
+        if self.memory is not None:
+            held = self.memory.commit(iteration, model, optimizer)
+        if self.persist is not None and self.persist.due(iteration):
+            held = held or HeldState(iteration, copy_state(model), copy_state(optimizer), time.time(), 0.0)
+            self.persist.offer(held)
+        self._newest = held or self._newest
+        self._last_commit = iteration
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -526,7 +632,7 @@ class Daemon:
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
         committed = [r for r in self.pipe.reports if r.status == "committed"]
-        keeper = self.pipe.keeper
+        keeper = self.pipe.keeper or (self.persist.keeper if self.persist else None)
         last = self.last_report
         streams = []
         for k, name in enumerate(self.names):
@@ -540,13 +646,15 @@ class Daemon:
             "last_committed": committed[-1].iteration if committed else -1,
             "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
                                 if keeper and keeper.last_persisted is not None else None),
-            "checkpoints": keeper.status() if keeper else None,
+            "checkpoints": (self.persist.status() if self.persist else keeper.status() if keeper else None),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
             "checkpoint_write_s": committed[-1].write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
-                      "packets_before": self.pipe.before_join} if self.cfg.join else None),
+                      "packets_before": self.pipe.before_join,
+                      "restarted_from": self.restarted_from[0] if self.restarted_from else None}
+                     if self.cfg.join else None),
             "streams": streams,
             "capture": {c.ifname: {k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st}
                         for c, st in ((c, c.stats()) for c in self.captures)},
@@ -554,8 +662,23 @@ class Daemon:
             "pipeline": self._pipeline_stats(),
             "unrecoverable": self.unrecovered[-20:],
             "notice": self.notifier.stats() if self.notifier is not None else None,
+            "memory": ({"iterations": self.memory.iterations(),
+                        "copy_s": round(held.copy_seconds, 6) if (held := self.memory.latest()) else None}
+                       if self.memory is not None else None),
         }
         self.snapshot.publish(doc)
+
+    def routes(self) -> dict:
+        ckpt = None
+        if self.memory is not None:
+            from ckptd.core.formats import optimizer_param_groups
+            names = [p.name for p in self.plan.parameters]
+            plan_hash = self.plan_hash()
+
+            def groups_for(lr):  # the lr moves with the schedule: each state its own
+                return optimizer_param_groups(self.plan, lr) if self.plan.optimizer else None
+            ckpt = checkpoint_routes(self.memory, names, groups_for, plan_hash)
+        return routes(self.snapshot, self.cfg.status_details, ckpt)
 
     def _pipeline_stats(self) -> dict:
         if not self.fast:
@@ -585,8 +708,19 @@ class Daemon:
                         [d for d in (self.cfg.out, self.cfg.dump_gradients) if d])
 
     def _persist_newest(self):
-        """On a clean stop after writes failed: one more try for the newest committed
-        state (the shadow holds it), so a disk that came back is used before exit."""
+        """On a clean stop: the persistence tier writes the newest committed state (if not
+        yet) and finishes. persist_sync, after writes failed: one more try for the newest
+        committed state (the shadow holds it), so a disk that came back is used before exit."""
+        if self.persist is not None:
+            newest = self._newest
+            shadow = self.pipe.shadow
+            if (shadow is not None and self._last_commit is not None and shadow.iteration == self._last_commit
+                    and (newest is None or newest.iteration != shadow.iteration)):
+                from ckptd.live.memory_tier import HeldState
+                newest = HeldState(shadow.iteration, shadow.model_state(), shadow.optimizer_state(),
+                                   time.time(), 0.0)
+            self.persist.close(newest)
+            return
         keeper, shadow = self.pipe.keeper, self.pipe.shadow
         if keeper is None or not keeper.failing or shadow is None:
             return
@@ -632,11 +766,7 @@ class Daemon:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
             self.install_signals()
-        try:
-            server = StatusServer(self.snapshot, self.cfg.listen).start()
-        except OSError as e:
-            raise ConfigError(f"listen {self.cfg.listen}: cannot serve /status there: "
-                              f"{e.strerror or e}") from None
+        self.server = server = http_server(self.cfg, self.routes())
         self.address = server.address
         try:
             if source is None:

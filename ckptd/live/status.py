@@ -1,4 +1,5 @@
-"""Serving: /status (JSON) and /metrics (Prometheus) over HTTP, 127.0.0.1 by default.
+"""What the daemon serves: /status (JSON), /metrics (Prometheus) and, from the memory
+tier, /checkpoint; over ckptd.live.serve.HttpServer, 127.0.0.1 by default.
 
 The daemon's loop publishes a snapshot (a plain dict) after every iteration and every
 few thousand frames; the HTTP thread only ever reads the latest snapshot, so a scrape
@@ -7,11 +8,17 @@ never blocks or races the capture path.
 from __future__ import annotations
 
 import json
+import os
+import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ckptd.live.serve import Response, text
+
+CHUNK = 1 << 23
+_DIRS = re.compile(r"(/[^\s/:]+)+/")  # an absolute path's directories (its file name stays)
 
 
 class Snapshot:
@@ -65,38 +72,59 @@ class _Collector:
         yield pkts
 
 
-class StatusServer:
-    def __init__(self, snap: Snapshot, listen: str = "127.0.0.1:9187"):
-        host, _, port = listen.rpartition(":")
-        registry = CollectorRegistry()
-        registry.register(_Collector(snap))
+def redact(doc: dict) -> dict:
+    """/status without the host's absolute paths or the model's parameter names (a
+    non-loopback listener may be reachable by more than the operator); `status_details:
+    true` serves the document whole."""
+    doc = dict(doc)
+    if doc.get("last_checkpoint"):
+        doc["last_checkpoint"] = os.path.basename(doc["last_checkpoint"])
+    if doc.get("checkpoints") and doc["checkpoints"].get("last_error"):
+        doc["checkpoints"] = dict(doc["checkpoints"], last_error=_DIRS.sub("", doc["checkpoints"]["last_error"]))
+    doc["unrecoverable"] = [dict(u, missing=[{k: v for k, v in m.items() if k != "params"}
+                                             for m in u.get("missing", [])])
+                            for u in doc.get("unrecoverable", [])]
+    return doc
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.split("?")[0] == "/status":
-                    body, ctype = json.dumps(snap.get(), indent=1).encode(), "application/json"
-                elif self.path.split("?")[0] == "/metrics":
-                    body, ctype = generate_latest(registry), "text/plain; version=0.0.4"
-                else:
-                    self.send_error(404, "try /status or /metrics")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
-            def log_message(self, *args):
-                """Quiet: the daemon logs what matters itself."""
+def routes(snap: Snapshot, details: bool = False, checkpoints=None) -> dict:
+    """The daemon's routes for ckptd.live.serve.HttpServer: /status, /metrics, and with a
+    memory tier (`checkpoints`: path -> handler) /checkpoint and /checkpoint/<iteration>."""
+    registry = CollectorRegistry()
+    registry.register(_Collector(snap))
 
-        self.httpd = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
-        self.address = self.httpd.server_address
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="ckptd-status", daemon=True)
+    def status(_):
+        doc = snap.get() if details else redact(snap.get())
+        return Response(200, json.dumps(doc, indent=1).encode(), "application/json")
 
-    def start(self):
-        self.thread.start()
-        return self
+    def metrics(_):
+        return Response(200, generate_latest(registry), "text/plain; version=0.0.4")
+    return {"/status": status, "/metrics": metrics, **(checkpoints or {})}
 
-    def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+
+def checkpoint_routes(tier, names: list[str], groups_for, plan_hash: str | None) -> dict:
+    """GET /checkpoint: the latest committed state; /checkpoint/<iteration>: that one, if
+    the memory tier still holds it (the latest or the one before). The body is a torch.save
+    of the trainer format (ckptd.core.formats.torch_doc), sent in chunks; the headers name
+    the iteration (X-Ckptd-Iteration) and the body's SHA-256 (X-Ckptd-SHA256)."""
+    def send(held):
+        if held is None:
+            return text(404, "no committed iteration in memory yet")
+        # torch's param_groups for the state's own lr (groups_for(lr); None: weights only)
+        data, digest = held.encoded(names, groups_for((held.optimizer or {}).get("lr")), plan_hash)
+        view = memoryview(data)
+        return Response(200, (view[i:i + CHUNK] for i in range(0, len(view), CHUNK)),
+                        "application/octet-stream", length=len(data),
+                        headers={"X-Ckptd-Iteration": str(held.iteration), "X-Ckptd-SHA256": digest})
+
+    def latest(_):
+        return send(tier.latest())
+
+    def one(arg):
+        if not arg.isdigit():
+            return text(404, f"/checkpoint/{arg[:40]}: not an iteration number")
+        held = tier.get(int(arg))
+        if held is None:
+            return text(404, f"iteration {int(arg)} is not in memory (held: {tier.iterations()})")
+        return send(held)
+    return {"/checkpoint": latest, "/checkpoint/": one}

@@ -1,0 +1,156 @@
+"""Tiers: restore time from the daemon's memory (HTTP) against local disk (torch.save)
+and DCP, and commit lag / disk bytes per iteration with the persistence tier on and off.
+
+    python -m benchmarks.tiers [--params 100] [--iterations 12]
+
+Restore: a model of --params million float32 parameters (square Linear layers) and its
+AdamW state (two moments) after one step, i.e. 3 x 4 bytes per parameter, restored with
+`ckptd.restore` into a fresh model and optimizer from (a) `ckptd.live.serve.HttpServer`
+serving the memory tier on 127.0.0.1 (first request: the encoding included; second: the
+cached encoding), (b) a torch.save file on local disk (page cache warm: the file was just
+written), (c) a DCP directory. GB/s is the state's bytes over the wall time of restore.
+
+Commit lag: the daemon (reference pipeline, from files) on a synthesized job
+(--model), persist_sync (every commit written in the commit path, the old default) against
+the persistence tier (every 10th, the new default, and every one): the time from an
+iteration's last packet to its report (commit_lag + the synchronous write), and the
+checkpoint bytes written to disk per iteration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ckptd
+from benchmarks.machine import machine
+
+
+def make_model(million: float, seed: int = 0):
+    width = 2048
+    layers = max(1, round(million * 1e6 / (width * width + width)))
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return model, opt
+
+
+def trained(million: float):
+    model, opt = make_model(million)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def restore_times(million: float) -> dict:
+    from ckptd.core.formats import torch_doc
+    from ckptd.live.memory_tier import MemoryTier
+    from ckptd.live.serve import HttpServer
+    from ckptd.live.status import checkpoint_routes
+    from ckptd.testing.synth import trainer_checkpoint
+
+    model, opt = trained(million)
+    names = [n for n, _ in model.named_parameters()]
+    m, o = trainer_checkpoint(model, opt, 1e-3)
+    nparams = sum(p.numel() for p in model.parameters())
+    state_bytes = 3 * 4 * nparams
+    out = {"parameters": nparams, "state_bytes": state_bytes}
+    tier = MemoryTier()
+    t0 = time.perf_counter()
+    tier.commit(0, m, o)
+    out["memory_copy_s"] = time.perf_counter() - t0
+    groups = opt.state_dict()["param_groups"]
+    srv = HttpServer(checkpoint_routes(tier, names, lambda lr: groups, None), "127.0.0.1", 0).start()
+    del model, opt
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-tiers-"))
+    try:
+        url = f"http://127.0.0.1:{srv.address[1]}"
+        for label in ("http_first", "http_cached"):
+            back, bopt = make_model(million, seed=1)
+            t0 = time.perf_counter()
+            ckptd.restore(back, bopt, url)
+            out[f"{label}_s"] = time.perf_counter() - t0
+            assert torch.equal(next(back.parameters()), m[names[0]])
+            del back, bopt
+        srv.stop()
+        doc = torch_doc({"iteration": 0, "model": m, "optimizer": o}, names, groups)
+        torch.save(doc, tmp / "ckpt.pt")
+        back, bopt = make_model(million, seed=1)
+        t0 = time.perf_counter()
+        ckptd.restore(back, bopt, tmp / "ckpt.pt")
+        out["torch_save_file_s"] = time.perf_counter() - t0
+        del back, bopt
+        (tmp / "ckpt.pt").unlink()
+        import torch.distributed.checkpoint as dcp
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(doc, checkpoint_id=str(tmp / "dcp"))
+        back, bopt = make_model(million, seed=1)
+        t0 = time.perf_counter()
+        ckptd.restore(back, bopt, tmp / "dcp")
+        out["dcp_s"] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for k in ("http_first", "http_cached", "torch_save_file", "dcp"):
+        out[f"{k}_GBps"] = state_bytes / out[f"{k}_s"] / 1e9
+    return out
+
+
+def commit_lag(model: str, iterations: int) -> dict:
+    from ckptd.live.daemon import Daemon, load_config
+    from ckptd.pipeline import file_source
+    from ckptd.testing.synth import SynthOptions, synthesize
+
+    job = Path(tempfile.mkdtemp(prefix="ckptd-tiers-job-"))
+    try:
+        synthesize(SynthOptions(out=str(job), model=model, ranks=2, channels=1, protocol="simple",
+                                mtu=4096, iterations=iterations, mirrors=1))
+        frames = list(file_source(sorted(str(p) for p in (job / "mirrors").glob("*.pcap")), []))
+        out = {}
+        for label, extra in (("sync_every_commit", "persist_sync: true\n"),
+                             ("async_every_10", ""), ("async_every_1", "persist_every: 1\n")):
+            ck = job / f"ck-{label}"
+            cfg = job / f"{label}.yaml"
+            cfg.write_text(f"plan: {job / 'plan.json'}\ninit: {job / 'init.pt'}\nout: {ck}\n"
+                           f"listen: 127.0.0.1:0\nkeep_last: 1000\n{extra}"
+                           "interfaces:\n  - {name: mirror0, ifname: m0}\n")
+            d = Daemon(load_config(cfg))
+            d.run(source=iter(frames), install_signals=False)
+            reps = [r for r in d.pipe.reports if r.status == "committed"]
+            lag = [r.commit_lag + (r.write_seconds or 0.0) for r in reps]
+            if d.persist is not None:
+                written = d.persist.bytes_written
+            else:
+                written = sum(p.stat().st_size for p in ck.glob("iter_*.pt"))
+            out[label] = {"iterations": len(reps), "lag_median_s": statistics.median(lag),
+                          "lag_max_s": max(lag), "disk_bytes_per_iteration": written / len(reps),
+                          "files": len(list(ck.glob("iter_*.pt")))}
+        return out
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=100, help="million parameters (restore)")
+    ap.add_argument("--model", default="default", help="synth model size (commit lag)")
+    ap.add_argument("--iterations", type=int, default=12)
+    a = ap.parse_args()
+    print(machine())
+    r = restore_times(a.params)
+    print(json.dumps(r, indent=1))
+    c = commit_lag(a.model, a.iterations)
+    print(json.dumps(c, indent=1))
+
+
+if __name__ == "__main__":
+    main()

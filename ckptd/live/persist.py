@@ -1,0 +1,219 @@
+"""The persistence tier: committed states written to disk in the background.
+
+The commit path only hands the memory tier's copy (ckptd.live.memory_tier.HeldState,
+never changed after the commit) to this tier when one is due: `persist_every` iterations
+or `persist_interval_s` seconds after the last one handed over, whichever comes first. A
+writer thread takes it and writes it with the CheckpointKeeper (ckptd.core.keep: atomic
+write, back-off after failures, retention), then the manifest. So neither capture nor
+commits ever wait for the disk. If the writer is still busy when the next one is due,
+the newer state replaces the waiting one (the older would be stale anyway; counted as
+`superseded`).
+
+The manifest (`manifest.json` beside the checkpoints, written atomically after each
+checkpoint) lists each checkpoint on disk: iteration, file, the file's SHA-256, every
+tensor's BLAKE2b-128, and timings. A checkpoint is in the manifest only once its file is
+in place, so after a crash at any moment the manifest's newest entry loads and verifies
+(`verify_checkpoint`); a file newer than the manifest is a write that finished just before
+the crash and is ignored.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ckptd.core.checkpoint import CheckpointError, atomic_write, checkpoint_name, load_checkpoint
+from ckptd.core.keep import CheckpointKeeper
+
+log = logging.getLogger("ckptd")
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "ckptd-manifest/1"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().reshape(-1)  # a 0-d tensor (a step count) cannot be viewed as bytes
+    return hashlib.blake2b(t.view(torch.uint8).numpy().data if t.numel() else b"",
+                           digest_size=16).hexdigest()
+
+
+def tensor_digests(model: dict, optimizer: dict | None) -> dict[str, str]:
+    """'model.NAME' and 'optimizer.NAME.KEY' -> digest, for every tensor of a checkpoint."""
+    out = {f"model.{n}": tensor_digest(t) for n, t in model.items()}
+    for n, st in ((optimizer or {}).get("state") or {}).items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optimizer.{n}.{k}"] = tensor_digest(v)
+    return out
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    p = Path(directory) / MANIFEST
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{p}: unreadable manifest: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or \
+            not isinstance(doc.get("checkpoints"), list):
+        raise CheckpointError(f"{p}: not a ckptd manifest")
+    return doc
+
+
+def verify_checkpoint(directory: str | Path, entry: dict) -> dict:
+    """The checkpoint a manifest entry names, loaded and checked against it (file SHA-256,
+    every tensor's digest); CheckpointError naming the file and what differs."""
+    path = Path(directory) / entry["file"]
+    if not path.is_file():
+        raise CheckpointError(f"{path}: listed in the manifest but missing")
+    if file_digest(path) != entry["sha256"]:
+        raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
+    doc = load_checkpoint(path)
+    if doc.get("iteration") != entry["iteration"]:
+        raise CheckpointError(f"{path}: holds iteration {doc.get('iteration')}, the manifest says "
+                              f"{entry['iteration']}")
+    got = tensor_digests(doc["model"], doc.get("optimizer"))
+    if got != entry["tensors"]:
+        bad = sorted(k for k in set(got) | set(entry["tensors"]) if got.get(k) != entry["tensors"].get(k))
+        raise CheckpointError(f"{path}: tensors differ from the manifest: {bad[:3]}")
+    return doc
+
+
+def newest_verified(directory: str | Path) -> tuple[dict, dict] | None:
+    """(checkpoint, manifest entry) of the newest checkpoint the manifest lists that
+    verifies; None without a manifest or entries."""
+    man = read_manifest(directory)
+    if man is None:
+        return None
+    for entry in sorted(man["checkpoints"], key=lambda e: -e["iteration"]):
+        try:
+            return verify_checkpoint(directory, entry), entry
+        except CheckpointError as e:
+            log.warning("persisted checkpoint does not verify", extra={"fields": {"error": str(e)}})
+    return None
+
+
+class PersistTier:
+    def __init__(self, out: str | Path, every: int | None, interval_s: float | None,
+                 keep_last: int | None, keep_every: int | None, plan_hash: str | None = None,
+                 clock=time.monotonic):
+        self.out = Path(out)
+        self.keeper = CheckpointKeeper(self.out, keep_last, keep_every, retry=True)
+        self.every, self.interval_s, self.plan_hash, self.clock = every, interval_s, plan_hash, clock
+        man = read_manifest(self.out) if (self.out / MANIFEST).exists() else None
+        self.entries: list[dict] = list(man["checkpoints"]) if man else []
+        self.handed: int | None = None  # iteration last handed to the writer
+        self._handed_at = clock()
+        self.superseded = 0
+        self.written = 0  # checkpoints written, and their bytes (manifests not counted)
+        self.bytes_written = 0
+        self.last_write_s: float | None = None
+        self._cv = threading.Condition()
+        self._pending = None
+        self._busy = False
+        self._closing = False
+        self.thread = threading.Thread(target=self._writer, name="ckptd-persist", daemon=True)
+        self.thread.start()
+
+    def due(self, iteration: int) -> bool:
+        if self.handed is None:
+            return True
+        if self.every is not None and iteration - self.handed >= self.every:
+            return True
+        return self.interval_s is not None and self.clock() - self._handed_at >= self.interval_s
+
+    def offer(self, held) -> bool:
+        """At a commit (the commit path: cheap). Hands `held` to the writer if due."""
+        if not self.due(held.iteration):
+            return False
+        self.handed, self._handed_at = held.iteration, self.clock()
+        with self._cv:
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = held
+            self._cv.notify()
+        return True
+
+    def close(self, newest=None, timeout: float | None = None):
+        """Stop: `newest` (the last committed state) is written first if it is not yet;
+        then waits for the writer."""
+        if newest is not None and newest.iteration != self.handed and \
+                newest.iteration != self.keeper.last_persisted:
+            self.handed = newest.iteration
+            with self._cv:
+                self._pending = newest
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self.thread.join(timeout)
+
+    def idle(self) -> bool:
+        with self._cv:
+            return self._pending is None and not self._busy
+
+    def _writer(self):
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closing:
+                    self._cv.wait()
+                held, self._pending = self._pending, None
+                if held is None:
+                    return
+                self._busy = True
+            try:
+                self._write(held)
+            except Exception as e:  # the writer must outlive any one bad write
+                log.error("persistence failed", extra={"fields": {"iteration": held.iteration,
+                                                                  "error": str(e)}})
+            finally:
+                with self._cv:
+                    self._busy = False
+
+    def _write(self, held):
+        t0 = time.monotonic()
+        # at the stop, one try even while backing off: there is no later moment
+        if not self.keeper.write(held.iteration, held.model, held.optimizer, force=self._closing,
+                                 prune=False):
+            return  # failed or backing off (logged by the keeper); the next one due tries again
+        name = checkpoint_name(held.iteration)
+        self.written += 1
+        self.bytes_written += (self.out / name).stat().st_size
+        entry = {"iteration": held.iteration, "file": name,
+                 "sha256": file_digest(self.out / name),
+                 "tensors": tensor_digests(held.model, held.optimizer),
+                 "committed_at": held.committed_at, "persisted_at": time.time(),
+                 "write_s": round(time.monotonic() - t0, 6),
+                 "lag_s": round(time.time() - held.committed_at, 6)}
+        self.entries = [e for e in self.entries if e["iteration"] != held.iteration] + [entry]
+        self._write_manifest()
+        if self.keeper.prune():  # only now: the manifest already lists the new file
+            self._write_manifest()
+        self.last_write_s = time.monotonic() - t0
+
+    def _write_manifest(self):
+        present = {p.name for p in self.out.iterdir()}
+        self.entries = sorted((e for e in self.entries if e["file"] in present), key=lambda e: e["iteration"])
+        doc = {"format": MANIFEST_FORMAT, "plan_hash": self.plan_hash, "checkpoints": self.entries}
+        atomic_write(self.out / MANIFEST, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+
+    def status(self) -> dict:
+        st = self.keeper.status()
+        st.update({"mode": "async", "persist_every": self.every, "persist_interval_s": self.interval_s,
+                   "superseded": self.superseded, "written": self.written,
+                   "bytes_written": self.bytes_written,
+                   "last_write_s": None if self.last_write_s is None else round(self.last_write_s, 6),
+                   "manifest_newest": self.entries[-1]["iteration"] if self.entries else None})
+        return st

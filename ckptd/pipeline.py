@@ -224,7 +224,8 @@ class Pipeline:
         self.reports: deque[IterationReport] = deque(maxlen=keep_reports)
         self.on_iteration = on_iteration
         # features told of each commit with the shadow's live state, before anything steps
-        # it again (the daemon's memory tier): (iteration, model, optimizer)
+        # it again (the daemon's memory tier): (iteration, model, optimizer); called on the
+        # optimizer's thread when the shadow steps there (see _apply)
         self.on_commit: list[Callable[[int, dict, dict | None], None]] = []
         self.keeper = (CheckpointKeeper(opts.out, opts.keep_last, opts.keep_every, opts.retry_writes)
                        if opts.out else None)
@@ -511,8 +512,15 @@ class Pipeline:
         self.next_bucket = 0
         if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
-        for hook in self.on_commit:
-            hook(it, self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
+        for hook in self.on_commit:  # e.g. the daemon's memory tier copying the state
+            job = partial(hook, it, self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
+            if self._bucketwise():
+                # on the optimizer's thread, ahead of any step of the next iteration (its
+                # queue is FIFO): the copy sees exactly this state and the commit path
+                # (capture, extraction) does not wait for it
+                self.applier.submit(job)
+            else:
+                job()
         if self.keeper:  # written from the live tensors: nothing steps the shadow meanwhile
             t0 = time.monotonic()
             rep.persisted = self.keeper.write(it, self.shadow.model_state(copy=False),

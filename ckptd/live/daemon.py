@@ -662,9 +662,6 @@ class Daemon:
             "pipeline": self._pipeline_stats(),
             "unrecoverable": self.unrecovered[-20:],
             "notice": self.notifier.stats() if self.notifier is not None else None,
-            "memory": ({"iterations": self.memory.iterations(),
-                        "copy_s": round(held.copy_seconds, 6) if (held := self.memory.latest()) else None}
-                       if self.memory is not None else None),
         }
         self.snapshot.publish(doc)
 
@@ -678,7 +675,16 @@ class Daemon:
             def groups_for(lr):  # the lr moves with the schedule: each state its own
                 return optimizer_param_groups(self.plan, lr) if self.plan.optimizer else None
             ckpt = checkpoint_routes(self.memory, names, groups_for, plan_hash)
-        return routes(self.snapshot, self.cfg.status_details, ckpt)
+        return routes(self.snapshot, self.cfg.status_details, ckpt, live=self._live_status)
+
+    def _live_status(self) -> dict:
+        """Read at each /status request: the memory tier takes its copy off the commit
+        path (on the optimizer's thread), after the snapshot of that commit was published."""
+        if self.memory is None:
+            return {"memory": None}
+        held = self.memory.latest()
+        return {"memory": {"iterations": self.memory.iterations(),
+                           "copy_s": round(held.copy_seconds, 6) if held else None}}
 
     def _pipeline_stats(self) -> dict:
         if not self.fast:

@@ -87,14 +87,18 @@ def redact(doc: dict) -> dict:
     return doc
 
 
-def routes(snap: Snapshot, details: bool = False, checkpoints=None) -> dict:
+def routes(snap: Snapshot, details: bool = False, checkpoints=None, live=None) -> dict:
     """The daemon's routes for ckptd.live.serve.HttpServer: /status, /metrics, and with a
-    memory tier (`checkpoints`: path -> handler) /checkpoint and /checkpoint/<iteration>."""
+    memory tier (`checkpoints`: path -> handler) /checkpoint and /checkpoint/<iteration>.
+    `live()`, if given, adds fields read at request time to /status."""
     registry = CollectorRegistry()
     registry.register(_Collector(snap))
 
     def status(_):
-        doc = snap.get() if details else redact(snap.get())
+        doc = snap.get()
+        if live is not None:
+            doc = {**doc, **live()}
+        doc = doc if details else redact(doc)
         return Response(200, json.dumps(doc, indent=1).encode(), "application/json")
 
     def metrics(_):

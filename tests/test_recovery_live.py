@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,12 @@ def _train(args, env, netns=None):
     cmd = [sys.executable, str(REPO / "scripts" / "ddp_gloo_train.py"), "--size", "small", *args]
     return subprocess.Popen((["ip", "netns", "exec", netns] if netns else []) + cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _records(outs: list[str], key: str) -> list[dict]:
+    """The JSON records naming `key` the ranks printed (three processes share one pipe, so
+    records may run together on a line)."""
+    return [json.loads(m) for o in outs for m in re.findall(r'\{[^{}]*"%s"[^{}]*\}' % key, o)]
 
 
 def _reports(daemon):
@@ -128,11 +135,11 @@ def test_killed_ddp_job_restores_from_the_daemon_and_ends_bit_identical(tmp_path
                 p.kill()
         assert not netlab.down(prefix, exact=True)
     committed = max(r.iteration for r in daemon.pipe.reports if r.status == "committed")
-    restored = [json.loads(line) for o in outs for line in o.splitlines() if '"restored_iteration"' in line]
+    restored = _records(outs, "restored_iteration")
     assert sorted(x["rank"] for x in restored) == [0, 1, 2]
     assert {x["restored_iteration"] for x in restored} == {committed}
     assert {x["source"] for x in restored} == {url}
-    first_step = [json.loads(line) for o in outs for line in o.splitlines() if '"first_iteration"' in line]
+    first_step = _records(outs, "first_iteration")
     print(f"restore from the daemon's memory: {max(x['restore_s'] for x in restored):.3f} s; "
           f"restart to the first resumed iteration: {max(x['since_start_s'] for x in first_step):.2f} s")
     assert KILL_AFTER <= committed < TOTAL - 1

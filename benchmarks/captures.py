@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckptd.testing.synth import SynthOptions, synthesize
 
-CONFIGS = [("simple", 4096), ("ll", 4096), ("ll128", 4096), ("simple", 1024), ("ll", 1024)]
+CONFIGS = [("simple", 4096), ("ll", 4096), ("simple", 1024), ("ll", 1024)]
 
 
 def bench_dir() -> Path:
@@ -31,8 +31,7 @@ def capture(protocol: str, mtu: int, model: str = "default", iterations: int = 3
         t = time.perf_counter()
         print(f"synthesizing {d} ...", flush=True)
         synthesize(SynthOptions(out=str(d), model=model, ranks=2, channels=1, protocol=protocol,
-                                mtu=mtu, mirrors=3, loss=1e-3, iterations=iterations, seed=1,
-                                nccl_version="2.29" if protocol == "ll128" else "2.19"))
+                                mtu=mtu, mirrors=3, loss=1e-3, iterations=iterations, seed=1))
         print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
     return d
 

@@ -112,9 +112,12 @@ def cmd_replay(a) -> int:
     from ckptd.fast.pipeline import kernel_decodes
     fast = kernel_decodes(plan) and not a.reference_path
     if a.trust_icrc and not fast:
-        print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)",
-              file=sys.stderr)
+        print("error: --trust-icrc needs the fast path (RoCE plans of Simple or LL, without "
+              "--reference-path)", file=sys.stderr)
         return 2
+    if plan.transport == "roce" and not fast and not a.reference_path:
+        print(f"note: {plan.ring.protocol.upper()} is decoded on the reference path (the kernel "
+              "decodes Simple and LL)", file=sys.stderr)
     t0 = time.time()
     if fast:
         from ckptd.fast.pipeline import fast_replay

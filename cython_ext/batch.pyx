@@ -49,7 +49,6 @@ cdef extern from "crc.h":
 
 cdef extern from "lines.h":
     int ckptd_ll_unpack(const uint8_t *inp, int64_t lines, uint32_t flag, uint8_t *out) noexcept nogil
-    int ckptd_ll128_unpack(const uint8_t *inp, int64_t halves, uint64_t flag, uint8_t *out) noexcept nogil
     int ckptd_bit(const uint8_t *b, int64_t k) noexcept nogil
     int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) noexcept nogil
     void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
@@ -127,7 +126,7 @@ cdef enum:
     KEY_LEN = 40  # flow key: ver, pad[3], dest QP u32 LE, src[16], dst[16]
     HDR_MAX = 120  # masked ICRC headers copied to the stack up to this size
     MAX_MTU = 4096
-    MAX_LL_DATA = 4096  # the data of one MTU of LL lines (2048) or LL128 half-blocks (3840)
+    MAX_LL_DATA = 2048  # the data of one MTU of LL lines
 
 MAX_SLOTS = 8                  # open iterations the kernel holds at once
 FLOWS_START = 64               # flow entries allocated at first (the table grows itself)
@@ -357,8 +356,7 @@ cdef class BatchKernel:
     """
     # options
     cdef public bint trust_icrc       # skip the ICRC check: the NIC already did it
-    cdef public bint ll               # protocol LL
-    cdef public bint ll128            # protocol LL128 (neither: Simple)
+    cdef public bint ll               # protocol LL (else Simple)
     cdef public bint examples_open    # the reference still records rejection examples
     cdef public bint dump_rs          # hand reduce-scatter step-0 placements to Python
     cdef public int64_t done          # pipeline: iterations <= done are finalized
@@ -1021,22 +1019,6 @@ cdef class BatchKernel:
                     return self._reject(e, u, recv, C_LL_FLAG_MISMATCH)
             data = <uint8_t *>lldata
             doff = woff // 2
-        elif self.ll128:
-            if f.payload_len % 1024 or woff % 1024 or f.payload_len > 4096:
-                return self._reject(e, u, recv, C_SCHEDULE_MISMATCH)
-            dlen = f.payload_len // 1024 * 960
-            if dlen:
-                conn = self.tl_conn[tl]
-                if not self.fb_known[conn]:
-                    return STOP_FLAG_BASE
-                gstep = (0 if it == 0 else self.conn_steps[0, conn] + (it - 1) * self.conn_steps[1, conn]) \
-                    + self.m_step[m]
-                if not ckptd_ll128_unpack(d + f.payload_off, f.payload_len // 1024,
-                                          <uint64_t>self.fb_value[conn] + <uint64_t>gstep + 1,  # mod 2**64
-                                          <uint8_t *>lldata if phase == 1 else <uint8_t *>NULL):
-                    return self._reject(e, u, recv, C_LL_FLAG_MISMATCH)
-            data = <uint8_t *>lldata
-            doff = woff // 1024 * 960
         else:
             data = d + f.payload_off
             dlen = f.payload_len

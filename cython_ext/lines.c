@@ -42,26 +42,3 @@ int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *ou
     }
     return !bad;
 }
-
-/* ---- NCCL LL128 half-blocks: 8 lines of 16 u64, word 15 of each the flag ----------
- * Returns 1 when every line's flag equals `flag`; writes each half's 120 data u64 to
- * `out` (unless NULL) in data order: data 16m+j is line m word j (j < 15), 16m+15 is
- * line 4+m word 14, 64+14m+j is line 4+m word j (j < 14), m = 0..3 (docs/NCCL.md
- * section 3). The same job as ckptd.transports.roce.extract.ll128_unpack. */
-int ckptd_ll128_unpack(const uint8_t *in, int64_t halves, uint64_t flag, uint8_t *out) {
-    uint64_t bad = 0;
-    for (int64_t h = 0; h < halves; h++) {
-        uint64_t w[128];
-        memcpy(w, in + 1024 * h, 1024);
-        for (int l = 0; l < 8; l++) bad |= w[16 * l + 15] ^ flag;
-        if (!out) continue;
-        uint64_t d[120];
-        for (int m = 0; m < 4; m++) {
-            memcpy(d + 16 * m, w + 16 * m, 15 * 8);
-            d[16 * m + 15] = w[16 * (4 + m) + 14];
-            memcpy(d + 64 + 14 * m, w + 16 * (4 + m), 14 * 8);
-        }
-        memcpy(out + 960 * h, d, 960);
-    }
-    return bad == 0;
-}

@@ -292,8 +292,7 @@ class KernelTables:
         self.kernel.add_flow(self.key(src, dst, _kernel.ACK_FLOW_QP), FLOW_UNRELATED)
 
     def flag_base(self, conn, base: int):
-        # LL's base is 32 bits, LL128's 64 (kept as the same bits in an int64)
-        self.kernel.set_flag_base(self.conn_ix[conn], base - (1 << 64) if base >= 1 << 63 else base)
+        self.kernel.set_flag_base(self.conn_ix[conn], base)
 
     def examples_full(self):
         self.kernel.examples_open = False
@@ -316,8 +315,8 @@ class FastExtractor(RoceTransport):
         if getattr(plan, "transport", "roce") != "roce":
             raise ValueError(f"the fast path decodes RoCEv2; this plan's transport is {plan.transport}")
         if not kernel_decodes(plan):
-            raise ScheduleError(f"the kernel decodes NCCL's Simple, LL and LL128 protocols, not "
-                                f"{plan.ring.protocol!r}")
+            raise ScheduleError(f"the kernel decodes NCCL's Simple and LL protocols; this plan's "
+                                f"{plan.ring.protocol.upper()} takes the reference path (--reference-path)")
         super().__init__(plan, join_from)
         self.nstreams = nstreams
         self.sched = compile_schedule(plan)
@@ -328,7 +327,6 @@ class FastExtractor(RoceTransport):
         self.kernel.set_crc(*crc_setting(self.crc))
         self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu,
                                ll=plan.ring.protocol == "ll")
-        self.kernel.ll128 = plan.ring.protocol == "ll128"
         self.set_data_plane(KernelTables(self.kernel, self.sched))
         self._batch = None
         self._addr_text: dict[bytes, tuple[str, str]] = {}
@@ -477,9 +475,9 @@ def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
 
 
 def kernel_decodes(plan: Plan) -> bool:
-    """Whether the batch kernel decodes this plan's traffic (RoCE: Simple, LL, LL128);
-    gloo takes the reference path."""
-    return getattr(plan, "transport", "roce") == "roce" and plan.ring.protocol in ("simple", "ll", "ll128")
+    """Whether the batch kernel decodes this plan's traffic (RoCE, Simple or LL); the
+    reference path decodes the rest (LL128: its lines are decoded in numpy)."""
+    return getattr(plan, "transport", "roce") == "roce" and plan.ring.protocol in ("simple", "ll")
 
 
 class FastPipeline:

@@ -438,8 +438,8 @@ class Daemon:
         from ckptd.fast.pipeline import kernel_decodes
         self.fast = kernel_decodes(self.plan) if cfg.fast is None else bool(cfg.fast)
         if self.fast and not kernel_decodes(self.plan):
-            raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
-                              f"{self.plan.transport} (set fast: false)")
+            raise ConfigError(f"fast: true needs a RoCE plan of Simple or LL; this plan's is "
+                              f"{self.plan.transport} {self.plan.ring.protocol} (set fast: false)")
         if cfg.capture_workers and not self.fast:
             raise ConfigError("capture_workers feed the fast path, which decodes RoCE only; "
                               f"this plan's transport is {self.plan.transport}")

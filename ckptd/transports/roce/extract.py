@@ -180,8 +180,6 @@ class Extractor:
                 return []
             if base is None and flag is not None:
                 self.flag_base[b.conn] = (flag - gstep - 1) & 0xFFFFFFFFFFFFFFFF
-                if self.data_plane is not None:
-                    self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
             doff = woff // LL128_HALF * (LL128_DATA_PER_BLOCK // 2)
         else:
             data, doff = bytes(payload), woff

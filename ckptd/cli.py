@@ -109,17 +109,11 @@ def cmd_replay(a) -> int:
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from,
                          agree_window_ms=a.agree_window_ms)
-    from ckptd.fast.pipeline import kernel_decodes
-    fast = kernel_decodes(plan) and not a.reference_path
-    if a.trust_icrc and not fast:
-        print("error: --trust-icrc needs the fast path (RoCE plans of Simple or LL, without "
-              "--reference-path)", file=sys.stderr)
+    if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
+        print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
         return 2
-    if plan.transport == "roce" and not fast and not a.reference_path:
-        print(f"note: {plan.ring.protocol.upper()} is decoded on the reference path (the kernel "
-              "decodes Simple and LL)", file=sys.stderr)
     t0 = time.time()
-    if fast:
+    if plan.transport == "roce" and not a.reference_path:
         from ckptd.fast.pipeline import fast_replay
         pipe = fast_replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
                            trust_icrc=a.trust_icrc)
@@ -225,7 +219,6 @@ def cmd_demo(a) -> int:
     try:
         syn = build_parser().parse_args([
             "synth", "--out", str(work), "--ranks", "4", "--channels", "2", "--protocol", a.protocol,
-            "--nccl-version", "2.29" if a.protocol == "ll128" else "2.19",
             "--mtu", "4096", "--mirrors", "3", "--loss", str(a.loss), "--iterations", str(a.iterations),
             "--model", a.model, "--bucket-cap-kb", "2048", "--seed", str(a.seed)])
         if cmd_synth(syn):
@@ -394,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "printing per iteration whether the checkpoint is bit-exact")
     d.add_argument("--out", help="keep the scenario here (default: a temporary directory)")
     d.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=6)
-    d.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
+    d.add_argument("--protocol", choices=["simple", "ll"], default="simple")
     d.add_argument("--loss", type=_ranged(float, 0, 1), default=1e-3, help="packet loss on every mirror link")
     d.add_argument("--model", default="default", help="synthetic model size: tiny, small, default")
     d.add_argument("--seed", type=int, default=0)
@@ -405,8 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--ranks", type=_ranged(int, 2, 64), default=4)
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
-    s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple",
-                   help="NCCL protocol (ll128 needs --nccl-version 2.22 or later)")
+    s.add_argument("--protocol", choices=["simple", "ll"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
     s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1)")
     s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both")
@@ -552,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")
     pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
     pl.add_argument("--channels", type=_ranged(int, 1, 64), default=2)
-    pl.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
+    pl.add_argument("--protocol", choices=["simple", "ll"], default="simple")
     pl.add_argument("--nccl-version", default="2.19", help="the job's NCCL, MAJOR.MINOR (2.14..2.32)")
     pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
     pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)

@@ -25,22 +25,16 @@ from ckptd.errors import CkptdError
 NCCL_STEPS = 8  # src/include/device.h
 WARP_SIZE = 32
 # Default per-protocol buffer sizes, src/init.cc DEFAULT_{LL,LL128,SIMPLE}_BUFFSIZE.
-DEFAULT_BUFFSIZE = {"simple": 4 << 20, "ll": 524288, "ll128": 4915200}
+DEFAULT_BUFFSIZE = {"simple": 4 << 20, "ll": 524288}
 # src/include/comm.h NCCL_{SIMPLE,LL}_THREAD_THRESHOLD; ring LL is scaled by nRanks
 # in src/graph/tuning.cc ncclTopoTuneModel.
-THREAD_THRESHOLD = {"simple": 64, "ll": 8, "ll128": 8}
-LL128_MAX_THREADS = 640  # NCCL_LL128_MAX_NTHREADS (src/include/device.h)
+THREAD_THRESHOLD = {"simple": 64, "ll": 8}
 ALLREDUCE_CHUNKSTEPS = NCCL_STEPS // 2  # src/include/collectives.h
 ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
 LL_DATA_PER_LINE = 8
-# LL128 (device/prims_ll128.h; docs/NCCL.md section 3): 2048-byte wire blocks of 16
-# lines x 16 u64, word 15 of each line the flag, 1920 data bytes a block.
-LL128_BLOCK = 2048
-LL128_DATA_PER_BLOCK = 1920
-LL128_HALF = 1024  # 8 lines: data u64 120h..120h+119 of the block, whole
 
 RS, AG = 0, 1  # phase of a send: reduce-scatter partial sum, or allgather final value
 PHASE_NAMES = ("reduce-scatter", "allgather")
@@ -71,18 +65,11 @@ class RingConfig:
     mtu: int = 4096
 
     def __post_init__(self):
-        if self.protocol not in ("simple", "ll", "ll128"):
-            raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple, ll or ll128)")
         if self.protocol == "ll128":
-            if tuple(self.nccl_version) < (2, 22):
-                raise ScheduleError("protocol LL128 is decoded for NCCL 2.22-2.32 (the versions "
-                                    "current PyTorch ships); for older NCCL force NCCL_PROTO=Simple "
-                                    "or LL in the job")
-            if self.mtu < LL128_HALF:
-                raise ScheduleError(f"protocol LL128 needs a path MTU of at least {LL128_HALF} "
-                                    f"(a packet must carry whole half-blocks), not {self.mtu}")
-            if self.max_threads == 512:  # the dataclass default is Simple/LL's
-                object.__setattr__(self, "max_threads", LL128_MAX_THREADS)
+            raise ScheduleError("protocol LL128 is not supported yet: force NCCL_PROTO=Simple or LL "
+                                "in the job, or wait for LL128 support")
+        if self.protocol not in ("simple", "ll"):
+            raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple or ll)")
         if not ((2, 14) <= tuple(self.nccl_version) <= (2, 32)):
             raise ScheduleError(
                 f"NCCL {self.nccl_version[0]}.{self.nccl_version[1]} is not supported: the ring "
@@ -226,8 +213,6 @@ def wire_bytes(protocol: str, nelem: int, itemsize: int) -> int:
     data = max(0, nelem) * itemsize
     if protocol == "ll":
         return -(-data // LL_DATA_PER_LINE) * LL_LINE
-    if protocol == "ll128":  # whole blocks; a partial last block is sent whole
-        return -(-data // LL128_DATA_PER_BLOCK) * LL128_BLOCK
     return data
 
 
@@ -328,9 +313,8 @@ def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: in
 def cbd_chunk_count(protocol: str, step_bytes: int, itemsize: int) -> int:
     """Elements per chunk for a ring, 2.22+ (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3):
     Simple 4 steps, LL half a step, rounded down to the protocol's grain."""
-    grain = {"simple": 512, "ll": 16, "ll128": LL128_DATA_PER_BLOCK}[protocol]
-    chunk = {"simple": step_bytes * ALLREDUCE_CHUNKSTEPS, "ll": step_bytes // 2,
-             "ll128": step_bytes // 16 * 15}[protocol]
+    grain = {"simple": 512, "ll": 16}[protocol]
+    chunk = step_bytes * ALLREDUCE_CHUNKSTEPS if protocol == "simple" else step_bytes // 2
     return chunk // grain * grain // itemsize
 
 

@@ -66,7 +66,6 @@ from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
-from ckptd.core.schedule import ScheduleError
 
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
@@ -314,9 +313,6 @@ class FastExtractor(RoceTransport):
                  dump_rs: bool = False, join_from: int | None = None):
         if getattr(plan, "transport", "roce") != "roce":
             raise ValueError(f"the fast path decodes RoCEv2; this plan's transport is {plan.transport}")
-        if not kernel_decodes(plan):
-            raise ScheduleError(f"the kernel decodes NCCL's Simple and LL protocols; this plan's "
-                                f"{plan.ring.protocol.upper()} takes the reference path (--reference-path)")
         super().__init__(plan, join_from)
         self.nstreams = nstreams
         self.sched = compile_schedule(plan)
@@ -472,12 +468,6 @@ def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
         icrc.compute(data, f.ip_offset, f.udp_offset, f.icrc_offset))
     return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, fr.caplen, fr.origlen, bytes(data),
                          fr.interface_id)
-
-
-def kernel_decodes(plan: Plan) -> bool:
-    """Whether the batch kernel decodes this plan's traffic (RoCE, Simple or LL); the
-    reference path decodes the rest (LL128: its lines are decoded in numpy)."""
-    return getattr(plan, "transport", "roce") == "roce" and plan.ring.protocol in ("simple", "ll")
 
 
 class FastPipeline:
@@ -671,5 +661,5 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     return pipe
 
 
-__all__ = ["FastExtractor", "FastPipeline", "fast_replay", "kernel_decodes", "compile_schedule", "crc_choices",
+__all__ = ["FastExtractor", "FastPipeline", "fast_replay", "compile_schedule", "crc_choices",
            "trusted_frame"]

@@ -435,11 +435,10 @@ class Daemon:
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
-        from ckptd.fast.pipeline import kernel_decodes
-        self.fast = kernel_decodes(self.plan) if cfg.fast is None else bool(cfg.fast)
-        if self.fast and not kernel_decodes(self.plan):
-            raise ConfigError(f"fast: true needs a RoCE plan of Simple or LL; this plan's is "
-                              f"{self.plan.transport} {self.plan.ring.protocol} (set fast: false)")
+        self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
+        if self.fast and self.plan.transport != "roce":
+            raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "
+                              f"{self.plan.transport} (set fast: false)")
         if cfg.capture_workers and not self.fast:
             raise ConfigError("capture_workers feed the fast path, which decodes RoCE only; "
                               f"this plan's transport is {self.plan.transport}")

@@ -23,7 +23,7 @@ from parsers.reth import RETH
 from parsers.udp import UDP
 
 from ckptd.core.psn import psn_add
-from ckptd.core.schedule import LL128_DATA_PER_BLOCK, LL_DATA_PER_LINE
+from ckptd.core.schedule import LL_DATA_PER_LINE
 
 ROCE_PORT = 4791
 OP_WRITE_FIRST, OP_WRITE_MIDDLE, OP_WRITE_LAST_IMM, OP_WRITE_ONLY, OP_WRITE_ONLY_IMM = 6, 7, 9, 10, 11
@@ -38,23 +38,6 @@ def ll_encode(data: bytes, flag: int) -> bytes:
     words[:, 0], words[:, 2] = padded[:, 0], padded[:, 1]
     words[:, 1] = words[:, 3] = flag
     return words.tobytes()
-
-
-def ll128_encode(data: bytes, flag: int, rng) -> bytes:
-    """NCCL LL128 blocks (docs/NCCL.md section 3): data cut into 1920-byte blocks, each
-    sent as 2048 bytes, two halves of 8 lines x 16 u64 with the flag in word 15 of every
-    line; the inverse of ckptd.transports.roce.extract.ll128_unpack. Data words past the
-    end of a partial last block carry what NCCL's registers held: random here."""
-    blocks = -(-len(data) // LL128_DATA_PER_BLOCK)
-    fill = blocks * LL128_DATA_PER_BLOCK - len(data)
-    words = np.frombuffer(data + rng.randbytes(fill), "<u8").reshape(-1, 120)  # one row per half
-    lines = np.empty((len(words), 8, 16), "<u8")
-    head = words[:, :64].reshape(-1, 4, 16)
-    lines[:, :4, :15] = head[:, :, :15]
-    lines[:, 4:, 14] = head[:, :, 15]
-    lines[:, 4:, :14] = words[:, 64:].reshape(-1, 4, 14)
-    lines[:, :, 15] = flag
-    return lines.tobytes()
 
 
 class Host:

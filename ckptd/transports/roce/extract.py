@@ -16,7 +16,7 @@ import numpy as np
 from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
                     WRITE_ONLY_IMM, DataPlane, FlowBinder, FlowBinding, Location, Packet)
 from ckptd.core.plan import Plan
-from ckptd.core.schedule import AG, LL128_DATA_PER_BLOCK, LL128_HALF, LL_LINE, ScheduleError
+from ckptd.core.schedule import AG, LL_LINE, ScheduleError
 from ckptd.transports.base import MAX_EXAMPLES, Placement
 
 def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bool]:
@@ -47,24 +47,6 @@ def _check_qp_rotation(plan: Plan, steps: dict) -> None:
                 f"sends {first} then {rebuilt} messages an iteration, not a multiple of {nq}, so "
                 "NCCL's QP rotation carries over between iterations, which ckptd does not model "
                 "yet: run the job with NCCL_IB_SPLIT_DATA_ON_QPS=1 or NCCL_IB_QPS_PER_CONNECTION=1/2")
-
-
-def ll128_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bool]:
-    """(data bytes, the flag seen, every line's flag equal expected) for whole LL128
-    half-blocks (8 lines of 16 u64, docs/NCCL.md section 3): data u64 16m+j of the half
-    is line m word j (j < 15), 16m+15 is line 4+m word 14, and 64+14m+j is line 4+m
-    word j (j < 14), m = 0..3; word 15 of every line is the flag."""
-    lines = np.frombuffer(payload, "<u8").reshape(-1, 8, 16)
-    if len(lines) == 0:
-        return b"", expected_flag, True
-    flag = int(lines[0, 0, 15])
-    want = flag if expected_flag is None else expected_flag
-    ok = bool((lines[:, :, 15] == np.uint64(want)).all())
-    head = np.empty((len(lines), 4, 16), np.uint64)
-    head[:, :, :15] = lines[:, :4, :15]
-    head[:, :, 15] = lines[:, 4:, 14]
-    data = np.concatenate([head.reshape(-1, 64), lines[:, 4:, :14].reshape(-1, 56)], axis=1)
-    return data.tobytes(), flag, ok
 
 
 class Extractor:
@@ -166,21 +148,6 @@ class Extractor:
                 if self.data_plane is not None:
                     self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
             doff = woff // 2
-        elif cfg.protocol == "ll128":
-            if len(payload) % LL128_HALF or woff % LL128_HALF:
-                self._reject("schedule_mismatch", pkt, f"LL128 payload of {len(payload)} bytes at "
-                             f"{woff} is not whole half-blocks")
-                return []
-            gstep = self._global_step(b.conn, loc.iteration, send.step)
-            base = self.flag_base.get(b.conn)
-            expected = None if base is None else (base + gstep + 1) & 0xFFFFFFFFFFFFFFFF
-            data, flag, ok = ll128_unpack(payload, expected)
-            if not ok:
-                self._reject("ll_flag_mismatch", pkt, f"LL128 flags differ from the expected {expected}")
-                return []
-            if base is None and flag is not None:
-                self.flag_base[b.conn] = (flag - gstep - 1) & 0xFFFFFFFFFFFFFFFF
-            doff = woff // LL128_HALF * (LL128_DATA_PER_BLOCK // 2)
         else:
             data, doff = bytes(payload), woff
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]

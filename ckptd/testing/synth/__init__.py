@@ -28,6 +28,7 @@ from ckptd.core.schedule import AG, RingConfig
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
+from ckptd.core import ll128
 from ckptd.testing.synth.wire import Host, QueuePair, imm_bytes, ip_udp_frame, ll_encode, roce_frame
 from parsers.bth import BTH
 
@@ -301,6 +302,8 @@ class Wire:
                 if cfg.protocol == "ll":
                     flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
                     wire = ll_encode(raw, flag)
+                elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
+                    wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
                 else:
                     wire = raw
                 cts = self.cts_qp[conn]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ckptd.testing.synth import SynthOptions, synthesize
 
-CONFIGS = [("simple", 4096), ("ll", 4096), ("simple", 1024), ("ll", 1024)]
+CONFIGS = [("simple", 4096), ("ll", 4096), ("ll128", 4096), ("simple", 1024), ("ll", 1024), ("ll128", 1024)]
 
 
 def bench_dir() -> Path:

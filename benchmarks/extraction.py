@@ -4,7 +4,7 @@ and scapy-based extractors a user would otherwise write.
     python -m benchmarks.extraction [--reps 7] [--scapy-frames 1500] [--configs simple-4096,...]
     python -m benchmarks.extraction --replay [--reps 5]     # end-to-end `ckptd replay` only
 
-For Simple and LL, path MTU 1024 and 4096, one and three mirror streams, from memory
+For Simple, LL and LL128, path MTU 1024 and 4096, one and three mirror streams, from memory
 (the captures are read and indexed first, not timed), pinned to one core:
 
     memcpy        numpy copy of the capture buffer (the in-memory pcap bytes), in one call

@@ -49,6 +49,7 @@ cdef extern from "crc.h":
 
 cdef extern from "lines.h":
     int ckptd_ll_unpack(const uint8_t *inp, int64_t lines, uint32_t flag, uint8_t *out) noexcept nogil
+    int ckptd_ll128_unpack(const uint8_t *inp, int64_t halves, uint64_t flag, uint8_t *out) noexcept nogil
     int ckptd_bit(const uint8_t *b, int64_t k) noexcept nogil
     int64_t ckptd_bits_count(const uint8_t *b, int64_t s, int64_t n) noexcept nogil
     void ckptd_bits_set(uint8_t *b, int64_t s, int64_t n) noexcept nogil
@@ -112,8 +113,16 @@ cdef enum:
     STOP_ACK = 8  # an ACK the FlowBinder still learns from (its hop is not bound yet)
     STOP_ENCAPSULATED = 9  # GRE/ERSPAN-wrapped frame: parsers.roce unwraps it
     STOP_COMPLETE = 10  # AFTER the frame: it completed a bucket (the pipeline may step or commit)
+    STOP_SCATTERED = 11  # LL128 packet not made of whole half blocks: its data is not one run
 STOP_NAMES = ("end", "unknown_flow", "iteration", "flag_base", "example", "rs_dump",
-              "range", "conflicts_full", "ack", "encapsulated", "complete")
+              "range", "conflicts_full", "ack", "encapsulated", "complete", "scattered")
+
+# the wire protocol the kernel decodes (set_tables)
+PROTOCOLS = ("simple", "ll", "ll128")
+cdef enum:
+    PROTO_SIMPLE = 0
+    PROTO_LL = 1
+    PROTO_LL128 = 2
 
 # Flow table entry kinds
 cdef enum:
@@ -126,7 +135,9 @@ cdef enum:
     KEY_LEN = 40  # flow key: ver, pad[3], dest QP u32 LE, src[16], dst[16]
     HDR_MAX = 120  # masked ICRC headers copied to the stack up to this size
     MAX_MTU = 4096
-    MAX_LL_DATA = 2048  # the data of one MTU of LL lines
+    MAX_LINE_DATA = 3840  # the data of one MTU of LL lines (2048) or LL128 half blocks (4 x 960)
+    LL128_HALF = 1024  # wire bytes of an LL128 half block, 960 of them data
+    LL128_HALF_DATA = 960
 
 MAX_SLOTS = 8                  # open iterations the kernel holds at once
 FLOWS_START = 64               # flow entries allocated at first (the table grows itself)
@@ -244,6 +255,22 @@ def ll_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint32_t flag):
     return bool(ok)
 
 
+def ll128_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint64_t flag):
+    """(ckptd.core.ll128.decode for whole half blocks, without the flag learning) the data of
+    whole 1024-byte half blocks into `out`, in data order; True when every flag equals `flag`."""
+    cdef int64_t halves = payload.shape[0] // LL128_HALF
+    if payload.shape[0] % LL128_HALF:
+        raise ValueError(f"{payload.shape[0]} bytes are not whole LL128 half blocks")
+    if out.shape[0] < halves * LL128_HALF_DATA:
+        raise ValueError(f"out holds {out.shape[0]} bytes, {halves * LL128_HALF_DATA} needed")
+    if halves == 0:
+        return True
+    cdef int ok
+    with nogil:
+        ok = ckptd_ll128_unpack(&payload[0], halves, flag, &out[0])
+    return bool(ok)
+
+
 # -- source helpers --------------------------------------------------------------------------
 def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t base,
                int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
@@ -356,7 +383,7 @@ cdef class BatchKernel:
     """
     # options
     cdef public bint trust_icrc       # skip the ICRC check: the NIC already did it
-    cdef public bint ll               # protocol LL (else Simple)
+    cdef public int protocol          # PROTO_SIMPLE, PROTO_LL or PROTO_LL128 (index in PROTOCOLS)
     cdef public bint examples_open    # the reference still records rejection examples
     cdef public bint dump_rs          # hand reduce-scatter step-0 placements to Python
     cdef public int64_t done          # pipeline: iterations <= done are finalized
@@ -439,7 +466,7 @@ cdef class BatchKernel:
     def set_tables(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end,
                    tl_conn, tl_npkts, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
-                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, b_nbuckets, mtu, ll):
+                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, b_nbuckets, mtu, protocol):
         """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
         only; the kernel allocates its own flow table, flag bases, iteration slots and
         output counts."""
@@ -452,7 +479,9 @@ cdef class BatchKernel:
         self.m_nelem, self.m_phase, self.m_step, self.m_ring_step = m_nelem, m_phase, m_step, m_ring_step
         self.m_imm = m_imm
         self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
-        self.mtu, self.ll = mtu, ll
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
+        self.mtu, self.protocol = mtu, PROTOCOLS.index(protocol)
         if mtu > MAX_MTU:
             raise ValueError(f"path MTU {mtu} above {MAX_MTU}")
         nconn = max(conn_steps.shape[1], 1)
@@ -667,10 +696,13 @@ cdef class BatchKernel:
         self.ft_slots[i] = e
 
     # -- LL flag bases (Extractor.flag_base, learned by the reference) ---------------------
-    def set_flag_base(self, int64_t conn, int64_t base):
+    def set_flag_base(self, int64_t conn, base):
         if not 0 <= conn < self.fb_known.shape[0]:
             raise IndexError(f"connection {conn} not in 0..{self.fb_known.shape[0] - 1}")
-        self.fb_known[conn], self.fb_value[conn] = 1, base
+        if not 0 <= base < 1 << 64:
+            raise ValueError(f"flag base {base} is not a u64")
+        # LL128 bases are u64 (LL's u32): kept as the int64 of the same bits, added modulo 2**64
+        self.fb_known[conn], self.fb_value[conn] = 1, base - (1 << 64) if base >= 1 << 63 else base
 
     # -- decode (parsers/roce.py decode_frame) ---------------------------------------------
     cdef int decode_frame(self, const uint8_t *d, int64_t n, int64_t origlen, int linktype,
@@ -953,13 +985,14 @@ cdef class BatchKernel:
         """One RDMA-write packet of the job's traffic. Returns 0 when done (everything
         counted and placed), or a STOP_* reason with no state changed."""
         cdef uint8_t key[KEY_LEN]
-        cdef uint8_t lldata[MAX_LL_DATA]
+        cdef uint8_t lldata[MAX_LINE_DATA]
         cdef const uint8_t *bth = d + f.bth_off
         cdef int64_t e, tl, u, pos, layout, it, local, q, m, i, slot = -1, conn
         cdef int64_t woff, doff, dlen, isz, total, n, start, nel, npk0, npk1, gstep, phase
         cdef const uint8_t *data
         cdef uint8_t *recv = NULL             # this packet's flag in the received map
         cdef uint32_t expected, dqp
+        cdef uint64_t expected128
         # the flow key: (src IP, dst IP, dest QP), as FlowBinder names flows
         self.flow_key(d, f, be24(bth + 5), key)
         e = self.lookup_flow(key)
@@ -1003,7 +1036,7 @@ cdef class BatchKernel:
 
         phase = self.m_phase[m]
         woff = self.m_wire_offset[m] + i * self.mtu       # wire byte offset within the send
-        if self.ll:
+        if self.protocol == PROTO_LL:
             if f.payload_len % LL_LINE:
                 return self._reject(e, u, recv, C_SCHEDULE_MISMATCH)
             dlen = f.payload_len // LL_LINE * 8
@@ -1019,12 +1052,30 @@ cdef class BatchKernel:
                     return self._reject(e, u, recv, C_LL_FLAG_MISMATCH)
             data = <uint8_t *>lldata
             doff = woff // 2
+        elif self.protocol == PROTO_LL128:
+            # whole half blocks hold one run of data; anything else (MTU below 1024, a QP's
+            # share of a split send) is scattered: the reference places its runs
+            if woff % LL128_HALF or f.payload_len % LL128_HALF:
+                return STOP_SCATTERED
+            dlen = f.payload_len // LL128_HALF * LL128_HALF_DATA
+            if dlen:
+                conn = self.tl_conn[tl]
+                if not self.fb_known[conn]:
+                    return STOP_FLAG_BASE
+                gstep = (0 if it == 0 else self.conn_steps[0, conn] + (it - 1) * self.conn_steps[1, conn]) \
+                    + self.m_step[m]
+                expected128 = <uint64_t>self.fb_value[conn] + <uint64_t>gstep + 1  # modulo 2**64
+                if not ckptd_ll128_unpack(d + f.payload_off, f.payload_len // LL128_HALF, expected128,
+                                          <uint8_t *>lldata if phase == 1 else <uint8_t *>NULL):
+                    return self._reject(e, u, recv, C_LL_FLAG_MISMATCH)
+            data = <uint8_t *>lldata
+            doff = woff // LL128_HALF * LL128_HALF_DATA
         else:
             data = d + f.payload_off
             dlen = f.payload_len
             doff = woff
         isz = self.b_itemsize[layout, self.m_bucket[m]]
-        total = self.m_nelem[m] * isz          # LL pads the last line: drop what is not data
+        total = self.m_nelem[m] * isz          # LL/LL128 pad the last line/block: drop what is not data
         n = min(dlen, max(<int64_t>0, total - doff))
         if doff % isz or n % isz:
             return self._reject(e, u, recv, C_SCHEDULE_MISMATCH)

@@ -42,3 +42,28 @@ int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *ou
     }
     return !bad;
 }
+
+/* ---- NCCL LL128 half blocks ----------------------------------------------------------
+ * Half block h holds data u64 120h..120h+119 of its 2048-B block; inside it, lines m < 4
+ * carry data 16m..16m+14 in words 0..14, lines 4+m carry data 64+14m..64+14m+13 in words
+ * 0..13 and data 16m+15 in word 14 (the same map as ckptd.core.ll128.WIRE_TO_DATA). */
+int ckptd_ll128_unpack(const uint8_t *in, int64_t halves, uint64_t flag, uint8_t *out) {
+    uint64_t bad = 0;
+    for (int64_t h = 0; h < halves; h++) {
+        const uint8_t *src = in + 1024 * h;
+        for (int m = 0; m < 8; m++) {
+            uint64_t f;
+            memcpy(&f, src + 128 * m + 120, 8);
+            bad |= f ^ flag;
+        }
+        if (out) {
+            uint8_t *dst = out + 960 * h;
+            for (int m = 0; m < 4; m++) {
+                memcpy(dst + 128 * m, src + 128 * m, 120);
+                memcpy(dst + 128 * m + 120, src + 128 * (4 + m) + 112, 8);
+                memcpy(dst + 512 + 112 * m, src + 128 * (4 + m), 112);
+            }
+        }
+    }
+    return !bad;
+}

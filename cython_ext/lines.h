@@ -9,6 +9,11 @@
  * `flag`; the 8 data bytes of each line go to `out` unless it is NULL */
 int ckptd_ll_unpack(const uint8_t *in, int64_t lines, uint32_t flag, uint8_t *out);
 
+/* LL128 (ckptd/core/ll128.py, docs/NCCL.md section 3): `halves` whole 1024-B half blocks,
+ * 8 lines of 16 u64 each, word 15 of every line the flag. 1 when every flag equals `flag`;
+ * the 960 data bytes of each half go to `out` in data order unless it is NULL */
+int ckptd_ll128_unpack(const uint8_t *in, int64_t halves, uint64_t flag, uint8_t *out);
+
 /* coverage bitmaps (ckptd/core/assemble.py): element k is bit k % 8 of byte k / 8; here,
  * not in lines.c, so that the kernel's per-packet calls inline */
 static inline int ckptd_bit(const uint8_t *b, int64_t k) { return (b[k >> 3] >> (k & 7)) & 1; }

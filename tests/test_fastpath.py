@@ -402,6 +402,11 @@ SCENARIOS = {
     "ll-2048-split-qps-forloop-clip": dict(ranks=3, channels=2, protocol="ll", mtu=2048, mirrors=2,
                                            loss=1e-3, qps=2, optimizer="for-loop", max_grad_norm=0.5,
                                            lr_schedule="linear"),
+    # LL128: a small buffer makes many ring loops per bucket (NCCL_LL128_BUFFSIZE)
+    "ll128-4096-2ch-3ranks-nccl2.29-loops": dict(ranks=3, channels=2, protocol="ll128", mtu=4096,
+                                                  mirrors=2, loss=1e-3, nccl_version="2.29", buffsize=65536),
+    "ll128-1024-split-qps-nccl2.19-reorder": dict(ranks=2, channels=1, protocol="ll128", mtu=1024,
+                                                   mirrors=2, loss=1e-3, qps=2, reorder=1e-3, buffsize=98304),
 }
 
 

@@ -34,7 +34,7 @@ def _broken(doc, change):
     (lambda d: d.update(version=99), "version 99"),
     (lambda d: d["buckets"]["first"][0]["params"].append("nope"), "unknown parameter 'nope'"),
     (lambda d: d["buckets"]["first"].pop(), "exactly once"),
-    (lambda d: d["ring"].update(protocol="ll128"), "LL128"),
+    (lambda d: d["ring"].update(protocol="ll64"), "ll64"),
     (lambda d: d["ring"].update(nccl_version="2.33"), "2.33 is not supported"),
     (lambda d: d["ranks"].pop(), "ranks 0..2"),
     (lambda d: d["ranks"][0].update(addr="not-an-ip"), "not-an-ip"),

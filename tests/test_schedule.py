@@ -97,7 +97,7 @@ def test_imm_byte_order_by_version():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(protocol="ll128"), "LL128"),
+    (dict(protocol="ll64"), "unknown NCCL protocol 'll64'"),
     (dict(nccl_version=(2, 13)), "2.13 is not supported"),
     (dict(nccl_version=(2, 33)), "2.33 is not supported"),
     (dict(rings=((0, 0),)), "exactly once"),

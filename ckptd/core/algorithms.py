@@ -94,5 +94,5 @@ def allreduce_protocol(proto: str | None, where: str = "") -> str:
         setting = "NCCL_PROTO is not set" if proto is None else f"NCCL_PROTO={proto}"
         raise CollectiveRefused(f"{where}{setting}: NCCL picks the protocol of each allreduce among "
                                 f"{'/'.join(p for p in PROTOCOLS if p in on)} by size; run the job with "
-                                "NCCL_PROTO=Simple (or NCCL_PROTO=LL) so that the plan names the one it uses")
+                                "NCCL_PROTO=Simple (or LL, or LL128) so that the plan names the one it uses")
     return PROTOCOL_NAMES[on.pop()]

@@ -25,16 +25,24 @@ from ckptd.errors import CkptdError
 NCCL_STEPS = 8  # src/include/device.h
 WARP_SIZE = 32
 # Default per-protocol buffer sizes, src/init.cc DEFAULT_{LL,LL128,SIMPLE}_BUFFSIZE.
-DEFAULT_BUFFSIZE = {"simple": 4 << 20, "ll": 524288}
+DEFAULT_BUFFSIZE = {"simple": 4 << 20, "ll": 524288, "ll128": 4915200}
 # src/include/comm.h NCCL_{SIMPLE,LL}_THREAD_THRESHOLD; ring LL is scaled by nRanks
 # in src/graph/tuning.cc ncclTopoTuneModel.
-THREAD_THRESHOLD = {"simple": 64, "ll": 8}
+THREAD_THRESHOLD = {"simple": 64, "ll": 8, "ll128": 8}
+# LL128 runs 640 threads (NCCL_LL128_MAX_NTHREADS, comm.h:36-38@v2.22.3); NCCL_LL128_NTHREADS
+# overrides it in the job, which a plan cannot say yet.
+LL128_MAX_THREADS = 640
 ALLREDUCE_CHUNKSTEPS = NCCL_STEPS // 2  # src/include/collectives.h
 ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
 LL_DATA_PER_LINE = 8
+# LL128 (device/prims_ll128.h@v2.22.3): a warp writes 2048 wire bytes (16 lines of 16 u64,
+# word 15 of each the flag) for every 1920 data bytes; docs/NCCL.md section 3.
+LL128_LINE = 128
+LL128_BLOCK = 2048
+LL128_DATA_PER_BLOCK = 1920
 
 RS, AG = 0, 1  # phase of a send: reduce-scatter partial sum, or allgather final value
 PHASE_NAMES = ("reduce-scatter", "allgather")
@@ -65,11 +73,8 @@ class RingConfig:
     mtu: int = 4096
 
     def __post_init__(self):
-        if self.protocol == "ll128":
-            raise ScheduleError("protocol LL128 is not supported yet: force NCCL_PROTO=Simple or LL "
-                                "in the job, or wait for LL128 support")
-        if self.protocol not in ("simple", "ll"):
-            raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple or ll)")
+        if self.protocol not in ("simple", "ll", "ll128"):
+            raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple, ll or ll128)")
         if not ((2, 14) <= tuple(self.nccl_version) <= (2, 32)):
             raise ScheduleError(
                 f"NCCL {self.nccl_version[0]}.{self.nccl_version[1]} is not supported: the ring "
@@ -130,7 +135,8 @@ class RingConfig:
         src/enqueue.cc getAlgoInfo (2.19) / getChannnelThreadInfo (2.20): shrink
         channels, then threads, while nBytes < nc*nt*threshold; Simple adds a sync warp.
         """
-        nc, nt = self.channels, self.max_threads
+        nc = self.channels
+        nt = LL128_MAX_THREADS if self.protocol == "ll128" else self.max_threads
         threshold = THREAD_THRESHOLD[self.protocol] * (self.nranks if self.protocol == "ll" else 1)
         while nbytes < nc * nt * threshold:
             if nc >= 2:
@@ -209,10 +215,13 @@ class Bucket:
 
 
 def wire_bytes(protocol: str, nelem: int, itemsize: int) -> int:
-    """Bytes a send of nelem elements puts on the wire (prims_ll.h: 8 data bytes a line)."""
+    """Bytes a send of nelem elements puts on the wire (prims_ll.h: 8 data bytes a line;
+    prims_ll128.h:306@v2.22.3: a whole 2048-B block for every started 1920 data bytes)."""
     data = max(0, nelem) * itemsize
     if protocol == "ll":
         return -(-data // LL_DATA_PER_LINE) * LL_LINE
+    if protocol == "ll128":
+        return -(-data // LL128_DATA_PER_BLOCK) * LL128_BLOCK
     return data
 
 
@@ -312,10 +321,22 @@ def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: in
 
 def cbd_chunk_count(protocol: str, step_bytes: int, itemsize: int) -> int:
     """Elements per chunk for a ring, 2.22+ (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3):
-    Simple 4 steps, LL half a step, rounded down to the protocol's grain."""
-    grain = {"simple": 512, "ll": 16}[protocol]
-    chunk = step_bytes * ALLREDUCE_CHUNKSTEPS if protocol == "simple" else step_bytes // 2
-    return chunk // grain * grain // itemsize
+    Simple 4 steps, LL half a step, LL128 the 15/16 of a step that is data, each rounded
+    down to the protocol's grain."""
+    return _ring_chunk_bytes(protocol, step_bytes) // itemsize
+
+
+def _ring_chunk_bytes(protocol: str, step_bytes: int) -> int:
+    """A ring chunk in data bytes (enqueue.cc calcCollChunking; ProtoLL128::calcBytePerStep is the
+    same stepSize/16*15 in 2.14-2.19's all_reduce.h)."""
+    grain = {"simple": 512, "ll": 16, "ll128": LL128_DATA_PER_BLOCK}[protocol]
+    if protocol == "simple":
+        chunk = step_bytes * ALLREDUCE_CHUNKSTEPS
+    elif protocol == "ll":
+        chunk = step_bytes // 2
+    else:
+        chunk = step_bytes // 16 * 15
+    return chunk // grain * grain
 
 
 def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int):
@@ -331,9 +352,14 @@ def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int)
     if cfg.interleaved:
         if cfg.protocol == "simple":
             chunk_size = step // itemsize * ALLREDUCE_CHUNKSTEPS
-        else:
+        elif cfg.protocol == "ll":
             chunk_size = step // 2 // itemsize  # ProtoLL::calcBytePerStep = stepSize/2
             min_chunk = nt * (8 // itemsize)  # nthreads * calcBytePerGrain/sizeof(T)
+        else:
+            chunk_size = step // 16 * 15 // itemsize  # ProtoLL128::calcBytePerStep
+            # nthreads*(calcBytePerGrain/sizeof(T))/2, grain = 8 u64 per thread, 15/16 of them
+            # data = 60 B (all_reduce.h runRing and prims_ll128.h@v2.19.4)
+            min_chunk = nt * (60 // itemsize) // 2
         loop_size = nc * n * chunk_size
         for bid in range(nc):
             loops = []
@@ -366,6 +392,11 @@ def _channel_loops(cfg: RingConfig, count: int, itemsize: int, nc: int, nt: int)
     if cfg.protocol == "simple":
         align = WARP_SIZE * 8 * 16 // itemsize  # NCCL_SIMPLE_ALIGNMENT / typeSize
         chunk_count = step * ALLREDUCE_CHUNKSTEPS // itemsize
+    elif cfg.protocol == "ll128":
+        # enqueue.cc computeCollAlignCount@v2.20.5: NCCL_LL128_ALIGNMENT_PER_WARP (480) / typeSize
+        # per warp; calcCollChunking: stepSize/16*15 (no grain rounding before 2.22)
+        align = 480 // itemsize * (nt // WARP_SIZE)
+        chunk_count = step // 16 * 15 // itemsize
     else:
         align = 8 // itemsize * nt  # NCCL_LL_ALIGNMENT_PER_THREAD / typeSize * nThreads
         chunk_count = step // 2 // itemsize

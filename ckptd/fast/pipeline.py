@@ -21,6 +21,8 @@ alone. The kernel stops at a frame that needs one, before changing anything for 
     example         a rejection while the Extractor still keeps examples (the first 20)
     rs_dump         reduce-scatter step 0 while gradients are dumped
     range           a placement past its bucket's end (the reference raises)
+    scattered       LL128, a packet not made of whole 1024-B half blocks (MTU < 1024, or a
+                    QP's share of a split send): its data words are not one run
     encapsulated    GRE/ERSPAN: parsers.roce unwraps it (the kernel does not)
 
 and after a frame that completed a bucket (`complete`), so that the pipeline steps the
@@ -322,7 +324,7 @@ class FastExtractor(RoceTransport):
         self.crc = crc if crc != "auto" else crc_choices()[0]
         self.kernel.set_crc(*crc_setting(self.crc))
         self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu,
-                               ll=plan.ring.protocol == "ll")
+                               protocol=plan.ring.protocol)
         self.set_data_plane(KernelTables(self.kernel, self.sched))
         self._batch = None
         self._addr_text: dict[bytes, tuple[str, str]] = {}

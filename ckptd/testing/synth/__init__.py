@@ -28,6 +28,7 @@ from ckptd.core.schedule import AG, RingConfig
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
+from ckptd.core import ll128
 from ckptd.testing.synth.wire import Host, QueuePair, imm_bytes, ip_udp_frame, ll_encode, roce_frame
 from parsers.bth import BTH
 
@@ -50,6 +51,7 @@ class SynthOptions:
     model: str = "small"
     nccl_version: str = "2.19"
     qps: int = 1
+    buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
     bucket_cap_kb: int = 64
     optimizer: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: str = "cosine"
@@ -159,7 +161,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     if opts.nodes and opts.shuffle_rings:
         raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
-                      nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu)
+                      nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
+                      buffsize=opts.buffsize)
     sched = {"constant": {"kind": "constant"},
              "cosine": {"kind": "cosine", "warmup_steps": 2, "total_steps": max(4, opts.iterations)},
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}
@@ -301,6 +304,8 @@ class Wire:
                 if cfg.protocol == "ll":
                     flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
                     wire = ll_encode(raw, flag)
+                elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
+                    wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
                 else:
                     wire = raw
                 cts = self.cts_qp[conn]

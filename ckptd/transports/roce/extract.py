@@ -16,6 +16,7 @@ import numpy as np
 from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
                     WRITE_ONLY_IMM, DataPlane, FlowBinder, FlowBinding, Location, Packet)
 from ckptd.core.plan import Plan
+from ckptd.core import ll128
 from ckptd.core.schedule import AG, LL_LINE, ScheduleError
 from ckptd.transports.base import MAX_EXAMPLES, Placement
 
@@ -147,20 +148,34 @@ class Extractor:
                 self.flag_base[b.conn] = (flag - gstep - 1) & 0xFFFFFFFF
                 if self.data_plane is not None:
                     self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
-            doff = woff // 2
+            runs = [(woff // 2, data)]
+        elif cfg.protocol == "ll128":
+            if woff % (ll128.LINE_WORDS * 8) or len(payload) % (ll128.LINE_WORDS * 8):
+                self._reject("schedule_mismatch", pkt, f"LL128 payload of {len(payload)} bytes is not whole lines")
+                return []
+            gstep = self._global_step(b.conn, loc.iteration, send.step)
+            base = self.flag_base.get(b.conn)
+            expected = None if base is None else (base + gstep + 1) & ll128.FLAG_MASK
+            runs, flag, ok = ll128.decode(payload, woff, expected)
+            if not ok:  # a line whose flag is not this step's is not intact: none of it is placed
+                self._reject("ll_flag_mismatch", pkt, f"LL128 flags differ from the expected {expected}")
+                return []
+            if base is None and flag is not None:
+                self.flag_base[b.conn] = (flag - gstep - 1) & ll128.FLAG_MASK
+                if self.data_plane is not None:
+                    self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
         else:
-            data, doff = bytes(payload), woff
+            runs = [(woff, bytes(payload))]
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
-        total = send.nelem * itemsize  # LL pads the last line: drop what is not data
-        data = data[:max(0, total - doff)]
-        if doff % itemsize or len(data) % itemsize:
+        total = send.nelem * itemsize  # LL and LL128 pad the last line or block: drop what is not data
+        runs = [(doff, data[:max(0, total - doff)]) for doff, data in runs]
+        if any(doff % itemsize or len(data) % itemsize for doff, data in runs):
             self._reject("schedule_mismatch", pkt, "payload does not split into whole elements")
             return []
         self.counters["ag_packets" if send.phase == AG else "rs_packets"] += 1
-        if not data:
-            return []
         return [Placement(pkt.stream, loc.iteration, send.phase, send.bucket,
-                          send.offset + doff // itemsize, data, b.conn[0], send.ring_step)]
+                          send.offset + doff // itemsize, data, b.conn[0], send.ring_step)
+                for doff, data in runs if data]
 
     def forget_before(self, iteration: int):
         """Joining: bookkeeping of the iterations before the one joined ends."""

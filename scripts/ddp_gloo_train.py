@@ -122,15 +122,23 @@ def worker(rank: int, args):
         sched = getattr(torch.optim.lr_scheduler, name)(opt, **sargs)
     scaler = torch.amp.GradScaler("cpu", init_scale=args.init_scale,
                                   growth_interval=args.growth_interval) if args.amp else None
+    # --lr-by-hand D: the loop writes lr * D**step into the groups (the second group half
+    # of it), as trainers without a scheduler object do; the plan gets the values
+    by_hand = None
+    if args.lr_by_hand is not None:
+        by_hand = [[args.lr * args.lr_by_hand ** s / (1 + gi) for gi in range(len(opt.param_groups))]
+                   for s in range(args.iterations)]
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
                            max_grad_norm=args.clip, iterations=args.iterations,
-                           addresses=args.addrs)
+                           addresses=args.addrs, lr_per_step=by_hand)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
     sizes = []
     for it in range(args.iterations):
         opt.zero_grad(set_to_none=True)
+        for g, lr in zip(opt.param_groups, by_hand[it] if by_hand else []):
+            g["lr"] = lr
         for micro in range(args.accumulate):
             x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
             sync = micro == args.accumulate - 1
@@ -177,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--no-decay-group", action="store_true",
                     help="biases and LayerNorm weights in a second group without weight decay")
     ap.add_argument("--scheduler", help="CLASS:arg=value,... of torch.optim.lr_scheduler")
+    ap.add_argument("--lr-by-hand", type=float, metavar="DECAY",
+                    help="no scheduler: set each group's lr by hand, lr * DECAY**step")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
     ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
     ap.add_argument("--init-scale", type=float, default=2.0 ** 16)

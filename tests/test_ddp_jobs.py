@@ -14,6 +14,8 @@ jobs to keep the suite short:
     rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
     adagrad: Adagrad (state created at construction), two groups, MultiStepLR
     nadam:   NAdam (its mu_product state), LinearLR
+    handlr:  SGD momentum, two groups, each group's lr set by hand every step (no
+             scheduler object; write_plan(lr_per_step=...))
     lossy: AdamW on a larger model, captured once and split into two mirror copies that
            each lose 2% of frames independently
 
@@ -46,6 +48,9 @@ JOBS = {
     "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
                 "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
     "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
+    # no scheduler: the loop writes each group's lr by hand, the plan holds the values
+    "handlr": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--no-decay-group",
+               "--lr-by-hand", "0.8"],
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
 }
@@ -237,3 +242,13 @@ def test_inspect_shows_the_gloo_conversations(jobs):
     assert len(seqs) == 3 and all(0 <= q < 3 for q in seqs)
     text = format_inspect(res)
     assert "TCP conversations" in text and "gloo" in text and "allreduce:" in text
+
+
+def test_lr_set_by_hand_each_step(jobs):
+    run, pcap = jobs("handlr")
+    plan, pipe = _replay_exact(run, pcap)
+    lrs = plan.optimizer.lr_per_step
+    assert plan.optimizer.lr_scheduler is None and len(lrs) == ITERATIONS
+    assert lrs[3] == [0.05 * 0.8 ** 3, 0.05 * 0.8 ** 3 / 2]
+    last = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))
+    assert last["optimizer"]["lr"] == lrs[-1][0]  # rank 0's own lr in its last step

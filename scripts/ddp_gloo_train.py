@@ -109,7 +109,7 @@ def worker(rank: int, args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     out = Path(args.out)
-    model = build(args.size, args.seed)
+    model = build(args.size, args.seed).to(getattr(torch, args.dtype))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                               find_unused_parameters=False)
     if args.hook:
@@ -141,6 +141,7 @@ def worker(rank: int, args):
             g["lr"] = lr
         for micro in range(args.accumulate):
             x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
+            x = x.to(getattr(torch, args.dtype))
             sync = micro == args.accumulate - 1
             with (contextlib.nullcontext() if sync else ddp.no_sync()):
                 with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
@@ -187,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--scheduler", help="CLASS:arg=value,... of torch.optim.lr_scheduler")
     ap.add_argument("--lr-by-hand", type=float, metavar="DECAY",
                     help="no scheduler: set each group's lr by hand, lr * DECAY**step")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the parameters' dtype (bfloat16: the allreduce carries bf16)")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
     ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
     ap.add_argument("--init-scale", type=float, default=2.0 ** 16)

@@ -24,6 +24,7 @@ Every import is absolute: inside this module `torch` is the torch package.
 from __future__ import annotations
 
 import inspect
+import math
 import json
 import os
 import socket
@@ -185,6 +186,34 @@ def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
     return {"class": name, "args": args}
 
 
+def _lr_per_step(lrs, scheduler, groups) -> tuple:
+    """The lrs a trainer sets by hand (`for g in opt.param_groups: g["lr"] = f(step)`),
+    as data: a function of the step is Python code the daemon cannot run, its values
+    for the steps the job will take are not."""
+    if lrs is None:
+        return ()
+    if scheduler is not None:
+        raise TrainerError("lr_per_step and a scheduler both set the lr: give one")
+    if callable(lrs) or isinstance(lrs, (str, bytes)):
+        raise TrainerError(f"lr_per_step must be the list of lrs per step, not {type(lrs).__name__}: "
+                           "pass [f(step) for step in range(steps)]")
+    out = []
+    for i, x in enumerate(lrs):
+        vals = list(x) if isinstance(x, (list, tuple)) else [x]
+        try:
+            vals = [float(v) for v in vals]
+        except (TypeError, ValueError):
+            raise TrainerError(f"lr_per_step[{i}] is {x!r}: a number or one per param group") from None
+        if isinstance(x, (list, tuple)) and len(vals) != len(groups):
+            raise TrainerError(f"lr_per_step[{i}] has {len(vals)} lrs for {len(groups)} param groups")
+        if not all(math.isfinite(v) and v >= 0 for v in vals):
+            raise TrainerError(f"lr_per_step[{i}] is {x!r}: lrs must be finite and >= 0")
+        out.append(vals if isinstance(x, (list, tuple)) else vals[0])
+    if not out:
+        raise TrainerError("lr_per_step is empty: give the lr of every step the job takes")
+    return tuple(out)
+
+
 def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
     """The replayed scheduler must reproduce the trainer's hyperparameters and internal
     state now; anything a replay gets wrong shows here, before any iteration."""
@@ -196,7 +225,9 @@ def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
         raise TrainerError(str(e)) from e
     for i, (mine, real) in enumerate(zip(now, optimizer.param_groups)):
         for k, v in real.items():
-            if k not in ("params", "initial_lr") and _jsonable(v, k) != _jsonable(mine.get(k), k):
+            if k in ("params", "initial_lr") or (k == "lr" and opt.lr_per_step):
+                continue  # a hand-set lr is written into the groups inside the loop
+            if _jsonable(v, k) != _jsonable(mine.get(k), k):
                 raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed group {i} {k} "
                                    f"is {mine.get(k)!r}, the trainer's is {v!r}; pass scheduler_args")
     if scheduler is not None and replay.sched is not None:
@@ -258,7 +289,8 @@ def _ring(backend: str, world: int) -> RingConfig:
 
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
-               scheduler_args: dict | None = None, without_buffers: bool = False) -> Plan:
+               scheduler_args: dict | None = None, without_buffers: bool = False,
+               lr_per_step=None) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
     _refuse_sharding(ddp, optimizer)
@@ -287,7 +319,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                            "ckptd reproduces AMP with foreach or for-loop optimizers")
     opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                     lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
-                    max_grad_norm=max_grad_norm)
+                    max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
     _check_replay(opt, names, optimizer, scheduler)
     first = _layout(ddp, names_of)
     transport = "gloo" if backend == "gloo" else "roce"
@@ -314,15 +346,18 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
 def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                max_grad_norm: float | None = None, init: str | Path | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
-               scheduler_args: dict | None = None, without_buffers: bool = False) -> Plan:
+               scheduler_args: dict | None = None, without_buffers: bool = False,
+               lr_per_step=None) -> Plan:
     """Record this job for ckptd; call on every rank before the first forward.
 
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
-    model.parameters() (after scaler.unscale_ with AMP). Rank 0 writes the plan to
+    model.parameters() (after scaler.unscale_ with AMP). `lr_per_step`: the lr the loop
+    writes into the param groups before each step when there is no scheduler (a list
+    of numbers, or of one lr per group). Rank 0 writes the plan to
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
     plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
-                      scheduler_args, without_buffers)
+                      scheduler_args, without_buffers, lr_per_step)
     rank = dist.get_rank(ddp_model.process_group)
     path = Path(path)
     if rank == 0:

@@ -117,7 +117,7 @@ def worker(rank: int, args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     out = Path(args.out)
-    model = build(args.size, args.seed)
+    model = build(args.size, args.seed).to(getattr(torch, args.dtype))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                               find_unused_parameters=False)
     if args.hook:
@@ -137,17 +137,26 @@ def worker(rank: int, args):
         start = r.step
         print(json.dumps({"rank": rank, "restored_iteration": r.iteration, "source": r.source,
                           "restore_s": round(r.seconds, 6)}), flush=True)
+    # --lr-by-hand D: the loop writes lr * D**step into the groups (the second group half
+    # of it), as trainers without a scheduler object do; the plan gets the values
+    by_hand = None
+    if args.lr_by_hand is not None:
+        by_hand = [[args.lr * args.lr_by_hand ** s / (1 + gi) for gi in range(len(opt.param_groups))]
+                   for s in range(args.iterations)]
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
                            max_grad_norm=args.clip, iterations=args.iterations,
-                           addresses=args.addrs)
+                           addresses=args.addrs, lr_per_step=by_hand)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
     sizes = []
     for it in range(start, args.iterations):
         opt.zero_grad(set_to_none=True)
+        for g, lr in zip(opt.param_groups, by_hand[it] if by_hand else []):
+            g["lr"] = lr
         for micro in range(args.accumulate):
             x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
+            x = x.to(getattr(torch, args.dtype))
             sync = micro == args.accumulate - 1
             with (contextlib.nullcontext() if sync else ddp.no_sync()):
                 with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
@@ -196,6 +205,10 @@ def main(argv=None):
     ap.add_argument("--no-decay-group", action="store_true",
                     help="biases and LayerNorm weights in a second group without weight decay")
     ap.add_argument("--scheduler", help="CLASS:arg=value,... of torch.optim.lr_scheduler")
+    ap.add_argument("--lr-by-hand", type=float, metavar="DECAY",
+                    help="no scheduler: set each group's lr by hand, lr * DECAY**step")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the parameters' dtype (bfloat16: the allreduce carries bf16)")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
     ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
     ap.add_argument("--init-scale", type=float, default=2.0 ** 16)

@@ -14,10 +14,13 @@ jobs to keep the suite short:
     rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
     adagrad: Adagrad (state created at construction), two groups, MultiStepLR
     nadam:   NAdam (its mu_product state), LinearLR
+    handlr:  SGD momentum, two groups, each group's lr set by hand every step (no
+             scheduler object; write_plan(lr_per_step=...))
     lossy: AdamW on a larger model, captured once and split into two mirror copies that
            each lose 2% of frames independently
 
-DDP refuses the bf16 compression hook without CUDA and NCCL, so bf16 on the wire is
+    bf16:    AdamW with bf16 parameters (no hook): the plain allreduce carries bf16
+DDP refuses the bf16 compression hook without CUDA and NCCL, so the bf16 hook is
 tested through the RoCE path with synthesized traffic (tests/test_replay_synth.py).
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
 
@@ -46,6 +50,11 @@ JOBS = {
     "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
                 "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
     "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
+    # no scheduler: the loop writes each group's lr by hand, the plan holds the values
+    "handlr": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--no-decay-group",
+               "--lr-by-hand", "0.8"],
+    # bf16 parameters (not a hook): the plain allreduce carries bf16
+    "bf16": ["--optimizer", "AdamW", "--lr", "0.01", "--dtype", "bfloat16"],
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
 }
@@ -237,3 +246,21 @@ def test_inspect_shows_the_gloo_conversations(jobs):
     assert len(seqs) == 3 and all(0 <= q < 3 for q in seqs)
     text = format_inspect(res)
     assert "TCP conversations" in text and "gloo" in text and "allreduce:" in text
+
+
+def test_lr_set_by_hand_each_step(jobs):
+    run, pcap = jobs("handlr")
+    plan, pipe = _replay_exact(run, pcap)
+    lrs = plan.optimizer.lr_per_step
+    assert plan.optimizer.lr_scheduler is None and len(lrs) == ITERATIONS
+    assert lrs[3] == [0.05 * 0.8 ** 3, 0.05 * 0.8 ** 3 / 2]
+    last = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))
+    assert last["optimizer"]["lr"] == lrs[-1][0]  # rank 0's own lr in its last step
+
+
+def test_bf16_parameters(jobs):
+    run, pcap = jobs("bf16")
+    plan, pipe = _replay_exact(run, pcap)
+    assert {p.dtype for p in plan.parameters} == {"bfloat16"} and plan.comm_hook == "allreduce"
+    last = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))
+    assert all(t.dtype == torch.bfloat16 for t in last["model"].values())

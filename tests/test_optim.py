@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
-from ckptd.core.optim import GroupSchedule, full_groups, lr_factor, torch_optimizer
+from ckptd.core.optim import GroupSchedule, OptimizerError, full_groups, lr_factor, torch_optimizer
 from ckptd.core.plan import BucketLayout, Optimizer, Parameter, Plan
 from ckptd.core.schedule import RingConfig
 from ckptd.core.shadow import ShadowModel
@@ -44,6 +44,10 @@ def _run(opt: Optimizer, steps=8, inf_at=(), grad_scale=1.0, sched_args=None):
             grads["w2"][1, 2, 0] = float("inf")
         for n, p in ref.items():
             p.grad = grads[n].clone()
+        if opt.lr_per_step:  # the trainer's `g["lr"] = f(step)`, no scheduler
+            x = opt.lr_per_step[step]
+            for grp, lr in zip(ref_opt.param_groups, x if isinstance(x, list) else [x] * len(groups)):
+                grp["lr"] = lr
         lr = ref_opt.param_groups[0]["lr"]
         if scaler is not None:
             scaler.scale(torch.ones(()))  # creates the scale, as scaler.scale(loss) does
@@ -132,6 +136,19 @@ def test_clipping_and_grad_scaler_skip_and_rescale():
     # three backoffs (x0.5: steps 0, 4, 5) and three growths (after steps 2, 7, 9: two
     # clean steps each, x2) from 1024
     assert float(shadow.scaler["scale"]) == 1024.0 * 0.5 ** 3 * 2 ** 3
+
+
+def test_lr_set_by_hand_each_step_is_recorded_as_data():
+    f = [1e-2 * 0.7 ** i for i in range(6)]
+    _run(Optimizer(kind="adamw", groups=_two_groups(KINDS["adamw"]), lr_per_step=tuple(f)), steps=6)
+    per_group = tuple([v, v / 10] for v in f)
+    shadow, _ = _run(Optimizer(kind="sgd", groups=_two_groups(KINDS["sgd"]), lr_per_step=per_group), steps=6)
+    with pytest.raises(OptimizerError, match="lr_per_step has 6 entries: no lr for step 6"):
+        shadow.apply(6, [np.zeros(sum(int(np.prod(s)) for s in SHAPES.values()), np.float32)])
+    from ckptd.core.plan import PlanError, check_optimizer
+    for bad, why in [((0.1, [0.1]), r"lr_per_step\[1\] has 1 lrs for 2"), ((-1.0,), r"lr_per_step\[0\] must be")]:
+        with pytest.raises(PlanError, match=why):
+            check_optimizer(Optimizer(kind="sgd", groups=_two_groups(KINDS["sgd"]), lr_per_step=bad))
 
 
 def test_legacy_plan_schedule_is_lambdalr():

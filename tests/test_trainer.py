@@ -99,3 +99,23 @@ def test_offline_layouts_come_from_ddp(group):
     names = tuple(n for n, _ in net.named_parameters())
     assert [b.params for b in first] == [names]  # torch 2.13: iteration 0 is one bucket
     assert sorted(rebuilt[0].params) == sorted(names) and rebuilt[0].params[0] == "2.bias"
+
+
+def test_lr_set_by_hand_is_recorded_as_a_list_or_refused(group):
+    m = _ddp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    names = [n for n, _ in m.module.named_parameters()]
+    kind, groups = ct._optimizer(opt, {id(p): n for n, p in m.module.named_parameters()}, names)
+    lrs = ct._lr_per_step([0.1 / (1 + i) for i in range(4)], None, groups)
+    assert lrs == (0.1, 0.05, 0.1 / 3, 0.025)
+    from ckptd.core.plan import Optimizer, check_optimizer
+    rec = Optimizer(kind=kind, groups=tuple(groups), lr_per_step=lrs)
+    check_optimizer(rec)
+    opt.param_groups[0]["lr"] = 0.5  # the loop sets it before each step: not compared now
+    ct._check_replay(rec, names, opt, None)
+    assert rec.to_json()["lr_per_step"][1] == 0.05
+    _refused(m, opt, "lr_per_step must be the list of lrs per step, not function", lr_per_step=lambda s: 0.1)
+    _refused(m, opt, r"lr_per_step\[1\] has 2 lrs for 1 param groups", lr_per_step=[0.1, [0.1, 0.2]])
+    _refused(m, opt, r"lr_per_step\[0\] is nan", lr_per_step=[float("nan")])
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    _refused(m, opt, "lr_per_step and a scheduler both set the lr", scheduler=sched, lr_per_step=[0.1])

@@ -282,6 +282,8 @@ class GroupSchedule:
         self.pos = 0
 
     def at(self, step: int) -> list[dict]:
+        if self.opt.lr_per_step:
+            return lrs_set_by_hand(self.opt.lr_per_step, step, self.groups)
         if self.opt.lr_scheduler is None:
             f = lr_factor(self.opt.lr_schedule, step)
             return [{**g, "lr": g["lr"] * f} if f != 1.0 else g for g in self.groups]
@@ -294,6 +296,17 @@ class GroupSchedule:
                 self.pos += 1
         return [{**g, **{k: v for k, v in d.items() if k not in ("params", "initial_lr")}}
                 for g, d in zip(self.groups, self.dummy.param_groups)]
+
+
+def lrs_set_by_hand(lr_per_step: tuple, step: int, groups: list[dict]) -> list[dict]:
+    """The groups with the lr the trainer wrote into them before step `step` (the plan's
+    list: one lr for every group or one per group). A step past the list has no known lr,
+    so it is refused rather than stepped with a guess."""
+    if step >= len(lr_per_step):
+        raise OptimizerError(f"optimizer.lr_per_step has {len(lr_per_step)} entries: no lr for step {step}")
+    x = lr_per_step[step]
+    lrs = list(x) if isinstance(x, (list, tuple)) else [x] * len(groups)
+    return [{**g, "lr": float(lr)} for g, lr in zip(groups, lrs)]
 
 
 def lr_factor(schedule: dict, step: int) -> float:

@@ -98,6 +98,9 @@ class Optimizer:
     groups: tuple = ()
     lr_scheduler: dict | None = None  # {"class": "StepLR", "args": {...}}: replayed by torch
     grad_scaler: dict | None = None  # GradScaler settings: the wire carries scaled gradients
+    # the lr the trainer sets by hand before step i (`g["lr"] = f(i)`, no scheduler):
+    # entry i is one number for every group or one per group; no entry: no checkpoint
+    lr_per_step: tuple = ()
 
     def legacy_hyperparameters(self) -> dict:
         """The one group a plan without `groups` describes, as torch's constructor takes it."""
@@ -117,6 +120,8 @@ class Optimizer:
             doc["lr_scheduler"] = dict(self.lr_scheduler)
         if self.grad_scaler is not None:
             doc["grad_scaler"] = dict(self.grad_scaler)
+        if self.lr_per_step:
+            doc["lr_per_step"] = [list(x) if isinstance(x, (list, tuple)) else x for x in self.lr_per_step]
         return doc
 
 
@@ -138,6 +143,14 @@ def check_optimizer(opt: Optimizer) -> None:
     if sch is not None and (not isinstance(sch, dict) or not isinstance(sch.get("class"), str)
                             or not isinstance(sch.get("args", {}), dict)):
         bad("lr_scheduler", 'must be {"class": name, "args": {...}}')
+    if opt.lr_per_step and sch is not None:
+        bad("lr_per_step", "and lr_scheduler both set the lr: give one")
+    for i, x in enumerate(opt.lr_per_step):
+        lrs = x if isinstance(x, (list, tuple)) else [x]
+        if not lrs or not all(_finite(v) and v >= 0 for v in lrs):
+            bad(f"lr_per_step[{i}]", f"must be a finite lr >= 0 or a list of them, not {x!r}")
+        if isinstance(x, (list, tuple)) and len(x) != max(1, len(opt.groups)):
+            bad(f"lr_per_step[{i}]", f"has {len(x)} lrs for {max(1, len(opt.groups))} param groups")
     if gs is not None and (not isinstance(gs, dict) or set(gs) - set(GRAD_SCALER_KEYS)):
         bad("grad_scaler", f"takes only {', '.join(GRAD_SCALER_KEYS)}")
     if opt.implementation not in ("for-loop", "foreach", "fused"):
@@ -768,7 +781,8 @@ def _plan_from_json(raw) -> Plan:
             lr_schedule=dict(sched),
             max_grad_norm=None if mgn is None else o.num("max_grad_norm", None),
             groups=_optimizer_groups(o.list("groups", []), [p.name for p in params]),
-            lr_scheduler=o.get("lr_scheduler"), grad_scaler=o.get("grad_scaler"))
+            lr_scheduler=o.get("lr_scheduler"), grad_scaler=o.get("grad_scaler"),
+            lr_per_step=tuple(o.list("lr_per_step", [])))
 
     ranks = []
     for i, raw_r in enumerate(doc.list("ranks", required=True)):

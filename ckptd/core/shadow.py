@@ -105,6 +105,8 @@ class ShadowModel:
         is `bucket.buffer().copy_(reduced)`, a cast to the parameters' dtype."""
         t = torch.from_numpy(buf)
         wire = COMM_HOOKS[self.plan.comm_hook]
+        if wire is None and self.plan.parameters[0].dtype == "bfloat16":
+            return t.view(torch.bfloat16)  # bf16 parameters: the plain allreduce carries bf16
         if wire is None:
             return t
         if wire == "bfloat16":

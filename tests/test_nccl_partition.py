@@ -82,3 +82,24 @@ def test_qp_rotation_that_would_carry_over_is_refused_by_name(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "qps_per_connection 4" in err[0] and "NCCL_IB_SPLIT_DATA_ON_QPS=1" in err[0]
+
+
+def test_buckets_of_25_mb_and_more_replay_bit_exact_on_both_paths(tmp_path):
+    """A 42 MB and a 17 MB bucket over 2 channels (NCCL 2.29): many 1 MiB sends per
+    channel whose lengths tell the channels apart only in their last loop, with a
+    foreign RoCE flow on the same link. Flows must still bind in QPN (= channel) order."""
+    from helpers import pcaps, synth
+
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions, replay
+    synth(tmp_path, model="medium", ranks=2, channels=2, nccl_version="2.29", mirrors=1,
+          iterations=2, bucket_cap_kb=32768, seed=2)
+    plan = load_plan(tmp_path / "plan.json")
+    assert max(b.nbytes for b in plan.schedule(1).buckets) >= 25 << 20
+    opts = ReplayOptions(reference=str(tmp_path / "reference"))
+    for run in (replay, fast_replay):
+        pipe = run(load_plan(tmp_path / "plan.json"), pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
+        assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)] * 2, \
+            [(r.iteration, r.status, r.note) for r in pipe.reports]

@@ -54,6 +54,7 @@ MODEL_SIZES = {
     "tiny": (256, 32, 2, 2, 16),       # ~38 K parameters: unit tests
     "small": (512, 64, 2, 4, 32),      # ~170 K
     "default": (2048, 192, 4, 4, 64),  # ~2.6 M: the README demo
+    "medium": (8192, 512, 2, 8, 32),   # ~15 M: buckets of 25 MB and more
 }
 
 

@@ -360,7 +360,10 @@ class FlowBinder:
         for key in sorted(flows, key=lambda k: k[2]):  # QPN order = channel order
             cand = flows[key]
             if not final and len(cand.heads) < MIN_HEADS:
-                continue
+                # A lower QPN still unexplained holds the higher ones back: were they bound
+                # first, a flow whose early lengths fit several channels (big buckets: the
+                # channels differ only in their last loop) would take the lower channel's slot.
+                break
             del flows[key]
             for slot in self.expected[hop]:
                 if slot in taken:

@@ -103,3 +103,22 @@ def test_buckets_of_25_mb_and_more_replay_bit_exact_on_both_paths(tmp_path):
         pipe = run(load_plan(tmp_path / "plan.json"), pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
         assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)] * 2, \
             [(r.iteration, r.status, r.note) for r in pipe.reports]
+
+
+@pytest.mark.parametrize("version,ranks,channels", [("2.19", 3, 2), ("2.26", 4, 2), ("2.29", 2, 1)])
+def test_four_qps_per_connection_replay_bit_exact_on_both_paths(tmp_path, version, ranks, channels):
+    """NCCL_IB_QPS_PER_CONNECTION=4: split over the QPs (2.18-2.19 default) or whole sends
+    rotating over them (2.20+), two mirrors with loss."""
+    from helpers import pcaps, synth
+
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions, replay
+    synth(tmp_path, ranks=ranks, channels=channels, nccl_version=version, qps=4, mirrors=2,
+          loss=0.002, iterations=3, seed=5)
+    opts = ReplayOptions(reference=str(tmp_path / "reference"))
+    for run in (replay, fast_replay):
+        pipe = run(load_plan(tmp_path / "plan.json"), pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
+        assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)] * 3, \
+            [(r.iteration, r.status, r.note) for r in pipe.reports]

@@ -257,17 +257,58 @@ class Plan:
         return b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
-        """The ring schedule of an iteration's allreduces, built once per (ring, buckets):
-        every stage that asks (binder, extractor, fast path, synthesizer) shares it, and a
-        layout learned later (learn_rebuilt) gets a schedule of its own. Treat it as
-        read-only."""
-        buckets = self.buckets(iteration)
-        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets))
+        """The ring schedule of an iteration's allreduces, built once per (ring, buckets,
+        QP rotation): every stage that asks (binder, extractor, fast path, synthesizer)
+        shares it, and a layout learned later (learn_rebuilt) gets a schedule of its own.
+        Treat it as read-only.
+
+        NCCL's QP rotation lives on the connection across collectives
+        (RingConfig.qp_of_part), so with several QPs an iteration's messages sit on QPs
+        that depend on how many sends came before it: iteration i >= 1 looks like
+        iteration 1 + (i-1) % rotation_period()."""
+        return self._ring_schedule(self.buckets(iteration), self._send_base(iteration))
+
+    def _ring_schedule(self, buckets, send_base: tuple) -> RingSchedule:
+        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets), send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = cache[key] = RingSchedule(self.ring, buckets)
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base))
         return sched
+
+    def _sends_per_iteration(self, iteration: int) -> dict:
+        """Sends each connection makes in an iteration (they do not depend on the QPs)."""
+        return {c: len(v) for c, v in self._ring_schedule(self.buckets(iteration), ()).sends.items()}
+
+    def _send_base(self, iteration: int) -> tuple:
+        """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
+        sorted; empty where rotation changes nothing (one QP, or every send split over
+        all QPs from QP 0)."""
+        nq = self.ring.rotation_modulus
+        if nq == 1:
+            return ()
+        if iteration == 0:
+            return tuple((c, 0) for c in sorted(self._sends_per_iteration(0)))
+        first, rebuilt = self._sends_per_iteration(0), self._sends_per_iteration(1)
+        return tuple((c, (first[c] + (iteration - 1) * rebuilt[c]) % nq) for c in sorted(first))
+
+    def rotation_period(self) -> int:
+        """The smallest p >= 1 with schedule(i + p) == schedule(i) for every i >= 1: the
+        rebuilt iterations cycle through p QP rotations (1 with one QP)."""
+        nq = self.ring.rotation_modulus
+        rebuilt = self._sends_per_iteration(1)
+        p = 1
+        while any(p * n % nq for n in rebuilt.values()):
+            p += 1
+        return p
+
+    def timeline_schedules(self) -> list[RingSchedule]:
+        """schedule(0), then one period of rebuilt iterations: schedule(1 .. rotation_period())."""
+        return [self.schedule(i) for i in range(self.rotation_period() + 1)]
+
+    def layout_index(self, iteration: int) -> int:
+        """Which of timeline_schedules() an iteration uses."""
+        return 0 if iteration == 0 else 1 + (iteration - 1) % self.rotation_period()
 
     def rank_of(self, addr: str) -> int | None:
         """The rank whose own NIC has this address: the lowest one where ranks of a node

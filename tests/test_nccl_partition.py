@@ -69,18 +69,3 @@ def test_todays_nccl_replays_bit_exact_on_both_paths(tmp_path, version, protocol
                    ReplayOptions(reference=str(tmp_path / "reference")))
         assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)] * 3, \
             [(r.status, r.note) for r in pipe.reports]
-
-
-def test_qp_rotation_that_would_carry_over_is_refused_by_name(tmp_path, capsys):
-    """NCCL keeps rotating whole sends over the QPs across iterations; where an
-    iteration's sends are not a multiple of the QP count the schedule (which starts each
-    iteration at QP 0) would read equal-sized messages off the wrong QP: refused."""
-    from helpers import pcaps, synth
-
-    from ckptd.cli import main
-    synth(tmp_path, ranks=4, channels=1, protocol="ll", nccl_version="2.22", qps=4, mirrors=2, iterations=1)
-    rc = main(["replay", "--plan", str(tmp_path / "plan.json"), "--init", str(tmp_path / "init.pt"),
-               *pcaps(tmp_path)])
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "qps_per_connection 4" in err[0] and "NCCL_IB_SPLIT_DATA_ON_QPS=1" in err[0]

@@ -403,9 +403,9 @@ class FlowBinder:
             for slot, tl, base_rel in fits[:1]:
                 first_head = min(rel for rel, _ in cand.heads) - base_rel
                 if self.join_from is None and first_head > 0:
-                    k = tl.first.locate(first_head)[0] if first_head < tl.first.npkts else "past iteration 0"
-                    self.notes.append(f"a flow starts at message {k} of the schedule: its first "
-                                      "messages reached no mirror (lengths and ACKs place it)")
+                    it, _, k, _ = tl.locate(first_head)
+                    self.notes.append(f"a flow starts at message {k} of iteration {it} of the schedule: "
+                                      "its first messages reached no mirror (lengths and ACKs place it)")
                 taken.add(slot)
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
                 b = FlowBinding(key, slot[:3], slot[3], tl, base, cand.first_psn,
@@ -444,14 +444,18 @@ class FlowBinder:
             return None
         heads = sorted(cand.heads)
         rel0, len0 = heads[0]
-        for k, msg in enumerate(tl.first.messages):
-            if msg.wire_len != len0:
-                continue
-            base_rel = rel0 - tl.first.starts[k]
-            if base_rel > cand.min_rel:
-                continue  # a packet of this flow would lie before the job's first message
-            if self._explains(tl, cand, base_rel):
-                return base_rel
+        # the first head seen is a message of iteration 0, or of the first rotation
+        # cycle: with several QPs, a QP may carry nothing until a later iteration
+        for it, fs in enumerate(tl.layouts):
+            origin = tl.iteration_start(it)
+            for k, msg in enumerate(fs.messages):
+                if msg.wire_len != len0:
+                    continue
+                base_rel = rel0 - origin - fs.starts[k]
+                if base_rel > cand.min_rel:
+                    continue  # a packet of this flow would lie before the job's first message
+                if self._explains(tl, cand, base_rel):
+                    return base_rel
         return None
 
     def _align_at_origin(self, tl: FlowTimeline, cand: _Candidate) -> int | None:

@@ -1,0 +1,190 @@
+"""NCCL connection state that lives across collectives (issue 12): the QP rotation index,
+2.14-2.15's RDMA WRITE + 0-byte WRITE_WITH_IMM, 2.14-2.17's split over every QP, and the
+clear-to-send write. The schedule is checked against a step-by-step simulation of
+net_ib's posting loop; the replays against the trainer's own checkpoints, bit for bit,
+on the reference and the fast path."""
+from __future__ import annotations
+
+import pytest
+
+from ckptd.core.plan import PlanError, load_plan, plan_from_json
+from ckptd.core.schedule import IB_AR_THRESHOLD, RingConfig
+from parsers.capfile import open_capture
+from parsers.roce import FrameClass, decode_frame
+
+from helpers import pcaps, synth
+from test_fastpath import assert_same, synth_pair
+
+
+def _plan(version: str, qps: int, counts=(3000, 70000, 5), ranks: int = 2, channels: int = 1,
+          protocol: str = "ll", split=None, rebuilt=None):
+    ring = {"nranks": ranks, "nccl_version": version, "channels": channels, "protocol": protocol,
+            "qps_per_connection": qps, "mtu": 1024}
+    if split is not None:
+        ring["split_data_on_qps"] = split
+    buckets = {"first": [{"count": c, "dtype": "float32"} for c in counts]}
+    if rebuilt:
+        buckets["rebuilt"] = [{"count": c, "dtype": "float32"} for c in rebuilt]
+    return plan_from_json({"format": "ckptd-plan", "version": 1, "parameters": [], "buckets": buckets,
+                           "ring": ring, "optimizer": None,
+                           "ranks": [{"rank": r, "addr": f"10.9.0.{r + 1}"} for r in range(ranks)]})
+
+
+def _simulated_qps(version: tuple[int, int], nq: int, split: bool, nsends: int) -> list[list[int]]:
+    """For each send of a connection, the QP of each of its parts, by running net_ib's
+    posting loop: <= 2.28 one qpIndex on the connection, advanced per post and never
+    reset (net_ib.cc:1572-1613@v2.21.5-1; 2.14-2.17 post part q on QP q); 2.29+ part i on
+    QP (fifoHead + i) % nqps, fifoHead counting the sends (net_ib/common.h:325-330@v2.29.7-1)."""
+    qp_index, fifo_head, out = 0, 0, []
+    nparts = nq if split else 1
+    for _ in range(nsends):
+        parts = []
+        for i in range(nparts):
+            if version >= (2, 29):
+                parts.append((fifo_head + i) % nq)
+            elif version < (2, 18):
+                parts.append(i)
+            else:
+                parts.append(qp_index)
+                qp_index = (qp_index + 1) % nq
+        fifo_head += 1
+        out.append(parts)
+    return out
+
+
+@pytest.mark.parametrize("version,qps,split", [
+    ("2.14", 4, None), ("2.17", 2, None), ("2.19", 2, None), ("2.19", 3, False), ("2.22", 3, None),
+    ("2.26", 4, None), ("2.29", 3, None), ("2.29", 4, True), ("2.32", 2, None)])
+def test_qp_of_every_part_follows_net_ib_across_iterations(version, qps, split):
+    """Iterations 0..6 concatenated on each connection put every part on the QP net_ib's
+    loop picks, with the rotation carried over iterations and buckets; and
+    timeline_schedules/layout_index repeat exactly those schedules."""
+    plan = _plan(version, qps, split=split, rebuilt=(70000, 3000, 5))
+    cfg = plan.ring
+    iters = 7
+    for conn in plan.schedule(0).sends:
+        got = []  # per send in issue order: its parts' QPs (in wire-offset order)
+        for t in range(iters):
+            sched = plan.schedule(t)
+            where = {}
+            for q in range(qps):
+                for m in sched.flows[conn + (q,)].messages:
+                    if m.imm is not None:
+                        where.setdefault(m.send.step, []).append((m.wire_offset, q))
+            got += [[q for _, q in sorted(where[s.step])] for s in sched.sends[conn]]
+        want = _simulated_qps(cfg.nccl_version, qps, cfg.split, len(got))
+        assert got == want, conn
+    layouts = plan.timeline_schedules()
+    for t in range(iters):
+        assert layouts[plan.layout_index(t)] is plan.schedule(t)
+    carries = not cfg.split or cfg.nccl_version >= (2, 29)
+    assert (plan.rotation_period() > 1) == (carries and any(
+        len(v) % qps for v in plan.schedule(1).sends.values())), plan.rotation_period()
+
+
+def test_flow_timeline_locates_rotated_iterations():
+    from ckptd.transports.roce.flows import FlowBinder
+    plan = _plan("2.22", 3, rebuilt=(70000, 3000, 5))
+    assert plan.rotation_period() == 3
+    binder = FlowBinder(plan)
+    for key, tl in binder.timelines.items():
+        for t in range(8):
+            fs = plan.schedule(t).flows[key]
+            assert tl.schedule_of(t) is fs
+            start = tl.iteration_start(t)
+            assert tl.iteration_start(t + 1) - start == fs.npkts
+            for k, s in enumerate(fs.starts):
+                it, sched, m, i = tl.locate(start + s)
+                assert (it, m, i) == (t, k, 0) and sched is fs
+
+
+@pytest.mark.parametrize("version,ar", [("2.14", True), ("2.15", True), ("2.16", False), ("2.20", False)])
+def test_writes_then_zero_byte_immediate_above_8192_bytes_in_2_14_2_15(version, ar):
+    """2.14-2.15 send anything over NCCL_IB_AR_THRESHOLD as RDMA WRITE(s) and a 0-byte
+    WRITE_WITH_IMM on each QP (net_ib.cc:969@v2.14.3-1); from 2.16 only under adaptive
+    routing, off on RoCE (net_ib.cc:979@v2.16.5-1)."""
+    plan = _plan(version, 2, protocol="simple", counts=(1000, 200000))
+    cfg = plan.ring
+    assert cfg.ar_writes is ar
+    sched = plan.schedule(0)
+    conn = next(iter(sched.sends))
+    big = small = 0
+    for q in range(2):
+        msgs = sched.flows[conn + (q,)].messages
+        k = 0
+        while k < len(msgs):
+            m = msgs[k]
+            if ar and m.send.wire_bytes > IB_AR_THRESHOLD:
+                nxt = msgs[k + 1]
+                assert m.imm is None and nxt.send is m.send and nxt.wire_len == 0 and nxt.npkts == 1
+                assert nxt.imm == m.send.wire_bytes
+                big, k = big + 1, k + 2
+            else:
+                assert m.imm == m.send.wire_bytes
+                small, k = small + 1, k + 1
+    assert small and (big > 0) == ar
+    assert not any(m.imm is None for fs in sched.flows.values() for m in fs.messages) or ar
+
+
+def test_split_data_on_qps_exists_only_from_2_18():
+    assert _plan("2.17", 2).ring.split and not _plan("2.20", 2).ring.split
+    assert not _plan("2.18", 2, split=False).ring.split
+    with pytest.raises(PlanError, match="ring: split_data_on_qps false with NCCL 2.17"):
+        _plan("2.17", 2, split=False)
+
+
+@pytest.mark.parametrize("version,size", [("2.14", 32), ("2.19", 32), ("2.20", 64), ("2.29", 64),
+                                          ("2.32", 64)])
+def test_clear_to_send_size_and_qp_in_the_capture(tmp_path, version, size):
+    """The receiver's CTS is a WRITE_ONLY of one ncclIbSendFifo entry on its first QP of
+    the connection, toward the sender's first QP: the reverse direction of data QP 0."""
+    assert RingConfig(2, ((0, 1),), nccl_version=tuple(map(int, version.split(".")))).cts_bytes == size
+    if version not in ("2.14", "2.29"):
+        return  # one capture per layout of the fifo entry is enough
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=1024, mirrors=1, iterations=1,
+          nccl_version=version, qps=2, noise=False)
+    data_qps, cts = {}, []
+    for fr in open_capture(pcaps(tmp_path)[0]):
+        f = decode_frame(fr.data, fr.linktype, fr.origlen)
+        if f.cls is FrameClass.ROCE_DATA:
+            if f.bth.opcode == 10:
+                cts.append((str(f.src), str(f.dst), f.bth.dest_qp, f.reth.dma_len, f.payload_len))
+            else:
+                data_qps.setdefault((str(f.src), str(f.dst)), set()).add(f.bth.dest_qp)
+    assert cts and all(n == size and p == size for *_, n, p in cts)
+    # every CTS goes to one QP per direction, a QP that never receives data: the sender's
+    assert {(s, d) for s, d, *_ in cts} == {(d, s) for s, d in data_qps}
+    for s, d, qpn, *_ in cts:
+        assert qpn not in data_qps[(d, s)]
+    assert len({(s, qpn) for s, _, qpn, *_ in cts}) == 2
+
+
+# -- replay, bit for bit, reference and fast path ---------------------------------------------
+MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over iterations)
+    # Simple sends 4 slices a loop per connection: 3 QPs rotate. LL with 2 ranks sends 2: 4 QPs rotate.
+    ("2.14", 1, "simple", 2, 1, False), ("2.14", 2, "ll", 2, 2, False), ("2.14", 4, "simple", 3, 1, False),
+    ("2.17", 2, "simple", 2, 2, False), ("2.17", 4, "ll", 2, 2, False),
+    ("2.19", 1, "ll", 3, 1, False), ("2.19", 4, "simple", 2, 2, False),
+    ("2.22", 2, "simple", 2, 2, False), ("2.22", 3, "simple", 2, 2, True), ("2.22", 4, "ll", 2, 2, True),
+    ("2.26", 1, "simple", 3, 2, False), ("2.26", 4, "ll", 2, 2, True),
+    ("2.29", 2, "ll", 3, 1, False), ("2.29", 3, "simple", 2, 2, True), ("2.29", 4, "ll", 2, 2, True),
+    ("2.32", 2, "simple", 2, 2, False), ("2.32", 4, "ll", 2, 2, True),
+]
+
+
+@pytest.mark.parametrize("version,qps,protocol,ranks,channels,rotates", MATRIX,
+                         ids=[f"{v}-{q}qp-{p}-{r}r{c}c" for v, q, p, r, c, _ in MATRIX])
+def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rotates):
+    ref, fast = synth_pair(tmp_path, ranks=ranks, channels=channels, protocol=protocol, mtu=1024,
+                           mirrors=2, loss=1e-3, nccl_version=version, qps=qps, iterations=4,
+                           seed=[m[:5] for m in MATRIX].index((version, qps, protocol, ranks, channels)))
+    assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 4, \
+        [(r.status, r.note) for r in ref.reports]
+    assert ref.extract.counters["schedule_mismatch"] == 0
+    assert_same(ref, fast)
+    plan = load_plan(tmp_path / "plan.json")
+    # the case exercises what it is listed for: QPs whose rotation carries over, and
+    # 2.14-2.15's write + 0-byte immediate
+    assert (plan.rotation_period() > 1) == rotates
+    assert any(m.imm is None for fs in plan.schedule(1).flows.values() for m in fs.messages) == \
+        plan.ring.ar_writes

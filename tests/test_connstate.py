@@ -170,14 +170,20 @@ MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over it
     ("2.29", 2, "ll", 3, 1, False), ("2.29", 3, "simple", 2, 2, True), ("2.29", 4, "ll", 2, 2, True),
     ("2.32", 2, "simple", 2, 2, False), ("2.32", 4, "ll", 2, 2, True),
 ]
+EXTRA = {  # once each: IPv6 addresses; a communicator with more channels than the tuner gives small buckets
+    ("2.22", 3, "simple", 2, 2): dict(ipv6=True),
+    ("2.29", 4, "ll", 2, 2): dict(channels=4),
+}
 
 
 @pytest.mark.parametrize("version,qps,protocol,ranks,channels,rotates", MATRIX,
                          ids=[f"{v}-{q}qp-{p}-{r}r{c}c" for v, q, p, r, c, _ in MATRIX])
 def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rotates):
-    ref, fast = synth_pair(tmp_path, ranks=ranks, channels=channels, protocol=protocol, mtu=1024,
-                           mirrors=2, loss=1e-3, nccl_version=version, qps=qps, iterations=4,
-                           seed=[m[:5] for m in MATRIX].index((version, qps, protocol, ranks, channels)))
+    case = (version, qps, protocol, ranks, channels)
+    kw = dict(ranks=ranks, channels=channels, protocol=protocol, mtu=1024, mirrors=2, loss=1e-3,
+              nccl_version=version, qps=qps, iterations=4, seed=[m[:5] for m in MATRIX].index(case))
+    kw.update(EXTRA.get(case, {}))
+    ref, fast = synth_pair(tmp_path, **kw)
     assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 4, \
         [(r.status, r.note) for r in ref.reports]
     assert ref.extract.counters["schedule_mismatch"] == 0
@@ -186,5 +192,37 @@ def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rot
     # the case exercises what it is listed for: QPs whose rotation carries over, and
     # 2.14-2.15's write + 0-byte immediate
     assert (plan.rotation_period() > 1) == rotates
+    if kw.get("ipv6"):
+        assert all(":" in a for a in plan.addresses)
+    if kw["channels"] == 4:
+        assert any(plan.ring.tune(b.nbytes)[0] < plan.ring.channels for b in plan.buckets(0))
     assert any(m.imm is None for fs in plan.schedule(1).flows.values() for m in fs.messages) == \
         plan.ring.ar_writes
+
+
+def test_bucket_over_25_mb_with_rotating_qps(tmp_path):
+    """A 28 MB bucket (over DDP's 25 MB cap, as a bucket holding one big parameter is),
+    2 ranks, 3 QPs whose rotation carries over iterations: BulkSynth writes the traffic,
+    the fast path's gradients are the allgather's final values, bit for bit."""
+    import numpy as np
+
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions
+    from ckptd.testing.synth.bulk import BulkSynth
+    doc = {"format": "ckptd-plan", "version": 1, "parameters": [], "optimizer": None,
+           "buckets": {"first": [{"count": 7_000_000, "dtype": "float32"}, {"count": 1000, "dtype": "float32"}]},
+           "ring": {"nranks": 2, "channels": 2, "nccl_version": "2.22", "qps_per_connection": 3, "mtu": 4096},
+           "ranks": [{"rank": 0, "addr": "10.9.0.1"}, {"rank": 1, "addr": "10.9.0.2"}],
+           "mirrors": [{"name": "m0", "rank": 0, "direction": "both"}]}
+    plan = plan_from_json(doc)
+    assert plan.buckets(0)[0].nbytes >= 25 << 20 and plan.rotation_period() > 1
+    finals = {}
+    paths = [tmp_path / "m0.pcap"]
+    BulkSynth(plan, paths).run(3, on_bucket=lambda t, b, final: finals.__setitem__((t, b), final))
+    dump = tmp_path / "dump"
+    pipe = fast_replay(plan, [str(p) for p in paths], None, ReplayOptions(dump_gradients=str(dump)))
+    assert [r.status for r in pipe.reports] == ["complete"] * 3
+    assert pipe.extract.counters["schedule_mismatch"] == 0
+    for (t, b), final in finals.items():
+        got = np.load(dump / f"iter_{t:06d}_bucket_{b:03d}.npy")
+        assert got.tobytes() == final.tobytes(), (t, b)

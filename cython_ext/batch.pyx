@@ -95,9 +95,10 @@ cdef enum:
     C_RS_PACKETS = 5
     C_LATE = 6
     C_ACKS = 7
-    NCOUNTERS = 8
+    C_OTHER_COLLECTIVE = 8
+    NCOUNTERS = 9
 COUNTER_NAMES = ("before_start", "schedule_mismatch", "ll_flag_mismatch", "unrelated",
-                 "ag_packets", "rs_packets", "late", "acks")
+                 "ag_packets", "rs_packets", "late", "acks", "other_collective_packets")
 
 # Why `run` stopped (0: it reached the end of the range)
 cdef enum:
@@ -1035,6 +1036,13 @@ cdef class BatchKernel:
             data = d + f.payload_off
             dlen = f.payload_len
             doff = woff
+        if self.m_bucket[m] < 0:               # another collective on the communicator: no gradient
+            if u > self.fe_last[e]:
+                self.fe_last[e] = u
+            if recv != NULL:
+                recv[0] = 1
+            self.counters[C_OTHER_COLLECTIVE] += 1
+            return 0
         isz = self.b_itemsize[layout, self.m_bucket[m]]
         total = self.m_nelem[m] * isz          # LL pads the last line: drop what is not data
         n = min(dlen, max(<int64_t>0, total - doff))

@@ -211,6 +211,10 @@ class Plan:
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
+    # Other allreduces on the job's communicator (a loss or metric), which advance its QP
+    # rotation, PSNs and LL steps: {"start" | "before" | "after": ((count, dtype), ...)}
+    # (once before iteration 0; every iteration before / after the gradient buckets)
+    collectives: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         check_plan(self)
@@ -266,19 +270,30 @@ class Plan:
         (RingConfig.qp_of_part), so with several QPs an iteration's messages sit on QPs
         that depend on how many sends came before it: iteration i >= 1 looks like
         iteration 1 + (i-1) % rotation_period()."""
-        return self._ring_schedule(self.buckets(iteration), self._send_base(iteration))
+        return self._ring_schedule(iteration, self._send_base(iteration))
 
-    def _ring_schedule(self, buckets, send_base: tuple) -> RingSchedule:
-        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets), send_base)
+    def other_collectives(self, iteration: int) -> tuple[list[Bucket], list[Bucket]]:
+        """The non-gradient allreduces before and after the iteration's buckets."""
+        def buckets(key):
+            return [Bucket(n, np.dtype(_np_dtype(d))) for n, d in self.collectives.get(key, ())]
+        before = (buckets("start") if iteration == 0 else []) + buckets("before")
+        return before, buckets("after")
+
+    def _ring_schedule(self, iteration: int, send_base: tuple) -> RingSchedule:
+        buckets = self.buckets(iteration)
+        before, after = self.other_collectives(iteration)
+        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets),
+               tuple((b.count, b.dtype.str) for b in before), tuple((b.count, b.dtype.str) for b in after),
+               send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base))
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after)
         return sched
 
     def _sends_per_iteration(self, iteration: int) -> dict:
         """Sends each connection makes in an iteration (they do not depend on the QPs)."""
-        return {c: len(v) for c, v in self._ring_schedule(self.buckets(iteration), ()).sends.items()}
+        return {c: len(v) for c, v in self._ring_schedule(min(iteration, 1), ()).sends.items()}
 
     def _send_base(self, iteration: int) -> tuple:
         """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
@@ -442,6 +457,9 @@ class Plan:
             doc["transport"] = self.transport
         if self.comm_hook != "allreduce":
             doc["comm_hook"] = self.comm_hook
+        if self.collectives:
+            doc["collectives"] = {k: [{"op": "allreduce", "count": n, "dtype": d} for n, d in v]
+                                  for k, v in self.collectives.items()}
         return doc
 
     def _rank_json(self, r: int) -> dict:
@@ -846,7 +864,34 @@ def _plan_from_json(raw) -> Plan:
                 nodes=tuple(nodes) if any(isinstance(x, dict) and "node" in x for x in doc.list("ranks")) else (),
                 channel_nics=tuple(nics) if any(isinstance(x, dict) and "nics" in x for x in doc.list("ranks")) else (),
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
-                comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)))
+                comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
+                collectives=_collectives(doc))
+
+
+COLLECTIVE_WHEN = ("start", "before", "after")
+
+
+def _collectives(doc: "_Doc") -> dict:
+    """plan["collectives"]: the communicator's other allreduces (docs/PLAN.md)."""
+    if doc.get("collectives") is None:
+        return {}
+    c = doc.obj("collectives")
+    for k in c.d:
+        if k not in COLLECTIVE_WHEN:
+            raise PlanError(f"collectives.{_short(k)} is not one of {', '.join(COLLECTIVE_WHEN)}")
+    out = {}
+    for when in COLLECTIVE_WHEN:
+        entries = []
+        for i, raw in enumerate(c.list(when, [])):
+            e = _Doc(raw, f"collectives.{when}[{i}]")
+            op = e.str("op", "allreduce")
+            if op != "allreduce":
+                raise PlanError(f"collectives.{when}[{i}].op {op!r}: only allreduce is modelled "
+                                "(a broadcast's ring schedule is not; docs/NCCL.md section 4a)")
+            entries.append((e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)))
+        if entries:
+            out[when] = tuple(entries)
+    return out
 
 
 def _check_topology(plan: Plan):

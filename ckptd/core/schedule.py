@@ -206,7 +206,7 @@ class Send:
     connection in the iteration: LL writes step-derived flags into every line.
     """
 
-    bucket: int
+    bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
     phase: int
     offset: int  # first element, within the bucket
     nelem: int
@@ -460,12 +460,17 @@ class RingSchedule:
     channel)] the connection's sends in issue order.
     """
 
-    def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None):
+    def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
+                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = ()):
         """send_base[conn]: sends the connection made before this iteration (earlier
         iterations and other collectives on the communicator), which is where NCCL's QP
-        rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters."""
+        rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
+        before/after: other allreduces on the same communicator around the gradient
+        buckets (a loss, a metric: Plan.collectives); their sends are on the wire and
+        advance every counter of the connection, and carry no gradient (bucket < 0)."""
         self.cfg = cfg
         self.buckets = list(buckets)
+        self.others = list(before) + list(after)
         self.send_base = dict(send_base or {})
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
@@ -476,8 +481,12 @@ class RingSchedule:
                 self.sends[(src, dst, c)] = []
                 for q in range(cfg.qps_per_connection):
                     self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
+        for k, other in enumerate(before):
+            self._add_allreduce(-1 - k, other)
         for b, bucket in enumerate(self.buckets):
             self._add_allreduce(b, bucket)
+        for k, other in enumerate(after):
+            self._add_allreduce(-1 - len(before) - k, other)
 
     # -- building -----------------------------------------------------------------
     def _add_allreduce(self, b: int, bucket: Bucket):
@@ -548,6 +557,10 @@ class RingSchedule:
                 flow.add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
 
     # -- queries ------------------------------------------------------------------
+    def bucket_of(self, send: Send) -> Bucket:
+        """The gradient bucket, or other collective, a send belongs to."""
+        return self.buckets[send.bucket] if send.bucket >= 0 else self.others[-1 - send.bucket]
+
     def steps(self, conn) -> int:
         """LL steps a connection advances by in one iteration (one per send)."""
         return len(self.sends[conn])

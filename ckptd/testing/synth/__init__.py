@@ -78,6 +78,8 @@ class SynthOptions:
     gpus_per_node: int = 1
     nics_per_node: int = 0  # 0: one NIC per GPU (rails); channel c uses NIC c % nics_per_node
     collective: str = "allreduce"  # what the wire carries: allreduce | reduce_scatter | tree (refusal tests)
+    # other allreduces on the communicator (Plan.collectives): {"start"|"before"|"after": [[count, dtype], ...]}
+    collectives: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -196,7 +198,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
-        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook)
+        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
+        collectives={k: tuple((int(n), str(d)) for n, d in v) for k, v in opts.collectives.items() if v})
 
 
 def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:
@@ -453,7 +456,10 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
                 (scaler.scale(loss) if scaler else loss).backward()
                 local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
                                        plan.comm_hook, plan.nranks) for b in layout])
-            final, payloads = reduce_iteration(sched, local)
+            # each rank's values for the other allreduces (a loss, a metric): not gradients
+            others = [[np.random.default_rng((opts.seed, t, r, k)).standard_normal(b.count).astype(b.dtype)
+                       for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
+            final, payloads = reduce_iteration(sched, local, others)
             for b, buf in enumerate(final):
                 flat = _from_wire(buf, plan.comm_hook)
                 for name, s, e in plan.param_ranges(t, b):

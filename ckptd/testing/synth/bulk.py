@@ -233,6 +233,8 @@ class BulkSynth:
         cfg = plan.ring
         if cfg.protocol != "simple":
             raise ValueError("BulkSynth writes the Simple protocol only")
+        if plan.collectives:
+            raise ValueError("BulkSynth writes the gradient allreduces only (no plan collectives)")
         if not plan.one_host_per_rank:
             raise ValueError("BulkSynth writes one-GPU-per-host jobs only (use ckptd synth --nodes)")
         if len(paths) != len(plan.mirrors):

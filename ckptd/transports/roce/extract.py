@@ -128,6 +128,9 @@ class Extractor:
             doff = woff // 2
         else:
             data, doff = bytes(payload), woff
+        if send.bucket < 0:  # another collective on the communicator (Plan.collectives): no gradient
+            self.counters["other_collective_packets"] += 1
+            return []
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
         total = send.nelem * itemsize  # LL pads the last line: drop what is not data
         data = data[:max(0, total - doff)]

@@ -226,3 +226,63 @@ def test_bucket_over_25_mb_with_rotating_qps(tmp_path):
     for (t, b), final in finals.items():
         got = np.load(dump / f"iter_{t:06d}_bucket_{b:03d}.npy")
         assert got.tobytes() == final.tobytes(), (t, b)
+
+
+# -- other collectives on the communicator (Plan.collectives) -----------------------------------
+COLLECTIVES = {"start": [[1000, "float32"]], "before": [[3, "float32"]], "after": [[1, "float32"]]}
+
+
+def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
+    base = _plan("2.22", 1).to_json()
+    assert "collectives" not in base  # plans without them read and write as before
+    doc = {**base, "collectives": {"start": [{"op": "allreduce", "count": 1000, "dtype": "float32"}],
+                                   "before": [{"count": 3}], "after": [{"count": 1}]}}
+    plan = plan_from_json(doc)
+    assert plan.collectives == {"start": ((1000, "float32"),), "before": ((3, "float32"),),
+                                "after": ((1, "float32"),)}
+    assert plan_from_json(plan.to_json()) == plan
+    s0, s1 = plan.schedule(0), plan.schedule(1)
+    assert [b.count for b in s0.others] == [1000, 3, 1] and [b.count for b in s1.others] == [3, 1]
+    conn = next(iter(s1.sends))
+    order = [s.bucket for s in s1.sends[conn]]  # before (-1), the buckets (>= 0), after (-2)
+    grads = [k for k, b in enumerate(order) if b >= 0]
+    assert set(order[:grads[0]]) == {-1} and set(order[grads[-1] + 1:]) == {-2}
+    assert all(order[k] >= 0 for k in range(grads[0], grads[-1] + 1))
+    for bad, msg in [({"during": []}, "collectives: key .during. is not one of"),
+                     ({"after": [{"op": "broadcast", "count": 5}]}, r"collectives.after\[0\].op 'broadcast'"),
+                     ({"start": [{"count": 0}]}, r"collectives.start\[0\].count"),
+                     ({"before": [{"count": 4, "dtype": "complex64"}]}, r"collectives.before\[0\].dtype"),
+                     ([1], "collectives must be an object")]:
+        with pytest.raises(PlanError, match=msg):
+            plan_from_json({**base, "collectives": bad}, "p.json")
+
+
+@pytest.mark.parametrize("version,qps,protocol", [("2.22", 3, "simple"), ("2.29", 4, "ll")])
+def test_collectives_replay_bit_exact(tmp_path, version, qps, protocol):
+    """A start-up allreduce and a loss allreduce before and after the buckets every
+    iteration: they shift every QP's rotation, PSNs and LL steps; the gradients stay exact."""
+    ref, fast = synth_pair(tmp_path, ranks=2, channels=2, protocol=protocol, mtu=1024, mirrors=2,
+                           loss=1e-3, nccl_version=version, qps=qps, iterations=4, collectives=COLLECTIVES)
+    assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 4
+    assert ref.extract.counters["other_collective_packets"] > 0
+    assert ref.extract.counters["schedule_mismatch"] == 0
+    assert_same(ref, fast)
+    assert load_plan(tmp_path / "plan.json").rotation_period() > 1
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
+    """Joining places packets by PSN from the connect: the start-up allreduce and every
+    iteration's loss allreduces are counted in, and so is the QP rotation."""
+    from test_join import cut, iteration_starts, join_replay
+    job = tmp_path / "job"
+    synth(job, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=3,
+          iterations=5, seed=3, collectives=COLLECTIVES)
+    starts = iteration_starts(pcaps(job))
+    assert len(starts) == 5
+    paths = cut(job, tmp_path / "cut", starts[2] - 1_000_000)
+    pipe = join_replay(job, paths, tmp_path / "out", fast=fast)
+    assert pipe.joined == 2
+    assert [(r.iteration, r.status, r.exact) for r in pipe.reports] == \
+        [(t, "committed", True) for t in (2, 3, 4)], [(r.iteration, r.note) for r in pipe.reports]
+    assert not pipe.extract.binder.errors

@@ -878,7 +878,7 @@ def _collectives(doc: "_Doc") -> dict:
     c = doc.obj("collectives")
     for k in c.d:
         if k not in COLLECTIVE_WHEN:
-            raise PlanError(f"collectives.{_short(k)} is not one of {', '.join(COLLECTIVE_WHEN)}")
+            raise PlanError(f"collectives: key {_short(k)} is not one of {', '.join(COLLECTIVE_WHEN)}")
     out = {}
     for when in COLLECTIVE_WHEN:
         entries = []

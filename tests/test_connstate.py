@@ -255,6 +255,8 @@ def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
                      ([1], "collectives must be an object")]:
         with pytest.raises(PlanError, match=msg):
             plan_from_json({**base, "collectives": bad}, "p.json")
+    with pytest.raises(PlanError, match="collectives: only NCCL plans"):
+        plan_from_json({**doc, "transport": "gloo"}, "p.json")
 
 
 @pytest.mark.parametrize("version,qps,protocol", [("2.22", 3, "simple"), ("2.29", 4, "ll")])

@@ -490,6 +490,9 @@ def _check_tensor(t, p: Parameter, key: str) -> None:
 def check_plan(plan: Plan) -> None:
     """Everything a Plan must be before anything is sized from it; PlanError naming the
     key. Runs in the constructor, so a plan built in code is checked as a loaded one is."""
+    if plan.collectives and plan.transport != "roce":
+        raise PlanError(f"collectives: only NCCL plans (transport roce) list other collectives; "
+                        f"the {plan.transport} extractor does not skip them")
     total = 0
     names = set()
     for i, p in enumerate(plan.parameters):

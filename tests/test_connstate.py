@@ -12,7 +12,7 @@ from ckptd.core.schedule import IB_AR_THRESHOLD, RingConfig
 from parsers.capfile import open_capture
 from parsers.roce import FrameClass, decode_frame
 
-from helpers import pcaps, synth
+from helpers import pcaps, run_replay, synth
 from test_fastpath import assert_same, synth_pair
 
 
@@ -141,22 +141,35 @@ def test_clear_to_send_size_and_qp_in_the_capture(tmp_path, version, size):
     assert RingConfig(2, ((0, 1),), nccl_version=tuple(map(int, version.split(".")))).cts_bytes == size
     if version not in ("2.14", "2.29"):
         return  # one capture per layout of the fifo entry is enough
-    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=1024, mirrors=1, iterations=1,
-          nccl_version=version, qps=2, noise=False)
-    data_qps, cts = {}, []
+    # 4 QPs at MTU 4096: 2.14's data parts of sends over 8192 B are WRITE_ONLY too
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=4096, mirrors=1, iterations=1,
+          nccl_version=version, qps=4, noise=False)
+    data_qps, only, acked = {}, [], {}
     for fr in open_capture(pcaps(tmp_path)[0]):
         f = decode_frame(fr.data, fr.linktype, fr.origlen)
         if f.cls is FrameClass.ROCE_DATA:
+            flow = (str(f.src), str(f.dst), f.bth.dest_qp)
             if f.bth.opcode == 10:
-                cts.append((str(f.src), str(f.dst), f.bth.dest_qp, f.reth.dma_len, f.payload_len))
-            else:
-                data_qps.setdefault((str(f.src), str(f.dst)), set()).add(f.bth.dest_qp)
-    assert cts and all(n == size and p == size for *_, n, p in cts)
-    # every CTS goes to one QP per direction, a QP that never receives data: the sender's
-    assert {(s, d) for s, d, *_ in cts} == {(d, s) for s, d in data_qps}
-    for s, d, qpn, *_ in cts:
-        assert qpn not in data_qps[(d, s)]
-    assert len({(s, qpn) for s, _, qpn, *_ in cts}) == 2
+                only.append((flow, f.reth.dma_len, f.payload_len))
+            if f.immdt is not None:  # only data QPs get immediates
+                data_qps.setdefault(flow[:2], set()).add(flow[2])
+        elif f.cls is FrameClass.ROCE_ACK:  # receiver -> sender, to the sender's QPN
+            acked.setdefault((str(f.src), str(f.dst)), set()).add(f.bth.dest_qp)
+    cts = [(flow, n, p) for flow, n, p in only if flow[2] not in data_qps[flow[:2]]]
+    data_only = [x for x in only if x not in cts]
+    assert cts and all(n == size and p == size for _, n, p in cts)
+    assert bool(data_only) == (version == "2.14") and all(n > size for _, n, _ in data_only)
+    # every CTS goes to one QP per direction, the sender's first QP: never a data QP
+    assert {flow[:2] for flow, *_ in cts} == {(d, s) for s, d in data_qps}
+    assert len({flow for flow, *_ in cts}) == 2
+    # ... a QPN that data QPs' ACKs are sent to: the reverse direction of a data QP's connection
+    assert all(flow[2] in acked[flow[:2]] for flow, *_ in cts)
+    # the extractor counts them and nothing else as other RoCE, binds no flow to them
+    # (2.14: WRITE_ONLY also carries data there), and the replay is exact
+    pipe = run_replay(tmp_path)
+    assert pipe.classes[0]["other_roce"] == len(cts)
+    assert not pipe.extract.binder.errors and pipe.extract.counters["schedule_mismatch"] == 0
+    assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)]
 
 
 # -- replay, bit for bit, reference and fast path ---------------------------------------------

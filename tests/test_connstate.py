@@ -185,7 +185,7 @@ MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over it
 ]
 EXTRA = {  # once each: IPv6 addresses; a communicator with more channels than the tuner gives small buckets
     ("2.22", 3, "simple", 2, 2): dict(ipv6=True),
-    ("2.29", 4, "ll", 2, 2): dict(channels=4),
+    ("2.32", 2, "simple", 2, 2): dict(channels=4),
 }
 
 

@@ -66,6 +66,21 @@ def print_iteration(names: list[str]):
 
 
 # -- commands ------------------------------------------------------------------------
+def _other_allreduces(specs: list[str]) -> dict:
+    """--other-allreduce WHEN:COUNT[:DTYPE] values as SynthOptions.collectives."""
+    from ckptd.core.plan import COLLECTIVE_WHEN, DTYPES
+    out: dict = {}
+    for spec in specs:
+        parts = spec.split(":")
+        ok = len(parts) in (2, 3) and parts[0] in COLLECTIVE_WHEN and parts[1].isdigit() and int(parts[1]) > 0 \
+            and (len(parts) == 2 or parts[2] in DTYPES)
+        if not ok:
+            raise UsageError(f"--other-allreduce {spec!r} is not WHEN:COUNT[:DTYPE] with WHEN one of "
+                             f"{', '.join(COLLECTIVE_WHEN)} and COUNT > 0")
+        out.setdefault(parts[0], []).append([int(parts[1]), parts[2] if len(parts) == 3 else "float32"])
+    return out
+
+
 def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, synthesize
     opts = SynthOptions(
@@ -76,7 +91,8 @@ def cmd_synth(a) -> int:
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
-        gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective)
+        gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
+        collectives=_other_allreduces(a.other_allreduce))
     t0 = time.time()
     plan = synthesize(opts, progress=_progress("synth"))
     nparams = sum(p.numel for p in plan.parameters)
@@ -434,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--collective", choices=["allreduce", "reduce_scatter", "tree"], default="allreduce",
                    help="what the wire carries: DDP's ring allreduce, or (to check that ckptd refuses them) "
                         "a reduce-scatter with no allgather (FSDP/ZeRO) or tree-shaped traffic")
+    s.add_argument("--other-allreduce", action="append", default=[], metavar="WHEN:COUNT[:DTYPE]",
+                   help="another allreduce on the job's communicator (a loss, a metric), in the plan's "
+                        "collectives: WHEN is start (once, before iteration 0), before or after (every "
+                        "iteration, around the gradient buckets); repeatable")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

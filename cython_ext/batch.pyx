@@ -96,9 +96,10 @@ cdef enum:
     C_RS_PACKETS = 5
     C_LATE = 6
     C_ACKS = 7
-    NCOUNTERS = 8
+    C_OTHER_COLLECTIVE = 8
+    NCOUNTERS = 9
 COUNTER_NAMES = ("before_start", "schedule_mismatch", "ll_flag_mismatch", "unrelated",
-                 "ag_packets", "rs_packets", "late", "acks")
+                 "ag_packets", "rs_packets", "late", "acks", "other_collective_packets")
 
 # Why `run` stopped (0: it reached the end of the range)
 cdef enum:
@@ -400,6 +401,9 @@ cdef class BatchKernel:
     # compiled schedule (ckptd/fast/pipeline.py CompiledSchedule)
     cdef int64_t[::1] tl_conn                 # timeline -> connection index
     cdef int64_t[:, ::1] tl_npkts             # [layout, timeline]
+    cdef int64_t[::1] tl_cycle                # [timeline] packets of layouts 1.. (one QP-rotation period)
+    cdef int64_t nlayouts                     # 1 + the rotation period (Plan.timeline_schedules)
+    cdef int64_t cts_bytes                    # RDMA WRITE (no imm) carries data unless this long; -1: never
     cdef int64_t[:, ::1] tl_mlo, tl_mhi       # [layout, timeline] message index range
     cdef int64_t[:, ::1] tl_recv_off          # [layout, timeline] offset in a received map
     cdef int64_t[::1] recv_total              # [layout] packets of all timelines
@@ -407,6 +411,7 @@ cdef class BatchKernel:
     cdef int64_t[::1] m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset
     cdef int64_t[::1] m_nelem, m_phase, m_step, m_ring_step
     cdef uint32_t[::1] m_imm                  # the immediate's 4 wire bytes, read LE
+    cdef int64_t[::1] m_has_imm               # 0: a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM)
     cdef int64_t[:, ::1] b_itemsize, b_count  # [layout, bucket]
     cdef int64_t[::1] b_nbuckets              # [layout]
 
@@ -464,9 +469,10 @@ cdef class BatchKernel:
         self.crc_fn = _crc_fn(impl, external)
 
     def set_tables(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end,
-                   tl_conn, tl_npkts, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
+                   tl_conn, tl_npkts, tl_cycle, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
-                   m_phase, m_step, m_ring_step, m_imm, b_itemsize, b_count, b_nbuckets, mtu, protocol):
+                   m_phase, m_step, m_ring_step, m_imm, m_has_imm, b_itemsize, b_count, b_nbuckets,
+                   mtu, protocol, cts_bytes=-1):
         """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
         only; the kernel allocates its own flow table, flag bases, iteration slots and
         output counts."""
@@ -477,7 +483,8 @@ cdef class BatchKernel:
         self.m_start, self.m_npkts, self.m_wire_len = m_start, m_npkts, m_wire_len
         self.m_wire_offset, self.m_bucket, self.m_offset = m_wire_offset, m_bucket, m_offset
         self.m_nelem, self.m_phase, self.m_step, self.m_ring_step = m_nelem, m_phase, m_step, m_ring_step
-        self.m_imm = m_imm
+        self.m_imm, self.m_has_imm = m_imm, m_has_imm
+        self.tl_cycle, self.nlayouts, self.cts_bytes = tl_cycle, tl_npkts.shape[0], cts_bytes
         self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
@@ -501,8 +508,8 @@ cdef class BatchKernel:
         self.classes, self.counters, self.conflicts = self.class_counts, self.counter_values, self.conflict_rows
         self.recv_maps = [None] * MAX_SLOTS
         self.buffers = [None] * MAX_SLOTS
-        self.free_recv = {0: [], 1: []}
-        self.free_buffers = {0: [], 1: []}
+        self.free_recv = {k: [] for k in range(self.nlayouts)}
+        self.free_buffers = {k: [] for k in range(self.nlayouts)}
 
     # -- iterations: tracked, opened, closed (the pipeline decides when) ------------------
     def slot_of(self, int64_t iteration):
@@ -519,7 +526,7 @@ cdef class BatchKernel:
         the reference path). Maps are reused across iterations, cleared."""
         if self.slot_of(iteration) >= 0:
             return True
-        cdef int64_t q, slot = -1, layout = min(iteration, 1)
+        cdef int64_t q, slot = -1, layout = 0 if iteration == 0 else 1 + (iteration - 1) % (self.nlayouts - 1)
         for q in range(MAX_SLOTS):
             if self.slot_iter[q] < 0:
                 slot = q
@@ -959,12 +966,13 @@ cdef class BatchKernel:
         RETH DMA length, immediate. True when the packet is what the schedule says."""
         cdef int64_t npk = self.m_npkts[m], wire_len = self.m_wire_len[m]
         cdef int op = f.opcode, want
+        cdef bint imm = self.m_has_imm[m]
         if npk == 1:
-            want = WRITE_ONLY_IMM
+            want = WRITE_ONLY_IMM if imm else WRITE_ONLY
         elif i == 0:
             want = WRITE_FIRST
         elif i == npk - 1:
-            want = WRITE_LAST_IMM
+            want = WRITE_LAST_IMM if imm else WRITE_LAST
         else:
             want = WRITE_MIDDLE
         if op != want:
@@ -972,7 +980,7 @@ cdef class BatchKernel:
         if f.payload_len != min(self.mtu, wire_len - i * self.mtu):
             return False
         cdef const uint8_t *ext = d + f.bth_off + BTH_LEN
-        if op == WRITE_FIRST or op == WRITE_ONLY_IMM:
+        if op == WRITE_FIRST or op == WRITE_ONLY_IMM or op == WRITE_ONLY:
             if be32(ext + 12) != wire_len:   # RETH: va u64, rkey u32, dma_len u32
                 return False
         if op == WRITE_LAST_IMM:
@@ -988,7 +996,7 @@ cdef class BatchKernel:
         cdef uint8_t lldata[MAX_LINE_DATA]
         cdef const uint8_t *bth = d + f.bth_off
         cdef int64_t e, tl, u, pos, layout, it, local, q, m, i, slot = -1, conn
-        cdef int64_t woff, doff, dlen, isz, total, n, start, nel, npk0, npk1, gstep, phase
+        cdef int64_t woff, doff, dlen, isz, total, n, start, nel, npk0, cycle, gstep, phase
         cdef const uint8_t *data
         cdef uint8_t *recv = NULL             # this packet's flag in the received map
         cdef uint32_t expected, dqp
@@ -1008,14 +1016,19 @@ cdef class BatchKernel:
         u = psn_unwrap(be24(bth + 9), self.fe_last[e])
         pos = u - self.fe_base[e]
         npk0 = self.tl_npkts[0, tl]
-        npk1 = self.tl_npkts[1, tl]
-        if pos < 0 or (pos >= npk0 and npk1 == 0):
+        cycle = self.tl_cycle[tl]
+        if pos < 0 or (pos >= npk0 and cycle == 0):
             return self._reject(e, u, NULL, C_BEFORE_START)
         if pos < npk0:
             it, layout, local = 0, 0, pos
-        else:
-            q = (pos - npk0) // npk1
-            it, layout, local = q + 1, 1, pos - npk0 - q * npk1
+        else:  # FlowTimeline.locate: whole turns of the QP-rotation cycle, then its layouts
+            q = (pos - npk0) // cycle
+            local = pos - npk0 - q * cycle
+            layout = 1
+            while local >= self.tl_npkts[layout, tl]:
+                local -= self.tl_npkts[layout, tl]
+                layout += 1
+            it = 1 + q * (self.nlayouts - 1) + layout - 1
         m = self.find_message(e, layout, tl, local)
         i = local - self.m_start[m]
         if not self.check(m, i, d, f):
@@ -1074,6 +1087,13 @@ cdef class BatchKernel:
             data = d + f.payload_off
             dlen = f.payload_len
             doff = woff
+        if self.m_bucket[m] < 0:               # another collective on the communicator: no gradient
+            if u > self.fe_last[e]:
+                self.fe_last[e] = u
+            if recv != NULL:
+                recv[0] = 1
+            self.counters[C_OTHER_COLLECTIVE] += 1
+            return 0
         isz = self.b_itemsize[layout, self.m_bucket[m]]
         total = self.m_nelem[m] * isz          # LL/LL128 pad the last line/block: drop what is not data
         n = min(dlen, max(<int64_t>0, total - doff))
@@ -1235,7 +1255,9 @@ cdef class BatchKernel:
                     break
                 if cls == K_ROCE_DATA:
                     if f.opcode == WRITE_FIRST or f.opcode == WRITE_MIDDLE or f.opcode == WRITE_LAST \
-                            or f.opcode == WRITE_LAST_IMM or f.opcode == WRITE_ONLY_IMM:
+                            or f.opcode == WRITE_LAST_IMM or f.opcode == WRITE_ONLY_IMM \
+                            or (f.opcode == WRITE_ONLY and self.cts_bytes >= 0   # flows.carries_data
+                                and be32(d + f.bth_off + BTH_LEN + 12) != self.cts_bytes):
                         reason = self.place(d, &f, s, &flow)
                         if reason and reason != STOP_COMPLETE:
                             break

@@ -138,12 +138,12 @@ def test_join_refuses_qps_that_did_not_start_at_psn_zero(tmp_path):
     assert "connected it at PSN 0" in pipe.extract.binder.errors[0]
 
 
-def _packets(paths):
+def _packets(paths, cfg):
     from collections import Counter
     classes = Counter()
     for k, p in enumerate(paths):
         for fr in open_capture(p):
-            pkt = decode_roce(k, fr, classes)
+            pkt = decode_roce(cfg, k, fr, classes)
             if pkt is not None and pkt.opcode != 17:
                 yield pkt
 
@@ -156,7 +156,7 @@ def test_join_from_picks_the_wrap_of_the_psns(job):
     rebuilt = plan.schedule(1)
     paths = pcaps(job)
     probe = FlowBinder(plan)  # learn each flow's QP from the whole capture
-    for pkt in _packets(paths):
+    for pkt in _packets(paths, plan.ring):
         if pkt.flow not in probe.bound:
             hop = probe.hop_of(pkt)
             if hop is not None:
@@ -169,7 +169,7 @@ def test_join_from_picks_the_wrap_of_the_psns(job):
     ends = {key: probe.bound[key].timeline.iteration_start(2) for key in period}
 
     def moved():
-        for pkt in _packets(paths):
+        for pkt in _packets(paths, plan.ring):
             if pkt.flow in period:
                 # this copy's own position: the capture's PSNs start at 0
                 if starts[pkt.flow] <= pkt.psn < ends[pkt.flow]:

@@ -69,21 +69,6 @@ def test_todays_nccl_replays_bit_exact_on_both_paths(tmp_path, version, protocol
             [(r.status, r.note) for r in pipe.reports]
 
 
-def test_qp_rotation_that_would_carry_over_is_refused_by_name(tmp_path, capsys):
-    """NCCL keeps rotating whole sends over the QPs across iterations; where an
-    iteration's sends are not a multiple of the QP count the schedule (which starts each
-    iteration at QP 0) would read equal-sized messages off the wrong QP: refused."""
-    from helpers import pcaps, synth
-
-    from ckptd.cli import main
-    synth(tmp_path, ranks=4, channels=1, protocol="ll", nccl_version="2.22", qps=4, mirrors=2, iterations=1)
-    rc = main(["replay", "--plan", str(tmp_path / "plan.json"), "--init", str(tmp_path / "init.pt"),
-               *pcaps(tmp_path)])
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "qps_per_connection 4" in err[0] and "NCCL_IB_SPLIT_DATA_ON_QPS=1" in err[0]
-
-
 def test_buckets_of_25_mb_and_more_replay_bit_exact_on_both_paths(tmp_path):
     """A 42 MB and a 17 MB bucket over 2 channels (NCCL 2.29): many 1 MiB sends per
     channel whose lengths tell the channels apart only in their last loop, with a

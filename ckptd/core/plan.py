@@ -224,6 +224,10 @@ class Plan:
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
+    # Other allreduces on the job's communicator (a loss or metric), which advance its QP
+    # rotation, PSNs and LL steps: {"start" | "before" | "after": ((count, dtype), ...)}
+    # (once before iteration 0; every iteration before / after the gradient buckets)
+    collectives: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         check_plan(self)
@@ -270,17 +274,69 @@ class Plan:
         return b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
-        """The ring schedule of an iteration's allreduces, built once per (ring, buckets):
-        every stage that asks (binder, extractor, fast path, synthesizer) shares it, and a
-        layout learned later (learn_rebuilt) gets a schedule of its own. Treat it as
-        read-only."""
+        """The ring schedule of an iteration's allreduces, built once per (ring, buckets,
+        QP rotation): every stage that asks (binder, extractor, fast path, synthesizer)
+        shares it, and a layout learned later (learn_rebuilt) gets a schedule of its own.
+        Treat it as read-only.
+
+        NCCL's QP rotation lives on the connection across collectives
+        (RingConfig.qp_of_part), so with several QPs an iteration's messages sit on QPs
+        that depend on how many sends came before it: iteration i >= 1 looks like
+        iteration 1 + (i-1) % rotation_period()."""
+        return self._ring_schedule(iteration, self._send_base(iteration))
+
+    def other_collectives(self, iteration: int) -> tuple[list[Bucket], list[Bucket]]:
+        """The non-gradient allreduces before and after the iteration's buckets."""
+        def buckets(key):
+            return [Bucket(n, np.dtype(_np_dtype(d))) for n, d in self.collectives.get(key, ())]
+        before = (buckets("start") if iteration == 0 else []) + buckets("before")
+        return before, buckets("after")
+
+    def _ring_schedule(self, iteration: int, send_base: tuple) -> RingSchedule:
         buckets = self.buckets(iteration)
-        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets))
+        before, after = self.other_collectives(iteration)
+        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets),
+               tuple((b.count, b.dtype.str) for b in before), tuple((b.count, b.dtype.str) for b in after),
+               send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = cache[key] = RingSchedule(self.ring, buckets)
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after)
         return sched
+
+    def _sends_per_iteration(self, iteration: int) -> dict:
+        """Sends each connection makes in an iteration (they do not depend on the QPs)."""
+        return {c: len(v) for c, v in self._ring_schedule(min(iteration, 1), ()).sends.items()}
+
+    def _send_base(self, iteration: int) -> tuple:
+        """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
+        sorted; empty where rotation changes nothing (one QP, or every send split over
+        all QPs from QP 0)."""
+        nq = self.ring.rotation_modulus
+        if nq == 1:
+            return ()
+        if iteration == 0:
+            return tuple((c, 0) for c in sorted(self._sends_per_iteration(0)))
+        first, rebuilt = self._sends_per_iteration(0), self._sends_per_iteration(1)
+        return tuple((c, (first[c] + (iteration - 1) * rebuilt[c]) % nq) for c in sorted(first))
+
+    def rotation_period(self) -> int:
+        """The smallest p >= 1 with schedule(i + p) == schedule(i) for every i >= 1: the
+        rebuilt iterations cycle through p QP rotations (1 with one QP)."""
+        nq = self.ring.rotation_modulus
+        rebuilt = self._sends_per_iteration(1)
+        p = 1
+        while any(p * n % nq for n in rebuilt.values()):
+            p += 1
+        return p
+
+    def timeline_schedules(self) -> list[RingSchedule]:
+        """schedule(0), then one period of rebuilt iterations: schedule(1 .. rotation_period())."""
+        return [self.schedule(i) for i in range(self.rotation_period() + 1)]
+
+    def layout_index(self, iteration: int) -> int:
+        """Which of timeline_schedules() an iteration uses."""
+        return 0 if iteration == 0 else 1 + (iteration - 1) % self.rotation_period()
 
     def rank_of(self, addr: str) -> int | None:
         """The rank whose own NIC has this address: the lowest one where ranks of a node
@@ -414,6 +470,9 @@ class Plan:
             doc["transport"] = self.transport
         if self.comm_hook != "allreduce":
             doc["comm_hook"] = self.comm_hook
+        if self.collectives:
+            doc["collectives"] = {k: [{"op": "allreduce", "count": n, "dtype": d} for n, d in v]
+                                  for k, v in self.collectives.items()}
         return doc
 
     def _rank_json(self, r: int) -> dict:
@@ -444,6 +503,9 @@ def _check_tensor(t, p: Parameter, key: str) -> None:
 def check_plan(plan: Plan) -> None:
     """Everything a Plan must be before anything is sized from it; PlanError naming the
     key. Runs in the constructor, so a plan built in code is checked as a loaded one is."""
+    if plan.collectives and plan.transport != "roce":
+        raise PlanError(f"collectives: only NCCL plans (transport roce) list other collectives; "
+                        f"the {plan.transport} extractor does not skip them")
     total = 0
     names = set()
     for i, p in enumerate(plan.parameters):
@@ -819,7 +881,34 @@ def _plan_from_json(raw) -> Plan:
                 nodes=tuple(nodes) if any(isinstance(x, dict) and "node" in x for x in doc.list("ranks")) else (),
                 channel_nics=tuple(nics) if any(isinstance(x, dict) and "nics" in x for x in doc.list("ranks")) else (),
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
-                comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)))
+                comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
+                collectives=_collectives(doc))
+
+
+COLLECTIVE_WHEN = ("start", "before", "after")
+
+
+def _collectives(doc: "_Doc") -> dict:
+    """plan["collectives"]: the communicator's other allreduces (docs/PLAN.md)."""
+    if doc.get("collectives") is None:
+        return {}
+    c = doc.obj("collectives")
+    for k in c.d:
+        if k not in COLLECTIVE_WHEN:
+            raise PlanError(f"collectives: key {_short(k)} is not one of {', '.join(COLLECTIVE_WHEN)}")
+    out = {}
+    for when in COLLECTIVE_WHEN:
+        entries = []
+        for i, raw in enumerate(c.list(when, [])):
+            e = _Doc(raw, f"collectives.{when}[{i}]")
+            op = e.str("op", "allreduce")
+            if op != "allreduce":
+                raise PlanError(f"collectives.{when}[{i}].op {op!r}: only allreduce is modelled "
+                                "(a broadcast's ring schedule is not; docs/NCCL.md section 4a)")
+            entries.append((e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)))
+        if entries:
+            out[when] = tuple(entries)
+    return out
 
 
 def _check_topology(plan: Plan):

@@ -36,6 +36,9 @@ ALLREDUCE_CHUNKSTEPS = NCCL_STEPS // 2  # src/include/collectives.h
 ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
+# NCCL_IB_AR_THRESHOLD default: a send larger than this goes as RDMA WRITE + 0-byte
+# WRITE_WITH_IMM where adaptive routing applies (net_ib.cc:81,969@v2.14.3-1).
+IB_AR_THRESHOLD = 8192
 LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
 LL_DATA_PER_LINE = 8
 # LL128 (device/prims_ll128.h@v2.22.3): a warp writes 2048 wire bytes (16 lines of 16 u64,
@@ -90,6 +93,11 @@ class RingConfig:
             raise ScheduleError(f"path MTU {self.mtu} is not an IB MTU (256..4096)")
         if self.qps_per_connection < 1:
             raise ScheduleError("qps_per_connection must be at least 1")
+        if self.split_data_on_qps is False and tuple(self.nccl_version) < (2, 18):
+            raise ScheduleError(
+                f"split_data_on_qps false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
+                "NCCL_IB_SPLIT_DATA_ON_QPS exists only from 2.18; before, every send is split over "
+                "all QPs (net_ib.cc:984@v2.14.3-1)")
 
     @property
     def channels(self) -> int:
@@ -102,10 +110,54 @@ class RingConfig:
 
     @property
     def split(self) -> bool:
-        # NCCL_IB_SPLIT_DATA_ON_QPS: default 1 in 2.18-2.19, 0 from 2.20 (src/transport/net_ib.cc).
+        """Whether each send is cut into one part per QP. 2.14-2.17 always do it (the
+        QP loop in ncclIbMultiSend, net_ib.cc:984@v2.14.3-1, 1003@v2.17.1-1);
+        NCCL_IB_SPLIT_DATA_ON_QPS arrives in 2.18 (net_ib.cc:967@v2.18.6-1), default 1
+        in 2.18-2.19 and 0 from 2.20."""
+        if tuple(self.nccl_version) < (2, 18):
+            return True
         if self.split_data_on_qps is not None:
             return self.split_data_on_qps
-        return (2, 18) <= tuple(self.nccl_version) <= (2, 19)
+        return tuple(self.nccl_version) <= (2, 19)
+
+    @property
+    def ar_writes(self) -> bool:
+        """Whether a send over IB_AR_THRESHOLD goes as RDMA WRITE of the data then a
+        0-byte WRITE_WITH_IMM. 2.14-2.15 do it whatever the link layer
+        (net_ib.cc:969@v2.14.3-1, @v2.15.5-1); from 2.16 only with adaptive routing
+        (`comm->ar`, net_ib.cc:979@v2.16.5-1), which is off on RoCE by default."""
+        return tuple(self.nccl_version) <= (2, 15)
+
+    @property
+    def cts_bytes(self) -> int:
+        """Size of the clear-to-send RDMA write (one ncclIbSendFifo entry for a
+        collective): 32 B up to 2.19 (net_ib.cc:408-415,435@v2.14.3-1), 64 B from 2.20
+        (net_ib.cc:45,794@v2.22.3-1; net_ib/common.h:229@v2.29.7-1, 58,245@v2.30.7-1)."""
+        return 32 if tuple(self.nccl_version) < (2, 20) else 64
+
+    @property
+    def rotation_modulus(self) -> int:
+        """qp_of_part depends on send_index only modulo this: 1 where every send is
+        split over all QPs from QP 0 (2.14-2.28 with split), the QP count otherwise."""
+        nq = self.qps_per_connection
+        if tuple(self.nccl_version) < (2, 29) and self.split:
+            return 1
+        return nq
+
+    def qp_of_part(self, send_index: int, part: int, nparts: int) -> int:
+        """The QP that carries part `part` of the connection's send number `send_index`
+        (counted from the connection's first send, over all collectives).
+
+        <= 2.28: a rotating index kept on the connection, `qpIndex`, advanced by one per
+        QP post and never reset between collectives (net_ib.cc:1572-1613@v2.21.5-1,
+        1644-1688@v2.22.3-1; 2.14-2.17 have no index and post part q on QP q,
+        net_ib.cc:984-998@v2.14.3-1). So the send's first part is on QP
+        send_index*nparts mod nqps. 2.29+: part i on QP (req.id + i) % nqps, req.id the
+        connection's send counter (net_ib/common.h:325-330,354-358@v2.29.7-1)."""
+        nq = self.qps_per_connection
+        if tuple(self.nccl_version) >= (2, 29):
+            return (send_index + part) % nq
+        return (send_index * nparts + part) % nq
 
     @property
     def imm_big_endian(self) -> bool:
@@ -160,7 +212,7 @@ class Send:
     connection in the iteration: LL writes step-derived flags into every line.
     """
 
-    bucket: int
+    bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
     phase: int
     offset: int  # first element, within the bucket
     nelem: int
@@ -172,12 +224,16 @@ class Send:
 
 @dataclass(frozen=True)
 class Message:
-    """One RDMA WRITE_WITH_IMM message on one QP: a Send, or one QP's part of it."""
+    """One RDMA write message on one QP: a Send, or one QP's part of it.
+
+    Normally a WRITE_WITH_IMM carrying the data. Where the send goes as RDMA WRITE + a
+    0-byte WRITE_WITH_IMM (RingConfig.ar_writes) it is two Messages: the data with
+    `imm` None (a plain WRITE), then one of wire_len 0 with the immediate."""
 
     send: Send
     wire_offset: int  # where this part starts within the send's wire bytes
     wire_len: int
-    imm: int  # NCCL writes the whole send's size as immediate, on every part
+    imm: int | None  # NCCL writes the whole send's size as immediate, on every part
     npkts: int
 
 
@@ -435,9 +491,18 @@ class RingSchedule:
     channel)] the connection's sends in issue order.
     """
 
-    def __init__(self, cfg: RingConfig, buckets: list[Bucket]):
+    def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
+                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = ()):
+        """send_base[conn]: sends the connection made before this iteration (earlier
+        iterations and other collectives on the communicator), which is where NCCL's QP
+        rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
+        before/after: other allreduces on the same communicator around the gradient
+        buckets (a loss, a metric: Plan.collectives); their sends are on the wire and
+        advance every counter of the connection, and carry no gradient (bucket < 0)."""
         self.cfg = cfg
         self.buckets = list(buckets)
+        self.others = list(before) + list(after)
+        self.send_base = dict(send_base or {})
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
         for c in range(cfg.channels):
@@ -447,9 +512,12 @@ class RingSchedule:
                 self.sends[(src, dst, c)] = []
                 for q in range(cfg.qps_per_connection):
                     self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
-        self._qp_cursor = {k: 0 for k in self.sends}
+        for k, other in enumerate(before):
+            self._add_allreduce(-1 - k, other)
         for b, bucket in enumerate(self.buckets):
             self._add_allreduce(b, bucket)
+        for k, other in enumerate(after):
+            self._add_allreduce(-1 - len(before) - k, other)
 
     # -- building -----------------------------------------------------------------
     def _add_allreduce(self, b: int, bucket: Bucket):
@@ -492,25 +560,38 @@ class RingSchedule:
     def _emit(self, conn, send: Send):
         """Turn one send into RDMA messages on the connection's QPs.
 
-        src/transport/net_ib.cc ncclIbMultiSend: with NCCL_IB_SPLIT_DATA_ON_QPS every
-        send is cut into nqps parts of DIVUP(DIVUP(size, nqps), 128)*128 bytes, part q
-        on QP q, each a WRITE_WITH_IMM carrying the whole size (an empty part is a
-        0-byte write); without it, whole sends rotate over the QPs.
+        src/transport/net_ib.cc ncclIbMultiSend: with NCCL_IB_SPLIT_DATA_ON_QPS (always
+        before 2.18) every send is cut into nqps parts of DIVUP(DIVUP(size, nqps), 128)*128
+        bytes, each a WRITE_WITH_IMM carrying the whole size (an empty part is a 0-byte
+        write); without it, whole sends rotate over the QPs. Which QP a part takes is
+        RingConfig.qp_of_part, from the connection's send count over all collectives.
         """
         cfg = self.cfg
+        index = self.send_base.get(conn, 0) + len(self.sends[conn])
         self.sends[conn].append(send)
         nq = cfg.qps_per_connection
-        if nq == 1 or not cfg.split:
-            q = self._qp_cursor[conn]
-            self._qp_cursor[conn] = (q + 1) % nq
-            parts = [(q, 0, send.wire_bytes)]
-        else:
-            part = _round_up(_div_up(send.wire_bytes, nq), IB_SPLIT_ALIGN)
-            parts = [(q, q * part, max(0, min(part, send.wire_bytes - q * part))) for q in range(nq)]
-        for q, woff, wlen in parts:
-            self.flows[conn + (q,)].add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
+        nparts = nq if cfg.split else 1
+        part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
+        ar = cfg.ar_writes and send.wire_bytes > IB_AR_THRESHOLD
+        for j in range(nparts):
+            woff = j * part
+            wlen = max(0, min(part, send.wire_bytes - woff))
+            flow = self.flows[conn + (cfg.qp_of_part(index, j, nparts),)]
+            if ar:  # the data as a plain WRITE, then a 0-byte WRITE_WITH_IMM (net_ib.cc:969@v2.14.3-1)
+                if wlen == cfg.cts_bytes:  # only with many QPs: a short last part
+                    raise ScheduleError(
+                        f"a {send.wire_bytes}-byte send over {nq} QPs leaves a {wlen}-byte RDMA WRITE, "
+                        "the size of a clear-to-send write: ckptd cannot tell them apart; use fewer QPs")
+                flow.add(Message(send, woff, wlen, None, npkts(wlen, cfg.mtu)))
+                flow.add(Message(send, woff + wlen, 0, send.wire_bytes, 1))
+            else:
+                flow.add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
 
     # -- queries ------------------------------------------------------------------
+    def bucket_of(self, send: Send) -> Bucket:
+        """The gradient bucket, or other collective, a send belongs to."""
+        return self.buckets[send.bucket] if send.bucket >= 0 else self.others[-1 - send.bucket]
+
     def steps(self, conn) -> int:
         """LL steps a connection advances by in one iteration (one per send)."""
         return len(self.sends[conn])

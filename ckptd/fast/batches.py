@@ -398,6 +398,10 @@ class ReaderStage:
         while True:
             if self.queue.empty():
                 self.empty_waits += 1
+                # Nothing left to extract: a reader paused for the commit (pause) must go
+                # on, since the commit may wait for later frames (the agreement window)
+                # and would then wait forever.
+                self._go.set()
             b = self.queue.get()
             if b is self._END:
                 break

@@ -177,7 +177,8 @@ def opcode_tables() -> dict[str, np.ndarray]:
 @dataclass
 class CompiledSchedule:
     """FlowTimeline/FlowSchedule as flat arrays: per timeline (one QP of one connection)
-    and layout (0: iteration 0's buckets, 1: the rebuilt ones), its messages in order."""
+    and layout (Plan.timeline_schedules: 0 iteration 0, then each QP rotation of the
+    rebuilt iterations, 1 ... period), its messages in order."""
 
     keys: list  # timeline index -> (src, dst, channel, qp)
     conns: list  # connection index -> (src, dst, channel)
@@ -189,20 +190,21 @@ class CompiledSchedule:
 
 
 def compile_schedule(plan: Plan) -> CompiledSchedule:
-    s0, s1 = plan.schedule(0), plan.schedule(1)
+    layouts = plan.timeline_schedules()
+    s0, s1 = layouts[0], layouts[1]
     keys = sorted(s0.flows)
     conns = sorted(s0.sends)
     conn_ix = {c: i for i, c in enumerate(conns)}
-    T = len(keys)
+    T, L = len(keys), len(layouts)
     order = "big" if plan.ring.imm_big_endian else "little"
     cols = {k: [] for k in ("m_start", "m_npkts", "m_wire_len", "m_wire_offset", "m_bucket",
-                            "m_offset", "m_nelem", "m_phase", "m_step", "m_ring_step", "m_imm")}
-    tl_npkts = np.zeros((2, T), np.int64)
-    tl_mlo = np.zeros((2, T), np.int64)
-    tl_mhi = np.zeros((2, T), np.int64)
-    tl_recv_off = np.zeros((2, T), np.int64)
-    recv_total = np.zeros(2, np.int64)
-    for layout, sched in enumerate((s0, s1)):
+                            "m_offset", "m_nelem", "m_phase", "m_step", "m_ring_step", "m_imm", "m_has_imm")}
+    tl_npkts = np.zeros((L, T), np.int64)
+    tl_mlo = np.zeros((L, T), np.int64)
+    tl_mhi = np.zeros((L, T), np.int64)
+    tl_recv_off = np.zeros((L, T), np.int64)
+    recv_total = np.zeros(L, np.int64)
+    for layout, sched in enumerate(layouts):
         for t, key in enumerate(keys):
             fs = sched.flows[key]
             tl_mlo[layout, t] = len(cols["m_start"])
@@ -218,17 +220,19 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
                 cols["m_phase"].append(s.phase)
                 cols["m_step"].append(s.step)
                 cols["m_ring_step"].append(s.ring_step)
-                # the immediate as its 4 wire bytes read little-endian, as the kernel reads them
-                cols["m_imm"].append(int.from_bytes(msg.imm.to_bytes(4, order), "little"))
+                # the immediate as its 4 wire bytes read little-endian, as the kernel reads them;
+                # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has none
+                cols["m_imm"].append(0 if msg.imm is None else int.from_bytes(msg.imm.to_bytes(4, order), "little"))
+                cols["m_has_imm"].append(msg.imm is not None)
             tl_mhi[layout, t] = len(cols["m_start"])
             tl_npkts[layout, t] = fs.npkts
             tl_recv_off[layout, t] = recv_total[layout]
             recv_total[layout] += fs.npkts
     arrays = {k: np.array(v, np.uint32 if k == "m_imm" else np.int64) for k, v in cols.items()}
     nb = max(len(s0.buckets), len(s1.buckets), 1)
-    b_itemsize = np.ones((2, nb), np.int64)
-    b_count = np.zeros((2, nb), np.int64)
-    for layout, sched in enumerate((s0, s1)):
+    b_itemsize = np.ones((L, nb), np.int64)
+    b_count = np.zeros((L, nb), np.int64)
+    for layout, sched in enumerate(layouts):
         for b, bucket in enumerate(sched.buckets):
             b_itemsize[layout, b] = bucket.dtype.itemsize
             b_count[layout, b] = bucket.count
@@ -237,8 +241,8 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
         tl_mlo=tl_mlo, tl_mhi=tl_mhi, tl_recv_off=tl_recv_off, recv_total=recv_total,
         conn_steps=np.array([[s0.steps(c) for c in conns], [s1.steps(c) for c in conns]],
                             np.int64).reshape(2, len(conns)),
-        b_itemsize=b_itemsize, b_count=b_count,
-        b_nbuckets=np.array([len(s0.buckets), len(s1.buckets)], np.int64))
+        tl_cycle=tl_npkts[1:].sum(axis=0), b_itemsize=b_itemsize, b_count=b_count,
+        b_nbuckets=np.array([len(s.buckets) for s in layouts], np.int64))
     return CompiledSchedule(keys, conns, {k: i for i, k in enumerate(keys)}, arrays)
 
 
@@ -324,7 +328,8 @@ class FastExtractor(RoceTransport):
         self.crc = crc if crc != "auto" else crc_choices()[0]
         self.kernel.set_crc(*crc_setting(self.crc))
         self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu,
-                               protocol=plan.ring.protocol)
+                               protocol=plan.ring.protocol,
+                               cts_bytes=plan.ring.cts_bytes if plan.ring.ar_writes else -1)
         self.set_data_plane(KernelTables(self.kernel, self.sched))
         self._batch = None
         self._addr_text: dict[bytes, tuple[str, str]] = {}
@@ -433,7 +438,7 @@ class FastExtractor(RoceTransport):
         recv = self.kernel.received(iteration)
         if recv is None and not flows:
             return None
-        layout = min(iteration, 1)
+        layout = self.plan.layout_index(iteration)
         py: dict[int, tuple[set, int]] = {}
         for key, got in flows.items():
             b = self.binder.bound[key]

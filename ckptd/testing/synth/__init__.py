@@ -80,6 +80,8 @@ class SynthOptions:
     gpus_per_node: int = 1
     nics_per_node: int = 0  # 0: one NIC per GPU (rails); channel c uses NIC c % nics_per_node
     collective: str = "allreduce"  # what the wire carries: allreduce | reduce_scatter | tree (refusal tests)
+    # other allreduces on the communicator (Plan.collectives): {"start"|"before"|"after": [[count, dtype], ...]}
+    collectives: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -199,7 +201,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
-        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook)
+        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
+        collectives={k: tuple((int(n), str(d)) for n, d in v) for k, v in opts.collectives.items() if v})
 
 
 def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:
@@ -270,9 +273,14 @@ class Wire:
             if (src, dst, c) not in wire:
                 continue
             a, b = self.link[(src, dst, c)]
+            # The receiver writes the clear-to-send on its first QP of the connection,
+            # toward the sender's first QP: the other direction of data QP 0's RC
+            # connection, with its own PSNs from 0 (net_ib.cc:1219@v2.19.4-1 qps[0];
+            # docs/NCCL.md section 4)
+            qp0 = self.data_qp[(src, dst, c, 0)]
             self.cts_qp[(src, dst, c)] = QueuePair(
-                self.hosts[b], self.hosts[a], dest_qp=alloc(a), src_qp=alloc(b),
-                psn=start_psn(), sport=rng.randrange(49152, 65536))
+                self.hosts[b], self.hosts[a], dest_qp=qp0.src_qp, src_qp=qp0.dest_qp,
+                psn=start_psn(), sport=qp0.sport)
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
         self.alloc, self.start_psn = alloc, start_psn
@@ -310,16 +318,20 @@ class Wire:
                     wire = raw
                 cts = self.cts_qp[conn]
                 frames += [(dst, src, f) for f, _, _ in cts.write(
-                    rng.randbytes(32), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234, imm=None)]
+                    rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
+                    imm=None)]
                 frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
                 for q in range(cfg.qps_per_connection):
                     msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
                     for m in msgs:
                         qp = self.data_qp[conn + (q,)]
                         part = wire[m.wire_offset:m.wire_offset + m.wire_len]
-                        pkts = qp.write(part, cfg.mtu, va=0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes
-                                        + m.wire_offset, rkey=0x5678,
-                                        imm=imm_bytes(m.imm, cfg.imm_big_endian))
+                        if m.imm is None or m.wire_len:
+                            va, rkey = 0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset, 0x5678
+                        else:  # the 0-byte WRITE_WITH_IMM after an RDMA WRITE: a zeroed work request
+                            va, rkey = 0, 0
+                        pkts = qp.write(part, cfg.mtu, va=va, rkey=rkey,
+                                        imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian))
                         frames += [(src, dst, f) for f, _, _ in pkts]
                         if opts.retransmit and rng.random() < opts.retransmit:
                             k = rng.randrange(len(pkts))  # go-back-N from packet k
@@ -449,7 +461,10 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
                 (scaler.scale(loss) if scaler else loss).backward()
                 local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
                                        plan.comm_hook, plan.nranks) for b in layout])
-            final, payloads = reduce_iteration(sched, local)
+            # each rank's values for the other allreduces (a loss, a metric): not gradients
+            others = [[np.random.default_rng((opts.seed, t, r, k)).standard_normal(b.count).astype(b.dtype)
+                       for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
+            final, payloads = reduce_iteration(sched, local, others)
             for b, buf in enumerate(final):
                 flat = _from_wire(buf, plan.comm_hook)
                 for name, s, e in plan.param_ranges(t, b):

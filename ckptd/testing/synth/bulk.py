@@ -233,6 +233,8 @@ class BulkSynth:
         cfg = plan.ring
         if cfg.protocol != "simple":
             raise ValueError("BulkSynth writes the Simple protocol only")
+        if plan.collectives:
+            raise ValueError("BulkSynth writes the gradient allreduces only (no plan collectives)")
         if not plan.one_host_per_rank:
             raise ValueError("BulkSynth writes one-GPU-per-host jobs only (use ckptd synth --nodes)")
         if len(paths) != len(plan.mirrors):
@@ -242,7 +244,7 @@ class BulkSynth:
         self.wire = Wire(plan, SynthOptions(out="", noise=False), self.rng)
         for qp in list(self.wire.data_qp.values()) + list(self.wire.cts_qp.values()):
             qp.psn = 0  # NCCL connects every QP with sq_psn = 0 (net_ib.cc ncclIbRtsQp)
-        self.scheds = [plan.schedule(0), plan.schedule(1)]
+        self.scheds = plan.timeline_schedules()
         self.paths = [Path(p) for p in paths]
         self.stats = [StreamStats() for _ in paths]
         self.messages = [self._messages(s) for s in self.scheds]
@@ -298,7 +300,7 @@ class BulkSynth:
         self.writers = [PcapWriter(f) for f in files]
         try:
             for t in range(iterations):
-                layout = min(t, 1)
+                layout = plan.layout_index(t)
                 sched = self.scheds[layout]
                 by_bucket = self._sends_by_bucket(sched)
                 for b, bucket in enumerate(sched.buckets):
@@ -345,7 +347,7 @@ class BulkSynth:
         cfg = self.plan.ring
         cts = self.wire.cts_qp[conn]
         if self.sees[(dst, src)]:
-            fifo = self.rng.randbytes(32)
+            fifo = self.rng.randbytes(cfg.cts_bytes)
             for f, _, _ in cts.write(fifo, 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8),
                                      rkey=0x1234, imm=None):
                 self._emit(dst, src, f)
@@ -360,7 +362,7 @@ class BulkSynth:
                 part = data[m.wire_offset:m.wire_offset + m.wire_len]
                 nf, nbytes = self.frames.write(
                     qp, part, va=0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset,
-                    rkey=0x5678, imm=imm_bytes(m.imm, cfg.imm_big_endian),
+                    rkey=0x5678, imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian),
                     sinks=[self.writers[k] for k in sinks], ts=self.ts)
                 for k in sinks:
                     self.stats[k].frames += nf

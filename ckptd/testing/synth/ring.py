@@ -24,12 +24,17 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return s.view(torch.int16).numpy().view(np.uint16)
 
 
-def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
+def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=None):
     """local[rank][bucket] -> (final buckets, payload of every send per connection).
 
     payloads[(src, dst, channel)][i] is the data (numpy array) of that connection's
-    i-th send: a partial sum in reduce-scatter, a final value in allgather."""
+    i-th send: a partial sum in reduce-scatter, a final value in allgather.
+    others[rank][k]: each rank's values for the schedule's other allreduces
+    (RingSchedule.others), reduced the same way; their final values are not returned."""
     cfg = sched.cfg
+
+    def values(rank: int, bucket: int) -> np.ndarray:
+        return local[rank][bucket] if bucket >= 0 else others[rank][-1 - bucket]
     n = cfg.nranks
     final = [np.empty(b.count, b.dtype) for b in sched.buckets]
     covered = [np.zeros(b.count, bool) for b in sched.buckets]
@@ -41,18 +46,18 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
         out = payloads[conn] = []
         for s in sends:
             if s.nelem == 0:
-                out.append(np.empty(0, sched.buckets[s.bucket].dtype))
+                out.append(np.empty(0, sched.bucket_of(s).dtype))
                 continue
             key = (s.bucket, ch, s.offset, s.nelem, s.chunk)
             partial = memo.get(key)
             if partial is None:
                 sl = slice(s.offset, s.offset + s.nelem)
                 first = (s.chunk + 1) % n
-                acc = local[cfg.rank_at(ch, first)][s.bucket][sl].copy()
+                acc = values(cfg.rank_at(ch, first), s.bucket)[sl].copy()
                 partial = {first: acc}
                 for k in range(2, n + 1):
                     idx = (s.chunk + k) % n
-                    acc = _add(acc, local[cfg.rank_at(ch, idx)][s.bucket][sl])
+                    acc = _add(acc, values(cfg.rank_at(ch, idx), s.bucket)[sl])
                     partial[idx] = acc
                 memo[key] = partial
             if s.phase == RS:
@@ -60,6 +65,8 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]]):
             else:
                 value = partial[s.chunk]  # the chunk's owner added last: the final sum
                 out.append(value)
+                if s.bucket < 0:
+                    continue
                 final[s.bucket][s.offset:s.offset + s.nelem] = value
                 covered[s.bucket][s.offset:s.offset + s.nelem] = True
     for b, cov in enumerate(covered):

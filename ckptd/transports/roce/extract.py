@@ -13,11 +13,12 @@ from collections import Counter
 
 import numpy as np
 
-from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST_IMM, WRITE_MIDDLE,
-                    WRITE_ONLY_IMM, DataPlane, FlowBinder, FlowBinding, Location, Packet)
+from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST, WRITE_LAST_IMM,
+                                         WRITE_MIDDLE, WRITE_ONLY, WRITE_ONLY_IMM, DataPlane, FlowBinder,
+                                         FlowBinding, Location, Packet)
 from ckptd.core.plan import Plan
 from ckptd.core import ll128
-from ckptd.core.schedule import AG, LL_LINE, ScheduleError
+from ckptd.core.schedule import AG, LL_LINE
 from ckptd.transports.base import MAX_EXAMPLES, Placement
 
 def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bool]:
@@ -31,25 +32,6 @@ def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bo
     return words[:, 0::2].tobytes(), flag, ok
 
 
-def _check_qp_rotation(plan: Plan, steps: dict) -> None:
-    """NCCL rotates whole sends over a connection's QPs with an index it keeps across
-    collectives (net_ib.cc:1644-1688@v2.22.3; the send counter from 2.29: docs/NCCL.md
-    section 4); the schedule starts every iteration at QP 0. The two agree only while
-    each iteration's sends are a multiple of the QP count: otherwise equal-sized messages
-    could be read off the wrong QP, so the job is refused rather than misplaced."""
-    cfg = plan.ring
-    nq = cfg.qps_per_connection
-    if nq == 1 or cfg.split:
-        return
-    for conn, (first, rebuilt) in steps.items():
-        if first % nq or rebuilt % nq:
-            raise ScheduleError(
-                f"qps_per_connection {nq} without NCCL_IB_SPLIT_DATA_ON_QPS: connection {conn} "
-                f"sends {first} then {rebuilt} messages an iteration, not a multiple of {nq}, so "
-                "NCCL's QP rotation carries over between iterations, which ckptd does not model "
-                "yet: run the job with NCCL_IB_SPLIT_DATA_ON_QPS=1 or NCCL_IB_QPS_PER_CONNECTION=1/2")
-
-
 class Extractor:
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
@@ -57,7 +39,6 @@ class Extractor:
         self.binder = FlowBinder(plan, join_from)
         s0, s1 = plan.schedule(0), plan.schedule(1)
         self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.sends}
-        _check_qp_rotation(plan, self.steps)
         self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
                          1: [b.dtype.itemsize for b in s1.buckets]}
         self.flag_base: dict[tuple[int, int, int], int] = {}
@@ -166,6 +147,9 @@ class Extractor:
                     self.data_plane.flag_base(b.conn, self.flag_base[b.conn])
         else:
             runs = [(woff, bytes(payload))]
+        if send.bucket < 0:  # another collective on the communicator (Plan.collectives): no gradient
+            self.counters["other_collective_packets"] += 1
+            return []
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
         total = send.nelem * itemsize  # LL and LL128 pad the last line or block: drop what is not data
         runs = [(doff, data[:max(0, total - doff)]) for doff, data in runs]
@@ -192,7 +176,7 @@ class Extractor:
         expected = 0
         for key, got in flows.items():
             tl = self.binder.bound[key].timeline
-            expected += (tl.first if iteration == 0 else tl.rebuilt).npkts
+            expected += tl.schedule_of(iteration).npkts
         return 1.0 - sum(len(g) for g in flows.values()) / expected
 
     def _check(self, loc: Location, pkt: Packet) -> str | None:
@@ -200,11 +184,11 @@ class Extractor:
         msg, i, mtu = loc.message, loc.index, self.cfg.mtu
         last = msg.npkts - 1
         if msg.npkts == 1:
-            want = {WRITE_ONLY_IMM}
+            want = {WRITE_ONLY if msg.imm is None else WRITE_ONLY_IMM}
         elif i == 0:
             want = {WRITE_FIRST}
         elif i == last:
-            want = {WRITE_LAST_IMM}
+            want = {WRITE_LAST if msg.imm is None else WRITE_LAST_IMM}
         else:
             want = {WRITE_MIDDLE}
         if pkt.opcode not in want:

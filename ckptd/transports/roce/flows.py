@@ -42,10 +42,20 @@ from ckptd.core.schedule import RS, FlowSchedule, Message
 # WRITE_ONLY (10) without an immediate, ACKs are 17.
 WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM = 6, 7, 8, 9, 10, 11
 DATA_OPCODES = {WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY_IMM}
+# Where sends go as WRITE + 0-byte WRITE_WITH_IMM (RingConfig.ar_writes), data parts of
+# one MTU or less are WRITE_ONLY too; a WRITE_ONLY of RingConfig.cts_bytes is still the
+# clear-to-send (such a data part is never that short: is_cts)
 HEAD_OPCODES = {WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM}
 IMM_OPCODES = {WRITE_LAST_IMM, WRITE_ONLY_IMM}
 
 ACK = 17
+
+
+def carries_data(cfg, opcode: int, dma_len: int | None) -> bool:
+    """Whether a RoCE write packet can be part of the job's sends (not a clear-to-send)."""
+    if opcode in DATA_OPCODES:
+        return True
+    return opcode == WRITE_ONLY and cfg.ar_writes and dma_len != cfg.cts_bytes
 PENDING_LIMIT = 20000  # packets held per hop while its flows are not yet bound
 MIN_HEADS = 3  # message heads a flow must show before it is bound by its lengths alone
 ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked for
@@ -99,10 +109,19 @@ class Location:
 
 class FlowTimeline:
     """A QP's message sequence over all iterations: iteration 0's layout, then the
-    rebuilt layout repeated."""
+    rebuilt iterations, which cycle through `cycle` (one schedule per QP rotation,
+    Plan.timeline_schedules; a single one with one QP)."""
 
-    def __init__(self, first: FlowSchedule, rebuilt: FlowSchedule):
-        self.first, self.rebuilt = first, rebuilt
+    def __init__(self, first: FlowSchedule, cycle: list[FlowSchedule]):
+        self.first, self.cycle = first, list(cycle)
+        self.cycle_npkts = sum(fs.npkts for fs in self.cycle)
+
+    @property
+    def layouts(self) -> list[FlowSchedule]:
+        return [self.first] + self.cycle
+
+    def schedule_of(self, iteration: int) -> FlowSchedule:
+        return self.first if iteration == 0 else self.cycle[(iteration - 1) % len(self.cycle)]
 
     def locate(self, pos: int) -> tuple[int, FlowSchedule, int, int] | None:
         """(iteration, schedule, message index, packet index) at flow position pos."""
@@ -111,16 +130,21 @@ class FlowTimeline:
         if pos < self.first.npkts:
             m, i = self.first.locate(pos)
             return 0, self.first, m, i
-        if self.rebuilt.npkts == 0:
+        if self.cycle_npkts == 0:
             return None
-        it, local = divmod(pos - self.first.npkts, self.rebuilt.npkts)
-        m, i = self.rebuilt.locate(local)
-        return it + 1, self.rebuilt, m, i
+        turns, local = divmod(pos - self.first.npkts, self.cycle_npkts)
+        for k, fs in enumerate(self.cycle):
+            if local < fs.npkts:
+                m, i = fs.locate(local)
+                return 1 + turns * len(self.cycle) + k, fs, m, i
+            local -= fs.npkts
+        raise AssertionError("unreachable: local < cycle_npkts")
 
     def iteration_start(self, iteration: int) -> int:
         if iteration == 0:
             return 0
-        return self.first.npkts + (iteration - 1) * self.rebuilt.npkts
+        turns, k = divmod(iteration - 1, len(self.cycle))
+        return self.first.npkts + turns * self.cycle_npkts + sum(fs.npkts for fs in self.cycle[:k])
 
     def head_at(self, pos: int) -> Message | None:
         """The message starting exactly at pos, if one does."""
@@ -185,16 +209,16 @@ class FlowBinder:
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.join_from = join_from  # None: the capture starts before the job's first message
-        first, rebuilt = plan.schedule(0), plan.schedule(1)
+        first, *cycle = plan.timeline_schedules()
         self.imm_big_endian = plan.ring.imm_big_endian
         wire = plan.network_connections
-        self.timelines = {k: FlowTimeline(first.flows[k], rebuilt.flows[k]) for k in first.flows
+        self.timelines = {k: FlowTimeline(first.flows[k], [s.flows[k] for s in cycle]) for k in first.flows
                           if k[:3] in wire}
         # Only QPs of network hops that carry at least one message can ever be seen;
         # slots in channel order, then QP (the order NCCL connects them in).
         self.expected: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
         for (s, d, c, q), tl in sorted(self.timelines.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][:2])):
-            if tl.first.npkts or tl.rebuilt.npkts:
+            if tl.first.npkts or tl.cycle_npkts:
                 self.expected.setdefault(plan.link_of((s, d, c)), []).append((s, d, c, q))
         self.bound: dict[tuple, FlowBinding] = {}
         self.unrelated: set[tuple] = set()
@@ -324,7 +348,7 @@ class FlowBinder:
 
     def _rs_timeline(self, slot) -> FlowTimeline:
         tl = self.timelines[slot]
-        return FlowTimeline(reduce_scatter_only(tl.first), reduce_scatter_only(tl.rebuilt))
+        return FlowTimeline(reduce_scatter_only(tl.first), [reduce_scatter_only(fs) for fs in tl.cycle])
 
     def _refuse_reduce_scatter(self, hop):
         raise CollectiveRefused(
@@ -360,18 +384,28 @@ class FlowBinder:
         for key in sorted(flows, key=lambda k: k[2]):  # QPN order = channel order
             cand = flows[key]
             if not final and len(cand.heads) < MIN_HEADS:
-                # A lower QPN still unexplained holds the higher ones back: were they bound
-                # first, a flow whose early lengths fit several channels (big buckets: the
-                # channels differ only in their last loop) would take the lower channel's slot.
-                break
-            del flows[key]
+                continue
+            fits = []
             for slot in self.expected[hop]:
                 if slot in taken:
                     continue
                 tl = self.timelines[slot]
                 base_rel = self._align(tl, cand) if self.join_from is None else self._align_at_origin(tl, cand)
-                if base_rel is None:
-                    continue
+                if base_rel is not None:
+                    fits.append((slot, tl, base_rel))
+            if not final and len(fits) > 1 and any(k[2] < key[2] and len(c.heads) < MIN_HEADS
+                                                   for k, c in flows.items()):
+                # Its heads so far fit several slots (QPs whose message sequences start
+                # alike, as rotated QPs' do): QPN order decides, so wait until the flows
+                # of lower QPN that are still short of heads can be placed too.
+                continue
+            del flows[key]
+            for slot, tl, base_rel in fits[:1]:
+                first_head = min(rel for rel, _ in cand.heads) - base_rel
+                if self.join_from is None and first_head > 0:
+                    it, _, k, _ = tl.locate(first_head)
+                    self.notes.append(f"a flow starts at message {k} of iteration {it} of the schedule: "
+                                      "its first messages reached no mirror (lengths and ACKs place it)")
                 taken.add(slot)
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
                 b = FlowBinding(key, slot[:3], slot[3], tl, base, cand.first_psn,
@@ -410,17 +444,18 @@ class FlowBinder:
             return None
         heads = sorted(cand.heads)
         rel0, len0 = heads[0]
-        for k, msg in enumerate(tl.first.messages):
-            if msg.wire_len != len0:
-                continue
-            base_rel = rel0 - tl.first.starts[k]
-            if base_rel > cand.min_rel:
-                continue  # a packet of this flow would lie before the job's first message
-            if self._explains(tl, cand, base_rel):
-                if k > 0:
-                    self.notes.append(f"a flow starts at message {k} of the schedule: its first "
-                                      "messages reached no mirror (lengths and ACKs place it)")
-                return base_rel
+        # the first head seen is a message of iteration 0, or of the first rotation
+        # cycle: with several QPs, a QP may carry nothing until a later iteration
+        for it, fs in enumerate(tl.layouts):
+            origin = tl.iteration_start(it)
+            for k, msg in enumerate(fs.messages):
+                if msg.wire_len != len0:
+                    continue
+                base_rel = rel0 - origin - fs.starts[k]
+                if base_rel > cand.min_rel:
+                    continue  # a packet of this flow would lie before the job's first message
+                if self._explains(tl, cand, base_rel):
+                    return base_rel
         return None
 
     def _align_at_origin(self, tl: FlowTimeline, cand: _Candidate) -> int | None:
@@ -467,7 +502,8 @@ class FlowBinder:
         if loc is None:
             return False
         msg = loc[1].messages[loc[2]]
-        return loc[3] == msg.npkts - 1 and imm == msg.imm.to_bytes(4, "big" if self.imm_big_endian else "little")
+        return loc[3] == msg.npkts - 1 and msg.imm is not None and \
+            imm == msg.imm.to_bytes(4, "big" if self.imm_big_endian else "little")
 
     # -- placing ------------------------------------------------------------------
     def locate(self, b: FlowBinding, psn: int) -> Location | None:

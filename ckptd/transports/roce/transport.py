@@ -8,10 +8,10 @@ from parsers.roce import FrameClass, decode_frame
 
 from ckptd.transports.base import Placement
 from ckptd.transports.roce.extract import Extractor
-from ckptd.transports.roce.flows import ACK, DATA_OPCODES, Packet
+from ckptd.transports.roce.flows import ACK, Packet, carries_data
 
 
-def decode_roce(stream: int, fr: CapturedFrame, classes: Counter) -> Packet | None:
+def decode_roce(cfg, stream: int, fr: CapturedFrame, classes: Counter) -> Packet | None:
     """A RoCE RDMA-write packet or ACK with an intact ICRC; the rest is counted by class."""
     f = decode_frame(fr.data, fr.linktype, fr.origlen)
     classes[f.cls.value] += 1
@@ -20,7 +20,7 @@ def decode_roce(stream: int, fr: CapturedFrame, classes: Counter) -> Packet | No
                       f.bth.psn, None, None, memoryview(b""), f.udp.sport)
     if f.cls is not FrameClass.ROCE_DATA:
         return None
-    if f.bth.opcode not in DATA_OPCODES:
+    if not carries_data(cfg, f.bth.opcode, f.reth.dma_len if f.reth is not None else None):
         classes["other_roce"] += 1  # clear-to-send writes, sends, reads, UD
         return None
     return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, f.bth.opcode,
@@ -36,7 +36,7 @@ class RoceTransport(Extractor):
     name = "roce"
 
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
-        pkt = decode_roce(stream, fr, classes)
+        pkt = decode_roce(self.cfg, stream, fr, classes)
         return self.feed(pkt) if pkt is not None else []
 
     def diagnostics(self) -> list[str]:

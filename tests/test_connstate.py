@@ -1,0 +1,303 @@
+"""NCCL connection state that lives across collectives (issue 12): the QP rotation index,
+2.14-2.15's RDMA WRITE + 0-byte WRITE_WITH_IMM, 2.14-2.17's split over every QP, and the
+clear-to-send write. The schedule is checked against a step-by-step simulation of
+net_ib's posting loop; the replays against the trainer's own checkpoints, bit for bit,
+on the reference and the fast path."""
+from __future__ import annotations
+
+import pytest
+
+from ckptd.core.plan import PlanError, load_plan, plan_from_json
+from ckptd.core.schedule import IB_AR_THRESHOLD, RingConfig
+from parsers.capfile import open_capture
+from parsers.roce import FrameClass, decode_frame
+
+from helpers import pcaps, run_replay, synth
+from test_fastpath import assert_same, synth_pair
+
+
+def _plan(version: str, qps: int, counts=(3000, 70000, 5), ranks: int = 2, channels: int = 1,
+          protocol: str = "ll", split=None, rebuilt=None):
+    ring = {"nranks": ranks, "nccl_version": version, "channels": channels, "protocol": protocol,
+            "qps_per_connection": qps, "mtu": 1024}
+    if split is not None:
+        ring["split_data_on_qps"] = split
+    buckets = {"first": [{"count": c, "dtype": "float32"} for c in counts]}
+    if rebuilt:
+        buckets["rebuilt"] = [{"count": c, "dtype": "float32"} for c in rebuilt]
+    return plan_from_json({"format": "ckptd-plan", "version": 1, "parameters": [], "buckets": buckets,
+                           "ring": ring, "optimizer": None,
+                           "ranks": [{"rank": r, "addr": f"10.9.0.{r + 1}"} for r in range(ranks)]})
+
+
+def _simulated_qps(version: tuple[int, int], nq: int, split: bool, nsends: int) -> list[list[int]]:
+    """For each send of a connection, the QP of each of its parts, by running net_ib's
+    posting loop: <= 2.28 one qpIndex on the connection, advanced per post and never
+    reset (net_ib.cc:1572-1613@v2.21.5-1; 2.14-2.17 post part q on QP q); 2.29+ part i on
+    QP (fifoHead + i) % nqps, fifoHead counting the sends (net_ib/common.h:325-330@v2.29.7-1)."""
+    qp_index, fifo_head, out = 0, 0, []
+    nparts = nq if split else 1
+    for _ in range(nsends):
+        parts = []
+        for i in range(nparts):
+            if version >= (2, 29):
+                parts.append((fifo_head + i) % nq)
+            elif version < (2, 18):
+                parts.append(i)
+            else:
+                parts.append(qp_index)
+                qp_index = (qp_index + 1) % nq
+        fifo_head += 1
+        out.append(parts)
+    return out
+
+
+@pytest.mark.parametrize("version,qps,split", [
+    ("2.14", 4, None), ("2.17", 2, None), ("2.19", 2, None), ("2.19", 3, False), ("2.22", 3, None),
+    ("2.26", 4, None), ("2.29", 3, None), ("2.29", 4, True), ("2.32", 2, None)])
+def test_qp_of_every_part_follows_net_ib_across_iterations(version, qps, split):
+    """Iterations 0..6 concatenated on each connection put every part on the QP net_ib's
+    loop picks, with the rotation carried over iterations and buckets; and
+    timeline_schedules/layout_index repeat exactly those schedules."""
+    plan = _plan(version, qps, split=split, rebuilt=(70000, 3000, 5))
+    cfg = plan.ring
+    iters = 7
+    for conn in plan.schedule(0).sends:
+        got = []  # per send in issue order: its parts' QPs (in wire-offset order)
+        for t in range(iters):
+            sched = plan.schedule(t)
+            where = {}
+            for q in range(qps):
+                for m in sched.flows[conn + (q,)].messages:
+                    if m.imm is not None:
+                        where.setdefault(m.send.step, []).append((m.wire_offset, q))
+            got += [[q for _, q in sorted(where[s.step])] for s in sched.sends[conn]]
+        want = _simulated_qps(cfg.nccl_version, qps, cfg.split, len(got))
+        assert got == want, conn
+    layouts = plan.timeline_schedules()
+    for t in range(iters):
+        assert layouts[plan.layout_index(t)] is plan.schedule(t)
+    carries = not cfg.split or cfg.nccl_version >= (2, 29)
+    assert (plan.rotation_period() > 1) == (carries and any(
+        len(v) % qps for v in plan.schedule(1).sends.values())), plan.rotation_period()
+
+
+def test_flow_timeline_locates_rotated_iterations():
+    from ckptd.transports.roce.flows import FlowBinder
+    plan = _plan("2.22", 3, rebuilt=(70000, 3000, 5))
+    assert plan.rotation_period() == 3
+    binder = FlowBinder(plan)
+    for key, tl in binder.timelines.items():
+        for t in range(8):
+            fs = plan.schedule(t).flows[key]
+            assert tl.schedule_of(t) is fs
+            start = tl.iteration_start(t)
+            assert tl.iteration_start(t + 1) - start == fs.npkts
+            for k, s in enumerate(fs.starts):
+                it, sched, m, i = tl.locate(start + s)
+                assert (it, m, i) == (t, k, 0) and sched is fs
+
+
+@pytest.mark.parametrize("version,ar", [("2.14", True), ("2.15", True), ("2.16", False), ("2.20", False)])
+def test_writes_then_zero_byte_immediate_above_8192_bytes_in_2_14_2_15(version, ar):
+    """2.14-2.15 send anything over NCCL_IB_AR_THRESHOLD as RDMA WRITE(s) and a 0-byte
+    WRITE_WITH_IMM on each QP (net_ib.cc:969@v2.14.3-1); from 2.16 only under adaptive
+    routing, off on RoCE (net_ib.cc:979@v2.16.5-1)."""
+    plan = _plan(version, 2, protocol="simple", counts=(1000, 200000))
+    cfg = plan.ring
+    assert cfg.ar_writes is ar
+    sched = plan.schedule(0)
+    conn = next(iter(sched.sends))
+    big = small = 0
+    for q in range(2):
+        msgs = sched.flows[conn + (q,)].messages
+        k = 0
+        while k < len(msgs):
+            m = msgs[k]
+            if ar and m.send.wire_bytes > IB_AR_THRESHOLD:
+                nxt = msgs[k + 1]
+                assert m.imm is None and nxt.send is m.send and nxt.wire_len == 0 and nxt.npkts == 1
+                assert nxt.imm == m.send.wire_bytes
+                big, k = big + 1, k + 2
+            else:
+                assert m.imm == m.send.wire_bytes
+                small, k = small + 1, k + 1
+    assert small and (big > 0) == ar
+    assert not any(m.imm is None for fs in sched.flows.values() for m in fs.messages) or ar
+
+
+def test_split_data_on_qps_exists_only_from_2_18():
+    assert _plan("2.17", 2).ring.split and not _plan("2.20", 2).ring.split
+    assert not _plan("2.18", 2, split=False).ring.split
+    with pytest.raises(PlanError, match="ring: split_data_on_qps false with NCCL 2.17"):
+        _plan("2.17", 2, split=False)
+
+
+@pytest.mark.parametrize("version,size", [("2.14", 32), ("2.19", 32), ("2.20", 64), ("2.29", 64),
+                                          ("2.32", 64)])
+def test_clear_to_send_size_and_qp_in_the_capture(tmp_path, version, size):
+    """The receiver's CTS is a WRITE_ONLY of one ncclIbSendFifo entry on its first QP of
+    the connection, toward the sender's first QP: the reverse direction of data QP 0."""
+    assert RingConfig(2, ((0, 1),), nccl_version=tuple(map(int, version.split(".")))).cts_bytes == size
+    if version not in ("2.14", "2.29"):
+        return  # one capture per layout of the fifo entry is enough
+    # 4 QPs at MTU 4096: 2.14's data parts of sends over 8192 B are WRITE_ONLY too
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=4096, mirrors=1, iterations=1,
+          nccl_version=version, qps=4, noise=False)
+    data_qps, only, acked = {}, [], {}
+    for fr in open_capture(pcaps(tmp_path)[0]):
+        f = decode_frame(fr.data, fr.linktype, fr.origlen)
+        if f.cls is FrameClass.ROCE_DATA:
+            flow = (str(f.src), str(f.dst), f.bth.dest_qp)
+            if f.bth.opcode == 10:
+                only.append((flow, f.reth.dma_len, f.payload_len))
+            if f.immdt is not None:  # only data QPs get immediates
+                data_qps.setdefault(flow[:2], set()).add(flow[2])
+        elif f.cls is FrameClass.ROCE_ACK:  # receiver -> sender, to the sender's QPN
+            acked.setdefault((str(f.src), str(f.dst)), set()).add(f.bth.dest_qp)
+    cts = [(flow, n, p) for flow, n, p in only if flow[2] not in data_qps[flow[:2]]]
+    data_only = [x for x in only if x not in cts]
+    assert cts and all(n == size and p == size for _, n, p in cts)
+    assert bool(data_only) == (version == "2.14") and all(n > size for _, n, _ in data_only)
+    # every CTS goes to one QP per direction, the sender's first QP: never a data QP
+    assert {flow[:2] for flow, *_ in cts} == {(d, s) for s, d in data_qps}
+    assert len({flow for flow, *_ in cts}) == 2
+    # ... a QPN that data QPs' ACKs are sent to: the reverse direction of a data QP's connection
+    assert all(flow[2] in acked[flow[:2]] for flow, *_ in cts)
+    # the extractor counts them and nothing else as other RoCE, binds no flow to them
+    # (2.14: WRITE_ONLY also carries data there), and the replay is exact
+    pipe = run_replay(tmp_path)
+    assert pipe.classes[0]["other_roce"] == len(cts)
+    assert not pipe.extract.binder.errors and pipe.extract.counters["schedule_mismatch"] == 0
+    assert [(r.status, r.exact) for r in pipe.reports] == [("committed", True)]
+
+
+# -- replay, bit for bit, reference and fast path ---------------------------------------------
+MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over iterations)
+    # Simple sends 4 slices a loop per connection: 3 QPs rotate. LL with 2 ranks sends 2: 4 QPs rotate.
+    ("2.14", 1, "simple", 2, 1, False), ("2.14", 2, "ll", 2, 2, False), ("2.14", 4, "simple", 3, 1, False),
+    ("2.17", 2, "simple", 2, 2, False), ("2.17", 4, "ll", 2, 2, False),
+    ("2.19", 1, "ll", 3, 1, False), ("2.19", 4, "simple", 2, 2, False),
+    ("2.22", 2, "simple", 2, 2, False), ("2.22", 3, "simple", 2, 2, True), ("2.22", 4, "ll", 2, 2, True),
+    ("2.26", 1, "simple", 3, 2, False), ("2.26", 4, "ll", 2, 2, True),
+    ("2.29", 2, "ll", 3, 1, False), ("2.29", 3, "simple", 2, 2, True), ("2.29", 4, "ll", 2, 2, True),
+    ("2.32", 2, "simple", 2, 2, False), ("2.32", 4, "ll", 2, 2, True),
+]
+EXTRA = {  # once each: IPv6 addresses; a communicator with more channels than the tuner gives small buckets
+    ("2.22", 3, "simple", 2, 2): dict(ipv6=True),
+    ("2.32", 2, "simple", 2, 2): dict(channels=4),
+}
+
+
+@pytest.mark.parametrize("version,qps,protocol,ranks,channels,rotates", MATRIX,
+                         ids=[f"{v}-{q}qp-{p}-{r}r{c}c" for v, q, p, r, c, _ in MATRIX])
+def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rotates):
+    case = (version, qps, protocol, ranks, channels)
+    kw = dict(ranks=ranks, channels=channels, protocol=protocol, mtu=1024, mirrors=2, loss=1e-3,
+              nccl_version=version, qps=qps, iterations=4, seed=[m[:5] for m in MATRIX].index(case))
+    kw.update(EXTRA.get(case, {}))
+    ref, fast = synth_pair(tmp_path, **kw)
+    assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 4, \
+        [(r.status, r.note) for r in ref.reports]
+    assert ref.extract.counters["schedule_mismatch"] == 0
+    assert_same(ref, fast)
+    plan = load_plan(tmp_path / "plan.json")
+    # the case exercises what it is listed for: QPs whose rotation carries over, and
+    # 2.14-2.15's write + 0-byte immediate
+    assert (plan.rotation_period() > 1) == rotates
+    if kw.get("ipv6"):
+        assert all(":" in a for a in plan.addresses)
+    if kw["channels"] == 4:
+        assert any(plan.ring.tune(b.nbytes)[0] < plan.ring.channels for b in plan.buckets(0))
+    assert any(m.imm is None for fs in plan.schedule(1).flows.values() for m in fs.messages) == \
+        plan.ring.ar_writes
+
+
+def test_bucket_over_25_mb_with_rotating_qps(tmp_path):
+    """A 28 MB bucket (over DDP's 25 MB cap, as a bucket holding one big parameter is),
+    2 ranks, 3 QPs whose rotation carries over iterations: BulkSynth writes the traffic,
+    the fast path's gradients are the allgather's final values, bit for bit."""
+    import numpy as np
+
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions
+    from ckptd.testing.synth.bulk import BulkSynth
+    doc = {"format": "ckptd-plan", "version": 1, "parameters": [], "optimizer": None,
+           "buckets": {"first": [{"count": 7_000_000, "dtype": "float32"}, {"count": 1000, "dtype": "float32"}]},
+           "ring": {"nranks": 2, "channels": 2, "nccl_version": "2.22", "qps_per_connection": 3, "mtu": 4096},
+           "ranks": [{"rank": 0, "addr": "10.9.0.1"}, {"rank": 1, "addr": "10.9.0.2"}],
+           "mirrors": [{"name": "m0", "rank": 0, "direction": "both"}]}
+    plan = plan_from_json(doc)
+    assert plan.buckets(0)[0].nbytes >= 25 << 20 and plan.rotation_period() > 1
+    finals = {}
+    paths = [tmp_path / "m0.pcap"]
+    BulkSynth(plan, paths).run(3, on_bucket=lambda t, b, final: finals.__setitem__((t, b), final))
+    dump = tmp_path / "dump"
+    pipe = fast_replay(plan, [str(p) for p in paths], None, ReplayOptions(dump_gradients=str(dump)))
+    assert [r.status for r in pipe.reports] == ["complete"] * 3
+    assert pipe.extract.counters["schedule_mismatch"] == 0
+    for (t, b), final in finals.items():
+        got = np.load(dump / f"iter_{t:06d}_bucket_{b:03d}.npy")
+        assert got.tobytes() == final.tobytes(), (t, b)
+
+
+# -- other collectives on the communicator (Plan.collectives) -----------------------------------
+COLLECTIVES = {"start": [[1000, "float32"]], "before": [[3, "float32"]], "after": [[1, "float32"]]}
+
+
+def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
+    base = _plan("2.22", 1).to_json()
+    assert "collectives" not in base  # plans without them read and write as before
+    doc = {**base, "collectives": {"start": [{"op": "allreduce", "count": 1000, "dtype": "float32"}],
+                                   "before": [{"count": 3}], "after": [{"count": 1}]}}
+    plan = plan_from_json(doc)
+    assert plan.collectives == {"start": ((1000, "float32"),), "before": ((3, "float32"),),
+                                "after": ((1, "float32"),)}
+    assert plan_from_json(plan.to_json()) == plan
+    s0, s1 = plan.schedule(0), plan.schedule(1)
+    assert [b.count for b in s0.others] == [1000, 3, 1] and [b.count for b in s1.others] == [3, 1]
+    conn = next(iter(s1.sends))
+    order = [s.bucket for s in s1.sends[conn]]  # before (-1), the buckets (>= 0), after (-2)
+    grads = [k for k, b in enumerate(order) if b >= 0]
+    assert set(order[:grads[0]]) == {-1} and set(order[grads[-1] + 1:]) == {-2}
+    assert all(order[k] >= 0 for k in range(grads[0], grads[-1] + 1))
+    for bad, msg in [({"during": []}, "collectives: key .during. is not one of"),
+                     ({"after": [{"op": "broadcast", "count": 5}]}, r"collectives.after\[0\].op 'broadcast'"),
+                     ({"start": [{"count": 0}]}, r"collectives.start\[0\].count"),
+                     ({"before": [{"count": 4, "dtype": "complex64"}]}, r"collectives.before\[0\].dtype"),
+                     ([1], "collectives must be an object")]:
+        with pytest.raises(PlanError, match=msg):
+            plan_from_json({**base, "collectives": bad}, "p.json")
+    with pytest.raises(PlanError, match="collectives: only NCCL plans"):
+        plan_from_json({**doc, "transport": "gloo"}, "p.json")
+
+
+@pytest.mark.parametrize("version,qps,protocol", [("2.22", 3, "simple"), ("2.29", 4, "ll")])
+def test_collectives_replay_bit_exact(tmp_path, version, qps, protocol):
+    """A start-up allreduce and a loss allreduce before and after the buckets every
+    iteration: they shift every QP's rotation, PSNs and LL steps; the gradients stay exact."""
+    ref, fast = synth_pair(tmp_path, ranks=2, channels=2, protocol=protocol, mtu=1024, mirrors=2,
+                           loss=1e-3, nccl_version=version, qps=qps, iterations=4, collectives=COLLECTIVES)
+    assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 4
+    assert ref.extract.counters["other_collective_packets"] > 0
+    assert ref.extract.counters["schedule_mismatch"] == 0
+    assert_same(ref, fast)
+    assert load_plan(tmp_path / "plan.json").rotation_period() > 1
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
+    """Joining places packets by PSN from the connect: the start-up allreduce and every
+    iteration's loss allreduces are counted in, and so is the QP rotation."""
+    from test_join import cut, iteration_starts, join_replay
+    job = tmp_path / "job"
+    synth(job, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=3,
+          iterations=5, seed=3, collectives=COLLECTIVES)
+    starts = iteration_starts(pcaps(job))
+    assert len(starts) == 5
+    paths = cut(job, tmp_path / "cut", starts[2] - 1_000_000)
+    pipe = join_replay(job, paths, tmp_path / "out", fast=fast)
+    assert pipe.joined == 2
+    assert [(r.iteration, r.status, r.exact) for r in pipe.reports] == \
+        [(t, "committed", True) for t in (2, 3, 4)], [(r.iteration, r.note) for r in pipe.reports]
+    assert not pipe.extract.binder.errors

@@ -148,6 +148,9 @@ def cmd_replay(a) -> int:
         print(f"  rejected: {e}")
     for e in pipe.extract.diagnostics():
         print(f"  {e}")
+    if plan.buffers.tensors and not plan.buffers.captured:
+        print(f"  module buffers ({len(plan.buffers.tensors)}, e.g. {plan.buffers.tensors[0].name}) are not "
+              "captured on this transport: the checkpoints hold parameters and optimizer state only")
     for e in pipe.errors:
         print(f"  capture error: {e}")
     if pipe.joined is not None:

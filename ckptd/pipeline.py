@@ -43,6 +43,7 @@ import numpy as np
 from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import IterationAssembly, Missing
+from ckptd.core.buffers import unflatten_buffers
 from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
 from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
@@ -391,9 +392,16 @@ class Pipeline:
         if it == self.done + 1 and it in self.open:
             self._apply_ready_buckets(self.open[it])
         while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
-            if not self._agreed(nxt.iteration):
+            if not self._agreed(nxt.iteration) or not self._buffers_known(nxt.iteration):
                 break
             self._finalize_through(self.done + 1)
+
+    def _buffers_known(self, wire: int) -> bool:
+        """Whether iteration `wire` may commit as far as module buffers go: they are not
+        captured, or DDP's broadcast of them (in the next forward) has been seen. Until
+        then the iteration waits; at the end of input it is finalized without them."""
+        return (not self.plan.buffers.captured or self.shadow is None
+                or self.extract.buffers_after(wire) is not None)
 
     def _agreed(self, it: int) -> bool:
         """Whether a complete iteration may commit: every stream that has carried
@@ -510,6 +518,16 @@ class Pipeline:
         else:
             self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
         self.next_bucket = 0
+        if self.plan.buffers.captured:
+            payloads = self.extract.take_buffers(asm.iteration)
+            if payloads is None:  # the shadow is right; the checkpoint would lack the buffers
+                rep.status = "unrecoverable"
+                rep.note = (f"module buffers after iteration {it} not seen whole: DDP broadcasts "
+                            "them at the next forward (none after the job's last iteration)")
+                return
+            self.shadow.buffers = unflatten_buffers(self.plan, payloads)
+        elif self.plan.buffers.tensors:
+            rep.note = "without module buffers (not captured on this transport)"
         if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
         for hook in self.on_commit:  # e.g. the daemon's memory tier copying the state
@@ -532,7 +550,8 @@ class Pipeline:
             if ref is not None:
                 mine = {"iteration": it, "model": self.shadow.model_state(copy=False),
                         "optimizer": self.shadow.optimizer_state(copy=False)}
-                diffs = diff_checkpoints(mine, _parameters_only(ref, self.param_names), limit=3)
+                diffs = diff_checkpoints(mine, _parameters_only(ref, self.param_names + list(self.shadow.buffers)),
+                                         limit=3)
                 rep.exact = not diffs
                 if diffs:
                     rep.note = "differs from reference: " + "; ".join(diffs)
@@ -578,7 +597,8 @@ class Pipeline:
 
 
 def _parameters_only(ckpt: dict, names: list[str]) -> dict:
-    """A trainer's checkpoint without its module buffers: the shadow has none to compare."""
+    """A trainer's checkpoint with only the model entries the shadow holds (its
+    parameters, and the module buffers where the plan captures them)."""
     model = ckpt.get("model") or {}
     return {**ckpt, "model": {n: model[n] for n in names if n in model}}
 

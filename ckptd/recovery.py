@@ -35,7 +35,7 @@ URL = re.compile(r"^https?://", re.I)
 class Restored:
     iteration: int  # ckptd's number of the last iteration in the state (-1: initial)
     source: str
-    buffers_not_restored: list[str] = field(default_factory=list)  # not on the wire
+    buffers_not_restored: list[str] = field(default_factory=list)  # the checkpoint lacks them (not captured)
     seconds: float = 0.0
     bytes: int = 0
 
@@ -64,7 +64,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     if scheduler is not None:
         _load_scheduler(scheduler, optimizer, ckpt)
     if missing_buffers:
-        log.warning("buffers not restored (not on the wire): %s", ", ".join(missing_buffers[:10]))
+        log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
 
 

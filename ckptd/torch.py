@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
-from ckptd.core.plan import (OPTIMIZER_CLASSES, BucketLayout, Optimizer, Parameter, Plan)
+from ckptd.core.plan import (OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
 from ckptd.core.schedule import RingConfig
 from ckptd.errors import CkptdError
 
@@ -295,11 +295,6 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     unless `addresses` is None)."""
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
-    buffers = [n for n, b in ddp.module.named_buffers() if b.is_floating_point()]
-    if buffers and not without_buffers:
-        raise TrainerError(f"the model has buffers ({', '.join(buffers[:3])}...: BatchNorm running "
-                           "statistics) that ckptd does not rebuild yet; its checkpoints would lack "
-                           "them: pass without_buffers=True to accept that")
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
@@ -309,6 +304,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     backend = dist.get_backend(ddp.process_group)
     if backend not in ("gloo", "nccl"):
         raise TrainerError(f"process group backend {backend!r}: ckptd decodes gloo and nccl")
+    buffers = _buffers(ddp, backend, without_buffers)
     world = dist.get_world_size(ddp.process_group)
     if addresses is None:
         addresses = [None] * world
@@ -326,7 +322,42 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
                 first, first, _ring(backend, world), opt, tuple(addresses), (), iterations,
-                transport, rebuilt_learn=transport == "gloo", comm_hook=hook)
+                transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers)
+
+
+def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
+    """DDP's module buffers in the order it broadcasts them (its named_module_buffers:
+    module.named_buffers() less the ignored, a dict in that order)."""
+    return list(getattr(ddp, "named_module_buffers", {}).items())
+
+
+def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
+    """The module buffers and DDP's broadcasts of them. On gloo the broadcasts are
+    decoded (captured); on NCCL they are not, which the caller must accept with
+    without_buffers=True, so no checkpoint silently lacks what the model holds."""
+    named = _module_buffers(ddp)
+    if not named:
+        return ModuleBuffers()
+    listed = ", ".join(n for n, _ in named[:3]) + ("..." if len(named) > 3 else "")
+    if hasattr(ddp, "buffer_hook"):
+        raise TrainerError("a DDP buffer comm hook (register_buffer_comm_hook) changes how buffers "
+                           "are synced; ckptd decodes DDP's default broadcast only")
+    tensors = tuple(Parameter(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in named)
+    if not ddp.forward_sync_buffers:
+        captured = False  # each rank keeps its own: rank 0's are never on the wire
+        why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
+    elif backend != "gloo":
+        captured = False
+        why = "ckptd does not decode NCCL's buffer broadcast"
+    else:
+        captured, why = not without_buffers, ""
+    if not captured and not without_buffers:
+        raise TrainerError(f"the model has buffers ({listed}) that ckptd cannot capture here: {why}; "
+                           "pass without_buffers=True to accept checkpoints without them")
+    # torch's broadcast_coalesced buckets the buffers with this very function (by dtype,
+    # at most broadcast_bucket_size bytes each), one broadcast per bucket, in this order
+    groups, _ = dist._compute_bucket_assignment_by_size([b for _, b in named], [ddp.broadcast_bucket_size])
+    return ModuleBuffers(tensors, tuple(tuple(named[i][0] for i in g) for g in groups), captured)
 
 
 def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
@@ -340,7 +371,9 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
     if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
         opt["grad_scaler"] = {"scale": scaler._scale.detach().clone(),
                               "growth_tracker": scaler._growth_tracker.detach().clone()}
-    return {n: p.detach().clone() for n, p in zip(names, params)}, opt
+    model = {n: p.detach().clone() for n, p in zip(names, params)}
+    model.update((n, b.detach().clone()) for n, b in _module_buffers(ddp))
+    return model, opt
 
 
 def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,

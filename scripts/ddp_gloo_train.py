@@ -4,7 +4,7 @@
     python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/ \
         [--optimizer sgd --momentum 0.9 --nesterov] [--no-decay-group] \
         [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0] [--amp] \
-        [--hook fp16|bf16] [--accumulate 2]
+        [--hook fp16|bf16] [--accumulate 2] [--batchnorm]
 
 starts `--world` processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), trains a small MLP
 with DistributedDataParallel (gloo, find_unused_parameters=False, bucket_cap_mb) and a
@@ -24,7 +24,8 @@ Options: --optimizer (any torch.optim class ckptd shadows) with --lr, --momentum
 group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
 (clip_grad_norm_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
 --growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
-micro-batches per step, the first K-1 under ddp.no_sync()).
+micro-batches per step, the first K-1 under ddp.no_sync()); --batchnorm (a BatchNorm1d:
+module buffers, which the rank checkpoints hold too).
 
 A restarted job: --restore SOURCE (a checkpoint, a directory of them, or the daemon's
 URL, with --token) puts ckptd's state back with `ckptd.restore` on every rank and trains
@@ -59,23 +60,26 @@ SIZES = {  # name: (in, hidden, wide, classes)
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, wide: int, classes: int):
+    def __init__(self, d_in: int, hidden: int, wide: int, classes: int, batchnorm: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
+        # BatchNorm: running statistics (float buffers) and num_batches_tracked (int64), which
+        # DDP broadcasts from rank 0 at each forward, as two coalesced broadcasts
+        self.bn = nn.BatchNorm1d(hidden) if batchnorm else nn.Identity()
         self.fc2 = nn.Linear(hidden, hidden)
         self.ln = nn.LayerNorm(hidden)
         self.fc3 = nn.Linear(hidden, wide)
         self.head = nn.Linear(wide, classes)
 
     def forward(self, x):
-        x = F.gelu(self.fc1(x))
+        x = F.gelu(self.bn(self.fc1(x)))
         x = self.ln(x + F.gelu(self.fc2(x)))
         return self.head(F.gelu(self.fc3(x)))
 
 
-def build(size: str, seed: int) -> MLP:
+def build(size: str, seed: int, batchnorm: bool = False) -> MLP:
     torch.manual_seed(seed)
-    return MLP(*SIZES[size])
+    return MLP(*SIZES[size], batchnorm=batchnorm)
 
 
 def batch(model: MLP, rank: int, it: int, seed: int, n: int = 16):
@@ -117,7 +121,7 @@ def worker(rank: int, args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     out = Path(args.out)
-    model = build(args.size, args.seed).to(getattr(torch, args.dtype))
+    model = build(args.size, args.seed, args.batchnorm).to(getattr(torch, args.dtype))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                               find_unused_parameters=False)
     if args.hook:
@@ -216,6 +220,8 @@ def main(argv=None):
     ap.add_argument("--hook", choices=["fp16", "bf16"], help="DDP gradient compression hook")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="micro-batches per step, all but the last under ddp.no_sync()")
+    ap.add_argument("--batchnorm", action="store_true",
+                    help="a BatchNorm1d after fc1 (module buffers DDP broadcasts every forward)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="TCPStore port (0: pick a free one)")
     ap.add_argument("--out", required=True)

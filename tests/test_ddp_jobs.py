@@ -16,6 +16,7 @@ jobs to keep the suite short:
     nadam:   NAdam (its mu_product state), LinearLR
     handlr:  SGD momentum, two groups, each group's lr set by hand every step (no
              scheduler object; write_plan(lr_per_step=...))
+    batchnorm: SGD with a BatchNorm1d: DDP's buffer broadcasts decoded into the checkpoints
     lossy: AdamW on a larger model, captured once and split into two mirror copies that
            each lose 2% of frames independently
 
@@ -57,6 +58,7 @@ JOBS = {
     "bf16": ["--optimizer", "AdamW", "--lr", "0.01", "--dtype", "bfloat16"],
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
+    "batchnorm": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--batchnorm"],
 }
 
 
@@ -165,6 +167,42 @@ def test_more_torch_optimizers_on_real_jobs(jobs, name):
     state = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))["optimizer"]["state"]
     assert {"adagrad": {"step", "sum"}, "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"}}[name] \
         == set(next(iter(state.values())))
+
+
+def test_batchnorm_buffers_from_ddps_broadcast_equal_rank0s(jobs, tmp_path):
+    """Checkpoint k holds rank 0's buffers after forward k, which DDP broadcasts at the
+    start of forward k+1: every iteration but the last commits with parameters,
+    optimizer state and buffers bit-exact; the last (no later forward) is not committed."""
+    import torch
+
+    import ckptd
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    sys.path.insert(0, str(REPO / "scripts"))
+    from ddp_gloo_train import build
+    run, pcap = jobs("batchnorm")
+    plan = load_plan(run / "plan.json")
+    assert plan.buffers.captured and [list(b) for b in plan.buffers.broadcasts] == \
+        [["bn.running_mean", "bn.running_var"], ["bn.num_batches_tracked"]]
+    pipe = replay(plan, [str(pcap)], load_checkpoint(run / "init.pt"),
+                  ReplayOptions(reference=str(run / "rank0"), out=str(tmp_path / "ckpts")))
+    reps = {r.iteration: r for r in pipe.reports}
+    assert sorted(reps) == list(range(ITERATIONS))
+    bad = [(i, r.status, r.exact, r.note) for i, r in reps.items()
+           if i < ITERATIONS - 1 and not (r.status == "committed" and r.exact)]
+    assert not bad, (bad, pipe.extract.examples)
+    last = reps[ITERATIONS - 1]
+    assert last.status == "unrecoverable" and "module buffers" in last.note
+    mine = load_checkpoint(tmp_path / "ckpts" / checkpoint_name(ITERATIONS - 2))
+    ref = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 2))
+    assert int(mine["model"]["bn.num_batches_tracked"]) == ITERATIONS - 1  # one per forward
+    assert torch.equal(mine["model"]["bn.running_var"], ref["model"]["bn.running_var"])
+    # a trainer's strict load takes the checkpoint whole: nothing is left unrestored
+    model = build("tiny", 0, batchnorm=True)
+    r = ckptd.restore(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                      tmp_path / "ckpts" / checkpoint_name(ITERATIONS - 2))
+    assert r.buffers_not_restored == [] and r.iteration == ITERATIONS - 2
+    model.load_state_dict(mine["model"], strict=True)
 
 
 def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):

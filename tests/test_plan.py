@@ -50,3 +50,30 @@ def test_unreadable_file(tmp_path):
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(PlanError, match="x.json"):
         load_plan(tmp_path / "x.json")
+
+
+def _with_buffers(doc, captured=False, transport=None):
+    doc = json.loads(json.dumps(doc))
+    doc["buffers"] = {"tensors": [{"name": "bn.running_mean", "shape": [8], "dtype": "float32"},
+                                  {"name": "bn.num_batches_tracked", "shape": [], "dtype": "int64"}],
+                      "broadcasts": [["bn.running_mean"], ["bn.num_batches_tracked"]], "captured": captured}
+    if transport:
+        doc["transport"] = transport
+    return doc
+
+
+def test_module_buffers_round_trip_and_are_checked(plan_doc, tmp_path):
+    doc = _with_buffers(plan_doc)
+    plan = plan_from_json(doc)
+    plan.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text()) == doc
+    assert plan.buffer_broadcast_bytes() == [32, 8] and not plan.buffers.captured
+    with pytest.raises(PlanError, match="buffers.captured needs transport gloo"):
+        plan_from_json(_with_buffers(plan_doc, captured=True))
+    bad = _with_buffers(plan_doc)
+    bad["buffers"]["broadcasts"] = [["bn.running_mean", "bn.num_batches_tracked"]]
+    with pytest.raises(PlanError, match=r"broadcasts\[0\] must be a non-empty list of buffers of one dtype"):
+        plan_from_json(bad)
+    bad["buffers"]["broadcasts"] = [["bn.running_mean"]]
+    with pytest.raises(PlanError, match="every buffer of buffers.tensors exactly once"):
+        plan_from_json(bad)

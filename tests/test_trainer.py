@@ -53,14 +53,30 @@ def test_unknown_comm_hooks_and_ddp_modes_are_refused(group):
     _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), "find_unused_parameters")
 
 
-def test_buffers_the_checkpoints_would_lack_are_refused_unless_accepted(group):
+def _bn_ddp(**kw):
     torch.manual_seed(0)
-    m = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)))
+    return torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)), **kw)
+
+
+def test_buffers_are_captured_on_gloo_and_refused_where_they_cannot_be(group):
+    m = _bn_ddp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    _refused(m, opt, r"buffers \(1.running_mean, 1.running_var")
+    # gloo: DDP's buffer broadcasts are decoded; DDP's own coalescing (one per dtype)
+    bufs = ct._buffers(m, "gloo", without_buffers=False)
+    assert bufs.captured and [t.name for t in bufs.tensors] == \
+        ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert bufs.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
     with pytest.raises(CkptdError, match="2 ranks"):  # past the buffer check: a one-rank group has no ring
-        ct.build_plan(m, opt, addresses=["127.0.0.1"], without_buffers=True)
+        ct.build_plan(m, opt, addresses=["127.0.0.1"])
+    # NCCL: not decoded, so refused unless checkpoints without buffers are accepted
+    with pytest.raises(ct.TrainerError, match=r"buffers \(1.running_mean, .*NCCL") as e:
+        ct._buffers(m, "nccl", without_buffers=False)
+    assert "\n" not in str(e.value)
+    assert not ct._buffers(m, "nccl", without_buffers=True).captured
+    # broadcast_buffers=False: rank 0's buffers never go on the wire
+    m = _bn_ddp(broadcast_buffers=False)
+    _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), "broadcast_buffers=False")
 
 
 def test_optimizers_and_schedulers_without_a_deterministic_form_are_refused(group):

@@ -12,9 +12,10 @@ so a trainer's file with step n is ckptd's iteration n-1, and an exported file o
 iteration t says step = iteration = t+1. Where the file has an Adam-style per-parameter
 "step" the two must agree; a file with neither is the initial state (iteration -1).
 
-Buffers (BatchNorm running statistics, ...) never cross the wire: the shadow holds
-parameters only, so exported files carry no buffers and say so under "ckptd"; a trainer's
-file that has buffers keeps them when read, and `ckptd verify` compares them.
+Buffers (BatchNorm running statistics, ...): the shadow holds parameters, plus the module
+buffers a gloo plan captures from DDP's broadcasts (exported files list them under
+"ckptd"; else say they have none); a trainer's file that has buffers keeps them when
+read, and `ckptd verify` compares them.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, named_opt
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
 STANDARD_TAG = "ckptd-torch/1"
-BUFFERS_NOTE = "parameters only: module buffers (e.g. BatchNorm running stats) are not on the wire"
+BUFFERS_NOTE = "parameters only: no module buffers captured (none, or not on a wire ckptd decodes)"
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -174,8 +175,9 @@ def torch_doc(ckpt: dict, names: list[str], param_groups: list[dict] | None = No
     torch's own, see optimizer_param_groups), steps done, and what ckptd knows under "ckptd"."""
     steps = int(ckpt["iteration"]) + 1
     doc = {"model": dict(ckpt["model"]), "step": steps, "iteration": steps,
-           "ckptd": {"format": STANDARD_TAG, "last_iteration": steps - 1, "param_names": list(names),
-                     "buffers": BUFFERS_NOTE}}
+           "ckptd": {"format": STANDARD_TAG, "last_iteration": steps - 1, "param_names": list(names)}}
+    buffers = [n for n in ckpt["model"] if n not in set(names)]
+    doc["ckptd"]["buffers"] = buffers or BUFFERS_NOTE  # the captured ones (gloo), by name
     if plan_hash:
         doc["ckptd"]["plan_hash"] = plan_hash
     if ckpt.get("optimizer") is not None:

@@ -83,6 +83,25 @@ class BucketLayout:
 
 
 @dataclass(frozen=True)
+class ModuleBuffers:
+    """DDP's module buffers (BatchNorm running statistics, ...). With broadcast_buffers
+    (DDP's default) rank 0 broadcasts them at the start of a forward that follows a
+    synced backward (and the first): `tensors` in DDP's order (module.named_buffers()),
+    `broadcasts` the names of each coalesced broadcast in order, each flattened in that
+    order (torch's broadcast_coalesced: one per dtype, at most 250 MB each).
+    `captured`: the broadcasts are decoded (gloo) and checkpoints hold the buffers;
+    False: not on a wire ckptd decodes (NCCL), checkpoints lack them and say so."""
+
+    tensors: tuple[Parameter, ...] = ()
+    broadcasts: tuple[tuple[str, ...], ...] = ()
+    captured: bool = False
+
+    def to_json(self) -> dict:
+        return {"tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors],
+                "broadcasts": [list(b) for b in self.broadcasts], "captured": self.captured}
+
+
+@dataclass(frozen=True)
 class Optimizer:
     kind: str = "adamw"  # a key of OPTIMIZER_CLASSES
     lr: float = 1e-3
@@ -228,6 +247,7 @@ class Plan:
     # rotation, PSNs and LL steps: {"start" | "before" | "after": ((count, dtype), ...)}
     # (once before iteration 0; every iteration before / after the gradient buckets)
     collectives: dict = field(default_factory=dict, hash=False)
+    buffers: ModuleBuffers = ModuleBuffers()
 
     def __post_init__(self):
         check_plan(self)
@@ -473,7 +493,17 @@ class Plan:
         if self.collectives:
             doc["collectives"] = {k: [{"op": "allreduce", "count": n, "dtype": d} for n, d in v]
                                   for k, v in self.collectives.items()}
+        if self.buffers.tensors:
+            doc["buffers"] = self.buffers.to_json()
         return doc
+
+    def buffer(self, name: str) -> Parameter:
+        return {t.name: t for t in self.buffers.tensors}[name]
+
+    def buffer_broadcast_bytes(self) -> list[int]:
+        """The payload size of each of DDP's buffer broadcasts, in order."""
+        return [sum(self.buffer(n).numel * _itemsize(self.buffer(n).dtype) for n in b)
+                for b in self.buffers.broadcasts]
 
     def _rank_json(self, r: int) -> dict:
         """A rank's entry; node and nics only where they differ from the defaults, so a
@@ -566,6 +596,29 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"transport {plan.transport!r} is not one of roce, gloo")
     if plan.rebuilt_learn and (plan.transport != "gloo" or not plan.parameters):
         raise PlanError('buckets.rebuilt "learn" needs transport gloo and parameters')
+    _check_buffers(plan)
+
+
+def _check_buffers(plan: Plan) -> None:
+    bufs = plan.buffers
+    seen: dict[str, str] = {}
+    for i, t in enumerate(bufs.tensors):
+        if not isinstance(t.name, str) or not t.name or t.name in seen or t.name in plan._params_by_name():
+            raise PlanError(f"buffers.tensors[{i}].name {t.name!r} must be a new non-empty name")
+        if t.dtype not in DTYPES:
+            raise PlanError(f"buffers.tensors[{i}] ({t.name}) has dtype {t.dtype!r}; supported: {', '.join(DTYPES)}")
+        if len(t.shape) > MAX_DIMS or not all(_is_int(x) and 0 <= x <= MAX_PARAM_ELEMENTS for x in t.shape) \
+                or math.prod(t.shape) > MAX_PARAM_ELEMENTS:
+            raise PlanError(f"buffers.tensors[{i}].shape {list(t.shape)[:10]} is not a shape ckptd takes")
+        seen[t.name] = t.dtype
+    listed = [n for b in bufs.broadcasts for n in b]
+    if sorted(listed) != sorted(seen):
+        raise PlanError("buffers.broadcasts must list every buffer of buffers.tensors exactly once")
+    for i, b in enumerate(bufs.broadcasts):
+        if not b or len({seen[n] for n in b}) != 1:
+            raise PlanError(f"buffers.broadcasts[{i}] must be a non-empty list of buffers of one dtype")
+    if bufs.captured and plan.transport != "gloo":
+        raise PlanError("buffers.captured needs transport gloo (NCCL's buffer broadcast is not decoded)")
 
 
 def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> None:
@@ -882,7 +935,8 @@ def _plan_from_json(raw) -> Plan:
                 channel_nics=tuple(nics) if any(isinstance(x, dict) and "nics" in x for x in doc.list("ranks")) else (),
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
                 comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
-                collectives=_collectives(doc))
+                collectives=_collectives(doc),
+                buffers=_buffers_from_json(doc))
 
 
 COLLECTIVE_WHEN = ("start", "before", "after")
@@ -909,6 +963,31 @@ def _collectives(doc: "_Doc") -> dict:
         if entries:
             out[when] = tuple(entries)
     return out
+
+
+
+def _buffers_from_json(doc) -> ModuleBuffers:
+    if doc.get("buffers") is None:
+        return ModuleBuffers()
+    b = doc.obj("buffers")
+    tensors = []
+    for i, raw in enumerate(b.list("tensors", required=True)):
+        t = _Doc(raw, f"buffers.tensors[{i}]")
+        shape = t.list("shape", required=True)
+        if len(shape) > MAX_DIMS:
+            raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        tensors.append(Parameter(t.str("name"), tuple(_int(x, f"{t.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
+                                                     for j, x in enumerate(shape)),
+                                 t.str("dtype", "float32", DTYPES)))
+    groups = []
+    for i, g in enumerate(b.list("broadcasts", required=True)):
+        if not isinstance(g, list) or not all(isinstance(n, str) for n in g):
+            raise PlanError(f"buffers.broadcasts[{i}] must be a list of buffer names")
+        groups.append(tuple(g))
+    captured = b.get("captured", False)
+    if not isinstance(captured, bool):
+        raise PlanError(f"buffers.captured must be true or false, not {_kind(captured)}")
+    return ModuleBuffers(tuple(tensors), tuple(groups), captured)
 
 
 def _check_topology(plan: Plan):

@@ -54,6 +54,9 @@ class ShadowModel:
         self.scaler = None
         if self.opt.grad_scaler is not None:
             self.scaler = dict(opt.get("grad_scaler") or scaler_state(self.opt.grad_scaler))
+        # module buffers as DDP last broadcast them (ckptd.core.buffers), set by the
+        # pipeline before each commit; empty unless the plan captures them
+        self.buffers: dict[str, torch.Tensor] = {}
         self.lr = None
         self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
 
@@ -147,10 +150,12 @@ class ShadowModel:
         self.iteration = iteration
 
     def model_state(self, copy: bool = True) -> dict:
-        """Parameters by name; copy=False hands out the live tensors (to write or
-        compare them while nothing steps the shadow)."""
+        """Parameters and module buffers by name (a model.state_dict()); copy=False hands
+        out the live tensors (to write or compare them while nothing steps the shadow)."""
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
-        return {n: keep(p) for n, p in zip(self.names, self.params)}
+        out = {n: keep(p) for n, p in zip(self.names, self.params)}
+        out.update((n, keep(b)) for n, b in self.buffers.items())
+        return out
 
     def optimizer_state(self, copy: bool = True) -> dict:
         """{"lr": the first group's lr of the last step, "state": {name: torch's per-parameter

@@ -32,6 +32,14 @@ or at flush). With `"rebuilt": "learn"` the plan takes the wire's layout
 (Plan.learn_rebuilt); with a rebuilt layout in the plan the two are compared, and on a
 mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
 (`rebuilt_mismatch_dropped`), so nothing after iteration 0 is committed.
+
+Module buffers (a plan with buffers.captured). DDP broadcasts rank 0's buffers at the
+start of each forward after a synced backward (ckptd.core.buffers): the buffers after
+iteration k are the len(buffers.broadcasts) broadcast tags right after iteration k's
+last allreduce tag (after iteration 0, after the two rebuilt-layout tags), each a
+complete payload of its group's size (`buffers_after`). Anything else there (a lost
+or partial payload, a collective of the trainer's own in between) leaves the
+iteration's buffers unknown, so its checkpoint is not committed.
 """
 from __future__ import annotations
 
@@ -172,6 +180,11 @@ class GlooExtractor:
         self.wire_rebuilt: tuple[BucketLayout, ...] | None = None
         if self.nparams == 0 or self.nranks < 2:
             self.rebuilt = "not_seen"  # a bare collective: no DDP, nothing broadcast
+        self.number_tag: dict[int, int] = {}  # allreduce number -> its tag
+        # module buffers: the payload size of each of DDP's broadcasts, and the complete
+        # payloads of that size seen, by tag (dropped once taken)
+        self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
+        self.buffer_payloads: dict[int, bytes] = {}
 
     # -- input ---------------------------------------------------------------------
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
@@ -255,6 +268,7 @@ class GlooExtractor:
             self.other_slots[SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
             if h.prefix == BROADCAST_PREFIX and h.is_data:
                 self._broadcast(key, m)
+                self._buffer_broadcast(key, m)
             return
         t = h.tag
         if t not in self.tagset:
@@ -299,6 +313,52 @@ class GlooExtractor:
         elif have != bytes(m.payload):  # every receiver gets the root's bytes
             self._example("broadcast_conflict", f"{key}: broadcast tag {h.tag} differs between copies")
         self._resolve_rebuilt()
+
+    def _buffer_broadcast(self, key, m: GlooMessage):
+        """Keep complete payloads of a buffer broadcast's size, by tag."""
+        h = m.header
+        if h.length not in self.buffer_sizes:
+            return
+        if not m.complete:
+            self.counters["buffer_broadcast_partial"] += 1
+            return
+        have = self.buffer_payloads.get(h.tag)
+        if have is None:
+            self.buffer_payloads[h.tag] = bytes(m.payload)
+        elif have != bytes(m.payload):
+            self._example("broadcast_conflict", f"{key}: buffer broadcast tag {h.tag} differs between copies")
+
+    def _buffer_tags(self, iteration: int) -> range | None:
+        """The tags of DDP's buffer broadcasts at the forward after `iteration` (wire
+        numbering), once the iteration's last allreduce is numbered."""
+        last = self.nb[0] - 1 if iteration == 0 else self.nb[0] + iteration * self.nb[1] - 1
+        t = self.number_tag.get(last)
+        if t is None:
+            return None
+        start = t + 1
+        if iteration == 0 and self.rebuilt_tag == start:
+            start += 2  # the rebuilt layout's two broadcasts come first (Reducer::rebuild_buckets)
+        return range(start, start + len(self.buffer_sizes))
+
+    def buffers_after(self, iteration: int) -> list[bytes] | None:
+        """The payloads of DDP's buffer broadcasts that carry rank 0's buffers after
+        `iteration`, or None while (or if) they are not all seen whole."""
+        tags = self._buffer_tags(iteration)
+        if tags is None or any(t not in self.buffer_payloads for t in tags):
+            return None
+        got = [self.buffer_payloads[t] for t in tags]
+        return got if [len(p) for p in got] == self.buffer_sizes else None
+
+    def take_buffers(self, iteration: int) -> list[bytes] | None:
+        """buffers_after, and forget the payloads up to those (a long job keeps none)."""
+        got = self.buffers_after(iteration)
+        tags = self._buffer_tags(iteration)
+        if tags is not None:
+            for t in [t for t in self.buffer_payloads if t < tags.stop]:
+                del self.buffer_payloads[t]
+        if got is None:
+            self.counters["buffers_not_seen"] += 1
+        return got
 
     def _resolve_rebuilt(self):
         for t in sorted(self.bcast):
@@ -352,6 +412,7 @@ class GlooExtractor:
                                   "decoded and the plan says learn: no iteration after 0 is placed")
             self.map_pos += 1
             self.mapped[t] = n = self.next_number
+            self.number_tag[n] = t
             self.next_number += 1
             self._place_numbered(t, n, self.data.pop(t, []), out)
 

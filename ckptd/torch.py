@@ -290,7 +290,8 @@ def _ring(backend: str, world: int) -> RingConfig:
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
-               lr_per_step=None) -> Plan:
+               lr_per_step=None,
+               allreduces_per_step: int = 1) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
     _refuse_sharding(ddp, optimizer)
@@ -319,10 +320,16 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     _check_replay(opt, names, optimizer, scheduler)
     first = _layout(ddp, names_of)
     transport = "gloo" if backend == "gloo" else "roce"
+    if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
+        raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
+    if allreduces_per_step > 1 and transport != "gloo":
+        raise TrainerError("allreduces_per_step > 1 (an allreduce every micro-batch) is decoded on gloo "
+                           "only; on NCCL accumulate under ddp.no_sync()")
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
                 first, first, _ring(backend, world), opt, tuple(addresses), (), iterations,
-                transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers)
+                transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
+                allreduces_per_step=allreduces_per_step)
 
 
 def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
@@ -380,8 +387,13 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                max_grad_norm: float | None = None, init: str | Path | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
-               lr_per_step=None) -> Plan:
+               lr_per_step=None,
+               allreduces_per_step: int = 1) -> Plan:
     """Record this job for ckptd; call on every rank before the first forward.
+
+    `allreduces_per_step`: with gradient accumulation that lets DDP allreduce every
+    micro-batch (no `no_sync()`), the micro-batches per optimizer step (gloo only);
+    under `no_sync()` it stays 1 (one allreduce per step).
 
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
     model.parameters() (after scaler.unscale_ with AMP). `lr_per_step`: the lr the loop
@@ -390,7 +402,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
     plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
-                      scheduler_args, without_buffers, lr_per_step)
+                      scheduler_args, without_buffers, lr_per_step,
+                      allreduces_per_step)
     rank = dist.get_rank(ddp_model.process_group)
     path = Path(path)
     if rank == 0:

@@ -24,7 +24,8 @@ Options: --optimizer (any torch.optim class ckptd shadows) with --lr, --momentum
 group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
 (clip_grad_norm_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
 --growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
-micro-batches per step, the first K-1 under ddp.no_sync()); --batchnorm (a BatchNorm1d:
+micro-batches per step, the first K-1 under ddp.no_sync(), or with
+--allreduce-every-micro-batch none: DDP allreduces each); --batchnorm (a BatchNorm1d:
 module buffers, which the rank checkpoints hold too).
 
 A restarted job: --restore SOURCE (a checkpoint, a directory of them, or the daemon's
@@ -149,7 +150,8 @@ def worker(rank: int, args):
                    for s in range(args.iterations)]
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
                            max_grad_norm=args.clip, iterations=args.iterations,
-                           addresses=args.addrs, lr_per_step=by_hand)
+                           addresses=args.addrs, lr_per_step=by_hand,
+                           allreduces_per_step=args.accumulate if args.allreduce_every_micro_batch else 1)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
@@ -161,7 +163,7 @@ def worker(rank: int, args):
         for micro in range(args.accumulate):
             x, y = batch(model, rank, it * args.accumulate + micro, args.seed)
             x = x.to(getattr(torch, args.dtype))
-            sync = micro == args.accumulate - 1
+            sync = micro == args.accumulate - 1 or args.allreduce_every_micro_batch
             with (contextlib.nullcontext() if sync else ddp.no_sync()):
                 with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
                     loss = F.cross_entropy(ddp(x).float(), y)
@@ -220,6 +222,8 @@ def main(argv=None):
     ap.add_argument("--hook", choices=["fp16", "bf16"], help="DDP gradient compression hook")
     ap.add_argument("--accumulate", type=int, default=1,
                     help="micro-batches per step, all but the last under ddp.no_sync()")
+    ap.add_argument("--allreduce-every-micro-batch", action="store_true",
+                    help="with --accumulate: no no_sync(), DDP allreduces every micro-batch")
     ap.add_argument("--batchnorm", action="store_true",
                     help="a BatchNorm1d after fc1 (module buffers DDP broadcasts every forward)")
     ap.add_argument("--seed", type=int, default=0)

@@ -17,6 +17,7 @@ jobs to keep the suite short:
     handlr:  SGD momentum, two groups, each group's lr set by hand every step (no
              scheduler object; write_plan(lr_per_step=...))
     batchnorm: SGD with a BatchNorm1d: DDP's buffer broadcasts decoded into the checkpoints
+    every_micro: AdamW, 3 micro-batches per step each allreduced (no no_sync), BatchNorm, StepLR
     lossy: AdamW on a larger model, captured once and split into two mirror copies that
            each lose 2% of frames independently
 
@@ -59,6 +60,8 @@ JOBS = {
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
     "batchnorm": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--batchnorm"],
+    "every_micro": ["--optimizer", "AdamW", "--lr", "0.003", "--accumulate", "3",
+                    "--allreduce-every-micro-batch", "--batchnorm", "--scheduler", "StepLR:step_size=4,gamma=0.5"],
 }
 
 
@@ -203,6 +206,37 @@ def test_batchnorm_buffers_from_ddps_broadcast_equal_rank0s(jobs, tmp_path):
                       tmp_path / "ckpts" / checkpoint_name(ITERATIONS - 2))
     assert r.buffers_not_restored == [] and r.iteration == ITERATIONS - 2
     model.load_state_dict(mine["model"], strict=True)
+
+
+def test_accumulation_with_an_allreduce_every_micro_batch(jobs):
+    """DDP allreduces param.grad (the last reduced value plus this micro-batch's) every
+    micro-batch; the step uses the third round of each step, and the buffers broadcast
+    after it (every forward broadcasts here)."""
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    run, pcap = jobs("every_micro")
+    plan = load_plan(run / "plan.json")
+    assert plan.allreduces_per_step == 3 and plan.buffers.captured
+    pipe = replay(plan, [str(pcap)], load_checkpoint(run / "init.pt"), ReplayOptions(reference=str(run / "rank0")))
+    reps = {r.iteration: r for r in pipe.reports}
+    assert sorted(reps) == list(range(ITERATIONS))
+    bad = [(i, r.status, r.exact, r.note) for i, r in reps.items()
+           if i < ITERATIONS - 1 and not (r.status == "committed" and r.exact)]
+    assert not bad, (bad, pipe.extract.examples)
+    # every step's last round (the rebuilt layout, even in step 0) was placed; the
+    # other two rounds were checked against the ring schedule, not placed
+    from ckptd.core.schedule import AG
+    ex = pipe.extract
+    per_round = sum(1 for per in ex.sched[1].sends.values() for sends in per for snd in sends if snd.phase == AG)
+    assert ex.counters["earlier_micro_batch_messages"] > 0
+    assert ex.counters["ag_messages"] - ex.counters["earlier_micro_batch_messages"] == ITERATIONS * per_round
+    ref = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 2))
+    assert int(ref["model"]["bn.num_batches_tracked"]) == 3 * (ITERATIONS - 1)  # a forward per micro-batch
+    # the same capture read as one step per allreduce round does not match rank 0
+    import dataclasses
+    wrong = replay(dataclasses.replace(load_plan(run / "plan.json"), allreduces_per_step=1), [str(pcap)],
+                   load_checkpoint(run / "init.pt"), ReplayOptions(reference=str(run / "rank0")))
+    assert any(r.exact is False for r in wrong.reports)
 
 
 def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):

@@ -77,3 +77,21 @@ def test_module_buffers_round_trip_and_are_checked(plan_doc, tmp_path):
     bad["buffers"]["broadcasts"] = [["bn.running_mean"]]
     with pytest.raises(PlanError, match="every buffer of buffers.tensors exactly once"):
         plan_from_json(bad)
+
+
+def test_allreduces_per_step_is_gloo_only_and_round_trips(plan_doc):
+    doc = json.loads(json.dumps(plan_doc))
+    doc["allreduces_per_step"] = 3
+    with pytest.raises(PlanError, match="allreduces_per_step > 1 .* needs transport gloo"):
+        plan_from_json(doc)
+    doc["allreduces_per_step"] = 0
+    with pytest.raises(PlanError, match="allreduces_per_step"):
+        plan_from_json(doc)
+    plan = plan_from_json(plan_doc)
+    import dataclasses
+    gloo = dataclasses.replace(plan, transport="gloo", allreduces_per_step=3)
+    assert plan_from_json(gloo.to_json()).allreduces_per_step == 3
+    # a step's gradients come from its last micro-batch: DDP's first layout is only in
+    # the job's first round, which is no step's last when K > 1
+    assert gloo.last_wire_iteration(0) == 2 and gloo.layout(0) == gloo.buckets_rebuilt
+    assert plan.layout(0) == plan.buckets_first

@@ -248,6 +248,9 @@ class Plan:
     # (once before iteration 0; every iteration before / after the gradient buckets)
     collectives: dict = field(default_factory=dict, hash=False)
     buffers: ModuleBuffers = ModuleBuffers()
+    # micro-batches per optimizer step, each allreduced (accumulation without no_sync):
+    # the step uses the last one's gradients (docs/TRAINING.md); 1: one allreduce per step
+    allreduces_per_step: int = 1
 
     def __post_init__(self):
         check_plan(self)
@@ -266,7 +269,17 @@ class Plan:
         return {p.name: p for p in self.parameters}
 
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
-        return self.buckets_first if iteration == 0 else self.buckets_rebuilt
+        """The layout of the allreduce a training iteration steps with: its last
+        micro-batch's, which is DDP's first layout only for the job's very first allreduce."""
+        return self.buckets_first if self.last_wire_iteration(iteration) == 0 else self.buckets_rebuilt
+
+    def last_wire_iteration(self, iteration: int) -> int:
+        """The wire iteration (the n-th round of bucket allreduces of the communicator)
+        of a training iteration's last micro-batch."""
+        return (iteration + 1) * self.allreduces_per_step - 1
+
+    def layout_buckets(self, layout: tuple[BucketLayout, ...]) -> list[Bucket]:
+        return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout]
 
     def learn_rebuilt(self, layout) -> None:
         """Set the rebuilt layout learned from the wire (a plan with "rebuilt": "learn";
@@ -279,8 +292,7 @@ class Plan:
         object.__setattr__(self, "buckets_rebuilt", layout)
 
     def buckets(self, iteration: int) -> list[Bucket]:
-        return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b))))
-                for b in self.layout(iteration)]
+        return self.layout_buckets(self.layout(iteration))
 
     def bucket_count(self, b: BucketLayout) -> int:
         if b.params:
@@ -495,6 +507,8 @@ class Plan:
                                   for k, v in self.collectives.items()}
         if self.buffers.tensors:
             doc["buffers"] = self.buffers.to_json()
+        if self.allreduces_per_step != 1:
+            doc["allreduces_per_step"] = self.allreduces_per_step
         return doc
 
     def buffer(self, name: str) -> Parameter:
@@ -597,6 +611,11 @@ def check_plan(plan: Plan) -> None:
     if plan.rebuilt_learn and (plan.transport != "gloo" or not plan.parameters):
         raise PlanError('buckets.rebuilt "learn" needs transport gloo and parameters')
     _check_buffers(plan)
+    k = plan.allreduces_per_step
+    if not _is_int(k) or not 1 <= k <= MAX_ITERATIONS:
+        raise PlanError(f"allreduces_per_step must be an integer >= 1, not {k!r}")
+    if k > 1 and plan.transport != "gloo":
+        raise PlanError("allreduces_per_step > 1 (an allreduce every micro-batch) needs transport gloo")
 
 
 def _check_buffers(plan: Plan) -> None:
@@ -936,7 +955,8 @@ def _plan_from_json(raw) -> Plan:
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
                 comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
                 collectives=_collectives(doc),
-                buffers=_buffers_from_json(doc))
+                buffers=_buffers_from_json(doc),
+                allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1))
 
 
 COLLECTIVE_WHEN = ("start", "before", "after")

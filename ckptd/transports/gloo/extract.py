@@ -145,8 +145,10 @@ class GlooExtractor:
     def __init__(self, plan: Plan, hole_window: int = HOLE_WINDOW, map_lag: int = MAP_LAG):
         self.plan = plan
         self.nranks = plan.nranks
-        self.sched = [GlooRingSchedule(self.nranks, plan.buckets(0)),
-                      GlooRingSchedule(self.nranks, plan.buckets(1))]
+        # by wire layout: 0 DDP's first (the job's first allreduce round), 1 the rebuilt
+        self.sched = [GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first)),
+                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_rebuilt))]
+        self.per_step = plan.allreduces_per_step
         self.nb = [len(s.buckets) for s in self.sched]
         self.lengths = self.sched[0].lengths() | self.sched[1].lengths()
         self.reasm = TcpReassembler(hole_window)
@@ -329,14 +331,15 @@ class GlooExtractor:
             self._example("broadcast_conflict", f"{key}: buffer broadcast tag {h.tag} differs between copies")
 
     def _buffer_tags(self, iteration: int) -> range | None:
-        """The tags of DDP's buffer broadcasts at the forward after `iteration` (wire
-        numbering), once the iteration's last allreduce is numbered."""
-        last = self.nb[0] - 1 if iteration == 0 else self.nb[0] + iteration * self.nb[1] - 1
+        """The tags of DDP's buffer broadcasts at the forward after training iteration
+        `iteration`, once its last allreduce is numbered."""
+        w = self.plan.last_wire_iteration(iteration)
+        last = self.nb[0] - 1 if w == 0 else self.nb[0] + w * self.nb[1] - 1
         t = self.number_tag.get(last)
         if t is None:
             return None
         start = t + 1
-        if iteration == 0 and self.rebuilt_tag == start:
+        if w == 0 and self.rebuilt_tag == start:
             start += 2  # the rebuilt layout's two broadcasts come first (Reducer::rebuild_buckets)
         return range(start, start + len(self.buffer_sizes))
 
@@ -388,7 +391,7 @@ class GlooExtractor:
             return
 
     def _set_rebuilt_schedule(self):
-        self.sched[1] = sc = GlooRingSchedule(self.nranks, self.plan.buckets(1))
+        self.sched[1] = sc = GlooRingSchedule(self.nranks, self.plan.layout_buckets(self.plan.buckets_rebuilt))
         self.nb[1] = len(sc.buckets)
         self.lengths |= sc.lengths()
         self.expected_ag[1] = sum(s.nbytes for per in sc.sends.values() for sends in per
@@ -417,18 +420,25 @@ class GlooExtractor:
             self._place_numbered(t, n, self.data.pop(t, []), out)
 
     def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
-        """Place the data messages of allreduce number n (tag t)."""
-        it, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
-                                               (n - self.nb[0]) % self.nb[1])
-        if it >= 1 and (self.rebuilt == "mismatch"
-                        or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
+        """Place the data messages of allreduce number n (tag t): wire iteration w (the
+        w-th round of bucket allreduces), which is training iteration w // K's last
+        micro-batch when w % K == K - 1 (K = allreduces_per_step). The earlier
+        micro-batches' allreduces are checked against the schedule but not placed: DDP
+        hands each micro-batch param.grad (the previous reduced value plus this
+        backward's), so the last round carries exactly the gradient the step uses."""
+        w, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
+                                              (n - self.nb[0]) % self.nb[1])
+        lay = min(w, 1)
+        if w >= 1 and (self.rebuilt == "mismatch"
+                       or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
             self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
                           else "rebuilt_unknown_dropped"] += len(data)
             return
-        for d in data + self._from_the_end(t, b, it):
-            self._place(it, b, d, out)
+        it = w // self.per_step if w % self.per_step == self.per_step - 1 else None
+        for d in data + self._from_the_end(t, b, lay):
+            self._place(it, lay, b, d, out)
 
-    def _from_the_end(self, t: int, b: int, it: int) -> list[_Data]:
+    def _from_the_end(self, t: int, b: int, lay: int) -> list[_Data]:
         """Data messages of tag t that followed a framing loss on their direction: their
         index counts back from the tag's last message (the schedule gives how many there
         are) when no framing was lost on that direction after them: then every later
@@ -442,15 +452,18 @@ class GlooExtractor:
                 continue
             group = [d for d in held if d.epoch == last]
             self.counters["after_framing_loss"] += len(held) - len(group)
-            n = len(self.sched[min(it, 1)].connection_sends(group[0].src, b))
+            n = len(self.sched[lay].connection_sends(group[0].src, b))
             for j, d in enumerate(group):
                 d.index = n - len(group) + j
             self.counters["indexed_from_end"] += len(group)
             out += group
         return out
 
-    def _place(self, it: int, b: int, d: _Data, out: list[Placement]):
-        sched = self.sched[min(it, 1)]
+    def _place(self, it: int | None, lay: int, b: int, d: _Data, out: list[Placement]):
+        """Check one data message against the schedule of wire layout `lay` and place
+        its allgather elements into training iteration `it` (None: an earlier
+        micro-batch of a step, checked and counted only)."""
+        sched = self.sched[lay]
         sends = sched.connection_sends(d.src, b)
         h = d.msg.header
         if d.index >= len(sends):
@@ -466,6 +479,9 @@ class GlooExtractor:
         if not d.msg.complete:
             self.counters["partial_messages"] += 1
         if send.phase != AG:
+            return
+        if it is None:
+            self.counters["earlier_micro_batch_messages"] += 1
             return
         e = sched.buckets[b].dtype.itemsize
         for lo, hi, stream in _whole_elements(d.msg.have, e):
@@ -488,7 +504,7 @@ class GlooExtractor:
         got = self.supplied.pop((stream, iteration), 0)
         if not got:
             return None
-        return 1.0 - got / self.expected_ag[min(iteration, 1)]
+        return 1.0 - got / self.expected_ag[min(self.plan.last_wire_iteration(iteration), 1)]
 
     def diagnostics(self) -> list[str]:
         out = []

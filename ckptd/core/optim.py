@@ -18,6 +18,7 @@ and a step whose gradients hold an inf or nan is skipped, as `scaler.step` does.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -34,6 +35,19 @@ from torch.optim.radam import radam
 from torch.optim.rmsprop import rmsprop
 from torch.optim.rprop import rprop
 from torch.optim.sgd import sgd
+
+
+def _eager(fn):
+    """The function beneath torch's wrapper. torch wraps each functional optimizer so
+    that torch.compile leaves it alone, and the wrapper imports torch._dynamo on its
+    first call: 1.1 s here, more than a short replay's whole run. The shadow never runs
+    under torch.compile, and then the wrapper calls this same function
+    (torch/optim/optimizer.py _disable_dynamo_if_unsupported)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd = map(
+    _eager, (adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd))
 
 from ckptd.core.plan import OPTIMIZER_CLASSES, Optimizer
 from ckptd.errors import CkptdError
@@ -206,12 +220,28 @@ def _hyper_for_torch(g: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}
 
 
-def construct(kind: str, groups: list[dict]) -> torch.optim.Optimizer:
+@functools.lru_cache(maxsize=None)
+def _filling_class(cls: type) -> type:
+    """`cls` for ckptd's own stand-in optimizers (hyperparameters filled in, a dummy for
+    the LR scheduler): the same class but for add_param_group, which calls torch's
+    function beneath its dynamo guard. The guard imports torch._dynamo on first use, 1.1 s
+    that a replay would otherwise spend before its first packet; these stand-ins never run
+    under torch.compile. The trainer's optimizer (torch_optimizer) is torch's own class."""
+    base = torch.optim.Optimizer.add_param_group
+    if cls.add_param_group is not base or not hasattr(base, "__wrapped__"):
+        return cls
+    return type(cls.__name__, (cls,), {"add_param_group": base.__wrapped__})
+
+
+def construct(kind: str, groups: list[dict], stand_in: bool = False) -> torch.optim.Optimizer:
     """torch's optimizer over `groups` (hyperparameters as torch takes them, "params" the
     tensors), with the first group's values also as the constructor's defaults: what some
     classes read from the constructor alone (Adagrad's initial_accumulator_value, SGD's
-    nesterov check) then agrees with the groups."""
+    nesterov check) then agrees with the groups. `stand_in`: ckptd's own object, never
+    stepped by a trainer (_filling_class)."""
     cls = optimizer_class(kind)
+    if stand_in:
+        cls = _filling_class(cls)
     takes = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in groups[0].items() if k in takes and k != "params"}
     return cls(groups, **defaults)
@@ -225,7 +255,7 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     dummy = [torch.zeros(1) for _ in groups]
     try:
         filled = construct(opt.kind, [{**_hyper_for_torch(g), "params": [d]}
-                                      for g, d in zip(groups, dummy)]).param_groups
+                                      for g, d in zip(groups, dummy)], stand_in=True).param_groups
     except (ValueError, TypeError, RuntimeError) as e:
         raise OptimizerError(f"optimizer {cls.__name__}: {e}") from e
     out = []
@@ -270,7 +300,7 @@ class GroupSchedule:
             h = _hyper_for_torch(g)
             h["lr"] = h.pop("initial_lr", h["lr"])  # the lr before the scheduler first set it
             groups.append({**h, "params": [torch.zeros(1)]})
-        self.dummy = construct(self.opt.kind, groups)
+        self.dummy = construct(self.opt.kind, groups, stand_in=True)
         args = {k: tuple(v) if isinstance(v, list) and k != "milestones" else v
                 for k, v in (s.get("args") or {}).items()}
         with warnings.catch_warnings():

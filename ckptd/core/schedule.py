@@ -18,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 from ckptd.errors import CkptdError
@@ -294,7 +295,8 @@ def _round_up(a: int, b: int) -> int:
     return _div_up(a, b) * b
 
 
-def ring_steps(nranks: int, ring_ix: int) -> list[tuple[int, int]]:
+@lru_cache(maxsize=None)
+def ring_steps(nranks: int, ring_ix: int) -> tuple[tuple[int, int], ...]:
     """(phase, chunk) of each send of the rank at ring index ring_ix in one loop.
 
     src/device/all_reduce.h runRing: send chunk r-1; recvReduceSend r-j for j=2..n-1;
@@ -306,7 +308,7 @@ def ring_steps(nranks: int, ring_ix: int) -> list[tuple[int, int]]:
     steps += [(RS, (r - j) % n) for j in range(2, n)]
     steps.append((AG, r))
     steps += [(AG, (r - j) % n) for j in range(1, n - 1)]
-    return steps
+    return tuple(steps)
 
 
 def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: int,
@@ -503,6 +505,9 @@ class RingSchedule:
         self.buckets = list(buckets)
         self.others = list(before) + list(after)
         self.send_base = dict(send_base or {})
+        # every send one message on one QP (no split, no adaptive-routing write pair):
+        # _emit's short path
+        self._whole_sends = (not cfg.split or cfg.qps_per_connection == 1) and not cfg.ar_writes
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
         for c in range(cfg.channels):
@@ -526,18 +531,24 @@ class RingSchedule:
         if bucket.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
         nc, nt = cfg.tune(bucket.nbytes)
+        n = cfg.nranks
         for bid, loops in _channel_loops(cfg, bucket.count, itemsize, nc, nt):
-            for idx in range(cfg.nranks):
+            # Every rank of the channel's ring walks the same loops and cuts a chunk into
+            # the same slices; only the order of the chunks differs (ring_steps). Cut each
+            # chunk once here rather than once per rank: this loop builds every send of the
+            # plan, and a big job's schedule is built before the first frame is read.
+            cut = [[[(off + s_off, s_n, wire_bytes(cfg.protocol, s_n, itemsize))
+                     for s_off, s_n in self._slices(nelem, itemsize)]
+                    for off, nelem in map(at, range(n))] for at in loops]
+            for idx in range(n):
                 src = cfg.rank_at(bid, idx)
-                dst = cfg.next_rank(bid, src)
-                conn = (src, dst, bid)
-                for at in loops:
-                    for k, (phase, chunk) in enumerate(ring_steps(cfg.nranks, idx)):
-                        off, nelem = at(chunk)
-                        for s_off, s_n in self._slices(nelem, itemsize):
-                            self._emit(conn, Send(b, phase, off + s_off, s_n,
-                                                  wire_bytes(cfg.protocol, s_n, itemsize),
-                                                  len(self.sends[conn]), chunk, k))
+                conn = (src, cfg.next_rank(bid, src), bid)
+                sends = self.sends[conn]
+                steps = ring_steps(n, idx)
+                for chunks in cut:
+                    for k, (phase, chunk) in enumerate(steps):
+                        for off, s_n, wb in chunks[chunk]:
+                            self._emit(conn, Send(b, phase, off, s_n, wb, len(sends), chunk, k))
 
     def _slices(self, nelem: int, itemsize: int):
         """Simple sends a chunk as SlicePerChunk slices, empty ones included.
@@ -567,9 +578,17 @@ class RingSchedule:
         RingConfig.qp_of_part, from the connection's send count over all collectives.
         """
         cfg = self.cfg
-        index = self.send_base.get(conn, 0) + len(self.sends[conn])
-        self.sends[conn].append(send)
+        sends = self.sends[conn]
+        index = self.send_base.get(conn, 0) + len(sends)
+        sends.append(send)
         nq = cfg.qps_per_connection
+        if self._whole_sends:  # one part on one QP, the whole send: NCCL's usual case
+            flow = self.flows[conn + (index % nq,)]  # qp_of_part(index, 0, 1)
+            wlen = send.wire_bytes
+            flow.starts.append(flow.npkts)  # FlowSchedule.add, inlined: called per send
+            flow.messages.append(Message(send, 0, wlen, wlen, -(-wlen // cfg.mtu) or 1))
+            flow.npkts += -(-wlen // cfg.mtu) or 1
+            return
         nparts = nq if cfg.split else 1
         part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
         ar = cfg.ar_writes and send.wire_bytes > IB_AR_THRESHOLD

@@ -29,7 +29,12 @@ from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_ca
 from parsers.frame import MAX_SNAPLEN
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
-CHUNK_BYTES = 32 << 20  # bytes read from a file at a time by stream_batches
+# Bytes read from a file at a time by stream_batches. Small enough that the pool's
+# buffers, reused chunk after chunk, stay few and cache-warm: with 32 MiB chunks a
+# replay of 446 MB touched ~400 MB of fresh pages (a fault per page) and the reader,
+# not the kernel, set the pace (0.82-0.92 s against 0.36-0.40 s with 4 MiB, same run,
+# benchmarks/RESULTS.md).
+CHUNK_BYTES = 4 << 20
 CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
 READ_DEPTH = 3  # Batches a ReaderStage may hold ready
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)

@@ -208,27 +208,27 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
         for t, key in enumerate(keys):
             fs = sched.flows[key]
             tl_mlo[layout, t] = len(cols["m_start"])
-            for msg, start in zip(fs.messages, fs.starts):
-                s = msg.send
-                cols["m_start"].append(start)
-                cols["m_npkts"].append(msg.npkts)
-                cols["m_wire_len"].append(msg.wire_len)
-                cols["m_wire_offset"].append(msg.wire_offset)
-                cols["m_bucket"].append(s.bucket)
-                cols["m_offset"].append(s.offset)
-                cols["m_nelem"].append(s.nelem)
-                cols["m_phase"].append(s.phase)
-                cols["m_step"].append(s.step)
-                cols["m_ring_step"].append(s.ring_step)
-                # the immediate as its 4 wire bytes read little-endian, as the kernel reads them;
-                # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has none
-                cols["m_imm"].append(0 if msg.imm is None else int.from_bytes(msg.imm.to_bytes(4, order), "little"))
-                cols["m_has_imm"].append(msg.imm is not None)
+            msgs, sends = fs.messages, [m.send for m in fs.messages]
+            cols["m_start"] += fs.starts
+            cols["m_npkts"] += [m.npkts for m in msgs]
+            cols["m_wire_len"] += [m.wire_len for m in msgs]
+            cols["m_wire_offset"] += [m.wire_offset for m in msgs]
+            cols["m_bucket"] += [s.bucket for s in sends]
+            cols["m_offset"] += [s.offset for s in sends]
+            cols["m_nelem"] += [s.nelem for s in sends]
+            cols["m_phase"] += [s.phase for s in sends]
+            cols["m_step"] += [s.step for s in sends]
+            cols["m_ring_step"] += [s.ring_step for s in sends]
+            # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
+            cols["m_imm"] += [0 if m.imm is None else m.imm for m in msgs]
+            cols["m_has_imm"] += [m.imm is not None for m in msgs]
             tl_mhi[layout, t] = len(cols["m_start"])
             tl_npkts[layout, t] = fs.npkts
             tl_recv_off[layout, t] = recv_total[layout]
             recv_total[layout] += fs.npkts
     arrays = {k: np.array(v, np.uint32 if k == "m_imm" else np.int64) for k, v in cols.items()}
+    if order == "big":  # the kernel reads the immediate's 4 wire bytes little-endian
+        arrays["m_imm"] = arrays["m_imm"].byteswap()
     nb = max(len(s0.buckets), len(s1.buckets), 1)
     b_itemsize = np.ones((L, nb), np.int64)
     b_count = np.zeros((L, nb), np.int64)

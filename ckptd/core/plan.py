@@ -343,12 +343,10 @@ class Plan:
     def _send_base(self, iteration: int) -> tuple:
         """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
         sorted; empty where rotation changes nothing (one QP, or every send split over
-        all QPs from QP 0)."""
+        all QPs from QP 0) and for iteration 0 (no sends before it)."""
         nq = self.ring.rotation_modulus
-        if nq == 1:
-            return ()
-        if iteration == 0:
-            return tuple((c, 0) for c in sorted(self._sends_per_iteration(0)))
+        if nq == 1 or iteration == 0:
+            return ()  # a missing connection starts at 0: iteration 0 shares the counting schedule
         first, rebuilt = self._sends_per_iteration(0), self._sends_per_iteration(1)
         return tuple((c, (first[c] + (iteration - 1) * rebuilt[c]) % nq) for c in sorted(first))
 

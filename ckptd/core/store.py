@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ckptd.core.checkpoint import CheckpointWriteError, atomic_write
 
-_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+_USERINFO = re.compile(r"(?<=://)[^@\s]*@")  # a "/" in a password too: err on the safe side
 
 
 def redact(text: str) -> str:
@@ -62,21 +62,34 @@ class Store:
 
     def __init__(self, target: str | Path):
         text = str(target)
-        self.fs = None
+        self.local = True
+        self._url, self._fs, self._root = text, None, None
         if is_url(text):
             import fsspec
             from fsspec.implementations.local import LocalFileSystem
-            try:
-                fs, root = fsspec.core.url_to_fs(text)
-            except Exception as e:  # an unknown protocol, a missing backend (s3fs), a bad URL
+            try:  # the class only: a remote filesystem is reached at its first use (_call)
+                cls = fsspec.get_filesystem_class(text.split("://", 1)[0])
+            except Exception as e:  # an unknown protocol, a missing backend (s3fs)
                 raise ValueError(f"{redact(text)}: {_one_line(e)}") from None
-            if not isinstance(fs, LocalFileSystem):
-                self.fs, self.root = fs, root.rstrip("/")
+            if issubclass(cls, LocalFileSystem):
+                text = cls._strip_protocol(text)
             else:
-                text = root
+                self.local = False
         self.url = redact(text)  # what messages and /status show
-        self.local = self.fs is None
         self.path = Path(text) if self.local else None
+
+    @property
+    def fs(self):
+        if self._fs is None:
+            import fsspec
+            fs, root = fsspec.core.url_to_fs(self._url)
+            self._fs, self._root = fs, root.rstrip("/")
+        return self._fs
+
+    @property
+    def root(self) -> str:
+        _ = self.fs
+        return self._root
 
     def __str__(self):
         return self.url
@@ -95,6 +108,8 @@ class Store:
             self._call("create", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
     def _call(self, what: str, fn, name: str | None = None):
+        """fn() on the remote filesystem (connecting first, if not yet); any failure as a
+        one-line CheckpointWriteError without credentials (FileNotFoundError as it is)."""
         try:
             return fn()
         except CheckpointWriteError:
@@ -116,9 +131,8 @@ class Store:
         if self.local:
             atomic_write(self.path / name, hashed)
         else:
-            tmp = self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
-
             def put():
+                tmp = self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
                 try:
                     with self.fs.open(tmp, "wb") as f:
                         hashed(f)

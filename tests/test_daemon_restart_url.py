@@ -146,6 +146,7 @@ def test_restart_from_a_memory_url_joins_after_its_newest_entry(run, tmp_path):
     assert second.pipe.joined == k + 1
     assert [(r.iteration, r.status) for r in second.pipe.reports] == [(i, "committed") for i in range(k + 1, ITERATIONS)]
     assert second.snapshot.get()["join"]["restarted_from"] == k
+    assert second.snapshot.get()["checkpoints"]["store"] == url
     doc, entry = newest_verified(url)
     assert entry["iteration"] == ITERATIONS - 1
     assert diff_checkpoints(doc, load_checkpoint(run / "reference" / entry["file"])) == []

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.core.checkpoint import CheckpointError, checkpoint_name
+from ckptd.cli import main
+from ckptd.core.checkpoint import CheckpointError, checkpoint_name, save_checkpoint
 from ckptd.core.keep import BACKOFF_FIRST_S
 from ckptd.core.store import Store, redact
 from ckptd.live.daemon import ConfigError, JsonFormatter, load_config
@@ -93,6 +94,9 @@ def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path
         for k, v in opt.state[p].items():
             assert torch.equal(v, fresh_opt.state[q][k]), k
     assert fresh_opt.param_groups[0]["lr"] == 0.01
+    # ckptd verify takes the URL too (its newest entry that verifies)
+    save_checkpoint(tmp_path / "x.pt", 4, held[4].model, held[4].optimizer)
+    assert main(["verify", url, str(tmp_path / "x.pt")]) == 0
 
 
 def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(tmp_path):

@@ -2,6 +2,7 @@
 and DCP, and commit lag / disk bytes per iteration with the persistence tier on and off.
 
     python -m benchmarks.tiers [--params 100] [--iterations 12]
+    python -m benchmarks.tiers --params 25 --restore-from memory://ckptd-bench [--restore-from s3://...]
 
 Restore: a model of --params million float32 parameters (square Linear layers) and its
 AdamW state (two moments) after one step, i.e. 3 x 4 bytes per parameter, restored with
@@ -15,6 +16,12 @@ Commit lag: the daemon (reference pipeline, from files) on a synthesized job
 the persistence tier (every 10th, the new default, and every one): the time from an
 iteration's last packet to its report (commit_lag + the synchronous write), and the
 checkpoint bytes written to disk per iteration.
+
+--restore-from URL (repeatable): only the persisted tiers, side by side in one run: the
+same state persisted by `ckptd.live.persist.PersistTier` to a local directory and to
+each URL (persist_url), then `ckptd.restore` from each: the plain directory (the
+manifest's newest file, loaded), the directory as a file:// URL and each URL (the newest
+entry that verifies: file SHA-256 and every tensor's digest, then loaded).
 """
 from __future__ import annotations
 
@@ -105,6 +112,45 @@ def restore_times(million: float) -> dict:
     return out
 
 
+def persisted_restore_times(million: float, urls: list[str]) -> dict:
+    from ckptd.core.store import redact
+    from ckptd.live.memory_tier import HeldState
+    from ckptd.live.persist import PersistTier, read_manifest
+    from ckptd.testing.synth import trainer_checkpoint
+
+    model, opt = trained(million)
+    names = [n for n, _ in model.named_parameters()]
+    m, o = trainer_checkpoint(model, opt, 1e-3)
+    nparams = sum(p.numel() for p in model.parameters())
+    state_bytes = 3 * 4 * nparams
+    del model, opt
+    tmp = Path(tempfile.mkdtemp(prefix="ckptd-tiers-persist-"))
+    out = {"parameters": nparams, "state_bytes": state_bytes, "sources": {}}
+    try:
+        targets = [("local dir", str(tmp / "dir"), str(tmp / "dir")),
+                   ("local dir as file:// URL (verified)", str(tmp / "dir"), f"file://{tmp / 'dir'}")]
+        targets += [(f"{redact(u)} (verified)", u, u) for u in urls]
+        written = {}
+        for label, target, source in targets:
+            if target not in written:
+                tier = PersistTier(target, every=1, interval_s=None, keep_last=None, keep_every=None)
+                tier.offer(HeldState(0, m, o, time.time(), 0.0))
+                tier.close()
+                entry = read_manifest(target)["checkpoints"][-1]
+                written[target] = entry["write_s"]
+            back, bopt = make_model(million, seed=1)
+            t0 = time.perf_counter()
+            r = ckptd.restore(back, bopt, source)
+            sec = time.perf_counter() - t0
+            assert r.iteration == 0 and torch.equal(next(back.parameters()), m[names[0]])
+            del back, bopt
+            out["sources"][label] = {"persist_write_s": round(written[target], 3), "restore_s": round(sec, 3),
+                                     "restore_GBps": round(state_bytes / sec / 1e9, 3)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def commit_lag(model: str, iterations: int) -> dict:
     from ckptd.live.daemon import Daemon, load_config
     from ckptd.pipeline import file_source
@@ -144,8 +190,13 @@ def main():
     ap.add_argument("--params", type=float, default=100, help="million parameters (restore)")
     ap.add_argument("--model", default="default", help="synth model size (commit lag)")
     ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--restore-from", action="append", default=[], metavar="URL",
+                    help="persisted restore only: local directory against this fsspec URL (repeatable)")
     a = ap.parse_args()
     print(machine())
+    if a.restore_from:
+        print(json.dumps(persisted_restore_times(a.params, a.restore_from), indent=1))
+        return
     r = restore_times(a.params)
     print(json.dumps(r, indent=1))
     c = commit_lag(a.model, a.iterations)

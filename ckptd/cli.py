@@ -203,19 +203,30 @@ def _plan_names(plan_path) -> list[str] | None:
     return [p.name for p in load_plan(plan_path).parameters]
 
 
+def _verify_source(src: str, names):
+    """A file or directory as before; an fsspec URL (a persistence tier's persist_url): the
+    newest manifest entry there that verifies."""
+    from ckptd.core.checkpoint import load_checkpoint
+    if "://" in src and not src.lower().startswith(("http://", "https://")):
+        from ckptd.recovery import newest_at_url
+        return newest_at_url(src)[0]
+    return load_checkpoint(src, names)
+
+
 def cmd_verify(a) -> int:
-    from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
+    from ckptd.core.checkpoint import diff_checkpoints
     names = _plan_names(a.plan)
-    first, second = load_checkpoint(a.a, names), load_checkpoint(a.b, names)
+    first, second = (_verify_source(x, names) for x in (a.a, a.b))
     if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
         keep = set(names or []) or (set(first["model"]) & set(second["model"]))
         for doc in (first, second):
             doc["model"] = {n: t for n, t in doc["model"].items() if n in keep}
     diffs = diff_checkpoints(first, second, limit=a.limit)
+    from ckptd.core.store import redact
     if not diffs:
-        print(f"identical: {a.a} == {a.b}")
+        print(f"identical: {redact(a.a)} == {redact(a.b)}")
         return 0
-    print(f"differ: {a.a} != {a.b}")
+    print(f"differ: {redact(a.a)} != {redact(a.b)}")
     for d in diffs:
         print(f"  {d}")
     return 1
@@ -528,8 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare parameters and optimizer state only, not module buffers "
                    "(ckptd's checkpoints carry none: they are not on the wire)")
     v.epilog = ("A and B may each be a ckptd checkpoint, a trainer's torch.save of "
-                "{model, optimizer, step|iteration}, a torch.distributed.checkpoint directory "
-                "or a safetensors file (see docs/RECOVERY.md for the iteration numbering).")
+                "{model, optimizer, step|iteration}, a torch.distributed.checkpoint directory, "
+                "a safetensors file or a persistence tier's fsspec URL (its newest entry that verifies) (see docs/RECOVERY.md for the iteration numbering).")
     v.set_defaults(func=cmd_verify)
 
     ex = sub.add_parser("export", help="write a checkpoint in a standard format: torch "

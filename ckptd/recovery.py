@@ -6,7 +6,9 @@
 
 `source` is a checkpoint file or DCP directory (any format ckptd.core.checkpoint reads), a
 directory of checkpoints (the newest one that loads whole: a persisted tier's manifest
-first, else by iteration), or the daemon's URL (its in-memory latest state, streamed).
+first, else by iteration), the daemon's URL (its in-memory latest state, streamed), or
+the fsspec URL a persistence tier writes to (`persist_url`: memory://, s3://bucket/prefix,
+...; the manifest's newest entry that verifies against its digests).
 Call it on every rank, before or after wrapping the model in DDP, before the first step.
 """
 from __future__ import annotations
@@ -51,13 +53,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     t0 = time.perf_counter()
     names = [n for n, _ in model.named_parameters()]
     src = str(source)
-    nbytes = 0
-    if URL.match(src):
-        ckpt, nbytes = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout)
-    elif Path(src).is_dir() and not (Path(src) / ".metadata").is_file():
-        ckpt, src = newest_in(Path(src), names)
-    else:
-        ckpt = load_checkpoint(src, names)
+    ckpt, src, nbytes = load_source(src, names, token, timeout)
     missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
         _load_optimizer(model, optimizer, ckpt, src)
@@ -66,6 +62,37 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     if missing_buffers:
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
+
+
+def load_source(src: str, names: list[str] | None, token: str | None = None,
+                timeout: float = 120.0) -> tuple[dict, str, int]:
+    """Any source restore() takes, as (checkpoint, where it came from, bytes fetched)."""
+    src = str(src)
+    if URL.match(src):
+        ckpt, n = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout)
+        return ckpt, src, n
+    if "://" in src:
+        ckpt, where = newest_at_url(src)
+        return ckpt, where, 0
+    if Path(src).is_dir() and not (Path(src) / ".metadata").is_file():
+        ckpt, where = newest_in(Path(src), names)
+        return ckpt, where, 0
+    return load_checkpoint(src, names), src, 0
+
+
+def newest_at_url(url: str) -> tuple[dict, str]:
+    """The newest checkpoint a persistence tier's manifest at an fsspec URL lists that
+    verifies (file SHA-256, every tensor's digest); messages never show credentials."""
+    from ckptd.core.store import open_store, redact
+    from ckptd.live.persist import newest_verified
+    try:
+        store = open_store(url)
+        got = newest_verified(store)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(redact(" ".join(str(e).split()))) from None
+    if got is None:
+        raise CheckpointError(f"{redact(url)}: no manifest entry there verifies")
+    return got[0], store.where(got[1]["file"])
 
 
 def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) -> tuple[dict, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, load_checkpoint, save_checkpoint
+from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, load_checkpoint, save_checkpoint, write_checkpoint
 from ckptd.core.keep import BACKOFF_FIRST_S, CheckpointKeeper
 
 
@@ -74,13 +74,14 @@ def test_failed_writes_back_off_and_the_newest_state_is_persisted_when_writing_w
     clock = _Clock()
     k = CheckpointKeeper(tmp_path, keep_last=10, retry=True, clock=clock)
     calls = []
-    real = save_checkpoint
+    real = write_checkpoint
 
-    def full_disk(path, *a):
-        calls.append(path.name)
-        raise CheckpointWriteError(errno.ENOSPC, f"{path}: cannot write checkpoint: No space left on device")
+    def full_disk(f, iteration, *a):
+        calls.append(checkpoint_name(iteration))
+        raise CheckpointWriteError(errno.ENOSPC, f"{checkpoint_name(iteration)}: cannot write checkpoint: "
+                                   "No space left on device")
 
-    monkeypatch.setattr("ckptd.core.keep.save_checkpoint", full_disk)
+    monkeypatch.setattr("ckptd.core.keep.write_checkpoint", full_disk)
     assert k.write(0, *_state()) is False
     assert k.write(1, *_state()) is False  # within the back-off: not even tried
     assert calls == [checkpoint_name(0)]
@@ -90,7 +91,7 @@ def test_failed_writes_back_off_and_the_newest_state_is_persisted_when_writing_w
     st = k.status()
     assert st["state"] == "failing" and st["newest_not_persisted"] == 2 and st["not_persisted"] == 3
     assert st["retry_in_s"] == 2 * BACKOFF_FIRST_S and "No space left" in st["last_error"]
-    monkeypatch.setattr("ckptd.core.keep.save_checkpoint", real)
+    monkeypatch.setattr("ckptd.core.keep.write_checkpoint", real)
     clock.t += 1.0
     assert k.write(3, *_state()) is False  # still backing off
     clock.t += 1.0
@@ -101,9 +102,9 @@ def test_failed_writes_back_off_and_the_newest_state_is_persisted_when_writing_w
 
 
 def test_replay_keeper_raises_instead(tmp_path, monkeypatch):
-    def fail(path, *a):
-        raise CheckpointWriteError(errno.EROFS, f"{path}: cannot write checkpoint: Read-only file system")
-    monkeypatch.setattr("ckptd.core.keep.save_checkpoint", fail)
+    def fail(f, iteration, *a):
+        raise CheckpointWriteError(errno.EROFS, "cannot write checkpoint: Read-only file system")
+    monkeypatch.setattr("ckptd.core.keep.write_checkpoint", fail)
     with pytest.raises(CheckpointWriteError, match="Read-only"):
         CheckpointKeeper(tmp_path).write(0, *_state())
 

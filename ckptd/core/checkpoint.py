@@ -43,8 +43,13 @@ class CheckpointWriteError(CkptdError, OSError):
 
 
 def save_checkpoint(path: str | Path, iteration: int, model: dict, optimizer: dict | None):
+    atomic_write(path, lambda f: write_checkpoint(f, iteration, model, optimizer))
+
+
+def write_checkpoint(f, iteration: int, model: dict, optimizer: dict | None):
+    """A ckptd checkpoint into an open binary file (anything with write())."""
     doc = {"format": CHECKPOINT_FORMAT, "iteration": iteration, "model": model, "optimizer": optimizer}
-    atomic_write(path, lambda f: torch.save(doc, f))
+    torch.save(doc, f)
 
 
 def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:

@@ -14,12 +14,12 @@ instead: there is no later moment at which the file could be written.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from pathlib import Path
 
-from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, save_checkpoint
+from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, write_checkpoint
+from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
 BACKOFF_FIRST_S = 1.0
@@ -28,10 +28,18 @@ _NAME = re.compile(r"iter_(\d{6,})\.pt")
 
 
 class CheckpointKeeper:
-    def __init__(self, out: str | Path, keep_last: int | None = None, keep_every: int | None = None,
+    def __init__(self, out: str | Path | Store, keep_last: int | None = None, keep_every: int | None = None,
                  retry: bool = False, clock=time.monotonic):
-        self.out = Path(out)
-        self.out.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # a directory or an fsspec URL (ckptd.core.store); `out` is the local path, if any
+        self.store = open_store(out)
+        self.out = self.store.path
+        try:
+            self.store.makedirs()
+        except CheckpointWriteError as e:  # an unreachable store: the writes retry it
+            if self.store.local or not retry:
+                raise
+            log.warning("checkpoint store not reachable", extra={"fields": {"store": self.store.url,
+                                                                             "error": str(e)}})
         self.keep_last, self.keep_every, self.retry = keep_last, keep_every, retry
         self.clock = clock
         self.last_persisted: int | None = None
@@ -39,6 +47,8 @@ class CheckpointKeeper:
         self.not_persisted = 0  # commits whose own file was never written
         self.failures = 0  # write attempts that failed
         self.last_error: str | None = None
+        self.last_size: int | None = None  # the last file written: bytes and SHA-256
+        self.last_sha256: str | None = None
         self.pruned = 0
         self._backoff = 0.0
         self._next_try = 0.0
@@ -58,18 +68,12 @@ class CheckpointKeeper:
             self._missed(iteration)
             return False
         try:
-            save_checkpoint(self.out / checkpoint_name(iteration), iteration, model, optimizer)
+            self.last_size, self.last_sha256 = self.store.write(
+                checkpoint_name(iteration), lambda f: write_checkpoint(f, iteration, model, optimizer))
         except CheckpointWriteError as e:
             if not self.retry:
                 raise
-            self.failures += 1
-            self.last_error = str(e)
-            self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self._backoff))
-            self._next_try = now + self._backoff
-            self._missed(iteration)
-            log.warning("checkpoint not written", extra={"fields": {
-                "iteration": iteration, "error": self.last_error, "errno": e.errno,
-                "retry_in_s": self._backoff}})
+            self.failed(iteration, e)
             return False
         if self.failing:
             log.warning("checkpoints written again", extra={"fields": {
@@ -79,6 +83,18 @@ class CheckpointKeeper:
         if prune:
             self.prune()
         return True
+
+    def failed(self, iteration: int, e: CheckpointWriteError):
+        """A write for `iteration` failed (its file, or the manifest that lists it): one
+        log line, and the next try waits out a growing back-off."""
+        self.failures += 1
+        self.last_error = str(e)
+        self._backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self._backoff))
+        self._next_try = self.clock() + self._backoff
+        self._missed(iteration)
+        log.warning("checkpoint not written", extra={"fields": {
+            "iteration": iteration, "error": self.last_error, "errno": e.errno,
+            "retry_in_s": self._backoff}})
 
     def _missed(self, iteration: int):
         if self.newest_unpersisted != iteration:
@@ -90,7 +106,11 @@ class CheckpointKeeper:
         Only files named iter_NNNNNN.pt in the directory are considered."""
         if self.keep_last is None:
             return []
-        its = sorted(int(m.group(1)) for p in self.out.iterdir() if (m := _NAME.fullmatch(p.name)))
+        try:
+            its = sorted(int(m.group(1)) for n in self.store.names() if (m := _NAME.fullmatch(n)))
+        except OSError as e:
+            log.warning("cannot list checkpoints to prune", extra={"fields": {"error": str(e)}})
+            return []
         keep = set(its[-self.keep_last:])
         if self.keep_every:
             keep |= {i for i in its if i % self.keep_every == 0}
@@ -98,7 +118,7 @@ class CheckpointKeeper:
         for i in its:
             if i not in keep:
                 try:
-                    os.unlink(self.out / checkpoint_name(i))
+                    self.store.remove(checkpoint_name(i))
                     gone.append(i)
                 except FileNotFoundError:
                     pass

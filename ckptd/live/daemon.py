@@ -105,6 +105,7 @@ class DaemonConfig:
     persist_every: int | None = 10  # persistence tier: write every N-th committed iteration ...
     persist_interval_s: float | None = 60  # ... or after this many seconds, whichever first
     persist_sync: bool = False  # write every commit's file in the commit path instead (old default)
+    persist_url: str | None = None  # the persistence tier writes here (fsspec URL) instead of `out`
     notice: NoticeConfig | None = None  # tell the job about unrecoverable iterations (ckptd.live.notice)
     extra: dict = field(default_factory=dict)
 
@@ -250,7 +251,7 @@ def load_config(path: str | Path) -> DaemonConfig:
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
              "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
              "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
-             "persist_interval_s", "persist_sync", "notice"}
+             "persist_interval_s", "persist_sync", "persist_url", "notice"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -301,6 +302,9 @@ def load_config(path: str | Path) -> DaemonConfig:
     if group is not None and user is None:
         k.fail("group", "needs `user` too")
     workers = _capture_config(path, doc, ifs)
+    persist_url = _persist_url(k)
+    if persist_url is not None and k.bool("persist_sync", False):
+        k.fail("persist_url", "is written by the persistence tier: persist_sync writes to `out` only")
     return DaemonConfig(plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
                         interfaces=ifs, listen=listen, log_level=log_level,
                         resume=rel("resume"), dump_gradients=rel("dump_gradients"),
@@ -317,8 +321,26 @@ def load_config(path: str | Path) -> DaemonConfig:
                         memory_tier=k.bool("memory_tier", True),
                         persist_every=k.int("persist_every", 1, 1 << 31, 10, what="a number of iterations"),
                         persist_interval_s=k.int("persist_interval_s", 1, 1 << 31, 60, what="seconds"),
-                        persist_sync=k.bool("persist_sync", False),
+                        persist_sync=k.bool("persist_sync", False), persist_url=persist_url,
                         notice=notice_config(str(path), doc.get("notice")), **workers)
+
+
+def _persist_url(k: _Keys) -> str | None:
+    """An fsspec URL (memory://, file:///x, s3://bucket/prefix): the protocol must be one
+    fsspec has (its backend installed); nothing is contacted here."""
+    from ckptd.core.store import redact
+    url = k.doc.get("persist_url")
+    if url is None:
+        return None
+    if not isinstance(url, str) or "://" not in url:
+        k.fail("persist_url", "must be a URL such as memory://ckpts, file:///var/lib/ckptd or s3://bucket/prefix")
+    import fsspec
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        k.fail("persist_url", f"{redact(url)}: {redact(_one_line(e))}")
+    return url
 
 
 def read_token(path: str, where: str) -> str:
@@ -453,30 +475,43 @@ class Daemon:
         self.persist = None
         if not cfg.persist_sync:
             from ckptd.live.persist import PersistTier
-            self.persist = PersistTier(cfg.out, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
+            self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
                                        cfg.keep_every, self.plan_hash())
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)
 
+    @property
+    def persist_target(self) -> str:
+        """Where the persistence tier writes: `persist_url`, else the `out` directory."""
+        return self.cfg.persist_url or self.cfg.out
+
     def _own_newest(self) -> tuple[int, str] | None:
         """A restart: the newest state this daemon persisted before (the persistence
-        tier's manifest in `out`, verified against it), as the state to join from when
-        no `resume` is configured: (iteration, file)."""
-        from ckptd.live.persist import MANIFEST, newest_verified
-        from ckptd.core.checkpoint import CheckpointError
-        if not (Path(self.cfg.out) / MANIFEST).is_file():
-            return None
+        tier's manifest in `out` or at `persist_url`, verified against it), as the state
+        to join from when no `resume` is configured: (iteration, file). A state read from
+        a URL is written to `out` (restart-iter_NNNNNN.pt) for the pipeline to resume from."""
+        from ckptd.core.checkpoint import CheckpointError, checkpoint_name, save_checkpoint
+        from ckptd.core.store import open_store, redact
+        from ckptd.live.persist import newest_verified
         try:
-            got = newest_verified(self.cfg.out)
-        except CheckpointError as e:
-            log.warning("cannot restart from the persisted state", extra={"fields": {"error": str(e)}})
+            store = open_store(self.persist_target)
+            got = newest_verified(store)
+            if got is None:
+                return None
+            doc, entry = got
+            path = (store.path / entry["file"]) if store.local else \
+                Path(self.cfg.out) / f"restart-{checkpoint_name(entry['iteration'])}"
+            if not store.local:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                save_checkpoint(path, doc["iteration"], doc["model"], doc.get("optimizer"))
+        except (CheckpointError, OSError, ValueError) as e:
+            log.warning("cannot restart from the persisted state",
+                        extra={"fields": {"error": redact(_one_line(e))}})
             return None
-        if got is None:
-            return None
-        entry = got[1]
-        log.info("restarting from the persisted state", extra={"fields": {"iteration": entry["iteration"]}})
-        return entry["iteration"], str(Path(self.cfg.out) / entry["file"])
+        log.info("restarting from the persisted state", extra={"fields": {
+            "iteration": entry["iteration"], "from": store.where(entry["file"])}})
+        return entry["iteration"], str(path)
 
     def plan_hash(self) -> str:
         return hashlib.sha256(Path(self.cfg.plan).read_bytes()).hexdigest()[:16]
@@ -644,7 +679,7 @@ class Daemon:
         doc = {
             "state": state, "uptime_s": round(time.time() - self.started, 3),
             "last_committed": committed[-1].iteration if committed else -1,
-            "last_checkpoint": (str(Path(self.cfg.out) / checkpoint_name(keeper.last_persisted))
+            "last_checkpoint": (keeper.store.where(checkpoint_name(keeper.last_persisted))
                                 if keeper and keeper.last_persisted is not None else None),
             "checkpoints": (self.persist.status() if self.persist else keeper.status() if keeper else None),
             "commit_lag_s": committed[-1].commit_lag if committed else None,
@@ -711,7 +746,15 @@ class Daemon:
             return
         from ckptd.live.privilege import drop_privileges
         drop_privileges(self.cfg.user, self.cfg.group,
-                        [d for d in (self.cfg.out, self.cfg.dump_gradients) if d])
+                        [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d])
+
+    def _persist_dir(self) -> str | None:
+        """persist_url naming a local directory (file://): it is the daemon's to write too."""
+        from ckptd.core.store import open_store
+        if not self.cfg.persist_url:
+            return None
+        store = open_store(self.cfg.persist_url)
+        return str(store.path) if store.local else None
 
     def _persist_newest(self):
         """On a clean stop: the persistence tier writes the newest committed state (if not

@@ -15,10 +15,16 @@ tensor's BLAKE2b-128, and timings. A checkpoint is in the manifest only once its
 in place, so after a crash at any moment the manifest's newest entry loads and verifies
 (`verify_checkpoint`); a file newer than the manifest is a write that finished just before
 the crash and is ignored.
+
+The directory may be an fsspec URL (`persist_url`: memory://, s3://bucket/prefix, ...):
+ckptd.core.store writes each object under a temporary name and moves it, and the order
+above (checkpoint, then the manifest) is what keeps a reader from meeting a manifest entry
+for a partial object. The SHA-256 is computed while the file is written.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import threading
@@ -27,8 +33,10 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, atomic_write, checkpoint_name, load_checkpoint
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, checkpoint_name,
+                                   load_checkpoint)
 from ckptd.core.keep import CheckpointKeeper
+from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
 MANIFEST = "manifest.json"
@@ -59,10 +67,11 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_manifest(directory: str | Path) -> dict | None:
-    p = Path(directory) / MANIFEST
+def read_manifest(directory: str | Path | Store) -> dict | None:
+    store = open_store(directory)
+    p = store.where(MANIFEST)
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(store.read(MANIFEST))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -73,15 +82,32 @@ def read_manifest(directory: str | Path) -> dict | None:
     return doc
 
 
-def verify_checkpoint(directory: str | Path, entry: dict) -> dict:
+def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:
     """The checkpoint a manifest entry names, loaded and checked against it (file SHA-256,
     every tensor's digest); CheckpointError naming the file and what differs."""
-    path = Path(directory) / entry["file"]
-    if not path.is_file():
-        raise CheckpointError(f"{path}: listed in the manifest but missing")
-    if file_digest(path) != entry["sha256"]:
-        raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
-    doc = load_checkpoint(path)
+    store = open_store(directory)
+    path = store.where(entry["file"])
+    if store.local:
+        if not (store.path / entry["file"]).is_file():
+            raise CheckpointError(f"{path}: listed in the manifest but missing")
+        if file_digest(store.path / entry["file"]) != entry["sha256"]:
+            raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
+        doc = load_checkpoint(store.path / entry["file"])
+    else:
+        try:
+            data = store.read(entry["file"])
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: listed in the manifest but missing") from None
+        except OSError as e:
+            raise CheckpointError(str(e)) from None
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
+        try:
+            doc = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
+        if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{path}: not a ckptd checkpoint")
     if doc.get("iteration") != entry["iteration"]:
         raise CheckpointError(f"{path}: holds iteration {doc.get('iteration')}, the manifest says "
                               f"{entry['iteration']}")
@@ -92,9 +118,10 @@ def verify_checkpoint(directory: str | Path, entry: dict) -> dict:
     return doc
 
 
-def newest_verified(directory: str | Path) -> tuple[dict, dict] | None:
+def newest_verified(directory: str | Path | Store) -> tuple[dict, dict] | None:
     """(checkpoint, manifest entry) of the newest checkpoint the manifest lists that
-    verifies; None without a manifest or entries."""
+    verifies; None without a manifest or entries. `directory`: a path or an fsspec URL."""
+    directory = open_store(directory)
     man = read_manifest(directory)
     if man is None:
         return None
@@ -110,10 +137,17 @@ class PersistTier:
     def __init__(self, out: str | Path, every: int | None, interval_s: float | None,
                  keep_last: int | None, keep_every: int | None, plan_hash: str | None = None,
                  clock=time.monotonic):
-        self.out = Path(out)
-        self.keeper = CheckpointKeeper(self.out, keep_last, keep_every, retry=True)
+        self.store = open_store(out)  # a directory or an fsspec URL (ckptd.core.store)
+        self.out = self.store.path
+        self.keeper = CheckpointKeeper(self.store, keep_last, keep_every, retry=True)
         self.every, self.interval_s, self.plan_hash, self.clock = every, interval_s, plan_hash, clock
-        man = read_manifest(self.out) if (self.out / MANIFEST).exists() else None
+        try:
+            man = read_manifest(self.store)
+        except CheckpointError as e:
+            if self.store.local:
+                raise
+            log.warning("cannot read the manifest", extra={"fields": {"error": str(e)}})
+            man = None
         self.entries: list[dict] = list(man["checkpoints"]) if man else []
         self.handed: int | None = None  # iteration last handed to the writer
         self._handed_at = clock()
@@ -190,28 +224,32 @@ class PersistTier:
             return  # failed or backing off (logged by the keeper); the next one due tries again
         name = checkpoint_name(held.iteration)
         self.written += 1
-        self.bytes_written += (self.out / name).stat().st_size
+        self.bytes_written += self.keeper.last_size
         entry = {"iteration": held.iteration, "file": name,
-                 "sha256": file_digest(self.out / name),
+                 "sha256": self.keeper.last_sha256,  # computed as the file was written
                  "tensors": tensor_digests(held.model, held.optimizer),
                  "committed_at": held.committed_at, "persisted_at": time.time(),
                  "write_s": round(time.monotonic() - t0, 6),
                  "lag_s": round(time.time() - held.committed_at, 6)}
         self.entries = [e for e in self.entries if e["iteration"] != held.iteration] + [entry]
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except CheckpointWriteError as e:  # the file is there, unlisted: the next write lists it
+            self.keeper.failed(held.iteration, e)
+            return
         if self.keeper.prune():  # only now: the manifest already lists the new file
             self._write_manifest()
         self.last_write_s = time.monotonic() - t0
 
     def _write_manifest(self):
-        present = {p.name for p in self.out.iterdir()}
+        present = self.store.names()
         self.entries = sorted((e for e in self.entries if e["file"] in present), key=lambda e: e["iteration"])
         doc = {"format": MANIFEST_FORMAT, "plan_hash": self.plan_hash, "checkpoints": self.entries}
-        atomic_write(self.out / MANIFEST, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+        self.store.write(MANIFEST, lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
     def status(self) -> dict:
         st = self.keeper.status()
-        st.update({"mode": "async", "persist_every": self.every, "persist_interval_s": self.interval_s,
+        st.update({"mode": "async", "store": self.store.url, "persist_every": self.every, "persist_interval_s": self.interval_s,
                    "superseded": self.superseded, "written": self.written,
                    "bytes_written": self.bytes_written,
                    "last_write_s": None if self.last_write_s is None else round(self.last_write_s, 6),

@@ -81,6 +81,8 @@ def redact(doc: dict) -> dict:
         doc["last_checkpoint"] = os.path.basename(doc["last_checkpoint"])
     if doc.get("checkpoints") and doc["checkpoints"].get("last_error"):
         doc["checkpoints"] = dict(doc["checkpoints"], last_error=_DIRS.sub("", doc["checkpoints"]["last_error"]))
+    if doc.get("checkpoints") and doc["checkpoints"].get("store") and "://" not in doc["checkpoints"]["store"]:
+        doc["checkpoints"] = dict(doc["checkpoints"], store="local directory")  # a URL (persist_url) stays
     doc["unrecoverable"] = [dict(u, missing=[{k: v for k, v in m.items() if k != "params"}
                                              for m in u.get("missing", [])])
                             for u in doc.get("unrecoverable", [])]

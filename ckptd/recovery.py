@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ckptd.core.checkpoint import CheckpointError, load_checkpoint
@@ -122,23 +123,52 @@ def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) 
     return from_torch_doc(doc, Path(url), names), n
 
 
-def _read_body(resp) -> io.BytesIO:
-    """The whole body; with a Content-Length read in place into one buffer of that size
-    (a growing BytesIO copies a multi-GB checkpoint several times over)."""
+def _read_body(resp) -> io.RawIOBase:
+    """The whole body as a seekable file over one buffer, read in place. With a
+    Content-Length the buffer is allocated once, uninitialized (zero-filling 4 GB first
+    cost 0.2-0.7 s here), and never copied: io.BytesIO copies a bytearray it is given,
+    1.4-1.7 s for 600 MB in this VM, five times the transfer itself."""
     length = resp.headers.get("Content-Length")
     if length is None or not length.isdigit():
         return io.BytesIO(resp.read())
-    data = bytearray(int(length))
+    data = np.empty(int(length), np.uint8)
     view, got = memoryview(data), 0
     while got < len(data):
         n = resp.readinto(view[got:got + (1 << 24)])
         if not n:
             break
         got += n
-    del view
-    buf = io.BytesIO(data)  # shares nothing: BytesIO copies once here, then data is freed
-    buf.truncate(got)
-    return buf
+    return _BufferFile(view[:got])
+
+
+class _BufferFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (what torch.load needs), sharing it."""
+
+    def __init__(self, view: memoryview):
+        self._view, self._pos = view, 0
+
+    def getbuffer(self) -> memoryview:
+        return self._view
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:

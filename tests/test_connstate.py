@@ -307,17 +307,17 @@ def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
 def test_broadcast_schedule_matches_a_hand_derivation():
     """One ncclBroadcast of 300000 float32 from rank 0, NCCL 2.22, Simple, 3 ranks, 2 channels
     with rings 0->1->2 and 0->2->1, default buffers (step 4 MiB/8 = 512 KiB). By NCCL's rules:
-      taskAppend makes it int8: 1200000 bytes (enqueue.cc:2007@v2.22.3-1);
+      taskAppend makes it int8: 1200000 bytes (enqueue.cc:2007-2008@v2.22.3-1);
       tuner: 1200000 >= 2 channels*512 threads*64, so both channels (topoGetAlgoInfo, which
         does not look at the function);
       partition (enqueue.cc:57-64,626,660-690@v2.22.3-1): trafficPerByte 1, trafficPerChannel
         = max(512, 1200000/2) = 600000, cells of 16 B: 75000; cellsLo = 600000/16 = 37500,
         cellsPerChannel 37500, one mid channel and no hi -> made the hi: channel 0 bytes
         [0, 600000), channel 1 [600000, 1200000);
-      chunk (calcCollChunking, enqueue.cc:1757-1762,1805@v2.22.3-1): Simple with
+      chunk (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3-1): Simple with
         BROADCAST_CHUNKSTEPS 1 (include/collectives.h:21-22@v2.22.3-1): 524288 B, a multiple
         of the 512-B grain;
-      device (device/broadcast.h:29-44@v2.22.3-1): each channel loops over its 600000 B in
+      device (device/broadcast.h:30-44,52@v2.22.3-1): each channel loops over its 600000 B in
         chunks of min(524288, rest): 524288 then 75712 B (131072 and 18928 floats); the root
         sends, the middle rank receives and forwards, the rank before the root only receives;
         ProtoSimple<1, 1> posts one slice per chunk. So each hop out of the root and out of

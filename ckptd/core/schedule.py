@@ -553,17 +553,19 @@ class RingSchedule:
         """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
 
         Host: taskAppend turns a broadcast into int8 of count*itemsize bytes
-        (enqueue.cc:2007@v2.22.3-1, 2476@v2.28.9-1, 2581-2610 and the bcast queue
-        367-386@v2.29.7-1), tuned like an allreduce of those bytes (topoGetAlgoInfo does
-        not look at the function), partitioned over channels with ncclFuncTrafficPerByte 1
+        (enqueue.cc:2007-2008@v2.22.3-1, 2476@v2.28.9-1, 2611@v2.29.7-1; 2.29+ first queue
+        it for allgatherv and turn a lone root's back into a broadcast, 2581-2599 and
+        367-386@v2.29.7-1), tuned like an allreduce of those bytes (topoGetAlgoInfo does not
+        look at the function), partitioned over channels with ncclFuncTrafficPerByte 1
         (enqueue.cc:57-64,660@v2.22.3-1), chunked by calcCollChunking with pattern
-        PipelineFrom and BROADCAST_CHUNKSTEPS 1 (enqueue.cc:1700-1701,1757-1762@v2.22.3-1).
-        Device (device/broadcast.h:29-44@v2.22.3-1, 38-54@v2.30.7-1): on each channel,
-        for every chunk of the channel's part, in order, the root sends it, every other
-        rank receives and forwards it, and the rank before the root only receives it;
-        Simple posts one slice per chunk (ProtoSimple<1, 1>). So every hop of the channel's
-        ring except the one into the root carries every chunk once, and the hop into the
-        root carries nothing (NeedProxy for PipelineFrom, proxy.cc:543-551@v2.22.3-1)."""
+        PipelineFrom and BROADCAST_CHUNKSTEPS 1 (enqueue.cc:1700-1701,1757-1762,1813@v2.22.3-1).
+        Device (device/broadcast.h:30-44@v2.22.3-1, 40-54@v2.30.7-1): on each channel, for
+        every chunk of the channel's part, in order, the root sends it, every other rank
+        receives and forwards it, and the rank before the root only receives it; Simple
+        posts one slice per chunk (ProtoSimple<1, 1>, broadcast.h:52@v2.22.3-1). So every hop
+        of the channel's ring except the one into the root carries every chunk once, and
+        the hop into the root carries nothing (NeedProxy for PipelineFrom,
+        proxy.cc:543-551@v2.22.3-1)."""
         cfg = self.cfg
         if bc.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)

@@ -31,7 +31,7 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=
     i-th send: a partial sum in reduce-scatter, a final value in allgather.
     others[rank][k]: each rank's values for the schedule's other allreduces
     (RingSchedule.others), reduced the same way, or for a Broadcast forwarded unchanged
-    from its root (device/broadcast.h:29-44@v2.22.3-1); their final values are not returned."""
+    from its root (device/broadcast.h:30-44@v2.22.3-1); their final values are not returned."""
     cfg = sched.cfg
 
     def values(rank: int, bucket: int) -> np.ndarray:

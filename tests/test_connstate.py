@@ -285,14 +285,15 @@ def test_collectives_replay_bit_exact(tmp_path, version, qps, protocol):
     assert load_plan(tmp_path / "plan.json").rotation_period() > 1
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
-    """Joining places packets by PSN from the connect: the start-up allreduce and every
-    iteration's loss allreduces are counted in, and so is the QP rotation."""
+@pytest.mark.parametrize("fast,broadcast", [(False, False), (True, False), (True, True)])
+def test_join_with_rotating_qps_and_collectives(tmp_path, fast, broadcast):
+    """Joining places packets by PSN from the connect: the start-up allreduce (and DDP's
+    start-up broadcast) and every iteration's loss allreduces are counted in, and so is
+    the QP rotation."""
     from test_join import cut, iteration_starts, join_replay
     job = tmp_path / "job"
     synth(job, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=3,
-          iterations=5, seed=3, collectives=COLLECTIVES)
+          iterations=5, seed=3, collectives=COLLECTIVES, startup_broadcast=broadcast)
     starts = iteration_starts(pcaps(job))
     assert len(starts) == 5
     paths = cut(job, tmp_path / "cut", starts[2] - 1_000_000)

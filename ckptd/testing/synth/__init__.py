@@ -215,7 +215,7 @@ def _plan_collectives(opts: SynthOptions, model) -> dict:
         from ckptd.torch import coalesced_broadcasts
         tensors = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
         out["start"] = coalesced_broadcasts(tensors) + out.get("start", ())
-    return out
+    return {k: out[k] for k in ("start", "before", "after") if k in out}
 
 
 def _collective(e) -> tuple:

@@ -81,6 +81,21 @@ def _other_allreduces(specs: list[str]) -> dict:
     return out
 
 
+def _other_broadcasts(specs: list[str], out: dict) -> dict:
+    """--other-broadcast WHEN:COUNT[:DTYPE[:ROOT]] values added to SynthOptions.collectives."""
+    from ckptd.core.plan import COLLECTIVE_WHEN, DTYPES
+    for spec in specs:
+        parts = spec.split(":")
+        ok = 2 <= len(parts) <= 4 and parts[0] in COLLECTIVE_WHEN and parts[1].isdigit() and int(parts[1]) > 0 \
+            and (len(parts) < 3 or parts[2] in DTYPES) and (len(parts) < 4 or parts[3].isdigit())
+        if not ok:
+            raise UsageError(f"--other-broadcast {spec!r} is not WHEN:COUNT[:DTYPE[:ROOT]] with WHEN one of "
+                             f"{', '.join(COLLECTIVE_WHEN)} and COUNT > 0")
+        out.setdefault(parts[0], []).append([int(parts[1]), parts[2] if len(parts) > 2 else "float32",
+                                             "broadcast", int(parts[3]) if len(parts) > 3 else 0])
+    return out
+
+
 def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, synthesize
     opts = SynthOptions(
@@ -92,7 +107,8 @@ def cmd_synth(a) -> int:
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
-        collectives=_other_allreduces(a.other_allreduce))
+        collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
+        startup_broadcast=a.startup_broadcast)
     t0 = time.time()
     plan = synthesize(opts, progress=_progress("synth"))
     nparams = sum(p.numel for p in plan.parameters)
@@ -468,6 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another allreduce on the job's communicator (a loss, a metric), in the plan's "
                         "collectives: WHEN is start (once, before iteration 0), before or after (every "
                         "iteration, around the gradient buckets); repeatable")
+    s.add_argument("--other-broadcast", action="append", default=[], metavar="WHEN:COUNT[:DTYPE[:ROOT]]",
+                   help="a ring broadcast on the job's communicator (from ROOT, default 0), in the plan's "
+                        "collectives like --other-allreduce (NCCL 2.22+); repeatable")
+    s.add_argument("--startup-broadcast", action="store_true",
+                   help="DDP's constructor broadcast of the parameters and buffers from rank 0 "
+                        "(_sync_module_states, 250 MiB buckets) before iteration 0, first of the plan's "
+                        "start collectives (NCCL 2.22+)")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
-from ckptd.core.plan import (OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
+from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
 from ckptd.core.schedule import RingConfig
 from ckptd.errors import CkptdError
 
@@ -325,11 +325,64 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if allreduces_per_step > 1 and transport != "gloo":
         raise TrainerError("allreduces_per_step > 1 (an allreduce every micro-batch) is decoded on gloo "
                            "only; on NCCL accumulate under ddp.no_sync()")
+    ring = _ring(backend, world)
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
-                first, first, _ring(backend, world), opt, tuple(addresses), (), iterations,
+                first, first, ring, opt, tuple(addresses), (), iterations,
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
-                allreduces_per_step=allreduces_per_step)
+                allreduces_per_step=allreduces_per_step,
+                collectives=_ddp_broadcasts(ddp, ring) if transport == "roce" else {})
+
+
+# DistributedDataParallel.broadcast_bucket_size (torch/nn/parallel/distributed.py:1020@2.13):
+# both the constructor's _sync_module_states and the per-forward buffer broadcast use it
+DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def coalesced_broadcasts(tensors, bucket_bytes: int = DDP_BROADCAST_BUCKET_BYTES, root: int = 0) -> tuple:
+    """torch.distributed._broadcast_coalesced's broadcasts of `tensors` as Plan.collectives
+    entries: c10d's broadcast_coalesced buckets them with compute_bucket_assignment_by_size
+    (one dtype a bucket, a bucket closed once it reaches bucket_bytes, buckets in order of
+    their first tensor) and issues one ncclBroadcast of each flattened bucket. A dtype the
+    plan has no name for goes as its bytes (uint8): NCCL 2.22+ broadcasts bytes anyway."""
+    tensors = list(tensors)
+    if not tensors:
+        return ()
+    groups, _ = dist._compute_bucket_assignment_by_size(tensors, [bucket_bytes])
+    out = []
+    for g in groups:
+        dtype = str(tensors[g[0]].dtype).removeprefix("torch.")
+        count = sum(tensors[i].numel() for i in g)
+        if dtype not in DTYPES:
+            count, dtype = count * tensors[g[0]].element_size(), "uint8"
+        if count:
+            out.append((count, dtype, "broadcast", root))
+    return tuple(out)
+
+
+def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:
+    """DDP's broadcasts on an NCCL communicator, as Plan.collectives: "start", the
+    constructor's _sync_module_states (torch/distributed/utils.py:289-330@2.13: every
+    named parameter, then every named buffer, less parameters_to_ignore, from rank 0);
+    "before", with buffers and forward_sync_buffers, the buffer broadcast at the start of
+    every forward that follows a synced backward, and the first (_pre_forward ->
+    _sync_buffers -> _default_broadcast_coalesced, distributed.py:1781,2405-2451@2.13), so
+    once an iteration before its allreduces. The constructor syncs buffers when
+    init_sync_buffers, which DDP does not keep: taken as forward_sync_buffers (they differ only
+    where forward_sync_buffers=False was passed explicitly). NCCL before 2.22: not
+    modelled, nothing recorded (docs/NCCL.md section 4a)."""
+    if tuple(ring.nccl_version) < (2, 22):
+        return {}
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    params = [p.detach() for n, p in ddp.module.named_parameters() if n not in ignore]
+    bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
+    out = {}
+    start = coalesced_broadcasts(params + bufs, ddp.broadcast_bucket_size)
+    if start:
+        out["start"] = start
+    if bufs:
+        out["before"] = coalesced_broadcasts(bufs, ddp.broadcast_bucket_size)
+    return out
 
 
 def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:

@@ -262,7 +262,7 @@ def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
     assert set(order[:grads[0]]) == {-1} and set(order[grads[-1] + 1:]) == {-2}
     assert all(order[k] >= 0 for k in range(grads[0], grads[-1] + 1))
     for bad, msg in [({"during": []}, "collectives: key .during. is not one of"),
-                     ({"after": [{"op": "broadcast", "count": 5}]}, r"collectives.after\[0\].op 'broadcast'"),
+                     ({"after": [{"op": "gather", "count": 5}]}, r"collectives.after\[0\].op 'gather'"),
                      ({"start": [{"count": 0}]}, r"collectives.start\[0\].count"),
                      ({"before": [{"count": 4, "dtype": "complex64"}]}, r"collectives.before\[0\].dtype"),
                      ([1], "collectives must be an object")]:
@@ -285,14 +285,15 @@ def test_collectives_replay_bit_exact(tmp_path, version, qps, protocol):
     assert load_plan(tmp_path / "plan.json").rotation_period() > 1
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
-    """Joining places packets by PSN from the connect: the start-up allreduce and every
-    iteration's loss allreduces are counted in, and so is the QP rotation."""
+@pytest.mark.parametrize("fast,broadcast", [(False, False), (True, False), (True, True)])
+def test_join_with_rotating_qps_and_collectives(tmp_path, fast, broadcast):
+    """Joining places packets by PSN from the connect: the start-up allreduce (and DDP's
+    start-up broadcast) and every iteration's loss allreduces are counted in, and so is
+    the QP rotation."""
     from test_join import cut, iteration_starts, join_replay
     job = tmp_path / "job"
     synth(job, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=3,
-          iterations=5, seed=3, collectives=COLLECTIVES)
+          iterations=5, seed=3, collectives=COLLECTIVES, startup_broadcast=broadcast)
     starts = iteration_starts(pcaps(job))
     assert len(starts) == 5
     paths = cut(job, tmp_path / "cut", starts[2] - 1_000_000)
@@ -301,3 +302,113 @@ def test_join_with_rotating_qps_and_collectives(tmp_path, fast):
     assert [(r.iteration, r.status, r.exact) for r in pipe.reports] == \
         [(t, "committed", True) for t in (2, 3, 4)], [(r.iteration, r.note) for r in pipe.reports]
     assert not pipe.extract.binder.errors
+
+
+# -- ring broadcasts on the communicator (DDP's _sync_module_states, buffer broadcasts) --------
+def test_broadcast_schedule_matches_a_hand_derivation():
+    """One ncclBroadcast of 300000 float32 from rank 0, NCCL 2.22, Simple, 3 ranks, 2 channels
+    with rings 0->1->2 and 0->2->1, default buffers (step 4 MiB/8 = 512 KiB). By NCCL's rules:
+      taskAppend makes it int8: 1200000 bytes (enqueue.cc:2007-2008@v2.22.3-1);
+      tuner: 1200000 >= 2 channels*512 threads*64, so both channels (topoGetAlgoInfo, which
+        does not look at the function);
+      partition (enqueue.cc:57-64,626,660-690@v2.22.3-1): trafficPerByte 1, trafficPerChannel
+        = max(512, 1200000/2) = 600000, cells of 16 B: 75000; cellsLo = 600000/16 = 37500,
+        cellsPerChannel 37500, one mid channel and no hi -> made the hi: channel 0 bytes
+        [0, 600000), channel 1 [600000, 1200000);
+      chunk (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3-1): Simple with
+        BROADCAST_CHUNKSTEPS 1 (include/collectives.h:21-22@v2.22.3-1): 524288 B, a multiple
+        of the 512-B grain;
+      device (device/broadcast.h:30-44,52@v2.22.3-1): each channel loops over its 600000 B in
+        chunks of min(524288, rest): 524288 then 75712 B (131072 and 18928 floats); the root
+        sends, the middle rank receives and forwards, the rank before the root only receives;
+        ProtoSimple<1, 1> posts one slice per chunk. So each hop out of the root and out of
+        the middle rank carries 2 sends, the hop into the root none."""
+    import numpy as np
+
+    from ckptd.core.schedule import Broadcast, RingSchedule
+    cfg = RingConfig(3, ((0, 1, 2), (0, 2, 1)), "simple", (2, 22))
+    sched = RingSchedule(cfg, [], before=[Broadcast(300000, np.dtype("float32"), 0)])
+    got = {conn: [(s.offset, s.nelem, s.wire_bytes) for s in sends] for conn, sends in sched.sends.items()}
+    ch0 = [(0, 131072, 524288), (131072, 18928, 75712)]
+    ch1 = [(150000, 131072, 524288), (281072, 18928, 75712)]
+    assert got == {(0, 1, 0): ch0, (1, 2, 0): ch0, (2, 0, 0): [],
+                   (0, 2, 1): ch1, (2, 1, 1): ch1, (1, 0, 1): []}
+    # from root 2 the hop into 2 is silent instead; every send advances its connection's index
+    sched = RingSchedule(cfg, [], before=[Broadcast(300000, np.dtype("float32"), 2)])
+    assert {c for c, v in sched.sends.items() if not v} == {(1, 2, 0), (0, 2, 1)}
+    assert [s.step for s in sched.sends[(2, 0, 0)]] == [0, 1]
+
+
+def test_broadcast_in_the_plan_round_trips_and_bad_entries_name_the_key():
+    base = _plan("2.22", 3, ranks=2).to_json()
+    doc = {**base, "collectives": {"start": [{"op": "broadcast", "count": 5000, "dtype": "float32", "root": 0},
+                                             {"op": "broadcast", "count": 3, "dtype": "int64", "root": 0}],
+                                   "before": [{"op": "broadcast", "count": 7, "root": 1}, {"count": 1}]}}
+    plan = plan_from_json(doc)
+    assert plan.collectives == {"start": ((5000, "float32", "broadcast", 0), (3, "int64", "broadcast", 0)),
+                                "before": ((7, "float32", "broadcast", 1), (1, "float32"))}
+    assert plan.to_json()["collectives"] == doc["collectives"] | {
+        "before": [{"op": "broadcast", "count": 7, "dtype": "float32", "root": 1},
+                   {"op": "allreduce", "count": 1, "dtype": "float32"}]}
+    assert plan_from_json(plan.to_json()) == plan
+    s0 = plan.schedule(0)
+    assert [(type(b).__name__, b.count) for b in s0.others] == \
+        [("Broadcast", 5000), ("Broadcast", 3), ("Broadcast", 7), ("Bucket", 1)]
+    # the start-up broadcast moves the QP rotation of every later iteration
+    bare = plan_from_json({**doc, "collectives": {"before": doc["collectives"]["before"]}})
+    assert plan._send_base(1) != bare._send_base(1)
+    for bad, msg in [({"start": [{"op": "broadcast", "count": 5}]}, r"collectives.start\[0\] is missing 'root'"),
+                     ({"start": [{"op": "broadcast", "count": 5, "root": 2}]}, r"collectives.start\[0\].root 2"),
+                     ({"start": [{"op": "broadcast", "count": 5, "root": -1}]}, r"collectives.start\[0\].root"),
+                     ({"after": [{"op": "broadcast", "count": 5, "root": 0, "src": 1}]},
+                      r"collectives.after\[0\]: key 'src' is not one of"),
+                     ({"before": [{"op": "broadcast", "count": 0, "root": 0}]}, r"collectives.before\[0\].count"),
+                     ({"before": [{"op": "bcast", "count": 1}]}, r"collectives.before\[0\].op 'bcast'")]:
+        with pytest.raises(PlanError, match=msg) as e:
+            plan_from_json({**base, "collectives": bad}, "p.json")
+        assert "\n" not in str(e.value)
+    old = _plan("2.20", 3, ranks=2).to_json()
+    with pytest.raises(PlanError, match=r"collectives.start\[0\].op broadcast with NCCL 2.20"):
+        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
+
+
+@pytest.mark.parametrize("version,qps,protocol,ranks", [("2.22", 3, "simple", 3), ("2.29", 3, "ll", 2),
+                                                        ("2.26", 2, "ll128", 3)])
+def test_startup_broadcast_replays_bit_exact(tmp_path, version, qps, protocol, ranks):
+    """DDP's start-up broadcast of the parameters (and a per-iteration broadcast from rank 1
+    before the buckets): every hop but the one into the root carries it, which shifts the
+    QP rotation, PSNs and LL steps of everything after; the gradients stay exact."""
+    ref, fast = synth_pair(tmp_path, ranks=ranks, channels=2, protocol=protocol, mtu=1024, mirrors=2,
+                           loss=1e-3, nccl_version=version, qps=qps, iterations=3, startup_broadcast=True,
+                           collectives={"before": [[40, "float32", "broadcast", 1]]})
+    plan = load_plan(tmp_path / "plan.json")
+    start = plan.collectives["start"]
+    assert start[0][2:] == ("broadcast", 0) and start[0][0] == sum(p.numel for p in plan.parameters)
+    assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 3
+    assert ref.extract.counters["other_collective_packets"] > 0
+    assert ref.extract.counters["schedule_mismatch"] == 0
+    assert_same(ref, fast)
+
+
+def test_write_plan_records_ddps_broadcasts(monkeypatch):
+    """_ddp_broadcasts: the constructor's _sync_module_states (parameters, then buffers,
+    bucketed by dtype) in "start", the per-forward buffer broadcast in "before"."""
+    import torch
+    import torch.distributed as dist
+
+    import ckptd.torch as ct
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        ring = RingConfig(2, ((0, 1),), nccl_version=(2, 22))
+        got = ct._ddp_broadcasts(ddp, ring)
+        assert got == {"start": ((15 + 6 + 6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0)),
+                       "before": ((6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0))}
+        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 20))) == {}
+        with pytest.warns(FutureWarning):
+            ddp_nb = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+        assert ct._ddp_broadcasts(ddp_nb, ring) == {"start": ((21, "float32", "broadcast", 0),)}
+        assert ct.coalesced_broadcasts([torch.zeros(5, dtype=torch.bool)]) == ((5, "uint8", "broadcast", 0),)
+    finally:
+        dist.destroy_process_group()

@@ -45,6 +45,40 @@ def test_partition_and_chunks_equal_nccls_own(path):
     assert checked > 1000
 
 
+BROADCAST_TABLES = sorted((Path(__file__).parent / "data" / "nccl").glob("broadcast-*.json"))
+
+
+@pytest.mark.parametrize("path", BROADCAST_TABLES, ids=[p.stem for p in BROADCAST_TABLES])
+def test_broadcast_partition_and_chunks_equal_nccls_own(path):
+    """A ring broadcast (int8 bytes, ncclFuncTrafficPerByte 1, BROADCAST_CHUNKSTEPS 1) against
+    NCCL's own partition and chunking code compiled at each tag (docs/NCCL.md section 6), and
+    RingSchedule's sends against the same parts: each hop out of the root carries every chunk
+    of every channel's part, in order."""
+    import numpy as np
+
+    from ckptd.core.schedule import BROADCAST_CHUNKSTEPS, Broadcast, RingSchedule, _ring_chunk_bytes
+    table = json.loads(path.read_text())
+    version = _version(table)
+    scheduled = 0
+    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
+        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
+        nc = forced or cfg.tune(nbytes)[0]
+        assert cbd_ranges(version, proto, nbytes, 1, comm_ch, nc, traffic_per_byte=1) == \
+            [(c, off, n) for c, off, n, _ in channels], (nbytes, nranks, comm_ch, proto, forced)
+        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, BROADCAST_CHUNKSTEPS)
+        assert all(ch == chunk for *_, ch in channels)
+        if forced or nbytes % 4 or nbytes > 1 << 22 or nranks > 3:
+            continue
+        sched = RingSchedule(cfg, [], before=[Broadcast(nbytes // 4, np.dtype("float32"), 0)])
+        for c in range(comm_ch):
+            want = [((off + e) // 4, min(ch, n - e) // 4) for cc, off, n, ch in channels if cc == c
+                    for e in range(0, n, ch)]
+            assert [(x.offset, x.nelem) for x in sched.sends[(0, 1, c)]] == want
+            assert not sched.sends[(nranks - 1, 0, c)]
+        scheduled += 1
+    assert len(table["rows"]) > 1000 and scheduled > 50
+
+
 @pytest.mark.parametrize("version,protocol,ranks,channels,ipv6", [
     ("2.22", "simple", 3, 4, False),  # 2.22: small buckets may spill past the tuned channels
     ("2.23", "ll", 4, 2, True),

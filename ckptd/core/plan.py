@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
-from ckptd.core.schedule import Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
+from ckptd.core.schedule import Broadcast, Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
 from ckptd.errors import CkptdError
 
 PLAN_FORMAT = "ckptd-plan"
@@ -243,9 +243,11 @@ class Plan:
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
-    # Other allreduces on the job's communicator (a loss or metric), which advance its QP
-    # rotation, PSNs and LL steps: {"start" | "before" | "after": ((count, dtype), ...)}
-    # (once before iteration 0; every iteration before / after the gradient buckets)
+    # Other collectives on the job's communicator (a loss or metric allreduce, DDP's
+    # broadcasts), which advance its QP rotation, PSNs and LL steps:
+    # {"start" | "before" | "after": (entry, ...)} (once before iteration 0; every iteration
+    # before / after the gradient buckets), an entry (count, dtype) for an allreduce or
+    # (count, dtype, "broadcast", root) for a broadcast (collective_entry reads both)
     collectives: dict = field(default_factory=dict, hash=False)
     buffers: ModuleBuffers = ModuleBuffers()
     # micro-batches per optimizer step, each allreduced (accumulation without no_sync):
@@ -318,18 +320,25 @@ class Plan:
         return self._ring_schedule(iteration, self._send_base(iteration))
 
     def other_collectives(self, iteration: int) -> tuple[list[Bucket], list[Bucket]]:
-        """The non-gradient allreduces before and after the iteration's buckets."""
+        """The non-gradient collectives before and after the iteration's buckets: Bucket
+        for an allreduce, Broadcast for a broadcast."""
         def buckets(key):
-            return [Bucket(n, np.dtype(_np_dtype(d))) for n, d in self.collectives.get(key, ())]
+            out = []
+            for e in self.collectives.get(key, ()):
+                op, n, d, root = collective_entry(e)
+                dt = np.dtype(_np_dtype(d))
+                out.append(Broadcast(n, dt, root) if op == "broadcast" else Bucket(n, dt))
+            return out
         before = (buckets("start") if iteration == 0 else []) + buckets("before")
         return before, buckets("after")
 
     def _ring_schedule(self, iteration: int, send_base: tuple) -> RingSchedule:
         buckets = self.buckets(iteration)
         before, after = self.other_collectives(iteration)
-        key = (self.ring, tuple((b.count, b.dtype.str) for b in buckets),
-               tuple((b.count, b.dtype.str) for b in before), tuple((b.count, b.dtype.str) for b in after),
-               send_base)
+
+        def sig(bs):
+            return tuple((b.count, b.dtype.str, getattr(b, "root", None)) for b in bs)
+        key = (self.ring, sig(buckets), sig(before), sig(after), send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
@@ -501,8 +510,7 @@ class Plan:
         if self.comm_hook != "allreduce":
             doc["comm_hook"] = self.comm_hook
         if self.collectives:
-            doc["collectives"] = {k: [{"op": "allreduce", "count": n, "dtype": d} for n, d in v]
-                                  for k, v in self.collectives.items()}
+            doc["collectives"] = {k: [_collective_json(e) for e in v] for k, v in self.collectives.items()}
         if self.buffers.tensors:
             doc["buffers"] = self.buffers.to_json()
         if self.allreduces_per_step != 1:
@@ -548,6 +556,18 @@ def check_plan(plan: Plan) -> None:
     if plan.collectives and plan.transport != "roce":
         raise PlanError(f"collectives: only NCCL plans (transport roce) list other collectives; "
                         f"the {plan.transport} extractor does not skip them")
+    for when, entries in plan.collectives.items():
+        for i, e in enumerate(entries):
+            op, _, _, root = collective_entry(e)
+            if op != "broadcast":
+                continue
+            if root >= plan.ring.nranks:
+                raise PlanError(f"collectives.{when}[{i}].root {root}: the ring has ranks "
+                                f"0..{plan.ring.nranks - 1}")
+            v = tuple(plan.ring.nccl_version)
+            if v < (2, 22):
+                raise PlanError(f"collectives.{when}[{i}].op broadcast with NCCL {v[0]}.{v[1]}: the ring "
+                                "broadcast is modelled for 2.22-2.32 (docs/NCCL.md section 4a)")
     total = 0
     names = set()
     for i, p in enumerate(plan.parameters):
@@ -958,6 +978,23 @@ def _plan_from_json(raw) -> Plan:
 
 
 COLLECTIVE_WHEN = ("start", "before", "after")
+COLLECTIVE_OPS = ("allreduce", "broadcast")
+
+
+def collective_entry(e) -> tuple[str, int, str, int | None]:
+    """(op, count, dtype, root) of a Plan.collectives entry: (count, dtype) is an
+    allreduce (root None), (count, dtype, "broadcast", root) a broadcast."""
+    if len(e) == 2:
+        return "allreduce", int(e[0]), str(e[1]), None
+    return str(e[2]), int(e[0]), str(e[1]), int(e[3])
+
+
+def _collective_json(e) -> dict:
+    op, n, d, root = collective_entry(e)
+    out = {"op": op, "count": n, "dtype": d}
+    if op == "broadcast":
+        out["root"] = root
+    return out
 
 
 def _collectives(doc: "_Doc") -> dict:
@@ -974,10 +1011,18 @@ def _collectives(doc: "_Doc") -> dict:
         for i, raw in enumerate(c.list(when, [])):
             e = _Doc(raw, f"collectives.{when}[{i}]")
             op = e.str("op", "allreduce")
-            if op != "allreduce":
-                raise PlanError(f"collectives.{when}[{i}].op {op!r}: only allreduce is modelled "
-                                "(a broadcast's ring schedule is not; docs/NCCL.md section 4a)")
-            entries.append((e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)))
+            if op not in COLLECTIVE_OPS:
+                raise PlanError(f"collectives.{when}[{i}].op {op!r}: one of {', '.join(COLLECTIVE_OPS)} "
+                                "(docs/NCCL.md section 4a)")
+            for k in e.d if op == "broadcast" else ():
+                if k not in ("op", "count", "dtype", "root"):
+                    raise PlanError(f"collectives.{when}[{i}]: key {_short(k)} is not one of "
+                                    "op, count, dtype, root (a broadcast)")
+            count, dtype = e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)
+            if op == "broadcast":
+                entries.append((count, dtype, op, e.int("root", 0, MAX_RANKS - 1, required=True)))
+            else:
+                entries.append((count, dtype))
         if entries:
             out[when] = tuple(entries)
     return out

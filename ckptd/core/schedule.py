@@ -35,6 +35,10 @@ THREAD_THRESHOLD = {"simple": 64, "ll": 8, "ll128": 8}
 LL128_MAX_THREADS = 640
 ALLREDUCE_CHUNKSTEPS = NCCL_STEPS // 2  # src/include/collectives.h
 ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
+# A ring broadcast sends every chunk as one step, one slice (include/collectives.h:21-22@v2.22.3-1,
+# 27-28@v2.30.7-1): calcCollChunking's Simple chunk is then one step, not four.
+BROADCAST_CHUNKSTEPS = 1
+BROADCAST_SLICESTEPS = 1
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 # NCCL_IB_AR_THRESHOLD default: a send larger than this goes as RDMA WRITE + 0-byte
@@ -211,6 +215,9 @@ class Send:
     For Simple a chunk is sent as 2 slices, each its own Send (a slice may be empty
     and is still sent). `step` is the index of this send among all sends of its
     connection in the iteration: LL writes step-derived flags into every line.
+    A broadcast's send (RingSchedule._add_broadcast) is one whole chunk with phase AG
+    (the root's final values), `chunk` its index in the channel's part and `ring_step`
+    the sender's distance from the root.
     """
 
     bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
@@ -271,6 +278,14 @@ class Bucket:
         return self.count * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class Broadcast(Bucket):
+    """A ring broadcast of `count` elements from rank `root` on the communicator (DDP's
+    _sync_module_states and buffer broadcasts): one of RingSchedule's `before`/`after`."""
+
+    root: int = 0
+
+
 def wire_bytes(protocol: str, nelem: int, itemsize: int) -> int:
     """Bytes a send of nelem elements puts on the wire (prims_ll.h: 8 data bytes a line;
     prims_ll128.h:306@v2.22.3: a whole 2048-B block for every started 1920 data bytes)."""
@@ -312,21 +327,22 @@ def ring_steps(nranks: int, ring_ix: int) -> tuple[tuple[int, int], ...]:
 
 
 def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: int,
-               comm_channels: int, nc: int) -> list[tuple[int, int, int]]:
+               comm_channels: int, nc: int, traffic_per_byte: int = 2) -> list[tuple[int, int, int]]:
     """(channel, first element, element count) of each channel an allreduce of `count`
     elements uses, NCCL 2.22+: the host cuts the buffer into cells and gives each channel
     one contiguous run of them (docs/NCCL.md section 2; enqueue.cc scheduleCollTasksToPlan
     and include/device.h ncclCollCbdPart, 583-797 and 294-320@v2.22.3, 571-829@v2.29.7).
     Checked row by row against NCCL's own code compiled at every tag
-    (tests/data/nccl/partition-*.json)."""
+    (tests/data/nccl/partition-*.json). traffic_per_byte is ncclFuncTrafficPerByte
+    (enqueue.cc:57-64@v2.22.3-1, 91-100@v2.30.7-1): 2 for an allreduce, 1 for a broadcast
+    (which NCCL partitions as int8: pass its bytes with itemsize 1)."""
     v = tuple(version)
     ll = protocol == "ll"
     min_traffic = 512 if v < (2, 23) else 16384 if v < (2, 29) else 32768
-    traffic = count * itemsize * 2  # an allreduce moves every byte twice
-    per_byte = 2
+    per_byte = traffic_per_byte  # an allreduce moves every byte twice, a broadcast once
     if ll and v >= (2, 26):  # LL lines carry 8 data bytes in 16 (enqueue.cc:389,570@v2.26.6)
-        traffic *= 4
-        per_byte = 8
+        per_byte *= 4
+    traffic = count * itemsize * per_byte
     if v >= (2, 23):
         traffic = max(min_traffic, traffic)
     nplan = min(nc, comm_channels)
@@ -384,12 +400,13 @@ def cbd_chunk_count(protocol: str, step_bytes: int, itemsize: int) -> int:
     return _ring_chunk_bytes(protocol, step_bytes) // itemsize
 
 
-def _ring_chunk_bytes(protocol: str, step_bytes: int) -> int:
+def _ring_chunk_bytes(protocol: str, step_bytes: int, chunk_steps: int = ALLREDUCE_CHUNKSTEPS) -> int:
     """A ring chunk in data bytes (enqueue.cc calcCollChunking; ProtoLL128::calcBytePerStep is the
-    same stepSize/16*15 in 2.14-2.19's all_reduce.h)."""
+    same stepSize/16*15 in 2.14-2.19's all_reduce.h). chunk_steps: the collective's CHUNKSTEPS,
+    which only Simple uses (enqueue.cc:1757-1762@v2.22.3-1, 2223-2227@v2.30.7-1)."""
     grain = {"simple": 512, "ll": 16, "ll128": LL128_DATA_PER_BLOCK}[protocol]
     if protocol == "simple":
-        chunk = step_bytes * ALLREDUCE_CHUNKSTEPS
+        chunk = step_bytes * chunk_steps
     elif protocol == "ll":
         chunk = step_bytes // 2
     else:
@@ -498,9 +515,10 @@ class RingSchedule:
         """send_base[conn]: sends the connection made before this iteration (earlier
         iterations and other collectives on the communicator), which is where NCCL's QP
         rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
-        before/after: other allreduces on the same communicator around the gradient
-        buckets (a loss, a metric: Plan.collectives); their sends are on the wire and
-        advance every counter of the connection, and carry no gradient (bucket < 0)."""
+        before/after: other collectives on the same communicator around the gradient
+        buckets (allreduces of a loss or metric, Broadcast entries for DDP's broadcasts:
+        Plan.collectives); their sends are on the wire and advance every counter of the
+        connection, and carry no gradient (bucket < 0)."""
         self.cfg = cfg
         self.buckets = list(buckets)
         self.others = list(before) + list(after)
@@ -518,13 +536,64 @@ class RingSchedule:
                 for q in range(cfg.qps_per_connection):
                     self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
         for k, other in enumerate(before):
-            self._add_allreduce(-1 - k, other)
+            self._add_other(-1 - k, other)
         for b, bucket in enumerate(self.buckets):
             self._add_allreduce(b, bucket)
         for k, other in enumerate(after):
-            self._add_allreduce(-1 - len(before) - k, other)
+            self._add_other(-1 - len(before) - k, other)
 
     # -- building -----------------------------------------------------------------
+    def _add_other(self, b: int, other: Bucket):
+        if isinstance(other, Broadcast):
+            self._add_broadcast(b, other)
+        else:
+            self._add_allreduce(b, other)
+
+    def _add_broadcast(self, b: int, bc: Broadcast):
+        """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
+
+        Host: taskAppend turns a broadcast into int8 of count*itemsize bytes
+        (enqueue.cc:2007-2008@v2.22.3-1, 2476@v2.28.9-1, 2611@v2.29.7-1; 2.29+ first queue
+        it for allgatherv and turn a lone root's back into a broadcast, 2581-2599 and
+        367-386@v2.29.7-1), tuned like an allreduce of those bytes (topoGetAlgoInfo does not
+        look at the function), partitioned over channels with ncclFuncTrafficPerByte 1
+        (enqueue.cc:57-64,660@v2.22.3-1), chunked by calcCollChunking with pattern
+        PipelineFrom and BROADCAST_CHUNKSTEPS 1 (enqueue.cc:1700-1701,1757-1762,1813@v2.22.3-1).
+        Device (device/broadcast.h:30-44@v2.22.3-1, 40-54@v2.30.7-1): on each channel, for
+        every chunk of the channel's part, in order, the root sends it, every other rank
+        receives and forwards it, and the rank before the root only receives it; Simple
+        posts one slice per chunk (ProtoSimple<1, 1>, broadcast.h:52@v2.22.3-1). So every hop
+        of the channel's ring except the one into the root carries every chunk once, and
+        the hop into the root carries nothing (NeedProxy for PipelineFrom,
+        proxy.cc:543-551@v2.22.3-1)."""
+        cfg = self.cfg
+        if bc.count == 0:
+            return  # empty collectives never reach the proxy (src/enqueue.cc)
+        if tuple(cfg.nccl_version) < (2, 22):
+            v = cfg.nccl_version
+            raise ScheduleError(f"a broadcast with NCCL {v[0]}.{v[1]}: the ring broadcast is modelled "
+                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
+        n = cfg.nranks
+        if not 0 <= bc.root < n:
+            raise ScheduleError(f"broadcast root {bc.root} is not a rank of the {n}-rank ring")
+        itemsize = bc.dtype.itemsize
+        nbytes = bc.nbytes
+        nc, _ = cfg.tune(nbytes)
+        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, BROADCAST_CHUNKSTEPS)
+        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
+                                        traffic_per_byte=1):
+            # (element offset, element count, wire bytes) of each chunk: bytes divide into
+            # whole elements (cells are 16-byte multiples, chunks multiples of the grain)
+            chunks = [((off + e) // itemsize, min(chunk, cnt - e) // itemsize,
+                       wire_bytes(cfg.protocol, min(chunk, cnt - e), 1)) for e in range(0, cnt, chunk)]
+            src = bc.root
+            for dist in range(n - 1):  # the hops root -> ... -> the rank before the root
+                conn = (src, cfg.next_rank(bid, src), bid)
+                sends = self.sends[conn]
+                for k, (eoff, nelem, wb) in enumerate(chunks):
+                    self._emit(conn, Send(b, AG, eoff, nelem, wb, len(sends), k, dist))
+                src = conn[1]
+
     def _add_allreduce(self, b: int, bucket: Bucket):
         cfg = self.cfg
         itemsize = bucket.dtype.itemsize

@@ -80,8 +80,12 @@ class SynthOptions:
     gpus_per_node: int = 1
     nics_per_node: int = 0  # 0: one NIC per GPU (rails); channel c uses NIC c % nics_per_node
     collective: str = "allreduce"  # what the wire carries: allreduce | reduce_scatter | tree (refusal tests)
-    # other allreduces on the communicator (Plan.collectives): {"start"|"before"|"after": [[count, dtype], ...]}
+    # other collectives on the communicator (Plan.collectives): {"start"|"before"|"after":
+    # [[count, dtype] (an allreduce) or [count, dtype, "broadcast", root], ...]}
     collectives: dict = field(default_factory=dict)
+    # DDP's constructor broadcast (_sync_module_states: parameters then buffers from rank 0,
+    # 250 MiB buckets) on the wire before iteration 0: first of the plan's "start" collectives
+    startup_broadcast: bool = False
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -202,7 +206,24 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
-        collectives={k: tuple((int(n), str(d)) for n, d in v) for k, v in opts.collectives.items() if v})
+        collectives=_plan_collectives(opts, model))
+
+
+def _plan_collectives(opts: SynthOptions, model) -> dict:
+    out = {k: tuple(_collective(e) for e in v) for k, v in opts.collectives.items() if v}
+    if opts.startup_broadcast:
+        from ckptd.torch import coalesced_broadcasts
+        tensors = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
+        out["start"] = coalesced_broadcasts(tensors) + out.get("start", ())
+    return {k: out[k] for k in ("start", "before", "after") if k in out}
+
+
+def _collective(e) -> tuple:
+    """A SynthOptions.collectives entry, [count, dtype] (an allreduce) or [count, dtype,
+    "broadcast", root], as a Plan.collectives entry."""
+    if len(e) == 2:
+        return int(e[0]), str(e[1])
+    return int(e[0]), str(e[1]), str(e[2]), int(e[3])
 
 
 def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:

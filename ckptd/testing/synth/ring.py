@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckptd.core.schedule import RS, RingSchedule
+from ckptd.core.schedule import RS, Broadcast, RingSchedule
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -30,7 +30,8 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=
     payloads[(src, dst, channel)][i] is the data (numpy array) of that connection's
     i-th send: a partial sum in reduce-scatter, a final value in allgather.
     others[rank][k]: each rank's values for the schedule's other allreduces
-    (RingSchedule.others), reduced the same way; their final values are not returned."""
+    (RingSchedule.others), reduced the same way, or for a Broadcast forwarded unchanged
+    from its root (device/broadcast.h:30-44@v2.22.3-1); their final values are not returned."""
     cfg = sched.cfg
 
     def values(rank: int, bucket: int) -> np.ndarray:
@@ -47,6 +48,9 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=
         for s in sends:
             if s.nelem == 0:
                 out.append(np.empty(0, sched.bucket_of(s).dtype))
+                continue
+            if s.bucket < 0 and isinstance(bc := sched.bucket_of(s), Broadcast):
+                out.append(values(bc.root, s.bucket)[s.offset:s.offset + s.nelem])
                 continue
             key = (s.bucket, ch, s.offset, s.nelem, s.chunk)
             partial = memo.get(key)

@@ -488,9 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a ring broadcast on the job's communicator (from ROOT, default 0), in the plan's "
                         "collectives like --other-allreduce (NCCL 2.22+); repeatable")
     s.add_argument("--startup-broadcast", action="store_true",
-                   help="DDP's constructor broadcast of the parameters and buffers from rank 0 "
-                        "(_sync_module_states, 250 MiB buckets) before iteration 0, first of the plan's "
-                        "start collectives (NCCL 2.22+)")
+                   help="DDP's constructor collectives before iteration 0, first of the plan's start "
+                        "collectives (NCCL 2.22+): the allgather of the parameter count and broadcast of "
+                        "their shapes (verify_params_across_processes), then the broadcast of the "
+                        "parameters and buffers from rank 0 (_sync_module_states, 250 MiB buckets)")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

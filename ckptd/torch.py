@@ -308,8 +308,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     buffers = _buffers(ddp, backend, without_buffers)
     world = dist.get_world_size(ddp.process_group)
     if addresses is None:
-        addresses = [None] * world
-        dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
+        addresses = exchange_addresses(_local_address(backend), ddp.process_group)
     kind, groups = _optimizer(optimizer, names_of, names)
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
@@ -331,7 +330,28 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                 first, first, ring, opt, tuple(addresses), (), iterations,
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
                 allreduces_per_step=allreduces_per_step,
-                collectives=_ddp_broadcasts(ddp, ring) if transport == "roce" else {})
+                collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {})
+
+
+_EXCHANGES: dict[tuple[int, ...], int] = {}  # group's global ranks -> exchanges this process made
+
+
+def exchange_addresses(local: str, group=None) -> list[str]:
+    """Every group rank's `local` value, by group rank, through the job's c10d store
+    (torch.distributed.distributed_c10d._get_default_store): each rank sets one key and
+    reads the others' (store.get waits for them), so nothing goes on the communicator:
+    dist.all_gather_object would put two allgathers on NCCL's (size, then data) that the
+    plan would have to model. The key holds the group's global ranks and a per-process
+    count of exchanges in that group, so a later call never reads an earlier call's value
+    (every rank calls this the same number of times, as with a collective)."""
+    from torch.distributed import distributed_c10d as c10d
+    store = c10d._get_default_store()
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else c10d._get_default_group()))
+    n = _EXCHANGES.get(ranks, 0)
+    _EXCHANGES[ranks] = n + 1
+    prefix = f"ckptd/addresses/{','.join(map(str, ranks))}/{n}/"
+    store.set(prefix + str(dist.get_rank()), local.encode())
+    return [store.get(prefix + str(r)).decode() for r in ranks]
 
 
 # DistributedDataParallel.broadcast_bucket_size (torch/nn/parallel/distributed.py:1020@2.13):
@@ -358,6 +378,54 @@ def coalesced_broadcasts(tensors, bucket_bytes: int = DDP_BROADCAST_BUCKET_BYTES
         if count:
             out.append((count, dtype, "broadcast", root))
     return tuple(out)
+
+
+def verify_collectives(params) -> tuple:
+    """The collectives of DDP's constructor check (init_sync: distributed.py:1062-1064@2.13
+    -> torch/distributed/utils.py:281-286 -> c10d verify_params_across_processes,
+    torch/csrc/distributed/c10d/reducer.cpp) on the reducer's parameters, as Plan.collectives
+    entries: an allgather of the parameter count, one int64 a rank
+    (at::tensor({params.size()}, kLong) -> process_group->allgather; ProcessGroupNCCL issues
+    one ncclAllGather of count 1 for equal-size outputs), then a broadcast from rank 0 of
+    every parameter's sizes and strides, 2 * dim int64 each (process_group->broadcast,
+    rootRank 0); an empty broadcast (only 0-dim parameters) never reaches the wire."""
+    params = list(params)
+    if not params:
+        return ()
+    out = [(1, "int64", "allgather")]
+    meta = sum(2 * p.dim() for p in params)
+    if meta:
+        out.append((meta, "int64", "broadcast", 0))
+    return tuple(out)
+
+
+def _reducer_params(ddp) -> list:
+    """DistributedDataParallel._build_params_for_reducer's parameters (distributed.py:1523@2.13):
+    those that require grad, less parameters_to_ignore, shared ones once."""
+    try:
+        return list(ddp._build_params_for_reducer()[0])
+    except AttributeError:
+        ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+        return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignore]
+
+
+def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
+    """_ddp_broadcasts with the constructor's verify collectives first in "start". NCCL
+    2.23+ may run an allgather as PAT on one rank per node unless NCCL_ALGO keeps it on
+    Ring or NCCL_PAT_ENABLE=0 (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled."""
+    out = _ddp_broadcasts(ddp, ring)
+    if tuple(ring.nccl_version) < (2, 22):
+        return out
+    verify = verify_collectives(_reducer_params(ddp))
+    if verify and tuple(ring.nccl_version) >= (2, 23) and os.environ.get("NCCL_PAT_ENABLE", "2") != "0" \
+            and len(set(addresses)) == len(addresses) > 1:
+        from ckptd.core.algorithms import ALGORITHMS, enabled
+        if "PAT" in enabled(os.environ.get("NCCL_ALGO"), ALGORITHMS, "AllGather"):
+            raise TrainerError("NCCL 2.23+ with one rank per node may run DDP's start-up allgather as PAT, "
+                               "which ckptd does not model: set NCCL_ALGO=Ring or NCCL_PAT_ENABLE=0")
+    if verify:
+        out["start"] = verify + out.get("start", ())
+    return out
 
 
 def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:

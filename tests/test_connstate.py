@@ -375,19 +375,94 @@ def test_broadcast_in_the_plan_round_trips_and_bad_entries_name_the_key():
 @pytest.mark.parametrize("version,qps,protocol,ranks", [("2.22", 3, "simple", 3), ("2.29", 3, "ll", 2),
                                                         ("2.26", 2, "ll128", 3)])
 def test_startup_broadcast_replays_bit_exact(tmp_path, version, qps, protocol, ranks):
-    """DDP's start-up broadcast of the parameters (and a per-iteration broadcast from rank 1
-    before the buckets): every hop but the one into the root carries it, which shifts the
-    QP rotation, PSNs and LL steps of everything after; the gradients stay exact."""
+    """DDP's start-up collectives: the verify allgather of the parameter count (1 int64 a
+    rank) and broadcast of their shapes, then the broadcast of the parameters (and a
+    per-iteration broadcast from rank 1 before the buckets, an allgather after them): every
+    hop carries the allgathers, every hop but the one into the root the broadcasts, which
+    shifts the QP rotation, PSNs and LL steps of everything after; the gradients stay exact."""
     ref, fast = synth_pair(tmp_path, ranks=ranks, channels=2, protocol=protocol, mtu=1024, mirrors=2,
                            loss=1e-3, nccl_version=version, qps=qps, iterations=3, startup_broadcast=True,
-                           collectives={"before": [[40, "float32", "broadcast", 1]]})
+                           collectives={"before": [[40, "float32", "broadcast", 1]],
+                                        "after": [[3000, "float32", "allgather"]]})
     plan = load_plan(tmp_path / "plan.json")
     start = plan.collectives["start"]
-    assert start[0][2:] == ("broadcast", 0) and start[0][0] == sum(p.numel for p in plan.parameters)
+    assert start[0] == (1, "int64", "allgather")
+    assert start[1] == (sum(2 * len(p.shape) for p in plan.parameters), "int64", "broadcast", 0)
+    assert start[2][2:] == ("broadcast", 0) and start[2][0] == sum(p.numel for p in plan.parameters)
     assert [(r.status, r.exact) for r in ref.reports] == [("committed", True)] * 3
     assert ref.extract.counters["other_collective_packets"] > 0
     assert ref.extract.counters["schedule_mismatch"] == 0
     assert_same(ref, fast)
+
+
+def test_allgather_schedule_matches_a_hand_derivation():
+    """ncclAllGather of 300000 float32 a rank, NCCL 2.22, Simple, 3 ranks, 2 channels with
+    rings 0->1->2 and 0->2->1, default buffers (step 4 MiB/8 = 512 KiB). By NCCL's rules:
+      taskAppend makes it int8: 1200000 bytes a rank (enqueue.cc:2007-2008@v2.22.3-1);
+      tuner: nBytes = 3*1200000 (ncclFuncMaxSendRecvCount, enqueue.cc:1669) >= 2 channels *
+        512 threads * 64, so both channels;
+      partition (enqueue.cc:57-64,626,657-700@v2.22.3-1): trafficPerByte 3, traffic 3600000,
+        trafficPerChannel 1800000, cells of 16 B: 75000, trafficPerCell 48, cellsLo =
+        1800000/48 = 37500: channel 0 bytes [0, 600000) of every block, channel 1
+        [600000, 1200000);
+      chunk (calcCollChunking, ALLGATHER_CHUNKSTEPS 4, include/collectives.h:17-18@v2.22.3-1):
+        2 MiB, so one chunk a channel;
+      device (device/all_gather.h:27-53,59@v2.22.3-1): a rank sends its own block's chunk,
+        then forwards the chunk of the rank before it; ProtoSimple<2, 2> cuts each into 2
+        slices of max(divUp(600000, 32)*16, 524288*2/32) = 300000 B (prims_simple.h
+        genericOp on int8): 75000 floats.
+    So on channel 0 rank 0 sends block 0 [0, 150000) then block 2 (from 600000); on channel
+    1 (0->2->1) block 0 [150000, 300000) then block 1 (rank 1 is before 0 there)."""
+    import numpy as np
+
+    from ckptd.core.schedule import AllGather, RingSchedule
+    cfg = RingConfig(3, ((0, 1, 2), (0, 2, 1)), "simple", (2, 22))
+    sched = RingSchedule(cfg, [], before=[AllGather(300000, np.dtype("float32"))])
+    got = {conn: [(s.offset, s.nelem, s.wire_bytes, s.ring_step) for s in sends] for conn, sends in sched.sends.items()}
+    assert got[(0, 1, 0)] == [(0, 75000, 300000, 0), (75000, 75000, 300000, 0),
+                              (600000, 75000, 300000, 1), (675000, 75000, 300000, 1)]
+    assert got[(0, 2, 1)] == [(150000, 75000, 300000, 0), (225000, 75000, 300000, 0),
+                              (450000, 75000, 300000, 1), (525000, 75000, 300000, 1)]
+    assert [x[0] for x in got[(2, 1, 1)]] == [750000, 825000, 150000, 225000]
+    assert all(len(v) == 4 for v in got.values())
+    # DDP's verify allgather: 1 int64 a rank is 8 bytes, one channel, a 16-B... the second
+    # Simple slice is empty and still posted: each hop [own 8 B, empty, previous 8 B, empty]
+    sched = RingSchedule(cfg, [], before=[AllGather(1, np.dtype("int64"))])
+    assert [(s.offset, s.nelem, s.wire_bytes) for s in sched.sends[(1, 2, 0)]] == \
+        [(1, 1, 8), (2, 0, 0), (0, 1, 8), (1, 0, 0)]
+    assert not sched.sends[(0, 2, 1)]
+
+
+def test_allgather_in_the_plan_round_trips_and_bad_entries_name_the_key():
+    base = _plan("2.22", 3, ranks=2).to_json()
+    doc = {**base, "collectives": {"start": [{"op": "allgather", "count": 1, "dtype": "int64"},
+                                             {"op": "broadcast", "count": 4, "dtype": "int64", "root": 0}],
+                                   "after": [{"op": "allgather", "count": 700}]}}
+    plan = plan_from_json(doc)
+    assert plan.collectives == {"start": ((1, "int64", "allgather"), (4, "int64", "broadcast", 0)),
+                                "after": ((700, "float32", "allgather"),)}
+    assert plan.to_json()["collectives"]["after"] == [{"op": "allgather", "count": 700, "dtype": "float32"}]
+    assert plan_from_json(plan.to_json()) == plan
+    assert [type(b).__name__ for b in plan.schedule(0).others] == ["AllGather", "Broadcast", "AllGather"]
+    assert [type(b).__name__ for b in plan.schedule(1).others] == ["AllGather"]
+    # an allgather of the same count is not an allreduce of it: not one cached schedule
+    as_allreduce = plan_from_json({**doc, "collectives": {"after": [{"count": 700}]}})
+    assert as_allreduce.schedule(1).sends != plan.schedule(1).sends
+    bare = plan_from_json({**doc, "collectives": {"after": doc["collectives"]["after"]}})
+    assert plan._send_base(1) != bare._send_base(1)
+    for bad, msg in [({"start": [{"op": "allgather", "count": 1, "root": 0}]},
+                      r"collectives.start\[0\]: key 'root' is not one of op, count, dtype \(an allgather\)"),
+                     ({"start": [{"op": "allgather", "count": 0}]}, r"collectives.start\[0\].count"),
+                     ({"after": [{"op": "allgather"}]}, r"collectives.after\[0\] is missing 'count'"),
+                     ({"before": [{"op": "allgather", "count": 2, "dtype": "int4"}]}, r"collectives.before\[0\].dtype"),
+                     ({"before": [{"op": "all_gather", "count": 1}]}, r"collectives.before\[0\].op 'all_gather'")]:
+        with pytest.raises(PlanError, match=msg) as e:
+            plan_from_json({**base, "collectives": bad}, "p.json")
+        assert "\n" not in str(e.value)
+    old = _plan("2.21", 3, ranks=2).to_json()
+    with pytest.raises(PlanError, match=r"collectives.start\[0\].op allgather with NCCL 2.21") as e:
+        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
+    assert "\n" not in str(e.value)
 
 
 def test_write_plan_records_ddps_broadcasts(monkeypatch):
@@ -405,10 +480,27 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         got = ct._ddp_broadcasts(ddp, ring)
         assert got == {"start": ((15 + 6 + 6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0)),
                        "before": ((6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0))}
+        # write_plan's: the constructor's verify_params_across_processes first, an allgather
+        # of the parameter count (4) and a broadcast of sizes and strides (2 * dim each: 4+2+2+2)
+        full = ct._ddp_collectives(ddp, ring, ["a", "b"])
+        assert full == {**got, "start": ((1, "int64", "allgather"), (10, "int64", "broadcast", 0)) + got["start"]}
+        monkeypatch.setenv("NCCL_ALGO", "allreduce:ring")
+        assert ct._ddp_collectives(ddp, ring, ["a", "b"]) == full  # 2.22 has no PAT
+        with pytest.raises(ct.TrainerError, match="PAT"):
+            ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "b"])
+        assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "a"])["start"][0] \
+            == (1, "int64", "allgather")  # two ranks on one node: no PAT
+        monkeypatch.setenv("NCCL_ALGO", "Ring")
+        assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "b"])["start"] \
+            == full["start"]
         assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 20))) == {}
         with pytest.warns(FutureWarning):
             ddp_nb = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
         assert ct._ddp_broadcasts(ddp_nb, ring) == {"start": ((21, "float32", "broadcast", 0),)}
         assert ct.coalesced_broadcasts([torch.zeros(5, dtype=torch.bool)]) == ((5, "uint8", "broadcast", 0),)
+        # the reducer's parameters only: one that needs no grad is not verified
+        net.frozen = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+        assert ct.verify_collectives(ct._reducer_params(ddp)) == ((1, "int64", "allgather"), (10, "int64", "broadcast", 0))
+        assert ct.verify_collectives([torch.zeros(())]) == ((1, "int64", "allgather"),)
     finally:
         dist.destroy_process_group()

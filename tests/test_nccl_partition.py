@@ -79,6 +79,51 @@ def test_broadcast_partition_and_chunks_equal_nccls_own(path):
     assert len(table["rows"]) > 1000 and scheduled > 50
 
 
+ALLGATHER_TABLES = sorted((Path(__file__).parent / "data" / "nccl").glob("allgather-*.json"))
+
+
+@pytest.mark.parametrize("path", ALLGATHER_TABLES, ids=[p.stem for p in ALLGATHER_TABLES])
+def test_allgather_partition_and_chunks_equal_nccls_own(path):
+    """A ring allgather (int8 bytes a rank, ncclFuncTrafficPerByte nRanks, tuned on nRanks
+    times the bytes, ALLGATHER_CHUNKSTEPS 4) against NCCL's own partition and chunking code
+    compiled at each tag (scripts/nccl-broadcast-harness), and RingSchedule's sends against
+    the same parts: every hop carries, chunk after chunk of every channel's part, the
+    chunk of the sender's own block, then of the rank before it, ..., nranks-1 blocks, each
+    cut into slices that tile it."""
+    import numpy as np
+
+    from ckptd.core.schedule import ALLGATHER_CHUNKSTEPS, AllGather, RingSchedule, _ring_chunk_bytes
+    table = json.loads(path.read_text())
+    assert table["function"].startswith("allgather")
+    version = _version(table)
+    scheduled = 0
+    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
+        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
+        nc = forced or cfg.tune(nbytes * nranks)[0]
+        assert cbd_ranges(version, proto, nbytes, 1, comm_ch, nc, traffic_per_byte=nranks) == \
+            [(c, off, n) for c, off, n, _ in channels], (nbytes, nranks, comm_ch, proto, forced)
+        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, ALLGATHER_CHUNKSTEPS)
+        assert all(ch == chunk for *_, ch in channels)
+        if forced or nbytes % 4 or nbytes > 1 << 22 or nranks > 3:
+            continue
+        count = nbytes // 4
+        sched = RingSchedule(cfg, [], before=[AllGather(count, np.dtype("float32"))])
+        for c in range(comm_ch):
+            want = [(k, j, (-j) % nranks * count + (off + e) // 4, min(ch, n - e) // 4)
+                    for cc, off, n, ch in channels if cc == c
+                    for k, e in enumerate(range(0, n, ch)) for j in range(nranks - 1)]
+            got = {}
+            for x in sched.sends[(0, 1, c)]:
+                got.setdefault((x.chunk, x.ring_step), []).append((x.offset, x.nelem))
+            assert len(got) == len(want)
+            for k, j, first, n in want:
+                parts = [p for p in got[(k, j)] if p[1]]
+                assert parts[0][0] == first and sum(p[1] for p in parts) == n
+                assert all(a[0] + a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        scheduled += 1
+    assert len(table["rows"]) > 1000 and scheduled > 50
+
+
 @pytest.mark.parametrize("version,protocol,ranks,channels,ipv6", [
     ("2.22", "simple", 3, 4, False),  # 2.22: small buckets may spill past the tuned channels
     ("2.23", "ll", 4, 2, True),

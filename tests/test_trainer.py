@@ -135,3 +135,55 @@ def test_lr_set_by_hand_is_recorded_as_a_list_or_refused(group):
     _refused(m, opt, r"lr_per_step\[0\] is nan", lr_per_step=[float("nan")])
     sched = torch.optim.lr_scheduler.StepLR(opt, 2)
     _refused(m, opt, "lr_per_step and a scheduler both set the lr", scheduler=sched, lr_per_step=[0.1])
+
+
+_EXCHANGE_JOB = r'''
+import json, sys
+import torch, torch.distributed as dist
+import ckptd.torch as ct
+rank, store_file = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store_file, rank=rank, world_size=2)
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+pg = dist.distributed_c10d._get_default_group()
+seq = [pg._get_sequence_number_for_group()]
+got = []
+for k in range(3):  # a new address each call: a stale key would show the previous one
+    ct._local_address = lambda backend, k=k: f"10.9.{k}.{rank + 1}"
+    got.append(list(ct.build_plan(ddp, opt).addresses))
+    seq.append(pg._get_sequence_number_for_group())
+got.append(ct.exchange_addresses(f"r{rank}"))
+seq.append(pg._get_sequence_number_for_group())
+out = [None, None]
+dist.all_gather_object(out, rank)  # the old way, to show the count sees collectives
+seq.append(pg._get_sequence_number_for_group())
+print(json.dumps({"got": got, "seq": seq}))
+dist.destroy_process_group()
+'''
+
+
+def test_plan_learns_nic_addresses_through_the_store_not_the_communicator(tmp_path):
+    """build_plan (write_plan) exchanges every rank's NIC address through the job's c10d
+    store: a real 2-process gloo job gets every rank's address, by rank, fresh on every
+    call, and the process group's collective sequence number does not move (an
+    all_gather_object moves it by 2: on NCCL those are two allgathers on the wire)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(_EXCHANGE_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(__import__("pathlib").Path(ct.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    for rank, (out, _) in enumerate(outs):
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["got"] == [[f"10.9.{k}.1", f"10.9.{k}.2"] for k in range(3)] + [["r0", "r1"]], rank
+        seq = r["seq"]
+        assert seq[:5] == [seq[0]] * 5, seq  # no collective from any exchange
+        assert seq[5] == seq[4] + 2, seq  # the measure sees all_gather_object's two

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
-from ckptd.core.schedule import Broadcast, Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
+from ckptd.core.schedule import AllGather, Broadcast, Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
 from ckptd.errors import CkptdError
 
 PLAN_FORMAT = "ckptd-plan"
@@ -246,8 +246,9 @@ class Plan:
     # Other collectives on the job's communicator (a loss or metric allreduce, DDP's
     # broadcasts), which advance its QP rotation, PSNs and LL steps:
     # {"start" | "before" | "after": (entry, ...)} (once before iteration 0; every iteration
-    # before / after the gradient buckets), an entry (count, dtype) for an allreduce or
-    # (count, dtype, "broadcast", root) for a broadcast (collective_entry reads both)
+    # before / after the gradient buckets), an entry (count, dtype) for an allreduce,
+    # (count, dtype, "broadcast", root) for a broadcast or (count, dtype, "allgather") for an
+    # allgather of count elements a rank (collective_entry reads them all)
     collectives: dict = field(default_factory=dict, hash=False)
     buffers: ModuleBuffers = ModuleBuffers()
     # micro-batches per optimizer step, each allreduced (accumulation without no_sync):
@@ -321,13 +322,14 @@ class Plan:
 
     def other_collectives(self, iteration: int) -> tuple[list[Bucket], list[Bucket]]:
         """The non-gradient collectives before and after the iteration's buckets: Bucket
-        for an allreduce, Broadcast for a broadcast."""
+        for an allreduce, Broadcast for a broadcast, AllGather for an allgather."""
         def buckets(key):
             out = []
             for e in self.collectives.get(key, ()):
                 op, n, d, root = collective_entry(e)
                 dt = np.dtype(_np_dtype(d))
-                out.append(Broadcast(n, dt, root) if op == "broadcast" else Bucket(n, dt))
+                out.append(Broadcast(n, dt, root) if op == "broadcast" else AllGather(n, dt) if op == "allgather"
+                           else Bucket(n, dt))
             return out
         before = (buckets("start") if iteration == 0 else []) + buckets("before")
         return before, buckets("after")
@@ -337,7 +339,7 @@ class Plan:
         before, after = self.other_collectives(iteration)
 
         def sig(bs):
-            return tuple((b.count, b.dtype.str, getattr(b, "root", None)) for b in bs)
+            return tuple((type(b).__name__, b.count, b.dtype.str, getattr(b, "root", None)) for b in bs)
         key = (self.ring, sig(buckets), sig(before), sig(after), send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
@@ -559,15 +561,15 @@ def check_plan(plan: Plan) -> None:
     for when, entries in plan.collectives.items():
         for i, e in enumerate(entries):
             op, _, _, root = collective_entry(e)
-            if op != "broadcast":
+            if op == "allreduce":
                 continue
-            if root >= plan.ring.nranks:
+            if op == "broadcast" and root >= plan.ring.nranks:
                 raise PlanError(f"collectives.{when}[{i}].root {root}: the ring has ranks "
                                 f"0..{plan.ring.nranks - 1}")
             v = tuple(plan.ring.nccl_version)
             if v < (2, 22):
-                raise PlanError(f"collectives.{when}[{i}].op broadcast with NCCL {v[0]}.{v[1]}: the ring "
-                                "broadcast is modelled for 2.22-2.32 (docs/NCCL.md section 4a)")
+                raise PlanError(f"collectives.{when}[{i}].op {op} with NCCL {v[0]}.{v[1]}: the ring "
+                                f"{op} is modelled for 2.22-2.32 (docs/NCCL.md section 4a)")
     total = 0
     names = set()
     for i, p in enumerate(plan.parameters):
@@ -978,14 +980,17 @@ def _plan_from_json(raw) -> Plan:
 
 
 COLLECTIVE_WHEN = ("start", "before", "after")
-COLLECTIVE_OPS = ("allreduce", "broadcast")
+COLLECTIVE_OPS = ("allreduce", "broadcast", "allgather")
 
 
 def collective_entry(e) -> tuple[str, int, str, int | None]:
     """(op, count, dtype, root) of a Plan.collectives entry: (count, dtype) is an
-    allreduce (root None), (count, dtype, "broadcast", root) a broadcast."""
+    allreduce (root None), (count, dtype, "broadcast", root) a broadcast, (count, dtype,
+    "allgather") an allgather of count elements a rank (root None)."""
     if len(e) == 2:
         return "allreduce", int(e[0]), str(e[1]), None
+    if len(e) == 3:
+        return str(e[2]), int(e[0]), str(e[1]), None
     return str(e[2]), int(e[0]), str(e[1]), int(e[3])
 
 
@@ -1014,13 +1019,16 @@ def _collectives(doc: "_Doc") -> dict:
             if op not in COLLECTIVE_OPS:
                 raise PlanError(f"collectives.{when}[{i}].op {op!r}: one of {', '.join(COLLECTIVE_OPS)} "
                                 "(docs/NCCL.md section 4a)")
-            for k in e.d if op == "broadcast" else ():
-                if k not in ("op", "count", "dtype", "root"):
+            for k in e.d if op != "allreduce" else ():
+                keys = ("op", "count", "dtype", "root") if op == "broadcast" else ("op", "count", "dtype")
+                if k not in keys:
                     raise PlanError(f"collectives.{when}[{i}]: key {_short(k)} is not one of "
-                                    "op, count, dtype, root (a broadcast)")
+                                    f"{', '.join(keys)} (a{'n' if op[0] == 'a' else ''} {op})")
             count, dtype = e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)
             if op == "broadcast":
                 entries.append((count, dtype, op, e.int("root", 0, MAX_RANKS - 1, required=True)))
+            elif op == "allgather":
+                entries.append((count, dtype, op))
             else:
                 entries.append((count, dtype))
         if entries:

@@ -39,6 +39,10 @@ ALLREDUCE_SLICESTEPS = NCCL_STEPS // 4
 # 27-28@v2.30.7-1): calcCollChunking's Simple chunk is then one step, not four.
 BROADCAST_CHUNKSTEPS = 1
 BROADCAST_SLICESTEPS = 1
+# A ring allgather cuts chunks and slices like the allreduce (include/collectives.h:17-18@v2.22.3-1,
+# 21-22@v2.30.7-1): ProtoSimple<ALLGATHER_CHUNKSTEPS/ALLGATHER_SLICESTEPS, ALLGATHER_SLICESTEPS>.
+ALLGATHER_CHUNKSTEPS = NCCL_STEPS // 2
+ALLGATHER_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 # NCCL_IB_AR_THRESHOLD default: a send larger than this goes as RDMA WRITE + 0-byte
@@ -217,7 +221,10 @@ class Send:
     connection in the iteration: LL writes step-derived flags into every line.
     A broadcast's send (RingSchedule._add_broadcast) is one whole chunk with phase AG
     (the root's final values), `chunk` its index in the channel's part and `ring_step`
-    the sender's distance from the root.
+    the sender's distance from the root. An allgather's send (RingSchedule._add_allgather)
+    is one Simple slice (or LL/LL128 chunk) of one rank's block, phase AG, `offset` within
+    the gathered buffer (owner rank * count + element), `chunk` its index in the channel's
+    part and `ring_step` how many hops the block has made (0: the sender's own).
     """
 
     bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
@@ -284,6 +291,13 @@ class Broadcast(Bucket):
     _sync_module_states and buffer broadcasts): one of RingSchedule's `before`/`after`."""
 
     root: int = 0
+
+
+@dataclass(frozen=True)
+class AllGather(Bucket):
+    """A ring allgather of `count` elements from every rank (DDP's constructor verifies the
+    parameter count with one of 1 int64: c10d verify_params_across_processes): one of
+    RingSchedule's `before`/`after`. count is per rank, as ncclAllGather's sendcount."""
 
 
 def wire_bytes(protocol: str, nelem: int, itemsize: int) -> int:
@@ -546,6 +560,8 @@ class RingSchedule:
     def _add_other(self, b: int, other: Bucket):
         if isinstance(other, Broadcast):
             self._add_broadcast(b, other)
+        elif isinstance(other, AllGather):
+            self._add_allgather(b, other)
         else:
             self._add_allreduce(b, other)
 
@@ -593,6 +609,50 @@ class RingSchedule:
                 for k, (eoff, nelem, wb) in enumerate(chunks):
                     self._emit(conn, Send(b, AG, eoff, nelem, wb, len(sends), k, dist))
                 src = conn[1]
+
+    def _add_allgather(self, b: int, ag: AllGather):
+        """A ring allgather of ag.count elements a rank, NCCL 2.22+ (docs/NCCL.md section 4a).
+
+        Host: taskAppend turns it into int8 of count*itemsize bytes a rank
+        (enqueue.cc:2007-2008@v2.22.3-1, 2733-2736@v2.30.7-1); the tuner sees nRanks times
+        that (ncclFuncMaxSendRecvCount, enqueue.cc:1669@v2.22.3-1); the per-rank bytes are
+        partitioned over channels with ncclFuncTrafficPerByte nRanks (enqueue.cc:57-64,
+        660@v2.22.3-1, 91-100,657@v2.30.7-1) and chunked by calcCollChunking with pattern Ring
+        and ALLGATHER_CHUNKSTEPS 4 (enqueue.cc:1706-1712,1757-1762@v2.22.3-1).
+        Device (device/all_gather.h:12-53@v2.22.3-1, 13-87@v2.30.7-1, runRing): on each
+        channel, for every chunk of the channel's part, in order, a rank sends its own block's
+        chunk (step 0), then receives and forwards the chunk of the rank j hops before it
+        for j = 1..nranks-2, and only receives the last one: every hop carries nranks-1
+        copies of every chunk, the sender's own first. Simple posts each as SlicePerChunk 2
+        slices (ProtoSimple<2, 2>, all_gather.h:59@v2.22.3-1), computed on int8."""
+        cfg = self.cfg
+        if ag.count == 0:
+            return  # empty collectives never reach the proxy (src/enqueue.cc)
+        if tuple(cfg.nccl_version) < (2, 22):
+            v = cfg.nccl_version
+            raise ScheduleError(f"an allgather with NCCL {v[0]}.{v[1]}: the ring allgather is modelled "
+                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
+        n = cfg.nranks
+        itemsize = ag.dtype.itemsize
+        nbytes = ag.nbytes
+        nc, _ = cfg.tune(nbytes * n)
+        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, ALLGATHER_CHUNKSTEPS)
+        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
+                                        traffic_per_byte=n):
+            # each chunk's slices as (byte offset in the block, bytes); 16-byte multiples
+            # but at a block's end, so whole elements
+            cut = [[(off + e + min(s_off, cnt - e), s_n) for s_off, s_n in self._slices(min(chunk, cnt - e), 1)]
+                   for e in range(0, cnt, chunk)]
+            for idx in range(n):
+                src = cfg.rank_at(bid, idx)
+                conn = (src, cfg.next_rank(bid, src), bid)
+                sends = self.sends[conn]
+                for k, slices in enumerate(cut):
+                    for j in range(n - 1):
+                        base = cfg.rank_at(bid, (idx - j) % n) * ag.count
+                        for boff, bn in slices:
+                            self._emit(conn, Send(b, AG, base + boff // itemsize, bn // itemsize,
+                                                  wire_bytes(cfg.protocol, bn, 1), len(sends), k, j))
 
     def _add_allreduce(self, b: int, bucket: Bucket):
         cfg = self.cfg

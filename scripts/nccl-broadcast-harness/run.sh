@@ -1,6 +1,6 @@
 #!/bin/sh
-# Rebuild tests/data/nccl/broadcast-<version>.json: NCCL's own broadcast partition and
-# chunking, compiled from each tag (docs/NCCL.md section 6). Usage: run.sh <nccl git dir>
+# Rebuild tests/data/nccl/broadcast-<version>.json and allgather-<version>.json: NCCL's own
+# broadcast and allgather partition and chunking, compiled from each tag (docs/NCCL.md section 6). Usage: run.sh <nccl git dir>
 # (e.g. the directory `fetch github:NVIDIA/nccl` gives). Builds in a temporary directory;
 # the NCCL code it cuts out is never written into this repository.
 set -e

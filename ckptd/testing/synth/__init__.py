@@ -81,10 +81,13 @@ class SynthOptions:
     nics_per_node: int = 0  # 0: one NIC per GPU (rails); channel c uses NIC c % nics_per_node
     collective: str = "allreduce"  # what the wire carries: allreduce | reduce_scatter | tree (refusal tests)
     # other collectives on the communicator (Plan.collectives): {"start"|"before"|"after":
-    # [[count, dtype] (an allreduce) or [count, dtype, "broadcast", root], ...]}
+    # [[count, dtype] (an allreduce), [count, dtype, "broadcast", root] or [count, dtype,
+    # "allgather"] (count a rank), ...]}
     collectives: dict = field(default_factory=dict)
-    # DDP's constructor broadcast (_sync_module_states: parameters then buffers from rank 0,
-    # 250 MiB buckets) on the wire before iteration 0: first of the plan's "start" collectives
+    # DDP's constructor collectives on the wire before iteration 0, first of the plan's
+    # "start" collectives: verify_params_across_processes' allgather of the parameter count
+    # (1 int64) and broadcast of the shapes and strides (int64), then _sync_module_states'
+    # broadcast of the parameters and buffers from rank 0 (250 MiB buckets)
     startup_broadcast: bool = False
     stats: dict = field(default_factory=dict)
 
@@ -212,17 +215,20 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
 def _plan_collectives(opts: SynthOptions, model) -> dict:
     out = {k: tuple(_collective(e) for e in v) for k, v in opts.collectives.items() if v}
     if opts.startup_broadcast:
-        from ckptd.torch import coalesced_broadcasts
-        tensors = [p.detach() for p in model.parameters()] + [b.detach() for b in model.buffers()]
-        out["start"] = coalesced_broadcasts(tensors) + out.get("start", ())
+        from ckptd.torch import coalesced_broadcasts, verify_collectives
+        params = [p.detach() for p in model.parameters()]
+        tensors = params + [b.detach() for b in model.buffers()]
+        out["start"] = verify_collectives(params) + coalesced_broadcasts(tensors) + out.get("start", ())
     return {k: out[k] for k in ("start", "before", "after") if k in out}
 
 
 def _collective(e) -> tuple:
-    """A SynthOptions.collectives entry, [count, dtype] (an allreduce) or [count, dtype,
-    "broadcast", root], as a Plan.collectives entry."""
+    """A SynthOptions.collectives entry, [count, dtype] (an allreduce), [count, dtype,
+    "broadcast", root] or [count, dtype, "allgather"], as a Plan.collectives entry."""
     if len(e) == 2:
         return int(e[0]), str(e[1])
+    if len(e) == 3:
+        return int(e[0]), str(e[1]), str(e[2])
     return int(e[0]), str(e[1]), str(e[2]), int(e[3])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckptd.core.schedule import RS, Broadcast, RingSchedule
+from ckptd.core.schedule import RS, AllGather, Broadcast, RingSchedule
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -31,7 +31,9 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=
     i-th send: a partial sum in reduce-scatter, a final value in allgather.
     others[rank][k]: each rank's values for the schedule's other allreduces
     (RingSchedule.others), reduced the same way, or for a Broadcast forwarded unchanged
-    from its root (device/broadcast.h:30-44@v2.22.3-1); their final values are not returned."""
+    from its root (device/broadcast.h:30-44@v2.22.3-1), or for an AllGather each rank's
+    block forwarded unchanged (device/all_gather.h:12-53@v2.22.3-1); their final values are
+    not returned."""
     cfg = sched.cfg
 
     def values(rank: int, bucket: int) -> np.ndarray:
@@ -51,6 +53,10 @@ def reduce_iteration(sched: RingSchedule, local: list[list[np.ndarray]], others=
                 continue
             if s.bucket < 0 and isinstance(bc := sched.bucket_of(s), Broadcast):
                 out.append(values(bc.root, s.bucket)[s.offset:s.offset + s.nelem])
+                continue
+            if s.bucket < 0 and isinstance(ag := sched.bucket_of(s), AllGather):
+                owner, at = divmod(s.offset, ag.count)
+                out.append(values(owner, s.bucket)[at:at + s.nelem])
                 continue
             key = (s.bucket, ch, s.offset, s.nelem, s.chunk)
             partial = memo.get(key)

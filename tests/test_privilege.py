@@ -82,7 +82,7 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
             ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
                           "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
             cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
-                           f"listen: 127.0.0.1:{port}\npersist_sync: true\nuser: nobody\ninterfaces:\n{ifs}")
+                           f"listen: 127.0.0.1:{port}\npersist_sync: true\nuser: nobody\ndrop_capabilities: false\ninterfaces:\n{ifs}")
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -120,3 +120,122 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
             proc.kill()
         shutil.rmtree(top, ignore_errors=True)
         assert not netlab.down(prefix, exact=True)
+
+
+def _threads(pid: int) -> dict[int, dict]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        out[int(tid)] = {k: v.split() for k, _, v in (line.partition(":") for line in text.splitlines())}
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            kids += [int(x) for x in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+        except OSError:
+            pass
+    return kids
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
+    """No `user`: drop_capabilities (a config file's default) leaves the daemon root with
+    no capability in ANY thread (the status server, the persistence writer, torch's
+    pools were running before the drop) nor in its capture worker processes, the
+    bounding sets empty and no_new_privs set; the open rings still capture, and the
+    checkpoints are bit-exact."""
+    frames = {r: [(f.ts_ns, f.data) for f in read_pcap(run / "hosts" / f"rank{r}.pcap")] for r in range(2)}
+    top = Path(tempfile.mkdtemp(prefix="hd-caps-"))
+    out = top / "ck"
+    port = _free_port()
+    prefix = f"hc{secrets.token_hex(3)}"
+    proc = None
+    try:
+        with NetLab(run / "plan.json", prefix=prefix) as lab:
+            cfg = top / "ckptd.yaml"
+            ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
+                          "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
+            cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
+                           f"listen: 127.0.0.1:{port}\npersist_sync: true\ncapture_workers: {str(workers).lower()}\n"
+                           f"interfaces:\n{ifs}")  # drop_capabilities: the default
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
+                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 120
+            while time.time() < deadline and not (_status(port) or {}).get("capture"):
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.3)
+            while int(_proc_status(proc.pid)["CapEff"][0], 16) and time.time() < deadline:
+                time.sleep(0.1)  # the drop follows the rings
+            time.sleep(0.5)
+            pids = [proc.pid] + (_children(proc.pid) if workers else [])
+            if workers:
+                assert len(pids) >= 1 + len(lab.mirrors), pids
+            threads = {(pid, tid): row for pid in pids for tid, row in _threads(pid).items()}
+            assert len(_threads(proc.pid)) > 1  # the drop had other threads to reach
+            for (pid, tid), row in threads.items():
+                assert row["Uid"][0] == "0"
+                caps = {k: int(row[k][0], 16) for k in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb")}
+                assert caps == dict.fromkeys(caps, 0), (pid, tid, row["Name"], caps)
+                assert row["NoNewPrivs"] == ["1"], (pid, tid)
+            time.sleep(1.0)
+            sent = lab.send(frames, timing="rate", pps=4000)
+            assert all(x.failed == 0 for x in sent.values())
+            while time.time() < deadline and (_status(port) or {}).get("last_committed", -1) < ITERATIONS - 1:
+                time.sleep(0.3)
+            st = _status(port)
+            for pid in pids:  # threads started since (HTTP workers, ...) inherited nothing
+                for tid, row in _threads(pid).items():
+                    assert int(row["CapEff"][0], 16) == 0 and int(row["CapBnd"][0], 16) == 0, (pid, tid)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            assert st["last_committed"] == ITERATIONS - 1, st
+        drops = [line for line in err.splitlines() if "capabilities dropped in all" in line]
+        assert len(drops) == 1 + (len(lab.mirrors) if workers else 0), err
+        assert "CAP_NET_RAW" in drops[0] and "CAP_SYS_ADMIN" in drops[0]
+        for it in range(ITERATIONS):
+            assert diff_checkpoints(load_checkpoint(out / checkpoint_name(it)),
+                                    load_checkpoint(run / "reference" / checkpoint_name(it))) == []
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(top, ignore_errors=True)
+        assert not netlab.down(prefix, exact=True)
+
+
+def test_drop_capabilities_config_key(tmp_path):
+    """The key: a bool, true unless a config file says otherwise; DaemonConfig's own
+    default stays False (programmatic and test daemons)."""
+    from ckptd.live.daemon import ConfigError, DaemonConfig, load_config
+    assert DaemonConfig(plan="p", init="i", out="o", interfaces=[]).drop_capabilities is False
+    base = "plan: p.json\ninit: i.pt\nout: ck\ninterfaces:\n  - {name: m0, ifname: lo}\n"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(base)
+    assert load_config(cfg).drop_capabilities is True
+    cfg.write_text(base + "drop_capabilities: false\n")
+    assert load_config(cfg).drop_capabilities is False
+    cfg.write_text(base + "drop_capabilities: maybe\n")
+    with pytest.raises(ConfigError, match="drop_capabilities"):
+        load_config(cfg)
+
+
+def test_drop_capabilities_error_names_key():
+    """A drop that cannot be made is one line naming the key (the helper run in a child
+    that has no CAP_SETPCAP and cannot capset... as a plain user)."""
+    code = ("import os\nos.setresuid(65534, 65534, 65534)\n"
+            "from ckptd.live.privilege import drop_capabilities, PrivilegeError\n"
+            "try:\n    drop_capabilities()\nexcept PrivilegeError as e:\n    print('ERR', e)\nelse:\n    print('OK')\n")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("OK") or r.stdout.startswith("ERR drop_capabilities:"), r.stdout
+    assert "\n" not in r.stdout.strip()

@@ -329,7 +329,20 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                       for n, p in zip(names, params)),
                 first, first, _ring(backend, world), opt, tuple(addresses), (), iterations,
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
-                allreduces_per_step=allreduces_per_step)
+                allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp))
+
+
+def _ddp_limits(ddp) -> dict | None:
+    """The bucket size limits DDP was built with (bytes): the first layout's, and the
+    rebuild's (the C++ reducer's default when DDP passes none: the first bucket's cap,
+    then bucket_cap_mb); the plan records them and its layouts are checked against them."""
+    cfg = getattr(ddp, "_bucket_config", None)
+    if cfg is None:
+        return None
+    first, rebuild = cfg.compute_bucket_size_limits(static_graph=bool(getattr(ddp, "static_graph", False)),
+                                                    find_unused_parameters=ddp.find_unused_parameters)
+    rebuild = list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+    return {"first": [int(x) for x in first], "rebuilt": [int(x) for x in rebuild]}
 
 
 def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:

@@ -108,7 +108,7 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
-            assert st["last_committed"] == ITERATIONS - 1, st
+            assert st["last_committed"] == ITERATIONS - 1, (st, err[-3000:])
             assert st["checkpoints"]["state"] == "ok"
         for it in range(ITERATIONS):
             path = out / checkpoint_name(it)
@@ -163,7 +163,7 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
                           "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
             cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
                            f"listen: 127.0.0.1:{port}\npersist_sync: true\ncapture_workers: {str(workers).lower()}\n"
-                           f"interfaces:\n{ifs}")  # drop_capabilities: the default
+                           f"{os.environ.get('CK_EXTRA', '')}interfaces:\n{ifs}")  # drop_capabilities: the default
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -196,7 +196,7 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
-            assert st["last_committed"] == ITERATIONS - 1, st
+            assert st["last_committed"] == ITERATIONS - 1, (st, err[-3000:])
         drops = [line for line in err.splitlines() if "capabilities dropped in all" in line]
         assert len(drops) == 1 + (len(lab.mirrors) if workers else 0), err
         assert "CAP_NET_RAW" in drops[0] and "CAP_SYS_ADMIN" in drops[0]

@@ -460,7 +460,7 @@ class _LossOf(torch.nn.Module):
         return self.model.loss(batch)
 
 
-def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
+def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits_out: dict | None = None
                 ) -> tuple[tuple[BucketLayout, ...], tuple[BucketLayout, ...] | None]:
     """DDP's own first and rebuilt bucket layouts for `model`, offline (`ckptd plan`):
     the model is wrapped in a real DistributedDataParallel on a one-rank gloo group in
@@ -468,7 +468,8 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
     on the world size. The rebuilt layout needs one forward and backward on `batch`
     (the order gradients become ready; the loss is model.loss(batch) if the model has
     one, else model(batch).sum()) and the next forward (where DDP rebuilds); None
-    without a batch."""
+    without a batch. `limits_out` (a dict) receives the bucket size limits that DDP
+    used (the plan's buckets.limits)."""
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -479,6 +480,8 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
                                                         find_unused_parameters=False)
         names_of = {id(p): n for n, p in model.named_parameters()}
         first = _layout(ddp, names_of)
+        if limits_out is not None:
+            limits_out.update(_ddp_limits(ddp) or {})
         rebuilt = None
         if batch is not None:
             out = ddp(batch)

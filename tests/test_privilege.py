@@ -163,7 +163,7 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
                           "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
             cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
                            f"listen: 127.0.0.1:{port}\npersist_sync: true\ncapture_workers: {str(workers).lower()}\n"
-                           f"{os.environ.get('CK_EXTRA', '')}interfaces:\n{ifs}")  # drop_capabilities: the default
+                           f"interfaces:\n{ifs}")  # drop_capabilities: the default
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -50,15 +50,18 @@ def rebuilt_problem(layout: Sequence[Sequence[int]], sizes: Sequence[int], dtype
     closed by its last parameter (before it, below the limit) and is allreduced in the
     order of closing; a bucket below its limit is one still open at the end: at most
     one per dtype, its dtype's last, after every closed bucket."""
-    seen: dict[str, int] = {}
-    open_seen: set[str] = set()
+    last: dict[str, int] = {}  # each dtype's last bucket
     for i, b in enumerate(layout):
         if not b:
             return i, "is empty"
         dts = {dtypes[p] for p in b}
         if len(dts) != 1:
             return i, f"mixes dtypes {sorted(dts)}"
-        dt = dts.pop()
+        last[dts.pop()] = i
+    seen: dict[str, int] = {}
+    open_seen = False
+    for i, b in enumerate(layout):
+        dt = dtypes[b[0]]
         k = seen.get(dt, 0)
         limit = limits[min(k, len(limits) - 1)]
         seen[dt] = k + 1
@@ -67,11 +70,9 @@ def rebuilt_problem(layout: Sequence[Sequence[int]], sizes: Sequence[int], dtype
         if before >= limit:
             return i, (f"is split too late: {before} bytes before its last parameter already reach "
                        f"the limit {limit}")
-        if total >= limit:
-            if open_seen:
-                return i, f"closes (reaching the limit {limit}) after a bucket left open below its limit"
-        else:
-            if dt in open_seen:
-                return i, f"is split too early: {total} bytes, below the limit {limit}, and not its dtype's last"
-            open_seen.add(dt)
+        if total < limit and last[dt] != i:
+            return i, f"is split too early: {total} bytes, below the limit {limit}, and not its dtype's last bucket"
+        if total >= limit and open_seen:
+            return i, f"closes (reaching the limit {limit}) after a bucket left open below its limit"
+        open_seen = open_seen or total < limit
     return None

@@ -187,7 +187,10 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
             time.sleep(1.0)
             sent = lab.send(frames, timing="rate", pps=4000)
             assert all(x.failed == 0 for x in sent.values())
-            while time.time() < deadline and (_status(port) or {}).get("last_committed", -1) < ITERATIONS - 1:
+            # capture workers hand the last iteration over at the stop (the same without
+            # drop_capabilities): wait for the one before it there
+            want = ITERATIONS - 2 if workers else ITERATIONS - 1
+            while time.time() < deadline and (_status(port) or {}).get("last_committed", -1) < want:
                 time.sleep(0.3)
             st = _status(port)
             for pid in pids:  # threads started since (HTTP workers, ...) inherited nothing
@@ -196,7 +199,9 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
-            assert st["last_committed"] == ITERATIONS - 1, (st, err[-3000:])
+            assert st["last_committed"] >= want, st
+            stopped = [json.loads(line) for line in err.splitlines() if '"msg": "stopped"' in line]
+            assert stopped and stopped[-1]["last_committed"] == ITERATIONS - 1, err[-2000:]
         drops = [line for line in err.splitlines() if "capabilities dropped in all" in line]
         assert len(drops) == 1 + (len(lab.mirrors) if workers else 0), err
         assert "CAP_NET_RAW" in drops[0] and "CAP_SYS_ADMIN" in drops[0]
@@ -226,16 +231,12 @@ def test_drop_capabilities_config_key(tmp_path):
         load_config(cfg)
 
 
-def test_drop_capabilities_error_names_key():
-    """A drop that cannot be made is one line naming the key (the helper run in a child
-    that has no CAP_SETPCAP and cannot capset... as a plain user)."""
-    code = ("import os\nos.setresuid(65534, 65534, 65534)\n"
-            "from ckptd.live.privilege import drop_capabilities, PrivilegeError\n"
-            "try:\n    drop_capabilities()\nexcept PrivilegeError as e:\n    print('ERR', e)\nelse:\n    print('OK')\n")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to become another user")
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK") or r.stdout.startswith("ERR drop_capabilities:"), r.stdout
-    assert "\n" not in r.stdout.strip()
+def test_drop_capabilities_error_is_one_line_naming_the_key(monkeypatch):
+    """A drop the kernel refuses stops the start with one line naming the config key
+    (the helper stubbed: this test process keeps its capabilities)."""
+    import cython_ext.caps as caps
+    from ckptd.live.privilege import PrivilegeError, drop_capabilities
+    monkeypatch.setattr(caps, "drop_all_threads", lambda *a: (-1, 3, 1234, "capset"))
+    with pytest.raises(PrivilegeError) as e:
+        drop_capabilities()
+    assert str(e.value) == "drop_capabilities: cannot capset in thread 1234: Operation not permitted"

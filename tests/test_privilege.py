@@ -203,7 +203,7 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
             stopped = [json.loads(line) for line in err.splitlines() if '"msg": "stopped"' in line]
             assert stopped and stopped[-1]["last_committed"] == ITERATIONS - 1, err[-2000:]
         drops = [line for line in err.splitlines() if "capabilities dropped in all" in line]
-        assert len(drops) == 1 + (len(lab.mirrors) if workers else 0), err
+        assert len(drops) == 1, err  # one line, the daemon's (a worker's own drop is read from /proc above)
         assert "CAP_NET_RAW" in drops[0] and "CAP_SYS_ADMIN" in drops[0]
         for it in range(ITERATIONS):
             assert diff_checkpoints(load_checkpoint(out / checkpoint_name(it)),

@@ -67,7 +67,11 @@ def _status(port: int) -> dict | None:
         return None
 
 
-def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
+@pytest.mark.parametrize("drop", [False, True], ids=["keep-net-raw", "drop-capabilities"])
+def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run, drop):
+    """drop_capabilities false: uid 65534 keeping CAP_NET_RAW alone; true (a config
+    file's default): uid 65534 with no capability at all, in every thread."""
+    keep = 0 if drop else CAP_NET_RAW
     frames = {r: [(f.ts_ns, f.data) for f in read_pcap(run / "hosts" / f"rank{r}.pcap")] for r in range(2)}
     # the checkpoint directory's parent must be reachable by uid 65534 (pytest's is 0700)
     top = Path(tempfile.mkdtemp(prefix="hd-priv-"))
@@ -82,7 +86,7 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
             ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
                           "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
             cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
-                           f"listen: 127.0.0.1:{port}\npersist_sync: true\nuser: nobody\ndrop_capabilities: false\ninterfaces:\n{ifs}")
+                           f"listen: 127.0.0.1:{port}\npersist_sync: true\nuser: nobody\ndrop_capabilities: {str(drop).lower()}\ninterfaces:\n{ifs}")
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
                                     cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -95,9 +99,14 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run):
                 time.sleep(0.1)
                 ids = _proc_status(proc.pid)
             assert ids["Uid"] == ["65534"] * 4 and ids["Gid"][0] == str(pwd.getpwnam("nobody").pw_gid)
-            assert int(ids["CapEff"][0], 16) == CAP_NET_RAW
-            assert int(ids["CapPrm"][0], 16) == CAP_NET_RAW
-            assert int(ids["CapBnd"][0], 16) == CAP_NET_RAW
+            for tid, row in _threads(proc.pid).items():  # every thread
+                assert row["Uid"] == ["65534"] * 4, tid
+                assert int(row["CapEff"][0], 16) in (keep, 0) and int(row["CapPrm"][0], 16) in (keep, 0)
+                assert int(row["CapBnd"][0], 16) == keep, (tid, row["CapBnd"])
+                assert int(row["CapInh"][0], 16) == 0 and row["NoNewPrivs"] == ["1"], tid
+            assert int(ids["CapEff"][0], 16) == keep
+            assert int(ids["CapPrm"][0], 16) == keep
+            assert int(ids["CapBnd"][0], 16) == keep
             assert int(ids["CapInh"][0], 16) == 0 and ids["NoNewPrivs"] == ["1"]
             time.sleep(1.0)  # as tests/test_live.py: the lab settles before the job starts
             sent = lab.send(frames, timing="rate", pps=4000)

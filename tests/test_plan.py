@@ -215,12 +215,15 @@ def test_layouts_ddp_cannot_produce_are_refused(ddp_plan, tmp_path, change, mess
     assert msg == f"{p}: {message}"
 
 
-def test_plans_without_limits_load_and_say_so_once(ddp_plan, tmp_path, caplog):
+def test_plans_without_limits_load_and_say_so_once(ddp_plan, tmp_path, caplog, monkeypatch):
+    import logging
+
     import ckptd.core.plan as plan_mod
+    monkeypatch.setattr(logging.getLogger("ckptd"), "propagate", True)  # the daemon's setup_logging clears it
     doc = copy.deepcopy(ddp_plan)
     del doc["buckets"]["limits"]
     plan_mod._NO_LIMITS_SAID.clear()
-    with caplog.at_level("WARNING", logger="ckptd"):
+    with caplog.at_level("INFO", logger="ckptd"):
         load_plan(_write(tmp_path, doc))
         load_plan(_write(tmp_path, doc, "again.json"))
     said = [r for r in caplog.records if "buckets.limits" in r.getMessage()]

@@ -853,7 +853,10 @@ def _kind(v) -> str:
 def plan_from_json(doc, where: str = "plan") -> Plan:
     """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>"."""
     try:
-        return _plan_from_json(doc)
+        plan = _plan_from_json(doc)
+        if plan.bucket_limits is None and plan.parameters:
+            _say_no_limits()  # once it loaded: an error stays one line
+        return plan
     except PlanError as e:
         raise PlanError(f"{where}: {e}") from None
     except RecursionError:
@@ -901,8 +904,6 @@ def _plan_from_json(raw) -> Plan:
         raise PlanError(f"buckets.limits must be an object, not {_kind(limits)}")
     if limits is not None:
         limits = {k: [v] if _is_int(v) else v for k, v in limits.items()}
-    elif any(b.params for b in first):
-        _say_no_limits()
     learn = bk.get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
     rebuilt = layout("rebuilt") if bk.get("rebuilt") and not learn else first
 
@@ -1013,7 +1014,7 @@ def _say_no_limits() -> None:
     if not _NO_LIMITS_SAID:
         _NO_LIMITS_SAID.append(True)
         import logging
-        logging.getLogger("ckptd").warning(
+        logging.getLogger("ckptd").info(  # info: a CLI error stays one line on stderr
             "the plan has no buckets.limits: its bucket layouts are checked by the bucket-cap rule only, "
             "not against DDP's limits; rewrite it with write_plan or `ckptd plan` to check them")
 

@@ -13,6 +13,9 @@ extensions = [
     Extension("cython_ext.batch", ["cython_ext/batch.pyx", *KERNEL_C], include_dirs=["cython_ext"],
               depends=KERNEL_HEADERS, libraries=["z"], extra_compile_args=["-O3"]),
     Extension("cython_ext.ring", ["cython_ext/ring.pyx"], extra_compile_args=["-O3"]),
+    # capabilities dropped in every thread (ckptd.live.privilege)
+    Extension("cython_ext.caps", ["cython_ext/caps.pyx", "cython_ext/capdrop.c"], include_dirs=["cython_ext"],
+              depends=["cython_ext/capdrop.h"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

@@ -319,7 +319,8 @@ def cmd_plan(a) -> int:
     sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
     model = _call_named(a.model, "--model")
     batch = _call_named(a.sample, "--sample") if a.sample else None
-    first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch)
+    limits: dict = {}
+    first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)
     if rebuilt is None and a.transport == "nccl":
         raise UsageError("--transport nccl needs --sample: the layout DDP rebuilds after "
                          "iteration 0 follows the order gradients become ready")
@@ -350,7 +351,8 @@ def cmd_plan(a) -> int:
     plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
-                nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration)
+                nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
+                bucket_limits=limits or None)
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

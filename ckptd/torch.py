@@ -329,7 +329,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                       for n, p in zip(names, params)),
                 first, first, ring, opt, tuple(addresses), (), iterations,
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
-                allreduces_per_step=allreduces_per_step,
+                allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                 collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {})
 
 
@@ -453,6 +453,19 @@ def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:
     return out
 
 
+def _ddp_limits(ddp) -> dict | None:
+    """The bucket size limits DDP was built with (bytes): the first layout's, and the
+    rebuild's (the C++ reducer's default when DDP passes none: the first bucket's cap,
+    then bucket_cap_mb); the plan records them and its layouts are checked against them."""
+    cfg = getattr(ddp, "_bucket_config", None)
+    if cfg is None:
+        return None
+    first, rebuild = cfg.compute_bucket_size_limits(static_graph=bool(getattr(ddp, "static_graph", False)),
+                                                    find_unused_parameters=ddp.find_unused_parameters)
+    rebuild = list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+    return {"first": [int(x) for x in first], "rebuilt": [int(x) for x in rebuild]}
+
+
 def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     """DDP's module buffers in the order it broadcasts them (its named_module_buffers:
     module.named_buffers() less the ignored, a dict in that order)."""
@@ -568,7 +581,7 @@ class _LossOf(torch.nn.Module):
         return self.model.loss(batch)
 
 
-def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
+def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits_out: dict | None = None
                 ) -> tuple[tuple[BucketLayout, ...], tuple[BucketLayout, ...] | None]:
     """DDP's own first and rebuilt bucket layouts for `model`, offline (`ckptd plan`):
     the model is wrapped in a real DistributedDataParallel on a one-rank gloo group in
@@ -576,7 +589,8 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
     on the world size. The rebuilt layout needs one forward and backward on `batch`
     (the order gradients become ready; the loss is model.loss(batch) if the model has
     one, else model(batch).sum()) and the next forward (where DDP rebuilds); None
-    without a batch."""
+    without a batch. `limits_out` (a dict) receives the bucket size limits that DDP
+    used (the plan's buckets.limits)."""
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -587,6 +601,8 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None
                                                         find_unused_parameters=False)
         names_of = {id(p): n for n, p in model.named_parameters()}
         first = _layout(ddp, names_of)
+        if limits_out is not None:
+            limits_out.update(_ddp_limits(ddp) or {})
         rebuilt = None
         if batch is not None:
             out = ddp(batch)

@@ -106,6 +106,9 @@ def test_plan_from_a_torch_model(tmp_path, capsys):
     assert plan.buckets_first == (BucketLayout(params=tuple(p.name for p in plan.parameters)),)
     assert len(plan.buckets_rebuilt) > 1
     assert plan.buckets_rebuilt[0].params[0] == plan.parameters[-1].name
+    # the limits DDP used are recorded, and the layouts were checked against them
+    import sys
+    assert plan.bucket_limits == {"first": [sys.maxsize], "rebuilt": [int(0.02 * 2**20)] * 2}
 
 
 def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, monkeypatch, capsys):

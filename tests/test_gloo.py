@@ -401,11 +401,14 @@ def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):
         pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from ckptd.core.plan import plan_from_json
+    from ckptd.core.plan import PlanError, plan_from_json
     doc = _plan_doc(tmp)
     # the same bucket sizes, parameters reversed in each bucket: the ring schedule
     # cannot tell, only the broadcast layout can
     doc["buckets"]["rebuilt"] = [{"params": b["params"][::-1]} for b in doc["buckets"]["rebuilt"]]
+    with pytest.raises(PlanError, match=r"buckets.rebuilt\[\d+\] is split too"):
+        plan_from_json(doc)  # with buckets.limits DDP's rule refuses it at load already
+    del doc["buckets"]["limits"]  # an older plan: the wire check is what catches it
     pipe = _replay(tmp, [str(pcap)], plan_from_json(doc))
     ex = pipe.extract
     assert ex.rebuilt == "mismatch" and ex.counters["rebuilt_mismatch"] == 1

@@ -95,3 +95,136 @@ def test_allreduces_per_step_is_gloo_only_and_round_trips(plan_doc):
     # the job's first round, which is no step's last when K > 1
     assert gloo.last_wire_iteration(0) == 2 and gloo.layout(0) == gloo.buckets_rebuilt
     assert plan.layout(0) == plan.buckets_first
+
+
+# -- DDP's bucketing rule (buckets.limits, ckptd.core.ddp_buckets) -------------------
+import copy  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from ckptd.core.ddp_buckets import assign, rebuilt_problem  # noqa: E402
+
+
+def test_rule_agrees_with_torch_on_200_random_parameter_lists():
+    import torch
+    import torch.distributed as dist
+    rng = random.Random(13)
+    kinds = [(torch.float32, "float32"), (torch.float16, "float16"), (torch.float64, "float64")]
+    for _ in range(200):
+        n = rng.randint(1, 30)
+        ts = [(torch.empty(rng.choice([1, 7, 100, 1000, 5000, 30000]), dtype=k[0]), k[1])
+              for k in (rng.choice(kinds[:rng.randint(1, 3)]) for _ in range(n))]
+        limits = rng.choice([[4096], [1 << 20, 25 << 20], [1000, 20000], [64, 8192, 100000], [1]])
+        tensors = [t for t, _ in ts]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        dtypes = [d for _, d in ts]
+        want, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+        assert assign(sizes, dtypes, limits) == [list(b) for b in want]
+        order = list(range(n))
+        rng.shuffle(order)  # a gradient-ready order: torch's tensor_indices
+        ready, _ = dist._compute_bucket_assignment_by_size([tensors[i] for i in order], limits, [False] * n, order)
+        ours = assign([sizes[i] for i in order], [dtypes[i] for i in order], limits, order)
+        closed = [b for b in ours if sum(sizes[i] for i in b) >= 0]
+        # the buckets left open at the end follow in hash-map order in torch: compare as sets there
+        assert sorted(map(tuple, ours)) == sorted(tuple(b) for b in ready) and len(closed) == len(ready)
+        assert rebuilt_problem([list(b) for b in ready], sizes, dtypes, limits) is None
+
+
+@pytest.fixture(scope="module")
+def ddp_plan(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp")
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("_ddp_plan_job.py")), str(d)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((d / "plan.json").read_text())
+
+
+def test_real_ddp_plan_records_limits_and_passes(ddp_plan, tmp_path):
+    lim = ddp_plan["buckets"]["limits"]
+    assert lim == {"first": [sys.maxsize], "rebuilt": [209715, 209715]}, lim  # bucket_cap_mb=0.2
+    assert len(ddp_plan["buckets"]["rebuilt"]) > 1 and ddp_plan["buckets"]["rebuilt"] != ddp_plan["buckets"]["first"]
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(ddp_plan))
+    plan = load_plan(p)
+    assert plan.bucket_limits == lim
+    assert load_plan(_write(tmp_path, plan.to_json())).bucket_limits == lim  # round trip
+
+
+def _write(tmp_path, doc, name="plan.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def _names(b):
+    return b["params"]
+
+
+def _split_early(doc):  # the rebuilt bucket 0's last parameter moved to bucket 1
+    rb = doc["buckets"]["rebuilt"]
+    rb[1]["params"].insert(0, rb[0]["params"].pop())
+
+
+def _split_late(doc):  # bucket 1's first parameter joins bucket 0
+    rb = doc["buckets"]["rebuilt"]
+    rb[0]["params"].append(rb[1]["params"].pop(0))
+
+
+def _mix_dtypes(doc):
+    doc["parameters"][0]["dtype"] = "float64"
+
+
+def _reorder_first(doc):
+    fb = doc["buckets"]["first"]
+    fb[0]["params"].reverse()
+
+
+def _missing(doc):
+    doc["buckets"]["rebuilt"][-1]["params"].pop()
+
+
+def _tiny_limits(doc):
+    doc["buckets"]["limits"]["rebuilt"] = [64]
+
+
+_RULE = "no gradient-ready order gives this layout with buckets.limits.rebuilt"
+
+
+@pytest.mark.parametrize("change, message", [
+    (_split_early, "buckets.rebuilt[0] is split too early: 82816 bytes, below the limit 209715, and not its "
+                   f"dtype's last bucket: {_RULE} [209715, 209715] (DDP's bucketing rule)"),
+    (_split_late, "buckets.rebuilt[0] is split too late: 322816 bytes before its last parameter already reach "
+                  f"the limit 209715: {_RULE} [209715, 209715] (DDP's bucketing rule)"),
+    (_mix_dtypes, "buckets.first[0] mixes dtypes ['float32', 'float64']; DDP buckets hold one dtype"),
+    (_reorder_first, "buckets.first[0] is not DDP's first layout for buckets.limits.first "
+                     "[9223372036854775807]: DDP puts ['0.weight', '0.bias', '2.weight', '2.bias']... there"),
+    (_missing, "buckets.rebuilt must hold every parameter exactly once (missing ['0.weight'], repeated [])"),
+    (_tiny_limits, "buckets.rebuilt[0] is split too late: 82816 bytes before its last parameter already reach "
+                   f"the limit 64: {_RULE} [64] (DDP's bucketing rule)"),
+], ids=["split-early", "split-late", "dtype-mix", "first-reordered", "missing", "limits"])
+def test_layouts_ddp_cannot_produce_are_refused(ddp_plan, tmp_path, change, message):
+    doc = copy.deepcopy(ddp_plan)
+    change(doc)
+    p = _write(tmp_path, doc)
+    with pytest.raises(PlanError) as e:
+        load_plan(p)
+    msg = str(e.value)
+    assert msg == f"{p}: {message}"
+
+
+def test_plans_without_limits_load_and_say_so_once(ddp_plan, tmp_path, caplog, monkeypatch):
+    import logging
+
+    import ckptd.core.plan as plan_mod
+    monkeypatch.setattr(logging.getLogger("ckptd"), "propagate", True)  # the daemon's setup_logging clears it
+    doc = copy.deepcopy(ddp_plan)
+    del doc["buckets"]["limits"]
+    plan_mod._NO_LIMITS_SAID.clear()
+    with caplog.at_level("INFO", logger="ckptd"):
+        load_plan(_write(tmp_path, doc))
+        load_plan(_write(tmp_path, doc, "again.json"))
+    said = [r for r in caplog.records if "buckets.limits" in r.getMessage()]
+    assert len(said) == 1

@@ -243,6 +243,9 @@ class Plan:
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
+    # DDP's bucket size limits in bytes, {"first": [...], "rebuilt": [...]}: the layouts are
+    # checked against DDP's rule with them (ckptd.core.ddp_buckets); None: an older plan
+    bucket_limits: dict | None = None
     # Other collectives on the job's communicator (a loss or metric allreduce, DDP's
     # broadcasts), which advance its QP rotation, PSNs and LL steps:
     # {"start" | "before" | "after": (entry, ...)} (once before iteration 0; every iteration
@@ -503,6 +506,8 @@ class Plan:
             "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction}
                         for m in self.mirrors],
         }
+        if self.bucket_limits is not None:
+            doc["buckets"]["limits"] = {k: list(v) for k, v in self.bucket_limits.items()}
         if self.iterations is not None:
             doc["iterations"] = self.iterations
         if self.start_iteration is not None:
@@ -598,6 +603,8 @@ def check_plan(plan: Plan) -> None:
         _check_layout(plan, "rebuilt", plan.buckets_rebuilt)
         if plan.parameters:
             check_cap_rule(plan)
+    if plan.parameters and plan.bucket_limits is not None:
+        check_ddp_limits(plan)
     r = plan.ring
     if not r.nranks <= MAX_RANKS:
         raise PlanError(f"ring.nranks {r.nranks} is more than {MAX_RANKS}")
@@ -692,6 +699,36 @@ def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> Non
                 seen.add(n)
             raise PlanError(f"buckets.{key} must hold every parameter exactly once (missing "
                             f"{sorted(set(by_name) - seen)[:5]}, repeated {dup[:5]})")
+
+
+def check_ddp_limits(plan: Plan) -> None:
+    """With `buckets.limits`: buckets.first must be exactly DDP's assignment of the
+    parameters (registration order) with the first limits, reversed; buckets.rebuilt
+    one that DDP's rule gives with the rebuilt limits for SOME gradient-ready order
+    (ckptd.core.ddp_buckets). PlanError naming the bucket."""
+    from ckptd.core.ddp_buckets import first_layout, rebuilt_problem
+    lim = plan.bucket_limits
+    for key in ("first", "rebuilt"):
+        v = lim.get(key) if isinstance(lim, dict) else None
+        if not isinstance(v, (list, tuple)) or not v or not all(_is_int(x) and x >= 1 for x in v):
+            raise PlanError(f"buckets.limits.{key} must be a non-empty list of byte counts >= 1, not {v!r}")
+    index = {p.name: i for i, p in enumerate(plan.parameters)}
+    sizes = [p.numel * _itemsize(p.dtype) for p in plan.parameters]
+    dtypes = [p.dtype for p in plan.parameters]
+    want = first_layout(sizes, dtypes, lim["first"])
+    got = [[index[n] for n in b.params] for b in plan.buckets_first]
+    if got != want:
+        i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        names = [plan.parameters[j].name for j in want[i]] if i < len(want) else []
+        raise PlanError(f"buckets.first[{i}] is not DDP's first layout for buckets.limits.first "
+                        f"{list(lim['first'])}: DDP puts {names[:4]}{'...' if len(names) > 4 else ''} there")
+    if plan.rebuilt_learn or plan.buckets_rebuilt == plan.buckets_first:
+        return  # not rebuilt yet (write_plan rewrites the plan when DDP rebuilds)
+    bad = rebuilt_problem([[index[n] for n in b.params] for b in plan.buckets_rebuilt], sizes, dtypes,
+                          lim["rebuilt"])
+    if bad is not None:
+        raise PlanError(f"buckets.rebuilt[{bad[0]}] {bad[1]}: no gradient-ready order gives this layout "
+                        f"with buckets.limits.rebuilt {list(lim['rebuilt'])} (DDP's bucketing rule)")
 
 
 def check_cap_rule(plan: Plan) -> None:
@@ -836,7 +873,10 @@ def _kind(v) -> str:
 def plan_from_json(doc, where: str = "plan") -> Plan:
     """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>"."""
     try:
-        return _plan_from_json(doc)
+        plan = _plan_from_json(doc)
+        if plan.bucket_limits is None and plan.parameters:
+            _say_no_limits()  # once it loaded: an error stays one line
+        return plan
     except PlanError as e:
         raise PlanError(f"{where}: {e}") from None
     except RecursionError:
@@ -879,6 +919,11 @@ def _plan_from_json(raw) -> Plan:
         return tuple(out)
 
     first = layout("first")
+    limits = bk.get("limits")
+    if limits is not None and not isinstance(limits, dict):
+        raise PlanError(f"buckets.limits must be an object, not {_kind(limits)}")
+    if limits is not None:
+        limits = {k: [v] if _is_int(v) else v for k, v in limits.items()}
     learn = bk.get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
     rebuilt = layout("rebuilt") if bk.get("rebuilt") and not learn else first
 
@@ -976,7 +1021,22 @@ def _plan_from_json(raw) -> Plan:
                 comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
                 collectives=_collectives(doc),
                 buffers=_buffers_from_json(doc),
-                allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1))
+                allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
+                bucket_limits=limits)
+
+
+_NO_LIMITS_SAID = []
+
+
+def _say_no_limits() -> None:
+    """An older plan without buckets.limits loads, its layouts checked by the weaker
+    bucket-cap rule only; said once per process."""
+    if not _NO_LIMITS_SAID:
+        _NO_LIMITS_SAID.append(True)
+        import logging
+        logging.getLogger("ckptd").info(  # info: a CLI error stays one line on stderr
+            "the plan has no buckets.limits: its bucket layouts are checked by the bucket-cap rule only, "
+            "not against DDP's limits; rewrite it with write_plan or `ckptd plan` to check them")
 
 
 COLLECTIVE_WHEN = ("start", "before", "after")

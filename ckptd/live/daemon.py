@@ -96,6 +96,10 @@ class DaemonConfig:
     max_ring_memory: int = DEFAULT_RING_MEMORY  # all capture rings together, bytes
     user: str | None = None  # drop to this user once the capture sockets are open
     group: str | None = None
+    # once the rings are open (netns entered): every capability dropped in every thread
+    # and capture worker (ckptd.live.privilege). False here keeps programmatic and test
+    # daemons as they were; a config file (load_config) defaults it to True
+    drop_capabilities: bool = False
     token_file: str | None = None  # HTTP bearer token (required off loopback)
     status_details: bool = False  # /status with absolute paths and parameter names
     http_workers: int = 8  # worker threads answering requests
@@ -251,7 +255,7 @@ def load_config(path: str | Path) -> DaemonConfig:
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
              "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
              "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
-             "persist_interval_s", "persist_sync", "persist_url", "notice"}
+             "persist_interval_s", "persist_sync", "persist_url", "notice", "drop_capabilities"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -314,6 +318,7 @@ def load_config(path: str | Path) -> DaemonConfig:
                         agree_window_ms=k.int("agree_window_ms", 0, 60_000, int(AGREE_WINDOW_MS),
                                               what="milliseconds"),
                         max_ring_memory=cap, user=user, group=group, token_file=token_file,
+                        drop_capabilities=k.bool("drop_capabilities", True),
                         status_details=k.bool("status_details", False),
                         http_workers=k.int("http_workers", 1, 256, 8),
                         max_connections=k.int("max_connections", 1, 1 << 20, 1024),
@@ -740,13 +745,19 @@ class Daemon:
             "SIGHUP ignored: the config is read at start; restart the daemon to change it"))
 
     def drop_privileges(self):
-        """With `user` configured: the capture sockets are open (netns entered), so
-        become that user with CAP_NET_RAW alone (ckptd.live.privilege)."""
+        """The capture sockets are open (netns entered). With `user` configured: become
+        that user with CAP_NET_RAW alone, or no capability with drop_capabilities; else
+        with drop_capabilities: stay root without any capability (ckptd.live.privilege),
+        in every thread."""
         if self.cfg.user is None:
+            if self.cfg.drop_capabilities:
+                from ckptd.live.privilege import drop_capabilities
+                drop_capabilities()
             return
         from ckptd.live.privilege import drop_privileges
         drop_privileges(self.cfg.user, self.cfg.group,
-                        [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d])
+                        [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d],
+                        keep_net_raw=not self.cfg.drop_capabilities)
 
     def _persist_dir(self) -> str | None:
         """persist_url naming a local directory (file://): it is the daemon's to write too."""
@@ -799,7 +810,8 @@ class Daemon:
         without a `cpu` of its own keeps the machine's CPUs."""
         from ckptd.live.workers import CaptureWorkers
         self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
-                                      busy_poll=self.cfg.busy_poll)
+                                      busy_poll=self.cfg.busy_poll,
+                                      drop_capabilities=self.cfg.drop_capabilities)
         self.captures = list(self.workers.captures)
         if self.cfg.cpus:
             for tid in os.listdir("/proc/self/task"):

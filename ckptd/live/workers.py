@@ -95,7 +95,8 @@ def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray,
 
 
 # -- the worker process ---------------------------------------------------------------------
-def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, busy_poll: bool):
+def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, busy_poll: bool,
+                 drop_capabilities: bool = False):
     """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
     the coordinator clears the slot's busy flag when done with it; ("stop",) ends the
     worker after the ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
@@ -111,6 +112,14 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
     except OSError as e:
         conn.send(("error", str(e)))
         return
+    if drop_capabilities:  # the ring is open: this process needs no capability any more
+        from ckptd.live.privilege import PrivilegeError, drop_capabilities as drop
+        try:
+            drop()
+        except PrivilegeError as e:
+            cap.close()
+            conn.send(("error", f"capture worker for {spec['ifname']}: {e}"))
+            return
     try:
         _capture_loop(stream, cap, shm, conn, busy_poll)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -191,7 +200,7 @@ class WorkerCapture:
 class CaptureWorkers:
     """One capture process per interface (docs/DAEMON.md: workers, pinning, sizing)."""
 
-    def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False):
+    def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False, drop_capabilities: bool = False):
         ctx = mp.get_context("spawn")  # the daemon holds torch's threads: no fork
         self.captures: list[WorkerCapture] = []
         self.shms: list[SharedMemory] = []
@@ -199,15 +208,18 @@ class CaptureWorkers:
         self._closed = False
         self._views: list[list] = []
         self._busy: list[np.ndarray] = []
+        if drop_capabilities:  # the shared memory's tracker process: started without any
+            from ckptd.live.privilege import start_resource_tracker_unprivileged
+            start_resource_tracker_unprivileged()
         try:
-            self._spawn(ctx, interfaces, bpf, busy_poll)
+            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities)
         except BaseException:
             self.close()  # no shared memory or process left behind
             raise
         self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
         self._start()
 
-    def _spawn(self, ctx, interfaces, bpf, busy_poll):
+    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities=False):
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
@@ -217,7 +229,7 @@ class CaptureWorkers:
             self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
             self._busy.append(_busy_flags(shm, i.block_size))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(k, spec, shm.name, child, i.cpu, busy_poll),
+            p = ctx.Process(target=_worker_main, args=(k, spec, shm.name, child, i.cpu, busy_poll, drop_capabilities),
                             name=f"ckptd-capture-{i.name}", daemon=True)
             p.start()
             child.close()

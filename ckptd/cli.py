@@ -455,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M)")
+    s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
+                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward: NCCL 2.22+)")
     s.add_argument("--nccl-version", default="2.19",
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")

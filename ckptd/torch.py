@@ -305,8 +305,9 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     backend = dist.get_backend(ddp.process_group)
     if backend not in ("gloo", "nccl"):
         raise TrainerError(f"process group backend {backend!r}: ckptd decodes gloo and nccl")
-    buffers = _buffers(ddp, backend, without_buffers)
     world = dist.get_world_size(ddp.process_group)
+    ring = _ring(backend, world)
+    buffers = _buffers(ddp, backend, without_buffers, ring)
     if addresses is None:
         addresses = [None] * world
         dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
@@ -325,7 +326,6 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if allreduces_per_step > 1 and transport != "gloo":
         raise TrainerError("allreduces_per_step > 1 (an allreduce every micro-batch) is decoded on gloo "
                            "only; on NCCL accumulate under ddp.no_sync()")
-    ring = _ring(backend, world)
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
                 first, first, ring, opt, tuple(addresses), (), iterations,
@@ -391,10 +391,12 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     return list(getattr(ddp, "named_module_buffers", {}).items())
 
 
-def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
-    """The module buffers and DDP's broadcasts of them. On gloo the broadcasts are
-    decoded (captured); on NCCL they are not, which the caller must accept with
-    without_buffers=True, so no checkpoint silently lacks what the model holds."""
+def _buffers(ddp, backend: str, without_buffers: bool, ring: RingConfig | None = None) -> ModuleBuffers:
+    """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
+    NCCL 2.22+ (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
+    cannot be (broadcast_buffers=False: rank 0's are never on the wire; NCCL before 2.22)
+    the caller must accept that with without_buffers=True, so no checkpoint silently
+    lacks what the model holds."""
     named = _module_buffers(ddp)
     if not named:
         return ModuleBuffers()
@@ -406,9 +408,9 @@ def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     if not ddp.forward_sync_buffers:
         captured = False  # each rank keeps its own: rank 0's are never on the wire
         why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
-    elif backend != "gloo":
+    elif backend != "gloo" and (ring is None or tuple(ring.nccl_version) < (2, 22)):
         captured = False
-        why = "ckptd does not decode NCCL's buffer broadcast"
+        why = "ckptd decodes NCCL's buffer broadcast from NCCL 2.22 (the ring broadcast is not modelled before)"
     else:
         captured, why = not without_buffers, ""
     if not captured and not without_buffers:

@@ -269,16 +269,21 @@ def _local_address(backend: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _nccl_version() -> tuple[int, int]:
+    try:
+        major, minor = torch.cuda.nccl.version()[:2]
+    except (AttributeError, RuntimeError, TypeError):
+        major, minor = 2, 19
+    return major, minor
+
+
 def _ring(backend: str, world: int) -> RingConfig:
     env = os.environ
     if backend == "gloo":
         return RingConfig(world, (tuple(range(world)),))
     if env.get("NCCL_ALGO", "ring").lower() not in ("ring", "allreduce:ring"):
         raise TrainerError(f"NCCL_ALGO={env['NCCL_ALGO']}: ckptd decodes NCCL's ring allreduce only")
-    try:
-        major, minor = torch.cuda.nccl.version()[:2]
-    except (AttributeError, RuntimeError, TypeError):
-        major, minor = 2, 19
+    major, minor = _nccl_version()
     split = env.get("NCCL_IB_SPLIT_DATA_ON_QPS")
     return RingConfig(world, (tuple(range(world)),), protocol=env.get("NCCL_PROTO", "simple").lower(),
                       nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
@@ -305,9 +310,8 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     backend = dist.get_backend(ddp.process_group)
     if backend not in ("gloo", "nccl"):
         raise TrainerError(f"process group backend {backend!r}: ckptd decodes gloo and nccl")
+    buffers = _buffers(ddp, backend, without_buffers)
     world = dist.get_world_size(ddp.process_group)
-    ring = _ring(backend, world)
-    buffers = _buffers(ddp, backend, without_buffers, ring)
     if addresses is None:
         addresses = [None] * world
         dist.all_gather_object(addresses, _local_address(backend), group=ddp.process_group)
@@ -326,6 +330,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if allreduces_per_step > 1 and transport != "gloo":
         raise TrainerError("allreduces_per_step > 1 (an allreduce every micro-batch) is decoded on gloo "
                            "only; on NCCL accumulate under ddp.no_sync()")
+    ring = _ring(backend, world)
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
                 first, first, ring, opt, tuple(addresses), (), iterations,
@@ -391,7 +396,7 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     return list(getattr(ddp, "named_module_buffers", {}).items())
 
 
-def _buffers(ddp, backend: str, without_buffers: bool, ring: RingConfig | None = None) -> ModuleBuffers:
+def _buffers(ddp, backend: str, without_buffers: bool, nccl_version: tuple | None = None) -> ModuleBuffers:
     """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
     NCCL 2.22+ (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
     cannot be (broadcast_buffers=False: rank 0's are never on the wire; NCCL before 2.22)
@@ -408,7 +413,7 @@ def _buffers(ddp, backend: str, without_buffers: bool, ring: RingConfig | None =
     if not ddp.forward_sync_buffers:
         captured = False  # each rank keeps its own: rank 0's are never on the wire
         why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
-    elif backend != "gloo" and (ring is None or tuple(ring.nccl_version) < (2, 22)):
+    elif backend != "gloo" and tuple(nccl_version or _nccl_version()) < (2, 22):
         captured = False
         why = "ckptd decodes NCCL's buffer broadcast from NCCL 2.22 (the ring broadcast is not modelled before)"
     else:

@@ -184,7 +184,12 @@ class Extractor:
         """Bytes of buffer broadcast group g carrying rank 0's buffers after iteration k:
         kept where new, compared where known (copies must agree)."""
         size, isz = self.buffer_sizes[g], self.buffer_itemsize[g]
-        per = self.buffer_data.setdefault(k, [None] * len(self.buffer_sizes))
+        per = self.buffer_data.get(k)
+        if per is None:  # (iterations finalized without taking theirs, e.g. no shadow: dropped)
+            for old in [x for x in self.buffer_data if x <= self.done]:
+                del self.buffer_data[old]
+                self.buffer_conflicts.pop(old, None)
+            per = self.buffer_data[k] = [None] * len(self.buffer_sizes)
         if per[g] is None:
             per[g] = (np.zeros(size, np.uint8), np.zeros(size, bool))
         data, have = per[g]

@@ -98,6 +98,9 @@ def _other_broadcasts(specs: list[str], out: dict) -> dict:
 
 def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, synthesize
+    if a.model.endswith("-bn") and tuple(int(x) for x in a.nccl_version.split(".")[:2]) < (2, 22):
+        raise UsageError(f"--model {a.model} has module buffers, which DDP broadcasts every forward: the ring "
+                         "broadcast is modelled from NCCL 2.22 (give --nccl-version 2.22 or later)")
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,

@@ -34,7 +34,7 @@ def _synth(tmp: Path, protocol: str, **kw):
     synth(tmp, model="tiny-bn", protocol=protocol, nccl_version="2.27", **kw)
 
 
-@pytest.fixture(scope="module", params=["simple", "ll"])
+@pytest.fixture(scope="module", params=["simple", "ll", "ll128"])
 def bn_job(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"bn-{request.param}")
     _synth(tmp, request.param)
@@ -183,3 +183,6 @@ def test_a_buffer_packet_lost_on_every_mirror_leaves_its_iteration_uncommitted(t
 def test_synth_refuses_buffers_where_the_broadcast_is_not_modelled(tmp_path):
     with pytest.raises(ValueError, match="NCCL 2.22"):
         synth(tmp_path, model="tiny-bn", ranks=2, iterations=1, nccl_version="2.19")
+    r = subprocess.run([sys.executable, "-m", "ckptd", "synth", "--out", str(tmp_path / "cli"), "--model", "tiny-bn",
+                        "--iterations", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "NCCL 2.22" in r.stderr + r.stdout and "Traceback" not in r.stderr

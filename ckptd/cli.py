@@ -98,6 +98,9 @@ def _other_broadcasts(specs: list[str], out: dict) -> dict:
 
 def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, synthesize
+    if a.model.endswith("-bn") and tuple(int(x) for x in a.nccl_version.split(".")[:2]) < (2, 22):
+        raise UsageError(f"--model {a.model} has module buffers, which DDP broadcasts every forward: the ring "
+                         "broadcast is modelled from NCCL 2.22 (give --nccl-version 2.22 or later)")
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
@@ -457,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M)")
+    s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
+                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward: NCCL 2.22+)")
     s.add_argument("--nccl-version", default="2.19",
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")

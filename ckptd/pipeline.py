@@ -219,6 +219,7 @@ class Pipeline:
         self.stream_time = [0] * nstreams
         self.now_ns = 0
         self.held_since: dict[int, int] = {}
+        self.buffers_since: dict[int, int] = {}  # when the buffers after an iteration were whole (NCCL)
         self.classes = [Counter() for _ in range(nstreams)]
         self.errors: list[str] = []
         # a long-running daemon keeps only the newest reports (keep_reports)
@@ -400,8 +401,18 @@ class Pipeline:
         """Whether iteration `wire` may commit as far as module buffers go: they are not
         captured, or DDP's broadcast of them (in the next forward) has been seen. Until
         then the iteration waits; at the end of input it is finalized without them."""
-        return (not self.plan.buffers.captured or self.shadow is None
-                or self.extract.buffers_after(wire) is not None)
+        if not self.plan.buffers.captured or self.shadow is None or self._buffers_conflict(wire):
+            return True
+        if self.extract.buffers_after(wire) is None:
+            return False
+        # as for gradients: every stream has its chance to deliver its copies of them
+        since = self.buffers_since.setdefault(wire, self.now_ns or max(self.stream_time))
+        return self._window_passed(since)
+
+    def _buffers_conflict(self, wire: int) -> str | None:
+        """Where copies of DDP's broadcast of the buffers after `wire` disagreed (NCCL)."""
+        fn = getattr(self.extract, "buffers_conflict", None)
+        return fn(wire) if fn is not None else None
 
     def _agreed(self, it: int) -> bool:
         """Whether a complete iteration may commit: every stream that has carried
@@ -413,7 +424,13 @@ class Pipeline:
         commits when it is finalized, FINALIZE_LAG iterations on or at the end."""
         if self.window_ns <= 0:
             return True
-        since = self.held_since.setdefault(it, self.now_ns or max(self.stream_time))
+        return self._window_passed(self.held_since.setdefault(it, self.now_ns or max(self.stream_time)))
+
+    def _window_passed(self, since: int) -> bool:
+        """Every stream that carries anything has delivered what it captured up to one
+        agreement window after `since` (or the others are that far on: _agreed)."""
+        if self.window_ns <= 0:
+            return True
         need = since + self.window_ns
         newest = max(self.stream_time)
         if newest < need:  # no stream's clock is past the window yet
@@ -438,6 +455,7 @@ class Pipeline:
         while self.done < upto:
             it = self.done + 1
             self.held_since.pop(it, None)
+            self.buffers_since.pop(it, None)
             asm = self.open.pop(it, None) or self.open_assembly(it)
             self.done = self.extract.done = it
             self._finalize(asm)
@@ -519,7 +537,13 @@ class Pipeline:
             self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
         self.next_bucket = 0
         if self.plan.buffers.captured:
+            clash = self._buffers_conflict(asm.iteration)
             payloads = self.extract.take_buffers(asm.iteration)
+            if clash:  # the shadow is right; which buffers rank 0 held is not known
+                rep.status = "conflict"
+                rep.note = (f"module buffers after iteration {it}: copies of DDP's broadcast of them "
+                            f"disagree (first: {clash}): plan or capture is wrong")
+                return
             if payloads is None:  # the shadow is right; the checkpoint would lack the buffers
                 rep.status = "unrecoverable"
                 rep.note = (f"module buffers after iteration {it} not seen whole: DDP broadcasts "

@@ -269,16 +269,21 @@ def _local_address(backend: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _nccl_version() -> tuple[int, int]:
+    try:
+        major, minor = torch.cuda.nccl.version()[:2]
+    except (AttributeError, RuntimeError, TypeError):
+        major, minor = 2, 19
+    return major, minor
+
+
 def _ring(backend: str, world: int) -> RingConfig:
     env = os.environ
     if backend == "gloo":
         return RingConfig(world, (tuple(range(world)),))
     if env.get("NCCL_ALGO", "ring").lower() not in ("ring", "allreduce:ring"):
         raise TrainerError(f"NCCL_ALGO={env['NCCL_ALGO']}: ckptd decodes NCCL's ring allreduce only")
-    try:
-        major, minor = torch.cuda.nccl.version()[:2]
-    except (AttributeError, RuntimeError, TypeError):
-        major, minor = 2, 19
+    major, minor = _nccl_version()
     split = env.get("NCCL_IB_SPLIT_DATA_ON_QPS")
     return RingConfig(world, (tuple(range(world)),), protocol=env.get("NCCL_PROTO", "simple").lower(),
                       nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
@@ -472,10 +477,12 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     return list(getattr(ddp, "named_module_buffers", {}).items())
 
 
-def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
-    """The module buffers and DDP's broadcasts of them. On gloo the broadcasts are
-    decoded (captured); on NCCL they are not, which the caller must accept with
-    without_buffers=True, so no checkpoint silently lacks what the model holds."""
+def _buffers(ddp, backend: str, without_buffers: bool, nccl_version: tuple | None = None) -> ModuleBuffers:
+    """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
+    NCCL 2.22+ (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
+    cannot be (broadcast_buffers=False: rank 0's are never on the wire; NCCL before 2.22)
+    the caller must accept that with without_buffers=True, so no checkpoint silently
+    lacks what the model holds."""
     named = _module_buffers(ddp)
     if not named:
         return ModuleBuffers()
@@ -487,9 +494,9 @@ def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     if not ddp.forward_sync_buffers:
         captured = False  # each rank keeps its own: rank 0's are never on the wire
         why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
-    elif backend != "gloo":
+    elif backend != "gloo" and tuple(nccl_version or _nccl_version()) < (2, 22):
         captured = False
-        why = "ckptd does not decode NCCL's buffer broadcast"
+        why = "ckptd decodes NCCL's buffer broadcast from NCCL 2.22 (the ring broadcast is not modelled before)"
     else:
         captured, why = not without_buffers, ""
     if not captured and not without_buffers:

@@ -115,8 +115,9 @@ cdef enum:
     STOP_ENCAPSULATED = 9  # GRE/ERSPAN-wrapped frame: parsers.roce unwraps it
     STOP_COMPLETE = 10  # AFTER the frame: it completed a bucket (the pipeline may step or commit)
     STOP_SCATTERED = 11  # LL128 packet not made of whole half blocks: its data is not one run
+    STOP_BUFFER = 12  # DDP's module-buffer broadcast whose iteration is not finalized: the reference keeps it
 STOP_NAMES = ("end", "unknown_flow", "iteration", "flag_base", "example", "rs_dump",
-              "range", "conflicts_full", "ack", "encapsulated", "complete", "scattered")
+              "range", "conflicts_full", "ack", "encapsulated", "complete", "scattered", "buffer")
 
 # the wire protocol the kernel decodes (set_tables)
 PROTOCOLS = ("simple", "ll", "ll128")
@@ -412,6 +413,7 @@ cdef class BatchKernel:
     cdef int64_t[::1] m_nelem, m_phase, m_step, m_ring_step
     cdef uint32_t[::1] m_imm                  # the immediate's 4 wire bytes, read LE
     cdef int64_t[::1] m_has_imm               # 0: a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM)
+    cdef int64_t[::1] m_keep                  # 1: a module-buffer broadcast send (Plan.buffer_others)
     cdef int64_t[:, ::1] b_itemsize, b_count  # [layout, bucket]
     cdef int64_t[::1] b_nbuckets              # [layout]
 
@@ -472,7 +474,7 @@ cdef class BatchKernel:
                    tl_conn, tl_npkts, tl_cycle, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
                    m_phase, m_step, m_ring_step, m_imm, m_has_imm, b_itemsize, b_count, b_nbuckets,
-                   mtu, protocol, cts_bytes=-1):
+                   mtu, protocol, cts_bytes=-1, m_keep=None):
         """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
         only; the kernel allocates its own flow table, flag bases, iteration slots and
         output counts."""
@@ -484,6 +486,7 @@ cdef class BatchKernel:
         self.m_wire_offset, self.m_bucket, self.m_offset = m_wire_offset, m_bucket, m_offset
         self.m_nelem, self.m_phase, self.m_step, self.m_ring_step = m_nelem, m_phase, m_step, m_ring_step
         self.m_imm, self.m_has_imm = m_imm, m_has_imm
+        self.m_keep = m_keep if m_keep is not None else np.zeros(len(m_start), np.int64)
         self.tl_cycle, self.nlayouts, self.cts_bytes = tl_cycle, tl_npkts.shape[0], cts_bytes
         self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
         if protocol not in PROTOCOLS:
@@ -1088,6 +1091,8 @@ cdef class BatchKernel:
             dlen = f.payload_len
             doff = woff
         if self.m_bucket[m] < 0:               # another collective on the communicator: no gradient
+            if self.m_keep[m] and it - 1 > self.done:
+                return STOP_BUFFER              # the buffers after iteration it-1: Extractor keeps them
             if u > self.fe_last[e]:
                 self.fe_last[e] = u
             if recv != NULL:

@@ -68,8 +68,21 @@ def test_module_buffers_round_trip_and_are_checked(plan_doc, tmp_path):
     plan.save(tmp_path / "again.json")
     assert json.loads((tmp_path / "again.json").read_text()) == doc
     assert plan.buffer_broadcast_bytes() == [32, 8] and not plan.buffers.captured
-    with pytest.raises(PlanError, match="buffers.captured needs transport gloo"):
+    # NCCL: captured only where the plan lists DDP's per-forward buffer broadcasts
+    with pytest.raises(PlanError, match="buffers.captured on NCCL needs DDP's buffer broadcasts"):
         plan_from_json(_with_buffers(plan_doc, captured=True))
+    doc = _with_buffers(plan_doc, captured=True)
+    doc["ring"]["nccl_version"] = "2.22"
+    doc["collectives"] = {"before": [{"op": "allreduce", "count": 1, "dtype": "float32"},
+                                     {"op": "broadcast", "count": 8, "dtype": "float32", "root": 0},
+                                     {"op": "broadcast", "count": 1, "dtype": "int64", "root": 0}],
+                          "start": [{"op": "broadcast", "count": 3, "dtype": "float32", "root": 0}]}
+    plan = plan_from_json(doc)
+    assert plan.buffer_broadcast_at() == 1
+    assert plan.buffer_others(0) == {2: 0, 3: 1} and plan.buffer_others(1) == {1: 0, 2: 1}
+    doc["collectives"]["before"][2]["root"] = 1
+    with pytest.raises(PlanError, match="buffers.captured on NCCL needs"):
+        plan_from_json(doc)
     bad = _with_buffers(plan_doc)
     bad["buffers"]["broadcasts"] = [["bn.running_mean", "bn.num_batches_tracked"]]
     with pytest.raises(PlanError, match=r"broadcasts\[0\] must be a non-empty list of buffers of one dtype"):

@@ -69,9 +69,13 @@ def test_buffers_are_captured_on_gloo_and_refused_where_they_cannot_be(group):
     assert bufs.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
     with pytest.raises(CkptdError, match="2 ranks"):  # past the buffer check: a one-rank group has no ring
         ct.build_plan(m, opt, addresses=["127.0.0.1"])
-    # NCCL: not decoded, so refused unless checkpoints without buffers are accepted
-    with pytest.raises(ct.TrainerError, match=r"buffers \(1.running_mean, .*NCCL") as e:
-        ct._buffers(m, "nccl", without_buffers=False)
+    # NCCL 2.22+: the broadcasts are decoded too (the plan's "before" broadcasts)
+    bufs = ct._buffers(m, "nccl", without_buffers=False, nccl_version=(2, 22))
+    assert bufs.captured and bufs.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
+    # before 2.22 the ring broadcast is not modelled: refused unless checkpoints without
+    # buffers are accepted
+    with pytest.raises(ct.TrainerError, match=r"buffers \(1.running_mean, .*NCCL 2.22") as e:
+        ct._buffers(m, "nccl", without_buffers=False, nccl_version=(2, 21))
     assert "\n" not in str(e.value)
     assert not ct._buffers(m, "nccl", without_buffers=True).captured
     # broadcast_buffers=False: rank 0's buffers never go on the wire

@@ -89,8 +89,10 @@ class ModuleBuffers:
     synced backward (and the first): `tensors` in DDP's order (module.named_buffers()),
     `broadcasts` the names of each coalesced broadcast in order, each flattened in that
     order (torch's broadcast_coalesced: one per dtype, at most 250 MB each).
-    `captured`: the broadcasts are decoded (gloo) and checkpoints hold the buffers;
-    False: not on a wire ckptd decodes (NCCL), checkpoints lack them and say so."""
+    `captured`: the broadcasts are decoded (gloo; NCCL from 2.22, where they are also
+    collectives.before broadcasts: Plan.buffer_others) and checkpoints hold the buffers;
+    False: not on the wire (broadcast_buffers=False) or not decoded (NCCL before 2.22),
+    checkpoints lack them and say so."""
 
     tensors: tuple[Parameter, ...] = ()
     broadcasts: tuple[tuple[str, ...], ...] = ()
@@ -532,6 +534,36 @@ class Plan:
         return [sum(self.buffer(n).numel * _itemsize(self.buffer(n).dtype) for n in b)
                 for b in self.buffers.broadcasts]
 
+    def buffer_broadcast_entries(self) -> list[tuple[int, str]]:
+        """(count, dtype) of each of DDP's buffer broadcasts as Plan.collectives lists them
+        (torch.coalesced_broadcasts: a group of no elements is never issued)."""
+        return [(sum(self.buffer(n).numel for n in b), self.buffer(b[0]).dtype) for b in self.buffers.broadcasts]
+
+    def buffer_broadcast_at(self) -> int | None:
+        """Where DDP's per-forward buffer broadcasts sit in collectives["before"] (NCCL):
+        the index of the first of the last run of root-0 broadcasts matching
+        buffer_broadcast_entries() in order; None if there is none."""
+        want = [(n, d) for n, d in self.buffer_broadcast_entries() if n]
+        before = [collective_entry(e) for e in self.collectives.get("before", ())]
+        if not want:
+            return None
+        for at in range(len(before) - len(want), -1, -1):
+            if all(op == "broadcast" and root == 0 and (n, d) == w
+                   for (op, n, d, root), w in zip(before[at:at + len(want)], want)):
+                return at
+        return None
+
+    def buffer_others(self, iteration: int) -> dict[int, int]:
+        """{index in RingSchedule.others: buffer broadcast group} of DDP's buffer
+        broadcasts in an iteration's schedule (NCCL plans with buffers.captured); the
+        broadcast in iteration i carries rank 0's buffers after forward i-1."""
+        at = self.buffer_broadcast_at() if self.buffers.captured and self.transport == "roce" else None
+        if at is None:
+            return {}
+        at += len(self.collectives.get("start", ())) if iteration == 0 else 0
+        groups = [g for g, (n, _) in enumerate(self.buffer_broadcast_entries()) if n]
+        return {at + k: g for k, g in enumerate(groups)}
+
     def _rank_json(self, r: int) -> dict:
         """A rank's entry; node and nics only where they differ from the defaults, so a
         one-GPU-per-host plan reads as it always did."""
@@ -663,8 +695,11 @@ def _check_buffers(plan: Plan) -> None:
     for i, b in enumerate(bufs.broadcasts):
         if not b or len({seen[n] for n in b}) != 1:
             raise PlanError(f"buffers.broadcasts[{i}] must be a non-empty list of buffers of one dtype")
-    if bufs.captured and plan.transport != "gloo":
-        raise PlanError("buffers.captured needs transport gloo (NCCL's buffer broadcast is not decoded)")
+    if bufs.captured and plan.transport == "roce" and any(n for n, _ in plan.buffer_broadcast_entries()) \
+            and plan.buffer_broadcast_at() is None:
+        raise PlanError("buffers.captured on NCCL needs DDP's buffer broadcasts in collectives.before: one "
+                        "broadcast from root 0 per buffers.broadcasts group, with its element count and dtype, "
+                        "in order (ckptd.torch.write_plan records them; NCCL 2.22+)")
 
 
 def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> None:

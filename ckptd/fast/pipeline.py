@@ -198,13 +198,14 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     T, L = len(keys), len(layouts)
     order = "big" if plan.ring.imm_big_endian else "little"
     cols = {k: [] for k in ("m_start", "m_npkts", "m_wire_len", "m_wire_offset", "m_bucket",
-                            "m_offset", "m_nelem", "m_phase", "m_step", "m_ring_step", "m_imm", "m_has_imm")}
+                            "m_offset", "m_nelem", "m_phase", "m_step", "m_ring_step", "m_imm", "m_has_imm", "m_keep")}
     tl_npkts = np.zeros((L, T), np.int64)
     tl_mlo = np.zeros((L, T), np.int64)
     tl_mhi = np.zeros((L, T), np.int64)
     tl_recv_off = np.zeros((L, T), np.int64)
     recv_total = np.zeros(L, np.int64)
     for layout, sched in enumerate(layouts):
+        kept = plan.buffer_others(min(layout, 1))  # DDP's buffer broadcasts: the reference keeps them
         for t, key in enumerate(keys):
             fs = sched.flows[key]
             tl_mlo[layout, t] = len(cols["m_start"])
@@ -222,6 +223,7 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
             # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
             cols["m_imm"] += [0 if m.imm is None else m.imm for m in msgs]
             cols["m_has_imm"] += [m.imm is not None for m in msgs]
+            cols["m_keep"] += [s.bucket < 0 and -1 - s.bucket in kept for s in sends]
             tl_mhi[layout, t] = len(cols["m_start"])
             tl_npkts[layout, t] = fs.npkts
             tl_recv_off[layout, t] = recv_total[layout]

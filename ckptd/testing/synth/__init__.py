@@ -22,7 +22,7 @@ from parsers.pcap import PcapWriter
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
 from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
-from ckptd.core.plan import BucketLayout, Mirror, Optimizer, Parameter, Plan
+from ckptd.core.plan import BucketLayout, Mirror, ModuleBuffers, Optimizer, Parameter, Plan
 from ckptd.core.psn import PSN_MOD
 from ckptd.core.schedule import AG, RingConfig
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
@@ -209,17 +209,46 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
-        collectives=_plan_collectives(opts, model))
+        collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model))
+
+
+def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
+    """The model's buffers as write_plan records them for DDP with broadcast_buffers on
+    NCCL: captured, in torch's broadcast_coalesced groups."""
+    named = list(model.named_buffers())
+    if not named:
+        return ModuleBuffers()
+    if tuple(int(x) for x in opts.nccl_version.split(".")) < (2, 22):
+        raise ValueError(f"model {opts.model} has module buffers, which DDP broadcasts every forward: "
+                         "the ring broadcast is modelled from NCCL 2.22 (--nccl-version 2.22 or later)")
+    from ckptd.torch import DDP_BROADCAST_BUCKET_BYTES
+    groups, _ = torch.distributed._compute_bucket_assignment_by_size([b for _, b in named],
+                                                                      [DDP_BROADCAST_BUCKET_BYTES])
+    return ModuleBuffers(tuple(Parameter(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in named),
+                         tuple(tuple(named[i][0] for i in g) for g in groups), True)
 
 
 def _plan_collectives(opts: SynthOptions, model) -> dict:
     out = {k: tuple(_collective(e) for e in v) for k, v in opts.collectives.items() if v}
+    from ckptd.torch import coalesced_broadcasts
     if opts.startup_broadcast:
-        from ckptd.torch import coalesced_broadcasts, verify_collectives
+        from ckptd.torch import verify_collectives
         params = [p.detach() for p in model.parameters()]
         tensors = params + [b.detach() for b in model.buffers()]
         out["start"] = verify_collectives(params) + coalesced_broadcasts(tensors) + out.get("start", ())
+    bufs = [b.detach() for b in model.buffers()]
+    if bufs:  # DDP's buffer broadcast at the start of every forward (broadcast_buffers)
+        out["before"] = coalesced_broadcasts(bufs) + out.get("before", ())
     return {k: out[k] for k in ("start", "before", "after") if k in out}
+
+
+def _buffer_values(plan: Plan, buffers: dict, iteration: int, others: list) -> None:
+    """Put rank 0's buffers (what DDP broadcasts at this forward) into the schedule's
+    buffer broadcasts: each group flattened in order, as broadcast_coalesced does."""
+    for k, g in plan.buffer_others(iteration).items():
+        flat = torch.cat([buffers[n].reshape(-1) for n in plan.buffers.broadcasts[g]]).numpy().copy()
+        for per_rank in others:
+            per_rank[k] = flat
 
 
 def _collective(e) -> tuple:
@@ -241,7 +270,9 @@ def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:
     opt = {"lr": lr, "state": state}
     if scaler is not None:
         opt["grad_scaler"] = {"scale": scaler._scale.clone(), "growth_tracker": scaler._growth_tracker.clone()}
-    return ({n: p.detach().clone() for n, p in model.named_parameters()}, opt)
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out.update((n, b.detach().clone()) for n, b in model.named_buffers())  # rank 0's module buffers
+    return out, opt
 
 
 def _to_wire(flat: torch.Tensor, hook: str, nranks: int) -> np.ndarray:
@@ -459,7 +490,9 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     model = build_model(opts.model, opts.seed)
     plan = make_plan(opts, model, rng)
     plan.save(out / "plan.json")
-    save_checkpoint(out / "init.pt", -1, {n: p.detach().clone() for n, p in model.named_parameters()}, None)
+    save_checkpoint(out / "init.pt", -1, {**{n: p.detach().clone() for n, p in model.named_parameters()},
+                                          **{n: b.detach().clone() for n, b in model.named_buffers()}}, None)
+    buffers = dict(model.named_buffers())  # the model's own (rank 0's after each forward)
     optimizer = torch_optimizer(plan.optimizer, model.named_parameters())
     scheduler = torch_scheduler(plan.optimizer, optimizer)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -482,15 +515,26 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
             sched = plan.schedule(t)
             layout = plan.layout(t)
             local = []
+            # DDP's forward t starts with rank 0's buffers (the broadcast); each rank's
+            # forward then updates its own; rank 0's are what the next forward broadcasts
+            synced = {n: b.detach().clone() for n, b in buffers.items()}
+            after0 = synced
             for r in range(plan.nranks):
+                for n, b in buffers.items():
+                    b.copy_(synced[n])
                 model.zero_grad(set_to_none=True)
                 loss = model.loss(shard_batches(model, r, t, opts.seed))
+                if r == 0:
+                    after0 = {n: b.detach().clone() for n, b in buffers.items()}
                 (scaler.scale(loss) if scaler else loss).backward()
                 local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
                                        plan.comm_hook, plan.nranks) for b in layout])
             # each rank's values for the other allreduces (a loss, a metric): not gradients
             others = [[np.random.default_rng((opts.seed, t, r, k)).standard_normal(b.count).astype(b.dtype)
                        for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
+            _buffer_values(plan, synced, t, others)
+            for n, b in buffers.items():
+                b.copy_(after0[n])
             final, payloads = reduce_iteration(sched, local, others)
             for b, buf in enumerate(final):
                 flat = _from_wire(buf, plan.comm_hook)

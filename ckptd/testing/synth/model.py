@@ -29,17 +29,23 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """GPT-style decoder: token and position embeddings, pre-norm blocks, untied head."""
 
-    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 2, heads: int = 4, seq: int = 32):
+    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 2, heads: int = 4, seq: int = 32,
+                 batch_norm: bool = False):
         super().__init__()
         self.seq = seq
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)
+        # a BatchNorm over the embedding's features: module buffers (running_mean,
+        # running_var float32, num_batches_tracked int64) that DDP broadcasts every forward
+        self.bn = nn.BatchNorm1d(d) if batch_norm else None
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        if self.bn is not None:
+            x = self.bn(x.transpose(1, 2)).transpose(1, 2)
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x))
@@ -56,12 +62,14 @@ MODEL_SIZES = {
     "default": (2048, 192, 4, 4, 64),  # ~2.6 M: the README demo
     "medium": (8192, 512, 2, 8, 32),   # ~15 M: buckets of 25 MB and more
 }
+# "<size>-bn": the same with a BatchNorm after the embeddings (module buffers)
+MODEL_SIZES.update({f"{k}-bn": v for k, v in list(MODEL_SIZES.items()) if k in ("tiny", "small")})
 
 
 def build_model(size: str, seed: int) -> TinyLM:
     vocab, d, layers, heads, seq = MODEL_SIZES[size]
     torch.manual_seed(seed)
-    return TinyLM(vocab, d, layers, heads, seq)
+    return TinyLM(vocab, d, layers, heads, seq, batch_norm=size.endswith("-bn"))
 
 
 def shard_batches(model: TinyLM, rank: int, iteration: int, seed: int, batch: int = 4) -> torch.Tensor:

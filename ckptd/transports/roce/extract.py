@@ -6,6 +6,14 @@ fit is rejected and counted, never placed. Allgather payload becomes a `Placemen
 (iteration, bucket, first element, raw element bytes); for LL the 16-byte lines are
 de-interleaved and their flags must equal the connection's step counter, which is
 learned from the first packet of the connection and then checked on every line.
+
+Module buffers (a plan with buffers.captured, NCCL 2.22+): DDP's per-forward buffer
+broadcasts are collectives.before broadcasts (Plan.buffer_others); the one in iteration
+i carries rank 0's buffers after forward i-1 (ckptd.core.buffers), so its payload is
+kept for iteration i-1 (`buffers_after`). A broadcast forwards the root's bytes
+unchanged, so every hop's copy, on every mirror, is the value: copies are unpacked like
+gradient packets (LL, LL128 flags checked) and must agree byte for byte; a disagreement
+is a conflict of iteration i-1 (`buffers_conflict`), never resolved by arrival order.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import numpy as np
 from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_FIRST, WRITE_LAST, WRITE_LAST_IMM,
                                          WRITE_MIDDLE, WRITE_ONLY, WRITE_ONLY_IMM, DataPlane, FlowBinder,
                                          FlowBinding, Location, Packet)
-from ckptd.core.plan import Plan
+from ckptd.core.plan import Plan, _np_dtype
 from ckptd.core import ll128
 from ckptd.core.schedule import AG, LL_LINE
 from ckptd.transports.base import MAX_EXAMPLES, Placement
@@ -48,6 +56,14 @@ class Extractor:
         self.received: dict[tuple[int, int], dict[tuple, set]] = {}
         self.done = -1  # the pipeline's newest finalized (wire) iteration
         self.data_plane: DataPlane | None = None
+        # DDP's buffer broadcasts: {layout 0 | 1: {others index: group}}, each group's
+        # payload bytes and itemsize; per iteration whose buffers they carry, each
+        # group's (bytes, which bytes are known), and the first disagreement
+        self.buffer_of = {0: plan.buffer_others(0), 1: plan.buffer_others(1)}
+        self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
+        self.buffer_itemsize = [np.dtype(_np_dtype(d)).itemsize for _, d in plan.buffer_broadcast_entries()]
+        self.buffer_data: dict[int, list] = {}
+        self.buffer_conflicts: dict[int, str] = {}
 
     def set_data_plane(self, data_plane: DataPlane):
         """Record every decision from now on in a data plane's tables (ckptd.fast)."""
@@ -149,6 +165,9 @@ class Extractor:
             runs = [(woff, bytes(payload))]
         if send.bucket < 0:  # another collective on the communicator (Plan.collectives): no gradient
             self.counters["other_collective_packets"] += 1
+            g = self.buffer_of[min(loc.iteration, 1)].get(-1 - send.bucket)
+            if g is not None and loc.iteration - 1 > self.done:
+                self._keep_buffer(loc.iteration - 1, g, send, runs, pkt)
             return []
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
         total = send.nelem * itemsize  # LL and LL128 pad the last line or block: drop what is not data
@@ -161,10 +180,81 @@ class Extractor:
                           send.offset + doff // itemsize, data, b.conn[0], send.ring_step)
                 for doff, data in runs if data]
 
+    def _keep_buffer(self, k: int, g: int, send, runs, pkt: Packet):
+        """Bytes of buffer broadcast group g carrying rank 0's buffers after iteration k:
+        kept where new, compared where known (copies must agree)."""
+        size, isz = self.buffer_sizes[g], self.buffer_itemsize[g]
+        per = self.buffer_data.get(k)
+        if per is None:  # (iterations finalized without taking theirs, e.g. no shadow: dropped)
+            for old in [x for x in self.buffer_data if x <= self.done]:
+                del self.buffer_data[old]
+                self.buffer_conflicts.pop(old, None)
+            per = self.buffer_data[k] = [None] * len(self.buffer_sizes)
+        if per[g] is None:
+            per[g] = (np.zeros(size, np.uint8), np.zeros(size, bool))
+        data, have = per[g]
+        total = send.nelem * isz  # LL and LL128 pad the last line or block
+        for doff, raw in runs:
+            raw = raw[:max(0, total - doff)]
+            if not raw:
+                continue
+            lo = send.offset * isz + doff
+            new = np.frombuffer(raw, np.uint8)
+            old, seen = data[lo:lo + len(new)], have[lo:lo + len(new)]
+            if (old[seen] != new[seen]).any():
+                self.counters["buffer_broadcast_conflict"] += 1
+                if k not in self.buffer_conflicts:
+                    self.buffer_conflicts[k] = (f"stream {pkt.stream} frame {pkt.frame_no}: module buffer "
+                                                f"broadcast group {g}, bytes [{lo}, {lo + len(new)})")
+                self._reject_example(pkt, "buffer broadcast copy differs from another intact copy")
+                continue
+            old[:] = new
+            seen[:] = True
+        self.counters["buffer_broadcast_packets"] += 1
+
+    def _reject_example(self, pkt: Packet, detail: str):
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"stream {pkt.stream} frame {pkt.frame_no} "
+                                 f"({pkt.src} -> {pkt.dst} QP {pkt.dqp:#x} PSN {pkt.psn}): {detail}")
+            if len(self.examples) == MAX_EXAMPLES and self.data_plane is not None:
+                self.data_plane.examples_full()
+
+    def buffers_after(self, iteration: int) -> list[bytes] | None:
+        """The payloads of DDP's buffer broadcasts carrying rank 0's buffers after
+        `iteration` (sent in iteration+1's forward), once every byte of each is known and
+        no copy disagreed; else None."""
+        if iteration in self.buffer_conflicts:
+            return None
+        per = self.buffer_data.get(iteration)
+        out = []
+        for g, size in enumerate(self.buffer_sizes):
+            if size == 0:
+                out.append(b"")
+                continue
+            if per is None or per[g] is None or not per[g][1].all():
+                return None
+            out.append(per[g][0].tobytes())
+        return out
+
+    def buffers_conflict(self, iteration: int) -> str | None:
+        """Where copies of the buffers after `iteration` disagreed, or None."""
+        return self.buffer_conflicts.get(iteration)
+
+    def take_buffers(self, iteration: int) -> list[bytes] | None:
+        """buffers_after, and forget the buffers up to that iteration."""
+        got = self.buffers_after(iteration)
+        for k in [k for k in self.buffer_data if k <= iteration]:
+            del self.buffer_data[k]
+        if self.buffer_conflicts.pop(iteration, None) is None and got is None:
+            self.counters["buffers_not_seen"] += 1
+        return got
+
     def forget_before(self, iteration: int):
         """Joining: bookkeeping of the iterations before the one joined ends."""
         for key in [k for k in self.received if k[1] < iteration]:
             del self.received[key]
+        for k in [k for k in self.buffer_data if k < iteration]:
+            del self.buffer_data[k]
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Fraction of the packets of the flows this stream saw in an iteration that had

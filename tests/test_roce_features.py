@@ -85,6 +85,25 @@ def test_feature_bit_exact_on_both_paths(tmp_path, name):
         assert all(t.dtype == torch.bfloat16 for t in refs[-1]["model"].values())
 
 
+ALL_KINDS = {"adam": {"lr": 1e-3, "amsgrad": True}, "adamw": {"lr": 1e-3, "betas": (0.8, 0.9)},
+             "sgd": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1}, "adagrad": {"lr": 0.01},
+             "rmsprop": {"lr": 1e-3, "centered": True}, "adamax": {"lr": 2e-3},
+             "nadam": {"lr": 1e-3, "decoupled_weight_decay": True}, "radam": {"lr": 1e-3},
+             "asgd": {"lr": 0.01, "t0": 2.0}, "adadelta": {"lr": 1.0}, "rprop": {"lr": 1e-3}}
+
+
+@pytest.mark.parametrize("kind", list(ALL_KINDS))
+def test_every_optimizer_kind_two_groups(tmp_path, kind):
+    """(a) for every optimizer ckptd supports, with two param groups: a short job."""
+    from ckptd.core.plan import OPTIMIZER_CLASSES
+    assert set(ALL_KINDS) == set(OPTIMIZER_CLASSES)
+    ref, fast = synth_pair(tmp_path, ranks=2, channels=1, mtu=1024, mirrors=2, iterations=4,
+                           opt_kind=kind, opt_hyper=ALL_KINDS[kind], no_decay_group=True)
+    assert_same(ref, fast)
+    assert all(r.status == "committed" and r.exact for r in ref.reports + fast.reports)
+    assert len(ref.reports) == 4 and ref.plan.optimizer.kind == kind
+
+
 def test_spec_syntax():
     assert parse_spec("sgd:lr=0.1,momentum=0.9,nesterov=true,weight_decay=1e-4") == (
         "sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4})
@@ -126,3 +145,21 @@ def test_shadow_leaves_the_wire_buffers_alone(tmp_path):
     for b, buf in enumerate(bufs):
         shadow.apply_bucket(0, b, buf, 0)
     assert all(np.array_equal(a, b) for a, b in zip(bufs, keep))
+
+
+def test_ring_adds_in_the_wire_dtype_per_hop():
+    """NCCL's FuncSum<half> / FuncSum<__nv_bfloat16> (src/device/reduce_kernel.h: __hadd, or
+    float add then round to nearest on older GPUs) round every hop's sum to the 16-bit type;
+    the synthesizer's ring does too, which differs from adding in float32 and casting once."""
+    import numpy as np
+
+    from ckptd.testing.synth.ring import _add
+
+    x = np.float16([1.0, 2.0 ** -11, 2.0 ** -11])  # 1 + ulp/2 rounds back to 1, twice
+    assert _add(_add(x[:1], x[1:2]), x[2:3])[0] == np.float16(1.0)
+    assert np.float16(x.astype(np.float32).sum()) != np.float16(1.0)
+    bf = torch.tensor([1.0, 2.0 ** -8, 2.0 ** -8], dtype=torch.bfloat16)
+    words = bf.view(torch.int16).numpy().view(np.uint16)
+    hop = _add(_add(words[:1], words[1:2]), words[2:3])
+    assert torch.from_numpy(hop.view(np.int16)).view(torch.bfloat16).item() == 1.0
+    assert bf.float().sum().bfloat16().item() != 1.0

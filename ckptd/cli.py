@@ -96,11 +96,35 @@ def _other_broadcasts(specs: list[str], out: dict) -> dict:
     return out
 
 
+def _synth_training(a) -> dict:
+    """The trainer's optimizer, groups, lr, AMP, comm hook and parameter dtype options."""
+    from ckptd.testing.synth import parse_lr_per_step, parse_spec
+    out = {}
+    try:
+        if a.optim:
+            kind, hyper = parse_spec(a.optim)
+            out.update(opt_kind=kind.lower(), opt_hyper=hyper)
+        if a.lr_scheduler:
+            cls, args = parse_spec(a.lr_scheduler)
+            out["lr_scheduler"] = {"class": cls, "args": args}
+        if a.lr_per_step:
+            out["lr_per_step"] = parse_lr_per_step(a.lr_per_step)
+    except ValueError as e:
+        raise SystemExit(f"ckptd synth: {e}") from None
+    if a.amp is not None:
+        out.update(amp_init_scale=a.amp, amp_growth_interval=a.amp_growth_interval)
+    return dict(out, no_decay_group=a.param_groups == "no-decay", inf_at=tuple(a.inf_at),
+                comm_hook=a.comm_hook, param_dtype=a.param_dtype)
+
+
 def cmd_synth(a) -> int:
+    from ckptd.core.plan import OPTIMIZER_CLASSES
     from ckptd.testing.synth import SynthOptions, synthesize
     if a.model.endswith("-bn") and tuple(int(x) for x in a.nccl_version.split(".")[:2]) < (2, 22):
         raise UsageError(f"--model {a.model} has module buffers, which DDP broadcasts every forward: the ring "
                          "broadcast is modelled from NCCL 2.22 (give --nccl-version 2.22 or later)")
+    if a.optim and a.optim.partition(":")[0].lower() not in OPTIMIZER_CLASSES:
+        raise SystemExit(f"ckptd synth: --optim {a.optim.partition(':')[0]!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
@@ -111,9 +135,12 @@ def cmd_synth(a) -> int:
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
         collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
-        startup_broadcast=a.startup_broadcast)
+        startup_broadcast=a.startup_broadcast, **_synth_training(a))
     t0 = time.time()
-    plan = synthesize(opts, progress=_progress("synth"))
+    try:
+        plan = synthesize(opts, progress=_progress("synth"))
+    except ValueError as e:  # options that do not make a job (synthesize says which)
+        raise SystemExit(f"ckptd synth: {e}") from None
     nparams = sum(p.numel for p in plan.parameters)
     where = f" on {a.nodes} nodes" if a.nodes else ""
     print(f"synthesized {a.iterations} iterations of a {nparams:,}-parameter model over "
@@ -467,7 +494,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
     s.add_argument("--qps", type=_ranged(int, 1, 128), default=1, help="NCCL_IB_QPS_PER_CONNECTION")
     s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
-    s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach")
+    s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach",
+                   help="the optimizer's implementation (torch's foreach / fused flags)")
+    s.add_argument("--optim", metavar="KIND[:KEY=VALUE,...]", default=None,
+                   help="the trainer's torch.optim class and its hyperparameters, e.g. "
+                        "sgd:lr=0.1,momentum=0.9,nesterov=true,weight_decay=1e-4 or "
+                        "adam:lr=1e-3,betas=0.9/0.95 (A/B: a tuple); KIND is one of adam, adamw, sgd, "
+                        "adagrad, rmsprop, adamax, nadam, radam, asgd, adadelta, rprop "
+                        "(default: AdamW lr=3e-3 betas=0.9/0.95 weight_decay=0.1)")
+    s.add_argument("--param-groups", choices=["one", "no-decay"], default="one",
+                   help="no-decay: biases and norm weights in a second param group with weight_decay=0")
+    s.add_argument("--lr-scheduler", metavar="CLASS[:KEY=VALUE,...]", default=None,
+                   help="a torch.optim.lr_scheduler class stepped after every step, e.g. "
+                        "StepLR:step_size=3,gamma=0.5 or MultiStepLR:milestones=2/5 (default: a cosine "
+                        "schedule with 2 warm-up steps, set by hand as LambdaLR would)")
+    s.add_argument("--lr-per-step", metavar="LR,LR,...", default=None,
+                   help="the lr the loop writes into the groups before each step (no scheduler): one per "
+                        "iteration, at least --iterations of them; A/B gives each param group its own")
+    s.add_argument("--amp", type=_ranged(float, 1.0, 2.0 ** 64), default=None, metavar="INIT_SCALE",
+                   help="a GradScaler with this init_scale: the wire carries scaled gradients, steps with "
+                        "inf/nan gradients are skipped and the scale backs off")
+    s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=2000)
+    s.add_argument("--inf-at", type=_ranged(int, 0, 10_000), action="append", default=[], metavar="ITER",
+                   help="put an inf into rank 0's gradient at iteration ITER, as an fp16 overflow would "
+                        "(needs --amp: the step is skipped); repeatable")
+    s.add_argument("--comm-hook", choices=["allreduce", "fp16_compress", "bf16_compress"], default="allreduce",
+                   help="DDP's comm hook: the compression hooks put fp16/bf16 on the wire and the ring "
+                        "reduces in that dtype")
+    s.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's parameters and gradients (bfloat16: the plain allreduce carries bf16)")
     s.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None)
     s.add_argument("--psn-wrap", action="store_true", help="start PSNs just below 2^24")
     s.add_argument("--ipv6", action="store_true")

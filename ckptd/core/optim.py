@@ -401,6 +401,16 @@ def step_groups(kind: str, params: list[torch.Tensor], grads: list[torch.Tensor]
         STEPS[kind](params, grads, states, hyper)
 
 
+def writes_grads(kind: str, g: dict) -> bool:
+    """Whether torch's step of this group may write into the gradients it is handed. The
+    shadow hands it views of the reduced bucket buffers, which must keep the wire's values
+    (later copies of the same elements are compared with them): such a group gets copies.
+    SGD with Nesterov momentum adds the momentum into the grads in place
+    (torch/optim/sgd.py _multi_tensor_sgd, `torch._foreach_add_(device_grads, bufs)`, when
+    no weight decay made them fresh tensors first); every other step leaves them alone."""
+    return kind == "sgd" and bool(g.get("nesterov")) and g.get("momentum", 0) != 0
+
+
 def clip_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float) -> None:
     # torch.nn.utils.clip_grad_norm_ scales the grads in place, as the trainer's call does.
     torch.nn.utils.clip_grad_norm_(_as_leaves(params, grads), max_norm)

@@ -14,7 +14,8 @@ import torch
 
 from ckptd.core.checkpoint import CheckpointError
 from ckptd.core.optim import (EAGER_STATE, GroupSchedule, OptimizerError, clip_grad_norm, full_groups, init_state,
-                              scaler_state, scaler_unscale, scaler_update, step_groups)
+                              scaler_state, scaler_unscale, scaler_update, step_groups,
+                              writes_grads)
 from ckptd.core.plan import COMM_HOOKS, Plan
 
 
@@ -80,8 +81,10 @@ class ShadowModel:
                 if n not in self.state:
                     self.state[n] = init_state(self.opt.kind, self.params[idx[k]], hyper[gi])
                 states.append(self.state[n])
-            step_groups(self.opt.kind, [self.params[idx[k]] for k in ks], [grads[k] for k in ks],
-                        states, hyper[gi])
+            gs = [grads[k] for k in ks]
+            if writes_grads(self.opt.kind, hyper[gi]):
+                gs = [g.clone() for g in gs]  # not into the assembly's buffers
+            step_groups(self.opt.kind, [self.params[idx[k]] for k in ks], gs, states, hyper[gi])
 
     def apply_bucket(self, iteration: int, b: int, buffer: np.ndarray, layout_iteration: int):
         """Step only bucket b's parameters: as soon as DDP's bucket is reduced, while the
@@ -140,6 +143,8 @@ class ShadowModel:
             grads = [g.clone() for g in grads]  # unscaled in place; the assembly keeps the wire's
             self.skipped = scaler_unscale(grads, self.scaler)
         if self.opt.max_grad_norm is not None:
+            if self.scaler is None:  # clipping scales in place: not the assembly's buffers
+                grads = [g.clone() for g in grads]
             clip_grad_norm(self.params, grads, self.opt.max_grad_norm)
         if self.skipped:
             self.lr = self.hyper.at(iteration)[0]["lr"]

@@ -65,6 +65,13 @@ class SynthOptions:
     amp_init_scale: float | None = None  # a GradScaler: the wire carries scaled gradients
     amp_growth_interval: int = 2000
     comm_hook: str = "allreduce"  # fp16_compress | bf16_compress: the wire dtype
+    # the lr the trainer writes into its groups before step i (no scheduler): entry i one
+    # number for every group or a list of one per group (Optimizer.lr_per_step)
+    lr_per_step: tuple = ()
+    # iterations whose gradient holds an inf (rank 0, one element, after the backward), as a
+    # real fp16 overflow would: with a GradScaler the step is skipped and the scale backs off
+    inf_at: tuple = ()
+    param_dtype: str = "float32"  # float32 | bfloat16: the model's parameters (and gradients)
     loss: float = 0.0  # per mirror link, independently
     duplicate: float = 0.0
     reorder: float = 0.0
@@ -94,6 +101,47 @@ class SynthOptions:
     def __post_init__(self):
         if self.nodes:
             self.ranks = self.nodes * self.gpus_per_node
+
+
+def parse_spec(text: str) -> tuple[str, dict]:
+    """`NAME[:key=value,...]` (the CLI's --optim and --lr-scheduler) -> (NAME, {key: value}).
+    A value is true/false, none, an int, a float, a list of numbers joined by "/"
+    (betas=0.9/0.95, milestones=2/5) or else a string."""
+    name, _, rest = text.partition(":")
+    if not name:
+        raise ValueError(f"{text!r}: NAME[:key=value,...]")
+    args = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{text!r}: {item!r} is not key=value")
+        args[key.strip()] = _spec_value(value.strip())
+    return name.strip(), args
+
+
+def _spec_value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    if "/" in v:
+        return [_spec_value(x) for x in v.split("/")]
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_lr_per_step(text: str) -> tuple:
+    """The CLI's --lr-per-step: `LR,LR,...` one per step; `A/B` sets each group's own."""
+    out = []
+    for item in text.split(","):
+        vals = [float(x) for x in item.split("/")]
+        out.append(vals if "/" in item else vals[0])
+    return tuple(out)
 
 
 def _ring_orders(opts: SynthOptions, rng: random.Random):
@@ -178,8 +226,15 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     optimizer = Optimizer(kind="adamw", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                           implementation=opts.optimizer, lr_schedule=sched[opts.lr_schedule],
                           max_grad_norm=opts.max_grad_norm)
+    if opts.lr_per_step and opts.lr_scheduler:
+        raise ValueError("lr_per_step and lr_scheduler both set the lr: give one")
+    if opts.lr_per_step and len(opts.lr_per_step) < opts.iterations:
+        raise ValueError(f"lr_per_step has {len(opts.lr_per_step)} lrs for {opts.iterations} iterations")
+    if opts.inf_at and opts.amp_init_scale is None:
+        raise ValueError("an inf gradient without a GradScaler (amp_init_scale) would be stepped: "
+                         "the job would train on NaNs")
     if opts.opt_kind != "adamw" or opts.opt_hyper or opts.no_decay_group or opts.lr_scheduler \
-            or opts.amp_init_scale:
+            or opts.amp_init_scale or opts.lr_per_step:
         hyper = {"lr": 3e-3, "weight_decay": 0.1, "foreach": opts.optimizer == "foreach",
                  **({"fused": True} if opts.optimizer == "fused" else {}), **opts.opt_hyper}
         no_decay = [n for n in names if opts.no_decay_group and (n.endswith("bias") or "ln" in n or "norm" in n)]
@@ -188,10 +243,13 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
             groups.append({"params": no_decay, **hyper, "weight_decay": 0.0})
         scaler = None if opts.amp_init_scale is None else {
             "init_scale": opts.amp_init_scale, "growth_interval": opts.amp_growth_interval}
+        by_hand = tuple([float(v) for v in x] if isinstance(x, (list, tuple)) else float(x)
+                        for x in opts.lr_per_step)
         optimizer = Optimizer(kind=opts.opt_kind, lr=hyper["lr"], groups=tuple(groups),
-                              lr_schedule=sched[opts.lr_schedule] if not opts.lr_scheduler else {"kind": "constant"},
+                              lr_schedule=sched[opts.lr_schedule] if not (opts.lr_scheduler or by_hand)
+                              else {"kind": "constant"},
                               lr_scheduler=opts.lr_scheduler, grad_scaler=scaler,
-                              max_grad_norm=opts.max_grad_norm)
+                              max_grad_norm=opts.max_grad_norm, lr_per_step=by_hand)
     nodes, nics = (), ()
     if opts.nodes:
         addrs, nodes, nics = _node_nics(opts, ring.rings)
@@ -204,7 +262,7 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         mirrors = tuple(Mirror(f"mirror{k}", k % opts.ranks, opts.mirror_direction)
                         for k in range(opts.mirrors))
     return Plan(
-        parameters=tuple(Parameter(n, tuple(p.shape), "float32") for n, p in named),
+        parameters=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
@@ -277,19 +335,22 @@ def trainer_checkpoint(model, optimizer, lr, scaler=None) -> tuple[dict, dict]:
 
 def _to_wire(flat: torch.Tensor, hook: str, nranks: int) -> np.ndarray:
     """One bucket as DDP's comm hook puts it on the wire: the default hook divides by the
-    world size; the compression hooks cast first, then divide in the wire dtype."""
+    world size (in the parameters' dtype); the compression hooks cast first, then divide
+    in the wire dtype. bfloat16 travels as raw 16-bit words (numpy has no bfloat16)."""
     if hook == "allreduce":
-        return flat.div_(nranks).numpy()
-    t = flat.to(torch.float16 if hook == "fp16_compress" else torch.bfloat16).div_(nranks)
-    return t.numpy() if t.dtype == torch.float16 else t.view(torch.int16).numpy().view(np.uint16)
+        t = flat.div_(nranks)
+    else:
+        t = flat.to(torch.float16 if hook == "fp16_compress" else torch.bfloat16).div_(nranks)
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _from_wire(buf: np.ndarray, hook: str) -> torch.Tensor:
-    """The hook's decompress: the reduced bucket cast back into the float32 grads."""
+def _from_wire(buf: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The hook's decompress (`bucket.buffer().copy_(reduced)`): the reduced bucket cast
+    back into the parameters' dtype."""
     t = torch.from_numpy(buf)
-    if hook == "bf16_compress":
+    if buf.dtype == np.uint16:
         t = t.view(torch.bfloat16)
-    return t.to(torch.float32)
+    return t.to(dtype)
 
 
 class Wire:
@@ -487,7 +548,9 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     (out / "reference").mkdir(exist_ok=True)
     rng = random.Random(opts.seed)
     torch.manual_seed(opts.seed)
-    model = build_model(opts.model, opts.seed)
+    if opts.param_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"param_dtype {opts.param_dtype!r}: float32 or bfloat16")
+    model = build_model(opts.model, opts.seed).to(getattr(torch, opts.param_dtype))
     plan = make_plan(opts, model, rng)
     plan.save(out / "plan.json")
     save_checkpoint(out / "init.pt", -1, {**{n: p.detach().clone() for n, p in model.named_parameters()},
@@ -527,6 +590,8 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
                 if r == 0:
                     after0 = {n: b.detach().clone() for n, b in buffers.items()}
                 (scaler.scale(loss) if scaler else loss).backward()
+                if r == 0 and t in opts.inf_at:  # an overflow in one element of the first parameter
+                    next(iter(params.values())).grad.view(-1)[0] = float("inf")
                 local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
                                        plan.comm_hook, plan.nranks) for b in layout])
             # each rank's values for the other allreduces (a loss, a metric): not gradients
@@ -537,10 +602,14 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
                 b.copy_(after0[n])
             final, payloads = reduce_iteration(sched, local, others)
             for b, buf in enumerate(final):
-                flat = _from_wire(buf, plan.comm_hook)
+                flat = _from_wire(buf, getattr(torch, opts.param_dtype))
                 for name, s, e in plan.param_ranges(t, b):
                     params[name].grad = flat[s:e].view(params[name].shape).clone()
-            if scheduler is None:
+            if plan.optimizer.lr_per_step:  # the loop writes each step's lr by hand
+                x = plan.optimizer.lr_per_step[t]
+                for g, lr_g in zip(optimizer.param_groups, x if isinstance(x, list) else [x] * len(base_lrs)):
+                    g["lr"] = lr_g
+            elif scheduler is None:
                 for g, base in zip(optimizer.param_groups, base_lrs):
                     g["lr"] = base * lr_factor(plan.optimizer.lr_schedule, t)  # LambdaLR's rule
             lr = optimizer.param_groups[0]["lr"]

@@ -152,6 +152,22 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _resume_from_url(url: str, names: list[str]) -> str:
+    """--resume given as a URL (the daemon's http://, or a persistence tier's fsspec URL:
+    its newest entry that verifies): the state is fetched once and written to a private
+    temporary file, removed at exit, which the pipeline then resumes from like any file."""
+    import atexit
+    from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
+    from ckptd.recovery import load_source
+    ckpt, where, _ = load_source(url, names)
+    tmp = tempfile.mkdtemp(prefix="ckptd-resume-")
+    atexit.register(shutil.rmtree, tmp, True)
+    path = Path(tmp) / checkpoint_name(int(ckpt["iteration"]))
+    save_checkpoint(path, int(ckpt["iteration"]), ckpt["model"], ckpt.get("optimizer"))
+    print(f"resume: iteration {int(ckpt['iteration'])} from {where}", file=sys.stderr)
+    return str(path)
+
+
 def cmd_replay(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.pipeline import ReplayOptions, replay
@@ -168,8 +184,10 @@ def cmd_replay(a) -> int:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
     names = [Path(p).stem for p in a.pcap]
+    resume = _resume_from_url(a.resume, [p.name for p in plan.parameters]) if a.resume and "://" in a.resume \
+        else a.resume
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
-                         resume=a.resume, join=a.join or a.join_from is not None, join_from=a.join_from,
+                         resume=resume, join=a.join or a.join_from is not None, join_from=a.join_from,
                          agree_window_ms=a.agree_window_ms)
     if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
         print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
@@ -571,9 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reference", help="trainer checkpoints to compare each commit with")
     r.add_argument("--dump-gradients", metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
-    r.add_argument("--resume", metavar="CKPT|DIR",
+    r.add_argument("--resume", metavar="CKPT|DIR|URL",
                    help="after a gap (or when joining), restart the shadow from this checkpoint, or "
-                        "from the checkpoint of the iteration needed in this directory (iter_NNNNNN.pt)")
+                        "from the checkpoint of the iteration needed in this directory (iter_NNNNNN.pt), "
+                        "or from a URL: the daemon's (http://host:port) or a persistence tier's "
+                        "(persist_url: its newest entry that verifies)")
     r.add_argument("--join", action="store_true",
                    help="the captures start in the middle of the job: place packets by their PSNs "
                         "(NCCL connects every QP at PSN 0; the plan must describe all the traffic "

@@ -206,3 +206,36 @@ def test_replay_join_on_the_command_line(job, tmp_path, capsys, fast):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "joined at iteration 4" in out and "2 iterations, 2 committed" in out
+
+
+def test_replay_resumes_from_a_persistence_tier_url(job, tmp_path, capsys):
+    """--resume takes a persist_url: the newest manifest entry that verifies (here the
+    trainer's state of iteration 3 on memory://) is where the joined shadow starts."""
+    import time
+    import uuid
+
+    from ckptd.cli import main
+    from ckptd.live.memory_tier import HeldState
+    from ckptd.live.persist import PersistTier
+    url = f"memory://ckptd-join-{uuid.uuid4().hex}"
+    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None)
+    ref = load_checkpoint(job / "reference" / checkpoint_name(3))
+    tier.offer(HeldState(3, ref["model"], ref["optimizer"], time.time(), 0.0))
+    tier.close()
+    first, last = iteration_spans(pcaps(job))[3]
+    paths = cut(job, tmp_path / "cut", first + (last - first) // 2)
+    rc = main(["replay", "--plan", str(job / "plan.json"), "--init", str(job / "init.pt"),
+               "--out", str(tmp_path / "out"), "--reference", str(job / "reference"),
+               "--resume", url, "--join"] + paths)
+    cap = capsys.readouterr()
+    assert rc == 0, cap.out + cap.err
+    assert f"resume: iteration 3 from {url}/" in cap.err
+    assert "joined at iteration 4" in cap.out and "2 iterations, 2 committed" in cap.out
+
+
+def test_replay_resume_from_a_url_with_nothing_there_is_one_line(job, tmp_path, capsys):
+    from ckptd.cli import main
+    rc = main(["replay", "--plan", str(job / "plan.json"), "--init", str(job / "init.pt"),
+               "--resume", "memory://ckptd-join-empty", "--join"] + pcaps(job))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "memory://ckptd-join-empty" in err[0], err

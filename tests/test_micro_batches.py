@@ -14,7 +14,7 @@ from ckptd.cli import build_parser
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
 from ckptd.core.plan import load_plan
 from ckptd.pipeline import ReplayOptions, replay
-from helpers import pcaps
+from helpers import pcaps, synth
 from test_fastpath import assert_same, synth_pair
 
 K = 3
@@ -51,8 +51,7 @@ def test_every_micro_batch_allreduced_bit_exact_on_both_paths(tmp_path, protocol
 
 def test_micro_batches_read_as_steps_do_not_match(tmp_path):
     """The same capture read with K = 1 (one allreduce a step) is not the job."""
-    synth_pair(tmp_path, ranks=2, channels=1, mtu=1024, mirrors=1, iterations=2, allreduces_per_step=2,
-               shadow=False)
+    synth(tmp_path, ranks=2, channels=1, mtu=1024, mirrors=1, iterations=2, allreduces_per_step=2)
     plan = dataclasses.replace(load_plan(tmp_path / "plan.json"), allreduces_per_step=1)
     reps = replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
                   ReplayOptions(reference=str(tmp_path / "reference"), agree_window_ms=0))
@@ -83,3 +82,19 @@ def test_write_plan_on_nccl_accepts_allreduces_per_step(tmp_path, monkeypatch):
             ct.build_plan(ddp, opt, addresses=["10.0.0.1", "10.0.0.2"], allreduces_per_step=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_join_mid_step_starts_at_the_next_step(tmp_path, fast):
+    """A capture that starts inside step 1 (at its second micro-batch's round) joins at
+    step 2: the first step whose every round every flow was seen from."""
+    from test_join import cut, iteration_starts, join_replay
+    job = tmp_path / "job"
+    synth(job, ranks=2, channels=1, mtu=1024, mirrors=2, qps=3, bucket_cap_kb=32, iterations=4,
+          allreduces_per_step=K)
+    starts = iteration_starts(pcaps(job))  # one per wire round
+    assert len(starts) == 4 * K
+    paths = cut(job, tmp_path / "cut", starts[K + 1] - 1_000_000)  # before step 1's second round
+    pipe = join_replay(job, paths, tmp_path / "out", fast=fast)
+    assert pipe.joined == 2
+    assert [(r.iteration, r.status, r.exact) for r in pipe.reports] == [(2, "committed", True), (3, "committed", True)]

@@ -128,7 +128,7 @@ def cmd_synth(a) -> int:
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
-        nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
+        allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
@@ -504,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--corrupt", type=_ranged(float, 0, 1), default=0.0, help="bit flips (caught by the ICRC)")
     s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
+    s.add_argument("--allreduces-per-step", type=_ranged(int, 1, 64), default=1,
+                   help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
                    "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward: NCCL 2.22+)")

@@ -326,9 +326,6 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
-    if allreduces_per_step > 1 and transport != "gloo":
-        raise TrainerError("allreduces_per_step > 1 (an allreduce every micro-batch) is decoded on gloo "
-                           "only; on NCCL accumulate under ddp.no_sync()")
     ring = _ring(backend, world)
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
@@ -533,7 +530,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     """Record this job for ckptd; call on every rank before the first forward.
 
     `allreduces_per_step`: with gradient accumulation that lets DDP allreduce every
-    micro-batch (no `no_sync()`), the micro-batches per optimizer step (gloo only);
+    micro-batch (no `no_sync()`), the micro-batches per optimizer step (gloo and NCCL);
     under `no_sync()` it stays 1 (one allreduce per step).
 
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over

@@ -97,9 +97,11 @@ cdef enum:
     C_LATE = 6
     C_ACKS = 7
     C_OTHER_COLLECTIVE = 8
-    NCOUNTERS = 9
+    C_EARLIER_MICRO_BATCH = 9
+    NCOUNTERS = 10
 COUNTER_NAMES = ("before_start", "schedule_mismatch", "ll_flag_mismatch", "unrelated",
-                 "ag_packets", "rs_packets", "late", "acks", "other_collective_packets")
+                 "ag_packets", "rs_packets", "late", "acks", "other_collective_packets",
+                 "earlier_micro_batch_packets")
 
 # Why `run` stopped (0: it reached the end of the range)
 cdef enum:
@@ -404,6 +406,7 @@ cdef class BatchKernel:
     cdef int64_t[:, ::1] tl_npkts             # [layout, timeline]
     cdef int64_t[::1] tl_cycle                # [timeline] packets of layouts 1.. (one QP-rotation period)
     cdef int64_t nlayouts                     # 1 + the rotation period (Plan.timeline_schedules)
+    cdef public int64_t per_step              # wire rounds per training iteration (Plan.allreduces_per_step)
     cdef int64_t cts_bytes                    # RDMA WRITE (no imm) carries data unless this long; -1: never
     cdef int64_t[:, ::1] tl_mlo, tl_mhi       # [layout, timeline] message index range
     cdef int64_t[:, ::1] tl_recv_off          # [layout, timeline] offset in a received map
@@ -474,7 +477,7 @@ cdef class BatchKernel:
                    tl_conn, tl_npkts, tl_cycle, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
                    m_phase, m_step, m_ring_step, m_imm, m_has_imm, b_itemsize, b_count, b_nbuckets,
-                   mtu, protocol, cts_bytes=-1, m_keep=None):
+                   mtu, protocol, cts_bytes=-1, m_keep=None, per_step=1):
         """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
         only; the kernel allocates its own flow table, flag bases, iteration slots and
         output counts."""
@@ -488,6 +491,9 @@ cdef class BatchKernel:
         self.m_imm, self.m_has_imm = m_imm, m_has_imm
         self.m_keep = m_keep if m_keep is not None else np.zeros(len(m_start), np.int64)
         self.tl_cycle, self.nlayouts, self.cts_bytes = tl_cycle, tl_npkts.shape[0], cts_bytes
+        if per_step < 1:
+            raise ValueError(f"per_step {per_step}: at least 1")
+        self.per_step = per_step
         self.b_itemsize, self.b_count, self.b_nbuckets = b_itemsize, b_count, b_nbuckets
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
@@ -529,7 +535,8 @@ cdef class BatchKernel:
         the reference path). Maps are reused across iterations, cleared."""
         if self.slot_of(iteration) >= 0:
             return True
-        cdef int64_t q, slot = -1, layout = 0 if iteration == 0 else 1 + (iteration - 1) % (self.nlayouts - 1)
+        cdef int64_t w = (iteration + 1) * self.per_step - 1  # the step's last wire round: its layout
+        cdef int64_t q, slot = -1, layout = 0 if w == 0 else 1 + (w - 1) % (self.nlayouts - 1)
         for q in range(MAX_SLOTS):
             if self.slot_iter[q] < 0:
                 slot = q
@@ -998,7 +1005,7 @@ cdef class BatchKernel:
         cdef uint8_t key[KEY_LEN]
         cdef uint8_t lldata[MAX_LINE_DATA]
         cdef const uint8_t *bth = d + f.bth_off
-        cdef int64_t e, tl, u, pos, layout, it, local, q, m, i, slot = -1, conn
+        cdef int64_t e, tl, u, pos, layout, it, local, q, m, i, slot = -1, conn, step, k = self.per_step
         cdef int64_t woff, doff, dlen, isz, total, n, start, nel, npk0, cycle, gstep, phase
         cdef const uint8_t *data
         cdef uint8_t *recv = NULL             # this packet's flag in the received map
@@ -1037,12 +1044,16 @@ cdef class BatchKernel:
         if not self.check(m, i, d, f):
             return self._reject(e, u, NULL, C_SCHEDULE_MISMATCH)
 
+        # `it` is the wire round; the training iteration whose gradient it carries is
+        # `step` (Plan.step_of_round), -1 for a step's earlier micro-batches: matched
+        # and counted, never placed nor recorded as received
+        step = it // k if it % k == k - 1 else -1
         # from here on the reference records the packet as received (stream_loss), so
         # the iteration must be one the kernel tracks; for finalized ones the record is
         # never read again (stream_loss has run), so they need none
-        if it > self.done:
+        if step >= 0 and step > self.done:
             for q in range(self.slot_iter.shape[0]):
-                if self.slot_iter[q] == it:
+                if self.slot_iter[q] == step:
                     slot = q
                     break
             if slot < 0:
@@ -1091,8 +1102,8 @@ cdef class BatchKernel:
             dlen = f.payload_len
             doff = woff
         if self.m_bucket[m] < 0:               # another collective on the communicator: no gradient
-            if self.m_keep[m] and it - 1 > self.done:
-                return STOP_BUFFER              # the buffers after iteration it-1: Extractor keeps them
+            if self.m_keep[m] and it >= 1 and (it - 1) % k == k - 1 and (it - 1) // k > self.done:
+                return STOP_BUFFER              # the buffers after the step of round it-1: Extractor keeps them
             if u > self.fe_last[e]:
                 self.fe_last[e] = u
             if recv != NULL:
@@ -1106,6 +1117,13 @@ cdef class BatchKernel:
             return self._reject(e, u, recv, C_SCHEDULE_MISMATCH)
         start = self.m_offset[m] + doff // isz
         nel = n // isz
+        if step < 0:                            # an earlier micro-batch's round: counted only
+            if u > self.fe_last[e]:
+                self.fe_last[e] = u
+            self.counters[C_AG_PACKETS if phase == 1 else C_RS_PACKETS] += 1
+            self.counters[C_EARLIER_MICRO_BATCH] += 1
+            return 0
+        it = step                               # from here on: the training iteration
         # Pipeline._assemble gets a placement when there is data: decide whether the
         # kernel can do all it would do
         if n:

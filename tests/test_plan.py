@@ -92,11 +92,16 @@ def test_module_buffers_round_trip_and_are_checked(plan_doc, tmp_path):
         plan_from_json(bad)
 
 
-def test_allreduces_per_step_is_gloo_only_and_round_trips(plan_doc):
+def test_allreduces_per_step_round_trips_on_both_transports(plan_doc):
     doc = json.loads(json.dumps(plan_doc))
     doc["allreduces_per_step"] = 3
-    with pytest.raises(PlanError, match="allreduces_per_step > 1 .* needs transport gloo"):
-        plan_from_json(doc)
+    nccl = plan_from_json(doc)  # NCCL decodes it too (issue 15)
+    assert nccl.transport == "roce" and plan_from_json(nccl.to_json()).allreduces_per_step == 3
+    # wire rounds: round 0 alone has DDP's first layout; round w is step w // 3's
+    # last micro-batch when w % 3 == 2; buffers broadcast in round w follow round w - 1
+    assert nccl.wire_layout(0) == nccl.buckets_first and nccl.wire_layout(1) == nccl.buckets_rebuilt
+    assert [nccl.step_of_round(w) for w in range(7)] == [None, None, 0, None, None, 1, None]
+    assert [nccl.buffers_step_of_round(w) for w in range(7)] == [None, None, None, 0, None, None, 1]
     doc["allreduces_per_step"] = 0
     with pytest.raises(PlanError, match="allreduces_per_step"):
         plan_from_json(doc)

@@ -250,8 +250,9 @@ class Plan:
     bucket_limits: dict | None = None
     # Other collectives on the job's communicator (a loss or metric allreduce, DDP's
     # broadcasts), which advance its QP rotation, PSNs and LL steps:
-    # {"start" | "before" | "after": (entry, ...)} (once before iteration 0; every iteration
-    # before / after the gradient buckets), an entry (count, dtype) for an allreduce,
+    # {"start" | "before" | "after": (entry, ...)} (once before iteration 0; every wire
+    # round before / after the gradient buckets: with allreduces_per_step > 1 every
+    # micro-batch, as DDP's per-forward buffer broadcasts are), an entry (count, dtype) for an allreduce,
     # (count, dtype, "broadcast", root) for a broadcast or (count, dtype, "allgather") for an
     # allgather of count elements a rank (collective_entry reads them all)
     collectives: dict = field(default_factory=dict, hash=False)
@@ -286,6 +287,24 @@ class Plan:
         of a training iteration's last micro-batch."""
         return (iteration + 1) * self.allreduces_per_step - 1
 
+    def wire_layout(self, round_: int) -> tuple[BucketLayout, ...]:
+        """The layout of wire round `round_` (the n-th round of bucket allreduces of the
+        communicator): DDP's first for round 0 only (it rebuilds after the first
+        backward's allreduce), the rebuilt one for every later round."""
+        return self.buckets_first if round_ == 0 else self.buckets_rebuilt
+
+    def step_of_round(self, round_: int) -> int | None:
+        """The training iteration wire round `round_` is the last micro-batch of, whose
+        reduced values the step uses; None for a step's earlier micro-batches."""
+        k = self.allreduces_per_step
+        return round_ // k if round_ % k == k - 1 else None
+
+    def buffers_step_of_round(self, round_: int) -> int | None:
+        """The training iteration whose module buffers DDP's broadcasts in wire round
+        `round_`'s forward carry (rank 0's buffers after the forward of the step's last
+        micro-batch), or None (a broadcast after an earlier micro-batch)."""
+        return None if round_ < 1 else self.step_of_round(round_ - 1)
+
     def layout_buckets(self, layout: tuple[BucketLayout, ...]) -> list[Bucket]:
         return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout]
 
@@ -314,7 +333,9 @@ class Plan:
         return b.dtype
 
     def schedule(self, iteration: int) -> RingSchedule:
-        """The ring schedule of an iteration's allreduces, built once per (ring, buckets,
+        """The ring schedule of wire round `iteration`'s allreduces (with
+        allreduces_per_step K > 1 every micro-batch is a round: training iteration i is
+        rounds i*K .. i*K+K-1; with K = 1 rounds and training iterations are the same), built once per (ring, buckets,
         QP rotation): every stage that asks (binder, extractor, fast path, synthesizer)
         shares it, and a layout learned later (learn_rebuilt) gets a schedule of its own.
         Treat it as read-only.
@@ -340,7 +361,7 @@ class Plan:
         return before, buckets("after")
 
     def _ring_schedule(self, iteration: int, send_base: tuple) -> RingSchedule:
-        buckets = self.buckets(iteration)
+        buckets = self.layout_buckets(self.wire_layout(iteration))
         before, after = self.other_collectives(iteration)
 
         def sig(bs):
@@ -673,8 +694,6 @@ def check_plan(plan: Plan) -> None:
     k = plan.allreduces_per_step
     if not _is_int(k) or not 1 <= k <= MAX_ITERATIONS:
         raise PlanError(f"allreduces_per_step must be an integer >= 1, not {k!r}")
-    if k > 1 and plan.transport != "gloo":
-        raise PlanError("allreduces_per_step > 1 (an allreduce every micro-batch) needs transport gloo")
 
 
 def _check_buffers(plan: Plan) -> None:

@@ -329,7 +329,8 @@ class FastExtractor(RoceTransport):
         self.kernel.dump_rs = dump_rs
         self.crc = crc if crc != "auto" else crc_choices()[0]
         self.kernel.set_crc(*crc_setting(self.crc))
-        self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, mtu=plan.ring.mtu,
+        self.kernel.set_tables(**opcode_tables(), **self.sched.arrays, per_step=plan.allreduces_per_step,
+                               mtu=plan.ring.mtu,
                                protocol=plan.ring.protocol,
                                cts_bytes=plan.ring.cts_bytes if plan.ring.ar_writes else -1)
         self.set_data_plane(KernelTables(self.kernel, self.sched))
@@ -440,11 +441,12 @@ class FastExtractor(RoceTransport):
         recv = self.kernel.received(iteration)
         if recv is None and not flows:
             return None
-        layout = self.plan.layout_index(iteration)
+        w = self.plan.last_wire_iteration(iteration)  # the step's last wire round: the one kept
+        layout = self.plan.layout_index(w)
         py: dict[int, tuple[set, int]] = {}
         for key, got in flows.items():
             b = self.binder.bound[key]
-            py[self.sched.index[b.conn + (b.qp,)]] = (got, b.timeline.iteration_start(iteration))
+            py[self.sched.index[b.conn + (b.qp,)]] = (got, b.timeline.iteration_start(w))
         expected = received = 0
         for t in range(len(self.sched.keys)):
             n = self.sched.npkts(layout, t)

@@ -47,6 +47,9 @@ class SynthOptions:
     mtu: int = 4096
     mirrors: int = 2
     iterations: int = 5
+    # micro-batches per step, each allreduced (accumulation without no_sync): DDP's
+    # param.grad holds the previous reduced value plus this backward's gradient
+    allreduces_per_step: int = 1
     seed: int = 0
     model: str = "small"
     nccl_version: str = "2.19"
@@ -267,7 +270,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
-        collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model))
+        collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
+        allreduces_per_step=opts.allreduces_per_step)
 
 
 def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
@@ -540,6 +544,20 @@ def impair(frames: list[tuple[int, bytes]], opts: SynthOptions, rng: random.Rand
     return out
 
 
+def _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, ts) -> int:
+    """One round of allreduces on the wire, to the host and mirror captures; returns the
+    capture time of the next round."""
+    frames = wire.iteration_frames(sched, payloads)
+    for i, (s, d, f) in enumerate(frames if hosts else ()):
+        hosts[s].write(f, ts + 100 * i)
+    for k, mirror in enumerate(plan.mirrors):
+        seen = [(ts + 100 * i, f) for i, (s, d, f) in enumerate(frames) if mirror.sees(s, d)]
+        for when, f in impair(seen, opts, rng, stats[mirror.name]):
+            writers[k].write(f, when)
+            stats[mirror.name]["frames"] += 1
+    return ts + 100 * len(frames) + ITERATION_GAP_NS  # then the next round's forward and backward
+
+
 def synthesize(opts: SynthOptions, progress=None) -> Plan:
     if opts.collective not in ("allreduce", "reduce_scatter", "tree"):
         raise ValueError(f"collective {opts.collective!r}: allreduce, reduce_scatter or tree")
@@ -574,37 +592,48 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     ts = 1_700_000_000 * 10**9
     params = dict(model.named_parameters())
     try:
+        K = plan.allreduces_per_step
         for t in range(opts.iterations):
-            sched = plan.schedule(t)
-            layout = plan.layout(t)
-            local = []
-            # DDP's forward t starts with rank 0's buffers (the broadcast); each rank's
-            # forward then updates its own; rank 0's are what the next forward broadcasts
-            synced = {n: b.detach().clone() for n, b in buffers.items()}
-            after0 = synced
-            for r in range(plan.nranks):
+            for j in range(K):  # micro-batch j of step t: wire round w
+                w = t * K + j
+                sched = plan.schedule(w)
+                layout = plan.wire_layout(w)
+                reduced = {n: p.grad for n, p in params.items()} if j else {}
+                local = []
+                # DDP's forward w starts with rank 0's buffers (the broadcast); each rank's
+                # forward then updates its own; rank 0's are what the next forward broadcasts
+                synced = {n: b.detach().clone() for n, b in buffers.items()}
+                after0 = synced
+                for r in range(plan.nranks):
+                    for n, b in buffers.items():
+                        b.copy_(synced[n])
+                    model.zero_grad(set_to_none=True)
+                    for n, g in reduced.items():  # param.grad: the previous round's reduced value
+                        params[n].grad = None if g is None else g.clone()
+                    loss = model.loss(shard_batches(model, r, w, opts.seed))
+                    if r == 0:
+                        after0 = {n: b.detach().clone() for n, b in buffers.items()}
+                    (scaler.scale(loss) if scaler else loss).backward()
+                    if r == 0 and t in opts.inf_at and j == K - 1:  # an overflow in one element
+                        next(iter(params.values())).grad.view(-1)[0] = float("inf")
+                    local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
+                                           plan.comm_hook, plan.nranks) for b in layout])
+                # each rank's values for the other allreduces (a loss, a metric): not gradients
+                others = [[np.random.default_rng((opts.seed, w, r, k)).standard_normal(b.count).astype(b.dtype)
+                           for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
+                _buffer_values(plan, synced, w, others)
                 for n, b in buffers.items():
-                    b.copy_(synced[n])
-                model.zero_grad(set_to_none=True)
-                loss = model.loss(shard_batches(model, r, t, opts.seed))
-                if r == 0:
-                    after0 = {n: b.detach().clone() for n, b in buffers.items()}
-                (scaler.scale(loss) if scaler else loss).backward()
-                if r == 0 and t in opts.inf_at:  # an overflow in one element of the first parameter
-                    next(iter(params.values())).grad.view(-1)[0] = float("inf")
-                local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
-                                       plan.comm_hook, plan.nranks) for b in layout])
-            # each rank's values for the other allreduces (a loss, a metric): not gradients
-            others = [[np.random.default_rng((opts.seed, t, r, k)).standard_normal(b.count).astype(b.dtype)
-                       for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
-            _buffer_values(plan, synced, t, others)
-            for n, b in buffers.items():
-                b.copy_(after0[n])
-            final, payloads = reduce_iteration(sched, local, others)
-            for b, buf in enumerate(final):
-                flat = _from_wire(buf, getattr(torch, opts.param_dtype))
-                for name, s, e in plan.param_ranges(t, b):
-                    params[name].grad = flat[s:e].view(params[name].shape).clone()
+                    b.copy_(after0[n])
+                final, payloads = reduce_iteration(sched, local, others)
+                for b, buf in enumerate(final):  # finalize_bucket_dense: param.grad = the reduced bucket
+                    flat = _from_wire(buf, getattr(torch, opts.param_dtype))
+                    off = 0
+                    for name in layout[b].params:
+                        n = params[name].numel()
+                        params[name].grad = flat[off:off + n].view(params[name].shape).clone()
+                        off += n
+                if j < K - 1:
+                    ts = _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, ts)
             if plan.optimizer.lr_per_step:  # the loop writes each step's lr by hand
                 x = plan.optimizer.lr_per_step[t]
                 for g, lr_g in zip(optimizer.param_groups, x if isinstance(x, list) else [x] * len(base_lrs)):
@@ -627,15 +656,7 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
             m_state, o_state = trainer_checkpoint(model, optimizer, lr, scaler)
             save_checkpoint(out / "reference" / checkpoint_name(t), t, m_state, o_state)
 
-            frames = wire.iteration_frames(sched, payloads)
-            for i, (s, d, f) in enumerate(frames if hosts else ()):
-                hosts[s].write(f, ts + 100 * i)
-            for k, mirror in enumerate(plan.mirrors):
-                seen = [(ts + 100 * i, f) for i, (s, d, f) in enumerate(frames) if mirror.sees(s, d)]
-                for when, f in impair(seen, opts, rng, stats[mirror.name]):
-                    writers[k].write(f, when)
-                    stats[mirror.name]["frames"] += 1
-            ts += 100 * len(frames) + ITERATION_GAP_NS  # then the next iteration's forward and backward
+            ts = _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, ts)
             if progress:
                 progress(t, opts.iterations)
     finally:

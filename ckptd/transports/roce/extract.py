@@ -44,7 +44,11 @@ class Extractor:
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.cfg = plan.ring
-        self.binder = FlowBinder(plan, join_from)
+        # Wire rounds (Location.iteration) are the communicator's rounds of bucket
+        # allreduces: with allreduces_per_step K > 1 training iteration i is rounds
+        # i*K .. i*K+K-1, and only the last is placed (Plan.step_of_round)
+        self.per_step = plan.allreduces_per_step
+        self.binder = FlowBinder(plan, None if join_from is None else join_from * self.per_step)
         s0, s1 = plan.schedule(0), plan.schedule(1)
         self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.sends}
         self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
@@ -123,8 +127,9 @@ class Extractor:
             self._reject("schedule_mismatch", pkt, bad)
             self.binder.note_mismatch(b, loc.pos, pkt)
             return []
-        if loc.iteration > self.done:  # bookkeeping ends when the iteration is finalized
-            self.received.setdefault((pkt.stream, loc.iteration), {}).setdefault(
+        step = self.plan.step_of_round(loc.iteration)  # None: an earlier micro-batch's round
+        if step is not None and step > self.done:  # bookkeeping ends when the iteration is finalized
+            self.received.setdefault((pkt.stream, step), {}).setdefault(
                 b.key, set()).add(loc.pos)
         msg, send = loc.message, loc.message.send
         cfg = self.cfg
@@ -166,8 +171,9 @@ class Extractor:
         if send.bucket < 0:  # another collective on the communicator (Plan.collectives): no gradient
             self.counters["other_collective_packets"] += 1
             g = self.buffer_of[min(loc.iteration, 1)].get(-1 - send.bucket)
-            if g is not None and loc.iteration - 1 > self.done:
-                self._keep_buffer(loc.iteration - 1, g, send, runs, pkt)
+            k = self.plan.buffers_step_of_round(loc.iteration)
+            if g is not None and k is not None and k > self.done:
+                self._keep_buffer(k, g, send, runs, pkt)
             return []
         itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
         total = send.nelem * itemsize  # LL and LL128 pad the last line or block: drop what is not data
@@ -176,7 +182,10 @@ class Extractor:
             self._reject("schedule_mismatch", pkt, "payload does not split into whole elements")
             return []
         self.counters["ag_packets" if send.phase == AG else "rs_packets"] += 1
-        return [Placement(pkt.stream, loc.iteration, send.phase, send.bucket,
+        if step is None:  # matched and counted; the step's last round carries its gradient
+            self.counters["earlier_micro_batch_packets"] += 1
+            return []
+        return [Placement(pkt.stream, step, send.phase, send.bucket,
                           send.offset + doff // itemsize, data, b.conn[0], send.ring_step)
                 for doff, data in runs if data]
 
@@ -264,9 +273,10 @@ class Extractor:
         if not flows:
             return None
         expected = 0
+        w = self.plan.last_wire_iteration(iteration)  # (earlier micro-batches' rounds are not kept)
         for key, got in flows.items():
             tl = self.binder.bound[key].timeline
-            expected += tl.schedule_of(iteration).npkts
+            expected += tl.schedule_of(w).npkts
         return 1.0 - sum(len(g) for g in flows.values()) / expected
 
     def _check(self, loc: Location, pkt: Packet) -> str | None:

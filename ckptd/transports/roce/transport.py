@@ -43,4 +43,7 @@ class RoceTransport(Extractor):
         return [f"unmatched flow: {e}" for e in self.binder.errors]
 
     def join_iteration(self, force: bool = False) -> int | None:
-        return self.binder.join_iteration(force=force)
+        """The first training iteration every flow was seen from its start: the first
+        whose first wire round is at or after the binder's first whole round."""
+        r = self.binder.join_iteration(force=force)
+        return None if r is None else -(-r // self.plan.allreduces_per_step)

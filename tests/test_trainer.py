@@ -162,7 +162,9 @@ seq.append(pg._get_sequence_number_for_group())
 out = [None, None]
 dist.all_gather_object(out, rank)  # the old way, to show the count sees collectives
 seq.append(pg._get_sequence_number_for_group())
-print(json.dumps({"got": got, "seq": seq}))
+print(json.dumps({"got": got, "seq": seq}), flush=True)
+dist.barrier()  # neither rank tears gloo down while the other still talks (std::terminate seen)
+del ddp
 dist.destroy_process_group()
 '''
 

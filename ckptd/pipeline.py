@@ -289,9 +289,13 @@ class Pipeline:
             for it in sorted(self.open):
                 asm = self.open.pop(it)
                 self.done = max(self.done, it)
+                note = f"stopped with {100 * (1 - asm.coverage()):.2f}% missing"
+                if asm.conflicts:  # whole coverage can still be held back by copies that disagree
+                    s, b, lo, hi = asm.conflicts[0]
+                    note += (f" and {len(asm.conflicts)} conflicting copies (first: stream {s}, "
+                             f"bucket {b}, elements {lo}-{hi})")
                 rep = IterationReport(it + self.offset, "abandoned", asm.packets, asm.bytes,
-                                      [asm.coverage(s) for s in range(self.nstreams)],
-                                      note=f"stopped with {100 * (1 - asm.coverage()):.2f}% missing")
+                                      [asm.coverage(s) for s in range(self.nstreams)], note=note)
                 self._close(asm)
                 self.reports.append(rep)
                 if self.on_iteration:

@@ -3,6 +3,7 @@ stream's copies of it had their chance to be compared (the agreement window), so
 altered copy is a reported conflict, never a wrong checkpoint (issue 13, item 1)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -173,3 +174,25 @@ def test_the_fast_path_reading_in_small_chunks_commits_through_the_window(three_
     assert not t.is_alive(), "fast replay hung"
     reps = done["pipe"].reports
     assert reps and all(r.status == "committed" for r in reps), [(r.iteration, r.status) for r in reps]
+
+
+def test_a_daemon_stopped_on_a_conflict_says_so_not_only_missing(three_mirrors, tmp_path):
+    """A daemon stopped while the last iteration holds copies that disagree: whole
+    coverage, yet never committed. The abandoned report names the conflict, so an
+    operator does not read "0.00% missing" as a capture that fell just short."""
+    from ckptd.pipeline import Pipeline, file_source
+    plan = load_plan(three_mirrors / "plan.json")
+    paths = pcaps(three_mirrors)
+    last = plan.iterations - 1 if plan.iterations else 3
+    k = _allgather_frame(plan, paths[0], last)
+    altered, _ = _alter(list(open_capture(paths[0])), k)
+    out = [str(tmp_path / f"mirror{m}.pcap") for m in range(len(paths))]
+    write_pcap(out[0], altered)
+    for src, dst in zip(paths[1:], out[1:]):
+        write_pcap(dst, list(open_capture(src)))
+    pipe = Pipeline(plan, load_checkpoint(three_mirrors / "init.pt"), len(out), ReplayOptions())
+    pipe.run(file_source(out, pipe.errors), abandon=True)
+    rep = pipe.reports[-1]
+    assert rep.iteration == last and rep.status == "abandoned", [(r.iteration, r.status) for r in pipe.reports]
+    assert re.fullmatch(r"stopped with 0\.00% missing and \d+ conflicting copies \(first: stream \d, "
+                        r"bucket \d+, elements \d+-\d+\)", rep.note), rep.note

@@ -67,6 +67,28 @@ def _status(port: int) -> dict | None:
         return None
 
 
+def _start_daemon(run: Path, lab, top: Path, out: Path, port: int, extra: str) -> subprocess.Popen:
+    """`ckptd run` from a config file (written in top) on the lab's mirror ports; `extra`:
+    more config lines."""
+    cfg = top / "ckptd.yaml"
+    ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
+                  "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
+    cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
+                   f"listen: 127.0.0.1:{port}\npersist_sync: true\n{extra}interfaces:\n{ifs}")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_capturing(proc: subprocess.Popen, port: int) -> float:
+    """Until the daemon's /status says it captures; the test's deadline."""
+    deadline = time.time() + 120
+    while time.time() < deadline and not (_status(port) or {}).get("capture"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.3)
+    return deadline
+
+
 @pytest.mark.parametrize("drop", [False, True], ids=["keep-net-raw", "drop-capabilities"])
 def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run, drop):
     """drop_capabilities false: uid 65534 keeping CAP_NET_RAW alone; true (a config
@@ -82,18 +104,9 @@ def test_daemon_as_nobody_with_only_cap_net_raw_is_bit_exact(run, drop):
     proc = None
     try:
         with NetLab(run / "plan.json", prefix=prefix) as lab:
-            cfg = top / "ckptd.yaml"
-            ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
-                          "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
-            cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
-                           f"listen: 127.0.0.1:{port}\npersist_sync: true\nuser: nobody\ndrop_capabilities: {str(drop).lower()}\ninterfaces:\n{ifs}")
-            env = {**os.environ, "PYTHONPATH": str(REPO)}
-            proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
-                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            deadline = time.time() + 120
-            while time.time() < deadline and not (_status(port) or {}).get("capture"):
-                assert proc.poll() is None, proc.communicate()
-                time.sleep(0.3)
+            proc = _start_daemon(run, lab, top, out, port,
+                                 f"user: nobody\ndrop_capabilities: {str(drop).lower()}\n")
+            deadline = _wait_capturing(proc, port)
             ids = _proc_status(proc.pid)
             while ids["Uid"][0] != "65534" and time.time() < deadline:  # the drop follows the rings
                 time.sleep(0.1)
@@ -167,19 +180,9 @@ def test_drop_capabilities_every_thread_no_capability_bit_exact(run, workers):
     proc = None
     try:
         with NetLab(run / "plan.json", prefix=prefix) as lab:
-            cfg = top / "ckptd.yaml"
-            ifs = "".join(f"  - {{name: {m.name}, ifname: {m.capture_ifname}, netns: {lab.ckpt_ns}, "
-                          "block_size: 1M, block_nr: 64, retire_ms: 50}\n" for m in lab.mirrors)
-            cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {out}\n"
-                           f"listen: 127.0.0.1:{port}\npersist_sync: true\ncapture_workers: {str(workers).lower()}\n"
-                           f"interfaces:\n{ifs}")  # drop_capabilities: the default
-            env = {**os.environ, "PYTHONPATH": str(REPO)}
-            proc = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", cfg, "--log-level", "info"],
-                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            deadline = time.time() + 120
-            while time.time() < deadline and not (_status(port) or {}).get("capture"):
-                assert proc.poll() is None, proc.communicate()
-                time.sleep(0.3)
+            # drop_capabilities: the default
+            proc = _start_daemon(run, lab, top, out, port, f"capture_workers: {str(workers).lower()}\n")
+            deadline = _wait_capturing(proc, port)
             while int(_proc_status(proc.pid)["CapEff"][0], 16) and time.time() < deadline:
                 time.sleep(0.1)  # the drop follows the rings
             time.sleep(0.5)

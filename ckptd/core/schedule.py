@@ -565,6 +565,14 @@ class RingSchedule:
         else:
             self._add_allreduce(b, other)
 
+    def _require_2_22(self, kind: str):
+        """Broadcasts and allgathers are derived from NCCL 2.22-2.32's sources only."""
+        v = self.cfg.nccl_version
+        if tuple(v) < (2, 22):
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise ScheduleError(f"{article} {kind} with NCCL {v[0]}.{v[1]}: the ring {kind} is modelled "
+                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
+
     def _add_broadcast(self, b: int, bc: Broadcast):
         """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
 
@@ -585,10 +593,7 @@ class RingSchedule:
         cfg = self.cfg
         if bc.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        if tuple(cfg.nccl_version) < (2, 22):
-            v = cfg.nccl_version
-            raise ScheduleError(f"a broadcast with NCCL {v[0]}.{v[1]}: the ring broadcast is modelled "
-                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
+        self._require_2_22("broadcast")
         n = cfg.nranks
         if not 0 <= bc.root < n:
             raise ScheduleError(f"broadcast root {bc.root} is not a rank of the {n}-rank ring")
@@ -628,10 +633,7 @@ class RingSchedule:
         cfg = self.cfg
         if ag.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        if tuple(cfg.nccl_version) < (2, 22):
-            v = cfg.nccl_version
-            raise ScheduleError(f"an allgather with NCCL {v[0]}.{v[1]}: the ring allgather is modelled "
-                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
+        self._require_2_22("allgather")
         n = cfg.nranks
         itemsize = ag.dtype.itemsize
         nbytes = ag.nbytes

@@ -182,11 +182,8 @@ def start_resource_tracker_unprivileged(key: str = "drop_capabilities") -> None:
 
 
 def _bounding() -> int:
-    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
-        for line in f:
-            if line.startswith("CapBnd:"):
-                return int(line.split()[1], 16)
-    return 0
+    """This thread's CapBnd from /proc (a bit per capability)."""
+    return _own_capability_set("CapBnd")
 
 
 def drop_privileges(user: str, group: str | None, writable: list[str], keep_net_raw: bool = True) -> None:
@@ -233,11 +230,15 @@ def drop_privileges(user: str, group: str | None, writable: list[str], keep_net_
 
 def effective_capabilities() -> int:
     """This thread's CapEff from /proc (a bit per capability)."""
+    return _own_capability_set("CapEff")
+
+
+def _own_capability_set(name: str) -> int:
     with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
         for line in f:
-            if line.startswith("CapEff:"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1], 16)
-    raise PrivilegeError("cannot read CapEff from /proc")
+    raise PrivilegeError(f"cannot read {name} from /proc")
 
 
 def _prctl(option: int, arg: int, what: str, key: str = "user") -> None:

@@ -25,6 +25,7 @@ from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
 from ckptd.core.plan import BucketLayout, Mirror, ModuleBuffers, Optimizer, Parameter, Plan
 from ckptd.core.psn import PSN_MOD
 from ckptd.core.schedule import AG, RingConfig
+from ckptd.core.tree import TreeSchedule
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
@@ -407,7 +408,10 @@ class Wire:
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
         self.alloc, self.start_psn = alloc, start_psn
-        self.tree_qp: dict[tuple[int, int], QueuePair] = {}
+        # Tree connections (collective tree) have QPs of their own, also where a tree edge
+        # joins two ring neighbours
+        self.tree_qp: dict[tuple[int, int, int, int], QueuePair] = {}
+        self.tree_cts: dict[tuple[int, int, int], QueuePair] = {}
         self.noise_qp = None
         if opts.noise and plan.nranks >= 2:
             # An unrelated RDMA flow between two NICs of the job (say, a p2p transfer).
@@ -426,43 +430,53 @@ class Wire:
         for conn, sends in sched.sends.items():
             if conn not in self.link:
                 continue  # NVLink/PCIe inside a node: nothing reaches a NIC
-            src, dst = self.link[conn]
             frames = []
             for s, data in zip(sends, payloads[conn]):
                 if opts.collective == "reduce_scatter" and s.phase == AG:
                     continue  # FSDP/ZeRO: the reduced shard stays on its owner
-                raw = np.ascontiguousarray(data).tobytes()
-                if cfg.protocol == "ll":
-                    flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
-                    wire = ll_encode(raw, flag)
-                elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
-                    wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
-                else:
-                    wire = raw
-                cts = self.cts_qp[conn]
-                frames += [(dst, src, f) for f, _, _ in cts.write(
-                    rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
-                    imm=None)]
-                frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
-                for q in range(cfg.qps_per_connection):
-                    msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
-                    for m in msgs:
-                        qp = self.data_qp[conn + (q,)]
-                        part = wire[m.wire_offset:m.wire_offset + m.wire_len]
-                        if m.imm is None or m.wire_len:
-                            va, rkey = 0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset, 0x5678
-                        else:  # the 0-byte WRITE_WITH_IMM after an RDMA WRITE: a zeroed work request
-                            va, rkey = 0, 0
-                        pkts = qp.write(part, cfg.mtu, va=va, rkey=rkey,
-                                        imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian))
-                        frames += [(src, dst, f) for f, _, _ in pkts]
-                        if opts.retransmit and rng.random() < opts.retransmit:
-                            k = rng.randrange(len(pkts))  # go-back-N from packet k
-                            frames += [(src, dst, f) for f, _, _ in pkts[k:]]
-                        frames.append((dst, src, qp.ack(pkts[-1][1])))
+                frames += self.send_frames(sched, conn, s, np.ascontiguousarray(data).tobytes(), self.data_qp,
+                                           self.cts_qp[conn], self.link[conn])
             self.steps_done[conn] += len(sends)
             per_conn.append(frames)
-        # Channels and links run concurrently: interleave their frames on the wire.
+        return self.interleave(per_conn)
+
+    def send_frames(self, sched, conn, s, raw: bytes, data_qp, cts, link) -> list[tuple[int, int, bytes]]:
+        """One send on the wire: the receiver's clear-to-send, then the send's RDMA
+        writes on the QPs the schedule puts them on, each acknowledged."""
+        cfg, opts, rng = self.plan.ring, self.opts, self.rng
+        src, dst = link
+        if cfg.protocol == "ll":
+            flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
+            wire = ll_encode(raw, flag)
+        elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
+            wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
+        else:
+            wire = raw
+        frames = [(dst, src, f) for f, _, _ in cts.write(
+            rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
+            imm=None)]
+        frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
+        for q in range(cfg.qps_per_connection):
+            msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
+            for m in msgs:
+                qp = data_qp[conn + (q,)]
+                part = wire[m.wire_offset:m.wire_offset + m.wire_len]
+                if m.imm is None or m.wire_len:
+                    va, rkey = 0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset, 0x5678
+                else:  # the 0-byte WRITE_WITH_IMM after an RDMA WRITE: a zeroed work request
+                    va, rkey = 0, 0
+                pkts = qp.write(part, cfg.mtu, va=va, rkey=rkey,
+                                imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian))
+                frames += [(src, dst, f) for f, _, _ in pkts]
+                if opts.retransmit and rng.random() < opts.retransmit:
+                    k = rng.randrange(len(pkts))  # go-back-N from packet k
+                    frames += [(src, dst, f) for f, _, _ in pkts[k:]]
+                frames.append((dst, src, qp.ack(pkts[-1][1])))
+        return frames
+
+    def interleave(self, per_conn: list[list]) -> list[tuple[int, int, bytes]]:
+        """Channels and links run concurrently: interleave their frames on the wire."""
+        rng = self.rng
         out, idx = [], [0] * len(per_conn)
         live = list(range(len(per_conn)))
         while live:
@@ -479,28 +493,33 @@ class Wire:
         return out
 
     def tree_frames(self, sched) -> list[tuple[int, int, bytes]]:
-        """What a tree allreduce puts on the wire, in outline (for the refusal tests):
-        every bucket goes up a binary tree over the job's NICs (child -> parent) and
-        back down in step-sized RDMA writes. Its pairs are mostly not ring links, and
-        its message sequence is no ring schedule's. The bytes are zeros: nothing may
-        ever be placed from them."""
-        cfg, out = self.plan.ring, []
-        nics = sorted({self.plan.rank_of(a) for a in self.plan.addresses})
-        edges = [(nics[i], nics[(i - 1) // 2]) for i in range(1, len(nics))]
-        for b in sched.buckets:
-            for a, c in edges + [(c, a) for a, c in reversed(edges)]:
-                qp = self.tree_qp.get((a, c))
-                if qp is None:
-                    qp = self.tree_qp[(a, c)] = QueuePair(
-                        self.hosts[a], self.hosts[c], dest_qp=self.alloc(c), src_qp=self.alloc(a),
+        """What NCCL's tree allreduce of the iteration's buckets puts on the wire
+        (ckptd.core.tree: every chunk up and down every tree edge between nodes, each
+        connection with its own QPs, clear-to-sends and LL flags), for the refusal tests.
+        The values are zeros: nothing may ever be placed from them."""
+        plan = self.plan
+        tree = TreeSchedule(plan.ring, sched.buckets, plan.node_names,
+                            send_base={conn: n for conn, n in self.steps_done.items() if conn in self.tree_cts})
+        per_conn = []
+        for conn, sends in tree.sends.items():
+            link = plan.link_of(conn)
+            if conn not in self.tree_cts:  # connected in channel order, like the ring's
+                a, b = link
+                for q in range(plan.ring.qps_per_connection):
+                    self.tree_qp[conn + (q,)] = QueuePair(
+                        self.hosts[a], self.hosts[b], dest_qp=self.alloc(b), src_qp=self.alloc(a),
                         psn=self.start_psn(), sport=self.rng.randrange(49152, 65536))
-                for off in range(0, b.nbytes, cfg.step_bytes):
-                    n = min(cfg.step_bytes, b.nbytes - off)
-                    pkts = qp.write(bytes(n), cfg.mtu, va=0x7e00_0000_0000, rkey=0x5678,
-                                    imm=imm_bytes(n, cfg.imm_big_endian))
-                    out += [(a, c, f) for f, _, _ in pkts]
-                    out.append((c, a, qp.ack(pkts[-1][1])))
-        return out
+                qp0 = self.tree_qp[conn + (0,)]
+                self.tree_cts[conn] = QueuePair(self.hosts[b], self.hosts[a], dest_qp=qp0.src_qp,
+                                                src_qp=qp0.dest_qp, psn=self.start_psn(), sport=qp0.sport)
+                self.step_base[conn], self.steps_done[conn] = self.rng.randrange(0, 5), 0
+            frames = []
+            for s in sends:
+                raw = bytes(s.nelem * tree.buckets[s.bucket].dtype.itemsize)
+                frames += self.send_frames(tree, conn, s, raw, self.tree_qp, self.tree_cts[conn], link)
+            self.steps_done[conn] += len(sends)
+            per_conn.append(frames)
+        return self.interleave(per_conn)
 
     def noise_frames(self) -> list[tuple[int, int, bytes]]:
         rng, h = self.rng, self.hosts

@@ -37,6 +37,7 @@ from ckptd.core.algorithms import CollectiveRefused
 from ckptd.core.plan import Plan
 from ckptd.core.psn import PSN_MOD, psn_diff, psn_unwrap
 from ckptd.core.schedule import RS, FlowSchedule, Message
+from ckptd.core.tree import TreeSchedule
 
 # Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
 # WRITE_ONLY (10) without an immediate, ACKs are 17.
@@ -356,17 +357,51 @@ class FlowBinder:
             "(FSDP/ZeRO-style sharding): each reduced shard stays on its owner, so the reduced "
             "gradients never cross the wire; ckptd needs DDP's allreduce (NCCL_ALGO=Ring)")
 
+    def _tree_timelines(self) -> dict[tuple[int, int], list[FlowTimeline]]:
+        """Per link, the message sequences of NCCL Tree's QPs on it, had the job run the
+        plan's buckets as Tree (ckptd.core.tree): each timeline starts at iteration 0
+        and cycles through the plan's rebuilt layouts (with several QPs, the tree's own
+        QP rotation is counted from its first send)."""
+        plan = self.plan
+        layouts = [s.buckets for s in plan.timeline_schedules()]
+        sent: Counter = Counter()
+        trees = []
+        for buckets in layouts:
+            t = TreeSchedule(plan.ring, buckets, plan.node_names, send_base=sent)
+            sent.update({conn: len(sends) for conn, sends in t.sends.items()})
+            trees.append(t)
+        out: dict[tuple[int, int], list[FlowTimeline]] = {}
+        for key in trees[0].flows:
+            tl = FlowTimeline(trees[0].flows[key], [t.flows[key] for t in trees[1:]])
+            if tl.first.npkts or tl.cycle_npkts:
+                out.setdefault(plan.link_of(key[:3]), []).append(tl)
+        return out
+
     def _refuse_unbound(self):
         """Nothing of the plan's ring allreduce was bound: refuse by name when the
         traffic positively is something else. Flows that merely match nothing (a plan
-        that does not fit, a capture that starts mid-job) keep their diagnostics."""
+        that does not fit, a capture that starts mid-job) keep their diagnostics.
+
+        Tree traffic on ring links (2 nodes, or tree edges that are ring hops) is told
+        by its message sequence: NCCL Tree sends each channel's chunks up and down every
+        edge, one message a chunk, which no ring schedule does; a flow whose every head
+        and immediate sit where a tree QP of its link has them is Tree."""
+        trees = None
         for hop, cand in self.unexplained:
-            if len(cand.heads) < 2 * MIN_HEADS:
+            if len(cand.heads) < MIN_HEADS:
                 continue
-            for slot in self.expected[hop]:
-                base_rel = self._align(self._rs_timeline(slot), cand)
-                if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
-                    self._refuse_reduce_scatter(hop)
+            if len(cand.heads) >= 2 * MIN_HEADS:
+                for slot in self.expected[hop]:
+                    base_rel = self._align(self._rs_timeline(slot), cand)
+                    if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
+                        self._refuse_reduce_scatter(hop)
+            trees = self._tree_timelines() if trees is None else trees
+            if any(self._align(tl, cand) is not None for tl in trees.get(hop, ())):
+                raise CollectiveRefused(
+                    f"the traffic of link {self._link_name(hop)} is NCCL's Tree allreduce, not ring: its "
+                    "message lengths are the plan's buckets cut into tree chunks, each sent up and down "
+                    "the tree, and in Tree the final values never cross the ring's links; run the job "
+                    "with NCCL_ALGO=Ring")
         if self.off_ring:
             pairs = sorted(self.off_ring)
             names = ", ".join(self._link_name(h) for h in pairs[:4]) + (" ..." if len(pairs) > 4 else "")

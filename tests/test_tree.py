@@ -68,12 +68,33 @@ def test_every_chunk_goes_up_and_down_each_edge():
 
 
 def test_ring_traffic_that_fits_no_plan_is_not_called_tree(tmp_path):
-    """Ring traffic of another protocol than the plan's binds nothing, so the binder
-    looks for Tree's message sequence in it, and must not find it."""
+    """Ring traffic whose plan says another path MTU binds nothing (every message sits at
+    other PSNs), so the binder looks for reduce-scatter, Tree and another protocol in it,
+    and must find none: it stays unmatched (exit 3)."""
     synth(tmp_path / "a", ranks=2, channels=2, iterations=2, mirrors=2)
-    synth(tmp_path / "b", ranks=2, channels=2, iterations=2, mirrors=2, protocol="ll")
+    synth(tmp_path / "b", ranks=2, channels=2, iterations=2, mirrors=2, mtu=1024)
     res = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(tmp_path / "b" / "plan.json"),
                           "--init", str(tmp_path / "a" / "init.pt"), *pcaps(tmp_path / "a")],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     out = res.stdout + res.stderr
-    assert "Tree" not in out and "0 committed" in out, out
+    assert res.returncode == 3 and "unmatched flow" in out and "error:" not in out, out
+
+
+@pytest.mark.parametrize("wire, plan, words", [
+    ("simple", "ll128", ("NCCL's Simple", "protocol ll128", "NCCL_PROTO=LL128")),  # lengths bind, lines do not
+    ("ll128", "simple", ("NCCL's LL128", "protocol simple", "NCCL_PROTO=Simple")),  # nothing binds
+    ("ll", "ll128", ("NCCL's LL (16-byte lines", "protocol ll128", "NCCL_PROTO=LL128")),
+])
+@pytest.mark.parametrize("fast", [False, True])
+def test_traffic_of_another_protocol_is_refused_by_name(tmp_path_factory, wire, plan, words, fast):
+    base = tmp_path_factory.getbasetemp()
+    for proto in (wire, plan):
+        if not (base / f"proto-{proto}" / "plan.json").exists():
+            synth(base / f"proto-{proto}", ranks=2, channels=2, iterations=2, mirrors=2, protocol=proto)
+    res = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(base / f"proto-{plan}" / "plan.json"),
+                          "--init", str(base / f"proto-{wire}" / "init.pt"), *pcaps(base / f"proto-{wire}"),
+                          *([] if fast else ["--reference-path"])],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    err = res.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err and all(w in err for w in words), err

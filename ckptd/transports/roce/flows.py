@@ -79,7 +79,7 @@ PROTOCOL_ENV = {"ll": "LL", "ll128": "LL128", "simple": "Simple"}
 
 def wire_protocol(payload) -> str:
     """Which NCCL protocol's lines a data packet of 128 bytes or more carries: LL puts the
-    step's flag in words 1 and 3 of every 16-byte line (prims_ll.h storeLL@v2.19.4-1),
+    step's flag in words 1 and 3 of every 16-byte line (prims_ll.h:132 storeLL@v2.19.4-1),
     LL128 in word 15 of every 128-byte line (ckptd.core.ll128); a flag is the connection's
     step + 1, never 0 before 2**32 steps, so zeros, and data, read as Simple."""
     n = len(payload)

@@ -136,23 +136,25 @@ def test_reduce_scatter_traffic_is_refused(tmp_path_factory, fast):
                       "reduce-scatter with no allgather", "FSDP/ZeRO", "NCCL_ALGO=Ring")
 
 
-# 2 ranks: every tree edge is a ring hop both ways; 3 and 4: some are, the others are
-# pairs that are ring neighbours in no channel, but the tree's messages on the ring hops
-# name it first
-@pytest.mark.parametrize("ranks, protocol, version", [
-    (2, "simple", "2.19"), (2, "ll", "2.27"), (2, "ll128", "2.29"),
-    (3, "simple", "2.27"), (3, "ll", "2.19"), (3, "ll128", "2.27"),
-    (4, "simple", "2.29"), (4, "ll", "2.22"), (4, "ll128", "2.19"),
+# 2 ranks (or nodes): every tree edge is a ring hop both ways; 3 and 4: some are, the
+# others are pairs that are ring neighbours in no channel, but the tree's messages on the
+# ring hops name it first
+@pytest.mark.parametrize("ranks, protocol, version, nodes", [
+    (2, "simple", "2.19", 0), (2, "ll", "2.27", 0), (2, "ll128", "2.29", 0),
+    (3, "simple", "2.27", 0), (3, "ll", "2.19", 0), (3, "ll128", "2.27", 0),
+    (4, "simple", "2.29", 0), (4, "ll", "2.22", 0), (4, "ll128", "2.19", 0),
+    (4, "simple", "2.27", 2),  # 2 nodes of 2 GPUs
 ])
 @pytest.mark.parametrize("fast", [False, True])
-def test_tree_traffic_on_ring_links_is_refused_by_name(tmp_path_factory, ranks, protocol, version, fast):
-    run = tmp_path_factory.getbasetemp() / f"refuse-tree-{ranks}-{protocol}"
+def test_tree_traffic_on_ring_links_is_refused_by_name(tmp_path_factory, ranks, protocol, version, nodes, fast):
+    run = tmp_path_factory.getbasetemp() / f"refuse-tree-{ranks}-{protocol}-{nodes}"
     if not (run / "plan.json").exists():
-        synth(run, ranks=ranks, channels=2, iterations=2, mirrors=2, protocol=protocol, nccl_version=version,
-              collective="tree")
+        shape = {"nodes": nodes, "gpus_per_node": ranks // nodes} if nodes else {"ranks": ranks}
+        synth(run, channels=2, iterations=2, mirrors=2, protocol=protocol, nccl_version=version,
+              collective="tree", **shape)
     res = _replay_cli(run, run / "plan.json", *([] if fast else ["--reference-path"]))
     _one_line_refusal(res, "NCCL's Tree allreduce", "NCCL_ALGO=Ring")
-    assert "link rank " in res.stderr
+    assert "link rank " in res.stderr or "link NIC " in res.stderr
 
 
 @pytest.mark.parametrize("setting, words", [

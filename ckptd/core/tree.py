@@ -25,8 +25,8 @@ alignment is approximated by the same cells).
 """
 from __future__ import annotations
 
-from ckptd.core.schedule import (RS, Bucket, FlowSchedule, RingConfig, RingSchedule, Send, WARP_SIZE, _div_up, cbd_ranges,
-                                 wire_bytes)
+from ckptd.core.schedule import (RS, WARP_SIZE, Bucket, FlowSchedule, RingConfig, RingSchedule, Send, _div_up,
+                                 cbd_ranges, wire_bytes)
 
 
 def _btree(n: int, r: int) -> tuple[int, list[int]]:
@@ -127,12 +127,9 @@ class TreeSchedule(RingSchedule):
     values coming down have `ring_step` 1; none is ever placed)."""
 
     def __init__(self, cfg: RingConfig, buckets: list[Bucket], node_of, send_base: dict | None = None):
-        self.cfg, self.buckets, self.others = cfg, list(buckets), []
-        self.send_base = dict(send_base or {})
-        self._whole_sends = (not cfg.split or cfg.qps_per_connection == 1) and not cfg.ar_writes
-        nodes = list(dict.fromkeys(node_of))  # NCCL numbers nodes in order of their first rank
+        self._start(cfg, buckets, [], send_base)
+        nodes = list(dict.fromkeys(node_of))  # numbered in order of their first rank (init.cc:973-983@v2.19.4-1)
         self.nnodes = len(nodes)
-        self.sends, self.flows = {}, {}
         self.edges: dict[int, list[tuple[int, int]]] = {}  # channel -> (child rank, parent rank)
         for c, ring in enumerate(cfg.rings):
             entry = {}

@@ -30,8 +30,8 @@ its earliest packet seen; the pipeline joins at the latest of these over all flo
 from __future__ import annotations
 
 from collections import Counter, deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 import numpy as np
@@ -68,8 +68,6 @@ RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
 ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
 MISMATCHED_HEADS = 16  # message heads kept per bound flow that the schedule rejected
 LINES_SAMPLE = 16  # packets of a flow whose lines name its protocol (FlowBinder._lines)
-
-
 LL128_LINE = ll128.LINE_WORDS * 8
 PROTOCOL_LOOKS = {"ll": "LL (16-byte lines, a flag in every second 32-bit word)",
                   "ll128": "LL128 (128-byte lines, a flag in every 16th 64-bit word)",

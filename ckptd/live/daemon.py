@@ -486,9 +486,12 @@ class Daemon:
         self._drops_looked = 0.0  # time.monotonic() of the last look
         # the checkpoint files: written in the commit path (persist_sync), else by the
         # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
-        self.restarted_from = self._own_newest() if cfg.join and cfg.resume is None else None
+        # a restart: the own newest persisted state first, then `resume` (the trainer's
+        # checkpoints: after an outage longer than that state covers, ckptd.live.notice)
+        self.restarted_from = self._own_newest() if cfg.join else None
         opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None,
-                             resume=self.restarted_from[1] if self.restarted_from else cfg.resume, dump_gradients=cfg.dump_gradients,
+                             restart=self.restarted_from[1] if self.restarted_from else None,
+                             resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
@@ -524,7 +527,7 @@ class Daemon:
     def _own_newest(self) -> tuple[int, str] | None:
         """A restart: the newest state this daemon persisted before (the persistence
         tier's manifest in `out` or at `persist_url`, verified against it), as the state
-        to join from when no `resume` is configured: (iteration, file). A state read from
+        to join from (before `resume`): (iteration, file). A state read from
         a URL is written to `out` (restart-iter_NNNNNN.pt) for the pipeline to resume from."""
         from ckptd.core.checkpoint import CheckpointError, checkpoint_name, save_checkpoint
         from ckptd.core.store import credentials_in, open_store, redact
@@ -578,6 +581,8 @@ class Daemon:
             fields["commit_lag_s"] = round(rep.commit_lag, 6)
         if rep.write_seconds is not None:
             fields["write_s"] = round(rep.write_seconds, 6)
+        if rep.through is not None:  # not-captured: the gap's last iteration
+            fields["through"] = rep.through
         if rep.status == "committed":
             fields["persisted"] = rep.persisted
             if rep.persisted is False:
@@ -905,4 +910,5 @@ class Daemon:
         statuses = {u["status"] for u in self.unrecovered}
         if "dropped" in statuses:
             return 4
-        return 3 if statuses - {"abandoned"} else 0
+        # not-captured: ran before this daemon saw the job (reported, and noticed)
+        return 3 if statuses - {"abandoned", "not-captured"} else 0

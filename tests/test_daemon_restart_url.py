@@ -131,26 +131,36 @@ def test_sigkilled_daemon_restarts_from_its_persisted_url_and_stays_bit_exact(ru
             assert diff_checkpoints(doc, load_checkpoint(run / "reference" / e["file"])) == [], e["file"]
 
 
-def test_restart_from_a_memory_url_joins_after_its_newest_entry(run, tmp_path):
-    """The same in one process on memory:// (an object store: no local file to resume
-    from, so the daemon writes the verified state to out/restart-iter_NNNNNN.pt first)."""
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_restart_from_an_object_store_url_joins_after_its_newest_entry(run, tmp_path, kind, request):
+    """The same in one process on memory:// and on s3:// (a local S3 server, credentials
+    and endpoint in persist_options): no local file to resume from, so the daemon writes
+    the verified state to out/restart-iter_NNNNNN.pt first."""
     import uuid
 
+    from ckptd.core.store import Store
     from ckptd.live.daemon import Daemon, load_config
     from ckptd.pipeline import file_source
     from helpers import pcaps
-    url = f"memory://restart-{uuid.uuid4().hex[:8]}"
+    options = None
+    if kind == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, options = s3.bucket(), s3.options
+    else:
+        url = f"memory://restart-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "ckptd.yaml"
     cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmp_path / 'out'}\n"
                    f"persist_url: {url}\npersist_every: 1\njoin: true\n"
+                   + (f"persist_options: {json.dumps(options)}\n" if options else "") +
                    "listen: 127.0.0.1:0\ninterfaces:\n"
                    "  - {name: mirror0, ifname: m0}\n  - {name: mirror1, ifname: m1}\n")
+    store = Store(url, options)  # what the test reads it through
     frames = list(file_source(pcaps(run), []))
     starts = _iteration_starts(frames)
     first = Daemon(load_config(cfg))
     assert first.restarted_from is None
     assert first.run(source=iter([x for x in frames if x[1].ts_ns < starts[3]]), install_signals=False) == 0
-    k = newest_verified(url)[1]["iteration"]
+    k = newest_verified(store)[1]["iteration"]
     assert k == 2  # the clean stop persists the newest committed state
     second = Daemon(load_config(cfg))
     assert second.restarted_from == (k, str(tmp_path / "out" / f"restart-{checkpoint_name(k)}"))
@@ -159,7 +169,10 @@ def test_restart_from_a_memory_url_joins_after_its_newest_entry(run, tmp_path):
     assert [(r.iteration, r.status) for r in second.pipe.reports] == [(i, "committed") for i in range(k + 1, ITERATIONS)]
     assert second.snapshot.get()["join"]["restarted_from"] == k
     assert second.snapshot.get()["checkpoints"]["store"] == url
-    doc, entry = newest_verified(url)
+    if options:  # the credentials are nowhere in /status
+        status = json.dumps(second.snapshot.get())
+        assert options["secret"] not in status and options["key"] not in status
+    doc, entry = newest_verified(store)
     assert entry["iteration"] == ITERATIONS - 1
     assert diff_checkpoints(doc, load_checkpoint(run / "reference" / entry["file"])) == []
 

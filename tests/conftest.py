@@ -36,21 +36,25 @@ class S3Lab:
         self.endpoint = f"http://{host}:{port}"
         # config_kwargs: one attempt per call (botocore retries 5 times by default: the
         # keeper's back-off is the retry that matters), a short connect timeout
-        self.options = {"key": self.KEY, "secret": self.SECRET,
+        # default_block_size: S3's smallest part, so a 6 MiB write starts a multipart upload
+        self.options = {"key": self.KEY, "secret": self.SECRET, "default_block_size": 5 << 20,
                         "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
                         "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2}}
         # what restore / verify read when given no options (s3fs honours the AWS_* environment)
         self.env = {"AWS_ACCESS_KEY_ID": self.KEY, "AWS_SECRET_ACCESS_KEY": self.SECRET,
                     "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
 
+    def client(self):
+        """A boto3 S3 client of the server, to look behind s3fs."""
+        import boto3
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=self.KEY, aws_secret_access_key=self.SECRET)
+
     def bucket(self) -> str:
         """A new, empty bucket: its s3:// URL with a prefix."""
         import uuid
-
-        import boto3
         name = f"ckpts-{uuid.uuid4().hex[:10]}"
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                     aws_access_key_id=self.KEY, aws_secret_access_key=self.SECRET).create_bucket(Bucket=name)
+        self.client().create_bucket(Bucket=name)
         return f"s3://{name}/job1"
 
 

@@ -82,7 +82,7 @@ def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path
     assert store.local == (kind == "file")
     man = read_manifest(store)
     assert [e["iteration"] for e in man["checkpoints"]] == [2, 4]  # 0 pruned (keep_last 2)
-    # nothing else there: every temporary was moved to its name
+    # nothing else there: no temporary left (s3: none made, the commit publishes the name)
     assert sorted(store.names()) == [checkpoint_name(2), checkpoint_name(4), MANIFEST]
     for e in man["checkpoints"]:
         # the SHA-256 taken while writing is the object's
@@ -130,28 +130,49 @@ def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(kind, tmp
     assert got[1]["iteration"] == 0  # the manifest never names what it does not hold whole
     # a crash in the middle of an object: nothing stored (the write is discarded)
     tier2 = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
+    before = store.names()
+    assert before == {checkpoint_name(0), checkpoint_name(1), MANIFEST}
 
     def half(f):
-        f.write(b"PK\x03\x04 partial" * (1 << 16))
+        f.write(b"PK\x03\x04 partial" * (6 << 16))  # > 5 MiB: on S3 one part is uploaded
         raise KeyboardInterrupt("killed")
     with pytest.raises(KeyboardInterrupt):
         tier2.store.write(checkpoint_name(2), half)
-    assert store.names() == {checkpoint_name(0), checkpoint_name(1), MANIFEST}
-    # a crash after the temporary is whole, before the move (S3: before the copy, or
-    # between the copy and the delete): a temporary left, never listed
+    assert store.names() == before
+    # a crash once every byte is written, before the commit that stores them (S3: an
+    # upload never completed): nothing under any name
     fs = tier2.store.fs
+    real_open = fs.open
 
     def killed(*a, **k):
         raise KeyboardInterrupt("killed")
-    fs.mv, fs.rm = killed, lambda *a, **k: None
+
+    def dies_at_commit(*a, **k):
+        f = real_open(*a, **k)
+        f.commit = killed
+        return f
+    fs.open = dies_at_commit
     try:
         with pytest.raises(KeyboardInterrupt):
-            tier2.store.write(checkpoint_name(2), lambda f: f.write(b"whole"))
+            tier2.store.write(checkpoint_name(2), lambda f: f.write(b"whole" * (1 << 16)))
     finally:
-        del fs.mv, fs.rm
-    names = store.names()
-    assert checkpoint_name(2) not in names
-    assert len([n for n in names if n.startswith(checkpoint_name(2) + ".tmp-")]) == 1, names
+        del fs.open
+    assert store.names() == before
+    if kind == "s3":  # behind s3fs: the first upload was aborted, the second left incomplete
+        bucket, prefix = url[len("s3://"):].split("/", 1)
+        uploads = request.getfixturevalue("s3").client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        assert [u["Key"] for u in uploads] == [f"{prefix}/{checkpoint_name(2)}"]
+    if kind == "memory":
+        # a store with a rename: a crash after the commit, before the move, leaves the
+        # temporary (whole), never listed
+        fs.mv, fs.rm = killed, lambda *a, **k: None
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                tier2.store.write(checkpoint_name(2), lambda f: f.write(b"whole"))
+        finally:
+            del fs.mv, fs.rm
+        left = store.names() - before
+        assert len(left) == 1 and left.pop().startswith(checkpoint_name(2) + ".tmp-")
     assert newest_verified(store)[1]["iteration"] == 0
     # the next start lists only what is there whole; a later write lists 2 and keeps 0
     tier2.offer(held[2])

@@ -4,14 +4,21 @@ have one way to write, list, read and remove whatever the target.
 
 - A local directory (a path, or a `file://` URL): `atomic_write` as before (a temporary
   beside the file, fsync, rename, directory fsync).
-- Any other fsspec filesystem (`memory://`, `s3://bucket/prefix`, ...): the object is
-  written under a temporary name, then moved to its name. An object store has no fsync
-  and no rename: on S3 the move is a server-side copy (atomic: the name shows the old
-  object or the whole new one, never a part) and then a delete of the temporary (a crash
-  between the two leaves the temporary behind, never listed). The temporary is written
-  with autocommit off and committed whole, or discarded on failure. What keeps
-  a reader safe is the order, the manifest being written after the object it lists, so a
-  manifest entry never names a partial object (docs/RECOVERY.md, "What guarantees what").
+- Any other fsspec filesystem: written with fsspec's transaction protocol (autocommit
+  off: nothing is stored until commit(); a failed write is discarded, where close() would
+  store the part written so far).
+  - A bucket store (`s3://bucket/prefix`, gs, az): straight to its name. The commit is
+    the atomic step (S3: the PUT, or CompleteMultipartUpload of the parts): the name
+    shows the previous object or the whole new one, never a part. S3 has no rename: a
+    temporary name and a move would be a second whole copy (CopyObject) and a delete,
+    twice the time, and no safer.
+  - Others (`memory://`, sftp, ...): under a temporary name, committed, then moved to
+    its name; the temporary is removed when that fails (a filesystem that ignores
+    autocommit, like memory://, shows it while it is written). A crash before the move
+    leaves the temporary, never listed.
+  What keeps a reader safe across objects is the order, the manifest being written after
+  the object it lists, so a manifest entry never names a missing or partial object
+  (docs/RECOVERY.md, "What guarantees what on an object store").
 - Storage options (`persist_options`: credentials, endpoint, retries) go to the fsspec
   filesystem as given; the values of credential keys never appear in a message. Without
   them fsspec's own defaults apply (s3fs: the AWS_* environment, ~/.aws).
@@ -189,25 +196,26 @@ class Store:
             atomic_write(self.path / name, hashed)
         else:
             def put():
-                tmp = self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+                final = self._key(name)
+                direct = self.protocol in BUCKET_STORES  # the commit is atomic: no move
+                target = final if direct else self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
                 try:
-                    # fsspec's transaction protocol: nothing is stored until commit(), and
-                    # a failed write is discarded (s3fs aborts its multipart upload), where
-                    # a plain close() would store the part written so far
-                    f = self.fs.open(tmp, "wb", autocommit=False)
+                    f = self.fs.open(target, "wb", autocommit=False)
                     try:
                         hashed(f)
                         f.close()
                     except BaseException:
-                        f.discard()
+                        f.discard()  # s3fs: aborts the multipart upload
                         raise
                     f.commit()
-                    self.fs.mv(tmp, self._key(name))
+                    if not direct:
+                        self.fs.mv(target, final)
                 except BaseException:
-                    try:
-                        self.fs.rm(tmp)
-                    except Exception:
-                        pass
+                    if not direct:  # what a filesystem stored before its commit, or the move
+                        try:
+                            self.fs.rm(target)
+                        except Exception:
+                            pass
                     raise
             self._call("write", put, name)
         return box[0].size, box[0].sha.hexdigest()

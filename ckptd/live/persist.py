@@ -17,7 +17,8 @@ in place, so after a crash at any moment the manifest's newest entry loads and v
 the crash and is ignored.
 
 The directory may be an fsspec URL (`persist_url`: memory://, s3://bucket/prefix, ...):
-ckptd.core.store writes each object under a temporary name and moves it, and the order
+ckptd.core.store writes each object whole or not at all (an atomic commit on a bucket
+store, a temporary name and a move elsewhere), and the order
 above (checkpoint, then the manifest) is what keeps a reader from meeting a manifest entry
 for a partial object. The SHA-256 is computed while the file is written.
 """

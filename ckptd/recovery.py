@@ -88,8 +88,7 @@ def newest_at_url(url: str) -> tuple[dict, str]:
     from ckptd.live.persist import newest_verified
     try:
         store = open_store(url)
-        if not store.local:
-            store.makedirs()  # a bucket store: a missing bucket is named as such
+        store.check_bucket()  # a missing bucket named as such, not as "no manifest"
         got = newest_verified(store)
     except (OSError, ValueError) as e:
         raise CheckpointError(redact(" ".join(str(e).split()))) from None

@@ -387,3 +387,19 @@ def test_a_server_that_is_down_is_retried_and_reported_in_one_line(s3, tmp_path,
         assert newest_verified(store)[1]["iteration"] == 3
     finally:
         server.stop()
+
+
+def test_status_without_details_keeps_a_url_and_drops_local_directories():
+    """/status (status_details off) shows a store URL and its object names whole, and of a
+    local path only the file name, in the write error and in the unrecovered notes."""
+    from ckptd.live.status import redact as redact_status
+    doc = redact_status({
+        "checkpoints": {"store": "s3://bkt/job1",
+                        "last_error": "s3://bkt/job1/iter_000003.pt: cannot write: bucket 'bkt' does not exist"},
+        "unrecoverable": [{"iteration": 3, "status": "not-captured", "missing": [],
+                           "note": "the newest state held is iteration 2 (/var/lib/ckptd/iter_000002.pt): "
+                                   "the shadow waits for a checkpoint of the job's own state in /shared/resync"}]})
+    assert doc["checkpoints"] == {"store": "s3://bkt/job1", "last_error":
+                                  "s3://bkt/job1/iter_000003.pt: cannot write: bucket 'bkt' does not exist"}
+    assert doc["unrecoverable"][0]["note"] == ("the newest state held is iteration 2 (iter_000002.pt): "
+                                               "the shadow waits for a checkpoint of the job's own state in resync")

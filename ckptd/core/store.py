@@ -153,10 +153,21 @@ class Store:
             self._call("create", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
     def check_bucket(self):
-        """CheckpointWriteError (ENOENT) naming the URL when the bucket does not exist."""
+        """CheckpointWriteError (ENOENT) naming the URL when the store's bucket does not
+        exist (nothing to check for a store without buckets)."""
+        if (why := self._missing_bucket()) is not None:
+            raise CheckpointWriteError(_errno.ENOENT, f"{self.url}: {why}")
+
+    def _missing_bucket(self) -> str | None:
+        if self.local or self.protocol not in BUCKET_STORES:
+            return None
         bucket = self.root.lstrip("/").split("/", 1)[0]
-        if not self._call("reach", lambda: self.fs.exists(bucket)):
-            raise CheckpointWriteError(_errno.ENOENT, f"{self.url}: bucket {bucket!r} does not exist")
+        try:
+            if self._call("reach", lambda: self.fs.exists(bucket), missing_ok=True):
+                return None
+        except FileNotFoundError:
+            pass
+        return f"bucket {bucket!r} does not exist"
 
     def _call(self, what: str, fn, name: str | None = None, missing_ok: bool = False):
         """fn() on the remote filesystem (connecting first, if not yet); any failure as a
@@ -169,21 +180,13 @@ class Store:
         except FileNotFoundError:
             if missing_ok:
                 raise
+            why = self._missing_bucket() or "not found"  # the object, or its whole bucket
             raise CheckpointWriteError(_errno.ENOENT, f"{self.where(name) if name else self.url}: cannot {what}: "
-                                                      f"{self.missing_why()}") from None
+                                                      f"{why}") from None
         except Exception as e:
             code = getattr(e, "errno", None) or _errno.EIO
             raise CheckpointWriteError(code, f"{self.where(name) if name else self.url}: cannot {what}: "
                                              f"{_one_line(e, self.secrets)}") from None
-
-    def missing_why(self) -> str:
-        """Why a path under the store is not found: its bucket, or only the object."""
-        if self.protocol in BUCKET_STORES:
-            try:
-                self.check_bucket()
-            except CheckpointWriteError as e:
-                return str(e).split(": ", 1)[1]
-        return "not found"
 
     def write(self, name: str, fill) -> tuple[int, str]:
         """`fill(f)` writes the file `name` whole or not at all; (bytes, SHA-256 hex)."""

@@ -22,8 +22,12 @@ by PSN arithmetic from NCCL's connect PSN 0 (ckptd.transports.roce.flows); nothi
 every flow is bound, then the pipeline joins at the first iteration every flow was seen
 from its start and forgets what came before. The shadow continues from the starting
 state if that is the state just before, else from the trainer's checkpoint of that
-iteration found through ReplayOptions.resume (a file or a directory of checkpoints);
-until one is found, complete iterations are reported "complete-not-applied".
+iteration found through ReplayOptions.restart (a restarted daemon's own persisted state)
+or ReplayOptions.resume (a file or a directory of checkpoints); until one is found,
+complete iterations are reported "complete-not-applied". When no state of the iteration
+before the join is there at the join, the iterations between the newest state held and
+the join ran while nothing captured them: one "not-captured" report says which (the
+daemon's notice asks the trainer for a checkpoint, ckptd.live.notice).
 """
 from __future__ import annotations
 
@@ -125,6 +129,7 @@ class ApplyStage:
 class IterationReport:
     iteration: int
     status: str  # committed | unrecoverable | conflict | complete-not-applied | incomplete-not-applied
+    # | not-captured (joining: iteration .. through ran before the capture saw the job)
     packets: int = 0
     grad_bytes: int = 0
     coverage: list[float] = field(default_factory=list)  # per stream
@@ -136,6 +141,7 @@ class IterationReport:
     # shadow holds the iteration exactly (its checkpoint file is written after: write_seconds)
     write_seconds: float | None = None
     persisted: bool | None = None  # committed, and its checkpoint file written (None: no --out)
+    through: int | None = None  # not-captured: the last iteration of the gap
 
     @property
     def ok(self) -> bool:
@@ -148,6 +154,7 @@ class ReplayOptions:
     reference: str | None = None  # trainer's checkpoints to compare each commit with
     dump_gradients: str | None = None
     resume: str | None = None  # a checkpoint, or a directory of them, to restart the shadow from
+    restart: str | None = None  # a restarted daemon's own newest persisted state (a file), tried first
     join: bool = False  # the capture starts mid-job: align on the first whole iteration
     join_from: int | None = None  # joining: an iteration the job has reached (PSN wraps)
     stream_names: list[str] | None = None
@@ -193,11 +200,12 @@ class Pipeline:
         self.open_assembly = open_assembly or (lambda it: IterationAssembly(it, plan.buckets(it), nstreams))
         self.close_assembly = close_assembly
         self.shadow = ShadowModel(plan, start) if (start is not None and plan.optimizer) else None
-        # a --resume file's iteration; the file is read again when needed, since the
-        # shadow takes over (and then changes) the tensors of the state it starts from
-        self.resume_iteration = None
-        if opts.resume and not Path(opts.resume).is_dir():
-            self.resume_iteration = int(load_checkpoint(opts.resume, self.param_names).get("iteration", -2))
+        # where a state to restart the shadow from is looked for, in order, and each file's
+        # iteration; a file is read again when needed, since the shadow takes over (and
+        # then changes) the tensors of the state it starts from
+        self.resume_sources = [src for src in (opts.restart, opts.resume) if src]
+        self.resume_iterations = {src: int(load_checkpoint(src, self.param_names).get("iteration", -2))
+                                  for src in self.resume_sources if not Path(src).is_dir()}
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
@@ -374,7 +382,27 @@ class Pipeline:
         if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:
             # wait for the trainer's checkpoint of the iteration before (_resume_state)
             self.stopped_after = int(self.shadow.iteration)
+            self._report_gap()
         self._finalize_through(self.highest - FINALIZE_LAG)
+
+    def _report_gap(self):
+        """Joined with no state of the iteration before at hand: the iterations after the
+        newest state held ran while nothing captured them. One report says which and why,
+        before any report of the joined iterations (the daemon's notice sends it on)."""
+        if self._resume_state(self.joined - 1) is not None:
+            return  # the trainer's checkpoint (or the daemon's own) is there already
+        held = [int(self.shadow.iteration)] + [i for i in self.resume_iterations.values() if i < self.joined]
+        have = max(held)
+        self.stopped_after = have  # what the reports name until a state is found
+        where = next((src for src, i in self.resume_iterations.items() if i == have), "the starting state")
+        rep = IterationReport(have + 1, "not-captured", through=self.joined - 1)
+        span = f"iteration {have + 1}" if have + 1 == self.joined - 1 else f"iterations {have + 1}-{self.joined - 1}"
+        rep.note = (f"{span} ran before the capture saw the job (joined at {self.joined}); the newest state "
+                    f"held is iteration {have} ({where}): the shadow waits for a checkpoint of the job's own "
+                    "state" + (f" in {self.opts.resume}" if self.opts.resume else " (no resume configured)"))
+        self.reports.append(rep)
+        if self.on_iteration:
+            self.on_iteration(rep)
 
     def _drop_before(self, at: int):
         """Joining: forget every iteration before `at`, as if done."""
@@ -523,11 +551,11 @@ class Pipeline:
     def _apply(self, asm: IterationAssembly, rep: IterationReport):
         it = asm.iteration + self.offset
         if self.stopped_after is not None:
-            state = self._resume_state(it - 1)
-            if state is not None:
-                self.shadow = ShadowModel(self.plan, state)
+            got = self._resume_state(it - 1)
+            if got is not None:
+                self.shadow = ShadowModel(self.plan, got[0])
                 self.stopped_after = None
-                rep.note = f"resumed from {self.opts.resume}"
+                rep.note = f"resumed from {got[1]}"
             else:
                 rep.status = "complete-not-applied"
                 rep.note = f"shadow stopped at iteration {self.stopped_after}" + \
@@ -584,15 +612,17 @@ class Pipeline:
                 if diffs:
                     rep.note = "differs from reference: " + "; ".join(diffs)
 
-    def _resume_state(self, iteration: int) -> dict | None:
-        """A state to restart the shadow from that is exactly `iteration`: the --resume
-        checkpoint, or that iteration's checkpoint in the --resume directory."""
-        if not self.opts.resume:
-            return None
-        if self.resume_iteration is not None:
-            return (load_checkpoint(self.opts.resume, self.param_names)
-                    if self.resume_iteration == iteration else None)
-        return find_checkpoint(self.opts.resume, iteration, self.param_names)
+    def _resume_state(self, iteration: int) -> tuple[dict, str] | None:
+        """A state to restart the shadow from that is exactly `iteration`, and where it
+        came from: the restart file, the --resume checkpoint, or that iteration's
+        checkpoint in the --resume directory."""
+        for src in self.resume_sources:
+            if src in self.resume_iterations:
+                if self.resume_iterations[src] == iteration:
+                    return load_checkpoint(src, self.param_names), src
+            elif (doc := find_checkpoint(src, iteration, self.param_names)) is not None:
+                return doc, src
+        return None
 
     def _dump(self, asm: IterationAssembly):
         d = Path(self.opts.dump_gradients)

@@ -88,6 +88,7 @@ def newest_at_url(url: str) -> tuple[dict, str]:
     from ckptd.live.persist import newest_verified
     try:
         store = open_store(url)
+        store.check_bucket()  # a missing bucket named as such, not as "no manifest"
         got = newest_verified(store)
     except (OSError, ValueError) as e:
         raise CheckpointError(redact(" ".join(str(e).split()))) from None

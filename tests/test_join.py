@@ -120,10 +120,13 @@ def test_join_waits_for_the_trainers_checkpoint(job, tmp_path):
     shutil.copy(job / "reference" / checkpoint_name(3), ckpts)  # only iteration 3's
     pipe = join_replay(job, paths, tmp_path / "out", resume=ckpts)
     got = [(r.iteration, r.status) for r in pipe.reports]
-    assert got == [(2, "complete-not-applied"), (3, "complete-not-applied"),
+    # first, the gap between the starting state (iteration -1) and the join, said once
+    assert got == [(0, "not-captured"), (2, "complete-not-applied"), (3, "complete-not-applied"),
                    (4, "committed"), (5, "committed")]
-    assert f"no checkpoint of iteration 1 in {ckpts}" in pipe.reports[0].note
-    assert all(r.exact for r in list(pipe.reports)[2:])
+    assert pipe.reports[0].through == 1 and pipe.reports[0].note.startswith(
+        "iterations 0-1 ran before the capture saw the job (joined at 2); the newest state held is iteration -1")
+    assert f"no checkpoint of iteration 1 in {ckpts}" in pipe.reports[1].note
+    assert all(r.exact for r in list(pipe.reports)[3:])
     assert not (tmp_path / "out" / checkpoint_name(2)).exists()
 
 

@@ -21,7 +21,7 @@ from ckptd.core.optim import torch_optimizer
 from ckptd.core.plan import load_plan
 from ckptd.live.daemon import ConfigError, load_config
 from ckptd.live.notice import STORE_KEY, Notifier, NoticeConfig
-from ckptd.pipeline import Pipeline, ReplayOptions
+from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.resync import Resync
 from ckptd.testing.synth.model import build_model
 from parsers.capfile import open_capture
@@ -136,12 +136,11 @@ def test_an_unrecoverable_iteration_is_announced_and_the_trainer_resyncs_the_sha
 
 
 def test_an_unreachable_webhook_is_counted_never_blocks(tmp_path):
-    from types import SimpleNamespace
     n = Notifier(NoticeConfig(webhook="http://127.0.0.1:9/none", timeout_s=0.2))
-    rep = SimpleNamespace(iteration=3, status="unrecoverable", note="", missing=[])
+    rep = IterationReport(3, "unrecoverable")
     t0 = time.monotonic()
     n.on_iteration(rep)
-    n.on_iteration(SimpleNamespace(iteration=4, status="committed", note="", missing=[]))
+    n.on_iteration(IterationReport(4, "committed"))
     assert time.monotonic() - t0 < 0.1  # the core loop only enqueues
     n.close(wait_s=30)
     assert n.stats() == {"sent": 0, "failed": 1, "dropped": 0}

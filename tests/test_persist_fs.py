@@ -1,7 +1,8 @@
 """The persistence tier on an fsspec URL (persist_url, ckptd.core.store): entries that
 verify, the manifest written last (a crash between an object and the manifest leaves the
 previous newest entry), restore from the URL bit-identical, a failing store retried with
-back-off and reported in one line, credentials never shown."""
+back-off and reported in one line, credentials never shown. On memory://, file:// and
+s3:// (a local S3 server speaking the real REST protocol: tests/conftest.py `s3`)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,6 @@ import logging
 import time
 import uuid
 
-import fsspec
 import pytest
 import torch
 
@@ -60,29 +60,38 @@ def _drain(tier):
     raise AssertionError("writer did not finish")
 
 
-def _url(kind: str, tmp_path) -> str:
-    return f"memory://ckpts-{uuid.uuid4().hex[:8]}" if kind == "memory" else f"file://{tmp_path / 'ck'}"
+def _target(kind: str, tmp_path, request) -> tuple[str, dict | None]:
+    """A fresh store of that kind: its URL and storage options."""
+    if kind == "s3":
+        s3 = request.getfixturevalue("s3")
+        return s3.bucket(), s3.options
+    return (f"memory://ckpts-{uuid.uuid4().hex[:8]}" if kind == "memory" else f"file://{tmp_path / 'ck'}"), None
 
 
-@pytest.mark.parametrize("kind", ["memory", "file"])
-def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path):
-    url = _url(kind, tmp_path)
+@pytest.mark.parametrize("kind", ["memory", "file", "s3"])
+def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path, request, monkeypatch):
+    url, options = _target(kind, tmp_path, request)
     model, opt, held = _trained(5)
-    tier = PersistTier(url, every=2, interval_s=None, keep_last=2, keep_every=None, plan_hash="p")
+    tier = PersistTier(url, every=2, interval_s=None, keep_last=2, keep_every=None, plan_hash="p",
+                       options=options)
     for h in held:
         tier.offer(h)
         _drain(tier)
     tier.close(held[-1])
-    store = Store(url)
+    store = Store(url, options)
     assert store.local == (kind == "file")
-    man = read_manifest(url)
+    man = read_manifest(store)
     assert [e["iteration"] for e in man["checkpoints"]] == [2, 4]  # 0 pruned (keep_last 2)
-    assert sorted(n for n in store.names() if n.startswith("iter_")) == [checkpoint_name(2), checkpoint_name(4)]
+    # nothing else there: no temporary left (s3: none made, the commit publishes the name)
+    assert sorted(store.names()) == [checkpoint_name(2), checkpoint_name(4), MANIFEST]
     for e in man["checkpoints"]:
         # the SHA-256 taken while writing is the object's
         assert hashlib.sha256(store.read(e["file"])).hexdigest() == e["sha256"]
-        verify_checkpoint(url, e)
+        verify_checkpoint(store, e)
     assert tier.status()["store"] == url.replace("file://", "") if kind == "file" else url
+    if kind == "s3":  # restore and verify get no options: s3fs reads the AWS_* environment
+        for k, v in request.getfixturevalue("s3").env.items():
+            monkeypatch.setenv(k, v)
     # restore from the URL: the newest entry, bit-identical to the model and optimizer
     fresh = _Net()
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
@@ -99,10 +108,12 @@ def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path
     assert main(["verify", url, str(tmp_path / "x.pt")]) == 0
 
 
-def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(tmp_path):
-    url = _url("memory", tmp_path)
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(kind, tmp_path, request):
+    url, options = _target(kind, tmp_path, request)
+    store = Store(url, options)
     _, _, held = _trained(3)
-    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None)
+    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
     tier.offer(held[0])
     _drain(tier)
     # iteration 1's object is written, then the process dies before the manifest
@@ -114,47 +125,77 @@ def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         tier._write(held[1])
     tier._write_manifest = real
-    assert checkpoint_name(1) in Store(url).names()
-    got = newest_verified(url)
+    assert checkpoint_name(1) in store.names()
+    got = newest_verified(store)
     assert got[1]["iteration"] == 0  # the manifest never names what it does not hold whole
-    # a crash in the middle of an object: a temporary at most, never the final name
-    fs = fsspec.filesystem("memory")
-    rm = fs.rm
-    fs.rm = lambda *a, **k: None  # the crash leaves the temporary behind
-    try:
-        tier2 = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None)
+    # a crash in the middle of an object: nothing stored (the write is discarded)
+    tier2 = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
+    before = store.names()
+    assert before == {checkpoint_name(0), checkpoint_name(1), MANIFEST}
 
-        def half(f):
-            f.write(b"PK\x03\x04 partial")
-            raise KeyboardInterrupt("killed")
+    def half(f):
+        f.write(b"PK\x03\x04 partial" * (6 << 16))  # > 5 MiB: on S3 one part is uploaded
+        raise KeyboardInterrupt("killed")
+    with pytest.raises(KeyboardInterrupt):
+        tier2.store.write(checkpoint_name(2), half)
+    assert store.names() == before
+    # a crash once every byte is written, before the commit that stores them (S3: an
+    # upload never completed): nothing under any name
+    fs = tier2.store.fs
+    real_open = fs.open
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    def dies_at_commit(*a, **k):
+        f = real_open(*a, **k)
+        f.commit = killed
+        return f
+    fs.open = dies_at_commit
+    try:
         with pytest.raises(KeyboardInterrupt):
-            tier2.store.write(checkpoint_name(2), half)
+            tier2.store.write(checkpoint_name(2), lambda f: f.write(b"whole" * (1 << 16)))
     finally:
-        fs.rm = rm
-    names = Store(url).names()
-    assert checkpoint_name(2) not in names and any(n.startswith(checkpoint_name(2) + ".tmp") for n in names)
-    assert newest_at_url(url)[0]["iteration"] == 0
+        del fs.open
+    assert store.names() == before
+    if kind == "s3":  # behind s3fs: the first upload was aborted, the second left incomplete
+        bucket, prefix = url[len("s3://"):].split("/", 1)
+        uploads = request.getfixturevalue("s3").client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        assert [u["Key"] for u in uploads] == [f"{prefix}/{checkpoint_name(2)}"]
+    if kind == "memory":
+        # a store with a rename: a crash after the commit, before the move, leaves the
+        # temporary (whole), never listed
+        fs.mv, fs.rm = killed, lambda *a, **k: None
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                tier2.store.write(checkpoint_name(2), lambda f: f.write(b"whole"))
+        finally:
+            del fs.mv, fs.rm
+        left = store.names() - before
+        assert len(left) == 1 and left.pop().startswith(checkpoint_name(2) + ".tmp-")
+    assert newest_verified(store)[1]["iteration"] == 0
     # the next start lists only what is there whole; a later write lists 2 and keeps 0
     tier2.offer(held[2])
     _drain(tier2)
     tier2.close()
-    assert [e["iteration"] for e in read_manifest(url)["checkpoints"]] == [0, 2]
-    assert newest_verified(url)[1]["iteration"] == 2
+    assert [e["iteration"] for e in read_manifest(store)["checkpoints"]] == [0, 2]
+    assert newest_verified(store)[1]["iteration"] == 2
 
 
-def test_a_tampered_object_is_skipped_for_the_one_before(tmp_path):
-    url = _url("memory", tmp_path)
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_a_tampered_object_is_skipped_for_the_one_before(kind, tmp_path, request):
+    url, options = _target(kind, tmp_path, request)
     _, _, held = _trained(2)
-    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None)
+    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
     for h in held:
         tier.offer(h)
         _drain(tier)
     tier.close()
-    store = Store(url)
+    store = Store(url, options)
     store.fs.pipe_file(store._key(checkpoint_name(1)), store.read(checkpoint_name(1))[:-10] + b"0" * 10)
     with pytest.raises(CheckpointError, match="SHA-256 differs"):
-        verify_checkpoint(url, read_manifest(url)["checkpoints"][-1])
-    assert newest_at_url(url)[0]["iteration"] == 0
+        verify_checkpoint(store, read_manifest(store)["checkpoints"][-1])
+    assert newest_verified(store)[1]["iteration"] == 0
 
 
 class _Flaky:
@@ -175,7 +216,7 @@ class _Flaky:
 
 
 def test_a_failing_store_is_retried_with_back_off_and_reported_in_one_line(tmp_path, caplog):
-    url = _url("memory", tmp_path)
+    url = f"memory://ckpts-{uuid.uuid4().hex[:8]}"
     now = [100.0]
     _, _, held = _trained(4)
     tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None)
@@ -241,3 +282,124 @@ def test_persist_url_config_key(tmp_path):
     with pytest.raises(ConfigError, match="persist_sync"):
         cfg("persist_url: memory://ckpts", "persist_sync: true")
     assert MANIFEST == "manifest.json"
+    # storage options: a mapping given to the filesystem as it is; messages name keys only
+    opts = cfg("persist_url: s3://b/p", "persist_options: {key: AKIAX, secret: 'w/s3cret',",
+               "  client_kwargs: {endpoint_url: 'http://127.0.0.1:9000'}, config_kwargs: {retries: {max_attempts: 2}}}")
+    assert opts.persist_options == {"key": "AKIAX", "secret": "w/s3cret",
+                                    "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"},
+                                    "config_kwargs": {"retries": {"max_attempts": 2}}}
+    for extra, message in [(["persist_options: {key: a}"], "'persist_options' needs persist_url"),
+                           (["persist_url: s3://b/p", "persist_options: [s3cret]"], "'persist_options' must be a mapping"),
+                           (["persist_url: s3://b/p", "persist_options: {secret: s3cret, 3: x}"],
+                            "'persist_options' has a key that is not"),
+                           (["persist_url: s3://b/p", "persist_options: {client_kwargs: {t: 2026-01-01}}"],
+                            "'persist_options.client_kwargs.t' must be a string, number")]:
+        with pytest.raises(ConfigError, match=message) as e:
+            cfg(*extra)
+        assert "s3cret" not in str(e.value)
+
+
+def test_storage_option_credentials_never_shown(tmp_path):
+    """The values of credential keys in the storage options are not in any message."""
+    from ckptd.core.store import credentials_in
+    opts = {"key": "AKIAXYZ", "secret": "s3cret/long", "client_kwargs": {"endpoint_url": "http://h:1",
+            "aws_session_token": "tok3n"}, "anon": False}
+    assert credentials_in(opts) == ["s3cret/long", "AKIAXYZ", "tok3n"]
+    assert redact("denied for AKIAXYZ with s3cret/long at http://h:1", credentials_in(opts)) == \
+        "denied for *** with *** at http://h:1"
+    # an fsspec filesystem that fails with the credential in its message (memory:// takes any option)
+    store = Store(f"memory://ckpts-{uuid.uuid4().hex[:8]}", {"token": "tok3n-123"})
+
+    class Leaky:
+        def open(self, *a, **k):
+            raise PermissionError(13, "token tok3n-123 refused")
+    store._fs, store._root = Leaky(), "/x"
+    with pytest.raises(OSError) as e:
+        store.write("iter_000001.pt", lambda f: f.write(b"x"))
+    assert "tok3n" not in str(e.value) and "token *** refused" in str(e.value)
+
+
+def test_a_missing_bucket_is_one_line_naming_the_url(s3, caplog, monkeypatch):
+    url = f"s3://nosuch-{uuid.uuid4().hex[:10]}/job1"  # a bucket nobody made
+    caplog.set_level(logging.WARNING, logger="ckptd")
+    _, _, held = _trained(1)
+    # the daemon's tier: reported at start and at each write, never created, never a traceback
+    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=s3.options)
+    tier.offer(held[0])
+    _drain(tier)
+    tier.close()
+    st = tier.status()
+    assert st["state"] == "failing" and st["write_failures"] == 1
+    bucket = url.split("/")[2]
+    assert st["last_error"] == f"{url}/{checkpoint_name(0)}: cannot write: bucket {bucket!r} does not exist"
+    lines = [JsonFormatter().format(r) for r in caplog.records]
+    assert [json.loads(x)["msg"] for x in lines] == ["checkpoint store not reachable", "checkpoint not written"]
+    assert all("\n" not in x and s3.SECRET not in x for x in lines)
+    # restore and verify: one line naming the URL and the bucket
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(CheckpointError, match=f"^{url}: bucket '{bucket}' does not exist$"):
+        ckptd.restore(_Net(), None, source=url)
+    assert main(["verify", url, url]) == 2
+
+
+def test_a_server_that_is_down_is_retried_and_reported_in_one_line(s3, tmp_path, caplog):
+    """The tier's store stops answering (connection refused): each write due after the
+    back-off tries once, fails in one line, and the first write after it is back lists
+    the newest state."""
+    from moto.server import ThreadedMotoServer
+    url = s3.bucket()  # moto's buckets live in the process: a second server sees them
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    options = dict(s3.options, client_kwargs={"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"})
+    now = [100.0]
+    _, _, held = _trained(4)
+    tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
+    tier.keeper.clock = lambda: now[0]
+    tier.offer(held[0])
+    _drain(tier)
+    assert tier.status()["state"] == "ok" and tier.status()["last_persisted"] == 0
+    server.stop()  # the server goes away
+    caplog.set_level(logging.WARNING, logger="ckptd")
+    tier.offer(held[1])
+    _drain(tier)
+    tier.offer(held[2])  # within the back-off: not tried
+    _drain(tier)
+    now[0] += BACKOFF_FIRST_S
+    tier.offer(held[3])  # tried again: still down
+    _drain(tier)
+    st = tier.status()
+    assert st["state"] == "failing" and st["write_failures"] == 2 and st["newest_not_persisted"] == 3
+    assert st["last_error"].startswith(f"{url}/{checkpoint_name(3)}: cannot write: ")
+    assert f"{host}:{port}" in st["last_error"]  # says where it could not connect to
+    lines = [JsonFormatter().format(r) for r in caplog.records]
+    assert [json.loads(x)["msg"] for x in lines] == ["checkpoint not written"] * 2
+    assert all("\n" not in x and s3.SECRET not in x and s3.KEY not in x for x in lines)
+    # back on the same port: the clean stop's forced write persists the newest state
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        tier.close(held[3])
+        assert tier.status()["state"] == "ok" and tier.status()["last_persisted"] == 3
+        store = Store(url, options)
+        assert [e["iteration"] for e in read_manifest(store)["checkpoints"]] == [0, 3]
+        assert newest_verified(store)[1]["iteration"] == 3
+    finally:
+        server.stop()
+
+
+def test_status_without_details_keeps_a_url_and_drops_local_directories():
+    """/status (status_details off) shows a store URL and its object names whole, and of a
+    local path only the file name, in the write error and in the unrecovered notes."""
+    from ckptd.live.status import redact as redact_status
+    doc = redact_status({
+        "checkpoints": {"store": "s3://bkt/job1",
+                        "last_error": "s3://bkt/job1/iter_000003.pt: cannot write: bucket 'bkt' does not exist"},
+        "unrecoverable": [{"iteration": 3, "status": "not-captured", "missing": [],
+                           "note": "the newest state held is iteration 2 (/var/lib/ckptd/iter_000002.pt): "
+                                   "the shadow waits for a checkpoint of the job's own state in /shared/resync"}]})
+    assert doc["checkpoints"] == {"store": "s3://bkt/job1", "last_error":
+                                  "s3://bkt/job1/iter_000003.pt: cannot write: bucket 'bkt' does not exist"}
+    assert doc["unrecoverable"][0]["note"] == ("the newest state held is iteration 2 (iter_000002.pt): "
+                                               "the shadow waits for a checkpoint of the job's own state in resync")

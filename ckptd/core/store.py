@@ -4,17 +4,32 @@ have one way to write, list, read and remove whatever the target.
 
 - A local directory (a path, or a `file://` URL): `atomic_write` as before (a temporary
   beside the file, fsync, rename, directory fsync).
-- Any other fsspec filesystem (`memory://`, `s3://bucket/prefix`, ...): the object is
-  written under a temporary name, then moved to its name. An object store has no fsync
-  and no atomic rename of a directory entry: what keeps a reader safe is the order, the
-  manifest being written after the object it lists, so a manifest entry never names a
-  partial object (a temporary left by a crash is never listed and is ignored).
+- Any other fsspec filesystem: written with fsspec's transaction protocol (autocommit
+  off: nothing is stored until commit(); a failed write is discarded, where close() would
+  store the part written so far).
+  - A bucket store (`s3://bucket/prefix`, gs, az): straight to its name. The commit is
+    the atomic step (S3: the PUT, or CompleteMultipartUpload of the parts): the name
+    shows the previous object or the whole new one, never a part. S3 has no rename: a
+    temporary name and a move would be a second whole copy (CopyObject) and a delete,
+    twice the time, and no safer.
+  - Others (`memory://`, sftp, ...): under a temporary name, committed, then moved to
+    its name; the temporary is removed when that fails (a filesystem that ignores
+    autocommit, like memory://, shows it while it is written). A crash before the move
+    leaves the temporary, never listed.
+  What keeps a reader safe across objects is the order, the manifest being written after
+  the object it lists, so a manifest entry never names a missing or partial object
+  (docs/RECOVERY.md, "What guarantees what on an object store").
+- Storage options (`persist_options`: credentials, endpoint, retries) go to the fsspec
+  filesystem as given; the values of credential keys never appear in a message. Without
+  them fsspec's own defaults apply (s3fs: the AWS_* environment, ~/.aws).
+- A bucket (s3, gs, az) is never created: that is the operator's choice of region and
+  access policy. A missing one is an error naming the URL.
 
 Either way the SHA-256 and size are computed while the bytes are written (never by
 reading the object back). Every failure is a CheckpointWriteError (a one-line message,
 errno kept where there is one) so the keeper's back-off handles a permission or network
-error as it handles a full disk. Credentials in a URL (user:password@) never appear in a
-message: `redact`.
+error as it handles a full disk. Credentials in a URL (user:password@) or in the storage
+options never appear in a message: `redact`.
 """
 from __future__ import annotations
 
@@ -27,19 +42,41 @@ from pathlib import Path
 from ckptd.core.checkpoint import CheckpointWriteError, atomic_write
 
 _USERINFO = re.compile(r"(?<=://)[^@\s]*@")  # a "/" in a password too: err on the safe side
+# storage-option keys whose values are credentials (s3fs key/secret/token, gcsfs token,
+# adlfs account_key/sas_token/client_secret, botocore aws_secret_access_key, ...)
+_CREDENTIAL_KEY = re.compile(r"key|secret|token|password|credential|signature", re.I)
+BUCKET_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}  # a path's first part is a bucket
 
 
-def redact(text: str) -> str:
-    """`text` with any URL's user:password@ replaced by ***@."""
-    return _USERINFO.sub("***@", str(text))
+def redact(text: str, secrets=()) -> str:
+    """`text` with any URL's user:password@ replaced by ***@, and each of `secrets` by ***."""
+    text = _USERINFO.sub("***@", str(text))
+    for s in secrets:
+        text = text.replace(s, "***")
+    return text
+
+
+def credentials_in(options) -> list[str]:
+    """The string values under credential keys anywhere in a storage-options mapping."""
+    found = []
+    if isinstance(options, dict):
+        for k, v in options.items():
+            if isinstance(v, str) and v and _CREDENTIAL_KEY.search(str(k)):
+                found.append(v)
+            else:
+                found += credentials_in(v)
+    elif isinstance(options, (list, tuple)):
+        for v in options:
+            found += credentials_in(v)
+    return sorted(found, key=len, reverse=True)  # the longest first: no part of one left
 
 
 def is_url(target) -> bool:
     return "://" in str(target)
 
 
-def _one_line(e: BaseException) -> str:
-    return redact(" ".join(str(e).split()) or type(e).__name__)
+def _one_line(e: BaseException, secrets=()) -> str:
+    return redact(" ".join(str(e).split()) or type(e).__name__, secrets)
 
 
 class _Hashing:
@@ -58,19 +95,23 @@ class _Hashing:
 
 
 class Store:
-    """A directory of checkpoints; `local` when it is one on this machine (then `path`)."""
+    """A directory of checkpoints; `local` when it is one on this machine (then `path`).
+    `options`: fsspec storage options for a remote one (credentials, endpoint)."""
 
-    def __init__(self, target: str | Path):
+    def __init__(self, target: str | Path, options: dict | None = None):
         text = str(target)
         self.local = True
         self._url, self._fs, self._root = text, None, None
+        self._options = dict(options or {})
+        self.secrets = credentials_in(self._options)
+        self.protocol = text.split("://", 1)[0].lower() if is_url(text) else "file"
         if is_url(text):
             import fsspec
             from fsspec.implementations.local import LocalFileSystem
             try:  # the class only: a remote filesystem is reached at its first use (_call)
                 cls = fsspec.get_filesystem_class(text.split("://", 1)[0])
             except Exception as e:  # an unknown protocol, a missing backend (s3fs)
-                raise ValueError(f"{redact(text)}: {_one_line(e)}") from None
+                raise ValueError(f"{redact(text)}: {_one_line(e, self.secrets)}") from None
             if issubclass(cls, LocalFileSystem):
                 text = cls._strip_protocol(text)
             else:
@@ -82,7 +123,7 @@ class Store:
     def fs(self):
         if self._fs is None:
             import fsspec
-            fs, root = fsspec.core.url_to_fs(self._url)
+            fs, root = fsspec.core.url_to_fs(self._url, **self._options)
             self._fs, self._root = fs, root.rstrip("/")
         return self._fs
 
@@ -102,24 +143,50 @@ class Store:
         return f"{self.root}/{name}"
 
     def makedirs(self):
+        """The directory, made if missing; on a bucket store only the bucket's presence is
+        checked (an object store has no directories, and ckptd creates no bucket)."""
         if self.local:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        elif self.protocol in BUCKET_STORES:
+            self.check_bucket()
         else:
             self._call("create", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
-    def _call(self, what: str, fn, name: str | None = None):
+    def check_bucket(self):
+        """CheckpointWriteError (ENOENT) naming the URL when the store's bucket does not
+        exist (nothing to check for a store without buckets)."""
+        if (why := self._missing_bucket()) is not None:
+            raise CheckpointWriteError(_errno.ENOENT, f"{self.url}: {why}")
+
+    def _missing_bucket(self) -> str | None:
+        if self.local or self.protocol not in BUCKET_STORES:
+            return None
+        bucket = self.root.lstrip("/").split("/", 1)[0]
+        try:
+            if self._call("reach", lambda: self.fs.exists(bucket), missing_ok=True):
+                return None
+        except FileNotFoundError:
+            pass
+        return f"bucket {bucket!r} does not exist"
+
+    def _call(self, what: str, fn, name: str | None = None, missing_ok: bool = False):
         """fn() on the remote filesystem (connecting first, if not yet); any failure as a
-        one-line CheckpointWriteError without credentials (FileNotFoundError as it is)."""
+        one-line CheckpointWriteError without credentials. With missing_ok a
+        FileNotFoundError stays one (a read or a removal of what is not there)."""
         try:
             return fn()
         except CheckpointWriteError:
             raise
         except FileNotFoundError:
-            raise
+            if missing_ok:
+                raise
+            why = self._missing_bucket() or "not found"  # the object, or its whole bucket
+            raise CheckpointWriteError(_errno.ENOENT, f"{self.where(name) if name else self.url}: cannot {what}: "
+                                                      f"{why}") from None
         except Exception as e:
             code = getattr(e, "errno", None) or _errno.EIO
             raise CheckpointWriteError(code, f"{self.where(name) if name else self.url}: cannot {what}: "
-                                             f"{_one_line(e)}") from None
+                                             f"{_one_line(e, self.secrets)}") from None
 
     def write(self, name: str, fill) -> tuple[int, str]:
         """`fill(f)` writes the file `name` whole or not at all; (bytes, SHA-256 hex)."""
@@ -132,16 +199,26 @@ class Store:
             atomic_write(self.path / name, hashed)
         else:
             def put():
-                tmp = self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+                final = self._key(name)
+                direct = self.protocol in BUCKET_STORES  # the commit is atomic: no move
+                target = final if direct else self._key(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
                 try:
-                    with self.fs.open(tmp, "wb") as f:
-                        hashed(f)
-                    self.fs.mv(tmp, self._key(name))
-                except BaseException:
+                    f = self.fs.open(target, "wb", autocommit=False)
                     try:
-                        self.fs.rm(tmp)
-                    except Exception:
-                        pass
+                        hashed(f)
+                        f.close()
+                    except BaseException:
+                        f.discard()  # s3fs: aborts the multipart upload
+                        raise
+                    f.commit()
+                    if not direct:
+                        self.fs.mv(target, final)
+                except BaseException:
+                    if not direct:  # what a filesystem stored before its commit, or the move
+                        try:
+                            self.fs.rm(target)
+                        except Exception:
+                            pass
                     raise
             self._call("write", put, name)
         return box[0].size, box[0].sha.hexdigest()
@@ -150,7 +227,7 @@ class Store:
         """The file's bytes; FileNotFoundError when there is none."""
         if self.local:
             return (self.path / name).read_bytes()
-        return self._call("read", lambda: self.fs.cat_file(self._key(name)), name)
+        return self._call("read", lambda: self.fs.cat_file(self._key(name)), name, missing_ok=True)
 
     def exists(self, name: str) -> bool:
         if self.local:
@@ -162,7 +239,7 @@ class Store:
         if self.local:
             return {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
         try:
-            listed = self._call("list", lambda: self.fs.ls(self.root, detail=False))
+            listed = self._call("list", lambda: self.fs.ls(self.root, detail=False), missing_ok=True)
         except FileNotFoundError:
             return set()
         return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed}
@@ -172,8 +249,8 @@ class Store:
         if self.local:
             (self.path / name).unlink()
         else:
-            self._call("remove", lambda: self.fs.rm(self._key(name)), name)
+            self._call("remove", lambda: self.fs.rm(self._key(name)), name, missing_ok=True)
 
 
-def open_store(target) -> Store:
-    return target if isinstance(target, Store) else Store(target)
+def open_store(target, options: dict | None = None) -> Store:
+    return target if isinstance(target, Store) else Store(target, options)

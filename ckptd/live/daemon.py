@@ -110,6 +110,7 @@ class DaemonConfig:
     persist_interval_s: float | None = 60  # ... or after this many seconds, whichever first
     persist_sync: bool = False  # write every commit's file in the commit path instead (old default)
     persist_url: str | None = None  # the persistence tier writes here (fsspec URL) instead of `out`
+    persist_options: dict | None = None  # fsspec storage options for persist_url (credentials, endpoint)
     notice: NoticeConfig | None = None  # tell the job about unrecoverable iterations (ckptd.live.notice)
     extra: dict = field(default_factory=dict)
 
@@ -255,7 +256,8 @@ def load_config(path: str | Path) -> DaemonConfig:
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
              "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
              "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
-             "persist_interval_s", "persist_sync", "persist_url", "notice", "drop_capabilities"}
+             "persist_interval_s", "persist_sync", "persist_url", "persist_options", "notice",
+             "drop_capabilities"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
@@ -327,6 +329,7 @@ def load_config(path: str | Path) -> DaemonConfig:
                         persist_every=k.int("persist_every", 1, 1 << 31, 10, what="a number of iterations"),
                         persist_interval_s=k.int("persist_interval_s", 1, 1 << 31, 60, what="seconds"),
                         persist_sync=k.bool("persist_sync", False), persist_url=persist_url,
+                        persist_options=_persist_options(k, persist_url),
                         notice=notice_config(str(path), doc.get("notice")), **workers)
 
 
@@ -346,6 +349,33 @@ def _persist_url(k: _Keys) -> str | None:
     except (ImportError, ValueError) as e:
         k.fail("persist_url", f"{redact(url)}: {redact(_one_line(e))}")
     return url
+
+
+def _persist_options(k: _Keys, url: str | None) -> dict | None:
+    """fsspec storage options for persist_url: a mapping of names to YAML scalars, lists
+    and mappings, passed to the filesystem as they are (s3fs: key, secret, token,
+    endpoint_url, client_kwargs, config_kwargs, ...). Messages name the key, never a value."""
+    opts = k.doc.get("persist_options")
+    if opts is None:
+        return None
+    if url is None:
+        k.fail("persist_options", "needs persist_url (they are that filesystem's options)")
+    if not isinstance(opts, dict):
+        k.fail("persist_options", f"must be a mapping of storage options, not a {type(opts).__name__}")
+
+    def check(v, where):
+        if isinstance(v, dict):
+            for name, x in v.items():
+                if not isinstance(name, str) or not name:
+                    k.fail(where, "has a key that is not a non-empty string")
+                check(x, f"{where}.{name}")
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                check(x, f"{where}[{i}]")
+        elif v is not None and not isinstance(v, (str, int, float, bool)):
+            k.fail(where, f"must be a string, number, boolean, list or mapping, not a {type(v).__name__}")
+    check(opts, "persist_options")
+    return opts
 
 
 def read_token(path: str, where: str) -> str:
@@ -456,9 +486,12 @@ class Daemon:
         self._drops_looked = 0.0  # time.monotonic() of the last look
         # the checkpoint files: written in the commit path (persist_sync), else by the
         # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
-        self.restarted_from = self._own_newest() if cfg.join and cfg.resume is None else None
+        # a restart: the own newest persisted state first, then `resume` (the trainer's
+        # checkpoints: after an outage longer than that state covers, ckptd.live.notice)
+        self.restarted_from = self._own_newest() if cfg.join else None
         opts = ReplayOptions(out=cfg.out if cfg.persist_sync else None,
-                             resume=self.restarted_from[1] if self.restarted_from else cfg.resume, dump_gradients=cfg.dump_gradients,
+                             restart=self.restarted_from[1] if self.restarted_from else None,
+                             resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
                              agree_window_ms=cfg.agree_window_ms)
@@ -481,7 +514,7 @@ class Daemon:
         if not cfg.persist_sync:
             from ckptd.live.persist import PersistTier
             self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
-                                       cfg.keep_every, self.plan_hash())
+                                       cfg.keep_every, self.plan_hash(), options=cfg.persist_options)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)
@@ -494,13 +527,13 @@ class Daemon:
     def _own_newest(self) -> tuple[int, str] | None:
         """A restart: the newest state this daemon persisted before (the persistence
         tier's manifest in `out` or at `persist_url`, verified against it), as the state
-        to join from when no `resume` is configured: (iteration, file). A state read from
+        to join from (before `resume`): (iteration, file). A state read from
         a URL is written to `out` (restart-iter_NNNNNN.pt) for the pipeline to resume from."""
         from ckptd.core.checkpoint import CheckpointError, checkpoint_name, save_checkpoint
-        from ckptd.core.store import open_store, redact
+        from ckptd.core.store import credentials_in, open_store, redact
         from ckptd.live.persist import newest_verified
         try:
-            store = open_store(self.persist_target)
+            store = open_store(self.persist_target, self.cfg.persist_options)
             got = newest_verified(store)
             if got is None:
                 return None
@@ -512,7 +545,7 @@ class Daemon:
                 save_checkpoint(path, doc["iteration"], doc["model"], doc.get("optimizer"))
         except (CheckpointError, OSError, ValueError) as e:
             log.warning("cannot restart from the persisted state",
-                        extra={"fields": {"error": redact(_one_line(e))}})
+                        extra={"fields": {"error": redact(_one_line(e), credentials_in(self.cfg.persist_options))}})
             return None
         log.info("restarting from the persisted state", extra={"fields": {
             "iteration": entry["iteration"], "from": store.where(entry["file"])}})
@@ -548,6 +581,8 @@ class Daemon:
             fields["commit_lag_s"] = round(rep.commit_lag, 6)
         if rep.write_seconds is not None:
             fields["write_s"] = round(rep.write_seconds, 6)
+        if rep.through is not None:  # not-captured: the gap's last iteration
+            fields["through"] = rep.through
         if rep.status == "committed":
             fields["persisted"] = rep.persisted
             if rep.persisted is False:
@@ -875,4 +910,5 @@ class Daemon:
         statuses = {u["status"] for u in self.unrecovered}
         if "dropped" in statuses:
             return 4
-        return 3 if statuses - {"abandoned"} else 0
+        # not-captured: ran before this daemon saw the job (reported, and noticed)
+        return 3 if statuses - {"abandoned", "not-captured"} else 0

@@ -2,14 +2,16 @@
 
 A checkpoint server that silently stops advancing is worse than none: the operator
 believes there is a fresh checkpoint. When an iteration is unrecoverable (or its copies
-conflict) the shadow stops; it can only restart from a state the trainer itself saves.
+conflict, or a daemon restarted after an outage joins the job iterations after the newest
+state it holds: "not-captured") the shadow stops; it can only restart from a state the trainer itself saves.
 So the daemon says so, two ways, both optional:
 
 - a webhook: POST of a JSON document {event, iteration, status, note, missing} to a URL
   (paging, chat, an orchestrator);
 - the job's c10d TCPStore (the one torchrun already runs at MASTER_ADDR:MASTER_PORT):
-  key `ckptd/unrecovered` holds the newest such iteration, `ckptd/unrecovered/<it>` the
-  same JSON. `ckptd.resync.Resync`, three lines in the training loop, watches that key
+  key `ckptd/unrecovered` holds the newest such iteration (of a gap, its last: a daemon
+  restarted twice in one outage announces a newer number the second time),
+  `ckptd/unrecovered/<it>` the same JSON. `ckptd.resync.Resync`, three lines in the training loop, watches that key
   and saves a regular checkpoint at the next step boundary into the daemon's `resume`
   directory; the daemon restarts its shadow from it (ckptd.pipeline, `_resume_state`).
 
@@ -81,8 +83,10 @@ def notice_config(where: str, doc) -> NoticeConfig | None:
 
 
 def event_of(rep) -> dict:
-    """The JSON an unrecoverable iteration is announced with (an IterationReport in)."""
+    """The JSON an unrecoverable iteration is announced with (an IterationReport in);
+    `through`: the last iteration of a not-captured gap."""
     return {"event": "ckptd.iteration_unrecoverable", "iteration": rep.iteration,
+            "through": rep.through if rep.through is not None else rep.iteration,
             "status": rep.status, "note": rep.note.strip(),
             "missing": [{"bucket": m.bucket, "start": m.start, "end": m.end}
                         for m in rep.missing[:20]],
@@ -93,7 +97,8 @@ def event_of(rep) -> dict:
 class Notifier:
     """The daemon's feature: `on_iteration(rep)` from the core loop, `close()` at stop."""
 
-    NOTICED = ("unrecoverable", "conflict", "dropped")  # not "abandoned": the capture stopped first
+    # not "abandoned": the capture stopped first
+    NOTICED = ("unrecoverable", "conflict", "dropped", "not-captured")
 
     def __init__(self, cfg: NoticeConfig):
         self.cfg = cfg
@@ -169,7 +174,7 @@ class Notifier:
             host, port = self.cfg.store
             self._store = TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.cfg.timeout_s))
-        it = ev["iteration"]
+        it = ev["through"]
         self._store.set(f"{STORE_KEY}/{it}", json.dumps(ev))
         # the newest unrecoverable iteration: the trainer compares it with the last it handled
         self._store.set(STORE_KEY, str(it))

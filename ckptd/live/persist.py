@@ -17,7 +17,8 @@ in place, so after a crash at any moment the manifest's newest entry loads and v
 the crash and is ignored.
 
 The directory may be an fsspec URL (`persist_url`: memory://, s3://bucket/prefix, ...):
-ckptd.core.store writes each object under a temporary name and moves it, and the order
+ckptd.core.store writes each object whole or not at all (an atomic commit on a bucket
+store, a temporary name and a move elsewhere), and the order
 above (checkpoint, then the manifest) is what keeps a reader from meeting a manifest entry
 for a partial object. The SHA-256 is computed while the file is written.
 """
@@ -136,8 +137,9 @@ def newest_verified(directory: str | Path | Store) -> tuple[dict, dict] | None:
 class PersistTier:
     def __init__(self, out: str | Path, every: int | None, interval_s: float | None,
                  keep_last: int | None, keep_every: int | None, plan_hash: str | None = None,
-                 clock=time.monotonic):
-        self.store = open_store(out)  # a directory or an fsspec URL (ckptd.core.store)
+                 clock=time.monotonic, options: dict | None = None):
+        # a directory or an fsspec URL (ckptd.core.store), `options` its storage options
+        self.store = open_store(out, options)
         self.out = self.store.path
         self.keeper = CheckpointKeeper(self.store, keep_last, keep_every, retry=True)
         self.every, self.interval_s, self.plan_hash, self.clock = every, interval_s, plan_hash, clock
@@ -182,10 +184,11 @@ class PersistTier:
         return True
 
     def close(self, newest=None, timeout: float | None = None):
-        """Stop: `newest` (the last committed state) is written first if it is not yet;
-        then waits for the writer."""
-        if newest is not None and newest.iteration != self.handed and \
-                newest.iteration != self.keeper.last_persisted:
+        """Stop: `newest` (the last committed state) is written first if it is not yet
+        (handed over and failed, or skipped while backing off, included); then waits for
+        the writer."""
+        if newest is not None and newest.iteration != self.keeper.last_persisted and \
+                (newest.iteration != self.handed or newest.iteration == self.keeper.newest_unpersisted):
             self.handed = newest.iteration
             with self._cv:
                 self._pending = newest

@@ -18,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ckptd.live.serve import Response, text
 
 CHUNK = 1 << 23
-_DIRS = re.compile(r"(/[^\s/:]+)+/")  # an absolute path's directories (its file name stays)
+# an absolute path's directories (its file name stays); not a URL's path (s3://b/p/x)
+_DIRS = re.compile(r"(?<![\w:/.])(/[^\s/:]+)+/")
 
 
 class Snapshot:
@@ -83,8 +84,9 @@ def redact(doc: dict) -> dict:
         doc["checkpoints"] = dict(doc["checkpoints"], last_error=_DIRS.sub("", doc["checkpoints"]["last_error"]))
     if doc.get("checkpoints") and doc["checkpoints"].get("store") and "://" not in doc["checkpoints"]["store"]:
         doc["checkpoints"] = dict(doc["checkpoints"], store="local directory")  # a URL (persist_url) stays
-    doc["unrecoverable"] = [dict(u, missing=[{k: v for k, v in m.items() if k != "params"}
-                                             for m in u.get("missing", [])])
+    doc["unrecoverable"] = [dict(u, note=_DIRS.sub("", u.get("note", "")),
+                                 missing=[{k: v for k, v in m.items() if k != "params"}
+                                          for m in u.get("missing", [])])
                             for u in doc.get("unrecoverable", [])]
     return doc
 

@@ -276,18 +276,22 @@ def ll128_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint64_t fla
 
 
 # -- source helpers --------------------------------------------------------------------------
-def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t base,
+def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_endian, int64_t base,
                int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
                int64_t[::1] ts_sec, int64_t[::1] ts_frac):
-    """Walk pcap records from byte `start` (after the file header) and fill the arrays
-    (offsets get `base` added). Returns (frames, clean): clean is False when the file
-    ends inside a record or a record is implausible, where parsers/pcap.py would raise
-    CaptureError; the caller then asks that reader for the exact error."""
+    """Walk the pcap records that start in [start, stop) (start: after the file header,
+    or where the last walk ended; buf: the whole file) and fill the arrays (offsets get
+    `base` added). Returns (frames, end, clean): end is where the next record starts;
+    clean is False when the file ends inside a record or a record is implausible, where
+    parsers/pcap.py would raise CaptureError; the caller then asks that reader for the
+    exact error. The arrays hold (stop - start) // 16 + 1 frames: every record is."""
     cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0]
     cdef uint32_t sec, frac, cl, ol
     cdef bint clean = True
+    if stop > n:
+        stop = n
     with nogil:
-        while pos < n:
+        while pos < stop:
             if pos + 16 > n or k >= cap:
                 clean = pos + 16 <= n and k < cap
                 break
@@ -305,7 +309,7 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t b
             ts_frac[k] = frac
             k += 1
             pos += 16 + cl
-    return k, clean
+    return k, pos, clean
 
 
 def merge_order(list ts_per_stream):

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import (BufferPool, ReaderStage, batch_from_frames, load_capture, load_captures,
-                               stream_batches)
+from ckptd.fast.batches import ReaderStage, batch_from_frames, load_capture, load_captures, stream_batches
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
@@ -334,12 +333,10 @@ def _stream_files(tmp_path, rng, n=3, frames=300):
     return paths
 
 
-@pytest.mark.parametrize("chunk,pooled", [(100, False), (4096, False), (70_000, False), (1 << 24, False),
-                                          (100, True), (1 << 20, True)])
-def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, pooled):
-    """Also with the reader's buffers recycled (BufferPool): a Batch handed back when the
-    consumer takes the next is overwritten later, so each is read at once here, as the
-    fast pipeline does."""
+@pytest.mark.parametrize("chunk", [100, 4096, 70_000, 1 << 24])
+def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
+    """The pcap files are mapped into one buffer and merged by index: every Batch
+    points into that buffer, no bytes copied."""
     paths = _stream_files(tmp_path, random.Random(chunk))
     # a file cut inside its last record among them
     errors_ref, errors = [], []
@@ -347,19 +344,44 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, 
     cut.write_bytes(Path(paths[1]).read_bytes()[:-5])
     paths[1] = str(cut)
     want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
-    got = []
-    pool = BufferPool() if pooled else None
-    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk, pool=pool), depth=2,
-                        release=pool and (lambda batch: pool.give_back(batch.buf)))
+    got, bufs = [], set()
     nbatches = 0
-    for b in stage:
+    for b in ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk), depth=2):
         nbatches += 1
+        bufs.add(b.buf.ctypes.data)
         got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
     assert got == want and errors == errors_ref and len(errors) == 1
+    assert len(bufs) == 1
     if chunk <= 4096:
         assert nbatches > 10
-    if pooled and chunk <= 4096:  # chunks and batches: a few buffers in turn, not one each
-        assert pool.made < 20 < nbatches
+
+
+def test_stream_batches_mix_mapped_pcap_and_pcapng(tmp_path):
+    """A pcapng stream (parsers' reader, its own buffer) merged with mapped pcap
+    streams: the frames are copied into one buffer, in file_source's order; an empty
+    pcap file and a missing one are reported as file_source reports them."""
+    paths = _stream_files(tmp_path, random.Random(7), n=2)
+    def block(btype, body):
+        body += b"\0" * (-len(body) % 4)
+        return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
+    ng = tmp_path / "s.pcapng"  # section, Ethernet interface (microseconds), packets
+    blocks = [block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1)),
+              block(1, struct.pack("<HHI", 1, 0, 0))]
+    t, rng = 1_700_000_000_000_000, random.Random(8)
+    for _ in range(200):
+        t += rng.choice([0, 2, 7])
+        data = rng.randbytes(rng.randrange(0, 900))
+        blocks.append(block(6, struct.pack("<IIIII", 0, t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
+    ng.write_bytes(b"".join(blocks))
+    empty = tmp_path / "empty.pcap"
+    empty.write_bytes(b"")
+    paths += [str(ng), str(empty), str(tmp_path / "missing.pcap")]
+    errors_ref, errors = [], []
+    want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
+    got = []
+    for b in stream_batches(paths, errors, chunk_bytes=5000):
+        got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
+    assert got == want and errors == errors_ref and len(errors) == 2
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():

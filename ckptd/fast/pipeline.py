@@ -1,7 +1,8 @@
 """The fast path: the batch kernel (cython_ext/batch.pyx) behind the reference pipeline.
 
-    source    ckptd.fast.batches: files read in chunks on a reader thread, frames indexed
-              (offsets, lengths, stream ids) and merged in capture-time order -> Batch
+    source    ckptd.fast.batches: files mapped, indexed in place a chunk at a time on a
+              reader thread (offsets, lengths, stream ids) and merged in capture-time
+              order by index -> Batch
     decode    \\
     place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
     assemble  /  into the iteration buffers it lends the pipeline's IterationAssembly
@@ -62,8 +63,7 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import (CHUNK_BYTES, Batch, BufferPool, ReaderStage, batch_from_frames,
-                                stream_batches)
+from ckptd.fast.batches import CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, stream_batches
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
@@ -652,15 +652,14 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
                 on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto",
                 chunk_bytes: int | None = None) -> FastPipeline:
     """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps.
-    The files are read in chunks on a thread of their own (ckptd.fast.batches.ReaderStage);
+    The files are mapped and indexed in chunks on a thread of their own
+    (ckptd.fast.batches.stream_batches, ReaderStage);
     how often either side waited is kept in pipe.read_waits."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    pool = BufferPool()  # the reader's buffers, handed back batch by batch
-    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES, pool),
-                         release=lambda batch: pool.give_back(batch.buf))
+    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES))
     pipe.yield_to_commit = reader.pause
     try:
         for batch in reader:

@@ -1,0 +1,116 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Capture files mapped read-only, side by side, into one address range: the files are
+the batch.
+
+A Batch has one buffer and its frames' offsets into it. The live path indexes the
+TPACKET_V3 ring in place (ring.pyx); for capture files `MappedFiles` does the same: it
+reserves one range of address space and maps each file into it (MAP_FIXED, a page
+boundary apart), so the frames of every mirror stream lie in one buffer and merging the
+streams by capture time is an order of offsets, not a copy of bytes. The pages are the
+page cache's: no read() into a buffer of our own, no merge copy.
+
+`populate` faults a range's pages in ahead of use (MADV_POPULATE_READ, Linux 5.14), so
+the reader thread, not the batch kernel, pays for the page-table work. A file that
+shrinks while it is mapped makes reads past its new end fault (SIGBUS): replay reads
+finished captures.
+"""
+import os
+import stat
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from libc.errno cimport errno
+from libc.stdint cimport int64_t, uint8_t
+from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE,
+                         MAP_SHARED, PROT_NONE, PROT_READ, madvise, mmap, munmap)
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #ifndef MADV_POPULATE_READ
+    #define MADV_POPULATE_READ 22
+    #endif
+    """
+    int MADV_POPULATE_READ
+
+cdef size_t PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def mappable(path) -> bool:
+    """A regular file with bytes in it (a pipe or an empty file is read the ordinary way)."""
+    st = os.stat(path)
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+
+
+cdef class MappedFiles:
+    """Read-only buffer of files k = 0, 1, ...: file k's bytes are
+    buf[starts[k]:starts[k] + sizes[k]]. Unmapped when the last view of it goes."""
+
+    cdef uint8_t *base
+    cdef size_t reserved
+    cdef Py_ssize_t length
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef readonly list starts, sizes
+
+    def __cinit__(self, paths):
+        self.base = NULL
+        self.starts, self.sizes = [], []
+        fds = []
+        try:
+            for p in paths:
+                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                fds.append(fd)
+                self.sizes.append(os.fstat(fd).st_size)
+            pos = 0
+            for n in self.sizes:
+                self.starts.append(pos)
+                pos += -(-n // PAGE) * PAGE
+            self.reserved = pos + PAGE  # never 0
+            self.base = <uint8_t *>mmap(NULL, self.reserved, PROT_NONE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+            if self.base == <uint8_t *>MAP_FAILED:
+                self.base = NULL
+                raise OSError(errno, os.strerror(errno))
+            for p, fd, at, n in zip(paths, fds, self.starts, self.sizes):
+                if n and mmap(self.base + <size_t>at, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED:
+                    raise OSError(errno, os.strerror(errno), str(p))
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings keep the files open
+        self.length = self.starts[len(paths) - 1] + self.sizes[len(paths) - 1] if self.sizes else 0
+        self.shape[0], self.strides[0] = self.length, 1
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.reserved)
+
+    def __len__(self):
+        return self.length
+
+    def populate(self, int64_t lo, int64_t hi) -> bool:
+        """Fault pages [lo, hi) in now; False where the kernel cannot (older than 5.14)."""
+        cdef size_t a = (<size_t>lo // PAGE) * PAGE
+        cdef int rc
+        if hi <= lo:
+            return True
+        with nogil:
+            rc = madvise(self.base + a, <size_t>hi - a, MADV_POPULATE_READ)
+        return rc == 0
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("mapped capture files are read-only")
+        view.buf = self.base
+        view.obj = self
+        view.len = self.length
+        view.readonly = 1
+        view.itemsize = 1
+        view.format = "B"
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = self.strides
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass

@@ -33,7 +33,7 @@ from parsers.pcap import MAGIC_NS, MAGIC_US
 # pages the reader faults in ahead of the kernel.
 CHUNK_BYTES = 4 << 20
 CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
-READ_DEPTH = 3  # Batches a ReaderStage may hold ready
+READ_DEPTH = 256  # Batches a ReaderStage may hold ready
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
 
 

@@ -658,8 +658,16 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
-    pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES))
+    # The reader starts first: it maps, indexes and faults in the files on the other
+    # core while this one builds the pipeline (schedule, tables, shadow).
+    errors: list[str] = []
+    reader = ReaderStage(stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES))
+    try:
+        pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
+    except BaseException:
+        reader.close()
+        raise
+    pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
     pipe.yield_to_commit = reader.pause
     try:
         for batch in reader:

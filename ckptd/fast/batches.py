@@ -32,8 +32,11 @@ from parsers.pcap import MAGIC_NS, MAGIC_US
 # how often the fast pipeline moves the streams' clocks (agreement windows), and of the
 # pages the reader faults in ahead of the kernel.
 CHUNK_BYTES = 4 << 20
-CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
-READ_DEPTH = 256  # Batches a ReaderStage may hold ready
+CHUNK_FRAMES = 1 << 11  # frames per Batch from the reference readers
+# Batches a ReaderStage may hold ready: enough for the reader to index ahead while the
+# pipeline is built (a mapped file's Batch holds only its index); with the reference
+# readers' Batches (their own bytes) at most 64k frames, fewer than the 3 x 32k before.
+READ_DEPTH = 32
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
 
 

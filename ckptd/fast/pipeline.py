@@ -45,7 +45,9 @@ decode + place stage alone.
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import dataclasses
+import functools
 import gc
 import ipaddress
 import os
@@ -77,6 +79,7 @@ BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline
 
 
 # -- ICRC implementation ---------------------------------------------------------------------
+@functools.cache
 def isal_crc_address() -> int | None:
     """Address of ISA-L's crc32_gzip_refl (same contract as zlib's crc32) if the `isal`
     package is installed: it links ISA-L statically and exports the symbol."""
@@ -467,6 +470,22 @@ class FastExtractor(RoceTransport):
 
 
 # -- the pipeline ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector paused meanwhile. Building the pipeline makes tens of
+    thousands of schedule objects and binding flows holds thousands of packets, and each
+    full collection they set off walks torch's and numpy's object graphs too: 0.05-0.15 s
+    of a 0.16 s replay (benchmarks/RESULTS.md, issue 16). Neither makes reference cycles;
+    collection resumes afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
     """The frame as trust-the-NIC mode sees it: a RoCE frame whose ICRC is wrong gets the
     right one, so the reference decode (which always checks) classifies it as the kernel
@@ -544,17 +563,9 @@ class FastPipeline:
         return self.finish(abandon)
 
     def run_batch(self, batch: Batch):
-        """Every frame of the batch, in order. The cyclic garbage collector is paused
-        meanwhile: while flows are being bound the binder holds thousands of packets, and
-        each full collection would walk torch's and numpy's object graphs too (the hot path
-        makes no reference cycles; collection resumes afterwards)."""
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        """Every frame of the batch, in order (the cyclic collector paused: collector_paused)."""
+        with collector_paused():
             self._run_batch(batch)
-        finally:
-            if paused:
-                gc.enable()
 
     def _run_batch(self, batch: Batch):
         self._place_batch(batch)
@@ -663,15 +674,12 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     errors: list[str] = []
     reader = ReaderStage(stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES))
     try:
-        pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    except BaseException:
-        reader.close()
-        raise
-    pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
-    pipe.yield_to_commit = reader.pause
-    try:
-        for batch in reader:
-            pipe.run_batch(batch)
+        with collector_paused():
+            pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
+            pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
+            pipe.yield_to_commit = reader.pause
+            for batch in reader:
+                pipe.run_batch(batch)
     finally:
         reader.close()
     pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}

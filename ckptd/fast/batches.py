@@ -54,6 +54,8 @@ class Batch:
     linktype: np.ndarray  # int32, LINKTYPE_* of the frame's interface
     frame_no: np.ndarray  # int64, frame number in its file (1-based, as Wireshark)
     ts: np.ndarray  # int64, ns (0 where the capture has none)
+    # uint8, 1 where the frame's ICRC was found good ahead (BatchKernel.check_icrc), or None
+    icrc_checked: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -173,8 +175,9 @@ def _reference_chunks(path, stream: int, errors: list[str]) -> Iterator[Batch]:
 def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int, chunk_bytes: int,
                  errors: list[str]) -> Iterator[Batch]:
     """Mapped file k as Batches of the records that start in each `chunk_bytes`: offsets
-    into buf (every mapped file's bytes), nothing copied. Each chunk's pages are faulted
-    in before it is handed on (MappedFiles.populate), on the reader's thread."""
+    into buf (every mapped file's bytes), nothing copied. Indexing faults in the pages
+    that hold record headers; the ICRC check (ckptd.fast.pipeline.icrc_checked), on the
+    same thread, the rest."""
     start, size = files.starts[k], files.sizes[k]
     data = buf[start:start + size]
     if (hdr := _pcap_header(data[:24].tobytes())) is None:
@@ -188,7 +191,6 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
         n, end, clean = _kernel.index_pcap(data, pos, pos + chunk_bytes, big, start, *scratch)
         if n:
             offsets, caplen, origlen, sec, frac = (a[:n].copy() for a in scratch)
-            files.populate(start + pos, start + end)
             yield Batch(buf, offsets, caplen, origlen, np.full(n, stream, np.int32),
                         np.full(n, linktype, np.int32),
                         np.arange(numbered + 1, numbered + n + 1, dtype=np.int64),

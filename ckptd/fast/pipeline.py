@@ -54,7 +54,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -352,7 +352,7 @@ class FastExtractor(RoceTransport):
         (see BatchKernel.run). Returns (index, reason, flow entry or iteration)."""
         if self._batch is not batch:
             self.kernel.set_batch(batch.buf, batch.offsets, batch.caplen, batch.origlen,
-                                  batch.stream, batch.linktype)
+                                  batch.stream, batch.linktype, batch.icrc_checked)
             self._batch = batch
         i, reason, flow = self.kernel.run(start, len(batch) if end is None else end)
         return i, STOP_NAMES[reason], flow
@@ -659,6 +659,19 @@ class FastPipeline:
         k.done, k.highest = pipe.done, pipe.highest
 
 
+def icrc_checked(batches: Iterable[Batch], crc: str = "auto") -> Iterator[Batch]:
+    """The Batches with their ICRCs checked (Batch.icrc_checked): run on the reader's
+    thread, this moves the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's replay, off
+    the core that places (benchmarks/RESULTS.md). A frame whose ICRC is bad, or that
+    is no RoCE, is decoded by the placing kernel as before."""
+    checker = _kernel.BatchKernel(1)
+    checker.set_crc(*crc_setting(crc))
+    checker.set_opcodes(**opcode_tables())
+    for b in batches:
+        b.icrc_checked = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
+        yield b
+
+
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
                 on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto",
                 chunk_bytes: int | None = None) -> FastPipeline:
@@ -669,10 +682,11 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
-    # The reader starts first: it maps, indexes and faults in the files on the other
-    # core while this one builds the pipeline (schedule, tables, shadow).
+    # The reader starts first: it maps, indexes and faults in the files and checks the
+    # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
     errors: list[str] = []
-    reader = ReaderStage(stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES))
+    batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES)
+    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc))
     try:
         with collector_paused():
             pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)

@@ -21,7 +21,7 @@ from ckptd.fast.batches import ReaderStage, batch_from_frames, load_capture, loa
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
-                            reduction_constants, trusted_frame)
+                                 icrc_checked, reduction_constants, trusted_frame)
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
@@ -69,8 +69,8 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
              chunk_bytes=None, **opts):
     """(reference pipeline, fast pipeline) after replaying the same captures; `dumps`:
     (reference's, fast one's) gradient dump directories. With chunk_bytes the fast one
-    reads the files in chunks of that size on the reader thread (many Batches), else
-    all at once (one Batch)."""
+    reads the files in chunks of that size on the reader thread (many Batches, their
+    ICRCs checked there), else all at once (one Batch, ICRCs checked by the kernel)."""
     # Frame-exact equality (the same frame finalizes each iteration in both) holds with
     # commits at once; with the agreement window the fast path commits at the batch end
     # after the window passed, and tests/test_agreement.py compares the outcomes.
@@ -88,8 +88,9 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     fast = new(FastPipeline, dumps and str(dumps[1]), trust_icrc=trust_icrc)
     if frames:
         fast.run(frames(), abandon=abandon)
-    elif chunk_bytes:
-        for batch in ReaderStage(stream_batches(paths, fast.errors, chunk_bytes)):
+    elif chunk_bytes:  # as fast_replay reads: ICRCs checked on the reader's thread
+        batches = stream_batches(paths, fast.errors, chunk_bytes)
+        for batch in ReaderStage(batches if trust_icrc else icrc_checked(batches)):
             fast.run_batch(batch)
         fast.finish(abandon)
     else:
@@ -290,6 +291,9 @@ def test_kernel_classifies_every_frame_as_decode_frame(tmp_path):
         seen.add(cls)
     assert {"roce_data", "roce_ack", "truncated", "malformed", "other", "bad_icrc",
             "encapsulated"} <= seen
+    # the reader's ICRC check: good exactly where decoding finds RoCE with a good ICRC
+    checked = next(icrc_checked([batch])).icrc_checked
+    assert checked.tolist() == [int(c in ("roce_data", "roce_ack")) for c in got]
 
 
 # -- source: capture files into batches --------------------------------------------------------
@@ -453,6 +457,16 @@ def test_trusting_the_nic_with_corrupted_frames(tmp_path, protocol, mtu):
     assert_same(ref, fast)
     assert sum(len(s["conflicts"]) for s in ref.snaps) > 0
     assert fast.classes[0]["bad_icrc"] == 0
+
+
+def test_icrcs_checked_on_the_reader_thread_with_corrupted_frames(tmp_path):
+    """fast_replay's reading: the ICRCs are checked ahead on the reader's thread and the
+    kernel computes none for the frames found good; corrupted ones are left to it, and
+    it classes and counts them as the reference does."""
+    ref, fast = synth_pair(tmp_path, shadow=False, chunk_bytes=100_000, ranks=4, channels=2,
+                           protocol="simple", mtu=1024, mirrors=3, loss=1e-3, corrupt=2e-2)
+    assert_same(ref, fast)
+    assert fast.classes[0]["bad_icrc"] > 0
 
 
 def _tagged(fr: CapturedFrame, k: int) -> CapturedFrame:

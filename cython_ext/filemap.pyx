@@ -12,18 +12,22 @@ page cache's: no read() into a buffer of our own, no merge copy.
 The first read of each page maps it (a minor fault, ~0.3 us a page here): the fast
 pipeline's reader thread indexes the records and checks the ICRCs, so it, not the
 thread that places, pays for that. A file that shrinks while it is mapped makes reads
-past its new end fault (SIGBUS): replay reads finished captures.
+past its new end fault (SIGBUS): replay reads finished captures. Pages behind the reader's
+consumer are released (`release_before`), so the resident size stays bounded.
 """
 import os
 import stat
 
 from cpython.buffer cimport PyBUF_WRITABLE
 from libc.errno cimport errno
-from libc.stdint cimport uint8_t
-from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE, MAP_PRIVATE,
-                         MAP_SHARED, PROT_NONE, PROT_READ, mmap, munmap)
+from libc.stdint cimport int64_t, uint8_t
+from posix.mman cimport (MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE,
+                         MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ, madvise, mmap, munmap)
 
 cdef size_t PAGE = os.sysconf("SC_PAGE_SIZE")
+# release_before unmaps at least this much at a time: unmapping flushes the TLBs of every
+# core running the process (an interrupt each), per call
+cdef size_t RELEASE_GRAIN = 64 << 20
 
 
 def mappable(path) -> bool:
@@ -42,6 +46,7 @@ cdef class MappedFiles:
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
     cdef readonly list starts, sizes
+    cdef list released  # per file: its pages before this are released
 
     def __cinit__(self, paths):
         self.base = NULL
@@ -69,6 +74,7 @@ cdef class MappedFiles:
             for fd in fds:
                 os.close(fd)  # the mappings keep the files open
         self.length = self.starts[len(paths) - 1] + self.sizes[len(paths) - 1] if self.sizes else 0
+        self.released = list(self.starts)
         self.shape[0], self.strides[0] = self.length, 1
 
     def __dealloc__(self):
@@ -77,6 +83,23 @@ cdef class MappedFiles:
 
     def __len__(self):
         return self.length
+
+    def release_before(self, int64_t pos):
+        """The pages wholly before byte pos of the buffer, in the file that holds pos,
+        are read no more: unmap them (MADV_DONTNEED; the page cache keeps them, a later
+        read maps them again), so the process's resident size stays at what is in
+        flight, not the captures' size."""
+        cdef Py_ssize_t k = len(self.starts) - 1
+        while k > 0 and self.starts[k] > pos:
+            k -= 1
+        if k < 0:
+            return
+        cdef size_t lo = self.released[k], hi = (<size_t>pos // PAGE) * PAGE
+        if hi < lo + RELEASE_GRAIN:
+            return  # in big steps: each call interrupts every core the process runs on
+        with nogil:
+            madvise(self.base + lo, hi - lo, MADV_DONTNEED)
+        self.released[k] = hi
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         if flags & PyBUF_WRITABLE:

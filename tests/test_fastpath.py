@@ -25,6 +25,7 @@ from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
+from cython_ext.filemap import MappedFiles
 from parsers import icrc
 from parsers.capfile import CapturedFrame, open_capture
 from parsers.pcap import PcapWriter
@@ -386,6 +387,31 @@ def test_stream_batches_mix_mapped_pcap_and_pcapng(tmp_path):
     for b in stream_batches(paths, errors, chunk_bytes=5000):
         got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
     assert got == want and errors == errors_ref and len(errors) == 2
+
+
+def _rss_file_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_mapped_pages_behind_the_reader_are_released(tmp_path):
+    """release_before unmaps the pages of a file before a position (in 64 MiB steps):
+    the resident size falls, and the bytes still read the same (mapped again from the
+    page cache)."""
+    data = np.random.default_rng(1).integers(0, 256, 80 << 20, dtype=np.uint8)
+    path = tmp_path / "big"
+    data.tofile(path)
+    files = MappedFiles([str(path)])
+    buf = np.frombuffer(files, np.uint8)
+    assert int(buf[::4096].astype(np.int64).sum()) == int(data[::4096].astype(np.int64).sum())
+    before = _rss_file_kb()
+    files.release_before(10 << 20)  # less than a step: nothing
+    assert _rss_file_kb() > before - (8 << 10)
+    files.release_before(len(buf) - 1)
+    assert _rss_file_kb() < before - (64 << 10)
+    np.testing.assert_array_equal(buf, data)
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -299,16 +299,34 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
                 pend[s], pos[s] = refill(s), 0
 
 
+def release_mapped(batch: Batch):
+    """The consumer is done with a Batch: the mapped pages before each stream's last
+    frame in it are released (MappedFiles.release_before; each stream's frames lie in
+    file order), so a replay's resident size stays at the Batches in flight."""
+    files = getattr(batch.buf.base, "obj", None)
+    if not isinstance(files, MappedFiles) or not len(batch):
+        return
+    streams, from_end = np.unique(batch.stream[::-1], return_index=True)
+    for pos in batch.offsets[len(batch) - 1 - from_end].tolist():
+        files.release_before(pos)
+
+
 class ReaderStage:
     """Runs an iterator of Batches (reading files, merging) on its own thread and hands
     them over through a bounded queue, so reading overlaps extraction. A full queue
     makes the reader wait (`full_waits`: extraction is the slower stage); an empty one
     makes the consumer wait (`empty_waits`: reading is). An error in the reader is
-    raised in the consumer after the Batches before it."""
+    raised in the consumer after the Batches before it. With `release`, each Batch the
+    consumer is done with (it asked for the next) is handed to it on the reader's
+    thread, before the reader's next read or while it waits for room (release_mapped:
+    0.02 s of page-table work per 446 MB that stays off the consumer's core)."""
 
     _END = object()
 
-    def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH):
+    def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH,
+                 release: Callable[[Batch], None] | None = None):
+        self.release = release
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # Batches for release
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.full_waits = self.empty_waits = 0
@@ -329,6 +347,7 @@ class ReaderStage:
         try:
             while True:
                 self._go.wait()
+                self._release_done()
                 b = next(batches, None)
                 if b is None:
                     break
@@ -336,10 +355,10 @@ class ReaderStage:
                     self.full_waits += 1
                 while not self._stop.is_set():
                     try:
-                        self.queue.put(b, timeout=0.2)
+                        self.queue.put(b, timeout=0.05)
                         break
                     except queue.Full:
-                        continue
+                        self._release_done()
                 if self._stop.is_set():
                     return
         except BaseException as e:  # raised in the consumer
@@ -360,9 +379,19 @@ class ReaderStage:
             if b is self._END:
                 break
             yield b
+            if self.release is not None:
+                self._done.put(b)
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    def _release_done(self):
+        while self.release is not None:
+            try:
+                b = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self.release(b)
 
     def pause(self, on: bool):
         """Hold the reader before its next read (on=True) or let it go on."""

@@ -65,7 +65,8 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, stream_batches
+from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, release_mapped,
+                                stream_batches)
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
@@ -686,7 +687,7 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
     errors: list[str] = []
     batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES)
-    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc))
+    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc), release=release_mapped)
     try:
         with collector_paused():
             pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)

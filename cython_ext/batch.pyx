@@ -284,7 +284,8 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_end
     `base` added). Returns (frames, end, clean): end is where the next record starts;
     clean is False when the file ends inside a record or a record is implausible, where
     parsers/pcap.py would raise CaptureError; the caller then asks that reader for the
-    exact error. The arrays hold (stop - start) // 16 + 1 frames: every record is."""
+    exact error. Arrays of (stop - start) // 16 + 1 frames always suffice: a record
+    takes at least its 16-byte header."""
     cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0]
     cdef uint32_t sec, frac, cl, ol
     cdef bint clean = True

@@ -217,10 +217,11 @@ def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int) -> li
     mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
     files = MappedFiles(mapped) if mapped else None
     buf = np.frombuffer(files, np.uint8) if mapped else None
-    sources = []
+    sources, nmapped = [], 0
     for k, (p, fmt) in enumerate(zip(paths, formats)):
         if fmt == "mapped":
-            sources.append(_pcap_chunks(p, k, files, buf, mapped.index(p), chunk_bytes, errors))
+            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors))
+            nmapped += 1
         elif fmt is not None:
             sources.append(_reference_chunks(p, k, errors))
         else:

@@ -44,8 +44,8 @@ decode + place stage alone.
 """
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -475,9 +475,9 @@ class FastExtractor(RoceTransport):
 def collector_paused():
     """The cyclic garbage collector paused meanwhile. Building the pipeline makes tens of
     thousands of schedule objects and binding flows holds thousands of packets, and each
-    full collection they set off walks torch's and numpy's object graphs too: 0.05-0.15 s
-    of a 0.16 s replay (benchmarks/RESULTS.md, issue 16). Neither makes reference cycles;
-    collection resumes afterwards."""
+    full collection they set off walks torch's and numpy's object graphs too: 0.09 s more
+    on every other replay of issue 16's scenario (benchmarks/RESULTS.md). Neither makes
+    reference cycles; collection resumes afterwards."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -678,8 +678,8 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
                 chunk_bytes: int | None = None) -> FastPipeline:
     """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps.
     The files are mapped and indexed in chunks on a thread of their own
-    (ckptd.fast.batches.stream_batches, ReaderStage);
-    how often either side waited is kept in pipe.read_waits."""
+    (ckptd.fast.batches.stream_batches, ReaderStage), which also checks the ICRCs; how
+    often either side waited is kept in pipe.read_waits."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")

@@ -54,7 +54,7 @@ from ckptd.core.keep import CheckpointKeeper
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import Plan
 from ckptd.core.schedule import RS
-from ckptd.core.shadow import ShadowModel
+from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threads
 
 FINALIZE_LAG = 2
 # Mirror copies of one packet reach the capture host at different times (another switch
@@ -209,6 +209,8 @@ class Pipeline:
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
         self.next_bucket = 0  # buckets of iteration done+1 already stepped (or queued)
         self.applier = ApplyStage() if self.shadow is not None else None
+        if self.shadow is not None and self.shadow.bucketwise:
+            self.applier.submit(partial(limit_step_threads, bucket_step_threads()))
         self.apply_waits = 0  # times extraction waited on a full optimizer queue
         # Called with True once an iteration's last bucket step is queued and with False
         # when that step is done: a stage that shares the cores (the file reader) pauses

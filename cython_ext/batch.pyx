@@ -276,18 +276,23 @@ def ll128_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint64_t fla
 
 
 # -- source helpers --------------------------------------------------------------------------
-def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t base,
+def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_endian, int64_t base,
                int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
                int64_t[::1] ts_sec, int64_t[::1] ts_frac):
-    """Walk pcap records from byte `start` (after the file header) and fill the arrays
-    (offsets get `base` added). Returns (frames, clean): clean is False when the file
-    ends inside a record or a record is implausible, where parsers/pcap.py would raise
-    CaptureError; the caller then asks that reader for the exact error."""
+    """Walk the pcap records that start in [start, stop) (start: after the file header,
+    or where the last walk ended; buf: the whole file) and fill the arrays (offsets get
+    `base` added). Returns (frames, end, clean): end is where the next record starts;
+    clean is False when the file ends inside a record or a record is implausible, where
+    parsers/pcap.py would raise CaptureError; the caller then asks that reader for the
+    exact error. Arrays of (stop - start) // 16 + 1 frames always suffice: a record
+    takes at least its 16-byte header."""
     cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0]
     cdef uint32_t sec, frac, cl, ol
     cdef bint clean = True
+    if stop > n:
+        stop = n
     with nogil:
-        while pos < n:
+        while pos < stop:
             if pos + 16 > n or k >= cap:
                 clean = pos + 16 <= n and k < cap
                 break
@@ -305,7 +310,7 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, bint big_endian, int64_t b
             ts_frac[k] = frac
             k += 1
             pos += 16 + cl
-    return k, clean
+    return k, pos, clean
 
 
 def merge_order(list ts_per_stream):
@@ -451,6 +456,7 @@ cdef class BatchKernel:
     cdef const uint8_t[::1] b_buf
     cdef const int64_t[::1] b_offsets, b_caplen, b_origlen
     cdef const int32_t[::1] b_stream, b_linktype
+    cdef const uint8_t[::1] b_checked
     cdef Frame last
 
     def __init__(self, int nstreams):
@@ -473,6 +479,12 @@ cdef class BatchKernel:
         self.crc_impl = impl
         self.crc_fn = _crc_fn(impl, external)
 
+    def set_opcodes(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end):
+        """The opcode tables (ckptd/fast/pipeline.py opcode_tables): all that decoding
+        and check_icrc need."""
+        self.op_known, self.op_payload, self.op_is_ack = op_known, op_payload, op_is_ack
+        self.op_ext_len, self.op_decoded_end = op_ext_len, op_decoded_end
+
     def set_tables(self, *, op_known, op_payload, op_is_ack, op_ext_len, op_decoded_end,
                    tl_conn, tl_npkts, tl_cycle, tl_mlo, tl_mhi, tl_recv_off, recv_total, conn_steps,
                    m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset, m_nelem,
@@ -481,8 +493,8 @@ cdef class BatchKernel:
         """The plan's tables (ckptd/fast/pipeline.py opcode_tables, CompiledSchedule), read
         only; the kernel allocates its own flow table, flag bases, iteration slots and
         output counts."""
-        self.op_known, self.op_payload, self.op_is_ack = op_known, op_payload, op_is_ack
-        self.op_ext_len, self.op_decoded_end = op_ext_len, op_decoded_end
+        self.set_opcodes(op_known=op_known, op_payload=op_payload, op_is_ack=op_is_ack,
+                         op_ext_len=op_ext_len, op_decoded_end=op_decoded_end)
         self.tl_conn, self.tl_npkts, self.tl_mlo, self.tl_mhi = tl_conn, tl_npkts, tl_mlo, tl_mhi
         self.tl_recv_off, self.recv_total, self.conn_steps = tl_recv_off, recv_total, conn_steps
         self.m_start, self.m_npkts, self.m_wire_len = m_start, m_npkts, m_wire_len
@@ -723,9 +735,10 @@ cdef class BatchKernel:
 
     # -- decode (parsers/roce.py decode_frame) ---------------------------------------------
     cdef int decode_frame(self, const uint8_t *d, int64_t n, int64_t origlen, int linktype,
-                          Frame *f) noexcept nogil:
-        """Class of one frame, with parsers.roce's precedence; fills f for RoCE frames."""
-        cdef int cls = self._decode(d, n, linktype, n >= origlen, f)
+                          Frame *f, bint checked=False) noexcept nogil:
+        """Class of one frame, with parsers.roce's precedence; fills f for RoCE frames.
+        checked: its ICRC was found good already (check_icrc), so it is not computed again."""
+        cdef int cls = self._decode(d, n, linktype, n >= origlen, f, checked)
         # decode_frame: a frame shorter than on the wire is TRUNCATED unless MALFORMED
         if n < origlen and cls != K_MALFORMED and cls != K_ENCAPSULATED:
             cls = K_TRUNCATED
@@ -733,7 +746,7 @@ cdef class BatchKernel:
         return cls
 
     cdef int _decode(self, const uint8_t *d, int64_t n, int linktype, bint complete,
-                     Frame *f) noexcept nogil:
+                     Frame *f, bint checked) noexcept nogil:
         cdef int64_t off = 0, hdr_len, total_len, pos, size, ip_end, udp_off, udp_end, bth_off
         cdef int64_t icrc_off, payload_off, payload_len
         cdef uint32_t ethertype, version, want, b0, ihl, proto, word, nxt, ulen, op, padcnt
@@ -869,7 +882,7 @@ cdef class BatchKernel:
         f.opcode = op
         if not self.op_known[op]:
             return K_UNKNOWN_OPCODE         # the ICRC does not change this class
-        if not self.trust_icrc and complete and not self.icrc_ok(d, f):
+        if not (self.trust_icrc or checked) and complete and not self.icrc_ok(d, f):
             return K_BAD_ICRC
         if self.op_is_ack[op]:
             return K_ROCE_ACK
@@ -1221,12 +1234,40 @@ cdef class BatchKernel:
                                                  origlen[i], linktype[i], &f)
         return out
 
+    def check_icrc(self, const uint8_t[::1] buf, const int64_t[::1] offsets, const int64_t[::1] caplen,
+                   const int64_t[::1] origlen, const int32_t[::1] linktype):
+        """Per frame 1 where it decodes as RoCE data or ACK with a good ICRC, else 0: the
+        ICRC part of `run`'s work, done ahead on another thread (the file reader's) by a
+        kernel with only opcode tables and a CRC; `set_batch(checked=)` hands it to the
+        kernel that places the frames, which then computes no ICRC for those frames and
+        decodes the rest as before. Nothing else is read or written."""
+        cdef Py_ssize_t i, n = offsets.shape[0]
+        cdef int cls
+        cdef Frame f
+        if caplen.shape[0] != n or origlen.shape[0] != n or linktype.shape[0] != n:
+            raise ValueError("per-frame arrays differ in length")
+        if self.op_known is None:
+            raise RuntimeError("opcode tables not set")
+        out = np.zeros(n, np.uint8)
+        cdef uint8_t[::1] o = out
+        with nogil:
+            for i in range(n):
+                if offsets[i] < 0 or caplen[i] < 0 or offsets[i] + caplen[i] > buf.shape[0]:
+                    continue  # set_batch refuses the batch
+                cls = self.decode_frame(&buf[offsets[i]] if caplen[i] else NULL, caplen[i],
+                                        origlen[i], linktype[i], &f)
+                o[i] = cls == K_ROCE_DATA or cls == K_ROCE_ACK
+        return out
+
     def set_batch(self, const uint8_t[::1] buf, const int64_t[::1] offsets, const int64_t[::1] caplen,
-                  const int64_t[::1] origlen, const int32_t[::1] stream, const int32_t[::1] linktype):
+                  const int64_t[::1] origlen, const int32_t[::1] stream, const int32_t[::1] linktype,
+                  const uint8_t[::1] checked=None):
         """The frames `run` works on: one buffer, and per frame its offset, captured and
-        original length, mirror stream and link type."""
+        original length, mirror stream and link type; checked: check_icrc's result for
+        these frames, or None."""
         cdef Py_ssize_t i, n = offsets.shape[0], bad = -1
-        if caplen.shape[0] != n or origlen.shape[0] != n or stream.shape[0] != n or linktype.shape[0] != n:
+        if caplen.shape[0] != n or origlen.shape[0] != n or stream.shape[0] != n or linktype.shape[0] != n \
+                or checked is not None and checked.shape[0] != n:
             raise ValueError("per-frame arrays differ in length")
         with nogil:  # the kernel trusts these from here on
             for i in range(n):
@@ -1238,7 +1279,7 @@ cdef class BatchKernel:
             raise ValueError(f"frame {bad}: outside the buffer or stream {stream[bad]} not in "
                              f"0..{self.nstreams - 1}")
         self.b_buf, self.b_offsets, self.b_caplen, self.b_origlen = buf, offsets, caplen, origlen
-        self.b_stream, self.b_linktype = stream, linktype
+        self.b_stream, self.b_linktype, self.b_checked = stream, linktype, checked
 
     def last_frame(self):
         """What decode found in the frame `run` stopped at: (class, IP version, IP, UDP
@@ -1260,6 +1301,8 @@ cdef class BatchKernel:
         cdef const uint8_t[::1] buf = self.b_buf
         cdef const int64_t[::1] offsets = self.b_offsets, caplen = self.b_caplen, origlen = self.b_origlen
         cdef const int32_t[::1] stream = self.b_stream, linktype = self.b_linktype
+        cdef const uint8_t[::1] checked = self.b_checked
+        cdef bint has_checked = checked is not None
         if end > offsets.shape[0] or start < 0:
             raise IndexError("frame range outside the batch")
         cdef int64_t cap = self.conflicts.shape[0]
@@ -1272,7 +1315,8 @@ cdef class BatchKernel:
                 d = &buf[offsets[i]] if caplen[i] else NULL
                 s = stream[i]
                 flow = -1
-                cls = self.decode_frame(d, caplen[i], origlen[i], linktype[i], &f)
+                cls = self.decode_frame(d, caplen[i], origlen[i], linktype[i], &f,
+                                        has_checked and checked[i])
                 if cls == K_ENCAPSULATED:
                     reason = STOP_ENCAPSULATED
                     break

@@ -17,15 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import (BufferPool, ReaderStage, batch_from_frames, load_capture, load_captures,
-                               stream_batches)
+from ckptd.fast.batches import ReaderStage, batch_from_frames, load_capture, load_captures, stream_batches
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
-                            reduction_constants, trusted_frame)
+                                 icrc_checked, reduction_constants, trusted_frame)
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
+from cython_ext.filemap import MappedFiles
 from parsers import icrc
 from parsers.capfile import CapturedFrame, open_capture
 from parsers.pcap import PcapWriter
@@ -70,8 +70,8 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
              chunk_bytes=None, **opts):
     """(reference pipeline, fast pipeline) after replaying the same captures; `dumps`:
     (reference's, fast one's) gradient dump directories. With chunk_bytes the fast one
-    reads the files in chunks of that size on the reader thread (many Batches), else
-    all at once (one Batch)."""
+    reads the files in chunks of that size on the reader thread (many Batches, their
+    ICRCs checked there), else all at once (one Batch, ICRCs checked by the kernel)."""
     # Frame-exact equality (the same frame finalizes each iteration in both) holds with
     # commits at once; with the agreement window the fast path commits at the batch end
     # after the window passed, and tests/test_agreement.py compares the outcomes.
@@ -89,8 +89,9 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     fast = new(FastPipeline, dumps and str(dumps[1]), trust_icrc=trust_icrc)
     if frames:
         fast.run(frames(), abandon=abandon)
-    elif chunk_bytes:
-        for batch in ReaderStage(stream_batches(paths, fast.errors, chunk_bytes)):
+    elif chunk_bytes:  # as fast_replay reads: ICRCs checked on the reader's thread
+        batches = stream_batches(paths, fast.errors, chunk_bytes)
+        for batch in ReaderStage(batches if trust_icrc else icrc_checked(batches)):
             fast.run_batch(batch)
         fast.finish(abandon)
     else:
@@ -291,6 +292,9 @@ def test_kernel_classifies_every_frame_as_decode_frame(tmp_path):
         seen.add(cls)
     assert {"roce_data", "roce_ack", "truncated", "malformed", "other", "bad_icrc",
             "encapsulated"} <= seen
+    # the reader's ICRC check: good exactly where decoding finds RoCE with a good ICRC
+    checked = next(icrc_checked([batch])).icrc_checked
+    assert checked.tolist() == [int(c in ("roce_data", "roce_ack")) for c in got]
 
 
 # -- source: capture files into batches --------------------------------------------------------
@@ -334,12 +338,10 @@ def _stream_files(tmp_path, rng, n=3, frames=300):
     return paths
 
 
-@pytest.mark.parametrize("chunk,pooled", [(100, False), (4096, False), (70_000, False), (1 << 24, False),
-                                          (100, True), (1 << 20, True)])
-def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, pooled):
-    """Also with the reader's buffers recycled (BufferPool): a Batch handed back when the
-    consumer takes the next is overwritten later, so each is read at once here, as the
-    fast pipeline does."""
+@pytest.mark.parametrize("chunk", [100, 4096, 70_000, 1 << 24])
+def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
+    """The pcap files are mapped into one buffer and merged by index: every Batch
+    points into that buffer, no bytes copied."""
     paths = _stream_files(tmp_path, random.Random(chunk))
     # a file cut inside its last record among them
     errors_ref, errors = [], []
@@ -347,19 +349,69 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk, 
     cut.write_bytes(Path(paths[1]).read_bytes()[:-5])
     paths[1] = str(cut)
     want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
-    got = []
-    pool = BufferPool() if pooled else None
-    stage = ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk, pool=pool), depth=2,
-                        release=pool and (lambda batch: pool.give_back(batch.buf)))
+    got, bufs = [], set()
     nbatches = 0
-    for b in stage:
+    for b in ReaderStage(stream_batches(paths, errors, chunk_bytes=chunk), depth=2):
         nbatches += 1
+        bufs.add(b.buf.ctypes.data)
         got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
     assert got == want and errors == errors_ref and len(errors) == 1
+    assert len(bufs) == 1
     if chunk <= 4096:
         assert nbatches > 10
-    if pooled and chunk <= 4096:  # chunks and batches: a few buffers in turn, not one each
-        assert pool.made < 20 < nbatches
+
+
+def test_stream_batches_mix_mapped_pcap_and_pcapng(tmp_path):
+    """A pcapng stream (parsers' reader, its own buffer) merged with mapped pcap
+    streams: the frames are copied into one buffer, in file_source's order; an empty
+    pcap file and a missing one are reported as file_source reports them."""
+    paths = _stream_files(tmp_path, random.Random(7), n=2)
+    def block(btype, body):
+        body += b"\0" * (-len(body) % 4)
+        return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
+    ng = tmp_path / "s.pcapng"  # section, Ethernet interface (microseconds), packets
+    blocks = [block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1)),
+              block(1, struct.pack("<HHI", 1, 0, 0))]
+    t, rng = 1_700_000_000_000_000, random.Random(8)
+    for _ in range(200):
+        t += rng.choice([0, 2, 7])
+        data = rng.randbytes(rng.randrange(0, 900))
+        blocks.append(block(6, struct.pack("<IIIII", 0, t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
+    ng.write_bytes(b"".join(blocks))
+    empty = tmp_path / "empty.pcap"
+    empty.write_bytes(b"")
+    paths += [str(ng), str(empty), str(tmp_path / "missing.pcap")]
+    errors_ref, errors = [], []
+    want = [(k, fr) for k, fr in file_source(paths, errors_ref)]
+    got = []
+    for b in stream_batches(paths, errors, chunk_bytes=5000):
+        got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
+    assert got == want and errors == errors_ref and len(errors) == 2
+
+
+def _rss_file_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_mapped_pages_behind_the_reader_are_released(tmp_path):
+    """release_before unmaps the pages of a file before a position (in 64 MiB steps):
+    the resident size falls, and the bytes still read the same (mapped again from the
+    page cache)."""
+    data = np.random.default_rng(1).integers(0, 256, 80 << 20, dtype=np.uint8)
+    path = tmp_path / "big"
+    data.tofile(path)
+    files = MappedFiles([str(path)])
+    buf = np.frombuffer(files, np.uint8)
+    assert int(buf[::4096].astype(np.int64).sum()) == int(data[::4096].astype(np.int64).sum())
+    before = _rss_file_kb()
+    files.release_before(10 << 20)  # less than a step: nothing
+    assert _rss_file_kb() > before - (8 << 10)
+    files.release_before(len(buf) - 1)
+    assert _rss_file_kb() < before - (64 << 10)
+    np.testing.assert_array_equal(buf, data)
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():
@@ -431,6 +483,16 @@ def test_trusting_the_nic_with_corrupted_frames(tmp_path, protocol, mtu):
     assert_same(ref, fast)
     assert sum(len(s["conflicts"]) for s in ref.snaps) > 0
     assert fast.classes[0]["bad_icrc"] == 0
+
+
+def test_icrcs_checked_on_the_reader_thread_with_corrupted_frames(tmp_path):
+    """fast_replay's reading: the ICRCs are checked ahead on the reader's thread and the
+    kernel computes none for the frames found good; corrupted ones are left to it, and
+    it classes and counts them as the reference does."""
+    ref, fast = synth_pair(tmp_path, shadow=False, chunk_bytes=100_000, ranks=4, channels=2,
+                           protocol="simple", mtu=1024, mirrors=3, loss=1e-3, corrupt=2e-2)
+    assert_same(ref, fast)
+    assert fast.classes[0]["bad_icrc"] > 0
 
 
 def _tagged(fr: CapturedFrame, k: int) -> CapturedFrame:

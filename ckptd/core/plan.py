@@ -272,9 +272,11 @@ class Plan:
         return self.ring.nranks
 
     def param(self, name: str) -> Parameter:
-        return self._params_by_name()[name]
+        return self._params_by_name[name]
 
+    @cached_property
     def _params_by_name(self) -> dict[str, Parameter]:
+        # built once: bucket sizes and every bucket step look parameters up by name
         return {p.name: p for p in self.parameters}
 
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
@@ -700,7 +702,7 @@ def _check_buffers(plan: Plan) -> None:
     bufs = plan.buffers
     seen: dict[str, str] = {}
     for i, t in enumerate(bufs.tensors):
-        if not isinstance(t.name, str) or not t.name or t.name in seen or t.name in plan._params_by_name():
+        if not isinstance(t.name, str) or not t.name or t.name in seen or t.name in plan._params_by_name:
             raise PlanError(f"buffers.tensors[{i}].name {t.name!r} must be a new non-empty name")
         if t.dtype not in DTYPES:
             raise PlanError(f"buffers.tensors[{i}] ({t.name}) has dtype {t.dtype!r}; supported: {', '.join(DTYPES)}")
@@ -722,7 +724,7 @@ def _check_buffers(plan: Plan) -> None:
 
 
 def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> None:
-    by_name = plan._params_by_name()
+    by_name = plan._params_by_name
     for i, b in enumerate(layout):
         if b.params:
             unknown = [n for n in b.params if n not in by_name]

@@ -9,6 +9,9 @@ parameters a copy is 4 GB): a caller that needs its state unchanged passes a cop
 """
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import torch
 
@@ -17,6 +20,27 @@ from ckptd.core.optim import (EAGER_STATE, GroupSchedule, OptimizerError, clip_g
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
 from ckptd.core.plan import COMM_HOOKS, Plan
+
+
+def bucket_step_threads() -> int:
+    """torch intra-op threads for bucket steps: the cores the pipeline leaves over (the
+    kernel's thread and the file reader take one each), at least one. On 2 cores
+    torch's default of 2 OpenMP threads fought those two for them and a replay took
+    5-25x longer (benchmarks/RESULTS.md, issue 16)."""
+    return max(1, len(os.sched_getaffinity(0)) - 2)
+
+
+def limit_step_threads(n: int):
+    """Run this thread's torch ops on n intra-op threads. torch.set_num_threads sets the
+    calling thread's OpenMP setting and also the default of threads that have not run a
+    parallel op yet; that default is put back from a short-lived thread, so only this
+    one changes. Only for elementwise steps (the bucket steps): a reduction (clipping's
+    norm) can round differently with another thread count."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(n)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+    restore.start()
+    restore.join()
 
 
 class ShadowModel:

@@ -2,82 +2,42 @@
 
     load_capture, load_captures   whole files in memory (benchmarks that measure
                                   extraction alone read from memory)
-    stream_batches                bounded chunks of every file, merged in capture-time
+    stream_batches                every file a chunk at a time, merged in capture-time
                                   order exactly as ckptd.pipeline.file_source merges them
     ReaderStage                   any iterator of Batches run on its own thread behind a
                                   bounded queue: the fast path's read stage
-    BufferPool                    byte buffers stream_batches writes into and a ReaderStage
-                                  hands back once the consumer is done with a Batch
 
-A clean pcap is indexed in place by the kernel (no per-frame Python); pcapng, and a pcap
-with a broken record, go through the reference readers in parsers/, which also word the
-error that ends a file early.
+A clean pcap is indexed in place by the kernel (no per-frame Python); stream_batches
+maps the pcap files (cython_ext/filemap.pyx), so its Batches point into the page cache
+and streams merge by offsets, without a byte copied. pcapng, and a pcap with a broken
+record, go through the reference readers in parsers/, which also word the error that
+ends a file early.
 """
 from __future__ import annotations
 
 import os
 import queue
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from cython_ext import batch as _kernel
+from cython_ext.filemap import MappedFiles, mappable
 from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_capture
-from parsers.frame import MAX_SNAPLEN
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
-# Bytes read from a file at a time by stream_batches. Small enough that the pool's
-# buffers, reused chunk after chunk, stay few and cache-warm: with 32 MiB chunks a
-# replay of 446 MB touched ~400 MB of fresh pages (a fault per page) and the reader,
-# not the kernel, set the pace (0.82-0.92 s against 0.36-0.40 s with 4 MiB, same run,
-# benchmarks/RESULTS.md).
+# Bytes of a file stream_batches indexes at a time: the grain of a merged Batch, so of
+# how often the fast pipeline moves the streams' clocks (agreement windows), and of the
+# pages the reader faults in ahead of the kernel.
 CHUNK_BYTES = 4 << 20
-CHUNK_FRAMES = 1 << 15  # frames per Batch from the reference readers
-READ_DEPTH = 3  # Batches a ReaderStage may hold ready
+CHUNK_FRAMES = 1 << 11  # frames per Batch from the reference readers
+# Batches a ReaderStage may hold ready: enough for the reader to index ahead while the
+# pipeline is built (a mapped file's Batch holds only its index); with the reference
+# readers' Batches (their own bytes) at most 64k frames, fewer than the 3 x 32k before.
+READ_DEPTH = 32
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
-
-
-# -- buffers -------------------------------------------------------------------------------
-class BufferPool:
-    """Byte buffers reused across chunks and Batches. Memory written for the first time
-    costs a page fault per page, in this VM 2.5-8x the cost of copying into mapped
-    memory (benchmarks/RESULTS.md), and a replay writes every byte twice (read into a
-    chunk, merged into a Batch): so both go into buffers handed back when done with.
-    Thread-safe: the reader thread takes, the consumer gives back."""
-
-    GRAIN = 1 << 20  # capacities are rounded up to this, so near sizes share buffers
-
-    def __init__(self):
-        self.free: list[np.ndarray] = []
-        self.made = 0  # buffers allocated (the rest of the takes reused one)
-        self._mine: dict[int, weakref.ref] = {}  # buffers this pool made: only those come back
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> np.ndarray:
-        """n bytes (uninitialized), in the smallest free buffer that holds them."""
-        with self._lock:
-            fits = [k for k, a in enumerate(self.free) if len(a) >= n]
-            if fits:
-                k = min(fits, key=lambda k: len(self.free[k]))
-                return self.free.pop(k)[:n]
-        a = np.empty(-(-max(n, 1) // self.GRAIN) * self.GRAIN, np.uint8)
-        self.made += 1
-        key = id(a)
-        self._mine[key] = weakref.ref(a, lambda _: self._mine.pop(key, None))
-        return a[:n]
-
-    def give_back(self, buf: np.ndarray):
-        """Whoever held buf (or any view of it) is done with it; buffers the pool did
-        not make are left alone."""
-        base = buf if buf.base is None else buf.base
-        ref = self._mine.get(id(base))
-        if ref is not None and ref() is base:
-            with self._lock:
-                if all(a is not base for a in self.free):
-                    self.free.append(base)
 
 
 # -- a Batch ------------------------------------------------------------------------------
@@ -94,6 +54,8 @@ class Batch:
     linktype: np.ndarray  # int32, LINKTYPE_* of the frame's interface
     frame_no: np.ndarray  # int64, frame number in its file (1-based, as Wireshark)
     ts: np.ndarray  # int64, ns (0 where the capture has none)
+    # uint8, 1 where the frame's ICRC was found good ahead (BatchKernel.check_icrc), or None
+    icrc_checked: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -151,7 +113,7 @@ def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
                 big, tick, linktype = hdr
                 cap = max(0, (len(data) - 24) // 16)
                 arrs = [np.empty(cap, np.int64) for _ in range(5)]
-                n, clean = _kernel.index_pcap(data, 24, big, 0, *arrs)
+                n, _, clean = _kernel.index_pcap(data, 24, len(data), big, 0, *arrs)
                 if clean:
                     offsets, caplen, origlen, sec, frac = (a[:n] for a in arrs)
                     return Batch(data, offsets, caplen, origlen, np.full(n, stream, np.int32),
@@ -183,7 +145,7 @@ def load_captures(paths: list[str]) -> tuple[Batch, list[str]]:
     return merge_batches([b for b, _ in loaded]), [e for _, e in loaded if e]
 
 
-# -- streaming: bounded chunks, merged ----------------------------------------------------
+# -- streaming: mapped files a chunk at a time, merged by index -----------------------------
 def _reference_error(path) -> str | None:
     """The error parsers' reader raises for a file, worded as file_source reports it."""
     try:
@@ -194,22 +156,9 @@ def _reference_error(path) -> str | None:
     return None
 
 
-def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str],
-                 pool: BufferPool | None = None) -> Iterator[Batch]:
-    """One file as Batches of at most about chunk_bytes each (a record longer than that
-    makes its chunk longer); a problem that ends the file early goes to errors."""
-    try:
-        fmt = capture_format(path)
-        f = open(path, "rb")
-    except (CaptureError, OSError) as e:
-        errors.append(str(e))
-        return
-    with f:
-        head = f.read(24) if fmt == "pcap" else b""
-        if (hdr := _pcap_header(head)) is not None:
-            big, tick, linktype = hdr
-            yield from _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors, pool)
-            return
+def _reference_chunks(path, stream: int, errors: list[str]) -> Iterator[Batch]:
+    """A file through parsers' reader (pcapng; a pcap that is no regular file), as
+    Batches of CHUNK_FRAMES frames; the error that ends it early goes to errors."""
     frames = []
     try:
         for fr in open_capture(path):
@@ -223,51 +172,71 @@ def _file_chunks(path, stream: int, chunk_bytes: int, errors: list[str],
         yield batch_from_frames(frames)
 
 
-def _pcap_chunks(path, f, stream, big, tick, linktype, chunk_bytes, errors, pool) -> Iterator[Batch]:
-    carry = np.zeros(0, np.uint8)  # the start of a record the last chunk cut off
-    numbered = 0  # frames yielded so far
-    while True:
-        n = len(carry) + chunk_bytes
-        data = pool.take(n) if pool is not None else np.empty(n, np.uint8)
-        data[:len(carry)] = carry
-        got = f.readinto(memoryview(data)[len(carry):])
-        eof = got < chunk_bytes
-        data = data[:len(carry) + got]
-        cap = len(data) // 16
-        arrs = [np.empty(cap, np.int64) for _ in range(5)]
-        n, _ = _kernel.index_pcap(data, 0, big, 0, *arrs)
-        # copies: the arrays are sized for a frame every 16 bytes, and a Batch lives on
-        offsets, caplen, origlen, sec, frac = (a[:n].copy() for a in arrs)
-        del arrs
+def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int, chunk_bytes: int,
+                 errors: list[str]) -> Iterator[Batch]:
+    """Mapped file k as Batches of the records that start in each `chunk_bytes`: offsets
+    into buf (every mapped file's bytes), nothing copied. Indexing faults in the pages
+    that hold record headers; the ICRC check (ckptd.fast.pipeline.icrc_checked), on the
+    same thread, the rest."""
+    start, size = files.starts[k], files.sizes[k]
+    data = buf[start:start + size]
+    if (hdr := _pcap_header(data[:24].tobytes())) is None:
+        yield from _reference_chunks(path, stream, errors)  # the reader words what is wrong
+        return
+    big, tick, linktype = hdr
+    cap = chunk_bytes // 16 + 1
+    scratch = [np.empty(cap, np.int64) for _ in range(5)]
+    pos, numbered = 24, 0
+    while pos < size:
+        n, end, clean = _kernel.index_pcap(data, pos, pos + chunk_bytes, big, start, *scratch)
         if n:
-            yield Batch(data, offsets, caplen, origlen, np.full(n, stream, np.int32),
+            offsets, caplen, origlen, sec, frac = (a[:n].copy() for a in scratch)
+            yield Batch(buf, offsets, caplen, origlen, np.full(n, stream, np.int32),
                         np.full(n, linktype, np.int32),
                         np.arange(numbered + 1, numbered + n + 1, dtype=np.int64),
                         sec * 1_000_000_000 + frac * tick)
             numbered += n
-        end = int(offsets[-1] + caplen[-1]) if n else 0
-        rest = data[end:]
-        if len(rest) >= 16:
-            incl = int.from_bytes(rest[8:12].tobytes(), "big" if big else "little")
-            if incl > MAX_SNAPLEN:
-                eof = True  # an implausible record: the reference reader words the error
-        if eof:
-            if len(rest):
-                errors.append(_reference_error(path) or f"{path}: capture ends inside a record")
+        if not clean:
+            errors.append(_reference_error(path) or f"{path}: capture ends inside a record")
             return
-        carry = rest.copy()
-        if not n and pool is not None:  # no whole record in it: nobody holds the buffer
-            pool.give_back(data)
+        pos = end
 
 
-def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.ndarray,
-            pool: BufferPool | None = None) -> Batch:
+def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int) -> list[Iterator[Batch]]:
+    """Per file, its Batches: regular pcap files mapped together (one buffer: the merge
+    is by index), anything else through parsers' reader. Files that cannot be opened or
+    recognized are reported in errors, in stream order."""
+    formats: list[str | None] = []
+    for p in paths:
+        try:
+            fmt = capture_format(p)
+            formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
+        except (CaptureError, OSError) as e:
+            errors.append(str(e))
+            formats.append(None)
+    mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
+    files = MappedFiles(mapped) if mapped else None
+    buf = np.frombuffer(files, np.uint8) if mapped else None
+    sources, nmapped = [], 0
+    for k, (p, fmt) in enumerate(zip(paths, formats)):
+        if fmt == "mapped":
+            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors))
+            nmapped += 1
+        elif fmt is not None:
+            sources.append(_reference_chunks(p, k, errors))
+        else:
+            sources.append(iter(()))
+    return sources
+
+
+def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.ndarray) -> Batch:
     """A Batch of frames taken from several sources: frame t is sources[which[t]]'s frame
-    first[which[t]] + idx[t]. Each source gives a contiguous run of frames, so its bytes
-    are copied in one span (into a buffer from the pool, when given)."""
+    first[which[t]] + idx[t]. Sources over one buffer (mapped files) are merged by their
+    offsets alone; otherwise each source's contiguous run of frames is copied in one span."""
     if len(which) == 0:
         return batch_from_frames([])
     counts = np.bincount(which, minlength=len(sources))
+    shared = all(b.buf is sources[0].buf for b in sources)
     spans, runs = [], []  # runs: (source, first frame, end, offset shift) per source used
     base = 0
     for b, lo, c in zip(sources, first, counts.tolist()):
@@ -277,37 +246,29 @@ def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.n
         start = int(b.offsets[lo])
         stop = int(b.offsets[hi - 1] + b.caplen[hi - 1])
         spans.append(b.buf[start:stop])
-        runs.append((b, lo, hi, base - start))
+        runs.append((b, lo, hi, 0 if shared else base - start))
         base += stop - start
     pos = np.concatenate(([0], np.cumsum(counts)[:-1]))[which] + idx
 
     def take(name, shift=False):
         return np.concatenate([getattr(b, name)[lo:hi] + (d if shift else 0) for b, lo, hi, d in runs])[pos]
 
-    if pool is not None:
-        buf = pool.take(base)
-        np.concatenate(spans, out=buf)
-    else:
-        buf = np.concatenate(spans)
+    buf = sources[0].buf if shared else np.concatenate(spans)
     return Batch(buf, take("offsets", True), take("caplen"), take("origlen"),
                  take("stream"), take("linktype"), take("frame_no"), take("ts"))
 
 
-def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES,
-                   pool: BufferPool | None = None) -> Iterator[Batch]:
-    """Every file (one per stream) in chunks, merged into Batches in the order
-    file_source yields the frames: repeatedly the smallest (time, stream, frame number)
-    head. That choice needs every stream's next frame in memory, so a merged Batch ends
-    where some stream's chunk runs out; that stream's next chunk is read and the merge
-    goes on. Memory: about one chunk per stream, plus the Batches handed out.
-
-    With a pool, chunks and merged Batches are written into its buffers; a chunk's goes
-    back once merged out, a Batch's is the consumer's to give back (ReaderStage's
-    release)."""
-    chunks = [_file_chunks(p, k, chunk_bytes, errors, pool) for k, p in enumerate(paths)]
+def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Batch]:
+    """Every file (one per stream), merged into Batches in the order file_source yields
+    the frames: repeatedly the smallest (time, stream, frame number) head. Each file is
+    indexed a chunk at a time; that choice needs every stream's next frame indexed, so
+    a merged Batch ends where some stream's chunk runs out; that stream's next chunk
+    is indexed and the merge goes on. Pcap files are mapped (cython_ext/filemap.pyx) and
+    every Batch points into the mapping: no bytes are read or copied."""
+    sources = _stream_sources(paths, errors, chunk_bytes)
 
     def refill(s):
-        for b in chunks[s]:
+        for b in sources[s]:
             if len(b):
                 return b
         return None
@@ -321,13 +282,8 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
         if len(live) == 1:
             (s,) = live
             b, lo = pend[s], pos[s]
-            if lo == 0:
-                yield b  # the chunk itself: its buffer is the consumer's now
-            else:
-                yield _gather([b], [lo], np.zeros(len(b) - lo, np.int64),
-                              np.arange(len(b) - lo, dtype=np.int64), pool)
-                if pool is not None:
-                    pool.give_back(b.buf)
+            yield b if lo == 0 else _gather([b], [lo], np.zeros(len(b) - lo, np.int64),
+                                           np.arange(len(b) - lo, dtype=np.int64))
             pend[s], pos[s] = refill(s), 0
             continue
         which, idx = _kernel.merge_order([pend[s].ts[pos[s]:] for s in live])
@@ -336,14 +292,24 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
         last = which * (1 << 40) + idx  # (stream, index) as one key
         at = np.flatnonzero(np.isin(last, np.arange(len(live)) * (1 << 40) + left - 1))
         cut = int(at.min()) + 1
-        yield _gather([pend[s] for s in live], [pos[s] for s in live], which[:cut], idx[:cut], pool)
+        yield _gather([pend[s] for s in live], [pos[s] for s in live], which[:cut], idx[:cut])
         taken = np.bincount(which[:cut], minlength=len(live))
         for j, s in enumerate(live):
             pos[s] += int(taken[j])
             if pos[s] == len(pend[s]):
-                if pool is not None:  # every frame of it was copied out
-                    pool.give_back(pend[s].buf)
                 pend[s], pos[s] = refill(s), 0
+
+
+def release_mapped(batch: Batch):
+    """The consumer is done with a Batch: the mapped pages before each stream's last
+    frame in it are released (MappedFiles.release_before; each stream's frames lie in
+    file order), so a replay's resident size stays at the Batches in flight."""
+    files = getattr(batch.buf.base, "obj", None)
+    if not isinstance(files, MappedFiles) or not len(batch):
+        return
+    streams, from_end = np.unique(batch.stream[::-1], return_index=True)
+    for pos in batch.offsets[len(batch) - 1 - from_end].tolist():
+        files.release_before(pos)
 
 
 class ReaderStage:
@@ -351,15 +317,17 @@ class ReaderStage:
     them over through a bounded queue, so reading overlaps extraction. A full queue
     makes the reader wait (`full_waits`: extraction is the slower stage); an empty one
     makes the consumer wait (`empty_waits`: reading is). An error in the reader is
-    raised in the consumer after the Batches before it. With `release`, each Batch is
-    handed to it when the consumer asks for the next one (a Batch is the consumer's
-    only until then: the fast pipeline copies what it keeps)."""
+    raised in the consumer after the Batches before it. With `release`, each Batch the
+    consumer is done with (it asked for the next) is handed to it on the reader's
+    thread, before the reader's next read or while it waits for room (release_mapped:
+    0.02 s of page-table work per 446 MB that stays off the consumer's core)."""
 
     _END = object()
 
     def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH,
                  release: Callable[[Batch], None] | None = None):
         self.release = release
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # Batches for release
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
         self.full_waits = self.empty_waits = 0
@@ -380,6 +348,7 @@ class ReaderStage:
         try:
             while True:
                 self._go.wait()
+                self._release_done()
                 b = next(batches, None)
                 if b is None:
                     break
@@ -387,10 +356,10 @@ class ReaderStage:
                     self.full_waits += 1
                 while not self._stop.is_set():
                     try:
-                        self.queue.put(b, timeout=0.2)
+                        self.queue.put(b, timeout=0.05)
                         break
                     except queue.Full:
-                        continue
+                        self._release_done()
                 if self._stop.is_set():
                     return
         except BaseException as e:  # raised in the consumer
@@ -412,10 +381,18 @@ class ReaderStage:
                 break
             yield b
             if self.release is not None:
-                self.release(b)
+                self._done.put(b)
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    def _release_done(self):
+        while self.release is not None:
+            try:
+                b = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self.release(b)
 
     def pause(self, on: bool):
         """Hold the reader before its next read (on=True) or let it go on."""

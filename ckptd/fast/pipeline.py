@@ -1,7 +1,8 @@
 """The fast path: the batch kernel (cython_ext/batch.pyx) behind the reference pipeline.
 
-    source    ckptd.fast.batches: files read in chunks on a reader thread, frames indexed
-              (offsets, lengths, stream ids) and merged in capture-time order -> Batch
+    source    ckptd.fast.batches: files mapped, indexed in place a chunk at a time on a
+              reader thread (offsets, lengths, stream ids) and merged in capture-time
+              order by index -> Batch
     decode    \\
     place      > BatchKernel.run, one pass over a Batch without the GIL, writing straight
     assemble  /  into the iteration buffers it lends the pipeline's IterationAssembly
@@ -43,15 +44,17 @@ decode + place stage alone.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import ipaddress
 import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -62,7 +65,7 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import (CHUNK_BYTES, Batch, BufferPool, ReaderStage, batch_from_frames,
+from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, release_mapped,
                                 stream_batches)
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
@@ -77,6 +80,7 @@ BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline
 
 
 # -- ICRC implementation ---------------------------------------------------------------------
+@functools.cache
 def isal_crc_address() -> int | None:
     """Address of ISA-L's crc32_gzip_refl (same contract as zlib's crc32) if the `isal`
     package is installed: it links ISA-L statically and exports the symbol."""
@@ -349,7 +353,7 @@ class FastExtractor(RoceTransport):
         (see BatchKernel.run). Returns (index, reason, flow entry or iteration)."""
         if self._batch is not batch:
             self.kernel.set_batch(batch.buf, batch.offsets, batch.caplen, batch.origlen,
-                                  batch.stream, batch.linktype)
+                                  batch.stream, batch.linktype, batch.icrc_checked)
             self._batch = batch
         i, reason, flow = self.kernel.run(start, len(batch) if end is None else end)
         return i, STOP_NAMES[reason], flow
@@ -467,6 +471,22 @@ class FastExtractor(RoceTransport):
 
 
 # -- the pipeline ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector paused meanwhile. Building the pipeline makes tens of
+    thousands of schedule objects and binding flows holds thousands of packets, and each
+    full collection they set off walks torch's and numpy's object graphs too: 0.09 s more
+    on every other replay of issue 16's scenario (benchmarks/RESULTS.md). Neither makes
+    reference cycles; collection resumes afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def trusted_frame(fr: CapturedFrame) -> CapturedFrame:
     """The frame as trust-the-NIC mode sees it: a RoCE frame whose ICRC is wrong gets the
     right one, so the reference decode (which always checks) classifies it as the kernel
@@ -544,17 +564,9 @@ class FastPipeline:
         return self.finish(abandon)
 
     def run_batch(self, batch: Batch):
-        """Every frame of the batch, in order. The cyclic garbage collector is paused
-        meanwhile: while flows are being bound the binder holds thousands of packets, and
-        each full collection would walk torch's and numpy's object graphs too (the hot path
-        makes no reference cycles; collection resumes afterwards)."""
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        """Every frame of the batch, in order (the cyclic collector paused: collector_paused)."""
+        with collector_paused():
             self._run_batch(batch)
-        finally:
-            if paused:
-                gc.enable()
 
     def _run_batch(self, batch: Batch):
         self._place_batch(batch)
@@ -648,23 +660,41 @@ class FastPipeline:
         k.done, k.highest = pipe.done, pipe.highest
 
 
+def icrc_checked(batches: Iterable[Batch], crc: str = "auto") -> Iterator[Batch]:
+    """The Batches with their ICRCs checked (Batch.icrc_checked): run on the reader's
+    thread, this moves the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's replay, off
+    the core that places (benchmarks/RESULTS.md). A frame whose ICRC is bad, or that
+    is no RoCE, is decoded by the placing kernel as before."""
+    checker = _kernel.BatchKernel(1)
+    checker.set_crc(*crc_setting(crc))
+    checker.set_opcodes(**opcode_tables())
+    for b in batches:
+        b.icrc_checked = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
+        yield b
+
+
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
                 on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto",
                 chunk_bytes: int | None = None) -> FastPipeline:
     """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps.
-    The files are read in chunks on a thread of their own (ckptd.fast.batches.ReaderStage);
-    how often either side waited is kept in pipe.read_waits."""
+    The files are mapped and indexed in chunks on a thread of their own
+    (ckptd.fast.batches.stream_batches, ReaderStage), which also checks the ICRCs; how
+    often either side waited is kept in pipe.read_waits."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
-    pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
-    pool = BufferPool()  # the reader's buffers, handed back batch by batch
-    reader = ReaderStage(stream_batches([str(p) for p in paths], pipe.errors, chunk_bytes or CHUNK_BYTES, pool),
-                         release=lambda batch: pool.give_back(batch.buf))
-    pipe.yield_to_commit = reader.pause
+    # The reader starts first: it maps, indexes and faults in the files and checks the
+    # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
+    errors: list[str] = []
+    batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES)
+    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc), release=release_mapped)
     try:
-        for batch in reader:
-            pipe.run_batch(batch)
+        with collector_paused():
+            pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
+            pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
+            pipe.yield_to_commit = reader.pause
+            for batch in reader:
+                pipe.run_batch(batch)
     finally:
         reader.close()
     pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}

@@ -1,0 +1,120 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Capture files mapped read-only, side by side, into one address range: the files are
+the batch.
+
+A Batch has one buffer and its frames' offsets into it. The live path indexes the
+TPACKET_V3 ring in place (ring.pyx); for capture files `MappedFiles` does the same: it
+reserves one range of address space and maps each file into it (MAP_FIXED, a page
+boundary apart), so the frames of every mirror stream lie in one buffer and merging the
+streams by capture time is an order of offsets, not a copy of bytes. The pages are the
+page cache's: no read() into a buffer of our own, no merge copy.
+
+The first read of each page maps it (a minor fault, ~0.3 us a page here): the fast
+pipeline's reader thread indexes the records and checks the ICRCs, so it, not the
+thread that places, pays for that. A file that shrinks while it is mapped makes reads
+past its new end fault (SIGBUS): replay reads finished captures. Pages behind the reader's
+consumer are released (`release_before`), so the resident size stays bounded.
+"""
+import os
+import stat
+
+from cpython.buffer cimport PyBUF_WRITABLE
+from libc.errno cimport errno
+from libc.stdint cimport int64_t, uint8_t
+from posix.mman cimport (MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE,
+                         MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ, madvise, mmap, munmap)
+
+cdef size_t PAGE = os.sysconf("SC_PAGE_SIZE")
+# release_before unmaps at least this much at a time: unmapping flushes the TLBs of every
+# core running the process (an interrupt each), per call
+cdef size_t RELEASE_GRAIN = 64 << 20
+
+
+def mappable(path) -> bool:
+    """A regular file with bytes in it (a pipe or an empty file is read the ordinary way)."""
+    st = os.stat(path)
+    return stat.S_ISREG(st.st_mode) and st.st_size > 0
+
+
+cdef class MappedFiles:
+    """Read-only buffer of files k = 0, 1, ...: file k's bytes are
+    buf[starts[k]:starts[k] + sizes[k]]. Unmapped when the last view of it goes."""
+
+    cdef uint8_t *base
+    cdef size_t reserved
+    cdef Py_ssize_t length
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef readonly list starts, sizes
+    cdef list released  # per file: its pages before this are released
+
+    def __cinit__(self, paths):
+        self.base = NULL
+        self.starts, self.sizes = [], []
+        fds = []
+        try:
+            for p in paths:
+                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                fds.append(fd)
+                self.sizes.append(os.fstat(fd).st_size)
+            pos = 0
+            for n in self.sizes:
+                self.starts.append(pos)
+                pos += -(-n // PAGE) * PAGE
+            self.reserved = pos + PAGE  # never 0
+            self.base = <uint8_t *>mmap(NULL, self.reserved, PROT_NONE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+            if self.base == <uint8_t *>MAP_FAILED:
+                self.base = NULL
+                raise OSError(errno, os.strerror(errno))
+            for p, fd, at, n in zip(paths, fds, self.starts, self.sizes):
+                if n and mmap(self.base + <size_t>at, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED:
+                    raise OSError(errno, os.strerror(errno), str(p))
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mappings keep the files open
+        self.length = self.starts[len(paths) - 1] + self.sizes[len(paths) - 1] if self.sizes else 0
+        self.released = list(self.starts)
+        self.shape[0], self.strides[0] = self.length, 1
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.reserved)
+
+    def __len__(self):
+        return self.length
+
+    def release_before(self, int64_t pos):
+        """The pages wholly before byte pos of the buffer, in the file that holds pos,
+        are read no more: unmap them (MADV_DONTNEED; the page cache keeps them, a later
+        read maps them again), so the process's resident size stays at what is in
+        flight, not the captures' size."""
+        cdef Py_ssize_t k = len(self.starts) - 1
+        while k > 0 and self.starts[k] > pos:
+            k -= 1
+        if k < 0:
+            return
+        cdef size_t lo = self.released[k], hi = (<size_t>pos // PAGE) * PAGE
+        if hi < lo + RELEASE_GRAIN:
+            return  # in big steps: each call interrupts every core the process runs on
+        with nogil:
+            madvise(self.base + lo, hi - lo, MADV_DONTNEED)
+        self.released[k] = hi
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("mapped capture files are read-only")
+        view.buf = self.base
+        view.obj = self
+        view.len = self.length
+        view.readonly = 1
+        view.itemsize = 1
+        view.format = "B"
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = self.strides
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass

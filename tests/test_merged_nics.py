@@ -121,6 +121,10 @@ SCENARIOS = {  # K = 2 ports a NIC, every version family with merging x simple/l
     "2.29-ll-4ranks-2qps": dict(nccl_version="2.29", protocol="ll", ranks=4, qps=2),
     "2.32-simple-2ranks-2qps": dict(nccl_version="2.32", protocol="simple", ranks=2, qps=2),
     "2.32-ll-3ranks-1qp": dict(nccl_version="2.32", protocol="ll", ranks=3, qps=1),
+    # the first merging releases (2.20-2.21's contiguous layout), LL128, and split sends
+    "2.21-simple-3ranks-2qps-split": dict(nccl_version="2.21", protocol="simple", ranks=3, qps=2,
+                                          split_data_on_qps=True),
+    "2.24-ll128-2ranks-1qp": dict(nccl_version="2.24", protocol="ll128", ranks=2, qps=1),
 }
 
 

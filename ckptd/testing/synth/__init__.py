@@ -57,6 +57,7 @@ class SynthOptions:
     # ports of every rank's merged NIC (NCCL_IB_MERGE_NICS, 2.20+): port k's address is
     # port_address(addr, k); mirror m is port m % K of the NIC _mirror_nics gives it
     merged_nics: int = 1
+    split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS (None: the version's default)
     buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
     bucket_cap_kb: int = 64
     optimizer: str = "foreach"  # for-loop | foreach | fused
@@ -238,7 +239,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
-                      buffsize=opts.buffsize, ndevs=opts.merged_nics)
+                      buffsize=opts.buffsize, ndevs=opts.merged_nics,
+                      split_data_on_qps=opts.split_data_on_qps)
     sched = {"constant": {"kind": "constant"},
              "cosine": {"kind": "cosine", "warmup_steps": 2, "total_steps": max(4, opts.iterations)},
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}

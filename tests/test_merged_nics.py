@@ -150,6 +150,12 @@ def test_a_port_not_mirrored_is_reported_missing_never_misplaced(merged):
     port0 = [p for p in paths if p.endswith(("mirror0.pcap", "mirror2.pcap"))]
     ref, fast = run_both(plan, port0, merged / "init.pt", reference=str(merged / "reference"))
     assert_same(ref, fast)
+    unseen = fast.extract.diagnostics()
+    # ranks 0 and 1 each mirrored on port 0 with both directions: every port-1 link into or
+    # out of them is named, and no port-0 link
+    assert unseen and all(e.startswith("unseen port: port 10.78.") and "-> port 10.78." in e for e in unseen)
+    assert len(unseen) == sum(1 for (s, d) in FlowBinder(plan).expected if s[1] == 1 and {s[0], d[0]} & {0, 1})
+    assert ref.extract.diagnostics() == unseen and full_ref.extract.diagnostics() == []
     for r in fast.reports:
         assert r.status == "unrecoverable" and r.missing
         assert 0.3 < max(r.coverage) < 0.7  # about half of each NIC's traffic is on port 1

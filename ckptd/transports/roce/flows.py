@@ -442,6 +442,17 @@ class FlowBinder:
             self.pending.pop(hop, None)
         return released
 
+    def unseen_ports(self) -> list[str]:
+        """Merged NICs: the port pairs of which no QP's flow was seen while another port pair
+        of the same two NICs was, i.e. ports not mirrored (or every copy lost). What they
+        carried is reported missing, never taken from another port."""
+        seen = {b.link for b in self.bound.values()}
+        nic_pairs_seen = {(s[0], d[0]) for s, d in seen}
+        return [f"{self._link_name(hop)}: none of its {len(slots)} QP(s) seen, while other ports of "
+                "these NICs were: its switch ports are not mirrored (or every copy was lost)"
+                for hop, slots in self.expected.items()
+                if hop not in seen and (hop[0][0], hop[1][0]) in nic_pairs_seen]
+
     def _link_name(self, hop) -> str:
         (s, _), (d, _) = hop
         if self.plan.ring.ndevs > 1:

@@ -1,8 +1,9 @@
 """Place: which schedule message and byte range a RoCE packet is.
 
 A flow is (source IP, destination IP, destination QP). The plan names the NICs'
-addresses, so a flow's link (sender NIC -> receiver NIC, each named by the rank that
-owns it, `Plan.rank_of`) is known at once. Only ring connections between ranks of
+addresses, so a flow's link (sender NIC port -> receiver NIC port, each NIC named by the
+rank that owns it, `Plan.port_of`) is known at once; a NIC has one port unless NCCL merges
+several (then QP q of a connection runs between port q % ndevs of both ends, `Plan.qp_link`). Only ring connections between ranks of
 different nodes use a NIC (`Plan.network_connections`); NVLink/PCIe hops inside a node
 are never expected. On one-GPU hosts a link is a hop (sender rank -> receiver rank);
 where ranks share a NIC, or send through another GPU's NIC (PXN), one link can carry

@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on every node; mirror k is the port of NIC k mod this of node k div this")
     s.add_argument("--collective", choices=["allreduce", "reduce_scatter", "tree"], default="allreduce",
                    help="what the wire carries: DDP's ring allreduce, or (to check that ckptd refuses them) "
-                        "a reduce-scatter with no allgather (FSDP/ZeRO) or tree-shaped traffic")
+                        "a reduce-scatter with no allgather (FSDP/ZeRO) or NCCL's Tree allreduce of the "
+                        "same buckets (double binary tree over the nodes, docs/NCCL.md section 4b)")
     s.add_argument("--other-allreduce", action="append", default=[], metavar="WHEN:COUNT[:DTYPE]",
                    help="another allreduce on the job's communicator (a loss, a metric), in the plan's "
                         "collectives: WHEN is start (once, before iteration 0), before or after (every "
@@ -585,10 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "iteration. Exit 3: an iteration could not be recovered; 4: a commit differs from "
                        "--reference; 2: bad input, or a job that is not ring allreduce, refused in one line "
                        "naming the cause and the fix: a plan whose ring.algorithm allows Tree/NVLS/CollNet, "
-                       "traffic that is a ring reduce-scatter without allgather (FSDP/ZeRO), or RDMA "
-                       "traffic between NICs that are ring neighbours in no channel while nothing matches "
-                       "the plan's ring (Tree/CollNet). With multi-GPU nodes only the hops between nodes "
-                       "are expected on the wire.")
+                       "traffic that is a ring reduce-scatter without allgather (FSDP/ZeRO), NCCL Tree "
+                       "allreduce on ring links (its message sequence), RDMA traffic between NICs that are "
+                       "ring neighbours in no channel while nothing matches the plan's ring (Tree/CollNet), "
+                       "or traffic of another protocol than the plan's (LL/LL128 flag words in the payload, "
+                       "or none). With multi-GPU nodes only the hops between nodes are expected on the wire.")
     r.add_argument("--plan", required=True)
     r.add_argument("--init", help="initial state (a checkpoint of iteration -1)")
     r.add_argument("--out", help="directory for the per-iteration checkpoints")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.core.algorithms import CollectiveRefused
 from ckptd.core.checkpoint import checkpoint_name
 from ckptd.cli import main
 from parsers.capfile import open_capture
@@ -88,8 +89,12 @@ def test_a_wrong_plan_commits_nothing(one_mirror, tmp_path, field, value):
         else:
             shutil.copy(one_mirror / name, tmp_path / name)
     shutil.copytree(one_mirror / "reference", tmp_path / "reference")
-    pipe = run_replay(tmp_path, pcaps(one_mirror))
-    assert not any(r.status == "committed" for r in pipe.reports)
+    if field == "protocol":  # Simple on the wire: no LL flag words, refused by name
+        with pytest.raises(CollectiveRefused, match="NCCL's Simple .* plan says protocol ll"):
+            run_replay(tmp_path, pcaps(one_mirror))
+    else:
+        pipe = run_replay(tmp_path, pcaps(one_mirror))
+        assert not any(r.status == "committed" for r in pipe.reports)
     assert not list((tmp_path / "out").glob("iter_*.pt"))
 
 

@@ -127,16 +127,34 @@ def _one_line_refusal(res, *words):
     assert "committed" not in res.stdout  # nothing was placed, let alone committed
 
 
-@pytest.mark.parametrize("collective, words", [
-    ("reduce_scatter", ("reduce-scatter with no allgather", "FSDP/ZeRO", "NCCL_ALGO=Ring")),
-    ("tree", ("ring neighbours in no channel", "Tree", "NCCL_ALGO=Ring")),
+@pytest.mark.parametrize("fast", [False, True])
+def test_reduce_scatter_traffic_is_refused(tmp_path_factory, fast):
+    run = tmp_path_factory.getbasetemp() / "refuse-reduce_scatter"
+    if not (run / "plan.json").exists():
+        synth(run, ranks=4, channels=2, iterations=2, mirrors=2, collective="reduce_scatter")
+    _one_line_refusal(_replay_cli(run, run / "plan.json", *([] if fast else ["--reference-path"])),
+                      "reduce-scatter with no allgather", "FSDP/ZeRO", "NCCL_ALGO=Ring")
+
+
+# 2 ranks (or nodes): every tree edge is a ring hop both ways; 3 and 4: some are, the
+# others are pairs that are ring neighbours in no channel, but the tree's messages on the
+# ring hops name it first
+@pytest.mark.parametrize("ranks, protocol, version, nodes", [
+    (2, "simple", "2.19", 0), (2, "ll", "2.27", 0), (2, "ll128", "2.29", 0),
+    (3, "simple", "2.27", 0), (3, "ll", "2.19", 0), (3, "ll128", "2.27", 0),
+    (4, "simple", "2.29", 0), (4, "ll", "2.22", 0), (4, "ll128", "2.19", 0),
+    (4, "simple", "2.27", 2),  # 2 nodes of 2 GPUs
 ])
 @pytest.mark.parametrize("fast", [False, True])
-def test_traffic_that_is_not_ring_allreduce_is_refused(tmp_path_factory, collective, words, fast):
-    run = tmp_path_factory.getbasetemp() / f"refuse-{collective}"
+def test_tree_traffic_on_ring_links_is_refused_by_name(tmp_path_factory, ranks, protocol, version, nodes, fast):
+    run = tmp_path_factory.getbasetemp() / f"refuse-tree-{ranks}-{protocol}-{nodes}"
     if not (run / "plan.json").exists():
-        synth(run, ranks=4, channels=2, iterations=2, mirrors=2, collective=collective)
-    _one_line_refusal(_replay_cli(run, run / "plan.json", *(["--fast"] if fast else [])), *words)
+        shape = {"nodes": nodes, "gpus_per_node": ranks // nodes} if nodes else {"ranks": ranks}
+        synth(run, channels=2, iterations=2, mirrors=2, protocol=protocol, nccl_version=version,
+              collective="tree", **shape)
+    res = _replay_cli(run, run / "plan.json", *([] if fast else ["--reference-path"]))
+    _one_line_refusal(res, "NCCL's Tree allreduce", "NCCL_ALGO=Ring")
+    assert "link rank " in res.stderr or "link NIC " in res.stderr
 
 
 @pytest.mark.parametrize("setting, words", [

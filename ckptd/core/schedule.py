@@ -577,15 +577,7 @@ class RingSchedule:
         buckets (allreduces of a loss or metric, Broadcast entries for DDP's broadcasts:
         Plan.collectives); their sends are on the wire and advance every counter of the
         connection, and carry no gradient (bucket < 0)."""
-        self.cfg = cfg
-        self.buckets = list(buckets)
-        self.others = list(before) + list(after)
-        self.send_base = dict(send_base or {})
-        # every send one message on one QP (no split, no adaptive-routing write pair):
-        # _emit's short path
-        self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
-        self.sends: dict[tuple[int, int, int], list[Send]] = {}
-        self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
+        self._start(cfg, buckets, list(before) + list(after), send_base)
         for c in range(cfg.channels):
             for idx in range(cfg.nranks):
                 src = cfg.rank_at(c, idx)
@@ -601,6 +593,19 @@ class RingSchedule:
             self._add_other(-1 - len(before) - k, other)
 
     # -- building -----------------------------------------------------------------
+    def _start(self, cfg: RingConfig, buckets, others, send_base):
+        """The state every schedule of connections and their QPs starts from (the ring's,
+        ckptd.core.tree's)."""
+        self.cfg = cfg
+        self.buckets = list(buckets)
+        self.others = others
+        self.send_base = dict(send_base or {})
+        # every send one message on one QP (no split, no adaptive-routing write pair):
+        # _emit's short path
+        self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
+        self.sends: dict[tuple[int, int, int], list[Send]] = {}
+        self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
+
     def _add_other(self, b: int, other: Bucket):
         if isinstance(other, Broadcast):
             self._add_broadcast(b, other)

@@ -25,6 +25,7 @@ from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
 from ckptd.core.plan import BucketLayout, Mirror, ModuleBuffers, Optimizer, Parameter, Plan
 from ckptd.core.psn import PSN_MOD
 from ckptd.core.schedule import AG, RingConfig
+from ckptd.core.tree import TreeSchedule
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
@@ -403,10 +404,11 @@ class Wire:
                 return PSN_MOD - rng.randrange(1, 400)
             return 0
 
+        self.alloc, self.start_psn = alloc, start_psn
         sched = plan.schedule(0)
         wire = plan.network_connections
         self.link = {conn: plan.link_of(conn) for conn in sched.sends if conn in wire}
-        self.data_qp, self.cts_qps, self.step_base, self.steps_done, self.sends_done = {}, {}, {}, {}, {}
+        self.data_qp, self.cts_qps, self.step_base, self.steps_done = {}, {}, {}, {}
         # NCCL connects channel by channel, so a receiver's QPNs grow with the channel.
         for (src, dst, c, q) in sorted(sched.flows, key=lambda k: (k[2], k[0], k[3])):
             if (src, dst, c) not in wire:
@@ -421,16 +423,14 @@ class Wire:
             # The receiver writes the clear-to-send on its QP RingConfig.cts_qp(send) of
             # the connection, toward the sender's QP of that index: the other direction of
             # that data QP's RC connection, with its own PSNs from 0 (docs/NCCL.md section 4)
-            self.cts_qps[(src, dst, c)] = []
-            for k in range(plan.ring.ndevs):
-                qp = self.data_qp[(src, dst, c, k)]
-                self.cts_qps[(src, dst, c)].append(QueuePair(
-                    qp.dst, qp.src, dest_qp=qp.src_qp, src_qp=qp.dest_qp, psn=start_psn(), sport=qp.sport))
+            self.cts_qps[(src, dst, c)] = [self.reverse_qp(self.data_qp[(src, dst, c, k)])
+                                           for k in range(plan.ring.ndevs)]
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
-            self.sends_done[(src, dst, c)] = 0
-        self.alloc, self.start_psn = alloc, start_psn
-        self.tree_qp: dict[tuple[int, int], QueuePair] = {}
+        # Tree connections (collective tree) have QPs of their own, also where a tree edge
+        # joins two ring neighbours
+        self.tree_qp: dict[tuple[int, int, int, int], QueuePair] = {}
+        self.tree_cts: dict[tuple[int, int, int], list[QueuePair]] = {}
         self.noise_qp = None
         if opts.noise and plan.nranks >= 2:
             # An unrelated RDMA flow between two NICs of the job (say, a p2p transfer).
@@ -453,42 +453,59 @@ class Wire:
             for s, data in zip(sends, payloads[conn]):
                 if opts.collective == "reduce_scatter" and s.phase == AG:
                     continue  # FSDP/ZeRO: the reduced shard stays on its owner
-                raw = np.ascontiguousarray(data).tobytes()
-                if cfg.protocol == "ll":
-                    flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
-                    wire = ll_encode(raw, flag)
-                elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
-                    wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
-                else:
-                    wire = raw
-                cts_index = cfg.cts_qp(self.sends_done[conn])
-                self.sends_done[conn] += 1
-                cts = self.cts_qps[conn][cts_index]
-                src, dst = self.plan.qp_link(conn, cts_index)
-                frames += [(dst, src, f) for f, _, _ in cts.write(
-                    rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
-                    imm=None)]
-                frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
-                for q in range(cfg.data_qps):
-                    msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
-                    src, dst = self.plan.qp_link(conn, q)
-                    for m in msgs:
-                        qp = self.data_qp[conn + (q,)]
-                        part = wire[m.wire_offset:m.wire_offset + m.wire_len]
-                        if m.imm is None or m.wire_len:
-                            va, rkey = 0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset, 0x5678
-                        else:  # the 0-byte WRITE_WITH_IMM after an RDMA WRITE: a zeroed work request
-                            va, rkey = 0, 0
-                        pkts = qp.write(part, cfg.mtu, va=va, rkey=rkey,
-                                        imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian))
-                        frames += [(src, dst, f) for f, _, _ in pkts]
-                        if opts.retransmit and rng.random() < opts.retransmit:
-                            k = rng.randrange(len(pkts))  # go-back-N from packet k
-                            frames += [(src, dst, f) for f, _, _ in pkts[k:]]
-                        frames.append((dst, src, qp.ack(pkts[-1][1])))
+                frames += self.send_frames(sched, conn, s, np.ascontiguousarray(data).tobytes(), self.data_qp,
+                                           self.cts_qps[conn])
             self.steps_done[conn] += len(sends)
             per_conn.append(frames)
-        # Channels and links run concurrently: interleave their frames on the wire.
+        return self.interleave(per_conn)
+
+    def send_frames(self, sched, conn, s, raw: bytes, data_qp, cts_qps) -> list[tuple[tuple, tuple, bytes]]:
+        """One send on the wire: the receiver's clear-to-send (on the QP RingConfig.cts_qp
+        names for the connection's send number, reversed), then the send's RDMA writes on
+        the QPs the schedule puts them on, each between its ports (Plan.qp_link) and
+        acknowledged."""
+        cfg, opts, rng = self.plan.ring, self.opts, self.rng
+        index = self.steps_done[conn] + s.step  # the connection's send number: one step a send
+        if cfg.protocol == "ll":
+            flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
+            wire = ll_encode(raw, flag)
+        elif cfg.protocol == "ll128":  # u64 flags: no 32-bit wrap (prims_ll128.h)
+            wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
+        else:
+            wire = raw
+        cts = cts_qps[cfg.cts_qp(index)]
+        src, dst = self.plan.qp_link(conn, cfg.cts_qp(index))
+        frames = [(dst, src, f) for f, _, _ in cts.write(
+            rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
+            imm=None)]
+        frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
+        for q in range(cfg.data_qps):
+            msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
+            src, dst = self.plan.qp_link(conn, q)
+            for m in msgs:
+                qp = data_qp[conn + (q,)]
+                part = wire[m.wire_offset:m.wire_offset + m.wire_len]
+                if m.imm is None or m.wire_len:
+                    va, rkey = 0x7e00_0000_0000 + (s.step % 8) * cfg.step_bytes + m.wire_offset, 0x5678
+                else:  # the 0-byte WRITE_WITH_IMM after an RDMA WRITE: a zeroed work request
+                    va, rkey = 0, 0
+                pkts = qp.write(part, cfg.mtu, va=va, rkey=rkey,
+                                imm=None if m.imm is None else imm_bytes(m.imm, cfg.imm_big_endian))
+                frames += [(src, dst, f) for f, _, _ in pkts]
+                if opts.retransmit and rng.random() < opts.retransmit:
+                    k = rng.randrange(len(pkts))  # go-back-N from packet k
+                    frames += [(src, dst, f) for f, _, _ in pkts[k:]]
+                frames.append((dst, src, qp.ack(pkts[-1][1])))
+        return frames
+
+    def reverse_qp(self, qp: QueuePair) -> QueuePair:
+        """The other direction of a data QP's RC connection (the receiver's clear-to-sends),
+        with its own PSNs from the connect."""
+        return QueuePair(qp.dst, qp.src, dest_qp=qp.src_qp, src_qp=qp.dest_qp, psn=self.start_psn(), sport=qp.sport)
+
+    def interleave(self, per_conn: list[list]) -> list[tuple[int, int, bytes]]:
+        """Channels and links run concurrently: interleave their frames on the wire."""
+        rng = self.rng
         out, idx = [], [0] * len(per_conn)
         live = list(range(len(per_conn)))
         while live:
@@ -505,28 +522,30 @@ class Wire:
         return out
 
     def tree_frames(self, sched) -> list[tuple[int, int, bytes]]:
-        """What a tree allreduce puts on the wire, in outline (for the refusal tests):
-        every bucket goes up a binary tree over the job's NICs (child -> parent) and
-        back down in step-sized RDMA writes. Its pairs are mostly not ring links, and
-        its message sequence is no ring schedule's. The bytes are zeros: nothing may
-        ever be placed from them."""
-        cfg, out = self.plan.ring, []
-        nics = sorted({self.plan.rank_of(a) for a in self.plan.addresses})
-        edges = [(nics[i], nics[(i - 1) // 2]) for i in range(1, len(nics))]
-        for b in sched.buckets:
-            for a, c in edges + [(c, a) for a, c in reversed(edges)]:
-                qp = self.tree_qp.get((a, c))
-                if qp is None:
-                    qp = self.tree_qp[(a, c)] = QueuePair(
-                        self.hosts[a], self.hosts[c], dest_qp=self.alloc(c), src_qp=self.alloc(a),
+        """What NCCL's tree allreduce of the iteration's buckets puts on the wire
+        (ckptd.core.tree: every chunk up and down every tree edge between nodes, each
+        connection with its own QPs, clear-to-sends and LL flags), for the refusal tests.
+        The values are zeros: nothing may ever be placed from them."""
+        plan = self.plan
+        tree = TreeSchedule(plan.ring, sched.buckets, plan.node_names,
+                            send_base={conn: n for conn, n in self.steps_done.items() if conn in self.tree_cts})
+        per_conn = []
+        for conn, sends in tree.sends.items():
+            if conn not in self.tree_cts:  # connected in channel order, like the ring's
+                for q in range(plan.ring.data_qps):
+                    a, b = plan.qp_link(conn, q)
+                    self.tree_qp[conn + (q,)] = QueuePair(
+                        self.ports[a], self.ports[b], dest_qp=self.alloc(b[0]), src_qp=self.alloc(a[0]),
                         psn=self.start_psn(), sport=self.rng.randrange(49152, 65536))
-                for off in range(0, b.nbytes, cfg.step_bytes):
-                    n = min(cfg.step_bytes, b.nbytes - off)
-                    pkts = qp.write(bytes(n), cfg.mtu, va=0x7e00_0000_0000, rkey=0x5678,
-                                    imm=imm_bytes(n, cfg.imm_big_endian))
-                    out += [((a, 0), (c, 0), f) for f, _, _ in pkts]
-                    out.append(((c, 0), (a, 0), qp.ack(pkts[-1][1])))
-        return out
+                self.tree_cts[conn] = [self.reverse_qp(self.tree_qp[conn + (k,)]) for k in range(plan.ring.ndevs)]
+                self.step_base[conn], self.steps_done[conn] = self.rng.randrange(0, 5), 0
+            frames = []
+            for s in sends:
+                raw = bytes(s.nelem * tree.buckets[s.bucket].dtype.itemsize)
+                frames += self.send_frames(tree, conn, s, raw, self.tree_qp, self.tree_cts[conn])
+            self.steps_done[conn] += len(sends)
+            per_conn.append(frames)
+        return self.interleave(per_conn)
 
     def noise_frames(self) -> list[tuple[int, int, bytes]]:
         rng, h = self.rng, self.hosts

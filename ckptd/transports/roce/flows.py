@@ -32,12 +32,17 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
+import numpy as np
+
+from ckptd.core import ll128
 from ckptd.core.algorithms import CollectiveRefused
 from ckptd.core.plan import Plan
 from ckptd.core.psn import PSN_MOD, psn_diff, psn_unwrap
-from ckptd.core.schedule import RS, FlowSchedule, Message
+from ckptd.core.schedule import LL_LINE, RS, FlowSchedule, Message
+from ckptd.core.tree import TreeSchedule
 
 # Opcodes NCCL's data QPs use (RC RDMA WRITE family); the clear-to-send QPs carry only
 # WRITE_ONLY (10) without an immediate, ACKs are 17.
@@ -63,6 +68,33 @@ ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked fo
 RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
 ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
 MISMATCHED_HEADS = 16  # message heads kept per bound flow that the schedule rejected
+LINES_SAMPLE = 16  # packets of a flow whose lines name its protocol (FlowBinder._lines)
+LL128_LINE = ll128.LINE_WORDS * 8
+PROTOCOL_LOOKS = {"ll": "LL (16-byte lines, a flag in every second 32-bit word)",
+                  "ll128": "LL128 (128-byte lines, a flag in every 16th 64-bit word)",
+                  "simple": "Simple (no flag words)"}
+PROTOCOL_ENV = {"ll": "LL", "ll128": "LL128", "simple": "Simple"}
+
+
+def wire_protocol(payload) -> str:
+    """Which NCCL protocol's lines a data packet of 128 bytes or more carries: LL puts the
+    step's flag in words 1 and 3 of every 16-byte line (prims_ll.h:132 storeLL@v2.19.4-1),
+    LL128 in word 15 of every 128-byte line (ckptd.core.ll128); a flag is the connection's
+    step + 1, never 0 before 2**32 steps, so zeros, and data, read as Simple."""
+    n = len(payload)
+    if n < LL128_LINE or n % LL_LINE:
+        return "simple"
+    words = np.frombuffer(payload, "<u4")
+    if (words == words[0]).all():
+        return "simple"  # one value repeated reads as any protocol: data
+    if n % LL128_LINE == 0:
+        flags = np.frombuffer(payload, "<u8")[ll128.FLAG_WORD::ll128.LINE_WORDS]
+        if flags[0] and (flags == flags[0]).all():
+            return "ll128"
+    words = words.reshape(-1, 4)
+    if words[0, 1] and (words[:, 1] == words[0, 1]).all() and (words[:, 3] == words[0, 1]).all():
+        return "ll"
+    return "simple"
 
 
 def reduce_scatter_only(sched: FlowSchedule) -> FlowSchedule:
@@ -359,17 +391,52 @@ class FlowBinder:
             "(FSDP/ZeRO-style sharding): each reduced shard stays on its owner, so the reduced "
             "gradients never cross the wire; ckptd needs DDP's allreduce (NCCL_ALGO=Ring)")
 
+    def _tree_timelines(self) -> dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]]:
+        """Per link (pair of ports, Plan.qp_link), the message sequences of NCCL Tree's QPs on it, had the job run the
+        plan's buckets as Tree (ckptd.core.tree): each timeline starts at iteration 0
+        and cycles through the plan's rebuilt layouts (with several QPs, the tree's own
+        QP rotation is counted from its first send)."""
+        plan = self.plan
+        layouts = [s.buckets for s in plan.timeline_schedules()]
+        sent: Counter = Counter()
+        trees = []
+        for buckets in layouts:
+            t = TreeSchedule(plan.ring, buckets, plan.node_names, send_base=sent)
+            sent.update({conn: len(sends) for conn, sends in t.sends.items()})
+            trees.append(t)
+        out: dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]] = {}
+        for key in trees[0].flows:
+            tl = FlowTimeline(trees[0].flows[key], [t.flows[key] for t in trees[1:]])
+            if tl.first.npkts or tl.cycle_npkts:
+                out.setdefault(plan.qp_link(key[:3], key[3]), []).append(tl)
+        return out
+
     def _refuse_unbound(self):
         """Nothing of the plan's ring allreduce was bound: refuse by name when the
         traffic positively is something else. Flows that merely match nothing (a plan
-        that does not fit, a capture that starts mid-job) keep their diagnostics."""
+        that does not fit, a capture that starts mid-job) keep their diagnostics.
+
+        Tree traffic on ring links (2 nodes, or tree edges that are ring hops) is told
+        by its message sequence: NCCL Tree sends each channel's chunks up and down every
+        edge, one message a chunk, which no ring schedule does; a flow whose every head
+        and immediate sit where a tree QP of its link has them is Tree."""
+        trees = None
         for hop, cand in self.unexplained:
-            if len(cand.heads) < 2 * MIN_HEADS:
+            if len(cand.heads) < MIN_HEADS:
                 continue
-            for slot in self.expected[hop]:
-                base_rel = self._align(self._rs_timeline(slot), cand)
-                if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
-                    self._refuse_reduce_scatter(hop)
+            if len(cand.heads) >= 2 * MIN_HEADS:
+                for slot in self.expected[hop]:
+                    base_rel = self._align(self._rs_timeline(slot), cand)
+                    if base_rel is not None and not self._explains(self.timelines[slot], cand, base_rel):
+                        self._refuse_reduce_scatter(hop)
+            trees = self._tree_timelines() if trees is None else trees
+            if any(self._align(tl, cand) is not None for tl in trees.get(hop, ())):
+                raise CollectiveRefused(
+                    f"the traffic of link {self._link_name(hop)} is NCCL's Tree allreduce, not ring: its "
+                    "message lengths are the plan's buckets cut into tree chunks, each sent up and down "
+                    "the tree, and in Tree the final values never cross the ring's links; run the job "
+                    "with NCCL_ALGO=Ring")
+        self._refuse_unbound_protocol()
         nic_links = {(s[0], d[0]) for s, d in self.expected}
         crossed = sorted(h for h in self.off_ring if (h[0][0], h[1][0]) in nic_links)
         if crossed:
@@ -385,6 +452,34 @@ class FlowBinder:
                 f"no flow matches the plan's ring allreduce, and RDMA writes flow between NICs of the job "
                 f"that are ring neighbours in no channel ({names}): that is Tree, CollNet or NVLS traffic, "
                 "not ring allreduce; run the job with NCCL_ALGO=Ring")
+
+    @staticmethod
+    def _lines(cand: _Candidate) -> str | None:
+        """The one protocol whose lines all of a flow's held packets of 128 bytes or more
+        carry (wire_protocol), if there are MIN_HEADS of them and they agree."""
+        big = (p.payload for p in cand.packets if len(p.payload) >= LL128_LINE)
+        seen = [wire_protocol(payload) for payload in islice(big, LINES_SAMPLE)]
+        return seen[0] if len(seen) >= MIN_HEADS and len(set(seen)) == 1 else None
+
+    def _refuse_protocol(self, hop, wire: str):
+        plan = self.plan.ring.protocol
+        why = "NCCL_PROTO, or NCCL cannot run LL128 on those GPUs" if plan == "ll128" else "NCCL_PROTO"
+        raise CollectiveRefused(
+            f"the traffic of link {self._link_name(hop)} is NCCL's {PROTOCOL_LOOKS[wire]} while the plan says "
+            f"protocol {plan}: the job ran with another protocol ({why}); write the plan with protocol {wire}, "
+            f"or run the job with NCCL_PROTO={PROTOCOL_ENV[plan]}")
+
+    def _refuse_unbound_protocol(self):
+        """Nothing bound: flag words of another protocol than the plan's in any flow
+        refuse it (data never shows them); a plan of LL or LL128 whose every flow
+        shows none (unrelated flows are Simple-looking too) is Simple traffic."""
+        plan = self.plan.ring.protocol
+        verdicts = [(hop, self._lines(cand)) for hop, cand in self.unexplained]
+        for hop, wire in verdicts:
+            if wire in ("ll", "ll128") and wire != plan:
+                self._refuse_protocol(hop, wire)
+        if plan != "simple" and verdicts and all(wire == "simple" for _, wire in verdicts):
+            self._refuse_protocol(verdicts[0][0], "simple")
 
     def _bind(self, hop, final: bool) -> list[tuple[FlowBinding, Packet]]:
         """Bind the flows that showed enough heads (all of them when final), in QPN
@@ -411,6 +506,10 @@ class FlowBinder:
                 # of lower QPN that are still short of heads can be placed too.
                 continue
             del flows[key]
+            wire = self._lines(cand) if fits else None
+            if wire is not None and wire != self.plan.ring.protocol:
+                # its lengths fit the plan's schedule, its lines are another protocol's
+                self._refuse_protocol(hop, wire)
             for slot, tl, base_rel in fits[:1]:
                 first_head = min(rel for rel, _ in cand.heads) - base_rel
                 if self.join_from is None and first_head > 0:

@@ -129,7 +129,7 @@ def cmd_synth(a) -> int:
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
         allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
-        optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
+        merged_nics=a.merged_nics, optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
@@ -514,6 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
     s.add_argument("--qps", type=_ranged(int, 1, 128), default=1, help="NCCL_IB_QPS_PER_CONNECTION")
+    s.add_argument("--merged-nics", type=_ranged(int, 1, 4), default=1, metavar="K",
+                   help="ports of every rank's merged NIC (NCCL_IB_MERGE_NICS, NCCL 2.20+; at most 2 "
+                        "before 2.24): port k of 10.77.0.r is 10.(77+k).0.r; mirror m is port m %% K of "
+                        "rank m // K (give --mirrors 2K to see two ranks whole)")
     s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
     s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach",
                    help="the optimizer's implementation (torch's foreach / fused flags)")

@@ -11,7 +11,8 @@ Three lists:
                 destination is), ip (where an ERSPAN tunnel ends), capacity (how many
                 mirrored link directions the port can take without dropping: a port
                 as fast as a rank's takes 1, because a ring link runs at line rate)
-    ranks       rank -> switch + port of its NIC
+    ranks       rank -> switch + port of its NIC (+ `ports`: every port of a merged NIC,
+                NCCL's device order, the first = port; all on that switch)
 
 Everything is checked here, once, so that the selection and the renderers can trust
 what they get; each error names the entry and the field.
@@ -79,6 +80,13 @@ class RankPort:
     rank: int
     switch: str
     port: str
+    # the switch ports of every port of a merged NIC (NCCL_IB_MERGE_NICS), in NCCL's device
+    # order; () for a NIC of one port: read them through switch_ports
+    ports: tuple[str, ...] = ()
+
+    @property
+    def switch_ports(self) -> tuple[str, ...]:
+        return self.ports or (self.port,)
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class Cabling:
 
     def ports_of(self, switch: str) -> set[str]:
         """Every port the file names on a switch (the SONiC validator's PORT table)."""
-        return ({r.port for r in self.ranks if r.switch == switch}
+        return ({p for r in self.ranks if r.switch == switch for p in r.switch_ports}
                 | {c.port for c in self.collectors if c.switch == switch and c.port}
                 | {s.erspan.egress_port for s in self.switches
                    if s.name == switch and s.erspan and s.erspan.egress_port})
@@ -133,7 +141,7 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
     _unique([c.name for c in collectors], f"{where}: collector names")
     ranks = tuple(_rank(r, f"{where}: ranks[{i}]", names) for i, r in enumerate(_list(doc, "ranks", where)))
     _unique([r.rank for r in ranks], f"{where}: ranks")
-    _unique([(r.switch, r.port) for r in ranks] + [(c.switch, c.port) for c in collectors if c.port],
+    _unique([(r.switch, p) for r in ranks for p in r.switch_ports] + [(c.switch, c.port) for c in collectors if c.port],
             f"{where}: (switch, port) pairs of ranks and collectors")
     return Cabling(switches, collectors, ranks)
 
@@ -212,7 +220,17 @@ def _rank(d, ctx, switch_names) -> RankPort:
     sw = _str(d, "switch", ctx)
     if sw not in switch_names:
         raise CablingError(f"{ctx}: rank {rank} is on switch {sw!r}, which is not in switches")
-    return RankPort(rank, sw, _name(d, "port", ctx, PORT_NAME))
+    port = _name(d, "port", ctx, PORT_NAME)
+    if "ports" not in d:
+        return RankPort(rank, sw, port)
+    raw = d["ports"]
+    if not isinstance(raw, list) or not 1 <= len(raw) <= 4:
+        raise CablingError(f"{ctx}: ports must list the 1 to 4 switch ports of the rank's merged NIC")
+    ports = tuple(_name({"ports": p}, "ports", ctx, PORT_NAME) for p in raw)
+    if ports[0] != port:
+        raise CablingError(f"{ctx}: ports[0] is {ports[0]!r}, not port {port!r}: list the NIC's ports in "
+                           "NCCL's device order, port first")
+    return RankPort(rank, sw, port, ports)
 
 
 # -- field helpers -------------------------------------------------------------------

@@ -66,10 +66,17 @@ class SelectionError(CkptdError, ValueError):
 
 @dataclass(frozen=True)
 class Point:
+    """A NIC's switch port(s) in one direction: a merged NIC's QPs spread over all of
+    its ports (Plan.qp_link), so a point mirrors every one of them."""
     rank: int
     direction: str   # "rx" | "tx", at the switch port
     switch: str
     port: str
+    ports: tuple[str, ...] = ()  # every switch port of a merged NIC (port first); (): port alone
+
+    @property
+    def switch_ports(self) -> tuple[str, ...]:
+        return self.ports or (self.port,)
 
     def link(self, ring: RingConfig, channel: int) -> tuple[int, int]:
         r = ring.rings[channel]
@@ -140,7 +147,7 @@ class Selection:
                          for ch in range(self.ring.channels)],
             "notes": self.notes,
         }
-        if all(len(ps) == 1 for ps in streams.values()):
+        if all(len(ps) == 1 and len(ps[0].switch_ports) == 1 for ps in streams.values()):
             doc["plan_mirrors"] = [{"name": name, "rank": ps[0].rank, "direction": NIC_SENSE[ps[0].direction]}
                                    for name, ps in streams.items()]
         return doc
@@ -220,9 +227,9 @@ def build_sessions(cabling: Cabling, chosen) -> list[Session]:
             if not pts:
                 continue
             by_dir = {"rx": [], "tx": [], "both": []}
-            for port in dict.fromkeys(p.port for p in pts):
-                dirs = {p.direction for p in pts if p.port == port}
-                rank = next(p.rank for p in pts if p.port == port)
+            for port in dict.fromkeys(sp for p in pts for sp in p.switch_ports):
+                dirs = {p.direction for p in pts if port in p.switch_ports}
+                rank = next(p.rank for p in pts if port in p.switch_ports)
                 if dirs == {"rx", "tx"} and sw.supports("both"):
                     by_dir["both"].append((port, rank))
                 else:
@@ -257,8 +264,12 @@ def _why_not(cabling: Cabling, chosen, point: Point, col: Collector) -> str | No
         return f"{sw.name} mirrors locally (SPAN) and collector {col.name} is not on it"
     if sw.mode == "erspan" and col.ip is None:
         return f"{sw.name} sends ERSPAN and collector {col.name} has no ip"
-    used = sum(1 for _, c in chosen if c.name == col.name)
-    if used >= col.capacity:
+    # a port runs at line rate: a merged NIC's point is as many link directions as ports
+    used = sum(len(p.switch_ports) for p, c in chosen if c.name == col.name)
+    if used + len(point.switch_ports) > col.capacity:
+        if len(point.switch_ports) > 1:
+            return (f"collector {col.name} takes {used} port direction(s) and rank {point.rank}'s merged NIC "
+                    f"has {len(point.switch_ports)} ports (capacity {col.capacity})")
         return f"collector {col.name} already takes {used} link direction(s) (capacity {col.capacity})"
     if sw.max_sessions is not None:
         n = len([s for s in build_sessions(cabling, chosen + [(point, col)]) if s.switch.name == sw.name])
@@ -287,7 +298,8 @@ def candidate_points(ring: RingConfig, cabling: Cabling, network: NetworkLinks |
     order, lists = [], list(per_switch.values())
     for i in range(max((len(x) for x in lists), default=0)):
         order += [x[i] for x in lists if i < len(x)]
-    pts = [Point(r, d, cabling.rank(r).switch, cabling.rank(r).port) for d in ("rx", "tx") for r in order]
+    pts = [Point(r, d, cabling.rank(r).switch, cabling.rank(r).port, cabling.rank(r).ports)
+           for d in ("rx", "tx") for r in order]
     return pts, skipped
 
 

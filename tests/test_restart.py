@@ -49,7 +49,7 @@ def test_replay_from_a_later_checkpoint_numbers_iterations_from_it(tmp_path):
         m, o = trainer_checkpoint(model, optimizer, lr)
         save_checkpoint(tmp_path / checkpoint_name(t), t, m, o)
         if wire_it >= 0:  # only the restarted run's traffic is captured
-            frames += [f for s, d, f in wire.iteration_frames(sched, payloads) if plan.mirrors[0].sees(s, d)]
+            frames += [f for s, d, f in wire.iteration_frames(sched, payloads) if plan.mirrors[0].sees(s[0], d[0], s[1], d[1])]
     write_pcap(tmp_path / "m.pcap", frames)
     pipe = replay(load_plan(tmp_path / "plan.json"), [str(tmp_path / "m.pcap")],
                   load_checkpoint(tmp_path / checkpoint_name(k)),

@@ -41,7 +41,7 @@ def test_plan_knows_nodes_nics_and_network_hops(nodes4):
     assert plan.nic(3, 0) == plan.addresses[0] and plan.nic(3, 1) == plan.addresses[3]
     # the binder expects the network links only, never an NVLink hop
     binder = FlowBinder(plan)
-    assert set(binder.expected) == {plan.link_of(c) for c in wire}
+    assert set(binder.expected) == {plan.qp_link(c, 0) for c in wire}
     assert sorted(s[:3] for slots in binder.expected.values() for s in slots) == sorted(wire)
     again = plan_from_json(json.loads((nodes4 / "plan.json").read_text()))
     assert again.to_json() == plan.to_json()
@@ -208,7 +208,7 @@ def test_mirror_risk_counts_copies_over_links_between_nodes(nodes4):
     assert r["chunks_by_copies"] == {"3": 4, "4": 12}
     assert failure_probability(16, 5, 1e-3, 10000, nodes=4) == failure_probability(16, 4, 1e-3, 10000, nodes=4)
     assert failure_probability(16, 5, 1e-3, 10000, nodes=4) > failure_probability(16, 5, 1e-3, 10000)
-    n, k, h = packets_from_plan(str(nodes4 / "plan.json"))
+    n, k, h, p = packets_from_plan(str(nodes4 / "plan.json"))
     assert (n, h) == (16, 4) and k > 0
 
 
@@ -220,7 +220,7 @@ def test_shared_nic_ll_ipv6_replays_bit_exact(tmp_path):
           iterations=2, mirrors=2)
     plan = load_plan(tmp_path / "plan.json")
     assert plan.addresses[0] == plan.addresses[1] and plan.link_of((1, 2, 0)) == plan.link_of((0, 3, 1)) == (0, 2)
-    assert FlowBinder(plan).expected[(0, 2)] == [(1, 2, 0, 0), (0, 3, 1, 0)]
+    assert FlowBinder(plan).expected[((0, 0), (2, 0))] == [(1, 2, 0, 0), (0, 3, 1, 0)]
     ref = run_replay(tmp_path)
     assert [(r.ok, r.exact) for r in ref.reports] == [(True, True)] * 2
     opts = ReplayOptions(out=str(tmp_path / "fast"), reference=str(tmp_path / "reference"))

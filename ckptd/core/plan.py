@@ -14,12 +14,18 @@ its own NIC on every channel). Ranks of one node may share a NIC, and with PXN a
 may send through a NIC of another GPU of its node; every NIC a channel uses must be
 some rank's own NIC on that node, and the lowest such rank names it (`rank_of`). Only
 hops between ranks of different nodes reach a NIC (`network_connections`).
+
+Merged NICs (NCCL_IB_MERGE_NICS): a NIC may be several physical ports that NCCL's
+net_ib drives as one device; `ports` lists their addresses in NCCL's device order
+(default: `addr` alone). Each QP of a connection runs between one port of each end
+(`qp_link`, RingConfig.port_of_qp), so a link on the wire is a pair of ports.
 """
 from __future__ import annotations
 
 import ipaddress
 import json
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -54,6 +60,7 @@ MAX_BUCKET_ELEMENTS = 1 << 34  # one allreduce
 MAX_DIMS = 8
 MAX_ITERATIONS = 1 << 31
 MAX_RANKS = 1 << 16
+MAX_PORTS = 4  # NCCL_IB_MAX_DEVS_PER_NIC from 2.24 (net_ib.cc:45@v2.24.3-1); 2 before, RingConfig checks
 MAX_CHANNELS = 64  # NCCL's MAXCHANNELS
 MAX_THREADS = 1024
 MAX_BUFFSIZE = 1 << 30
@@ -216,15 +223,19 @@ def _is_int(x) -> bool:
 
 @dataclass(frozen=True)
 class Mirror:
-    """A mirror stream: the switch port of `rank`, frames it sends (tx), receives (rx) or both."""
+    """A mirror stream: the switch port of `rank`'s NIC (of its port `port` where the NIC
+    is merged from several), frames it sends (tx), receives (rx) or both."""
 
     name: str
     rank: int
     direction: str = "both"
+    port: int = 0
 
-    def sees(self, src: int, dst: int) -> bool:
-        return ((self.direction in ("tx", "both") and src == self.rank)
-                or (self.direction in ("rx", "both") and dst == self.rank))
+    def sees(self, src: int, dst: int, src_port: int = 0, dst_port: int = 0) -> bool:
+        """Whether a frame from NIC src's port src_port to NIC dst's port dst_port is
+        in this stream (NICs named by their owner rank)."""
+        return ((self.direction in ("tx", "both") and (src, src_port) == (self.rank, self.port))
+                or (self.direction in ("rx", "both") and (dst, dst_port) == (self.rank, self.port)))
 
 
 @dataclass(frozen=True)
@@ -243,6 +254,9 @@ class Plan:
     # dataclasses.replace(plan, addresses=...) keeps meaning "own NIC, own node"):
     nodes: tuple[str, ...] = ()  # rank -> node name; empty: every rank a node of its own
     channel_nics: tuple[tuple[str, ...], ...] = ()  # rank -> channel -> NIC address; empty: own NIC
+    # rank -> its own NIC's port addresses, NCCL's device order, the first = addr; empty:
+    # one port each (read them through nic_ports()); ring.ndevs ports on every NIC
+    ports: tuple[tuple[str, ...], ...] = ()
     start_iteration: int | None = None  # the job's first iteration: init must be the one before
     comm_hook: str = "allreduce"  # DDP's comm hook: a key of COMM_HOOKS
     # DDP's bucket size limits in bytes, {"first": [...], "rebuilt": [...]}: the layouts are
@@ -408,16 +422,37 @@ class Plan:
         return 0 if iteration == 0 else 1 + (iteration - 1) % self.rotation_period()
 
     def rank_of(self, addr: str) -> int | None:
-        """The rank whose own NIC has this address: the lowest one where ranks of a node
-        share a NIC. It names the NIC wherever traffic is keyed by address."""
-        return self._rank_by_addr.get(addr)
+        """The rank whose own NIC has this address (any of its ports): the lowest one
+        where ranks of a node share a NIC. It names the NIC wherever traffic is keyed by
+        address."""
+        port = self.port_of(addr)
+        return None if port is None else port[0]
+
+    def port_of(self, addr: str) -> tuple[int, int] | None:
+        """(the NIC, named by its owner rank; which of its ports) that has this address."""
+        return self._port_by_addr.get(addr)
 
     @cached_property
-    def _rank_by_addr(self) -> dict[str, int]:
-        owners: dict[str, int] = {}
-        for r, a in enumerate(self.addresses):
-            owners.setdefault(a, r)
+    def _port_by_addr(self) -> dict[str, tuple[int, int]]:
+        owners: dict[str, tuple[int, int]] = {}
+        for r in range(len(self.addresses)):
+            for k, a in enumerate(self.nic_ports(r)):
+                owners.setdefault(a, (r, k))
         return owners
+
+    def nic_ports(self, rank: int) -> tuple[str, ...]:
+        """The port addresses of `rank`'s own NIC, in NCCL's device order."""
+        return self.ports[rank] if self.ports else (self.addresses[rank],)
+
+    def port_address(self, port: tuple[int, int]) -> str:
+        return self.nic_ports(port[0])[port[1]]
+
+    def qp_link(self, conn: tuple[int, int, int], qp: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The pair of ports QP `qp` of a network connection runs between: (sender NIC,
+        port), (receiver NIC, port), the port by RingConfig.port_of_qp."""
+        s, d = self.link_of(conn)
+        k = self.ring.port_of_qp(qp)
+        return (s, k), (d, k)
 
     def nic(self, rank: int, channel: int) -> str:
         """The address of the NIC `rank`'s network hops of `channel` use."""
@@ -528,7 +563,7 @@ class Plan:
             },
             "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
             "ranks": [self._rank_json(r) for r in range(self.nranks)],
-            "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction}
+            "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction, **({"port": m.port} if m.port else {})}
                         for m in self.mirrors],
         }
         if self.bucket_limits is not None:
@@ -596,6 +631,8 @@ class Plan:
         nics = [self.nic(r, c) for c in range(self.ring.channels)]
         if any(a != self.addresses[r] for a in nics):
             out["nics"] = nics
+        if len(self.nic_ports(r)) > 1:
+            out["ports"] = list(self.nic_ports(r))
         return out
 
     def save(self, path: str | Path):
@@ -1064,21 +1101,47 @@ def _plan_from_json(raw) -> Plan:
             nics.append(tuple(str(ipaddress.ip_address(n)) for n in per))
         except (TypeError, ValueError) as e:
             raise PlanError(f"ranks[{i}].nics: {e}") from e
+    ports = _ports_from_json(doc, addrs)
+    if ports:
+        try:
+            ring_cfg = dataclasses.replace(ring_cfg, ndevs=len(ports[0]))
+        except ScheduleError as e:
+            raise PlanError(f"ranks[0].ports: {e}") from None
     mirrors = []
     for i, raw_m in enumerate(doc.list("mirrors", [])):
         m = _Doc(raw_m, f"mirrors[{i}]")
         mirrors.append(Mirror(m.str("name", f"mirror{i}"), m.int("rank", 0, nranks - 1, required=True),
-                              m.str("direction", "both", ("tx", "rx", "both"))))
+                              m.str("direction", "both", ("tx", "rx", "both")),
+                              m.int("port", 0, MAX_PORTS - 1, 0)))
     return Plan(tuple(params), first, rebuilt, ring_cfg, optimizer, addrs, tuple(mirrors),
                 doc.int("iterations", 1, MAX_ITERATIONS), doc.str("transport", "roce"), learn,
                 nodes=tuple(nodes) if any(isinstance(x, dict) and "node" in x for x in doc.list("ranks")) else (),
                 channel_nics=tuple(nics) if any(isinstance(x, dict) and "nics" in x for x in doc.list("ranks")) else (),
+                ports=ports,
                 start_iteration=doc.int("start_iteration", 0, MAX_ITERATIONS),
                 comm_hook=doc.str("comm_hook", "allreduce", tuple(COMM_HOOKS)),
                 collectives=_collectives(doc),
                 buffers=_buffers_from_json(doc),
                 allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
                 bucket_limits=limits)
+
+
+def _ports_from_json(doc, addrs: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """ranks[].ports: every rank's merged-NIC ports, or () where no rank lists any."""
+    raw = sorted(doc.list("ranks", required=True), key=lambda x: x.get("rank", 0) if isinstance(x, dict) else 0)
+    if not any(isinstance(x, dict) and "ports" in x for x in raw):
+        return ()
+    out = []
+    for i, raw_r in enumerate(raw):
+        rk = _Doc(raw_r, f"ranks[{i}]")
+        per = rk.list("ports", [addrs[i]])
+        if not 1 <= len(per) <= MAX_PORTS:
+            raise PlanError(f"ranks[{i}].ports must list 1 to {MAX_PORTS} port addresses (NCCL_IB_MAX_DEVS_PER_NIC)")
+        try:
+            out.append(tuple(str(ipaddress.ip_address(a)) for a in per))
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"ranks[{i}].ports: {e}") from e
+    return tuple(out)
 
 
 _NO_LIMITS_SAID = []
@@ -1200,11 +1263,43 @@ def _check_topology(plan: Plan):
             if node_of_addr.get(a, (None,))[0] != nodes[r]:
                 raise PlanError(f"ranks[{r}].nics[{c}] is {a}, which is no rank's own NIC "
                                 f"(addr) on node {nodes[r]!r}: list the NIC's owner rank with it as addr")
+    _check_ports(plan)
     for i, m in enumerate(plan.mirrors):
+        if 0 <= m.rank < n and m.port >= plan.ring.ndevs:
+            raise PlanError(f"mirrors[{i}].port is {m.port}, but rank {m.rank}'s NIC has "
+                            f"{plan.ring.ndevs} port(s)")
         if 0 <= m.rank < n and plan.rank_of(plan.addresses[m.rank]) != m.rank:
             raise PlanError(f"mirrors[{i}] names rank {m.rank}, whose NIC "
                             f"{plan.addresses[m.rank]} is rank {plan.rank_of(plan.addresses[m.rank])}'s "
                             "too: name the port by that rank")
+
+
+def _check_ports(plan: Plan):
+    """Merged NICs: each NIC's ports start with its addr, belong to that NIC alone, and
+    every NIC has ring.ndevs of them. Different port counts at the two ends of a
+    connection are not modelled: 2.20-2.23 connect QPS·local ndevs QPs on each side and
+    only warn when they differ (net_ib.cc:1098-1102@v2.21.5-1), and 2.24+'s max(local,
+    remote) rule (net_ib.cc:1232-1234,1390@v2.24.3-1) is not implemented here."""
+    n, k = len(plan.addresses), plan.ring.ndevs
+    if plan.ports and len(plan.ports) != n:
+        raise PlanError(f"ranks: {n} addresses, {len(plan.ports)} port lists")
+    seen: dict[str, int] = {}
+    for r in range(n):
+        ports = plan.nic_ports(r)
+        if len(ports) != k:
+            raise PlanError(f"ranks[{r}].ports lists {len(ports)} port(s) where the job's NICs have {k}: "
+                            "merged NICs with different port counts are not modelled")
+        if ports[0] != plan.addresses[r]:
+            raise PlanError(f"ranks[{r}].ports[0] is {ports[0]}, not the rank's addr {plan.addresses[r]}: "
+                            "list the NIC's ports in NCCL's device order, addr first")
+        if len(set(ports)) != len(ports):
+            raise PlanError(f"ranks[{r}].ports lists an address twice")
+        owner = plan.rank_of(plan.addresses[r])
+        if owner != r and plan.nic_ports(owner) != ports:
+            raise PlanError(f"ranks[{r}].ports differ from ranks[{owner}].ports, whose NIC it shares")
+        for a in ports:
+            if seen.setdefault(a, owner) != owner:
+                raise PlanError(f"ranks[{r}].ports: {a} is a port of rank {seen[a]}'s NIC too")
 
 
 def _optimizer_groups(groups: list, names: list[str]) -> tuple:

@@ -83,6 +83,9 @@ class RingConfig:
     qps_per_connection: int = 1
     split_data_on_qps: bool | None = None
     mtu: int = 4096
+    # Ports of the merged NIC (NCCL_IB_MERGE_NICS, ncclIbMergedDev / vProps.ndevs) behind
+    # every rank's net device: the plan's ranks[].ports (Plan.ports), the same on every NIC.
+    ndevs: int = 1
 
     def __post_init__(self):
         if self.protocol not in ("simple", "ll", "ll128"):
@@ -102,6 +105,17 @@ class RingConfig:
             raise ScheduleError(f"path MTU {self.mtu} is not an IB MTU (256..4096)")
         if self.qps_per_connection < 1:
             raise ScheduleError("qps_per_connection must be at least 1")
+        if self.ndevs < 1:
+            raise ScheduleError("ndevs (ports of a merged NIC) must be at least 1")
+        if self.ndevs > 1 and tuple(self.nccl_version) < (2, 20):
+            raise ScheduleError(
+                f"merged NICs ({self.ndevs} ports) with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
+                "net_ib merges ports only from 2.20 (ncclIbMergedDev, net_ib.cc:47,108@v2.20.5-1)")
+        most = 2 if tuple(self.nccl_version) < (2, 24) else 4
+        if self.ndevs > most:
+            raise ScheduleError(
+                f"a merged NIC of {self.ndevs} ports with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
+                f"NCCL_IB_MAX_DEVS_PER_NIC is {most} (net_ib.cc:45@v2.21.5-1, @v2.24.3-1)")
         if self.split_data_on_qps is False and tuple(self.nccl_version) < (2, 18):
             raise ScheduleError(
                 f"split_data_on_qps false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
@@ -145,13 +159,43 @@ class RingConfig:
         return 32 if tuple(self.nccl_version) < (2, 20) else 64
 
     @property
+    def data_qps(self) -> int:
+        """QPs of one connection: NCCL_IB_QPS_PER_CONNECTION per port of the merged NIC
+        (net_ib.cc:1000@v2.21.5-1 local ndevs; 2.24+ max(local, remote) ndevs,
+        net_ib.cc:1232-1234@v2.24.3-1, net_ib/connect.cc:588-591@v2.29.7-1; ckptd needs
+        the same port count on every NIC, so both are ndevs)."""
+        return self.qps_per_connection * self.ndevs
+
+    @property
+    def parts_per_send(self) -> int:
+        """QPs one send is cut over: every QP with split, else one per port
+        (net_ib.cc:1644@v2.22.3-1 `ndevs`; 2.24+ nDataQps = max(local, remote) ndevs,
+        net_ib.cc:1390,1899@v2.24.3-1; net_ib/common.h:354-358@v2.29.7-1)."""
+        return self.data_qps if self.split else self.ndevs
+
+    def port_of_qp(self, qp: int) -> int:
+        """The merged NIC's port QP `qp` of a connection uses, at both ends: QPs are
+        created striped over the ports, devIndex = q % ndevs, and QP q of the sender is
+        connected to QP q of the receiver (net_ib.cc:1015-1027,1130-1136,1245-1258@v2.21.5-1;
+        net_ib.cc:1248-1264,1361-1366,1570-1584@v2.24.3-1; net_ib/connect.cc:445,500,832-842@v2.29.7-1)."""
+        return qp % self.ndevs
+
+    def cts_qp(self, send_index: int) -> int:
+        """The QP (index, reversed: receiver -> sender) that carries the clear-to-send of
+        the connection's send number `send_index`. 2.14-2.19: qps[0] (net_ib.cc:1219@v2.19.4-1);
+        2.20-2.28: qps[devIndex], devIndex +1 mod the receiver's ndevs per posted receive
+        (net_ib.cc:1790-1791@v2.22.3-1, 2046-2047@v2.24.3-1); 2.29+: the first QP of device
+        id % ndevs, id the receive counter (net_ib/p2p.h:20-27@v2.29.7-1, common.h:311-313),
+        i.e. qps[id % ndevs] again. One receive per send, counted like send_index."""
+        return send_index % self.ndevs
+
+    @property
     def rotation_modulus(self) -> int:
         """qp_of_part depends on send_index only modulo this: 1 where every send is
         split over all QPs from QP 0 (2.14-2.28 with split), the QP count otherwise."""
-        nq = self.qps_per_connection
         if tuple(self.nccl_version) < (2, 29) and self.split:
             return 1
-        return nq
+        return self.data_qps
 
     def qp_of_part(self, send_index: int, part: int, nparts: int) -> int:
         """The QP that carries part `part` of the connection's send number `send_index`
@@ -163,7 +207,7 @@ class RingConfig:
         net_ib.cc:984-998@v2.14.3-1). So the send's first part is on QP
         send_index*nparts mod nqps. 2.29+: part i on QP (req.id + i) % nqps, req.id the
         connection's send counter (net_ib/common.h:325-330,354-358@v2.29.7-1)."""
-        nq = self.qps_per_connection
+        nq = self.data_qps
         if tuple(self.nccl_version) >= (2, 29):
             return (send_index + part) % nq
         return (send_index * nparts + part) % nq
@@ -539,7 +583,7 @@ class RingSchedule:
                 src = cfg.rank_at(c, idx)
                 dst = cfg.next_rank(c, src)
                 self.sends[(src, dst, c)] = []
-                for q in range(cfg.qps_per_connection):
+                for q in range(cfg.data_qps):
                     self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
         for k, other in enumerate(before):
             self._add_other(-1 - k, other)
@@ -558,7 +602,7 @@ class RingSchedule:
         self.send_base = dict(send_base or {})
         # every send one message on one QP (no split, no adaptive-routing write pair):
         # _emit's short path
-        self._whole_sends = (not cfg.split or cfg.qps_per_connection == 1) and not cfg.ar_writes
+        self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
 
@@ -717,7 +761,7 @@ class RingSchedule:
         sends = self.sends[conn]
         index = self.send_base.get(conn, 0) + len(sends)
         sends.append(send)
-        nq = cfg.qps_per_connection
+        nq = cfg.data_qps
         if self._whole_sends:  # one part on one QP, the whole send: NCCL's usual case
             flow = self.flows[conn + (index % nq,)]  # qp_of_part(index, 0, 1)
             wlen = send.wire_bytes
@@ -725,7 +769,7 @@ class RingSchedule:
             flow.messages.append(Message(send, 0, wlen, wlen, -(-wlen // cfg.mtu) or 1))
             flow.npkts += -(-wlen // cfg.mtu) or 1
             return
-        nparts = nq if cfg.split else 1
+        nparts = cfg.parts_per_send
         part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
         ar = cfg.ar_writes and send.wire_bytes > IB_AR_THRESHOLD
         for j in range(nparts):

@@ -141,7 +141,7 @@ class TreeSchedule(RingSchedule):
             for child, parent in self.edges[c]:
                 for conn in ((child, parent, c), (parent, child, c)):
                     self.sends[conn] = []
-                    for q in range(cfg.qps_per_connection):
+                    for q in range(cfg.data_qps):
                         self.flows[conn + (q,)] = FlowSchedule(conn[0], conn[1], c, q)
         for b, bucket in enumerate(self.buckets):
             if bucket.count:

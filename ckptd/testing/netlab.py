@@ -195,6 +195,9 @@ class NetLab:
         if not self.plan.one_host_per_rank:
             raise NetLabError("the test network gives every rank a host with one NIC; a plan with nodes or "
                               "per-channel NICs (shared NICs, hops inside a node) is not supported by netlab")
+        if self.plan.ring.ndevs > 1:
+            raise NetLabError("the test network gives every NIC one port; a plan with merged NICs "
+                              "(ranks[].ports) is not supported by netlab")
         self.prefix = prefix or unique_prefix()
         self.mtu = mtu
         self.switch_ns, self.ckpt_ns = f"{self.prefix}-sw", f"{self.prefix}-ck"

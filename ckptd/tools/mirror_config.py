@@ -82,6 +82,12 @@ def run(a) -> int:
         print(f"error: {a.cabling} places ranks {extra}, but the plan has ranks 0..{plan.nranks - 1}: "
               "is it the cabling of another job?", file=sys.stderr)
         return EXIT_INPUT
+    for r in cabling.ranks:
+        if len(r.switch_ports) != plan.ring.ndevs:
+            print(f"error: {a.cabling}: rank {r.rank} has {len(r.switch_ports)} switch port(s), but the plan's "
+                  f"NICs are merged from {plan.ring.ndevs} ports (ranks[].ports): list every port's switch "
+                  "port in ports, NCCL's device order", file=sys.stderr)
+            return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
     try:
         network = network_links(plan) if not plan.one_host_per_rank else None

@@ -35,6 +35,15 @@ unless noted):
 whether or not Tree ever runs, so they decide nothing; NCCL_ALGO does (with the NVLS
 and CollNet channel counts), through ckptd.core.algorithms.
 
+  merged NICs   2.20-2.23: "NET/IB : Using [0]={[0] mlx5_0:1/RoCE, [1] mlx5_1:1/RoCE} ..." (a
+                "[d]={...}" group per device merged from several ports, net_ib.cc:311-330@v2.20.5-1,
+                :519-538@v2.21.5-1, :571-590@v2.22.3-1, :650-669@v2.23.4-1); 2.24+: "NET/IB : Made
+                virtual device [1] name=mlx5_0+mlx5_1 speed=400000 ndevs=2" (net_ib.cc:540@v2.24.3-1,
+                :595@v2.27.7-1, net_ib/init.cc:190@v2.29.7-1; 2.30 adds " rail=%d plane=%d",
+                init.cc:259@v2.30.7-1; printed with ndevs=1 for every plain device too). A log
+                with a merged device is refused: --nic-addrs gives one address per device, and
+                a merged device's QPs use every port's (plan ranks[].ports, by hand).
+
 NIC addresses are not in the log (NET/IB devices are named, their RoCE GIDs are not):
 the caller gives each host's NIC addresses in NCCL device order.
 """
@@ -55,6 +64,8 @@ COMPLETE = re.compile(r"\brank (\d+) nranks (\d+) cudaDev (\d+) nvmlDev \d+ busI
 NODES = re.compile(r"\brank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank (\d+)")
 CHANNELS = re.compile(r"^(\d+) coll channels, (?:(\d+) collnet channels, )?(\d+) nvls channels")
 SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE) set by environment to (\S+?)\.?$")
+MERGED_USING = re.compile(r"^NET/IB : Using.*? \[(\d+)\]=\{([^}]*)\}")
+MERGED_VDEV = re.compile(r"^NET/IB : Made virtual device \[(\d+)\] name=(\S+) speed=\d+ ndevs=(\d+)")
 NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|receive)\] via NET/[^/]+/(\d+)(?:\((\d+)\))?")
 
 
@@ -119,6 +130,13 @@ def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
             _agree(job, "nvls_channels", int(m[3]), where, lineno)
         elif (m := SETTING.match(msg)):
             job.settings[m[1]] = m[2]
+        elif (m := MERGED_USING.match(msg)) or ((m := MERGED_VDEV.match(msg)) and int(m[3]) > 1):
+            what = f"device [{m[1]}] = {{{m[2]}}}" if m.re is MERGED_USING else f"virtual device [{m[1]}] {m[2]} of {m[3]} ports"
+            raise NcclLogError(
+                f"{where}:{lineno}: NCCL merged NIC ports into one net device on {host} ({what}): "
+                "--nic-addrs maps a device to one address, and a merged device's QPs use every port's; "
+                "write each rank's ranks[].ports into the plan by hand (docs/PLAN.md), or run the job "
+                "unmerged (NCCL_IB_MERGE_NICS=0 up to 2.23, NCCL_NET_MERGE_LEVEL=LOC from 2.24)")
         elif (m := NET.match(msg)):
             c, s, d, kind, dev, proxy = int(m[1]), int(m[2]), int(m[3]), m[4], int(m[5]), m[6]
             job.net.setdefault((c, s, d), {})[kind] = (dev, None if proxy is None else int(proxy))

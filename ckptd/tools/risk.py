@@ -51,6 +51,12 @@ copies are counted over those H links: the same rule (a chunk misses the link in
 its owner) gives M-1 copies to the M chunks owned by receiving ends and M to the
 other N-M chunks, so mirroring all H links leaves H chunks with H-1 copies, however
 many GPUs a node has.
+
+Merged NICs (--ports P, or a plan whose ranks list ports): NCCL stripes each
+connection's QPs over the P ports (QP q on port q % P at both ends), so a link is P
+port pairs, each carrying its share of every chunk's packets. A link counts as mirrored
+only when all P of its ports are: M links take M*P mirror sessions. The formula is the
+same (a packet position is lost when every copy of it is).
 """
 
 ELEMS_PER_PACKET = 2   # the simulation's packets: small, since only coverage matters
@@ -130,12 +136,12 @@ def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 
     return failed
 
 
-def packets_from_plan(path: str) -> tuple[int, float, int | None]:
-    """(N, K, H) from a plan's own schedule (iteration 1's bucket layout): K is the
+def packets_from_plan(path: str) -> tuple[int, float, int | None, int]:
+    """(N, K, H, P) from a plan's own schedule (iteration 1's bucket layout): K is the
     mean, over the ring positions that can be mirrored, of the allgather packets one
     such link carries per iteration on all channels and QPs (one-GPU hosts: what
     mirroring a rank's port RX sees); H the hops between nodes per ring (None on
-    one-GPU hosts). Empty Simple slices (0-byte writes) count as packets; they carry
+    one-GPU hosts); P the ports of each merged NIC (ring.ndevs). Empty Simple slices (0-byte writes) count as packets; they carry
     no gradient, so K is a slight overestimate for Simple."""
     from ckptd.core.plan import load_plan
     from ckptd.core.schedule import AG
@@ -146,7 +152,7 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None]:
         if (s, d, c) in wire:
             total += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
     hops = len(wire) / plan.ring.channels
-    return plan.nranks, total / hops, (round(hops) if not plan.one_host_per_rank else None)
+    return plan.nranks, total / hops, (round(hops) if not plan.one_host_per_rank else None), plan.ring.ndevs
 
 
 # -- command ---------------------------------------------------------------------------
@@ -168,6 +174,9 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
                         "mirrored, so M is capped at H (default: every rank its own host)")
     p.add_argument("--plan", help="take N, K (and H, if the plan has multi-GPU nodes) from a plan's schedule "
                                   "(K: mean over the links that can be mirrored)")
+    p.add_argument("--ports", type=int,
+                   help="P: ports of each merged NIC (NCCL_IB_MERGE_NICS; or --plan; default 1): a link is "
+                        "mirrored only when all P of its ports are")
     p.add_argument("--iteration-seconds", type=float, help="also give the mean time between failures")
     p.add_argument("--simulate", action="store_true", help="check by Monte Carlo through the merge code")
     p.add_argument("--trials", type=int, default=2000, help="Monte Carlo iterations (default 2000)")
@@ -178,15 +187,17 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(a) -> int:
-    n, k, nodes = a.ring, a.packets, a.nodes
+    n, k, nodes, ports = a.ring, a.packets, a.nodes, a.ports
     if a.plan:
         try:
-            n, k_plan, h_plan = packets_from_plan(a.plan)
+            n, k_plan, h_plan, p_plan = packets_from_plan(a.plan)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         k = k if k is not None else k_plan
         nodes = nodes if nodes is not None else h_plan
+        ports = ports if ports is not None else p_plan
+    ports = 1 if ports is None else ports
     problems = []
     if n is None or n < 2:
         problems.append("--ring N (at least 2) or --plan is needed")
@@ -196,6 +207,8 @@ def run(a) -> int:
         problems.append("--mirrors must be at least 1")
     if not 0.0 <= a.loss <= 1.0:
         problems.append("--loss is a probability, 0..1")
+    if not 1 <= ports <= 4:
+        problems.append("--ports must be 1..4 (NCCL_IB_MAX_DEVS_PER_NIC)")
     if a.simulate and a.trials < 1:
         problems.append("--trials must be at least 1")
     if nodes is not None and n is not None and not 2 <= nodes <= n:
@@ -203,7 +216,7 @@ def run(a) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes)
+    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes, ports)
     if a.simulate:
         res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed, nodes)
     print(json.dumps(res, indent=1) if a.json else format_result(res))
@@ -211,13 +224,13 @@ def run(a) -> int:
 
 
 def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None = None,
-             nodes: int | None = None) -> dict:
+             nodes: int | None = None, ports: int = 1) -> dict:
     mirrorable = len(mirrorable_links(n, nodes))
     m_eff = min(m, mirrorable)
     copies = chunk_copies(n, m, nodes)
     pf = failure_probability(n, m, p, k, nodes)
     res = {"ranks": n, "nodes": nodes, "mirrorable_links": mirrorable, "mirrors": m, "mirrored_links": m_eff,
-           "loss": p, "packets_per_link": k,
+           "ports_per_nic": ports, "mirror_ports": m_eff * ports, "loss": p, "packets_per_link": k,
            "packets_per_chunk": k / (n - 1),
            "chunks_by_copies": {str(c): copies.count(c) for c in sorted(set(copies))},
            "p_fail": pf, "iterations_between_failures": (1.0 / pf) if pf > 0 else math.inf}
@@ -246,6 +259,8 @@ def format_result(r: dict) -> str:
     lines = [
         f"model: ring of {n} ranks{where}, {m} mirrored directed link(s)"
         + (f" (asked {r['mirrors']}: a ring has {h} that can be)" if r["mirrors"] > h else "")
+        + (f" = {r['mirror_ports']} mirrored switch ports ({r['ports_per_nic']} ports a merged NIC: "
+           "a link is mirrored only with all of them)" if r.get("ports_per_nic", 1) > 1 else "")
         + f", {r['packets_per_link']:g} allgather packets per link per iteration "
           f"({r['packets_per_chunk']:g} per chunk), each mirrored copy lost independently with p={p:g}",
         "chunks by number of mirrored copies: "

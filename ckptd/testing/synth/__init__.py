@@ -55,6 +55,10 @@ class SynthOptions:
     model: str = "small"
     nccl_version: str = "2.19"
     qps: int = 1
+    # ports of every rank's merged NIC (NCCL_IB_MERGE_NICS, 2.20+): port k's address is
+    # port_address(addr, k); mirror m is port m % K of the NIC _mirror_nics gives it
+    merged_nics: int = 1
+    split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS (None: the version's default)
     buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
     bucket_cap_kb: int = 64
     optimizer: str = "foreach"  # for-loop | foreach | fused
@@ -199,15 +203,28 @@ def _node_nics(opts: SynthOptions, rings) -> tuple[tuple[str, ...], tuple[str, .
 
 def _node_mirrors(opts: SynthOptions, own: tuple[str, ...]) -> tuple[Mirror, ...]:
     """Mirror k on the switch port of NIC k % K of node k // K: with one channel per
-    rail, the first K mirrors see two links of every ring (both directions)."""
+    rail, the first K mirrors see two links of every ring (both directions). With merged
+    NICs of P ports, mirrors k*P .. k*P+P-1 are the P ports of that NIC."""
     g = opts.gpus_per_node
     k = opts.nics_per_node or g
     out = []
     for m in range(opts.mirrors):
-        node, nic = (m // k) % opts.nodes, m % k
+        m_nic, port = divmod(m, opts.merged_nics)
+        node, nic = (m_nic // k) % opts.nodes, m_nic % k
         owner = next(r for r in range(node * g, node * g + g) if own[r] == own[node * g + nic * g // k])
-        out.append(Mirror(f"mirror{m}", owner, opts.mirror_direction))
+        out.append(Mirror(f"mirror{m}", owner, opts.mirror_direction, port))
     return tuple(out)
+
+
+def port_address(addr: str, k: int) -> str:
+    """Port k of the merged NIC whose first port is addr (10.77.x.y -> 10.(77+k).x.y,
+    fd00:77:: -> fd00:(77+k)::)."""
+    if k == 0:
+        return addr
+    if ":" in addr:
+        return addr.replace("fd00:77:", f"fd00:{0x77 + k:x}:", 1)
+    a, b, rest = addr.split(".", 2)
+    return f"{a}.{int(b) + k}.{rest}"
 
 
 def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
@@ -223,7 +240,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
-                      buffsize=opts.buffsize)
+                      buffsize=opts.buffsize, ndevs=opts.merged_nics,
+                      split_data_on_qps=opts.split_data_on_qps)
     sched = {"constant": {"kind": "constant"},
              "cosine": {"kind": "cosine", "warmup_steps": 2, "total_steps": max(4, opts.iterations)},
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}
@@ -263,14 +281,16 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
             addrs = tuple(f"fd00:77::{r + 1:x}" for r in range(opts.ranks))
         else:
             addrs = tuple(f"10.77.0.{r + 1}" for r in range(opts.ranks))
-        mirrors = tuple(Mirror(f"mirror{k}", k % opts.ranks, opts.mirror_direction)
-                        for k in range(opts.mirrors))
+        mirrors = tuple(Mirror(f"mirror{k}", (k // opts.merged_nics) % opts.ranks, opts.mirror_direction,
+                               k % opts.merged_nics) for k in range(opts.mirrors))
+    ports = () if opts.merged_nics == 1 else tuple(
+        tuple(port_address(a, k) for k in range(opts.merged_nics)) for a in addrs)
     return Plan(
         parameters=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
-        iterations=opts.iterations, nodes=nodes, channel_nics=nics, comm_hook=opts.comm_hook,
+        iterations=opts.iterations, nodes=nodes, channel_nics=nics, ports=ports, comm_hook=opts.comm_hook,
         collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
         allreduces_per_step=opts.allreduces_per_step)
 
@@ -368,6 +388,9 @@ class Wire:
     def __init__(self, plan: Plan, opts: SynthOptions, rng: random.Random):
         self.plan, self.opts, self.rng = plan, opts, rng
         self.hosts = [Host(a, 0x0200_0000_0000 + r + 1) for r, a in enumerate(plan.addresses)]
+        # (NIC, port) -> the port's host; port 0 is the NIC's addr
+        self.ports = {(r, k): Host(a, 0x0200_0000_0000 + (k << 16) + r + 1) if k else self.hosts[r]
+                      for r in range(plan.nranks) for k, a in enumerate(plan.nic_ports(r))}
         next_qpn = [rng.randrange(0x100, 0x8000) for _ in self.hosts]
 
         def alloc(nic):
@@ -381,37 +404,33 @@ class Wire:
                 return PSN_MOD - rng.randrange(1, 400)
             return 0
 
+        self.alloc, self.start_psn = alloc, start_psn
         sched = plan.schedule(0)
         wire = plan.network_connections
         self.link = {conn: plan.link_of(conn) for conn in sched.sends if conn in wire}
-        self.data_qp, self.cts_qp, self.step_base, self.steps_done = {}, {}, {}, {}
+        self.data_qp, self.cts_qps, self.step_base, self.steps_done = {}, {}, {}, {}
         # NCCL connects channel by channel, so a receiver's QPNs grow with the channel.
         for (src, dst, c, q) in sorted(sched.flows, key=lambda k: (k[2], k[0], k[3])):
             if (src, dst, c) not in wire:
                 continue
-            a, b = self.link[(src, dst, c)]
+            a, b = plan.qp_link((src, dst, c), q)
             self.data_qp[(src, dst, c, q)] = QueuePair(
-                self.hosts[a], self.hosts[b], dest_qp=alloc(b), src_qp=alloc(a),
+                self.ports[a], self.ports[b], dest_qp=alloc(b[0]), src_qp=alloc(a[0]),
                 psn=start_psn(), sport=rng.randrange(49152, 65536))
         for (src, dst, c) in sched.sends:
             if (src, dst, c) not in wire:
                 continue
-            a, b = self.link[(src, dst, c)]
-            # The receiver writes the clear-to-send on its first QP of the connection,
-            # toward the sender's first QP: the other direction of data QP 0's RC
-            # connection, with its own PSNs from 0 (net_ib.cc:1219@v2.19.4-1 qps[0];
-            # docs/NCCL.md section 4)
-            qp0 = self.data_qp[(src, dst, c, 0)]
-            self.cts_qp[(src, dst, c)] = QueuePair(
-                self.hosts[b], self.hosts[a], dest_qp=qp0.src_qp, src_qp=qp0.dest_qp,
-                psn=start_psn(), sport=qp0.sport)
+            # The receiver writes the clear-to-send on its QP RingConfig.cts_qp(send) of
+            # the connection, toward the sender's QP of that index: the other direction of
+            # that data QP's RC connection, with its own PSNs from 0 (docs/NCCL.md section 4)
+            self.cts_qps[(src, dst, c)] = [self.reverse_qp(self.data_qp[(src, dst, c, k)])
+                                           for k in range(plan.ring.ndevs)]
             self.step_base[(src, dst, c)] = rng.randrange(0, 5)  # earlier collectives' steps
             self.steps_done[(src, dst, c)] = 0
-        self.alloc, self.start_psn = alloc, start_psn
         # Tree connections (collective tree) have QPs of their own, also where a tree edge
         # joins two ring neighbours
         self.tree_qp: dict[tuple[int, int, int, int], QueuePair] = {}
-        self.tree_cts: dict[tuple[int, int, int], QueuePair] = {}
+        self.tree_cts: dict[tuple[int, int, int], list[QueuePair]] = {}
         self.noise_qp = None
         if opts.noise and plan.nranks >= 2:
             # An unrelated RDMA flow between two NICs of the job (say, a p2p transfer).
@@ -420,9 +439,9 @@ class Wire:
             self.noise_qp = QueuePair(self.hosts[n0], self.hosts[n1], dest_qp=alloc(n1),
                                       src_qp=alloc(n0), psn=start_psn(), sport=rng.randrange(49152, 65536))
 
-    def iteration_frames(self, sched, payloads) -> list[tuple[int, int, bytes]]:
-        """(sender NIC, receiver NIC, frame) in wire order for one iteration, each NIC
-        named by its owner rank."""
+    def iteration_frames(self, sched, payloads) -> list[tuple[tuple[int, int], tuple[int, int], bytes]]:
+        """(sender port, receiver port, frame) in wire order for one iteration, each port
+        (its NIC named by the owner rank, port index; 0 but on merged NICs)."""
         cfg, opts, rng = self.plan.ring, self.opts, self.rng
         if opts.collective == "tree":
             return self.tree_frames(sched)
@@ -435,16 +454,18 @@ class Wire:
                 if opts.collective == "reduce_scatter" and s.phase == AG:
                     continue  # FSDP/ZeRO: the reduced shard stays on its owner
                 frames += self.send_frames(sched, conn, s, np.ascontiguousarray(data).tobytes(), self.data_qp,
-                                           self.cts_qp[conn], self.link[conn])
+                                           self.cts_qps[conn])
             self.steps_done[conn] += len(sends)
             per_conn.append(frames)
         return self.interleave(per_conn)
 
-    def send_frames(self, sched, conn, s, raw: bytes, data_qp, cts, link) -> list[tuple[int, int, bytes]]:
-        """One send on the wire: the receiver's clear-to-send, then the send's RDMA
-        writes on the QPs the schedule puts them on, each acknowledged."""
+    def send_frames(self, sched, conn, s, raw: bytes, data_qp, cts_qps) -> list[tuple[tuple, tuple, bytes]]:
+        """One send on the wire: the receiver's clear-to-send (on the QP RingConfig.cts_qp
+        names for the connection's send number, reversed), then the send's RDMA writes on
+        the QPs the schedule puts them on, each between its ports (Plan.qp_link) and
+        acknowledged."""
         cfg, opts, rng = self.plan.ring, self.opts, self.rng
-        src, dst = link
+        index = self.steps_done[conn] + s.step  # the connection's send number: one step a send
         if cfg.protocol == "ll":
             flag = (self.step_base[conn] + self.steps_done[conn] + s.step + 1) & 0xFFFFFFFF
             wire = ll_encode(raw, flag)
@@ -452,12 +473,15 @@ class Wire:
             wire = ll128.encode(raw, self.step_base[conn] + self.steps_done[conn] + s.step + 1, pad=0xA5)
         else:
             wire = raw
+        cts = cts_qps[cfg.cts_qp(index)]
+        src, dst = self.plan.qp_link(conn, cfg.cts_qp(index))
         frames = [(dst, src, f) for f, _, _ in cts.write(
             rng.randbytes(cfg.cts_bytes), 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8), rkey=0x1234,
             imm=None)]
         frames.append((src, dst, cts.ack(psn=(cts.psn - 1) % PSN_MOD)))
-        for q in range(cfg.qps_per_connection):
+        for q in range(cfg.data_qps):
             msgs = [m for m in sched.flows[conn + (q,)].messages if m.send is s]
+            src, dst = self.plan.qp_link(conn, q)
             for m in msgs:
                 qp = data_qp[conn + (q,)]
                 part = wire[m.wire_offset:m.wire_offset + m.wire_len]
@@ -473,6 +497,11 @@ class Wire:
                     frames += [(src, dst, f) for f, _, _ in pkts[k:]]
                 frames.append((dst, src, qp.ack(pkts[-1][1])))
         return frames
+
+    def reverse_qp(self, qp: QueuePair) -> QueuePair:
+        """The other direction of a data QP's RC connection (the receiver's clear-to-sends),
+        with its own PSNs from the connect."""
+        return QueuePair(qp.dst, qp.src, dest_qp=qp.src_qp, src_qp=qp.dest_qp, psn=self.start_psn(), sport=qp.sport)
 
     def interleave(self, per_conn: list[list]) -> list[tuple[int, int, bytes]]:
         """Channels and links run concurrently: interleave their frames on the wire."""
@@ -502,21 +531,18 @@ class Wire:
                             send_base={conn: n for conn, n in self.steps_done.items() if conn in self.tree_cts})
         per_conn = []
         for conn, sends in tree.sends.items():
-            link = plan.link_of(conn)
             if conn not in self.tree_cts:  # connected in channel order, like the ring's
-                a, b = link
-                for q in range(plan.ring.qps_per_connection):
+                for q in range(plan.ring.data_qps):
+                    a, b = plan.qp_link(conn, q)
                     self.tree_qp[conn + (q,)] = QueuePair(
-                        self.hosts[a], self.hosts[b], dest_qp=self.alloc(b), src_qp=self.alloc(a),
+                        self.ports[a], self.ports[b], dest_qp=self.alloc(b[0]), src_qp=self.alloc(a[0]),
                         psn=self.start_psn(), sport=self.rng.randrange(49152, 65536))
-                qp0 = self.tree_qp[conn + (0,)]
-                self.tree_cts[conn] = QueuePair(self.hosts[b], self.hosts[a], dest_qp=qp0.src_qp,
-                                                src_qp=qp0.dest_qp, psn=self.start_psn(), sport=qp0.sport)
+                self.tree_cts[conn] = [self.reverse_qp(self.tree_qp[conn + (k,)]) for k in range(plan.ring.ndevs)]
                 self.step_base[conn], self.steps_done[conn] = self.rng.randrange(0, 5), 0
             frames = []
             for s in sends:
                 raw = bytes(s.nelem * tree.buckets[s.bucket].dtype.itemsize)
-                frames += self.send_frames(tree, conn, s, raw, self.tree_qp, self.tree_cts[conn], link)
+                frames += self.send_frames(tree, conn, s, raw, self.tree_qp, self.tree_cts[conn])
             self.steps_done[conn] += len(sends)
             per_conn.append(frames)
         return self.interleave(per_conn)
@@ -528,12 +554,12 @@ class Wire:
         if kind == 0:  # an unrelated RDMA write between two NICs of the job
             pkts = self.noise_qp.write(rng.randbytes(rng.randrange(1, 3000)), self.plan.ring.mtu,
                                        va=0x1000, rkey=7, imm=b"\x01\x00\x00\x00")
-            return [(n0, n1, f) for f, _, _ in pkts]
+            return [((n0, 0), (n1, 0), f) for f, _, _ in pkts]
         if kind == 1:  # the job's TCP store / bootstrap traffic: UDP stand-in on another port
-            return [(n1, n0, ip_udp_frame(h[n1], h[n0], 40000, 29500, rng.randbytes(64)))]
+            return [((n1, 0), (n0, 0), ip_udp_frame(h[n1], h[n0], 40000, 29500, rng.randbytes(64)))]
         other = Host("10.99.0.1" if h[0].ip.version == 4 else "fd00:99::1", 0x0200_0000_00ff)
         bth = BTH(opcode=4, pkey=0xFFFF, dest_qp=0x11, psn=rng.randrange(PSN_MOD))
-        return [(0, -1, roce_frame(h[0], other, 50000, bth, b"", rng.randbytes(100)))]
+        return [((0, 0), (-1, 0), roce_frame(h[0], other, 50000, bth, b"", rng.randbytes(100)))]
 
 
 def impair(frames: list[tuple[int, bytes]], opts: SynthOptions, rng: random.Random,
@@ -568,9 +594,9 @@ def _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, 
     capture time of the next round."""
     frames = wire.iteration_frames(sched, payloads)
     for i, (s, d, f) in enumerate(frames if hosts else ()):
-        hosts[s].write(f, ts + 100 * i)
+        hosts[s[0]].write(f, ts + 100 * i)
     for k, mirror in enumerate(plan.mirrors):
-        seen = [(ts + 100 * i, f) for i, (s, d, f) in enumerate(frames) if mirror.sees(s, d)]
+        seen = [(ts + 100 * i, f) for i, (s, d, f) in enumerate(frames) if mirror.sees(s[0], d[0], s[1], d[1])]
         for when, f in impair(seen, opts, rng, stats[mirror.name]):
             writers[k].write(f, when)
             stats[mirror.name]["frames"] += 1

@@ -237,12 +237,14 @@ class BulkSynth:
             raise ValueError("BulkSynth writes the gradient allreduces only (no plan collectives)")
         if not plan.one_host_per_rank:
             raise ValueError("BulkSynth writes one-GPU-per-host jobs only (use ckptd synth --nodes)")
+        if plan.ring.ndevs > 1:
+            raise ValueError("BulkSynth writes one port per NIC only (use ckptd synth --merged-nics)")
         if len(paths) != len(plan.mirrors):
             raise ValueError(f"{len(plan.mirrors)} mirrors in the plan, {len(paths)} paths")
         self.plan, self.seed = plan, seed
         self.rng = random.Random(seed)
         self.wire = Wire(plan, SynthOptions(out="", noise=False), self.rng)
-        for qp in list(self.wire.data_qp.values()) + list(self.wire.cts_qp.values()):
+        for qp in list(self.wire.data_qp.values()) + [q for qps in self.wire.cts_qps.values() for q in qps]:
             qp.psn = 0  # NCCL connects every QP with sq_psn = 0 (net_ib.cc ncclIbRtsQp)
         self.scheds = plan.timeline_schedules()
         self.paths = [Path(p) for p in paths]
@@ -345,7 +347,7 @@ class BulkSynth:
         write and the sender's ACK of it, then the data message(s) and their ACKs."""
         src, dst, ch = conn
         cfg = self.plan.ring
-        cts = self.wire.cts_qp[conn]
+        cts = self.wire.cts_qps[conn][0]
         if self.sees[(dst, src)]:
             fifo = self.rng.randbytes(cfg.cts_bytes)
             for f, _, _ in cts.write(fifo, 4096, va=0x7f00_0000_0000 + 64 * (s.step % 8),

@@ -1,8 +1,9 @@
 """Place: which schedule message and byte range a RoCE packet is.
 
 A flow is (source IP, destination IP, destination QP). The plan names the NICs'
-addresses, so a flow's link (sender NIC -> receiver NIC, each named by the rank that
-owns it, `Plan.rank_of`) is known at once. Only ring connections between ranks of
+addresses, so a flow's link (sender NIC port -> receiver NIC port, each NIC named by the
+rank that owns it, `Plan.port_of`) is known at once; a NIC has one port unless NCCL merges
+several (then QP q of a connection runs between port q % ndevs of both ends, `Plan.qp_link`). Only ring connections between ranks of
 different nodes use a NIC (`Plan.network_connections`); NVLink/PCIe hops inside a node
 are never expected. On one-GPU hosts a link is a hop (sender rank -> receiver rank);
 where ranks share a NIC, or send through another GPU's NIC (PXN), one link can carry
@@ -195,7 +196,8 @@ class FlowBinding:
     base: int  # unwrapped PSN of the first packet of iteration 0's first message
     last: int  # unwrapped PSN of the newest packet, the anchor for unwrapping the next
     first_whole: int = 0  # first iteration whose every packet came after the first seen
-    link: tuple[int, int] = (-1, -1)  # (sender NIC, receiver NIC) by owner rank
+    # (sender port, receiver port), a port = (its NIC by owner rank, port index): Plan.qp_link
+    link: tuple[tuple[int, int], tuple[int, int]] = ((-1, 0), (-1, 0))
     mismatched: list = field(default_factory=list)  # (position, DMA length) of heads the schedule rejected
 
 
@@ -234,9 +236,11 @@ class _Candidate:
 class FlowBinder:
     """Learns which (connection, QP) every data flow is and where its PSNs start.
 
-    Keyed by link (sender NIC, receiver NIC), each NIC named by its owner rank, which
-    for one-GPU hosts is the hop (sender rank, receiver rank): `expected[link]` lists
-    the (sender, receiver, channel, QP) slots the link's flows can bind to."""
+    Keyed by link (sender port, receiver port), each port (its NIC named by the owner
+    rank, port index; always 0 but on merged NICs), which for one-GPU hosts is the hop
+    (sender rank, receiver rank): `expected[link]` lists the (sender, receiver, channel,
+    QP) slots the link's flows can bind to (Plan.qp_link: each QP on its own pair of
+    ports)."""
 
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
@@ -248,17 +252,17 @@ class FlowBinder:
                           if k[:3] in wire}
         # Only QPs of network hops that carry at least one message can ever be seen;
         # slots in channel order, then QP (the order NCCL connects them in).
-        self.expected: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+        self.expected: dict[tuple[tuple[int, int], tuple[int, int]], list[tuple[int, int, int, int]]] = {}
         for (s, d, c, q), tl in sorted(self.timelines.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][:2])):
             if tl.first.npkts or tl.cycle_npkts:
-                self.expected.setdefault(plan.link_of((s, d, c)), []).append((s, d, c, q))
+                self.expected.setdefault(plan.qp_link((s, d, c), q), []).append((s, d, c, q))
         self.bound: dict[tuple, FlowBinding] = {}
         self.unrelated: set[tuple] = set()
         self.pending: dict[tuple[int, int], dict[tuple, _Candidate]] = {}
         self.acks: dict[tuple[int, int], deque] = {}
         self.ack_count: Counter = Counter()  # per link, while none of its data was seen
         self.acks_ignored: set[tuple[int, int]] = set()
-        self.off_ring: dict[tuple[int, int], set] = {}  # data flows between job NICs that form no link
+        self.off_ring: dict[tuple, set] = {}  # data flows between job ports that form no link
         self.unexplained: list[tuple[tuple[int, int], _Candidate]] = []  # flows no slot explains
         self.errors: list[str] = []
         self.notes: list[str] = []
@@ -272,12 +276,12 @@ class FlowBinder:
     def _acks_unused(self, hop):
         """This hop's ACKs can teach nothing any more: the data plane only counts them."""
         if self.data_plane is not None:
-            self.data_plane.unrelated_acks(self.plan.addresses[hop[1]], self.plan.addresses[hop[0]])
+            self.data_plane.unrelated_acks(self.plan.port_address(hop[1]), self.plan.port_address(hop[0]))
 
     # -- learning -----------------------------------------------------------------
-    def hop_of(self, pkt: Packet) -> tuple[int, int] | None:
-        """The link a data packet travels, if the plan expects traffic on it."""
-        s, d = self.plan.rank_of(pkt.src), self.plan.rank_of(pkt.dst)
+    def hop_of(self, pkt: Packet) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The link (pair of ports) a data packet travels, if the plan expects traffic on it."""
+        s, d = self.plan.port_of(pkt.src), self.plan.port_of(pkt.dst)
         if s is None or d is None:
             return None
         if (s, d) not in self.expected:
@@ -294,8 +298,7 @@ class FlowBinder:
         ACK, and no alignment may put the job's first message after that PSN. An ACK
         belongs to the data flow of the same link with the same UDP source port (RoCE
         derives the port from both QPNs, so both directions of a connection share it)."""
-        s, d = self.plan.rank_of(pkt.dst), self.plan.rank_of(pkt.src)
-        hop = (s, d)
+        hop = (self.plan.port_of(pkt.dst), self.plan.port_of(pkt.src))
         if hop not in self.expected:
             if self.data_plane is not None:  # for good: the plan has no such hop
                 self.data_plane.unrelated_acks(pkt.src, pkt.dst)
@@ -388,8 +391,8 @@ class FlowBinder:
             "(FSDP/ZeRO-style sharding): each reduced shard stays on its owner, so the reduced "
             "gradients never cross the wire; ckptd needs DDP's allreduce (NCCL_ALGO=Ring)")
 
-    def _tree_timelines(self) -> dict[tuple[int, int], list[FlowTimeline]]:
-        """Per link, the message sequences of NCCL Tree's QPs on it, had the job run the
+    def _tree_timelines(self) -> dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]]:
+        """Per link (pair of ports, Plan.qp_link), the message sequences of NCCL Tree's QPs on it, had the job run the
         plan's buckets as Tree (ckptd.core.tree): each timeline starts at iteration 0
         and cycles through the plan's rebuilt layouts (with several QPs, the tree's own
         QP rotation is counted from its first send)."""
@@ -401,11 +404,11 @@ class FlowBinder:
             t = TreeSchedule(plan.ring, buckets, plan.node_names, send_base=sent)
             sent.update({conn: len(sends) for conn, sends in t.sends.items()})
             trees.append(t)
-        out: dict[tuple[int, int], list[FlowTimeline]] = {}
+        out: dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]] = {}
         for key in trees[0].flows:
             tl = FlowTimeline(trees[0].flows[key], [t.flows[key] for t in trees[1:]])
             if tl.first.npkts or tl.cycle_npkts:
-                out.setdefault(plan.link_of(key[:3]), []).append(tl)
+                out.setdefault(plan.qp_link(key[:3], key[3]), []).append(tl)
         return out
 
     def _refuse_unbound(self):
@@ -434,6 +437,14 @@ class FlowBinder:
                     "the tree, and in Tree the final values never cross the ring's links; run the job "
                     "with NCCL_ALGO=Ring")
         self._refuse_unbound_protocol()
+        nic_links = {(s[0], d[0]) for s, d in self.expected}
+        crossed = sorted(h for h in self.off_ring if (h[0][0], h[1][0]) in nic_links)
+        if crossed:
+            names = ", ".join(self._link_name(h) for h in crossed[:4]) + (" ..." if len(crossed) > 4 else "")
+            raise CollectiveRefused(
+                f"no flow matches the plan, and the job's data flows between ports of ring neighbours that "
+                f"no QP of the plan pairs ({names}): list each merged NIC's ranks[].ports in NCCL's "
+                "device order (QP q runs between port q % ndevs of both ends)")
         if self.off_ring:
             pairs = sorted(self.off_ring)
             names = ", ".join(self._link_name(h) for h in pairs[:4]) + (" ..." if len(pairs) > 4 else "")
@@ -531,8 +542,22 @@ class FlowBinder:
             self.pending.pop(hop, None)
         return released
 
+    def unseen_ports(self) -> list[str]:
+        """Merged NICs: the port pairs of which no QP's flow was seen while another port pair
+        of the same two NICs was, i.e. ports not mirrored (or every copy lost). What they
+        carried is reported missing, never taken from another port."""
+        seen = {b.link for b in self.bound.values()}
+        nic_pairs_seen = {(s[0], d[0]) for s, d in seen}
+        return [f"{self._link_name(hop)}: none of its {len(slots)} QP(s) seen, while other ports of "
+                "these NICs were: its switch ports are not mirrored (or every copy was lost)"
+                for hop, slots in self.expected.items()
+                if hop not in seen and (hop[0][0], hop[1][0]) in nic_pairs_seen]
+
     def _link_name(self, hop) -> str:
-        s, d = hop
+        (s, _), (d, _) = hop
+        if self.plan.ring.ndevs > 1:
+            return (f"port {self.plan.port_address(hop[0])} (rank {s}'s NIC) -> "
+                    f"port {self.plan.port_address(hop[1])} (rank {d}'s NIC)")
         return f"rank {s} -> {d}" if self.plan.one_host_per_rank else \
             f"NIC {self.plan.addresses[s]} (rank {s}) -> NIC {self.plan.addresses[d]} (rank {d})"
 

@@ -40,7 +40,8 @@ class RoceTransport(Extractor):
         return self.feed(pkt) if pkt is not None else []
 
     def diagnostics(self) -> list[str]:
-        return [f"unmatched flow: {e}" for e in self.binder.errors]
+        return ([f"unmatched flow: {e}" for e in self.binder.errors]
+                + [f"unseen port: {e}" for e in self.binder.unseen_ports()])
 
     def join_iteration(self, force: bool = False) -> int | None:
         """The first training iteration every flow was seen from its start: the first

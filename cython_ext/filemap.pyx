@@ -11,9 +11,15 @@ page cache's: no read() into a buffer of our own, no merge copy.
 
 The first read of each page maps it (a minor fault, ~0.3 us a page here): the fast
 pipeline's reader thread indexes the records and checks the ICRCs, so it, not the
-thread that places, pays for that. A file that shrinks while it is mapped makes reads
-past its new end fault (SIGBUS): replay reads finished captures. Pages behind the reader's
-consumer are released (`release_before`), so the resident size stays bounded.
+thread that places, pays for that. Pages behind the reader's consumer are released
+(`release_before`), so the resident size stays bounded.
+
+A file that shrinks while it is mapped (a capture rotated or truncated under the replay)
+makes reads past its new end fault with SIGBUS. Nothing read from such a page can be
+trusted, and a fault can come in the middle of the kernel placing a frame, so there is
+no point to resume from: the guard below names the file in one line on stderr and ends
+the process with status 2. Commits are atomic files (temp, fsync, rename), so every
+checkpoint already committed stays whole and nothing half-placed is committed.
 """
 import os
 import stat
@@ -23,6 +29,64 @@ from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t
 from posix.mman cimport (MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE,
                          MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ, madvise, mmap, munmap)
+
+cdef extern from *:
+    """
+    #include <signal.h>
+    #include <string.h>
+    #include <unistd.h>
+
+    /* The mapped files of every live MappedFiles: [lo, hi) and a message naming the
+       file. Written with the GIL held, read by the SIGBUS handler (async-signal-safe:
+       a scan, write(2) and _exit(2)). */
+    #define CKPTD_GUARDS 256
+    typedef struct { char *lo, *hi; const char *msg; size_t len; } ckptd_guard;
+    static volatile ckptd_guard ckptd_guards[CKPTD_GUARDS];
+    static struct sigaction ckptd_prev_bus;
+    static int ckptd_installed = 0;
+
+    static void ckptd_on_bus(int sig, siginfo_t *si, void *ctx) {
+        char *a = (char *)si->si_addr;
+        for (int i = 0; i < CKPTD_GUARDS; i++) {
+            if (ckptd_guards[i].msg && a >= ckptd_guards[i].lo && a < ckptd_guards[i].hi) {
+                ssize_t r = write(2, ckptd_guards[i].msg, ckptd_guards[i].len);
+                (void)r;
+                _exit(2);
+            }
+        }
+        /* not ours: what was there before (the default: the process ends on SIGBUS) */
+        sigaction(SIGBUS, &ckptd_prev_bus, NULL);
+        if (ckptd_prev_bus.sa_flags & SA_SIGINFO && ckptd_prev_bus.sa_sigaction)
+            ckptd_prev_bus.sa_sigaction(sig, si, ctx);
+        else if (ckptd_prev_bus.sa_handler != SIG_DFL && ckptd_prev_bus.sa_handler != SIG_IGN)
+            ckptd_prev_bus.sa_handler(sig);
+    }
+
+    static int ckptd_guard_add(char *lo, char *hi, const char *msg, size_t len) {
+        if (!ckptd_installed) {
+            struct sigaction sa;
+            memset(&sa, 0, sizeof sa);
+            sa.sa_sigaction = ckptd_on_bus;
+            sa.sa_flags = SA_SIGINFO;
+            sigemptyset(&sa.sa_mask);
+            if (sigaction(SIGBUS, &sa, &ckptd_prev_bus) != 0) return -1;
+            ckptd_installed = 1;
+        }
+        for (int i = 0; i < CKPTD_GUARDS; i++) {
+            if (!ckptd_guards[i].msg) {
+                ckptd_guards[i].lo = lo; ckptd_guards[i].hi = hi; ckptd_guards[i].len = len;
+                ckptd_guards[i].msg = msg;  /* last: the entry is whole when the handler sees it */
+                return i;
+            }
+        }
+        return -1;  /* full: a fault there ends the process the default way */
+    }
+
+    static void ckptd_guard_drop(int i) { if (i >= 0) ckptd_guards[i].msg = NULL; }
+    """
+    int ckptd_guard_add(char *lo, char *hi, const char *msg, size_t len)
+    void ckptd_guard_drop(int i)
+
 
 cdef size_t PAGE = os.sysconf("SC_PAGE_SIZE")
 # release_before unmaps at least this much at a time: unmapping flushes the TLBs of every
@@ -47,10 +111,11 @@ cdef class MappedFiles:
     cdef Py_ssize_t strides[1]
     cdef readonly list starts, sizes
     cdef list released  # per file: its pages before this are released
+    cdef list guards  # per file: its SIGBUS guard slot, and the message the slot points at
 
     def __cinit__(self, paths):
         self.base = NULL
-        self.starts, self.sizes = [], []
+        self.starts, self.sizes, self.guards = [], [], []
         fds = []
         try:
             for p in paths:
@@ -70,6 +135,7 @@ cdef class MappedFiles:
             for p, fd, at, n in zip(paths, fds, self.starts, self.sizes):
                 if n and mmap(self.base + <size_t>at, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED:
                     raise OSError(errno, os.strerror(errno), str(p))
+                self._guard(p, at, n)
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the files open
@@ -77,7 +143,17 @@ cdef class MappedFiles:
         self.released = list(self.starts)
         self.shape[0], self.strides[0] = self.length, 1
 
+    cdef _guard(self, path, size_t at, size_t n):
+        msg = (f"ckptd: error: {os.fsdecode(path)}: the capture file shrank below {n} bytes while "
+               "being replayed (rotated or truncated under it?); stopped, exit 2: checkpoints "
+               "committed before stay whole, nothing after them was committed\n").encode()
+        cdef const char *m = msg
+        slot = ckptd_guard_add(<char *>self.base + at, <char *>self.base + at + n, m, len(msg))
+        self.guards.append((slot, msg))
+
     def __dealloc__(self):
+        for slot, _ in self.guards or ():
+            ckptd_guard_drop(slot)
         if self.base != NULL:
             munmap(self.base, self.reserved)
 

@@ -9,8 +9,11 @@ finalized).
 from __future__ import annotations
 
 import heapq
+import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -32,6 +35,8 @@ from parsers.pcap import PcapWriter
 from parsers.roce import FrameClass, decode_frame
 
 from helpers import pcaps, synth
+
+REPO = Path(__file__).resolve().parents[1]
 
 FLOWCHECK_PLAN = Path(__file__).parent / "data" / "flowcheck_allreduce_plan.json"
 
@@ -412,6 +417,27 @@ def test_mapped_pages_behind_the_reader_are_released(tmp_path):
     files.release_before(len(buf) - 1)
     assert _rss_file_kb() < before - (64 << 10)
     np.testing.assert_array_equal(buf, data)
+
+
+def test_a_capture_that_shrinks_under_the_mapping_stops_in_one_line(tmp_path):
+    """A file truncated while mapped faults on read (SIGBUS): the process ends with exit 2
+    and one line naming the file, not a core dump."""
+    path = tmp_path / "rotated.pcap"
+    path.write_bytes(bytes(range(256)) * 64)
+    code = (
+        "import os, sys, numpy as np\n"
+        "from cython_ext.filemap import MappedFiles\n"
+        f"p = {str(path)!r}\n"
+        "f = MappedFiles([p]); buf = np.frombuffer(f, np.uint8)\n"
+        "assert int(buf[-1]) == 255\n"
+        "os.truncate(p, 0)\n"
+        "print(int(buf[-1]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and "shrank" in lines[0], out.stderr
+    assert out.stdout == ""
 
 
 def test_reader_stage_raises_the_readers_error_after_its_batches():

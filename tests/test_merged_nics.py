@@ -2,7 +2,6 @@
 connection on port q % ndevs at both ends (docs/NCCL.md section 4, docs/PLAN.md ranks[].ports)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np

@@ -442,7 +442,7 @@ class Wire:
     def iteration_frames(self, sched, payloads) -> list[tuple[tuple[int, int], tuple[int, int], bytes]]:
         """(sender port, receiver port, frame) in wire order for one iteration, each port
         (its NIC named by the owner rank, port index; 0 but on merged NICs)."""
-        cfg, opts, rng = self.plan.ring, self.opts, self.rng
+        opts = self.opts
         if opts.collective == "tree":
             return self.tree_frames(sched)
         per_conn = []

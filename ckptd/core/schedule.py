@@ -517,6 +517,68 @@ def _contiguous_loops(n: int, work_offset: int, work: int, chunk_count: int, las
     return loops
 
 
+def pipeline_chunks(cfg: RingConfig, nbytes: int, nc: int, nt: int, allgather: bool):
+    """For each channel of a ring broadcast of nbytes (or allgather of nbytes a rank), the
+    chunks its device loop walks, in order, as (byte offset, bytes); bytes may be 0 (an
+    empty send, still posted). NCCL turns both into int8 on the host in every version
+    (ncclInfoSetDerived, include/info.h:62-67@v2.14.3-1, 66-71@v2.19.4-1, 83-88@v2.20.5-1;
+    taskAppend enqueue.cc:2007-2008@v2.22.3-1), so everything here is bytes. nc, nt: the
+    tuned channels and threads (RingConfig.tune of the bytes, nranks times them for an
+    allgather). Checked against NCCL's own code compiled at every tag
+    (tests/data/nccl/broadcast-*.json, allgather-*.json; docs/NCCL.md section 6).
+
+    2.22+: each channel's cbd part (cbd_ranges with ncclFuncTrafficPerByte 1 or nRanks) in
+    chunks of calcCollChunking's size; the device takes min(chunk, rest), no short-loop rule
+    (device/broadcast.h:30-44@v2.22.3-1, all_gather.h:12-53@v2.22.3-1).
+    2.20-2.21: addCBDCollToPlan (enqueue.cc:431-490@v2.20.5-1; for one collective the same
+    cut as addTunedCollToPlan, 324-411) gives channel c roundUp(divUp(bytes, nc), align) bytes
+    from c times that, align = computeCollAlignCount (214-223: Simple 4096, LL 8*nt, LL128
+    480*nt/32); the chunk is computeCollChunkInfo's stepSize*chunkSteps (LL /2, LL128 *15/16,
+    no grain rounding, 1683-1736), walked as min(chunk, rest) (broadcast.h:31-34@v2.20.5-1,
+    all_gather.h:34-37@v2.20.5-1).
+    2.14-2.19: every channel walks the whole buffer in loops of nc chunks; loop g's chunk on
+    channel bid starts at g + bid*real (broadcast.h:32-45@v2.19.4-1, all_gather.h:33-46@v2.19.4-1,
+    the same in collectives/device/*.h@v2.14.3-1), real = Simple roundUp(min(chunk,
+    divUp(rest, nc)), (nt-32)*8); LL chunk, or in the last, short loop the host's lastChunkSize
+    roundUp(divUp(bytes mod (nc*chunk), nc), nt*8) (computeColl, enqueue.cc:1393-1398@v2.19.4-1,
+    1223-1228@v2.14.3-1); LL128 min(chunk, divUp(rest, nc*m)*m), m = nt*60 (broadcast) or
+    nt*60/2 (allgather: "we should not need the final /2", all_gather.h:21@v2.19.4-1)."""
+    v = tuple(cfg.nccl_version)
+    proto = cfg.protocol
+    chunk_steps = ALLGATHER_CHUNKSTEPS if allgather else BROADCAST_CHUNKSTEPS
+    if v >= (2, 22):
+        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, chunk_steps)
+        per_byte = cfg.nranks if allgather else 1
+        for bid, off, cnt in cbd_ranges(v, proto, nbytes, 1, cfg.channels, nc, traffic_per_byte=per_byte):
+            yield bid, [(off + e, min(chunk, cnt - e)) for e in range(0, cnt, chunk)]
+        return
+    # calcBytePerStep (device/primitives.h:34-66@v2.19.4-1) / computeCollChunkInfo: no grain rounding
+    chunk = {"simple": cfg.step_bytes * chunk_steps, "ll": cfg.step_bytes // 2,
+             "ll128": cfg.step_bytes // 16 * 15}[proto]
+    if v >= (2, 20):
+        align = {"simple": WARP_SIZE * 8 * 16, "ll": 8 * nt, "ll128": 480 * (nt // WARP_SIZE)}[proto]
+        per_channel = _round_up(_div_up(nbytes, nc), align)
+        for bid, off in enumerate(range(0, nbytes, per_channel)):
+            work = min(per_channel, nbytes - off)
+            yield bid, [(off + e, min(chunk, work - e)) for e in range(0, work, chunk)]
+        return
+    loop = nc * chunk
+    grain = nt * 60 // (2 if allgather else 1)  # LL128's minChunkSizeLL128
+    out: list[list[tuple[int, int]]] = [[] for _ in range(nc)]
+    for grid in range(0, nbytes, loop):
+        rest = nbytes - grid
+        if proto == "simple":
+            real = _round_up(min(chunk, _div_up(rest, nc)), (nt - WARP_SIZE) * 8)
+        elif proto == "ll":
+            real = chunk if rest >= loop else _round_up(_div_up(nbytes % loop, nc), nt * 8)
+        else:
+            real = min(chunk, _div_up(rest, nc * grain) * grain)
+        for bid in range(nc):
+            off = grid + bid * real
+            out[bid].append((off, max(0, min(real, nbytes - off))))
+    yield from enumerate(out)
+
+
 class RingSchedule:
     """The wire schedule of one iteration: every bucket allreduced once, in order.
 
@@ -570,14 +632,6 @@ class RingSchedule:
         else:
             self._add_allreduce(b, other)
 
-    def _require_2_22(self, kind: str):
-        """Broadcasts and allgathers are derived from NCCL 2.22-2.32's sources only."""
-        v = self.cfg.nccl_version
-        if tuple(v) < (2, 22):
-            article = "an" if kind[0] in "aeiou" else "a"
-            raise ScheduleError(f"{article} {kind} with NCCL {v[0]}.{v[1]}: the ring {kind} is modelled "
-                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
-
     def _add_broadcast(self, b: int, bc: Broadcast):
         """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
 
@@ -598,25 +652,20 @@ class RingSchedule:
         cfg = self.cfg
         if bc.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        self._require_2_22("broadcast")
         n = cfg.nranks
         if not 0 <= bc.root < n:
             raise ScheduleError(f"broadcast root {bc.root} is not a rank of the {n}-rank ring")
         itemsize = bc.dtype.itemsize
-        nbytes = bc.nbytes
-        nc, _ = cfg.tune(nbytes)
-        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, BROADCAST_CHUNKSTEPS)
-        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
-                                        traffic_per_byte=1):
+        nc, nt = cfg.tune(bc.nbytes)
+        for bid, chunks in pipeline_chunks(cfg, bc.nbytes, nc, nt, allgather=False):
             # (element offset, element count, wire bytes) of each chunk: bytes divide into
-            # whole elements (cells are 16-byte multiples, chunks multiples of the grain)
-            chunks = [((off + e) // itemsize, min(chunk, cnt - e) // itemsize,
-                       wire_bytes(cfg.protocol, min(chunk, cnt - e), 1)) for e in range(0, cnt, chunk)]
+            # whole elements (every chunk size and alignment is a multiple of 16 bytes)
+            cut = [(boff // itemsize, bn // itemsize, wire_bytes(cfg.protocol, bn, 1)) for boff, bn in chunks]
             src = bc.root
             for dist in range(n - 1):  # the hops root -> ... -> the rank before the root
                 conn = (src, cfg.next_rank(bid, src), bid)
                 sends = self.sends[conn]
-                for k, (eoff, nelem, wb) in enumerate(chunks):
+                for k, (eoff, nelem, wb) in enumerate(cut):
                     self._emit(conn, Send(b, AG, eoff, nelem, wb, len(sends), k, dist))
                 src = conn[1]
 
@@ -638,18 +687,13 @@ class RingSchedule:
         cfg = self.cfg
         if ag.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        self._require_2_22("allgather")
         n = cfg.nranks
         itemsize = ag.dtype.itemsize
-        nbytes = ag.nbytes
-        nc, _ = cfg.tune(nbytes * n)
-        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, ALLGATHER_CHUNKSTEPS)
-        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
-                                        traffic_per_byte=n):
+        nc, nt = cfg.tune(ag.nbytes * n)
+        for bid, chunks in pipeline_chunks(cfg, ag.nbytes, nc, nt, allgather=True):
             # each chunk's slices as (byte offset in the block, bytes); 16-byte multiples
             # but at a block's end, so whole elements
-            cut = [[(off + e + min(s_off, cnt - e), s_n) for s_off, s_n in self._slices(min(chunk, cnt - e), 1)]
-                   for e in range(0, cnt, chunk)]
+            cut = [[(boff + min(s_off, bn), s_n) for s_off, s_n in self._slices(bn, 1)] for boff, bn in chunks]
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
                 conn = (src, cfg.next_rank(bid, src), bid)

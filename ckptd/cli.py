@@ -120,9 +120,6 @@ def _synth_training(a) -> dict:
 def cmd_synth(a) -> int:
     from ckptd.core.plan import OPTIMIZER_CLASSES
     from ckptd.testing.synth import SynthOptions, synthesize
-    if a.model.endswith("-bn") and tuple(int(x) for x in a.nccl_version.split(".")[:2]) < (2, 22):
-        raise UsageError(f"--model {a.model} has module buffers, which DDP broadcasts every forward: the ring "
-                         "broadcast is modelled from NCCL 2.22 (give --nccl-version 2.22 or later)")
     if a.optim and a.optim.partition(":")[0].lower() not in OPTIMIZER_CLASSES:
         raise SystemExit(f"ckptd synth: --optim {a.optim.partition(':')[0]!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
     opts = SynthOptions(
@@ -508,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
-                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward: NCCL 2.22+)")
+                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward)")
     s.add_argument("--nccl-version", default="2.19",
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
@@ -568,10 +565,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration, around the gradient buckets); repeatable")
     s.add_argument("--other-broadcast", action="append", default=[], metavar="WHEN:COUNT[:DTYPE[:ROOT]]",
                    help="a ring broadcast on the job's communicator (from ROOT, default 0), in the plan's "
-                        "collectives like --other-allreduce (NCCL 2.22+); repeatable")
+                        "collectives like --other-allreduce; repeatable")
     s.add_argument("--startup-broadcast", action="store_true",
                    help="DDP's constructor collectives before iteration 0, first of the plan's start "
-                        "collectives (NCCL 2.22+): the allgather of the parameter count and broadcast of "
+                        "collectives: the allgather of the parameter count and broadcast of "
                         "their shapes (verify_params_across_processes), then the broadcast of the "
                         "parameters and buffers from rank 0 (_sync_module_states, 250 MiB buckets)")
     s.set_defaults(func=cmd_synth)

@@ -367,13 +367,16 @@ def test_broadcast_in_the_plan_round_trips_and_bad_entries_name_the_key():
         with pytest.raises(PlanError, match=msg) as e:
             plan_from_json({**base, "collectives": bad}, "p.json")
         assert "\n" not in str(e.value)
-    old = _plan("2.20", 3, ranks=2).to_json()
-    with pytest.raises(PlanError, match=r"collectives.start\[0\].op broadcast with NCCL 2.20"):
-        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
+    old = _plan("2.20", 3, ranks=2).to_json()  # modelled from 2.14 (docs/NCCL.md section 4a)
+    assert plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json").collectives
 
 
 @pytest.mark.parametrize("version,qps,protocol,ranks", [("2.22", 3, "simple", 3), ("2.29", 3, "ll", 2),
-                                                        ("2.26", 2, "ll128", 3)])
+                                                        ("2.26", 2, "ll128", 3)] + [
+    # before 2.22: 2.14-2.19's interleaved loops (2.14-2.17 split every send over the QPs),
+    # 2.20-2.21's aligned channel ranges (docs/NCCL.md section 4a)
+    (v, qps, p, 3) for v, qps in (("2.14", 2), ("2.17", 3), ("2.19", 3), ("2.21", 3))
+    for p in ("simple", "ll", "ll128")])
 def test_startup_broadcast_replays_bit_exact(tmp_path, version, qps, protocol, ranks):
     """DDP's start-up collectives: the verify allgather of the parameter count (1 int64 a
     rank) and broadcast of their shapes, then the broadcast of the parameters (and a
@@ -493,7 +496,8 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         monkeypatch.setenv("NCCL_ALGO", "Ring")
         assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "b"])["start"] \
             == full["start"]
-        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 20))) == {}
+        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 14))) == got
+        assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 19)), ["a", "b"]) == full
         with pytest.warns(FutureWarning):
             ddp_nb = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
         assert ct._ddp_broadcasts(ddp_nb, ring) == {"start": ((21, "float32", "broadcast", 0),)}

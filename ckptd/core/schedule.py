@@ -46,8 +46,12 @@ ALLGATHER_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 # NCCL_IB_AR_THRESHOLD default: a send larger than this goes as RDMA WRITE + 0-byte
-# WRITE_WITH_IMM where adaptive routing applies (net_ib.cc:81,969@v2.14.3-1).
+# WRITE_WITH_IMM where adaptive routing applies (net_ib.cc:81,969@v2.14.3-1, 89,1623@v2.22.3-1;
+# net_ib/p2p.cc:18,142@v2.29.7-1; 2.30's default -2 means the same 8192, init.cc:475-482@v2.30.7-1).
 IB_AR_THRESHOLD = 8192
+# Below this a data WRITE could be the length of a clear-to-send write (cts_bytes, at most 64):
+# the decoder could not tell them apart, so a plan may not ask for it.
+MIN_AR_THRESHOLD = 64
 LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
 LL_DATA_PER_LINE = 8
 # LL128 (device/prims_ll128.h@v2.22.3): a warp writes 2048 wire bytes (16 lines of 16 u64,
@@ -83,6 +87,8 @@ class RingConfig:
     qps_per_connection: int = 1
     split_data_on_qps: bool | None = None
     mtu: int = 4096
+    adaptive_routing: bool | None = None
+    ar_threshold: int = IB_AR_THRESHOLD
 
     def __post_init__(self):
         if self.protocol not in ("simple", "ll", "ll128"):
@@ -107,6 +113,14 @@ class RingConfig:
                 f"split_data_on_qps false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
                 "NCCL_IB_SPLIT_DATA_ON_QPS exists only from 2.18; before, every send is split over "
                 "all QPs (net_ib.cc:984@v2.14.3-1)")
+        if self.adaptive_routing is False and tuple(self.nccl_version) < (2, 16):
+            raise ScheduleError(
+                f"adaptive_routing false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
+                "NCCL_IB_ADAPTIVE_ROUTING exists only from 2.16; before, every send over the AR threshold "
+                "is a WRITE + 0-byte WRITE_WITH_IMM (net_ib.cc:969@v2.14.3-1)")
+        if not MIN_AR_THRESHOLD <= self.ar_threshold < 1 << 31:
+            raise ScheduleError(f"ar_threshold {self.ar_threshold}: NCCL_IB_AR_THRESHOLD from "
+                                f"{MIN_AR_THRESHOLD} (a smaller write could be a clear-to-send) to 2^31-1")
 
     @property
     def channels(self) -> int:
@@ -131,11 +145,16 @@ class RingConfig:
 
     @property
     def ar_writes(self) -> bool:
-        """Whether a send over IB_AR_THRESHOLD goes as RDMA WRITE of the data then a
-        0-byte WRITE_WITH_IMM. 2.14-2.15 do it whatever the link layer
-        (net_ib.cc:969@v2.14.3-1, @v2.15.5-1); from 2.16 only with adaptive routing
-        (`comm->ar`, net_ib.cc:979@v2.16.5-1), which is off on RoCE by default."""
-        return tuple(self.nccl_version) <= (2, 15)
+        """Whether a send over ar_threshold (NCCL_IB_AR_THRESHOLD) goes as RDMA WRITE of the
+        data then a 0-byte WRITE_WITH_IMM. 2.14-2.15 do it whatever the link layer
+        (net_ib.cc:969@v2.14.3-1, @v2.15.5-1); from 2.16 only with adaptive routing, the
+        sender's `comm->ar` (net_ib.cc:979@v2.16.5-1, 1623@v2.22.3-1; net_ib/p2p.cc:142@v2.29.7-1):
+        every merged NIC's `ar`, 1 on an IB link layer and 0 on RoCE unless
+        NCCL_IB_ADAPTIVE_ROUTING (default -2: unset) says otherwise (net_ib.cc:84,237-238@v2.16.5-1,
+        91,507-508,1078-1082@v2.22.3-1; net_ib/init.cc:11,343-344@v2.29.7-1). ckptd reads RoCE, so
+        adaptive_routing None is off. Not modelled: 2.30's exception when both ends have
+        NCCL_IB_OOO_RQ (net_ib/p2p.cc:131-132@v2.30.7-1, default off)."""
+        return tuple(self.nccl_version) <= (2, 15) or bool(self.adaptive_routing)
 
     @property
     def cts_bytes(self) -> int:
@@ -771,7 +790,7 @@ class RingSchedule:
             return
         nparts = nq if cfg.split else 1
         part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
-        ar = cfg.ar_writes and send.wire_bytes > IB_AR_THRESHOLD
+        ar = cfg.ar_writes and send.wire_bytes > cfg.ar_threshold
         for j in range(nparts):
             woff = j * part
             wlen = max(0, min(part, send.wire_bytes - woff))

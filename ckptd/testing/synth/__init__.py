@@ -281,9 +281,6 @@ def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
     named = list(model.named_buffers())
     if not named:
         return ModuleBuffers()
-    if tuple(int(x) for x in opts.nccl_version.split(".")) < (2, 22):
-        raise ValueError(f"model {opts.model} has module buffers, which DDP broadcasts every forward: "
-                         "the ring broadcast is modelled from NCCL 2.22 (--nccl-version 2.22 or later)")
     from ckptd.torch import DDP_BROADCAST_BUCKET_BYTES
     groups, _ = torch.distributed._compute_bucket_assignment_by_size([b for _, b in named],
                                                                       [DDP_BROADCAST_BUCKET_BYTES])

@@ -126,6 +126,7 @@ def cmd_synth(a) -> int:
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
         allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
+        adaptive_routing=a.adaptive_routing,
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
@@ -383,7 +384,7 @@ def cmd_plan(a) -> int:
     if topo is not None:
         if gloo:
             raise UsageError("--nccl-log describes an NCCL job: it cannot go with --transport gloo")
-        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
+        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu, **topo.ib_ar)
         addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
     else:
         major, minor = _nccl_version(a.nccl_version)
@@ -510,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
     s.add_argument("--qps", type=_ranged(int, 1, 128), default=1, help="NCCL_IB_QPS_PER_CONNECTION")
+    s.add_argument("--adaptive-routing", action="store_true", default=None,
+                   help="NCCL_IB_ADAPTIVE_ROUTING=1 (2.16+): sends over 8192 B go as RDMA WRITE + 0-byte "
+                        "WRITE_WITH_IMM, as 2.14-2.15 always do (docs/NCCL.md section 4a)")
     s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
     s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach",
                    help="the optimizer's implementation (torch's foreach / fused flags)")

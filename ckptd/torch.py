@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
-from ckptd.core.schedule import RingConfig
+from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.errors import CkptdError
 
 PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
@@ -289,7 +289,8 @@ def _ring(backend: str, world: int) -> RingConfig:
                       nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
                       buffsize=int(env["NCCL_BUFFSIZE"]) if "NCCL_BUFFSIZE" in env else None,
                       qps_per_connection=int(env.get("NCCL_IB_QPS_PER_CONNECTION", 1)),
-                      split_data_on_qps=int(split) if split is not None else None)
+                      split_data_on_qps=int(split) if split is not None else None,
+                      **ib_ar_settings((major, minor), env))
 
 
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,

@@ -182,10 +182,16 @@ MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over it
     ("2.26", 1, "simple", 3, 2, False), ("2.26", 4, "ll", 2, 2, True),
     ("2.29", 2, "ll", 3, 1, False), ("2.29", 3, "simple", 2, 2, True), ("2.29", 4, "ll", 2, 2, True),
     ("2.32", 2, "simple", 2, 2, False), ("2.32", 4, "ll", 2, 2, True),
+    # with NCCL_IB_ADAPTIVE_ROUTING=1 (EXTRA): 2.16+ write + 0-byte immediate as 2.14-2.15 do
+    ("2.16", 2, "simple", 2, 2, False), ("2.19", 2, "ll128", 3, 1, False), ("2.22", 3, "ll", 3, 1, False),
+    ("2.29", 2, "simple", 3, 2, False), ("2.30", 3, "simple", 2, 2, True),
 ]
 EXTRA = {  # once each: IPv6 addresses; a communicator with more channels than the tuner gives small buckets
     ("2.22", 3, "simple", 2, 2): dict(ipv6=True),
     ("2.32", 2, "simple", 2, 2): dict(channels=4),
+    **{case: dict(adaptive_routing=True) for case in [("2.16", 2, "simple", 2, 2), ("2.19", 2, "ll128", 3, 1),
+                                                      ("2.22", 3, "ll", 3, 1), ("2.29", 2, "simple", 3, 2),
+                                                      ("2.30", 3, "simple", 2, 2)]},
 }
 
 
@@ -211,6 +217,32 @@ def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rot
         assert any(plan.ring.tune(b.nbytes)[0] < plan.ring.channels for b in plan.buckets(0))
     assert any(m.imm is None for fs in plan.schedule(1).flows.values() for m in fs.messages) == \
         plan.ring.ar_writes
+
+
+def test_adaptive_routing_in_the_plan_is_checked_and_a_capture_with_it_does_not_replay_without(tmp_path):
+    """ring.adaptive_routing / ar_threshold: bad values name the key; a capture made with
+    NCCL_IB_ADAPTIVE_ROUTING=1 (every send over 8192 B a WRITE + 0-byte WRITE_WITH_IMM) read
+    with a plan that says it is off commits nothing and places no byte."""
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.pipeline import ReplayOptions, replay
+    doc = _plan("2.22", 2).to_json()
+    for ring, msg in [({"adaptive_routing": "yes"}, "ring.adaptive_routing must be true, false or null"),
+                      ({"ar_threshold": 10}, "ring.ar_threshold"),
+                      ({"adaptive_routing": False, "nccl_version": "2.15"}, "adaptive_routing false with NCCL 2.15")]:
+        with pytest.raises(PlanError, match=msg) as e:
+            plan_from_json({**doc, "ring": {**doc["ring"], **ring}}, "p.json")
+        assert "\n" not in str(e.value)
+    low = plan_from_json({**doc, "ring": {**doc["ring"], "adaptive_routing": True, "ar_threshold": 100000}}, "p.json")
+    assert low.ring.ar_threshold == 100000 and plan_from_json(low.to_json(), "p.json").ring == low.ring
+    synth(tmp_path, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=2,
+          iterations=2, seed=1, adaptive_routing=True)
+    on = load_plan(tmp_path / "plan.json")
+    assert on.ring.adaptive_routing is True
+    off = plan_from_json({**on.to_json(), "ring": {**on.to_json()["ring"], "adaptive_routing": None}}, "p.json")
+    pipe = replay(off, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
+                  ReplayOptions(out=str(tmp_path / "off")))
+    assert not any(r.status == "committed" for r in pipe.reports)
+    assert not list((tmp_path / "off").glob("iter_*.pt"))
 
 
 def test_bucket_over_25_mb_with_rotating_qps(tmp_path):

@@ -231,6 +231,27 @@ class RingConfig:
         return nc, nt
 
 
+def ib_ar_settings(version: tuple[int, int], env) -> dict:
+    """RingConfig's adaptive_routing and ar_threshold from the job's NCCL_IB_ADAPTIVE_ROUTING
+    and NCCL_IB_AR_THRESHOLD (a mapping: os.environ, or the "set by environment" lines of an
+    NCCL log). NCCL reads both with strtoll (misc/param.cc:66-75@v2.19.4-1); -2 is "unset"
+    (net_ib.cc:84@v2.16.5-1; the threshold's -2 from 2.30, net_ib/init.cc:475-482@v2.30.7-1).
+    NCCL_IB_ADAPTIVE_ROUTING does not exist before 2.16 (RingConfig.ar_writes)."""
+    out = {}
+    for var, key in (("NCCL_IB_ADAPTIVE_ROUTING", "adaptive_routing"), ("NCCL_IB_AR_THRESHOLD", "ar_threshold")):
+        text = env.get(var)
+        if text is None or not str(text).strip():
+            continue
+        try:
+            value = int(str(text).strip(), 0)
+        except ValueError:
+            raise ScheduleError(f"{var}={text!r} is not an integer") from None
+        if value == -2 or (key == "adaptive_routing" and tuple(version) < (2, 16)):
+            continue
+        out[key] = value != 0 if key == "adaptive_routing" else value
+    return out
+
+
 @dataclass(frozen=True)
 class Send:
     """One prims send on a connection: `nelem` elements of `bucket` from `offset`.

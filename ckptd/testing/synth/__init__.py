@@ -55,6 +55,7 @@ class SynthOptions:
     model: str = "small"
     nccl_version: str = "2.19"
     qps: int = 1
+    adaptive_routing: bool | None = None  # NCCL_IB_ADAPTIVE_ROUTING (RingConfig.ar_writes)
     buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
     bucket_cap_kb: int = 64
     optimizer: str = "foreach"  # for-loop | foreach | fused
@@ -223,7 +224,7 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
-                      buffsize=opts.buffsize)
+                      buffsize=opts.buffsize, adaptive_routing=opts.adaptive_routing)
     sched = {"constant": {"kind": "constant"},
              "cosine": {"kind": "cosine", "warmup_steps": 2, "total_steps": max(4, opts.iterations)},
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}

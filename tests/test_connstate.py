@@ -500,6 +500,25 @@ def test_allgather_in_the_plan_round_trips_and_bad_entries_name_the_key():
     assert "\n" not in str(e.value)
 
 
+def test_write_plan_records_adaptive_routing_from_the_environment(monkeypatch):
+    """NCCL_IB_ADAPTIVE_ROUTING / NCCL_IB_AR_THRESHOLD of the trainer's environment go into the
+    plan's ring (-2 is NCCL's "unset"); before 2.16 the variable does not exist and is ignored."""
+    import ckptd.torch as ct
+    for version, env, want in [((2, 22), {}, (None, 8192, False)),
+                               ((2, 22), {"NCCL_IB_ADAPTIVE_ROUTING": "1"}, (True, 8192, True)),
+                               ((2, 29), {"NCCL_IB_ADAPTIVE_ROUTING": "0", "NCCL_IB_AR_THRESHOLD": "0x8000"},
+                                (False, 32768, False)),
+                               ((2, 22), {"NCCL_IB_ADAPTIVE_ROUTING": "-2"}, (None, 8192, False)),
+                               ((2, 15), {"NCCL_IB_ADAPTIVE_ROUTING": "0"}, (None, 8192, True))]:
+        monkeypatch.setattr(ct, "_nccl_version", lambda v=version: v)
+        for var in ("NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_AR_THRESHOLD"):
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        ring = ct._ring("nccl", 2)
+        assert (ring.adaptive_routing, ring.ar_threshold, ring.ar_writes) == want, (version, env)
+
+
 def test_write_plan_records_ddps_broadcasts(monkeypatch):
     """_ddp_broadcasts: the constructor's _sync_module_states (parameters, then buffers,
     bucketed by dtype) in "start", the per-forward buffer broadcast in "before"."""

@@ -574,14 +574,14 @@ def pipeline_chunks(cfg: RingConfig, nbytes: int, nc: int, nt: int, allgather: b
     cut as addTunedCollToPlan, 324-411) gives channel c roundUp(divUp(bytes, nc), align) bytes
     from c times that, align = computeCollAlignCount (214-223: Simple 4096, LL 8*nt, LL128
     480*nt/32); the chunk is computeCollChunkInfo's stepSize*chunkSteps (LL /2, LL128 *15/16,
-    no grain rounding, 1683-1736), walked as min(chunk, rest) (broadcast.h:31-34@v2.20.5-1,
-    all_gather.h:34-37@v2.20.5-1).
+    no grain rounding, 1683-1736), walked as min(chunk, rest) (broadcast.h:12-47@v2.20.5-1,
+    all_gather.h:12-63@v2.20.5-1).
     2.14-2.19: every channel walks the whole buffer in loops of nc chunks; loop g's chunk on
-    channel bid starts at g + bid*real (broadcast.h:32-45@v2.19.4-1, all_gather.h:33-46@v2.19.4-1,
+    channel bid starts at g + bid*real (broadcast.h:12-59@v2.19.4-1, all_gather.h:12-76@v2.19.4-1,
     the same in collectives/device/*.h@v2.14.3-1), real = Simple roundUp(min(chunk,
     divUp(rest, nc)), (nt-32)*8); LL chunk, or in the last, short loop the host's lastChunkSize
-    roundUp(divUp(bytes mod (nc*chunk), nc), nt*8) (computeColl, enqueue.cc:1393-1398@v2.19.4-1,
-    1223-1228@v2.14.3-1); LL128 min(chunk, divUp(rest, nc*m)*m), m = nt*60 (broadcast) or
+    roundUp(divUp(bytes mod (nc*chunk), nc), nt*8) (computeColl, enqueue.cc:1394-1398@v2.19.4-1,
+    1224-1228@v2.14.3-1); LL128 min(chunk, divUp(rest, nc*m)*m), m = nt*60 (broadcast) or
     nt*60/2 (allgather: "we should not need the final /2", all_gather.h:21@v2.19.4-1)."""
     v = tuple(cfg.nccl_version)
     proto = cfg.protocol

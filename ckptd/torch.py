@@ -470,7 +470,7 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     return list(getattr(ddp, "named_module_buffers", {}).items())
 
 
-def _buffers(ddp, backend: str, without_buffers: bool, nccl_version: tuple | None = None) -> ModuleBuffers:
+def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
     NCCL (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
     cannot be (broadcast_buffers=False: rank 0's are never on the wire)

@@ -494,10 +494,8 @@ def test_allgather_in_the_plan_round_trips_and_bad_entries_name_the_key():
         with pytest.raises(PlanError, match=msg) as e:
             plan_from_json({**base, "collectives": bad}, "p.json")
         assert "\n" not in str(e.value)
-    old = _plan("2.21", 3, ranks=2).to_json()
-    with pytest.raises(PlanError, match=r"collectives.start\[0\].op allgather with NCCL 2.21") as e:
-        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
-    assert "\n" not in str(e.value)
+    old = _plan("2.21", 3, ranks=2).to_json()  # modelled from 2.14 (docs/NCCL.md section 4a)
+    assert plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json").collectives
 
 
 def test_write_plan_records_adaptive_routing_from_the_environment(monkeypatch):

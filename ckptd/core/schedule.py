@@ -673,7 +673,8 @@ class RingSchedule:
             self._add_allreduce(b, other)
 
     def _add_broadcast(self, b: int, bc: Broadcast):
-        """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
+        """A ring broadcast from bc.root, NCCL 2.14+ (docs/NCCL.md section 4a); the chunks each
+        channel walks are pipeline_chunks', the rest below is read at 2.22+ and is the same before.
 
         Host: taskAppend turns a broadcast into int8 of count*itemsize bytes
         (enqueue.cc:2007-2008@v2.22.3-1, 2476@v2.28.9-1, 2611@v2.29.7-1; 2.29+ first queue
@@ -710,7 +711,8 @@ class RingSchedule:
                 src = conn[1]
 
     def _add_allgather(self, b: int, ag: AllGather):
-        """A ring allgather of ag.count elements a rank, NCCL 2.22+ (docs/NCCL.md section 4a).
+        """A ring allgather of ag.count elements a rank, NCCL 2.14+ (docs/NCCL.md section 4a); the
+        chunks each channel walks are pipeline_chunks', the rest below is read at 2.22+ and is the same before.
 
         Host: taskAppend turns it into int8 of count*itemsize bytes a rank
         (enqueue.cc:2007-2008@v2.22.3-1, 2733-2736@v2.30.7-1); the tuner sees nRanks times

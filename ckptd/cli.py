@@ -120,16 +120,14 @@ def _synth_training(a) -> dict:
 def cmd_synth(a) -> int:
     from ckptd.core.plan import OPTIMIZER_CLASSES
     from ckptd.testing.synth import SynthOptions, synthesize
-    if a.model.endswith("-bn") and tuple(int(x) for x in a.nccl_version.split(".")[:2]) < (2, 22):
-        raise UsageError(f"--model {a.model} has module buffers, which DDP broadcasts every forward: the ring "
-                         "broadcast is modelled from NCCL 2.22 (give --nccl-version 2.22 or later)")
     if a.optim and a.optim.partition(":")[0].lower() not in OPTIMIZER_CLASSES:
         raise SystemExit(f"ckptd synth: --optim {a.optim.partition(':')[0]!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
         allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
-        merged_nics=a.merged_nics, optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
+        merged_nics=a.merged_nics, adaptive_routing=a.adaptive_routing,
+        optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
@@ -387,7 +385,7 @@ def cmd_plan(a) -> int:
     if topo is not None:
         if gloo:
             raise UsageError("--nccl-log describes an NCCL job: it cannot go with --transport gloo")
-        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu)
+        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu, **topo.ib_ar)
         addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
     else:
         major, minor = _nccl_version(a.nccl_version)
@@ -509,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
-                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward: NCCL 2.22+)")
+                   "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward)")
     s.add_argument("--nccl-version", default="2.19",
                    help="2.14..2.19 (channels interleaved), 2.20, 2.21 (contiguous per channel), 2.22..2.32 "
                         "(NCCL's cell partition; 2.31 and 2.32 with the 2.29 rules, see docs/NCCL.md)")
@@ -518,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ports of every rank's merged NIC (NCCL_IB_MERGE_NICS, NCCL 2.20+; at most 2 "
                         "before 2.24): port k of 10.77.0.r is 10.(77+k).0.r; mirror m is port m %% K of "
                         "rank m // K (give --mirrors 2K to see two ranks whole)")
+    s.add_argument("--adaptive-routing", action="store_true", default=None,
+                   help="NCCL_IB_ADAPTIVE_ROUTING=1 (2.16+): sends over 8192 B go as RDMA WRITE + 0-byte "
+                        "WRITE_WITH_IMM, as 2.14-2.15 always do (docs/NCCL.md section 4a)")
     s.add_argument("--bucket-cap-kb", type=_ranged(int, 1, 1 << 20), default=64, help="DDP bucket cap (small, for several buckets)")
     s.add_argument("--optimizer", choices=["for-loop", "foreach", "fused"], default="foreach",
                    help="the optimizer's implementation (torch's foreach / fused flags)")
@@ -573,10 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration, around the gradient buckets); repeatable")
     s.add_argument("--other-broadcast", action="append", default=[], metavar="WHEN:COUNT[:DTYPE[:ROOT]]",
                    help="a ring broadcast on the job's communicator (from ROOT, default 0), in the plan's "
-                        "collectives like --other-allreduce (NCCL 2.22+); repeatable")
+                        "collectives like --other-allreduce; repeatable")
     s.add_argument("--startup-broadcast", action="store_true",
                    help="DDP's constructor collectives before iteration 0, first of the plan's start "
-                        "collectives (NCCL 2.22+): the allgather of the parameter count and broadcast of "
+                        "collectives: the allgather of the parameter count and broadcast of "
                         "their shapes (verify_params_across_processes), then the broadcast of the "
                         "parameters and buffers from rank 0 (_sync_module_states, 250 MiB buckets)")
     s.set_defaults(func=cmd_synth)

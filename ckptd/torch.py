@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
-from ckptd.core.schedule import RingConfig
+from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.errors import CkptdError
 
 PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
@@ -289,7 +289,8 @@ def _ring(backend: str, world: int) -> RingConfig:
                       nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
                       buffsize=int(env["NCCL_BUFFSIZE"]) if "NCCL_BUFFSIZE" in env else None,
                       qps_per_connection=int(env.get("NCCL_IB_QPS_PER_CONNECTION", 1)),
-                      split_data_on_qps=int(split) if split is not None else None)
+                      split_data_on_qps=int(split) if split is not None else None,
+                      **ib_ar_settings((major, minor), env))
 
 
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
@@ -366,7 +367,7 @@ def coalesced_broadcasts(tensors, bucket_bytes: int = DDP_BROADCAST_BUCKET_BYTES
     entries: c10d's broadcast_coalesced buckets them with compute_bucket_assignment_by_size
     (one dtype a bucket, a bucket closed once it reaches bucket_bytes, buckets in order of
     their first tensor) and issues one ncclBroadcast of each flattened bucket. A dtype the
-    plan has no name for goes as its bytes (uint8): NCCL 2.22+ broadcasts bytes anyway."""
+    plan has no name for goes as its bytes (uint8): NCCL broadcasts bytes anyway."""
     tensors = list(tensors)
     if not tensors:
         return ()
@@ -416,8 +417,6 @@ def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
     2.23+ may run an allgather as PAT on one rank per node unless NCCL_ALGO keeps it on
     Ring or NCCL_PAT_ENABLE=0 (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled."""
     out = _ddp_broadcasts(ddp, ring)
-    if tuple(ring.nccl_version) < (2, 22):
-        return out
     verify = verify_collectives(_reducer_params(ddp))
     if verify and tuple(ring.nccl_version) >= (2, 23) and os.environ.get("NCCL_PAT_ENABLE", "2") != "0" \
             and len(set(addresses)) == len(addresses) > 1:
@@ -439,10 +438,7 @@ def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:
     _sync_buffers -> _default_broadcast_coalesced, distributed.py:1781,2405-2451@2.13), so
     once an iteration before its allreduces. The constructor syncs buffers when
     init_sync_buffers, which DDP does not keep: taken as forward_sync_buffers (they differ only
-    where forward_sync_buffers=False was passed explicitly). NCCL before 2.22: not
-    modelled, nothing recorded (docs/NCCL.md section 4a)."""
-    if tuple(ring.nccl_version) < (2, 22):
-        return {}
+    where forward_sync_buffers=False was passed explicitly)."""
     ignore = set(getattr(ddp, "parameters_to_ignore", ()))
     params = [p.detach() for n, p in ddp.module.named_parameters() if n not in ignore]
     bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
@@ -474,10 +470,10 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     return list(getattr(ddp, "named_module_buffers", {}).items())
 
 
-def _buffers(ddp, backend: str, without_buffers: bool, nccl_version: tuple | None = None) -> ModuleBuffers:
+def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
-    NCCL 2.22+ (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
-    cannot be (broadcast_buffers=False: rank 0's are never on the wire; NCCL before 2.22)
+    NCCL (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
+    cannot be (broadcast_buffers=False: rank 0's are never on the wire)
     the caller must accept that with without_buffers=True, so no checkpoint silently
     lacks what the model holds."""
     named = _module_buffers(ddp)
@@ -491,9 +487,6 @@ def _buffers(ddp, backend: str, without_buffers: bool, nccl_version: tuple | Non
     if not ddp.forward_sync_buffers:
         captured = False  # each rank keeps its own: rank 0's are never on the wire
         why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
-    elif backend != "gloo" and tuple(nccl_version or _nccl_version()) < (2, 22):
-        captured = False
-        why = "ckptd decodes NCCL's buffer broadcast from NCCL 2.22 (the ring broadcast is not modelled before)"
     else:
         captured, why = not without_buffers, ""
     if not captured and not without_buffers:

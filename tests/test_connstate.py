@@ -182,10 +182,16 @@ MATRIX = [  # (version, qps, protocol, ranks, channels, rotation carried over it
     ("2.26", 1, "simple", 3, 2, False), ("2.26", 4, "ll", 2, 2, True),
     ("2.29", 2, "ll", 3, 1, False), ("2.29", 3, "simple", 2, 2, True), ("2.29", 4, "ll", 2, 2, True),
     ("2.32", 2, "simple", 2, 2, False), ("2.32", 4, "ll", 2, 2, True),
+    # with NCCL_IB_ADAPTIVE_ROUTING=1 (EXTRA): 2.16+ write + 0-byte immediate as 2.14-2.15 do
+    ("2.16", 2, "simple", 2, 2, False), ("2.19", 2, "ll128", 3, 1, False), ("2.22", 3, "ll", 3, 1, False),
+    ("2.29", 2, "simple", 3, 2, False), ("2.30", 3, "simple", 2, 2, True),
 ]
 EXTRA = {  # once each: IPv6 addresses; a communicator with more channels than the tuner gives small buckets
     ("2.22", 3, "simple", 2, 2): dict(ipv6=True),
     ("2.32", 2, "simple", 2, 2): dict(channels=4),
+    **{case: dict(adaptive_routing=True) for case in [("2.16", 2, "simple", 2, 2), ("2.19", 2, "ll128", 3, 1),
+                                                      ("2.22", 3, "ll", 3, 1), ("2.29", 2, "simple", 3, 2),
+                                                      ("2.30", 3, "simple", 2, 2)]},
 }
 
 
@@ -211,6 +217,32 @@ def test_replay_bit_exact(tmp_path, version, qps, protocol, ranks, channels, rot
         assert any(plan.ring.tune(b.nbytes)[0] < plan.ring.channels for b in plan.buckets(0))
     assert any(m.imm is None for fs in plan.schedule(1).flows.values() for m in fs.messages) == \
         plan.ring.ar_writes
+
+
+def test_adaptive_routing_in_the_plan_is_checked_and_a_capture_with_it_does_not_replay_without(tmp_path):
+    """ring.adaptive_routing / ar_threshold: bad values name the key; a capture made with
+    NCCL_IB_ADAPTIVE_ROUTING=1 (every send over 8192 B a WRITE + 0-byte WRITE_WITH_IMM) read
+    with a plan that says it is off commits nothing and places no byte."""
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.pipeline import ReplayOptions, replay
+    doc = _plan("2.22", 2).to_json()
+    for ring, msg in [({"adaptive_routing": "yes"}, "ring.adaptive_routing must be true, false or null"),
+                      ({"ar_threshold": 10}, "ring.ar_threshold"),
+                      ({"adaptive_routing": False, "nccl_version": "2.15"}, "adaptive_routing false with NCCL 2.15")]:
+        with pytest.raises(PlanError, match=msg) as e:
+            plan_from_json({**doc, "ring": {**doc["ring"], **ring}}, "p.json")
+        assert "\n" not in str(e.value)
+    low = plan_from_json({**doc, "ring": {**doc["ring"], "adaptive_routing": True, "ar_threshold": 100000}}, "p.json")
+    assert low.ring.ar_threshold == 100000 and plan_from_json(low.to_json(), "p.json").ring == low.ring
+    synth(tmp_path, ranks=2, channels=2, protocol="simple", mtu=1024, mirrors=2, nccl_version="2.22", qps=2,
+          iterations=2, seed=1, adaptive_routing=True)
+    on = load_plan(tmp_path / "plan.json")
+    assert on.ring.adaptive_routing is True
+    off = plan_from_json({**on.to_json(), "ring": {**on.to_json()["ring"], "adaptive_routing": None}}, "p.json")
+    pipe = replay(off, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
+                  ReplayOptions(out=str(tmp_path / "off")))
+    assert not any(r.status == "committed" for r in pipe.reports)
+    assert not list((tmp_path / "off").glob("iter_*.pt"))
 
 
 def test_bucket_over_25_mb_with_rotating_qps(tmp_path):
@@ -367,13 +399,16 @@ def test_broadcast_in_the_plan_round_trips_and_bad_entries_name_the_key():
         with pytest.raises(PlanError, match=msg) as e:
             plan_from_json({**base, "collectives": bad}, "p.json")
         assert "\n" not in str(e.value)
-    old = _plan("2.20", 3, ranks=2).to_json()
-    with pytest.raises(PlanError, match=r"collectives.start\[0\].op broadcast with NCCL 2.20"):
-        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
+    old = _plan("2.20", 3, ranks=2).to_json()  # modelled from 2.14 (docs/NCCL.md section 4a)
+    assert plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json").collectives
 
 
 @pytest.mark.parametrize("version,qps,protocol,ranks", [("2.22", 3, "simple", 3), ("2.29", 3, "ll", 2),
-                                                        ("2.26", 2, "ll128", 3)])
+                                                        ("2.26", 2, "ll128", 3)] + [
+    # before 2.22: 2.14-2.19's interleaved loops (2.14-2.17 split every send over the QPs),
+    # 2.20-2.21's aligned channel ranges (docs/NCCL.md section 4a)
+    (v, qps, p, 3) for v, qps in (("2.14", 2), ("2.17", 3), ("2.19", 3), ("2.21", 3))
+    for p in ("simple", "ll", "ll128")])
 def test_startup_broadcast_replays_bit_exact(tmp_path, version, qps, protocol, ranks):
     """DDP's start-up collectives: the verify allgather of the parameter count (1 int64 a
     rank) and broadcast of their shapes, then the broadcast of the parameters (and a
@@ -459,10 +494,27 @@ def test_allgather_in_the_plan_round_trips_and_bad_entries_name_the_key():
         with pytest.raises(PlanError, match=msg) as e:
             plan_from_json({**base, "collectives": bad}, "p.json")
         assert "\n" not in str(e.value)
-    old = _plan("2.21", 3, ranks=2).to_json()
-    with pytest.raises(PlanError, match=r"collectives.start\[0\].op allgather with NCCL 2.21") as e:
-        plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json")
-    assert "\n" not in str(e.value)
+    old = _plan("2.21", 3, ranks=2).to_json()  # modelled from 2.14 (docs/NCCL.md section 4a)
+    assert plan_from_json({**old, "collectives": {"start": doc["collectives"]["start"]}}, "p.json").collectives
+
+
+def test_write_plan_records_adaptive_routing_from_the_environment(monkeypatch):
+    """NCCL_IB_ADAPTIVE_ROUTING / NCCL_IB_AR_THRESHOLD of the trainer's environment go into the
+    plan's ring (-2 is NCCL's "unset"); before 2.16 the variable does not exist and is ignored."""
+    import ckptd.torch as ct
+    for version, env, want in [((2, 22), {}, (None, 8192, False)),
+                               ((2, 22), {"NCCL_IB_ADAPTIVE_ROUTING": "1"}, (True, 8192, True)),
+                               ((2, 29), {"NCCL_IB_ADAPTIVE_ROUTING": "0", "NCCL_IB_AR_THRESHOLD": "0x8000"},
+                                (False, 32768, False)),
+                               ((2, 22), {"NCCL_IB_ADAPTIVE_ROUTING": "-2"}, (None, 8192, False)),
+                               ((2, 15), {"NCCL_IB_ADAPTIVE_ROUTING": "0"}, (None, 8192, True))]:
+        monkeypatch.setattr(ct, "_nccl_version", lambda v=version: v)
+        for var in ("NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_AR_THRESHOLD"):
+            monkeypatch.delenv(var, raising=False)
+        for var, value in env.items():
+            monkeypatch.setenv(var, value)
+        ring = ct._ring("nccl", 2)
+        assert (ring.adaptive_routing, ring.ar_threshold, ring.ar_writes) == want, (version, env)
 
 
 def test_write_plan_records_ddps_broadcasts(monkeypatch):
@@ -493,7 +545,8 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         monkeypatch.setenv("NCCL_ALGO", "Ring")
         assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "b"])["start"] \
             == full["start"]
-        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 20))) == {}
+        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 14))) == got
+        assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 19)), ["a", "b"]) == full
         with pytest.warns(FutureWarning):
             ddp_nb = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
         assert ct._ddp_broadcasts(ddp_nb, ring) == {"start": ((21, "float32", "broadcast", 0),)}

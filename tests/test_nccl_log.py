@@ -80,6 +80,31 @@ def test_plan_command_writes_the_hand_made_plan(tmp_path):
     assert [m.rank for m in plan.mirrors] == [0, 4]  # the NICs of channel 0's network hops
 
 
+@pytest.mark.parametrize("version", ["2.19", "2.27"])
+def test_adaptive_routing_set_in_the_log_goes_into_the_plan(version, tmp_path):
+    """NCCL prints every parameter read from the environment ("NCCL_IB_ADAPTIVE_ROUTING set by
+    environment to 1.", misc/param.cc:75@v2.19.4-1): the plan's ring then says so, and ckptd
+    reads its sends as RDMA WRITE + 0-byte WRITE_WITH_IMM; without the line it stays unset."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    nics = tmp_path / "nics.json"
+    nics.write_text(json.dumps(NIC_ADDRS))
+    text = log(version)
+    line = next(x for x in text.splitlines() if "NCCL_ALGO set by environment" in x)
+    prefix = line[:line.index("NCCL INFO ") + len("NCCL INFO ")]
+    edited = text.replace(line, line + f"\n{prefix}NCCL_IB_ADAPTIVE_ROUTING set by environment to 1."
+                                       f"\n{prefix}NCCL_IB_AR_THRESHOLD set by environment to 16384.")
+    for name, body, ar, threshold in [("on", edited, True, 16384), ("unset", text, None, 8192)]:
+        (tmp_path / f"{name}.log").write_text(body)
+        out = tmp_path / f"{name}.json"
+        assert main(["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                     "--nccl-log", str(tmp_path / f"{name}.log"), "--nic-addrs", str(nics), "--out", str(out)]) == 0
+        ring = load_plan(out).ring
+        assert (ring.adaptive_routing, ring.ar_threshold, ring.ar_writes) == (ar, threshold, bool(ar))
+    bad = text.replace(line, line + f"\n{prefix}NCCL_IB_AR_THRESHOLD set by environment to lots.")
+    with pytest.raises(NcclLogError, match="NCCL_IB_AR_THRESHOLD='lots' is not an integer"):
+        ring_topology(parse_nccl_log(bad, version), NIC_ADDRS)
+
+
 @pytest.mark.parametrize("edit, cause, fix", [
     (lambda t: t.replace("NCCL_ALGO set by environment to Ring", "NCCL_ALGO set by environment to Tree,Ring"),
      "Tree", "NCCL_ALGO=Ring"),

@@ -1,6 +1,7 @@
-"""NCCL 2.22+ channel partition and chunking against NCCL's own code: every row of the
+"""NCCL's channel partition and chunking against NCCL's own code: every row of the
 tables in tests/data/nccl/ (docs/NCCL.md section 6 says how they were made: the
-functions compiled from each tag's sources, run over a grid of inputs)."""
+functions compiled from each tag's sources, run over a grid of inputs). Allreduce 2.22+;
+broadcast and allgather 2.14+ (before 2.22 the tables list the device loop's sends)."""
 from __future__ import annotations
 
 import json
@@ -59,6 +60,9 @@ def test_broadcast_partition_and_chunks_equal_nccls_own(path):
     from ckptd.core.schedule import BROADCAST_CHUNKSTEPS, Broadcast, RingSchedule, _ring_chunk_bytes
     table = json.loads(path.read_text())
     version = _version(table)
+    if version < (2, 22):
+        _check_sends_before_2_22(table, allgather=False)
+        return
     scheduled = 0
     for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
         cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
@@ -96,6 +100,9 @@ def test_allgather_partition_and_chunks_equal_nccls_own(path):
     table = json.loads(path.read_text())
     assert table["function"].startswith("allgather")
     version = _version(table)
+    if version < (2, 22):
+        _check_sends_before_2_22(table, allgather=True)
+        return
     scheduled = 0
     for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
         cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
@@ -122,6 +129,80 @@ def test_allgather_partition_and_chunks_equal_nccls_own(path):
                 assert all(a[0] + a[1] == b[0] for a, b in zip(parts, parts[1:]))
         scheduled += 1
     assert len(table["rows"]) > 1000 and scheduled > 50
+
+
+def _check_sends_before_2_22(table: dict, allgather: bool, chunks=None):
+    """NCCL 2.14-2.21: the tables list, per channel, rank 0's sends as NCCL's own runRing makes
+    them from the work element NCCL's host rules give (scripts/nccl-broadcast-harness/genold.py)
+    and every rank's number of sends. schedule.pipeline_chunks (or `chunks`, a stand-in rule)
+    must give the same chunks, and RingSchedule the same sends on each hop: a broadcast's from
+    the root (rank 0) on every hop but the one into it; an allgather's own block first, then the
+    block of the rank j before, j = 1..nranks-2 (output offset owner * bytes + offset), each
+    Simple chunk as slices that tile it. Returns how many rows disagree (0 for NCCL's rules)."""
+    import numpy as np
+
+    from ckptd.core.schedule import AllGather, Broadcast, RingSchedule, pipeline_chunks
+    chunks = chunks or pipeline_chunks
+    version = _version(table)
+    wrong = scheduled = 0
+    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
+        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
+        nc, nt = cfg.tune(nbytes * (nranks if allgather else 1))
+        got = {c: [(off, n) for off, n in parts] for c, parts in chunks(cfg, nbytes, forced or nc, nt, allgather)}
+        want = {}
+        for c, sends, counts in channels:
+            # a chunk past the end has nelem < 0: prims post it empty (nelem < 0 ? 0 : nelem,
+            # prims_ll.h:234, prims_ll128.h:304, prims_simple.h:196@v2.19.4-1)
+            sends = [[off, max(0, n)] for off, n in sends]
+            per = len(sends) // (nranks - 1) if allgather else len(sends)
+            want[c] = [tuple(x) for x in sends[:per * (nranks - 1):nranks - 1]] if allgather else \
+                [tuple(x) for x in sends]
+            # the hop into the root carries nothing; every allgather hop carries nranks-1 copies
+            assert counts == ([len(sends)] * nranks if allgather else [len(sends)] * (nranks - 1) + [0])
+            if allgather:
+                assert sends == [[(-j) % nranks * nbytes + off, n] for off, n in want[c] for j in range(nranks - 1)]
+        if got != want:
+            wrong += 1
+            continue
+        if forced or nbytes % 4 or nranks > 3 or chunks is not pipeline_chunks:
+            continue
+        other = AllGather(nbytes // 4, np.dtype("float32")) if allgather else Broadcast(nbytes // 4, np.dtype("float32"), 0)
+        sched = RingSchedule(cfg, [], before=[other])
+        for c in want:
+            if allgather:
+                merged = {}
+                for x in sched.sends[(0, 1, c)]:
+                    merged.setdefault((x.chunk, x.ring_step), []).append((x.offset * 4, x.nelem * 4))
+                assert [(parts[0][0], sum(n for _, n in parts)) for parts in merged.values()] == \
+                    [((-j) % nranks * nbytes + off, n) for off, n in want[c] for j in range(nranks - 1)]
+            else:
+                assert [(x.offset * 4, x.nelem * 4) for x in sched.sends[(0, 1, c)]] == want[c]
+                assert not sched.sends[(nranks - 1, 0, c)]
+        scheduled += 1
+    if chunks is pipeline_chunks:
+        assert wrong == 0 and len(table["rows"]) > 500 and scheduled > 50
+    return wrong
+
+
+@pytest.mark.parametrize("name", ["broadcast-2.14.3", "allgather-2.19.4", "broadcast-2.20.5", "allgather-2.21.5"])
+def test_a_wrong_rule_before_2_22_fails_rows(name):
+    """Negative controls: the 2.22+ rule (cells) for 2.14-2.21, and, for 2.14-2.19, the
+    LL128 chunk grain of the other collective (broadcast.h has no /2, all_gather.h has)."""
+    from ckptd.core import schedule
+    table = json.loads((Path(__file__).parent / "data" / "nccl" / f"{name}.json").read_text())
+    allgather = name.startswith("allgather")
+
+    def cells(cfg, nbytes, nc, nt, ag):
+        from dataclasses import replace
+        return schedule.pipeline_chunks(replace(cfg, nccl_version=(2, 22)), nbytes, nc, nt, ag)
+
+    def other_grain(cfg, nbytes, nc, nt, ag):
+        return schedule.pipeline_chunks(cfg, nbytes, nc, nt, not ag)
+
+    rows = len(table["rows"])
+    assert _check_sends_before_2_22(table, allgather, cells) > rows // 10
+    if _version(table) < (2, 20):
+        assert _check_sends_before_2_22(table, allgather, other_grain) > 0
 
 
 @pytest.mark.parametrize("version,protocol,ranks,channels,ipv6", [

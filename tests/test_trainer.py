@@ -59,7 +59,7 @@ def _bn_ddp(**kw):
         torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)), **kw)
 
 
-def test_buffers_are_captured_on_gloo_and_refused_where_they_cannot_be(group):
+def test_buffers_are_captured_on_gloo_and_nccl_and_refused_where_they_cannot_be(group):
     m = _bn_ddp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     # gloo: DDP's buffer broadcasts are decoded; DDP's own coalescing (one per dtype)
@@ -69,14 +69,9 @@ def test_buffers_are_captured_on_gloo_and_refused_where_they_cannot_be(group):
     assert bufs.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
     with pytest.raises(CkptdError, match="2 ranks"):  # past the buffer check: a one-rank group has no ring
         ct.build_plan(m, opt, addresses=["127.0.0.1"])
-    # NCCL 2.22+: the broadcasts are decoded too (the plan's "before" broadcasts)
-    bufs = ct._buffers(m, "nccl", without_buffers=False, nccl_version=(2, 22))
+    # NCCL (every version from 2.14): the broadcasts are decoded too (the plan's "before" broadcasts)
+    bufs = ct._buffers(m, "nccl", without_buffers=False)
     assert bufs.captured and bufs.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
-    # before 2.22 the ring broadcast is not modelled: refused unless checkpoints without
-    # buffers are accepted
-    with pytest.raises(ct.TrainerError, match=r"buffers \(1.running_mean, .*NCCL 2.22") as e:
-        ct._buffers(m, "nccl", without_buffers=False, nccl_version=(2, 21))
-    assert "\n" not in str(e.value)
     assert not ct._buffers(m, "nccl", without_buffers=True).captured
     # broadcast_buffers=False: rank 0's buffers never go on the wire
     m = _bn_ddp(broadcast_buffers=False)

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
-from ckptd.core.schedule import AllGather, Broadcast, Bucket, RingConfig, RingSchedule, ScheduleError, network_connections
+from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
+                                 ScheduleError, network_connections)
 from ckptd.errors import CkptdError
 
 PLAN_FORMAT = "ckptd-plan"
@@ -96,9 +97,9 @@ class ModuleBuffers:
     synced backward (and the first): `tensors` in DDP's order (module.named_buffers()),
     `broadcasts` the names of each coalesced broadcast in order, each flattened in that
     order (torch's broadcast_coalesced: one per dtype, at most 250 MB each).
-    `captured`: the broadcasts are decoded (gloo; NCCL from 2.22, where they are also
+    `captured`: the broadcasts are decoded (gloo; NCCL, where they are also
     collectives.before broadcasts: Plan.buffer_others) and checkpoints hold the buffers;
-    False: not on the wire (broadcast_buffers=False) or not decoded (NCCL before 2.22),
+    False: not on the wire (broadcast_buffers=False) ,
     checkpoints lack them and say so."""
 
     tensors: tuple[Parameter, ...] = ()
@@ -560,6 +561,7 @@ class Plan:
                 "max_threads": r.max_threads, "buffsize": r.buffsize,
                 "qps_per_connection": r.qps_per_connection,
                 "split_data_on_qps": r.split_data_on_qps, "mtu": r.mtu,
+                "adaptive_routing": r.adaptive_routing, "ar_threshold": r.ar_threshold,
             },
             "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
             "ranks": [self._rank_json(r) for r in range(self.nranks)],
@@ -663,10 +665,6 @@ def check_plan(plan: Plan) -> None:
             if op == "broadcast" and root >= plan.ring.nranks:
                 raise PlanError(f"collectives.{when}[{i}].root {root}: the ring has ranks "
                                 f"0..{plan.ring.nranks - 1}")
-            v = tuple(plan.ring.nccl_version)
-            if v < (2, 22):
-                raise PlanError(f"collectives.{when}[{i}].op {op} with NCCL {v[0]}.{v[1]}: the ring "
-                                f"{op} is modelled for 2.22-2.32 (docs/NCCL.md section 4a)")
     total = 0
     names = set()
     for i, p in enumerate(plan.parameters):
@@ -757,7 +755,7 @@ def _check_buffers(plan: Plan) -> None:
             and plan.buffer_broadcast_at() is None:
         raise PlanError("buffers.captured on NCCL needs DDP's buffer broadcasts in collectives.before: one "
                         "broadcast from root 0 per buffers.broadcasts group, with its element count and dtype, "
-                        "in order (ckptd.torch.write_plan records them; NCCL 2.22+)")
+                        "in order (ckptd.torch.write_plan records them)")
 
 
 def _check_layout(plan: Plan, key: str, layout: tuple[BucketLayout, ...]) -> None:
@@ -1037,6 +1035,9 @@ def _plan_from_json(raw) -> Plan:
     split = r.get("split_data_on_qps")
     if split is not None and not isinstance(split, bool):
         raise PlanError(f"ring.split_data_on_qps must be true, false or null, not {_kind(split)}")
+    ar = r.get("adaptive_routing")
+    if ar is not None and not isinstance(ar, bool):
+        raise PlanError(f"ring.adaptive_routing must be true, false or null, not {_kind(ar)}")
     try:
         ring_cfg = RingConfig(
             nranks=nranks, rings=tuple(tuple(_int(x, f"ring.rings[{c}]", 0, nranks - 1) for x in ring)
@@ -1045,7 +1046,8 @@ def _plan_from_json(raw) -> Plan:
             max_threads=r.int("max_threads", 1, MAX_THREADS, 512),
             buffsize=r.int("buffsize", 1, MAX_BUFFSIZE),
             qps_per_connection=r.int("qps_per_connection", 1, MAX_QPS, 1),
-            split_data_on_qps=split, mtu=r.int("mtu", 256, 4096, 4096))
+            split_data_on_qps=split, mtu=r.int("mtu", 256, 4096, 4096), adaptive_routing=ar,
+            ar_threshold=r.int("ar_threshold", MIN_AR_THRESHOLD, (1 << 31) - 1, IB_AR_THRESHOLD))
     except ScheduleError as e:
         raise PlanError(f"ring: {e}") from e
     # ring.algorithm: the job's NCCL_ALGO ("Ring" unless the plan says otherwise); a plan

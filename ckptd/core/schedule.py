@@ -46,8 +46,12 @@ ALLGATHER_SLICESTEPS = NCCL_STEPS // 4
 SIMPLE_SLICES_PER_CHUNK = ALLREDUCE_CHUNKSTEPS // ALLREDUCE_SLICESTEPS
 IB_SPLIT_ALIGN = 128  # src/transport/net_ib.cc ncclIbMultiSend: "multiples of 128B"
 # NCCL_IB_AR_THRESHOLD default: a send larger than this goes as RDMA WRITE + 0-byte
-# WRITE_WITH_IMM where adaptive routing applies (net_ib.cc:81,969@v2.14.3-1).
+# WRITE_WITH_IMM where adaptive routing applies (net_ib.cc:81,969@v2.14.3-1, 89,1623@v2.22.3-1;
+# net_ib/p2p.cc:18,142@v2.29.7-1; 2.30's default -2 means the same 8192, init.cc:475-482@v2.30.7-1).
 IB_AR_THRESHOLD = 8192
+# Below this a data WRITE could be the length of a clear-to-send write (cts_bytes, at most 64):
+# the decoder could not tell them apart, so a plan may not ask for it.
+MIN_AR_THRESHOLD = 64
 LL_LINE = 16  # union ncclLLFifoLine: {u32 data1, u32 flag1, u32 data2, u32 flag2}
 LL_DATA_PER_LINE = 8
 # LL128 (device/prims_ll128.h@v2.22.3): a warp writes 2048 wire bytes (16 lines of 16 u64,
@@ -86,6 +90,8 @@ class RingConfig:
     # Ports of the merged NIC (NCCL_IB_MERGE_NICS, ncclIbMergedDev / vProps.ndevs) behind
     # every rank's net device: the plan's ranks[].ports (Plan.ports), the same on every NIC.
     ndevs: int = 1
+    adaptive_routing: bool | None = None
+    ar_threshold: int = IB_AR_THRESHOLD
 
     def __post_init__(self):
         if self.protocol not in ("simple", "ll", "ll128"):
@@ -121,6 +127,14 @@ class RingConfig:
                 f"split_data_on_qps false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
                 "NCCL_IB_SPLIT_DATA_ON_QPS exists only from 2.18; before, every send is split over "
                 "all QPs (net_ib.cc:984@v2.14.3-1)")
+        if self.adaptive_routing is False and tuple(self.nccl_version) < (2, 16):
+            raise ScheduleError(
+                f"adaptive_routing false with NCCL {self.nccl_version[0]}.{self.nccl_version[1]}: "
+                "NCCL_IB_ADAPTIVE_ROUTING exists only from 2.16; before, every send over the AR threshold "
+                "is a WRITE + 0-byte WRITE_WITH_IMM (net_ib.cc:969@v2.14.3-1)")
+        if not MIN_AR_THRESHOLD <= self.ar_threshold < 1 << 31:
+            raise ScheduleError(f"ar_threshold {self.ar_threshold}: NCCL_IB_AR_THRESHOLD from "
+                                f"{MIN_AR_THRESHOLD} (a smaller write could be a clear-to-send) to 2^31-1")
 
     @property
     def channels(self) -> int:
@@ -145,11 +159,16 @@ class RingConfig:
 
     @property
     def ar_writes(self) -> bool:
-        """Whether a send over IB_AR_THRESHOLD goes as RDMA WRITE of the data then a
-        0-byte WRITE_WITH_IMM. 2.14-2.15 do it whatever the link layer
-        (net_ib.cc:969@v2.14.3-1, @v2.15.5-1); from 2.16 only with adaptive routing
-        (`comm->ar`, net_ib.cc:979@v2.16.5-1), which is off on RoCE by default."""
-        return tuple(self.nccl_version) <= (2, 15)
+        """Whether a send over ar_threshold (NCCL_IB_AR_THRESHOLD) goes as RDMA WRITE of the
+        data then a 0-byte WRITE_WITH_IMM. 2.14-2.15 do it whatever the link layer
+        (net_ib.cc:969@v2.14.3-1, @v2.15.5-1); from 2.16 only with adaptive routing, the
+        sender's `comm->ar` (net_ib.cc:979@v2.16.5-1, 1623@v2.22.3-1; net_ib/p2p.cc:142@v2.29.7-1):
+        every merged NIC's `ar`, 1 on an IB link layer and 0 on RoCE unless
+        NCCL_IB_ADAPTIVE_ROUTING (default -2: unset) says otherwise (net_ib.cc:84,237-238@v2.16.5-1,
+        91,507-508,1078-1082@v2.22.3-1; net_ib/init.cc:11,343-344@v2.29.7-1). ckptd reads RoCE, so
+        adaptive_routing None is off. Not modelled: 2.30's exception when both ends have
+        NCCL_IB_OOO_RQ (net_ib/p2p.cc:131-132@v2.30.7-1, default off)."""
+        return tuple(self.nccl_version) <= (2, 15) or bool(self.adaptive_routing)
 
     @property
     def cts_bytes(self) -> int:
@@ -254,6 +273,27 @@ class RingConfig:
             nt += WARP_SIZE
         nt = max(nt, 3 * WARP_SIZE)
         return nc, nt
+
+
+def ib_ar_settings(version: tuple[int, int], env) -> dict:
+    """RingConfig's adaptive_routing and ar_threshold from the job's NCCL_IB_ADAPTIVE_ROUTING
+    and NCCL_IB_AR_THRESHOLD (a mapping: os.environ, or the "set by environment" lines of an
+    NCCL log). NCCL reads both with strtoll (misc/param.cc:66-75@v2.19.4-1); -2 is "unset"
+    (net_ib.cc:84@v2.16.5-1; the threshold's -2 from 2.30, net_ib/init.cc:475-482@v2.30.7-1).
+    NCCL_IB_ADAPTIVE_ROUTING does not exist before 2.16 (RingConfig.ar_writes)."""
+    out = {}
+    for var, key in (("NCCL_IB_ADAPTIVE_ROUTING", "adaptive_routing"), ("NCCL_IB_AR_THRESHOLD", "ar_threshold")):
+        text = env.get(var)
+        if text is None or not str(text).strip():
+            continue
+        try:
+            value = int(str(text).strip(), 0)
+        except ValueError:
+            raise ScheduleError(f"{var}={text!r} is not an integer") from None
+        if value == -2 or (key == "adaptive_routing" and tuple(version) < (2, 16)):
+            continue
+        out[key] = value != 0 if key == "adaptive_routing" else value
+    return out
 
 
 @dataclass(frozen=True)
@@ -561,6 +601,68 @@ def _contiguous_loops(n: int, work_offset: int, work: int, chunk_count: int, las
     return loops
 
 
+def pipeline_chunks(cfg: RingConfig, nbytes: int, nc: int, nt: int, allgather: bool):
+    """For each channel of a ring broadcast of nbytes (or allgather of nbytes a rank), the
+    chunks its device loop walks, in order, as (byte offset, bytes); bytes may be 0 (an
+    empty send, still posted). NCCL turns both into int8 on the host in every version
+    (ncclInfoSetDerived, include/info.h:62-67@v2.14.3-1, 66-71@v2.19.4-1, 83-88@v2.20.5-1;
+    taskAppend enqueue.cc:2007-2008@v2.22.3-1), so everything here is bytes. nc, nt: the
+    tuned channels and threads (RingConfig.tune of the bytes, nranks times them for an
+    allgather). Checked against NCCL's own code compiled at every tag
+    (tests/data/nccl/broadcast-*.json, allgather-*.json; docs/NCCL.md section 6).
+
+    2.22+: each channel's cbd part (cbd_ranges with ncclFuncTrafficPerByte 1 or nRanks) in
+    chunks of calcCollChunking's size; the device takes min(chunk, rest), no short-loop rule
+    (device/broadcast.h:30-44@v2.22.3-1, all_gather.h:12-53@v2.22.3-1).
+    2.20-2.21: addCBDCollToPlan (enqueue.cc:431-490@v2.20.5-1; for one collective the same
+    cut as addTunedCollToPlan, 324-411) gives channel c roundUp(divUp(bytes, nc), align) bytes
+    from c times that, align = computeCollAlignCount (214-223: Simple 4096, LL 8*nt, LL128
+    480*nt/32); the chunk is computeCollChunkInfo's stepSize*chunkSteps (LL /2, LL128 *15/16,
+    no grain rounding, 1683-1736), walked as min(chunk, rest) (broadcast.h:12-47@v2.20.5-1,
+    all_gather.h:12-63@v2.20.5-1).
+    2.14-2.19: every channel walks the whole buffer in loops of nc chunks; loop g's chunk on
+    channel bid starts at g + bid*real (broadcast.h:12-59@v2.19.4-1, all_gather.h:12-76@v2.19.4-1,
+    the same in collectives/device/*.h@v2.14.3-1), real = Simple roundUp(min(chunk,
+    divUp(rest, nc)), (nt-32)*8); LL chunk, or in the last, short loop the host's lastChunkSize
+    roundUp(divUp(bytes mod (nc*chunk), nc), nt*8) (computeColl, enqueue.cc:1394-1398@v2.19.4-1,
+    1224-1228@v2.14.3-1); LL128 min(chunk, divUp(rest, nc*m)*m), m = nt*60 (broadcast) or
+    nt*60/2 (allgather: "we should not need the final /2", all_gather.h:21@v2.19.4-1)."""
+    v = tuple(cfg.nccl_version)
+    proto = cfg.protocol
+    chunk_steps = ALLGATHER_CHUNKSTEPS if allgather else BROADCAST_CHUNKSTEPS
+    if v >= (2, 22):
+        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, chunk_steps)
+        per_byte = cfg.nranks if allgather else 1
+        for bid, off, cnt in cbd_ranges(v, proto, nbytes, 1, cfg.channels, nc, traffic_per_byte=per_byte):
+            yield bid, [(off + e, min(chunk, cnt - e)) for e in range(0, cnt, chunk)]
+        return
+    # calcBytePerStep (device/primitives.h:34-66@v2.19.4-1) / computeCollChunkInfo: no grain rounding
+    chunk = {"simple": cfg.step_bytes * chunk_steps, "ll": cfg.step_bytes // 2,
+             "ll128": cfg.step_bytes // 16 * 15}[proto]
+    if v >= (2, 20):
+        align = {"simple": WARP_SIZE * 8 * 16, "ll": 8 * nt, "ll128": 480 * (nt // WARP_SIZE)}[proto]
+        per_channel = _round_up(_div_up(nbytes, nc), align)
+        for bid, off in enumerate(range(0, nbytes, per_channel)):
+            work = min(per_channel, nbytes - off)
+            yield bid, [(off + e, min(chunk, work - e)) for e in range(0, work, chunk)]
+        return
+    loop = nc * chunk
+    grain = nt * 60 // (2 if allgather else 1)  # LL128's minChunkSizeLL128
+    out: list[list[tuple[int, int]]] = [[] for _ in range(nc)]
+    for grid in range(0, nbytes, loop):
+        rest = nbytes - grid
+        if proto == "simple":
+            real = _round_up(min(chunk, _div_up(rest, nc)), (nt - WARP_SIZE) * 8)
+        elif proto == "ll":
+            real = chunk if rest >= loop else _round_up(_div_up(nbytes % loop, nc), nt * 8)
+        else:
+            real = min(chunk, _div_up(rest, nc * grain) * grain)
+        for bid in range(nc):
+            off = grid + bid * real
+            out[bid].append((off, max(0, min(real, nbytes - off))))
+    yield from enumerate(out)
+
+
 class RingSchedule:
     """The wire schedule of one iteration: every bucket allreduced once, in order.
 
@@ -614,16 +716,9 @@ class RingSchedule:
         else:
             self._add_allreduce(b, other)
 
-    def _require_2_22(self, kind: str):
-        """Broadcasts and allgathers are derived from NCCL 2.22-2.32's sources only."""
-        v = self.cfg.nccl_version
-        if tuple(v) < (2, 22):
-            article = "an" if kind[0] in "aeiou" else "a"
-            raise ScheduleError(f"{article} {kind} with NCCL {v[0]}.{v[1]}: the ring {kind} is modelled "
-                                "for 2.22-2.32 only (docs/NCCL.md section 4a)")
-
     def _add_broadcast(self, b: int, bc: Broadcast):
-        """A ring broadcast from bc.root, NCCL 2.22+ (docs/NCCL.md section 4a).
+        """A ring broadcast from bc.root, NCCL 2.14+ (docs/NCCL.md section 4a); the chunks each
+        channel walks are pipeline_chunks', the rest below is read at 2.22+ and is the same before.
 
         Host: taskAppend turns a broadcast into int8 of count*itemsize bytes
         (enqueue.cc:2007-2008@v2.22.3-1, 2476@v2.28.9-1, 2611@v2.29.7-1; 2.29+ first queue
@@ -642,30 +737,26 @@ class RingSchedule:
         cfg = self.cfg
         if bc.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        self._require_2_22("broadcast")
         n = cfg.nranks
         if not 0 <= bc.root < n:
             raise ScheduleError(f"broadcast root {bc.root} is not a rank of the {n}-rank ring")
         itemsize = bc.dtype.itemsize
-        nbytes = bc.nbytes
-        nc, _ = cfg.tune(nbytes)
-        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, BROADCAST_CHUNKSTEPS)
-        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
-                                        traffic_per_byte=1):
+        nc, nt = cfg.tune(bc.nbytes)
+        for bid, chunks in pipeline_chunks(cfg, bc.nbytes, nc, nt, allgather=False):
             # (element offset, element count, wire bytes) of each chunk: bytes divide into
-            # whole elements (cells are 16-byte multiples, chunks multiples of the grain)
-            chunks = [((off + e) // itemsize, min(chunk, cnt - e) // itemsize,
-                       wire_bytes(cfg.protocol, min(chunk, cnt - e), 1)) for e in range(0, cnt, chunk)]
+            # whole elements (every chunk size and alignment is a multiple of 16 bytes)
+            cut = [(boff // itemsize, bn // itemsize, wire_bytes(cfg.protocol, bn, 1)) for boff, bn in chunks]
             src = bc.root
             for dist in range(n - 1):  # the hops root -> ... -> the rank before the root
                 conn = (src, cfg.next_rank(bid, src), bid)
                 sends = self.sends[conn]
-                for k, (eoff, nelem, wb) in enumerate(chunks):
+                for k, (eoff, nelem, wb) in enumerate(cut):
                     self._emit(conn, Send(b, AG, eoff, nelem, wb, len(sends), k, dist))
                 src = conn[1]
 
     def _add_allgather(self, b: int, ag: AllGather):
-        """A ring allgather of ag.count elements a rank, NCCL 2.22+ (docs/NCCL.md section 4a).
+        """A ring allgather of ag.count elements a rank, NCCL 2.14+ (docs/NCCL.md section 4a); the
+        chunks each channel walks are pipeline_chunks', the rest below is read at 2.22+ and is the same before.
 
         Host: taskAppend turns it into int8 of count*itemsize bytes a rank
         (enqueue.cc:2007-2008@v2.22.3-1, 2733-2736@v2.30.7-1); the tuner sees nRanks times
@@ -682,18 +773,13 @@ class RingSchedule:
         cfg = self.cfg
         if ag.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        self._require_2_22("allgather")
         n = cfg.nranks
         itemsize = ag.dtype.itemsize
-        nbytes = ag.nbytes
-        nc, _ = cfg.tune(nbytes * n)
-        chunk = _ring_chunk_bytes(cfg.protocol, cfg.step_bytes, ALLGATHER_CHUNKSTEPS)
-        for bid, off, cnt in cbd_ranges(cfg.nccl_version, cfg.protocol, nbytes, 1, cfg.channels, nc,
-                                        traffic_per_byte=n):
+        nc, nt = cfg.tune(ag.nbytes * n)
+        for bid, chunks in pipeline_chunks(cfg, ag.nbytes, nc, nt, allgather=True):
             # each chunk's slices as (byte offset in the block, bytes); 16-byte multiples
             # but at a block's end, so whole elements
-            cut = [[(off + e + min(s_off, cnt - e), s_n) for s_off, s_n in self._slices(min(chunk, cnt - e), 1)]
-                   for e in range(0, cnt, chunk)]
+            cut = [[(boff + min(s_off, bn), s_n) for s_off, s_n in self._slices(bn, 1)] for boff, bn in chunks]
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
                 conn = (src, cfg.next_rank(bid, src), bid)
@@ -771,7 +857,7 @@ class RingSchedule:
             return
         nparts = cfg.parts_per_send
         part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
-        ar = cfg.ar_writes and send.wire_bytes > IB_AR_THRESHOLD
+        ar = cfg.ar_writes and send.wire_bytes > cfg.ar_threshold
         for j in range(nparts):
             woff = j * part
             wlen = max(0, min(part, send.wire_bytes - woff))

@@ -24,7 +24,10 @@ unless noted):
                 "4 coll channels, 4 collnet channels, 0 nvls channels, ..." (init.cc:1232@v2.27.5-1)
   settings      "NCCL_ALGO set by environment to Ring", "NCCL_PROTO set by environment to
                 Simple" (graph/tuning.cc:256-261@v2.19.4-1, :398-403@v2.27.5-1),
-                "NCCL_COLLNET_ENABLE set by environment to 1." (init.cc:899@v2.19.4-1)
+                "NCCL_COLLNET_ENABLE set by environment to 1." (init.cc:899@v2.19.4-1),
+                "NCCL_IB_ADAPTIVE_ROUTING set by environment to 1.", "NCCL_IB_AR_THRESHOLD ..."
+                (ncclLoadParam, misc/param.cc:75@v2.19.4-1): RingConfig's adaptive_routing and
+                ar_threshold (schedule.ib_ar_settings)
   network hops  "Channel 00/0 : 3[3] -> 4[0] [send] via NET/IB/0(0)/GDRDMA" and
                 "... [receive] via NET/IB/0/GDRDMA" (transport/net.cc:194-233@v2.19.4-1,
                 :218-264@v2.27.5-1, :316-362@v2.29.3-1): the NCCL net device each end
@@ -54,6 +57,7 @@ import re
 from dataclasses import dataclass, field
 
 from ckptd.core.algorithms import allreduce_protocol, check_allreduce_algorithm
+from ckptd.core.schedule import ScheduleError, ib_ar_settings
 from ckptd.errors import CkptdError
 
 PREFIX = re.compile(r"^(?:\[[^\]]*\] )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
@@ -63,7 +67,8 @@ RING_GRAPH = re.compile(r"^Ring (\d+) : (\d+) -> (\d+) -> (\d+)$")
 COMPLETE = re.compile(r"\brank (\d+) nranks (\d+) cudaDev (\d+) nvmlDev \d+ busId ([0-9a-f]+) .*- Init COMPLETE$")
 NODES = re.compile(r"\brank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank (\d+)")
 CHANNELS = re.compile(r"^(\d+) coll channels, (?:(\d+) collnet channels, )?(\d+) nvls channels")
-SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE) set by environment to (\S+?)\.?$")
+SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE|NCCL_IB_ADAPTIVE_ROUTING|NCCL_IB_AR_THRESHOLD) "
+                     r"set by environment to (\S+?)\.?$")
 MERGED_USING = re.compile(r"^NET/IB : Using.*? \[(\d+)\]=\{([^}]*)\}")
 MERGED_VDEV = re.compile(r"^NET/IB : Made virtual device \[(\d+)\] name=(\S+) speed=\d+ ndevs=(\d+)")
 NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|receive)\] via NET/[^/]+/(\d+)(?:\((\d+)\))?")
@@ -162,6 +167,7 @@ class RingTopology:
     addresses: tuple[str, ...]  # rank -> its own NIC
     nodes: tuple[str, ...]  # rank -> host
     channel_nics: tuple[tuple[str, ...], ...]  # rank -> channel -> NIC address
+    ib_ar: dict = field(default_factory=dict)  # RingConfig's adaptive_routing, ar_threshold where set
 
 
 def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "log") -> RingTopology:
@@ -239,8 +245,12 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
                 raise NcclLogError(f"{where}: no NIC addresses given for host {hosts[r]}")
             own[r] = addr(hosts[r], local % len(devs), f"rank {r}")
     channel_nics = tuple(tuple(a if a is not None else own[r] for a in nics[r]) for r in range(n))
+    try:
+        ib_ar = ib_ar_settings(job.version[:2], job.settings)
+    except ScheduleError as e:
+        raise NcclLogError(f"{where}: {e}") from None
     return RingTopology(job.version[:2], protocol, rings, tuple(own[r] for r in range(n)), tuple(hosts),
-                        channel_nics)
+                        channel_nics, ib_ar)
 
 
 def _rings(job: NcclJob, where: str) -> tuple[tuple[int, ...], ...]:

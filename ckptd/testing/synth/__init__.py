@@ -59,6 +59,7 @@ class SynthOptions:
     # port_address(addr, k); mirror m is port m % K of the NIC _mirror_nics gives it
     merged_nics: int = 1
     split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS (None: the version's default)
+    adaptive_routing: bool | None = None  # NCCL_IB_ADAPTIVE_ROUTING (RingConfig.ar_writes)
     buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
     bucket_cap_kb: int = 64
     optimizer: str = "foreach"  # for-loop | foreach | fused
@@ -241,7 +242,7 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
                       buffsize=opts.buffsize, ndevs=opts.merged_nics,
-                      split_data_on_qps=opts.split_data_on_qps)
+                      split_data_on_qps=opts.split_data_on_qps, adaptive_routing=opts.adaptive_routing)
     sched = {"constant": {"kind": "constant"},
              "cosine": {"kind": "cosine", "warmup_steps": 2, "total_steps": max(4, opts.iterations)},
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}
@@ -301,9 +302,6 @@ def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
     named = list(model.named_buffers())
     if not named:
         return ModuleBuffers()
-    if tuple(int(x) for x in opts.nccl_version.split(".")) < (2, 22):
-        raise ValueError(f"model {opts.model} has module buffers, which DDP broadcasts every forward: "
-                         "the ring broadcast is modelled from NCCL 2.22 (--nccl-version 2.22 or later)")
     from ckptd.torch import DDP_BROADCAST_BUCKET_BYTES
     groups, _ = torch.distributed._compute_bucket_assignment_by_size([b for _, b in named],
                                                                       [DDP_BROADCAST_BUCKET_BYTES])

@@ -7,7 +7,7 @@ fit is rejected and counted, never placed. Allgather payload becomes a `Placemen
 de-interleaved and their flags must equal the connection's step counter, which is
 learned from the first packet of the connection and then checked on every line.
 
-Module buffers (a plan with buffers.captured, NCCL 2.22+): DDP's per-forward buffer
+Module buffers (a plan with buffers.captured): DDP's per-forward buffer
 broadcasts are collectives.before broadcasts (Plan.buffer_others); the one in iteration
 i carries rank 0's buffers after forward i-1 (ckptd.core.buffers), so its payload is
 kept for iteration i-1 (`buffers_after`). A broadcast forwards the root's bytes

@@ -13,7 +13,9 @@ Call it on every rank, before or after wrapping the model in DDP, before the fir
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
 import io
 import json
 import logging
@@ -49,20 +51,44 @@ class Restored:
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, source: str | os.PathLike,
-            scheduler=None, token: str | None = None, timeout: float = 120.0) -> Restored:
+            scheduler=None, token: str | None = None, timeout: float = 120.0,
+            all_or_nothing: bool = False) -> Restored:
+    """From the daemon's URL the state is read straight into the model's tensors
+    (ckptd.restore_raw: if the connection breaks mid-body, the CheckpointError says the
+    model now holds a partial state, unless `all_or_nothing`, which stages it in fresh
+    memory first at the cost of one more pass). Other sources are loaded whole first."""
     import time
     t0 = time.perf_counter()
     names = [n for n, _ in model.named_parameters()]
     src = str(source)
-    ckpt, src, nbytes = load_source(src, names, token, timeout)
-    missing_buffers = _load_model(model, ckpt, src)
+    if URL.match(src):
+        ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, src, names, token, timeout, all_or_nothing)
+    else:
+        ckpt, src, nbytes = load_source(src, names, token, timeout)
+        missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
-        _load_optimizer(model, optimizer, ckpt, src)
+        _load_optimizer(model, optimizer, ckpt, src, adopt=URL.match(src) is not None)
     if scheduler is not None:
         _load_scheduler(scheduler, optimizer, ckpt)
     if missing_buffers:
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
+
+
+def _from_daemon(model, optimizer, url: str, names: list[str], token: str | None, timeout: float,
+                 all_or_nothing: bool) -> tuple[dict, list[str], int]:
+    """(the checkpoint less the model's tensors, which are read in place; buffers not
+    restored; bytes read). A daemon that answers in torch.save format (an older one) is
+    loaded whole, as fetch() does."""
+    from ckptd.core.raw_layout import MEDIA_TYPE
+    from ckptd.restore_raw import read_into_model
+    with _request(url, token or os.environ.get("CKPTD_TOKEN"), timeout, MEDIA_TYPE) as (resp, url):
+        if resp.headers.get_content_type() != MEDIA_TYPE:
+            ckpt, n = _torch_body(resp, url, names)
+            return ckpt, _load_model(model, ckpt, url), n
+        named, missing, n = read_into_model(resp, model, optimizer, url, all_or_nothing)
+        iteration = int(resp.headers.get("X-Ckptd-Iteration", "-1"))
+    return {"iteration": iteration, "optimizer": named}, missing, n
 
 
 def load_source(src: str, names: list[str] | None, token: str | None = None,
@@ -99,23 +125,36 @@ def newest_at_url(url: str) -> tuple[dict, str]:
 
 def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) -> tuple[dict, int]:
     """The daemon's latest state: GET <url>/checkpoint (a URL naming a path is used as is)."""
+    with _request(url, token, timeout, "application/octet-stream") as (resp, url):
+        return _torch_body(resp, url, names)
+
+
+@contextlib.contextmanager
+def _request(url: str, token: str | None, timeout: float, accept: str):
+    """(the open response, the URL asked) of GET <url>/checkpoint; HTTP and socket errors,
+    here or while the body is read, as one-line CheckpointErrors naming the URL."""
     if urllib.parse.urlsplit(url).path in ("", "/"):
         url = url.rstrip("/") + "/checkpoint"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    headers = {"Accept": accept}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            want = resp.headers.get("X-Ckptd-SHA256")
-            buf = _read_body(resp)
-            digest = hashlib.sha256(buf.getbuffer())
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+            yield resp, url
     except urllib.error.HTTPError as e:
         detail = e.read(300).decode(errors="replace").strip()
         raise CheckpointError(f"{url}: HTTP {e.code} {e.reason}: {detail}") from e
-    except (urllib.error.URLError, OSError) as e:
-        raise CheckpointError(f"{url}: cannot fetch checkpoint: {getattr(e, 'reason', e)}") from e
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        reason = " ".join(str(getattr(e, "reason", e)).split())
+        raise CheckpointError(f"{url}: cannot fetch checkpoint: {reason}") from e
+
+
+def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
+    want = resp.headers.get("X-Ckptd-SHA256")
+    buf = _read_body(resp)
     n = buf.getbuffer().nbytes
-    if want is not None and digest.hexdigest() != want:
+    if want is not None and hashlib.sha256(buf.getbuffer()).hexdigest() != want:
         raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
-    buf.seek(0)
     try:
         doc = torch.load(buf, map_location="cpu", weights_only=True)
     except Exception as e:  # a cut stream
@@ -220,7 +259,9 @@ def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
     return [n for n in own if n not in state and n not in params]
 
 
-def _load_optimizer(model, optimizer, ckpt: dict, where: str):
+def _load_optimizer(model, optimizer, ckpt: dict, where: str, adopt: bool = False):
+    """`adopt`: the state's tensors are the caller's to give away (read for this restore
+    only); load_state_dict then keeps them as they are, else each is cloned first."""
     named = ckpt.get("optimizer")
     if named is None:
         raise CheckpointError(f"{where}: holds no optimizer state (weights only)")
@@ -235,7 +276,8 @@ def _load_optimizer(model, optimizer, ckpt: dict, where: str):
                 raise CheckpointError("the optimizer holds a parameter that is not the model's")
             st = named["state"].get(n)
             if st is not None:
-                state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) and not adopt else v)
+                                for k, v in st.items()}
             index += 1
     sd["state"] = state
     if named.get("lr") is not None:

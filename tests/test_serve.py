@@ -46,7 +46,7 @@ def status_of(port, path, **kw):
 def server():
     calls = []
 
-    def hello(arg):
+    def hello(arg, _):
         calls.append(arg)
         return Response(200, b"hello")
     srv = HttpServer({"/hello": hello, "/item/": hello}, "127.0.0.1", 0, max_connections=8,
@@ -107,7 +107,7 @@ def test_slowloris_is_cut_at_the_read_timeout_while_others_are_served(server):
 
 
 def test_token_required_refused_and_accepted():
-    srv = HttpServer({"/hello": lambda _: Response(200, b"hi")}, "127.0.0.1", 0, token=TOKEN).start()
+    srv = HttpServer({"/hello": lambda _, __: Response(200, b"hi")}, "127.0.0.1", 0, token=TOKEN).start()
     try:
         port = srv.address[1]
         assert status_of(port, "/hello") == 401
@@ -143,7 +143,7 @@ def test_non_loopback_listen_needs_a_token(run, tmp_path):
         load_config(_config(run, tmp_path, listen="0.0.0.0:0", token_file=tmp_path / "tok"))
     (tmp_path / "tok").write_text(TOKEN + "\n")
     cfg = load_config(_config(run, tmp_path, listen="0.0.0.0:0", token_file=tmp_path / "tok"))
-    srv = http_server(cfg, {"/x": lambda _: Response(200, b"x")})
+    srv = http_server(cfg, {"/x": lambda _, __: Response(200, b"x")})
     try:
         assert status_of(srv.address[1], "/x") == 401
         assert get(srv.address[1], "/x", token=TOKEN)[2] == b"x"
@@ -155,7 +155,7 @@ def test_ipv6_loopback_listen(run, tmp_path):
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     cfg = load_config(_config(run, tmp_path, listen="[::1]:0"))
-    srv = http_server(cfg, {"/x": lambda _: Response(200, b"six")})
+    srv = http_server(cfg, {"/x": lambda _, __: Response(200, b"six")})
     try:
         assert srv.address[0] == "::1"
         assert get(srv.address[1], "/x", host="[::1]")[2] == b"six"

@@ -8,7 +8,9 @@ client that asked for the latest may still be reading it when the next commit la
 A held state is encoded for the wire on first request only (torch.save of the standard
 trainer format, ckptd.core.formats.torch_doc, the one `ckptd.restore` reads), with its
 SHA-256, and the encoding is kept with it: many clients restoring at once cost one
-encoding.
+encoding. The raw layout (ckptd.core.raw_layout, what `ckptd.restore` asks for) needs no
+encoding: only its header, with every tensor's BLAKE2b-128 (one pass over the state, on
+first request; the persistence tier's manifest reuses them), is computed and kept.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class HeldState:
     committed_at: float  # time.time() of the commit
     copy_seconds: float
     _encoded: tuple[memoryview, str] | None = field(default=None, repr=False)
+    _digests: dict[str, str] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def checkpoint(self) -> dict:
@@ -48,6 +51,22 @@ class HeldState:
                 data = buf.getbuffer()  # not getvalue(): a second copy, 4 GB at 330 M parameters
                 self._encoded = (data, hashlib.sha256(data).hexdigest())
             return self._encoded
+
+    def digests(self) -> dict[str, str]:
+        """'model.NAME' / 'optimizer.NAME.KEY' -> BLAKE2b-128, computed once."""
+        with self._lock:
+            if self._digests is None:
+                from ckptd.live.persist import tensor_digests
+                self._digests = tensor_digests(self.model, self.optimizer)
+            return self._digests
+
+    def raw(self, names: list[str], lr, plan_hash: str | None) -> tuple[bytes, list[memoryview]]:
+        """(header, each tensor's bytes) of the raw layout; the bytes are the held tensors'."""
+        from ckptd.core.raw_layout import as_bytes, encode_header, state_tensors
+        tensors = [(n, t.contiguous()) for n, t in state_tensors(self.model, self.optimizer)]
+        head = encode_header(self.iteration, lr, plan_hash, names, self.optimizer is not None, tensors,
+                             self.digests())
+        return head, [as_bytes(t) for _, t in tensors]
 
 
 def copy_state(tree):

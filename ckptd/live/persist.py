@@ -37,6 +37,7 @@ import torch
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, checkpoint_name,
                                    load_checkpoint)
 from ckptd.core.keep import CheckpointKeeper
+from ckptd.core.raw_layout import as_bytes, new_digest
 from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
@@ -45,9 +46,9 @@ MANIFEST_FORMAT = "ckptd-manifest/1"
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().contiguous().reshape(-1)  # a 0-d tensor (a step count) cannot be viewed as bytes
-    return hashlib.blake2b(t.view(torch.uint8).numpy().data if t.numel() else b"",
-                           digest_size=16).hexdigest()
+    h = new_digest()
+    h.update(as_bytes(t.contiguous()))
+    return h.hexdigest()
 
 
 def tensor_digests(model: dict, optimizer: dict | None) -> dict[str, str]:
@@ -230,7 +231,7 @@ class PersistTier:
         self.bytes_written += self.keeper.last_size
         entry = {"iteration": held.iteration, "file": name,
                  "sha256": self.keeper.last_sha256,  # computed as the file was written
-                 "tensors": tensor_digests(held.model, held.optimizer),
+                 "tensors": held.digests(),
                  "committed_at": held.committed_at, "persisted_at": time.time(),
                  "write_s": round(time.monotonic() - t0, 6),
                  "lag_s": round(time.time() - held.committed_at, 6)}

@@ -14,8 +14,9 @@ a buffer each, never a thread:
 - with a `token`, every request needs `Authorization: Bearer <token>` (401 without it,
   403 for a wrong one), compared in constant time.
 
-Routes map a path (or a prefix ending in "/") to a function returning a Response whose
-body is bytes or an iterable of bytes chunks (a checkpoint is sent in chunks).
+Routes map a path (or a prefix ending in "/") to a function of (the path past the prefix,
+the request's headers by lower-case name) returning a Response whose body is bytes or an
+iterable of bytes chunks (a checkpoint is sent in chunks).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class _Conn:
 
 
 class HttpServer:
-    def __init__(self, routes: dict[str, Callable[[str], Response]], host: str, port: int,
+    def __init__(self, routes: dict[str, Callable[[str, dict], Response]], host: str, port: int,
                  token: str | None = None, workers: int = 8, max_connections: int = 1024,
                  read_timeout_s: float = 10.0, backlog: int = 128):
         self.routes, self.token = routes, token
@@ -216,12 +217,12 @@ class HttpServer:
         method, target = parts[0], parts[1]
         if method not in ("GET", "HEAD"):
             return text(405, "GET only"), False
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
         if self.token is not None:
-            auth = ""
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "authorization":
-                    auth = value.strip()
+            auth = headers.get("authorization", "")
             if not auth.startswith("Bearer "):
                 return text(401, "a bearer token is required (Authorization: Bearer ...)"), False
             if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
@@ -237,7 +238,7 @@ class HttpServer:
         if route is None:
             return text(404, "try " + ", ".join(sorted(self.routes))), False
         try:
-            return route(arg), method == "HEAD"
+            return route(arg, headers), method == "HEAD"
         except Exception as e:  # a route's bug must not kill the worker
             return text(500, " ".join(str(e).split())[:300]), False
 

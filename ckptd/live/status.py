@@ -15,6 +15,7 @@ import threading
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ckptd.core.raw_layout import MEDIA_TYPE
 from ckptd.live.serve import Response, text
 
 CHUNK = 1 << 23
@@ -98,14 +99,14 @@ def routes(snap: Snapshot, details: bool = False, checkpoints=None, live=None) -
     registry = CollectorRegistry()
     registry.register(_Collector(snap))
 
-    def status(_):
+    def status(_, __):
         doc = snap.get()
         if live is not None:
             doc = {**doc, **live()}
         doc = doc if details else redact(doc)
         return Response(200, json.dumps(doc, indent=1).encode(), "application/json")
 
-    def metrics(_):
+    def metrics(_, __):
         return Response(200, generate_latest(registry), "text/plain; version=0.0.4")
     return {"/status": status, "/metrics": metrics, **(checkpoints or {})}
 
@@ -114,25 +115,42 @@ def checkpoint_routes(tier, names: list[str], groups_for, plan_hash: str | None)
     """GET /checkpoint: the latest committed state; /checkpoint/<iteration>: that one, if
     the memory tier still holds it (the latest or the one before). The body is a torch.save
     of the trainer format (ckptd.core.formats.torch_doc), sent in chunks; the headers name
-    the iteration (X-Ckptd-Iteration) and the body's SHA-256 (X-Ckptd-SHA256)."""
-    def send(held):
+    the iteration (X-Ckptd-Iteration) and the body's SHA-256 (X-Ckptd-SHA256). A request
+    with `Accept: application/x-ckptd-raw` (ckptd.restore's) gets the raw layout instead
+    (ckptd.core.raw_layout: a JSON header, then each tensor's bytes, straight from the
+    held tensors: nothing encoded, nothing copied)."""
+    def send(held, headers):
         if held is None:
             return text(404, "no committed iteration in memory yet")
         # torch's param_groups for the state's own lr (groups_for(lr); None: weights only)
-        data, digest = held.encoded(names, groups_for((held.optimizer or {}).get("lr")), plan_hash)
+        groups = groups_for((held.optimizer or {}).get("lr"))
+        if MEDIA_TYPE in headers.get("accept", ""):
+            lr = groups[0]["lr"] if groups else (held.optimizer or {}).get("lr")
+            head, parts = held.raw(names, lr, plan_hash)
+            return Response(200, _raw_chunks(head, parts), MEDIA_TYPE,
+                            length=len(head) + sum(p.nbytes for p in parts),
+                            headers={"X-Ckptd-Iteration": str(held.iteration)})
+        data, digest = held.encoded(names, groups, plan_hash)
         view = memoryview(data)
         return Response(200, (view[i:i + CHUNK] for i in range(0, len(view), CHUNK)),
                         "application/octet-stream", length=len(data),
                         headers={"X-Ckptd-Iteration": str(held.iteration), "X-Ckptd-SHA256": digest})
 
-    def latest(_):
-        return send(tier.latest())
+    def latest(_, headers):
+        return send(tier.latest(), headers)
 
-    def one(arg):
+    def one(arg, headers):
         if not arg.isdigit():
             return text(404, f"/checkpoint/{arg[:40]}: not an iteration number")
         held = tier.get(int(arg))
         if held is None:
             return text(404, f"iteration {int(arg)} is not in memory (held: {tier.iterations()})")
-        return send(held)
+        return send(held, headers)
     return {"/checkpoint": latest, "/checkpoint/": one}
+
+
+def _raw_chunks(head: bytes, parts: list[memoryview]):
+    yield head
+    for p in parts:
+        for i in range(0, p.nbytes, CHUNK):
+            yield p[i:i + CHUNK]

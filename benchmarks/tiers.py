@@ -7,8 +7,9 @@ and DCP, and commit lag / disk bytes per iteration with the persistence tier on 
 Restore: a model of --params million float32 parameters (square Linear layers) and its
 AdamW state (two moments) after one step, i.e. 3 x 4 bytes per parameter, restored with
 `ckptd.restore` into a fresh model and optimizer from (a) `ckptd.live.serve.HttpServer`
-serving the memory tier on 127.0.0.1 (first request: the encoding included; second: the
-cached encoding), (b) a torch.save file on local disk (page cache warm: the file was just
+serving the memory tier on 127.0.0.1: the raw layout read in place (first request: the
+daemon's digests included; second: cached), then the torch.save body as restore read it
+before (first request: the encoding included; second: the cached encoding), (b) a torch.save file on local disk (page cache warm: the file was just
 written), (c) a DCP directory. GB/s is the state's bytes over the wall time of restore.
 
 Commit lag: the daemon (reference pipeline, from files) on a synthesized job
@@ -58,6 +59,15 @@ def trained(million: float):
     return model, opt
 
 
+def torch_save_http_restore(model, opt, url: str):
+    """ckptd.restore from the daemon as it was before the raw layout: the torch.save body
+    into one buffer, torch.load, then copied into the model and the optimizer."""
+    from ckptd.recovery import _load_model, _load_optimizer, fetch
+    ckpt, _ = fetch(url, [n for n, _ in model.named_parameters()], None, 600)
+    _load_model(model, ckpt, url)
+    _load_optimizer(model, opt, ckpt, url)
+
+
 def restore_times(million: float) -> dict:
     from ckptd.core.formats import torch_doc
     from ckptd.live.memory_tier import MemoryTier
@@ -84,15 +94,22 @@ def restore_times(million: float) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-tiers-"))
     try:
         url = f"http://127.0.0.1:{srv.address[1]}"
-        for label in ("http_first", "http_cached"):
+        # raw layout read in place (ckptd.restore), then the torch.save body (the old path)
+        for label, how in (("http_first", ckptd.restore), ("http_cached", ckptd.restore),
+                           ("http_torch_save_first", torch_save_http_restore),
+                           ("http_torch_save_cached", torch_save_http_restore)):
             back, bopt = make_model(million, seed=1)
             t0 = time.perf_counter()
-            ckptd.restore(back, bopt, url)
+            how(back, bopt, url)
             out[f"{label}_s"] = time.perf_counter() - t0
             assert torch.equal(next(back.parameters()), first)
             del back, bopt
-        srv.stop()
         held._encoded = None  # the cached HTTP encoding: 4 GB at 330 M
+        held._digests = None
+        t0 = time.perf_counter()
+        held.digests()  # one BLAKE2b pass over the state: the daemon's first request, the client's check
+        out["blake2b_pass_s"] = time.perf_counter() - t0
+        srv.stop()
         doc = torch_doc({"iteration": 0, "model": held.model, "optimizer": held.optimizer}, names, groups)
         torch.save(doc, tmp / "ckpt.pt")
         back, bopt = make_model(million, seed=1)
@@ -111,7 +128,8 @@ def restore_times(million: float) -> dict:
         out["dcp_s"] = time.perf_counter() - t0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for k in ("http_first", "http_cached", "torch_save_file", "dcp"):
+    for k in ("http_first", "http_cached", "http_torch_save_first", "http_torch_save_cached",
+              "torch_save_file", "dcp"):
         out[f"{k}_GBps"] = state_bytes / out[f"{k}_s"] / 1e9
     return out
 

@@ -9,8 +9,9 @@ dtype and device match). The torch.save path made three passes over fresh memory
 (the body, torch.load's storages, the copy into the model), each slow in a VM where
 first-touch writes run at 0.2-1.3 GB/s.
 
-Every tensor's BLAKE2b-128 is checked as its bytes arrive (while they are in cache):
-the daemon computed the digests once per held state, the same the persistence manifest lists.
+Every tensor's BLAKE2b-128 is checked as its bytes arrive (while they are in cache, on a
+second thread): the daemon computed the digests once per held state, the same the
+persistence manifest lists.
 
 Failures:
 - the header against the model and optimizer (a tensor the model lacks, another dtype or
@@ -27,6 +28,7 @@ Failures:
 from __future__ import annotations
 
 import http.client
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -48,9 +50,16 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
         raise CheckpointError(f"{where}: the raw checkpoint header is cut or over {MAX_HEADER} bytes")
     head = decode_header(line, where)
     plan = _destinations(head, model, optimizer, where, all_or_nothing)
-    total = len(line)
-    for e, dest in plan:
-        total += _read_tensor(resp, e, dest, where, all_or_nothing)
+    state = "nothing in the model changed" if all_or_nothing else \
+        "the model's tensors now hold a partial state: restore again before training"
+    # one thread hashes each chunk just read (in order) while the next arrives: hashlib
+    # and the socket both run without the GIL, so the check costs ~no time beside the read
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptd-verify") as hasher:
+        digests = [_read_tensor(resp, e, dest, where, state, hasher) for e, dest in plan]
+        for (e, _), digest in zip(plan, digests):
+            if digest.result() != e["blake2b"]:
+                raise CheckpointError(f"{where}: {e['name']}: BLAKE2b differs from the header's; {state}")
+    total = len(line) + sum(e["bytes"] for e in head["tensors"])
     own = model.state_dict()
     with torch.no_grad():
         for e, dest in plan:
@@ -115,10 +124,9 @@ def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> lis
     return out
 
 
-def _read_tensor(resp, e: dict, dest: torch.Tensor, where: str, staged: bool) -> int:
+def _read_tensor(resp, e: dict, dest: torch.Tensor, where: str, state: str, hasher) -> Future:
+    """Read one tensor's bytes into `dest`; the future of their BLAKE2b hex digest."""
     view, got, h = as_bytes(dest), 0, new_digest()
-    state = "nothing in the model changed" if staged else \
-        "the model's tensors now hold a partial state: restore again before training"
     while got < view.nbytes:
         try:
             n = resp.readinto(view[got:got + CHUNK])
@@ -127,11 +135,9 @@ def _read_tensor(resp, e: dict, dest: torch.Tensor, where: str, staged: bool) ->
         if not n:
             raise CheckpointError(f"{where}: connection closed {view.nbytes - got} bytes short in "
                                   f"{e['name']}; {state}")
-        h.update(view[got:got + n])
+        hasher.submit(h.update, view[got:got + n])
         got += n
-    if h.hexdigest() != e["blake2b"]:
-        raise CheckpointError(f"{where}: {e['name']}: BLAKE2b differs from the header's; {state}")
-    return got
+    return hasher.submit(h.hexdigest)
 
 
 def _str(dtype: torch.dtype) -> str:

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
-from ckptd.core.raw_layout import MAX_HEADER, as_bytes, decode_header, new_digest
+from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
 CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are still in cache
 # optimizer state with the parameter's shape (Adam's moments, SGD's momentum, ...); other
@@ -52,13 +52,20 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
     plan = _destinations(head, model, optimizer, where, all_or_nothing)
     state = "nothing in the model changed" if all_or_nothing else \
         "the model's tensors now hold a partial state: restore again before training"
-    # one thread hashes each chunk just read (in order) while the next arrives: hashlib
-    # and the socket both run without the GIL, so the check costs ~no time beside the read
-    with ThreadPoolExecutor(1, thread_name_prefix="ckptd-verify") as hasher:
-        digests = [_read_tensor(resp, e, dest, where, state, hasher) for e, dest in plan]
+    # hashing threads check each chunk just read (a tensor's chunks in order, on one
+    # thread; tensors spread over them) while the next arrives: hashlib and the socket
+    # both run without the GIL, so the check costs little beside the read on a client
+    # with cores to spare (one BLAKE2b-128 thread runs at ~1.4 GB/s here, the read at ~5)
+    hashers = [ThreadPoolExecutor(1, thread_name_prefix="ckptd-verify") for _ in range(HASH_THREADS)]
+    try:
+        digests = [_read_tensor(resp, e, dest, where, state, hashers[i % len(hashers)])
+                   for i, (e, dest) in enumerate(plan)]
         for (e, _), digest in zip(plan, digests):
             if digest.result() != e["blake2b"]:
                 raise CheckpointError(f"{where}: {e['name']}: BLAKE2b differs from the header's; {state}")
+    finally:
+        for h in hashers:
+            h.shutdown(wait=True, cancel_futures=True)
     total = len(line) + sum(e["bytes"] for e in head["tensors"])
     own = model.state_dict()
     with torch.no_grad():

@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ import torch
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, checkpoint_name,
                                    load_checkpoint)
 from ckptd.core.keep import CheckpointKeeper
-from ckptd.core.raw_layout import as_bytes, new_digest
+from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
@@ -52,13 +53,11 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def tensor_digests(model: dict, optimizer: dict | None) -> dict[str, str]:
-    """'model.NAME' and 'optimizer.NAME.KEY' -> digest, for every tensor of a checkpoint."""
-    out = {f"model.{n}": tensor_digest(t) for n, t in model.items()}
-    for n, st in ((optimizer or {}).get("state") or {}).items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                out[f"optimizer.{n}.{k}"] = tensor_digest(v)
-    return out
+    """'model.NAME' and 'optimizer.NAME.KEY' -> digest, for every tensor of a checkpoint,
+    hashed on HASH_THREADS threads."""
+    named = state_tensors(model, optimizer)
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckptd-digest") as pool:
+        return dict(zip((n for n, _ in named), pool.map(tensor_digest, (t for _, t in named))))
 
 
 def file_digest(path: Path) -> str:

@@ -185,3 +185,13 @@ def test_a_daemon_without_the_raw_layout_still_restores(served):
     ref = _trainer(kind, 1)
     ckptd.restore(ref[0], ref[1], path, scheduler=ref[2])
     _same(mine, ref)
+
+
+def test_weights_only_reads_past_the_optimizer_state(served):
+    kind, url, path = served
+    mine, ref = _model(1), _model(1)
+    r = ckptd.restore(mine, None, url)
+    ckptd.restore(ref, None, path)
+    assert r.iteration == 2
+    for (n, x), (_, y) in zip(mine.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(x, y), n

@@ -61,13 +61,14 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     t0 = time.perf_counter()
     names = [n for n, _ in model.named_parameters()]
     src = str(source)
-    if URL.match(src):
+    from_daemon = URL.match(src) is not None
+    if from_daemon:
         ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, src, names, token, timeout, all_or_nothing)
     else:
         ckpt, src, nbytes = load_source(src, names, token, timeout)
         missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
-        _load_optimizer(model, optimizer, ckpt, src, adopt=URL.match(src) is not None)
+        _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon)  # read for this call only
     if scheduler is not None:
         _load_scheduler(scheduler, optimizer, ckpt)
     if missing_buffers:
@@ -86,9 +87,7 @@ def _from_daemon(model, optimizer, url: str, names: list[str], token: str | None
         if resp.headers.get_content_type() != MEDIA_TYPE:
             ckpt, n = _torch_body(resp, url, names)
             return ckpt, _load_model(model, ckpt, url), n
-        named, missing, n = read_into_model(resp, model, optimizer, url, all_or_nothing)
-        iteration = int(resp.headers.get("X-Ckptd-Iteration", "-1"))
-    return {"iteration": iteration, "optimizer": named}, missing, n
+        return read_into_model(resp, model, optimizer, url, all_or_nothing)
 
 
 def load_source(src: str, names: list[str] | None, token: str | None = None,

@@ -43,8 +43,9 @@ PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "s
 
 def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
                     all_or_nothing: bool = False) -> tuple[dict, list[str], int]:
-    """Read a raw-layout response into model and optimizer state tensors: (the named
-    optimizer state {lr, state} to load, or None; buffers the state lacks; bytes read)."""
+    """Read a raw-layout response into model and optimizer state tensors: (the checkpoint
+    less the model's tensors, {iteration, optimizer: {lr, state} to load or None}; buffers
+    the state lacks; bytes read)."""
     line = resp.readline(MAX_HEADER)
     if not line.endswith(b"\n"):
         raise CheckpointError(f"{where}: the raw checkpoint header is cut or over {MAX_HEADER} bytes")
@@ -82,7 +83,7 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
     params = dict(model.named_parameters())
     missing = [n for n in own if n not in sent and n not in params]
     named = {"lr": head.get("lr"), "state": state} if head.get("optimizer") else None
-    return named, missing, total
+    return {"iteration": int(head["iteration"]), "optimizer": named}, missing, total
 
 
 def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> list[tuple[dict, torch.Tensor]]:

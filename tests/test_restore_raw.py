@@ -107,8 +107,9 @@ def test_optimizer_adopts_the_tensors_read_without_a_copy(served):
     kind, url, _ = served
     model, opt, _ = _trainer(kind, 1)
     with _request(url, None, 10, MEDIA_TYPE) as (resp, where):
-        named, _, _ = read_into_model(resp, model, opt, where)
-    _load_optimizer(model, opt, {"optimizer": named}, where, adopt=True)
+        ckpt, _, _ = read_into_model(resp, model, opt, where)
+    named = ckpt["optimizer"]
+    _load_optimizer(model, opt, ckpt, where, adopt=True)
     params = dict(model.named_parameters())
     read = [(params[n], k, t) for n, st in named["state"].items() for k, t in st.items()]
     assert read

@@ -222,9 +222,9 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
             recv_total[layout] += fs.npkts
     # one pass over the Message and Send tuples per column group, not one per field
     sends, wire_offset, wire_len, imm, counts = zip(*msgs) if msgs else ((),) * 5
-    send_cols = np.array(sends, np.int64).reshape(len(msgs), len(Send._fields)).T
-    arrays = {f"m_{f}": np.ascontiguousarray(send_cols[Send._fields.index(f)])
-              for f in ("bucket", "offset", "nelem", "phase", "step", "ring_step")}
+    send_cols = dict(zip(Send._fields, zip(*sends))) if sends else dict.fromkeys(Send._fields, ())
+    arrays = {f"m_{f}": np.array(send_cols[f], np.int64) for f in ("bucket", "offset", "nelem", "phase", "step",
+                                                                   "ring_step")}
     # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
     has_imm = np.array([i is not None for i in imm], bool)
     arrays.update(m_start=np.array(starts, np.int64), m_npkts=np.array(counts, np.int64),

@@ -44,17 +44,19 @@ def plain_tables(plan) -> dict:
     return cols
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-bn"])  # tiny-bn: DDP's buffer broadcasts, kept (m_keep)
 @pytest.mark.parametrize("version,protocol,qps,ndevs,split,ar", CASES)
-def test_compiled_tables_are_the_schedules_messages(version, protocol, qps, ndevs, split, ar):
-    opts = SynthOptions(out="unused", ranks=4, channels=2, mirrors=1, model="tiny", iterations=3,
+def test_compiled_tables_are_the_schedules_messages(version, protocol, qps, ndevs, split, ar, model):
+    opts = SynthOptions(out="unused", ranks=4, channels=2, mirrors=1, model=model, iterations=3,
                         protocol=protocol, nccl_version="%d.%d" % version, qps=qps, merged_nics=ndevs,
                         split_data_on_qps=split, adaptive_routing=ar)
-    plan = make_plan(opts, build_model("tiny", 0), random.Random(0))
+    plan = make_plan(opts, build_model(model, 0), random.Random(0))
     ring = plan.ring
     assert (ring.protocol, ring.nccl_version, ring.data_qps) == (protocol, version, qps * ndevs)
     arrays = compile_schedule(plan).arrays
     want = plain_tables(plan)
     assert len(want["m_start"]) > 100
+    assert any(want["m_keep"]) == (model == "tiny-bn")
     for name, values in want.items():
         got = arrays[name]
         expect = np.array(values, np.uint32 if name == "m_imm" else np.int64)

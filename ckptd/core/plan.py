@@ -77,7 +77,7 @@ class Parameter:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # not np.prod: 10x faster on a short tuple, asked per parameter per layout
 
 
 @dataclass(frozen=True)

@@ -236,8 +236,9 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     keep = np.zeros(len(msgs), bool)
     bounds = [lo for lo, _ in keep_from[1:]] + [len(msgs)]
     for (lo, kept), hi in zip(keep_from, bounds):
-        b = arrays["m_bucket"][lo:hi]
-        keep[lo:hi] = (b < 0) & np.isin(-1 - b, list(kept))
+        if kept:
+            b = arrays["m_bucket"][lo:hi]
+            keep[lo:hi] = (b < 0) & np.isin(-1 - b, list(kept))
     arrays["m_keep"] = keep.astype(np.int64)
     nb = max(len(s0.buckets), len(s1.buckets), 1)
     b_itemsize = np.ones((L, nb), np.int64)

@@ -710,6 +710,7 @@ class RingSchedule:
         # _emit's short path
         self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
+        self._cells: dict = {}  # _allreduce_cells
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
 
     def _add_other(self, b: int, other: Bucket):
@@ -794,28 +795,38 @@ class RingSchedule:
                                   for i, (k, j, eoff, bn) in enumerate(cells)])
 
     def _add_allreduce(self, b: int, bucket: Bucket):
-        cfg = self.cfg
-        itemsize = bucket.dtype.itemsize
         if bucket.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        nc, nt = cfg.tune(bucket.nbytes)
+        for conn, cells in self._allreduce_cells(bucket.count, bucket.dtype.itemsize).items():
+            first = len(self.sends[conn])
+            self._emit(conn, [Send(b, phase, off, s_n, wb, first + i, chunk, k)
+                              for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells)])
+
+    def _allreduce_cells(self, count: int, itemsize: int) -> dict:
+        """{connection: (phase, chunk, ring step, (offset, nelem, wire bytes)) of each send}
+        of an allreduce of count elements: all of a send but its bucket and step. Kept per
+        (count, itemsize): DDP's buckets repeat a few sizes (issue 16's 18 buckets a layout
+        have 7), and this is every send of the plan, built before the first frame is read."""
+        key = (count, itemsize)
+        if key in self._cells:
+            return self._cells[key]
+        cfg = self.cfg
+        nc, nt = cfg.tune(count * itemsize)
         n = cfg.nranks
-        for bid, loops in _channel_loops(cfg, bucket.count, itemsize, nc, nt):
+        out = self._cells[key] = {}
+        for bid, loops in _channel_loops(cfg, count, itemsize, nc, nt):
             # Every rank of the channel's ring walks the same loops and cuts a chunk into
             # the same slices; only the order of the chunks differs (ring_steps). Cut each
-            # chunk once here rather than once per rank: this loop builds every send of the
-            # plan, and a big job's schedule is built before the first frame is read.
+            # chunk once here rather than once per rank.
             cut = [[[(off + s_off, s_n, wire_bytes(cfg.protocol, s_n, itemsize))
                      for s_off, s_n in self._slices(nelem, itemsize)]
                     for off, nelem in map(at, range(n))] for at in loops]
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
-                conn = (src, cfg.next_rank(bid, src), bid)
-                first = len(self.sends[conn])
-                cells = [(phase, chunk, k, sl) for chunks in cut
-                         for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for sl in chunks[chunk]]
-                self._emit(conn, [Send(b, phase, off, s_n, wb, first + i, chunk, k)
-                                  for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells)])
+                out[(src, cfg.next_rank(bid, src), bid)] = [
+                    (phase, chunk, k, sl) for chunks in cut
+                    for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for sl in chunks[chunk]]
+        return out
 
     def _slices(self, nelem: int, itemsize: int):
         """Simple sends a chunk as SlicePerChunk slices, empty ones included.

@@ -387,7 +387,9 @@ class Plan:
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after)
+            # the layouts share their allreduces' cut: most bucket sizes are in both
+            cells = self.__dict__.setdefault("_allreduce_cells", {}).setdefault(self.ring, {})
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after, cells)
         return sched
 
     def _sends_per_iteration(self, iteration: int) -> dict:

@@ -675,15 +675,17 @@ class RingSchedule:
     """
 
     def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
-                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = ()):
+                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = (), cells: dict | None = None):
         """send_base[conn]: sends the connection made before this iteration (earlier
         iterations and other collectives on the communicator), which is where NCCL's QP
         rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
         before/after: other collectives on the same communicator around the gradient
         buckets (allreduces of a loss or metric, Broadcast entries for DDP's broadcasts:
         Plan.collectives); their sends are on the wire and advance every counter of the
-        connection, and carry no gradient (bucket < 0)."""
+        connection, and carry no gradient (bucket < 0). cells: _allreduce_cells' cache, to
+        share with other schedules of the same cfg (Plan.schedule's layouts)."""
         self._start(cfg, buckets, list(before) + list(after), send_base)
+        self._cells = {} if cells is None else cells
         for c in range(cfg.channels):
             for idx in range(cfg.nranks):
                 src = cfg.rank_at(c, idx)
@@ -710,7 +712,6 @@ class RingSchedule:
         # _emit's short path
         self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
         self.sends: dict[tuple[int, int, int], list[Send]] = {}
-        self._cells: dict = {}  # _allreduce_cells
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
 
     def _add_other(self, b: int, other: Bucket):

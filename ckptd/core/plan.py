@@ -77,7 +77,7 @@ class Parameter:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # not np.prod: 10x faster on a short tuple, asked per parameter per layout
 
 
 @dataclass(frozen=True)
@@ -387,7 +387,9 @@ class Plan:
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
-            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after)
+            # the layouts share their allreduces' cut: most bucket sizes are in both
+            cells = self.__dict__.setdefault("_allreduce_cells", {}).setdefault(self.ring, {})
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after, cells)
         return sched
 
     def _sends_per_iteration(self, iteration: int) -> dict:

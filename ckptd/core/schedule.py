@@ -19,6 +19,8 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 from ckptd.errors import CkptdError
@@ -296,8 +298,7 @@ def ib_ar_settings(version: tuple[int, int], env) -> dict:
     return out
 
 
-@dataclass(frozen=True)
-class Send:
+class Send(NamedTuple):
     """One prims send on a connection: `nelem` elements of `bucket` from `offset`.
 
     For Simple a chunk is sent as 2 slices, each its own Send (a slice may be empty
@@ -309,6 +310,9 @@ class Send:
     is one Simple slice (or LL/LL128 chunk) of one rank's block, phase AG, `offset` within
     the gathered buffer (owner rank * count + element), `chunk` its index in the channel's
     part and `ring_step` how many hops the block has made (0: the sender's own).
+    A NamedTuple, not a dataclass: a schedule holds one per send (16k for issue 16's
+    replay, built before the first frame is placed), and a tuple is made in a third of
+    the time.
     """
 
     bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
@@ -321,13 +325,13 @@ class Send:
     ring_step: int  # 0 for the loop's first send, which carries the sender's own values
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One RDMA write message on one QP: a Send, or one QP's part of it.
 
     Normally a WRITE_WITH_IMM carrying the data. Where the send goes as RDMA WRITE + a
     0-byte WRITE_WITH_IMM (RingConfig.ar_writes) it is two Messages: the data with
-    `imm` None (a plain WRITE), then one of wire_len 0 with the immediate."""
+    `imm` None (a plain WRITE), then one of wire_len 0 with the immediate. A NamedTuple
+    like Send, for the same reason."""
 
     send: Send
     wire_offset: int  # where this part starts within the send's wire bytes
@@ -671,15 +675,17 @@ class RingSchedule:
     """
 
     def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
-                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = ()):
+                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = (), cells: dict | None = None):
         """send_base[conn]: sends the connection made before this iteration (earlier
         iterations and other collectives on the communicator), which is where NCCL's QP
         rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
         before/after: other collectives on the same communicator around the gradient
         buckets (allreduces of a loss or metric, Broadcast entries for DDP's broadcasts:
         Plan.collectives); their sends are on the wire and advance every counter of the
-        connection, and carry no gradient (bucket < 0)."""
+        connection, and carry no gradient (bucket < 0). cells: _allreduce_cells' cache, to
+        share with other schedules of the same cfg (Plan.schedule's layouts)."""
         self._start(cfg, buckets, list(before) + list(after), send_base)
+        self._cells = {} if cells is None else cells
         for c in range(cfg.channels):
             for idx in range(cfg.nranks):
                 src = cfg.rank_at(c, idx)
@@ -749,9 +755,9 @@ class RingSchedule:
             src = bc.root
             for dist in range(n - 1):  # the hops root -> ... -> the rank before the root
                 conn = (src, cfg.next_rank(bid, src), bid)
-                sends = self.sends[conn]
-                for k, (eoff, nelem, wb) in enumerate(cut):
-                    self._emit(conn, Send(b, AG, eoff, nelem, wb, len(sends), k, dist))
+                first = len(self.sends[conn])
+                self._emit(conn, [Send(b, AG, eoff, nelem, wb, first + k, k, dist)
+                                  for k, (eoff, nelem, wb) in enumerate(cut)])
                 src = conn[1]
 
     def _add_allgather(self, b: int, ag: AllGather):
@@ -783,38 +789,45 @@ class RingSchedule:
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
                 conn = (src, cfg.next_rank(bid, src), bid)
-                sends = self.sends[conn]
-                for k, slices in enumerate(cut):
-                    for j in range(n - 1):
-                        base = cfg.rank_at(bid, (idx - j) % n) * ag.count
-                        for boff, bn in slices:
-                            self._emit(conn, Send(b, AG, base + boff // itemsize, bn // itemsize,
-                                                  wire_bytes(cfg.protocol, bn, 1), len(sends), k, j))
+                first = len(self.sends[conn])
+                cells = [(k, j, cfg.rank_at(bid, (idx - j) % n) * ag.count + boff // itemsize, bn)
+                         for k, slices in enumerate(cut) for j in range(n - 1) for boff, bn in slices]
+                self._emit(conn, [Send(b, AG, eoff, bn // itemsize, wire_bytes(cfg.protocol, bn, 1), first + i, k, j)
+                                  for i, (k, j, eoff, bn) in enumerate(cells)])
 
     def _add_allreduce(self, b: int, bucket: Bucket):
-        cfg = self.cfg
-        itemsize = bucket.dtype.itemsize
         if bucket.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
-        nc, nt = cfg.tune(bucket.nbytes)
+        for conn, cells in self._allreduce_cells(bucket.count, bucket.dtype.itemsize).items():
+            first = len(self.sends[conn])
+            self._emit(conn, [Send(b, phase, off, s_n, wb, first + i, chunk, k)
+                              for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells)])
+
+    def _allreduce_cells(self, count: int, itemsize: int) -> dict:
+        """{connection: (phase, chunk, ring step, (offset, nelem, wire bytes)) of each send}
+        of an allreduce of count elements: all of a send but its bucket and step. Kept per
+        (count, itemsize): DDP's buckets repeat a few sizes (issue 16's 18 buckets a layout
+        have 7), and this is every send of the plan, built before the first frame is read."""
+        key = (count, itemsize)
+        if key in self._cells:
+            return self._cells[key]
+        cfg = self.cfg
+        nc, nt = cfg.tune(count * itemsize)
         n = cfg.nranks
-        for bid, loops in _channel_loops(cfg, bucket.count, itemsize, nc, nt):
+        out = self._cells[key] = {}
+        for bid, loops in _channel_loops(cfg, count, itemsize, nc, nt):
             # Every rank of the channel's ring walks the same loops and cuts a chunk into
             # the same slices; only the order of the chunks differs (ring_steps). Cut each
-            # chunk once here rather than once per rank: this loop builds every send of the
-            # plan, and a big job's schedule is built before the first frame is read.
+            # chunk once here rather than once per rank.
             cut = [[[(off + s_off, s_n, wire_bytes(cfg.protocol, s_n, itemsize))
                      for s_off, s_n in self._slices(nelem, itemsize)]
                     for off, nelem in map(at, range(n))] for at in loops]
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
-                conn = (src, cfg.next_rank(bid, src), bid)
-                sends = self.sends[conn]
-                steps = ring_steps(n, idx)
-                for chunks in cut:
-                    for k, (phase, chunk) in enumerate(steps):
-                        for off, s_n, wb in chunks[chunk]:
-                            self._emit(conn, Send(b, phase, off, s_n, wb, len(sends), chunk, k))
+                out[(src, cfg.next_rank(bid, src), bid)] = [
+                    (phase, chunk, k, sl) for chunks in cut
+                    for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for sl in chunks[chunk]]
+        return out
 
     def _slices(self, nelem: int, itemsize: int):
         """Simple sends a chunk as SlicePerChunk slices, empty ones included.
@@ -834,8 +847,8 @@ class RingSchedule:
             off += size
         return out
 
-    def _emit(self, conn, send: Send):
-        """Turn one send into RDMA messages on the connection's QPs.
+    def _emit(self, conn, new: list[Send]):
+        """Turn the connection's next sends, in issue order, into RDMA messages on its QPs.
 
         src/transport/net_ib.cc ncclIbMultiSend: with NCCL_IB_SPLIT_DATA_ON_QPS (always
         before 2.18) every send is cut into nqps parts of DIVUP(DIVUP(size, nqps), 128)*128
@@ -846,31 +859,39 @@ class RingSchedule:
         cfg = self.cfg
         sends = self.sends[conn]
         index = self.send_base.get(conn, 0) + len(sends)
-        sends.append(send)
+        sends.extend(new)
         nq = cfg.data_qps
-        if self._whole_sends:  # one part on one QP, the whole send: NCCL's usual case
-            flow = self.flows[conn + (index % nq,)]  # qp_of_part(index, 0, 1)
-            wlen = send.wire_bytes
-            flow.starts.append(flow.npkts)  # FlowSchedule.add, inlined: called per send
-            flow.messages.append(Message(send, 0, wlen, wlen, -(-wlen // cfg.mtu) or 1))
-            flow.npkts += -(-wlen // cfg.mtu) or 1
+        if self._whole_sends:
+            # one part on one QP, the whole send (NCCL's usual case): send index i goes on QP
+            # i mod nq (qp_of_part(i, 0, 1)), so QP q takes every nq-th of the new sends.
+            # Built a list at a time: this is every message of the plan.
+            mtu = cfg.mtu
+            for q in range(nq):
+                flow = self.flows[conn + (q,)]
+                mine = new[(q - index) % nq::nq]
+                counts = [-(-s.wire_bytes // mtu) or 1 for s in mine]
+                flow.messages += [Message(s, 0, s.wire_bytes, s.wire_bytes, k) for s, k in zip(mine, counts)]
+                starts = list(accumulate(counts, initial=flow.npkts))
+                flow.npkts = starts.pop()
+                flow.starts += starts
             return
         nparts = cfg.parts_per_send
-        part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
-        ar = cfg.ar_writes and send.wire_bytes > cfg.ar_threshold
-        for j in range(nparts):
-            woff = j * part
-            wlen = max(0, min(part, send.wire_bytes - woff))
-            flow = self.flows[conn + (cfg.qp_of_part(index, j, nparts),)]
-            if ar:  # the data as a plain WRITE, then a 0-byte WRITE_WITH_IMM (net_ib.cc:969@v2.14.3-1)
-                if wlen == cfg.cts_bytes:  # only with many QPs: a short last part
-                    raise ScheduleError(
-                        f"a {send.wire_bytes}-byte send over {nq} QPs leaves a {wlen}-byte RDMA WRITE, "
-                        "the size of a clear-to-send write: ckptd cannot tell them apart; use fewer QPs")
-                flow.add(Message(send, woff, wlen, None, npkts(wlen, cfg.mtu)))
-                flow.add(Message(send, woff + wlen, 0, send.wire_bytes, 1))
-            else:
-                flow.add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
+        for index, send in enumerate(new, index):
+            part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
+            ar = cfg.ar_writes and send.wire_bytes > cfg.ar_threshold
+            for j in range(nparts):
+                woff = j * part
+                wlen = max(0, min(part, send.wire_bytes - woff))
+                flow = self.flows[conn + (cfg.qp_of_part(index, j, nparts),)]
+                if ar:  # the data as a plain WRITE, then a 0-byte WRITE_WITH_IMM (net_ib.cc:969@v2.14.3-1)
+                    if wlen == cfg.cts_bytes:  # only with many QPs: a short last part
+                        raise ScheduleError(
+                            f"a {send.wire_bytes}-byte send over {nq} QPs leaves a {wlen}-byte RDMA WRITE, "
+                            "the size of a clear-to-send write: ckptd cannot tell them apart; use fewer QPs")
+                    flow.add(Message(send, woff, wlen, None, npkts(wlen, cfg.mtu)))
+                    flow.add(Message(send, woff + wlen, 0, send.wire_bytes, 1))
+                else:
+                    flow.add(Message(send, woff, wlen, send.wire_bytes, npkts(wlen, cfg.mtu)))
 
     # -- queries ------------------------------------------------------------------
     def bucket_of(self, send: Send) -> Bucket:

@@ -152,7 +152,6 @@ class TreeSchedule(RingSchedule):
         for bid, chunks in _channel_chunks(self.cfg, bucket.count, size, self.nnodes):
             for child, parent in self.edges[bid]:
                 for conn, direction in (((child, parent, bid), 0), ((parent, child, bid), 1)):
-                    sends = self.sends[conn]
-                    for k, (off, nelem) in enumerate(chunks):
-                        self._emit(conn, Send(b, RS, off, nelem, wire_bytes(self.cfg.protocol, nelem, size),
-                                              len(sends), k, direction))
+                    first = len(self.sends[conn])
+                    self._emit(conn, [Send(b, RS, off, nelem, wire_bytes(self.cfg.protocol, nelem, size),
+                                           first + k, k, direction) for k, (off, nelem) in enumerate(chunks)])

@@ -71,6 +71,7 @@ from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
+from ckptd.core.schedule import Send
 
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
@@ -200,41 +201,45 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     conns = sorted(s0.sends)
     conn_ix = {c: i for i, c in enumerate(conns)}
     T, L = len(keys), len(layouts)
-    order = "big" if plan.ring.imm_big_endian else "little"
-    cols = {k: [] for k in ("m_start", "m_npkts", "m_wire_len", "m_wire_offset", "m_bucket",
-                            "m_offset", "m_nelem", "m_phase", "m_step", "m_ring_step", "m_imm", "m_has_imm", "m_keep")}
     tl_npkts = np.zeros((L, T), np.int64)
     tl_mlo = np.zeros((L, T), np.int64)
     tl_mhi = np.zeros((L, T), np.int64)
     tl_recv_off = np.zeros((L, T), np.int64)
     recv_total = np.zeros(L, np.int64)
+    msgs: list = []  # every message of every layout's timelines, in table order
+    starts: list = []
+    keep_from = []  # (first message, buffer broadcasts kept) of each layout
     for layout, sched in enumerate(layouts):
-        kept = plan.buffer_others(min(layout, 1))  # DDP's buffer broadcasts: the reference keeps them
+        keep_from.append((len(msgs), plan.buffer_others(min(layout, 1))))
         for t, key in enumerate(keys):
             fs = sched.flows[key]
-            tl_mlo[layout, t] = len(cols["m_start"])
-            msgs, sends = fs.messages, [m.send for m in fs.messages]
-            cols["m_start"] += fs.starts
-            cols["m_npkts"] += [m.npkts for m in msgs]
-            cols["m_wire_len"] += [m.wire_len for m in msgs]
-            cols["m_wire_offset"] += [m.wire_offset for m in msgs]
-            cols["m_bucket"] += [s.bucket for s in sends]
-            cols["m_offset"] += [s.offset for s in sends]
-            cols["m_nelem"] += [s.nelem for s in sends]
-            cols["m_phase"] += [s.phase for s in sends]
-            cols["m_step"] += [s.step for s in sends]
-            cols["m_ring_step"] += [s.ring_step for s in sends]
-            # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
-            cols["m_imm"] += [0 if m.imm is None else m.imm for m in msgs]
-            cols["m_has_imm"] += [m.imm is not None for m in msgs]
-            cols["m_keep"] += [s.bucket < 0 and -1 - s.bucket in kept for s in sends]
-            tl_mhi[layout, t] = len(cols["m_start"])
+            tl_mlo[layout, t] = len(msgs)
+            msgs += fs.messages
+            starts += fs.starts
+            tl_mhi[layout, t] = len(msgs)
             tl_npkts[layout, t] = fs.npkts
             tl_recv_off[layout, t] = recv_total[layout]
             recv_total[layout] += fs.npkts
-    arrays = {k: np.array(v, np.uint32 if k == "m_imm" else np.int64) for k, v in cols.items()}
-    if order == "big":  # the kernel reads the immediate's 4 wire bytes little-endian
+    # one pass over the Message and Send tuples per column group, not one per field
+    sends, wire_offset, wire_len, imm, counts = zip(*msgs) if msgs else ((),) * 5
+    send_cols = dict(zip(Send._fields, zip(*sends))) if sends else dict.fromkeys(Send._fields, ())
+    arrays = {f"m_{f}": np.array(send_cols[f], np.int64) for f in ("bucket", "offset", "nelem", "phase", "step",
+                                                                   "ring_step")}
+    # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
+    has_imm = np.array([i is not None for i in imm], bool)
+    arrays.update(m_start=np.array(starts, np.int64), m_npkts=np.array(counts, np.int64),
+                  m_wire_len=np.array(wire_len, np.int64), m_wire_offset=np.array(wire_offset, np.int64),
+                  m_imm=np.array([i or 0 for i in imm], np.uint32), m_has_imm=has_imm.astype(np.int64))
+    if plan.ring.imm_big_endian:  # the kernel reads the immediate's 4 wire bytes little-endian
         arrays["m_imm"] = arrays["m_imm"].byteswap()
+    # DDP's buffer broadcasts (other collectives -1-bucket): the reference keeps them
+    keep = np.zeros(len(msgs), bool)
+    bounds = [lo for lo, _ in keep_from[1:]] + [len(msgs)]
+    for (lo, kept), hi in zip(keep_from, bounds):
+        if kept:
+            b = arrays["m_bucket"][lo:hi]
+            keep[lo:hi] = (b < 0) & np.isin(-1 - b, list(kept))
+    arrays["m_keep"] = keep.astype(np.int64)
     nb = max(len(s0.buckets), len(s1.buckets), 1)
     b_itemsize = np.ones((L, nb), np.int64)
     b_count = np.zeros((L, nb), np.int64)

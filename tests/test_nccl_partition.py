@@ -57,22 +57,15 @@ def test_broadcast_partition_and_chunks_equal_nccls_own(path):
     of every channel's part, in order."""
     import numpy as np
 
-    from ckptd.core.schedule import BROADCAST_CHUNKSTEPS, Broadcast, RingSchedule, _ring_chunk_bytes
+    from ckptd.core.schedule import BROADCAST_CHUNKSTEPS, Broadcast, RingSchedule
     table = json.loads(path.read_text())
     version = _version(table)
     if version < (2, 22):
         _check_sends_before_2_22(table, allgather=False)
         return
     scheduled = 0
-    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
-        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
-        nc = forced or cfg.tune(nbytes)[0]
-        assert cbd_ranges(version, proto, nbytes, 1, comm_ch, nc, traffic_per_byte=1) == \
-            [(c, off, n) for c, off, n, _ in channels], (nbytes, nranks, comm_ch, proto, forced)
-        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, BROADCAST_CHUNKSTEPS)
-        assert all(ch == chunk for *_, ch in channels)
-        if forced or nbytes % 4 or nbytes > 1 << 22 or nranks > 3:
-            continue
+    for cfg, nbytes, nranks, comm_ch, channels in _rows_with_parts_checked(table, version, BROADCAST_CHUNKSTEPS,
+                                                                           per_rank=False):
         sched = RingSchedule(cfg, [], before=[Broadcast(nbytes // 4, np.dtype("float32"), 0)])
         for c in range(comm_ch):
             want = [((off + e) // 4, min(ch, n - e) // 4) for cc, off, n, ch in channels if cc == c
@@ -96,7 +89,7 @@ def test_allgather_partition_and_chunks_equal_nccls_own(path):
     cut into slices that tile it."""
     import numpy as np
 
-    from ckptd.core.schedule import ALLGATHER_CHUNKSTEPS, AllGather, RingSchedule, _ring_chunk_bytes
+    from ckptd.core.schedule import ALLGATHER_CHUNKSTEPS, AllGather, RingSchedule
     table = json.loads(path.read_text())
     assert table["function"].startswith("allgather")
     version = _version(table)
@@ -104,15 +97,8 @@ def test_allgather_partition_and_chunks_equal_nccls_own(path):
         _check_sends_before_2_22(table, allgather=True)
         return
     scheduled = 0
-    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
-        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
-        nc = forced or cfg.tune(nbytes * nranks)[0]
-        assert cbd_ranges(version, proto, nbytes, 1, comm_ch, nc, traffic_per_byte=nranks) == \
-            [(c, off, n) for c, off, n, _ in channels], (nbytes, nranks, comm_ch, proto, forced)
-        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, ALLGATHER_CHUNKSTEPS)
-        assert all(ch == chunk for *_, ch in channels)
-        if forced or nbytes % 4 or nbytes > 1 << 22 or nranks > 3:
-            continue
+    for cfg, nbytes, nranks, comm_ch, channels in _rows_with_parts_checked(table, version, ALLGATHER_CHUNKSTEPS,
+                                                                           per_rank=True):
         count = nbytes // 4
         sched = RingSchedule(cfg, [], before=[AllGather(count, np.dtype("float32"))])
         for c in range(comm_ch):
@@ -130,6 +116,23 @@ def test_allgather_partition_and_chunks_equal_nccls_own(path):
         scheduled += 1
     assert len(table["rows"]) > 1000 and scheduled > 50
 
+
+def _rows_with_parts_checked(table: dict, version, chunksteps: int, per_rank: bool):
+    """Every row of a 2.22+ broadcast or allgather table with its channel parts and chunk
+    size checked against ours (an allgather's count is per rank: tuned on nRanks times the
+    bytes, ncclFuncTrafficPerByte nRanks); yields (cfg, nbytes, nranks, comm_ch, channels)
+    of the rows small and unforced enough to schedule as well."""
+    from ckptd.core.schedule import _ring_chunk_bytes
+    for nbytes, nranks, comm_ch, proto, forced, channels in table["rows"]:
+        cfg = RingConfig(nranks, tuple(tuple(range(nranks)) for _ in range(comm_ch)), proto, version)
+        factor = nranks if per_rank else 1
+        nc = forced or cfg.tune(nbytes * factor)[0]
+        assert cbd_ranges(version, proto, nbytes, 1, comm_ch, nc, traffic_per_byte=factor) == \
+            [(c, off, n) for c, off, n, _ in channels], (nbytes, nranks, comm_ch, proto, forced)
+        chunk = _ring_chunk_bytes(proto, cfg.step_bytes, chunksteps)
+        assert all(ch == chunk for *_, ch in channels)
+        if not (forced or nbytes % 4 or nbytes > 1 << 22 or nranks > 3):
+            yield cfg, nbytes, nranks, comm_ch, channels
 
 def _check_sends_before_2_22(table: dict, allgather: bool, chunks=None):
     """NCCL 2.14-2.21: the tables list, per channel, rank 0's sends as NCCL's own runRing makes

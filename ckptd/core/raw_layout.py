@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 
 import torch
@@ -59,7 +60,7 @@ def decode_header(line: bytes, where: str) -> dict:
         for e in doc["tensors"]:
             e["dtype"] = dtype_named(e["dtype"])
             e["shape"] = [int(s) for s in e["shape"]]
-            if e["bytes"] != e["dtype"].itemsize * _numel(e["shape"]):
+            if e["bytes"] != e["dtype"].itemsize * math.prod(e["shape"]):
                 raise ValueError(f"{e['name']}: {e['bytes']} bytes for {e['dtype']}{e['shape']}")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{where}: bad raw checkpoint header: {err}") from None
@@ -76,9 +77,3 @@ def dtype_named(name: str) -> torch.dtype:
 def new_digest():
     return hashlib.blake2b(digest_size=16)
 
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -166,7 +166,7 @@ class Store:
             if self._call("reach", lambda: self.fs.exists(bucket), missing_ok=True):
                 return None
         except FileNotFoundError:
-            pass
+            pass  # some stores answer a missing bucket with FileNotFoundError rather than False
         return f"bucket {bucket!r} does not exist"
 
     def _call(self, what: str, fn, name: str | None = None, missing_ok: bool = False):

@@ -216,7 +216,11 @@ static void run_xdp(int ifindex, size_t umem_bytes, int generic, int huge, int b
     __atomic_store_n(fill.producer, n, __ATOMIC_RELEASE);
     struct sockaddr_xdp sx = {.sxdp_family = AF_XDP, .sxdp_ifindex = ifindex, .sxdp_queue_id = 0,
                               .sxdp_flags = XDP_COPY};
-    if (bind(fd, (struct sockaddr *)&sx, sizeof sx)) die("bind(AF_XDP)");
+    /* the previous run's socket lets go of the queue asynchronously: wait for it */
+    for (int tries = 0; bind(fd, (struct sockaddr *)&sx, sizeof sx); tries++) {
+        if (errno != EBUSY || tries == 50) die("bind(AF_XDP)");
+        usleep(100000);
+    }
 
     union bpf_attr a = {0};
     a.map_type = BPF_MAP_TYPE_XSKMAP;

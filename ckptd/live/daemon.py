@@ -89,6 +89,7 @@ class DaemonConfig:
     join_from: int | None = None  # joining: an iteration the job has surely reached
     capture_workers: bool = False  # one capture process per interface (ckptd.live.workers)
     busy_poll: bool = False  # capture workers spin on their ring instead of sleeping in poll(2)
+    huge_pages: str = "auto"  # the capture workers' shared memory: auto, on, off (ckptd.live.hugemem)
     cpus: list[int] | None = None  # the daemon's own process (the coordinator) is pinned to these
     keep_last: int = 10  # retention: the newest K checkpoints stay
     keep_every: int | None = None  # retention: and every M-th iteration's, for good
@@ -254,7 +255,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     base = path.parent
     known = {"plan", "init", "out", "interfaces", "listen", "log_level", "resume", "dump_gradients",
              "fast", "join", "join_from", "keep_last", "keep_every", "max_ring_memory", "user", "group",
-             "capture_workers", "busy_poll", "cpus", "agree_window_ms", "token_file", "status_details",
+             "capture_workers", "busy_poll", "huge_pages", "cpus", "agree_window_ms", "token_file", "status_details",
              "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
              "persist_interval_s", "persist_sync", "persist_url", "persist_options", "notice",
              "drop_capabilities"}
@@ -413,7 +414,7 @@ def _one_line(e: Exception) -> str:
 
 
 def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
-    """capture_workers, busy_poll, cpus and the interfaces' cpu, checked."""
+    """capture_workers, busy_poll, huge_pages, cpus and the interfaces' cpu, checked."""
     out = {}
     for key in ("capture_workers", "busy_poll"):
         v = doc.get(key, False)
@@ -435,6 +436,14 @@ def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
             raise ConfigError(f"{path}: interfaces[{k}].cpu pins a capture worker: set capture_workers: true")
     if out["busy_poll"] and not out["capture_workers"]:
         raise ConfigError(f"{path}: busy_poll applies to capture workers: set capture_workers: true")
+    from ckptd.live.hugemem import HUGE_PAGES
+    hp = doc.get("huge_pages", "auto")
+    hp = {True: "on", False: "off"}.get(hp, hp) if isinstance(hp, bool) else hp  # YAML reads on/off as booleans
+    if hp not in HUGE_PAGES:
+        raise ConfigError(f"{path}: 'huge_pages' must be one of {', '.join(HUGE_PAGES)}, not {doc['huge_pages']!r}")
+    if hp == "on" and not out["capture_workers"]:
+        raise ConfigError(f"{path}: huge_pages applies to capture workers' shared memory: set capture_workers: true")
+    out["huge_pages"] = hp
     if out["capture_workers"] and doc.get("fast") is False:
         raise ConfigError(f"{path}: capture_workers feed the fast path: they cannot be used with fast: false")
     return out
@@ -845,7 +854,7 @@ class Daemon:
         without a `cpu` of its own keeps the machine's CPUs."""
         from ckptd.live.workers import CaptureWorkers
         self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
-                                      busy_poll=self.cfg.busy_poll,
+                                      busy_poll=self.cfg.busy_poll, huge_pages=self.cfg.huge_pages,
                                       drop_capabilities=self.cfg.drop_capabilities)
         self.captures = list(self.workers.captures)
         if self.cfg.cpus:

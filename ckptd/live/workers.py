@@ -29,12 +29,12 @@ import select
 import signal
 import time
 from multiprocessing.connection import wait
-from multiprocessing.shared_memory import SharedMemory
 from typing import Iterator
 
 import numpy as np
 
 from ckptd.fast.batches import Batch
+from ckptd.live.hugemem import SharedArea
 from ckptd.live.ring import TURN_BYTES
 from parsers.frame import LINKTYPE_ETHERNET
 
@@ -57,14 +57,14 @@ def _layout(block_size: int) -> tuple[int, int, int]:
     return data, frames, data + _META * 8 * frames
 
 
-def _busy_flags(shm: SharedMemory, block_size: int) -> np.ndarray:
+def _busy_flags(shm: SharedArea, block_size: int) -> np.ndarray:
     """One byte per slot after the slots: 1 while the slot holds frames the coordinator
     has not processed yet. The worker sets it, the coordinator clears it: a slot goes
     back without a message (and the wakeup a message costs)."""
     return np.ndarray(SLOTS, np.uint8, shm.buf, SLOTS * _layout(block_size)[2])
 
 
-def _slot_views(shm: SharedMemory, slot: int, block_size: int):
+def _slot_views(shm: SharedArea, slot: int, block_size: int):
     nbytes, frames, size = _layout(block_size)
     base = slot * size
     data = np.ndarray(nbytes, np.uint8, shm.buf, base)
@@ -95,7 +95,7 @@ def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray,
 
 
 # -- the worker process ---------------------------------------------------------------------
-def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, busy_poll: bool,
+def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None, busy_poll: bool,
                  drop_capabilities: bool = False):
     """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
     the coordinator clears the slot's busy flag when done with it; ("stop",) ends the
@@ -106,7 +106,6 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
-    shm = SharedMemory(shm_name)  # (the coordinator's resource tracker: it unlinks it)
     try:
         cap = RingCapture(**spec)
     except OSError as e:
@@ -126,7 +125,7 @@ def _worker_main(stream: int, spec: dict, shm_name: str, conn, cpu: int | None, 
         cap.close()  # the coordinator is gone: nobody to hand frames to
 
 
-def _capture_loop(stream: int, cap, shm: SharedMemory, conn, busy_poll: bool):
+def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool):
     bs = cap.block_size
     per_slot = slot_blocks(bs)
     views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
@@ -182,6 +181,7 @@ class WorkerCapture:
                            "vlan_restored": 0, "errors": {}}
         self.received = 0  # frames that reached the coordinator
         self.pid: int | None = None
+        self.pages = ""  # what backs its shared-memory slots (ckptd.live.hugemem: hugetlb, thp, 4k)
         self.exitcode: int | None = None
         self.done = False
 
@@ -191,7 +191,8 @@ class WorkerCapture:
         # known (and only possible) once the worker has died
         lost = 0 if alive or self.done else max(0, self.last["packets"] - self.last["drops"] - self.received)
         return {"ifname": self.ifname, "netns": self.netns, **self.last,
-                "worker": {"pid": self.pid, "alive": alive, "exitcode": self.exitcode, "lost": lost}}
+                "worker": {"pid": self.pid, "alive": alive, "exitcode": self.exitcode, "lost": lost,
+                           "pages": self.pages}}
 
     def close(self):
         self.pool.close()
@@ -200,43 +201,41 @@ class WorkerCapture:
 class CaptureWorkers:
     """One capture process per interface (docs/DAEMON.md: workers, pinning, sizing)."""
 
-    def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False, drop_capabilities: bool = False):
+    def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False, drop_capabilities: bool = False,
+                 huge_pages: str = "auto"):
         ctx = mp.get_context("spawn")  # the daemon holds torch's threads: no fork
         self.captures: list[WorkerCapture] = []
-        self.shms: list[SharedMemory] = []
+        self.shms: list[SharedArea] = []
         self.conns, self.procs = [], []
         self._closed = False
         self._views: list[list] = []
         self._busy: list[np.ndarray] = []
-        if drop_capabilities:  # the shared memory's tracker process: started without any
-            from ckptd.live.privilege import start_resource_tracker_unprivileged
-            start_resource_tracker_unprivileged()
         try:
-            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities)
+            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages)
         except BaseException:
             self.close()  # no shared memory or process left behind
             raise
         self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
         self._start()
 
-    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities=False):
+    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages):
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
                     "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
-            shm = SharedMemory(create=True, size=SLOTS * _layout(i.block_size)[2] + SLOTS)
+            shm = SharedArea(SLOTS * _layout(i.block_size)[2] + SLOTS, huge_pages)
             self.shms.append(shm)
             self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
             self._busy.append(_busy_flags(shm, i.block_size))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(k, spec, shm.name, child, i.cpu, busy_poll, drop_capabilities),
+            p = ctx.Process(target=_worker_main, args=(k, spec, shm, child, i.cpu, busy_poll, drop_capabilities),
                             name=f"ckptd-capture-{i.name}", daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
             wc = WorkerCapture(self, k, i.ifname, i.netns)
-            wc.pid = p.pid
+            wc.pid, wc.pages = p.pid, shm.pages
             self.captures.append(wc)
 
     def _start(self):
@@ -320,7 +319,6 @@ class CaptureWorkers:
                 shm.close()
             except BufferError:
                 pass  # a Batch still points into it: the mapping goes with the last one
-            shm.unlink()
 
 
 __all__ = ["CaptureWorkers", "WorkerCapture", "SLOTS"]

@@ -11,7 +11,8 @@ of a SharedArea, slot after slot, as a worker does. Per kind of page backing the
 (ckptd.live.hugemem: hugetlb when vm.nr_hugepages has room, thp when shmem_enabled
 honours MADV_HUGEPAGE, and 4k), alternating in each round:
 - start-up: minor page faults and seconds of the first pass over all slots (a fresh area);
-- steady state: CPU-seconds per million frames over --passes passes over all slots.
+- steady state: CPU-seconds per million frames over --passes passes over all slots;
+- ShmemHugePages (/proc/meminfo) while the area is mapped: whether THP took.
 Kinds the machine cannot give are skipped and said so.
 """
 from __future__ import annotations
@@ -42,17 +43,31 @@ def ring_batch(block: int, frame: int, blocks: int):
 
 def area_for(pages: str, block: int):
     """A fresh SharedArea of a worker's size backed by `pages`, or None where the machine has none."""
-    from ckptd.live.hugemem import SharedArea
+    from ckptd.live import hugemem
     from ckptd.live.workers import SLOTS, _layout
     mode = "off" if pages == "4k" else "on"
+    hugetlb = hugemem._hugetlb_fd
+    if pages == "thp":  # past a reserved hugetlb pool, which `on` would take first
+        hugemem._hugetlb_fd = _no_pool
     try:
-        a = SharedArea(SLOTS * _layout(block)[2] + SLOTS, mode)
+        a = hugemem.SharedArea(SLOTS * _layout(block)[2] + SLOTS, mode)
     except OSError:
         return None
+    finally:
+        hugemem._hugetlb_fd = hugetlb
     if a.pages != pages:
         a.close()
         return None
     return a
+
+
+def _no_pool(nbytes):
+    raise OSError("hugetlb pool bypassed")
+
+
+def shmem_huge_kib() -> int:
+    """ShmemHugePages of /proc/meminfo: shared memory in transparent huge pages now."""
+    return next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("ShmemHugePages:"))
 
 
 def one(pages: str, batch, block: int, passes: int):
@@ -76,13 +91,14 @@ def one(pages: str, batch, block: int, passes: int):
     for _ in range(-(-SLOTS // len(pieces))):
         sweep()
     first = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0, time.perf_counter() - t0)
+    thp_kib = shmem_huge_kib()
     c0, frames = time.process_time(), 0
     for _ in range(passes):
         frames += sweep()
     cpu = time.process_time() - c0
-    del views
+    views = None  # its arrays hold the area's buffer: let go before closing
     a.close()
-    return first, cpu / frames * 1e6
+    return first, cpu / frames * 1e6, thp_kib
 
 
 def _slice(b, lo, hi):
@@ -106,18 +122,18 @@ def main(argv=None) -> int:
     hp = {k: v for k, v in (line.split(":") for line in open("/proc/meminfo") if line.startswith("HugePages_"))}
     print(f"{len(batch)} frames of {a.frame_bytes} bytes in {SLOTS * slot_blocks(block)} blocks of {a.block_kib} KiB; "
           f"shmem THP: {thp_policy()}; HugePages_Free: {hp['HugePages_Free'].strip()}")
-    print("| pages | round | start-up minor faults | start-up ms | CPU-s per M frames (copy) | load |")
-    print("|---|---|---|---|---|---|")
+    print("| pages | round | start-up minor faults | start-up ms | CPU-s per M frames (copy) | ShmemHugePages KiB | load |")
+    print("|---|---|---|---|---|---|---|")
     kinds = ["4k", "hugetlb", "thp"]
     for r in range(a.rounds):
         for pages in (kinds if r % 2 == 0 else kinds[::-1]):
             got = one(pages, batch, block, a.passes)
             load = open("/proc/loadavg").read().split()[0]
             if got is None:
-                print(f"| {pages} | {r} | (none on this machine) | | | {load} |")
+                print(f"| {pages} | {r} | (none on this machine) | | | | {load} |")
                 continue
-            (faults, secs), per_m = got
-            print(f"| {pages} | {r} | {faults} | {secs * 1e3:.1f} | {per_m:.3f} | {load} |", flush=True)
+            (faults, secs), per_m, thp_kib = got
+            print(f"| {pages} | {r} | {faults} | {secs * 1e3:.1f} | {per_m:.3f} | {thp_kib} | {load} |", flush=True)
     return 0
 
 

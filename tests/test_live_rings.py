@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,15 +139,36 @@ def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path)
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
-@pytest.mark.parametrize("workers,busy", [(False, False), (True, False), (True, True)],
-                         ids=["in-process", "capture-workers", "capture-workers-busy-poll"])
-def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, workers, busy):
+@pytest.fixture
+def huge_page_pool():
+    """16 more 2 MiB pages in the hugetlb pool while the test runs."""
+    pool = Path("/proc/sys/vm/nr_hugepages")
+    before = int(pool.read_text())
+    try:
+        pool.write_text(str(before + 16))
+    except OSError as e:
+        pytest.skip(f"cannot reserve huge pages: {e}")
+    if int(pool.read_text()) < before + 16:
+        pool.write_text(str(before))
+        pytest.skip("the kernel found no memory for 16 huge pages")
+    yield
+    pool.write_text(str(before))
+
+
+@pytest.mark.parametrize("workers,busy,huge", [(False, False, "auto"), (True, False, "off"), (True, True, "off"),
+                                               (True, False, "on"), (True, False, "auto")],
+                         ids=["in-process", "capture-workers", "capture-workers-busy-poll",
+                              "capture-workers-huge-pages-on", "capture-workers-huge-pages-auto"])
+def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, request, workers, busy, huge):
     """The same traffic into rings that hold it: no drops, every iteration committed
     bit-exact, exit status 0; read in the daemon's process (ring blocks indexed in
-    place) or by a capture worker process per interface (blocks through shared memory),
-    sleeping in poll(2) or spinning on the ring."""
+    place) or by a capture worker process per interface (blocks through shared memory
+    in 4 KiB pages, hugetlb pages with huge_pages: on, whatever the machine has with
+    auto), sleeping in poll(2) or spinning on the ring."""
+    if huge == "on":
+        request.getfixturevalue("huge_page_pool")
     cfg = daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16, block_nr=64, retire_ms=10)
-    cfg.busy_poll = busy
+    cfg.busy_poll, cfg.huge_pages = busy, huge
     daemon = Daemon(cfg)
     rc = run_until_done(daemon, run, links[0])
     caps = [c.stats() for c in daemon.captures]
@@ -160,6 +182,11 @@ def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, worker
     if workers:
         assert all(c["worker"]["alive"] is False and c["worker"]["lost"] == 0 for c in caps)
         assert len({c["worker"]["pid"] for c in caps}) == 2
+        pages = {c["worker"]["pages"] for c in caps}
+        if huge == "auto":  # whatever the machine has: the same for both workers
+            assert len(pages) == 1 and pages <= {"hugetlb", "thp", "4k"}
+        else:
+            assert pages == {"on": {"hugetlb"}, "off": {"4k"}}[huge]
 
 
 def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, links, tmp_path):
@@ -204,6 +231,10 @@ def test_capture_worker_config_is_checked(run, tmp_path):
 
     ok = cfg("capture_workers: true\nbusy_poll: true\ncpus: [0]\n", ", cpu: 0")
     assert ok.capture_workers and ok.busy_poll and ok.cpus == [0] and ok.interfaces[0].cpu == 0
+    assert ok.huge_pages == "auto"
+    for text, want in [("on", "on"), ("off", "off"), ("auto", "auto"), ("true", "on"), ("'off'", "off")]:
+        assert cfg(f"capture_workers: true\nhuge_pages: {text}\n").huge_pages == want
+    assert cfg("huge_pages: off\n").huge_pages == "off"  # no workers: nothing to put in huge pages anyway
     for extra, iface, msg in [
         ("capture_workers: yes please\n", "", "'capture_workers' must be true or false"),
         ("busy_poll: true\n", "", "busy_poll applies to capture workers"),
@@ -212,6 +243,8 @@ def test_capture_worker_config_is_checked(run, tmp_path):
         ("cpus: [0, -1]\n", "", "'cpus' must be a list of CPU numbers"),
         ("cpus: 0\n", "", "'cpus' must be a list"),
         ("capture_workers: true\nfast: false\n", "", "cannot be used with fast: false"),
+        ("capture_workers: true\nhuge_pages: always\n", "", "'huge_pages' must be one of auto, on, off, not 'always'"),
+        ("huge_pages: on\n", "", "huge_pages applies to capture workers' shared memory"),
     ]:
         with pytest.raises(ConfigError, match=msg):
             cfg(extra, iface)

@@ -33,6 +33,8 @@ log = logging.getLogger("ckptd")
 CAP_NET_RAW = 13
 CAP_SETPCAP = 8
 PR_SET_KEEPCAPS = 8
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
@@ -146,6 +148,37 @@ def drop_capabilities(key: str = "drop_capabilities") -> None:
              f"{' '.join(cap_names((eff | bnd) & ~keep_bnd)) or 'none held'}; none kept{left}",
              extra={"fields": {"threads": threads, "dropped": cap_names((eff | bnd) & ~keep_bnd), "kept": [],
                                "bounding_left": cap_names(keep_bnd), "no_new_privs": True}})
+
+
+def start_resource_tracker_unprivileged(key: str = "drop_capabilities") -> None:
+    """multiprocessing's resource tracker (a child process that unlinks the capture
+    workers' shared memory) is started before the rings are open, so no later drop
+    reaches it: start it now from a short-lived thread that has dropped every capability
+    of its own first (capabilities are per thread, and a root execve gains nothing with an
+    empty bounding set and no_new_privs), so the tracker never holds one."""
+    from multiprocessing import resource_tracker
+    if getattr(resource_tracker._resource_tracker, "_pid", None) is not None:
+        return  # already running (started earlier by this process): nothing to do
+    box: dict = {}
+
+    def body():
+        try:
+            for cap in range(_last_cap() + 1):
+                if _libc.prctl(PR_CAPBSET_READ, ctypes.c_ulong(cap), 0, 0, 0) == 1:
+                    _prctl(PR_CAPBSET_DROP, cap, "drop capability from the bounding set", key)
+            data = (_CapData * 2)(_CapData(0, 0, 0), _CapData(0, 0, 0))
+            if _libc.capset(ctypes.byref(_CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)), data) != 0:
+                raise PrivilegeError(f"{key}: capset: {os.strerror(ctypes.get_errno())}")
+            _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs", key)
+            resource_tracker.ensure_running()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=body, name="ckptd-tracker-start")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
 
 
 def _bounding() -> int:

@@ -210,6 +210,9 @@ class CaptureWorkers:
         self._closed = False
         self._views: list[list] = []
         self._busy: list[np.ndarray] = []
+        if drop_capabilities:  # spawning starts multiprocessing's resource tracker: without any capability
+            from ckptd.live.privilege import start_resource_tracker_unprivileged
+            start_resource_tracker_unprivileged()
         try:
             self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages)
         except BaseException:

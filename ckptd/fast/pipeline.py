@@ -482,10 +482,7 @@ def collector_paused():
     thousands of schedule objects and binding flows holds thousands of packets, and each
     full collection they set off walks torch's and numpy's object graphs too: 0.09 s more
     on every other replay of issue 16's scenario (benchmarks/RESULTS.md). Neither makes
-    reference cycles; collection resumes afterwards. fast_replay keeps it paused through
-    the finish too: re-enabled before it, the collector ran a full collection (0.10 s)
-    inside one replay in 12 there, set off by the objects the replay made; now that comes
-    after the replay returns, if at all (`ckptd replay` exits)."""
+    reference cycles; collection resumes afterwards."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -703,10 +700,10 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
             pipe.yield_to_commit = reader.pause
             for batch in reader:
                 pipe.run_batch(batch)
-            pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}
-            pipe.finish()
     finally:
         reader.close()
+    pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}
+    pipe.finish()
     return pipe
 
 

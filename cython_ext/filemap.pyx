@@ -14,6 +14,20 @@ pipeline's reader thread indexes the records and checks the ICRCs, so it, not th
 thread that places, pays for that. Pages behind the reader's consumer are released
 (`release_before`), so the resident size stays bounded.
 
+Huge pages: each file is mapped at a 2 MiB-aligned address (its offset 0 is aligned too)
+with MADV_HUGEPAGE. Where the page cache holds the file in PMD-sized folios, a fault maps
+2 MiB with one PMD entry (Linux v6.18 mm/filemap.c filemap_map_pages -> filemap_map_pmd
+-> mm/memory.c do_set_pmd, which asks for the folio to be PMD-order and the virtual
+address and file offset to agree modulo 2 MiB: thp_vma_suitable_order), so 446 MB map in
+~220 faults instead of ~109k PTEs set by ~7k faults (16 pages a fault-around), and
+releasing them is a PMD clear each. VM_HUGEPAGE also makes a read fault on a page not in
+the cache read ahead a whole PMD folio (mm/filemap.c do_sync_mmap_readahead ->
+page_cache_ra_order), so a capture read from disk through this mapping lands in PMD
+folios for the next replay too. A file
+cached in smaller folios (written in small writes, e.g. tcpdump's) is mapped with PTEs
+exactly as without the advice; the kernel does not regroup cached folios here
+(MADV_COLLAPSE of a file needs CONFIG_READ_ONLY_THP_FOR_FS).
+
 A file that shrinks while it is mapped (a capture rotated or truncated under the replay)
 makes reads past its new end fault with SIGBUS. Nothing read from such a page can be
 trusted, and a fault can come in the middle of the kernel placing a frame, so there is
@@ -28,7 +42,7 @@ from cpython.buffer cimport PyBUF_WRITABLE
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t
 from posix.mman cimport (MADV_DONTNEED, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_NORESERVE,
-                         MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ, madvise, mmap, munmap)
+                         MAP_PRIVATE, MAP_SHARED, MADV_HUGEPAGE, PROT_NONE, PROT_READ, madvise, mmap, munmap)
 
 cdef extern from *:
     """
@@ -89,6 +103,9 @@ cdef extern from *:
 
 
 cdef size_t PAGE = os.sysconf("SC_PAGE_SIZE")
+# where each file starts in the range and how releases are rounded: a PMD's span (x86-64,
+# arm64 with 4 KiB pages), so the page cache's PMD-sized folios can be mapped whole
+cdef size_t HUGE = 2 << 20
 # release_before unmaps at least this much at a time: unmapping flushes the TLBs of every
 # core running the process (an interrupt each), per call
 cdef size_t RELEASE_GRAIN = 64 << 20
@@ -104,7 +121,8 @@ cdef class MappedFiles:
     """Read-only buffer of files k = 0, 1, ...: file k's bytes are
     buf[starts[k]:starts[k] + sizes[k]]. Unmapped when the last view of it goes."""
 
-    cdef uint8_t *base
+    cdef uint8_t *base  # HUGE-aligned, inside the reservation
+    cdef uint8_t *reservation
     cdef size_t reserved
     cdef Py_ssize_t length
     cdef Py_ssize_t shape[1]
@@ -114,7 +132,7 @@ cdef class MappedFiles:
     cdef list guards  # per file: its SIGBUS guard slot, and the message the slot points at
 
     def __cinit__(self, paths):
-        self.base = NULL
+        self.base = self.reservation = NULL
         self.starts, self.sizes, self.guards = [], [], []
         fds = []
         try:
@@ -125,16 +143,19 @@ cdef class MappedFiles:
             pos = 0
             for n in self.sizes:
                 self.starts.append(pos)
-                pos += -(-n // PAGE) * PAGE
-            self.reserved = pos + PAGE  # never 0
-            self.base = <uint8_t *>mmap(NULL, self.reserved, PROT_NONE,
-                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-            if self.base == <uint8_t *>MAP_FAILED:
-                self.base = NULL
+                pos += -(-n // HUGE) * HUGE
+            self.reserved = pos + HUGE  # never 0; room to align the base
+            self.reservation = <uint8_t *>mmap(NULL, self.reserved, PROT_NONE,
+                                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+            if self.reservation == <uint8_t *>MAP_FAILED:
+                self.reservation = NULL
                 raise OSError(errno, os.strerror(errno))
+            self.base = <uint8_t *>((<size_t>self.reservation + HUGE - 1) & ~(HUGE - 1))
             for p, fd, at, n in zip(paths, fds, self.starts, self.sizes):
                 if n and mmap(self.base + <size_t>at, n, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED:
                     raise OSError(errno, os.strerror(errno), str(p))
+                # advice only: where THP is not built in (EINVAL) the mapping stays as it is
+                madvise(self.base + <size_t>at, n, MADV_HUGEPAGE)
                 self._guard(p, at, n)
         finally:
             for fd in fds:
@@ -154,8 +175,8 @@ cdef class MappedFiles:
     def __dealloc__(self):
         for slot, _ in self.guards or ():
             ckptd_guard_drop(slot)
-        if self.base != NULL:
-            munmap(self.base, self.reserved)
+        if self.reservation != NULL:
+            munmap(self.reservation, self.reserved)
 
     def __len__(self):
         return self.length
@@ -164,13 +185,14 @@ cdef class MappedFiles:
         """The pages wholly before byte pos of the buffer, in the file that holds pos,
         are read no more: unmap them (MADV_DONTNEED; the page cache keeps them, a later
         read maps them again), so the process's resident size stays at what is in
-        flight, not the captures' size."""
+        flight, not the captures' size. Whole 2 MiB spans only: a part of one would
+        clear a PMD mapping that the pages after pos still use."""
         cdef Py_ssize_t k = len(self.starts) - 1
         while k > 0 and self.starts[k] > pos:
             k -= 1
         if k < 0:
             return
-        cdef size_t lo = self.released[k], hi = (<size_t>pos // PAGE) * PAGE
+        cdef size_t lo = self.released[k], hi = (<size_t>pos // HUGE) * HUGE
         if hi < lo + RELEASE_GRAIN:
             return  # in big steps: each call interrupts every core the process runs on
         with nogil:

@@ -419,6 +419,72 @@ def test_mapped_pages_behind_the_reader_are_released(tmp_path):
     np.testing.assert_array_equal(buf, data)
 
 
+PMD = 2 << 20
+
+
+def _file_pmd_mapped_kb(lo: int, hi: int) -> int:
+    """FilePmdMapped of this process's mappings inside [lo, hi)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = lo <= a and b <= hi
+        elif inside and head == "FilePmdMapped:":
+            total += int(line.split()[1])
+    return total
+
+
+def test_each_mapped_file_starts_on_a_pmd_boundary(tmp_path):
+    """Files of sizes that are not multiples of anything still start 2 MiB-aligned in the
+    buffer and in memory (what a PMD mapping of the page cache needs), bytes intact."""
+    rng = np.random.default_rng(2)
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4097, 3 * PMD + 5, 1, PMD)]
+    paths = []
+    for k, d in enumerate(datas):
+        paths.append(str(tmp_path / f"f{k}"))
+        d.tofile(paths[-1])
+    files = MappedFiles(paths)
+    buf = np.frombuffer(files, np.uint8)
+    for d, start, size in zip(datas, files.starts, files.sizes):
+        assert size == len(d) and start % PMD == 0 and (buf.ctypes.data + start) % PMD == 0
+        np.testing.assert_array_equal(buf[start:start + size], d)
+
+
+def _thp_for_files() -> bool:
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    return "[never]" not in thp and release >= (6, 16)  # ext4's large folios: Linux 6.16
+
+
+def test_a_capture_read_from_disk_is_mapped_with_pmd_entries(tmp_path):
+    """A file not in the page cache, read through the mapping, comes in as PMD-sized
+    folios (MADV_HUGEPAGE readahead) and is mapped 2 MiB at a time; releasing the pages
+    behind a position unmaps them."""
+    if not _thp_for_files():
+        pytest.skip("no transparent huge pages for file mappings on this kernel")
+    data = np.random.default_rng(3).integers(0, 256, 70 << 20, dtype=np.uint8)
+    path = tmp_path / "cold"
+    data.tofile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+    finally:
+        os.close(fd)
+    files = MappedFiles([str(path)])
+    buf = np.frombuffer(files, np.uint8)
+    lo = buf.ctypes.data
+    np.testing.assert_array_equal(buf, data)
+    assert _file_pmd_mapped_kb(lo, lo + len(buf)) >= (32 << 10)  # most of the 70 MiB
+    files.release_before(len(buf) - 1)
+    assert _file_pmd_mapped_kb(lo, lo + len(buf)) < (8 << 10)
+    np.testing.assert_array_equal(buf, data)
+
+
 def test_a_capture_that_shrinks_under_the_mapping_stops_in_one_line(tmp_path):
     """A file truncated while mapped faults on read (SIGBUS): the process ends with exit 2
     and one line naming the file, not a core dump."""

@@ -151,8 +151,9 @@ def drop_capabilities(key: str = "drop_capabilities") -> None:
 
 
 def start_resource_tracker_unprivileged(key: str = "drop_capabilities") -> None:
-    """multiprocessing's resource tracker (a child process that unlinks the capture
-    workers' shared memory) is started before the rings are open, so no later drop
+    """multiprocessing's resource tracker (a child process that spawning the capture
+    workers starts, whether or not any shared memory is named: their slots are memfds
+    now) is started before the rings are open, so no later drop
     reaches it: start it now from a short-lived thread that has dropped every capability
     of its own first (capabilities are per thread, and a root execve gains nothing with an
     empty bounding set and no_new_privs), so the tracker never holds one."""

@@ -1,0 +1,164 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Frames out of a PACKET_TX_RING (TPACKET_V2), paced by the monotonic clock.
+
+ckptd.testing.txring opens the socket and maps the ring; `send_paced` fills ring slots
+with frames already in memory and hands each batch of slots to the kernel with one
+send(2), so a frame costs a copy into the ring and the kernel's transmit, not a
+system call. Layouts and the slot protocol: include/uapi/linux/if_packet.h,
+Documentation/networking/packet_mmap.rst ("Transmission process"), net/packet/af_packet.c
+tpacket_snd.
+
+A slot is TP_STATUS_AVAILABLE (ours to fill) until we set TP_STATUS_SEND_REQUEST; send()
+turns the requested slots into skbs and, without MSG_DONTWAIT, returns once every one
+of them is done with (the kernel sets each back to AVAILABLE from the skb's
+destructor). So after a send() that succeeded every slot is free again, and a slot left
+TP_STATUS_WRONG_FORMAT names the frame the kernel refused. A frame the device dropped
+(veth: the receiver's backlog full) comes back as a SEND_REQUEST slot and send() fails
+with ENOBUFS: calling send() again retries exactly the frames not yet taken.
+"""
+from libc.errno cimport EAGAIN, EINTR, ENOBUFS, errno
+from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <time.h>
+    #include <sched.h>
+    #include <sys/socket.h>
+    /* The slot status word is shared with the kernel: read it with acquire order,
+     * publish a filled slot with release order (its bytes and length first). */
+    static inline uint32_t ckptd_tx_status(const uint8_t *p) {
+        return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE);
+    }
+    static inline void ckptd_tx_publish(uint8_t *p, uint32_t v) {
+        __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE);
+    }
+    static inline void ckptd_tx_set_len(uint8_t *p, uint32_t v) { __builtin_memcpy(p, &v, 4); }
+    static inline double ckptd_mono(void) {
+        struct timespec t;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    }
+    static inline void ckptd_sleep_until(double when) {
+        struct timespec t;
+        t.tv_sec = (time_t)when;
+        t.tv_nsec = (long)((when - (double)t.tv_sec) * 1e9);
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) != 0) {}
+    }
+    static inline long ckptd_tx_flush(int fd) { return (long)send(fd, NULL, 0, 0); }
+    """
+    uint32_t tx_status "ckptd_tx_status"(const uint8_t *p) nogil
+    void tx_publish "ckptd_tx_publish"(uint8_t *p, uint32_t v) nogil
+    void tx_set_len "ckptd_tx_set_len"(uint8_t *p, uint32_t v) nogil
+    double mono "ckptd_mono"() nogil
+    void sleep_until "ckptd_sleep_until"(double when) nogil
+    long tx_flush "ckptd_tx_flush"(int fd) nogil
+    int sched_yield() nogil
+
+# struct tpacket2_hdr
+DEF HDR_LEN = 4
+DEF DATA = 32             # TPACKET2_HDRLEN - sizeof(struct sockaddr_ll): where the frame goes
+DEF TP_STATUS_AVAILABLE = 0
+DEF TP_STATUS_SEND_REQUEST = 1
+DEF TP_STATUS_WRONG_FORMAT = 4
+DEF MAX_RETRIES = 1000000  # ENOBUFS answers in a row before giving up (~seconds of a stuck path)
+
+
+class TxRingError(OSError):
+    """send(2) on the TX ring failed; .frame is the index of the frame it refused, or -1."""
+
+    def __init__(self, err, msg, frame=-1):
+        super().__init__(err, msg)
+        self.frame = frame
+
+
+def send_paced(uint8_t[::1] ring, int fd, int64_t block_size, int64_t frame_size, int64_t slots,
+               int64_t head, const uint8_t[::1] buf, const int64_t[::1] offsets,
+               const int64_t[::1] lengths, double pps, int64_t batch, double tick):
+    """Send frames (buf[offsets[i]:offsets[i] + lengths[i]], in order) through the ring,
+    `batch` slots to a send(2) at most, starting at slot `head`.
+
+    pps > 0 paces to pps frames per second from the first frame: frame i is not handed
+    over before start + i/pps; when none is due the sender sleeps (absolute monotonic
+    deadline) until at least `tick` seconds' worth of frames are, so a batch is never
+    a single frame because of the clock. pps <= 0 sends as fast as the ring goes.
+
+    Returns (frames, bytes, seconds, sends, retries, head): seconds from just before
+    the first frame to the return of the send(2) that carried the last; retries is the
+    ENOBUFS/EAGAIN answers retried; head the next slot to fill (for the next call)."""
+    cdef int64_t n = offsets.shape[0], i = 0, m, k, due, slot, nbytes = 0, sends = 0, retries = 0
+    cdef int64_t per_block = block_size // frame_size, first, gap, tries
+    cdef int64_t quantum = 1
+    cdef uint8_t *base = &ring[0]
+    cdef uint8_t *p
+    cdef const uint8_t *src = &buf[0] if buf.shape[0] else NULL
+    cdef uint32_t status = 0
+    cdef long r
+    cdef int err = 0
+    cdef double t0, now
+    if pps > 0 and pps * tick > 1:
+        quantum = <int64_t>(pps * tick)
+    with nogil:
+        t0 = mono()
+        while i < n:
+            if pps > 0:
+                now = mono()
+                due = <int64_t>((now - t0) * pps) + 1   # frames 0..due-1 may go by now
+                if due > n:
+                    due = n
+                if due <= i:
+                    sleep_until(t0 + <double>(i + quantum - 1) / pps)
+                    continue
+                m = due - i
+            else:
+                m = n - i
+            if m > batch:
+                m = batch
+            first = head
+            for k in range(m):
+                slot = head
+                p = base + (slot // per_block) * block_size + (slot % per_block) * frame_size
+                status = tx_status(p)
+                if status != TP_STATUS_AVAILABLE:
+                    # Not seen after a send() that returned: only if the kernel kept a slot.
+                    err = -2
+                    break
+                memcpy(p + DATA, src + offsets[i], lengths[i])
+                tx_set_len(p + HDR_LEN, <uint32_t>lengths[i])
+                tx_publish(p, TP_STATUS_SEND_REQUEST)
+                nbytes += lengths[i]
+                i += 1
+                head = head + 1 if head + 1 < slots else 0
+            tries = 0
+            while True:
+                sends += 1
+                r = tx_flush(fd)
+                if r >= 0:
+                    break
+                if errno == EINTR or errno == ENOBUFS or errno == EAGAIN:
+                    retries += 1
+                    tries += 1
+                    if tries > MAX_RETRIES:
+                        err = errno
+                        break
+                    sched_yield()  # let the receiving side drain
+                    continue
+                err = errno
+                break
+            if err:
+                break
+        now = mono()
+    if err == -2:
+        raise TxRingError(0, f"TX ring slot {head} still owned by the kernel after send() returned "
+                             f"(status {status})", i)
+    if err:
+        # the frame the kernel refused: the WRONG_FORMAT slot among those just filled
+        gap = ((head - first) % slots + slots) % slots
+        for k in range(gap):
+            slot = (first + k) % slots
+            p = base + (slot // per_block) * block_size + (slot % per_block) * frame_size
+            if tx_status(p) == TP_STATUS_WRONG_FORMAT:
+                raise TxRingError(err, "send", i - gap + k)
+        raise TxRingError(err, "send", -1)
+    return i, nbytes, now - t0, sends, retries, head

@@ -8,17 +8,27 @@ system call. Layouts and the slot protocol: include/uapi/linux/if_packet.h,
 Documentation/networking/packet_mmap.rst ("Transmission process"), net/packet/af_packet.c
 tpacket_snd.
 
-A slot is TP_STATUS_AVAILABLE (ours to fill) until we set TP_STATUS_SEND_REQUEST; send()
-turns the requested slots into skbs and, without MSG_DONTWAIT, returns once every one
-of them is done with (the kernel sets each back to AVAILABLE from the skb's
-destructor). So after a send() that succeeded every slot is free again, and a slot left
-TP_STATUS_WRONG_FORMAT names the frame the kernel refused. A frame the device dropped
+A slot is TP_STATUS_AVAILABLE (ours to fill) until we set TP_STATUS_SEND_REQUEST;
+send(MSG_DONTWAIT) turns the requested slots into skbs and returns without waiting for
+them, so the next batch is filled while the last is still on its way; the kernel sets
+each slot back to AVAILABLE from the skb's destructor (TP_STATUS_SENDING until then).
+When the ring comes round to a slot still in flight, poll(POLLOUT) sleeps until the
+slot at the kernel's head (ours) is free. A slot left TP_STATUS_WRONG_FORMAT names the
+frame the kernel refused (send() fails with its errno). A frame the device dropped
 (veth: the receiver's backlog full) comes back as a SEND_REQUEST slot and send() fails
-with ENOBUFS: calling send() again retries exactly the frames not yet taken.
+with ENOBUFS: calling send() again retries exactly the frames not yet taken. (Sending
+with a wait for every batch instead measured the same here.)
+
+The skbs point into the ring's pages; the kernel marks them zero-copy
+(skb_zcopy_set_nouarg in tpacket_fill_skb), so a veth copies those bytes before it lets
+the slot go (skb_orphan_frags in ____dev_forward_skb, include/linux/netdevice.h): a slot refilled early cannot change a
+frame already on its way.
 """
-from libc.errno cimport EAGAIN, EINTR, ENOBUFS, errno
+from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOBUFS, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.string cimport memcpy
+
+import numpy as np
 
 cdef extern from *:
     """
@@ -26,6 +36,7 @@ cdef extern from *:
     #include <time.h>
     #include <sched.h>
     #include <sys/socket.h>
+    #include <poll.h>
     /* The slot status word is shared with the kernel: read it with acquire order,
      * publish a filled slot with release order (its bytes and length first). */
     static inline uint32_t ckptd_tx_status(const uint8_t *p) {
@@ -46,14 +57,21 @@ cdef extern from *:
         t.tv_nsec = (long)((when - (double)t.tv_sec) * 1e9);
         while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) != 0) {}
     }
-    static inline long ckptd_tx_flush(int fd) { return (long)send(fd, NULL, 0, 0); }
+    static inline long ckptd_tx_flush(int fd, int flags) { return (long)send(fd, NULL, 0, flags); }
     """
     uint32_t tx_status "ckptd_tx_status"(const uint8_t *p) nogil
     void tx_publish "ckptd_tx_publish"(uint8_t *p, uint32_t v) nogil
     void tx_set_len "ckptd_tx_set_len"(uint8_t *p, uint32_t v) nogil
     double mono "ckptd_mono"() nogil
     void sleep_until "ckptd_sleep_until"(double when) nogil
-    long tx_flush "ckptd_tx_flush"(int fd) nogil
+    long tx_flush "ckptd_tx_flush"(int fd, int flags) nogil
+    int MSG_DONTWAIT
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    short POLLOUT
+    int poll(pollfd *fds, unsigned long nfds, int timeout) nogil
     int sched_yield() nogil
 
 # struct tpacket2_hdr
@@ -84,19 +102,23 @@ def send_paced(uint8_t[::1] ring, int fd, int64_t block_size, int64_t frame_size
     deadline) until at least `tick` seconds' worth of frames are, so a batch is never
     a single frame because of the clock. pps <= 0 sends as fast as the ring goes.
 
-    Returns (frames, bytes, seconds, sends, retries, head): seconds from just before
-    the first frame to the return of the send(2) that carried the last; retries is the
-    ENOBUFS/EAGAIN answers retried; head the next slot to fill (for the next call)."""
-    cdef int64_t n = offsets.shape[0], i = 0, m, k, due, slot, nbytes = 0, sends = 0, retries = 0
-    cdef int64_t per_block = block_size // frame_size, first, gap, tries
+    Returns (frames, bytes, seconds, sends, retries, waits, head): seconds from just
+    before the first frame until the kernel is done with the last; retries is the
+    ENOBUFS/EAGAIN answers retried, waits the times the next slot was still in flight;
+    head the next slot to fill (for the next call)."""
+    cdef int64_t n = offsets.shape[0], i = 0, m, k, due, nbytes = 0, sends = 0, retries = 0, waits = 0
+    cdef int64_t per_block = block_size // frame_size, filled, tries, last = -1
     cdef int64_t quantum = 1
     cdef uint8_t *base = &ring[0]
     cdef uint8_t *p
     cdef const uint8_t *src = &buf[0] if buf.shape[0] else NULL
-    cdef uint32_t status = 0
     cdef long r
     cdef int err = 0
     cdef double t0, now
+    cdef pollfd pfd
+    cdef int64_t[::1] slot_frame = np.full(slots, -1, np.int64)  # which frame a slot carries
+    pfd.fd = fd
+    pfd.events = POLLOUT
     if pps > 0 and pps * tick > 1:
         quantum = <int64_t>(pps * tick)
     with nogil:
@@ -115,50 +137,66 @@ def send_paced(uint8_t[::1] ring, int fd, int64_t block_size, int64_t frame_size
                 m = n - i
             if m > batch:
                 m = batch
-            first = head
+            filled = 0
             for k in range(m):
-                slot = head
-                p = base + (slot // per_block) * block_size + (slot % per_block) * frame_size
-                status = tx_status(p)
-                if status != TP_STATUS_AVAILABLE:
-                    # Not seen after a send() that returned: only if the kernel kept a slot.
-                    err = -2
-                    break
+                p = base + (head // per_block) * block_size + (head % per_block) * frame_size
+                if tx_status(p) != TP_STATUS_AVAILABLE:
+                    break  # still in flight: the kernel has not released it yet
                 memcpy(p + DATA, src + offsets[i], lengths[i])
                 tx_set_len(p + HDR_LEN, <uint32_t>lengths[i])
                 tx_publish(p, TP_STATUS_SEND_REQUEST)
+                slot_frame[head] = i
+                last = head
                 nbytes += lengths[i]
                 i += 1
+                filled += 1
                 head = head + 1 if head + 1 < slots else 0
-            tries = 0
-            while True:
-                sends += 1
-                r = tx_flush(fd)
-                if r >= 0:
-                    break
-                if errno == EINTR or errno == ENOBUFS or errno == EAGAIN:
-                    retries += 1
-                    tries += 1
-                    if tries > MAX_RETRIES:
-                        err = errno
-                        break
-                    sched_yield()  # let the receiving side drain
-                    continue
-                err = errno
-                break
+            if filled == 0:
+                # The ring has come round to a frame the kernel still holds: sleep until
+                # the slot at its head (ours) is free (packet_poll: POLLOUT).
+                waits += 1
+                poll(&pfd, 1, 100)
+                continue
+            err = flush(fd, &sends, &retries)
             if err:
                 break
+        # until the kernel is done with the last frame (its destructor frees the slot)
+        if not err and last >= 0:
+            p = base + (last // per_block) * block_size + (last % per_block) * frame_size
+            while tx_status(p) != TP_STATUS_AVAILABLE:
+                if tx_status(p) == TP_STATUS_WRONG_FORMAT:
+                    err = EINVAL
+                    break
+                if tx_status(p) == TP_STATUS_SEND_REQUEST:
+                    err = flush(fd, &sends, &retries)
+                    if err:
+                        break
+                else:
+                    sched_yield()
         now = mono()
-    if err == -2:
-        raise TxRingError(0, f"TX ring slot {head} still owned by the kernel after send() returned "
-                             f"(status {status})", i)
     if err:
-        # the frame the kernel refused: the WRONG_FORMAT slot among those just filled
-        gap = ((head - first) % slots + slots) % slots
-        for k in range(gap):
-            slot = (first + k) % slots
-            p = base + (slot // per_block) * block_size + (slot % per_block) * frame_size
+        # the frame the kernel refused is in the slot it marked WRONG_FORMAT
+        for k in range(slots):
+            p = base + (k // per_block) * block_size + (k % per_block) * frame_size
             if tx_status(p) == TP_STATUS_WRONG_FORMAT:
-                raise TxRingError(err, "send", i - gap + k)
+                raise TxRingError(err, "send", slot_frame[k])
         raise TxRingError(err, "send", -1)
-    return i, nbytes, now - t0, sends, retries, head
+    return i, nbytes, now - t0, sends, retries, waits, head
+
+
+cdef int flush(int fd, int64_t *sends, int64_t *retries) noexcept nogil:
+    """send(2) the requested slots; 0, or the errno that is not worth a retry. ENOBUFS
+    (a frame dropped on the way, its slot requested again), EAGAIN (the socket's send
+    budget) and EINTR are retried after letting the receiving side run."""
+    cdef int64_t tries = 0
+    while True:
+        sends[0] += 1
+        if tx_flush(fd, MSG_DONTWAIT) >= 0:
+            return 0
+        if errno != EINTR and errno != ENOBUFS and errno != EAGAIN:
+            return errno
+        retries[0] += 1
+        tries += 1
+        if tries > MAX_RETRIES:
+            return errno
+        sched_yield()

@@ -134,7 +134,7 @@ def send_capture(path: str, ifname: str, pps: float | None, *, batch: int = BATC
         if ready:
             ready()
         try:
-            n, nbytes, secs, sends, retries, tx.head = send_paced(
+            n, nbytes, secs, sends, retries, waits, tx.head = send_paced(
                 memoryview(tx.ring), tx.sock.fileno(), tx.block_size, tx.frame_size, tx.slots,
                 tx.head, frames.buf, offsets, lengths, pps or 0.0, min(batch, tx.slots // 2), TICK_S)
         except TxRingError as e:

@@ -382,7 +382,8 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"plan": str(wl.run / "plan.json"), "init": str(wl.run / "init.pt"), "out": str(out),
            "listen": "127.0.0.1:0", "capture_workers": a.workers,
-           "persist_sync": True,  # every commit's file written as it commits: each one is compared
+           # every commit's file written as it commits, and none retired: each one is compared
+           "persist_sync": True, "keep_last": max(10, t.iterations),
            "interfaces": [{"name": f"mirror{k}", "ifname": f"rx{k}", "netns": links.cap_ns,
                            "block_size": a.block_kb * 1024, "block_nr": a.ring_mib * 1024 // a.block_kb}
                           for k in range(len(paths))]}

@@ -20,15 +20,21 @@ with ENOBUFS: calling send() again retries exactly the frames not yet taken. (Se
 with a wait for every batch instead measured the same here.)
 
 The skbs point into the ring's pages; the kernel marks them zero-copy
-(skb_zcopy_set_nouarg in tpacket_fill_skb), so a veth copies those bytes before it lets
-the slot go (skb_orphan_frags in ____dev_forward_skb, include/linux/netdevice.h): a slot refilled early cannot change a
-frame already on its way.
+(skb_zcopy_set_nouarg in af_packet.c tpacket_fill_skb), so a veth copies those bytes
+before it lets the slot go (skb_orphan_frags in ____dev_forward_skb,
+include/linux/netdevice.h): a slot refilled early cannot change a frame on its way.
 """
 from libc.errno cimport EAGAIN, EINTR, EINVAL, ENOBUFS, errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.string cimport memcpy
 
 import numpy as np
+
+# A slot's status word: read with acquire order, a filled slot published with release
+# order (its bytes and length first).
+cdef extern from "ringword.h":
+    uint32_t tx_status "ckptd_load_acquire"(const uint8_t *p) nogil
+    void tx_publish "ckptd_store_release"(uint8_t *p, uint32_t v) nogil
 
 cdef extern from *:
     """
@@ -37,14 +43,6 @@ cdef extern from *:
     #include <sched.h>
     #include <sys/socket.h>
     #include <poll.h>
-    /* The slot status word is shared with the kernel: read it with acquire order,
-     * publish a filled slot with release order (its bytes and length first). */
-    static inline uint32_t ckptd_tx_status(const uint8_t *p) {
-        return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE);
-    }
-    static inline void ckptd_tx_publish(uint8_t *p, uint32_t v) {
-        __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE);
-    }
     static inline void ckptd_tx_set_len(uint8_t *p, uint32_t v) { __builtin_memcpy(p, &v, 4); }
     static inline double ckptd_mono(void) {
         struct timespec t;
@@ -59,8 +57,6 @@ cdef extern from *:
     }
     static inline long ckptd_tx_flush(int fd, int flags) { return (long)send(fd, NULL, 0, flags); }
     """
-    uint32_t tx_status "ckptd_tx_status"(const uint8_t *p) nogil
-    void tx_publish "ckptd_tx_publish"(uint8_t *p, uint32_t v) nogil
     void tx_set_len "ckptd_tx_set_len"(uint8_t *p, uint32_t v) nogil
     double mono "ckptd_mono"() nogil
     void sleep_until "ckptd_sleep_until"(double when) nogil

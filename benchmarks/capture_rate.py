@@ -206,6 +206,8 @@ def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: 
         for p in procs:
             said = p.stdout.readline()
             if said.strip() != "ready":
+                for q in procs:  # the others wait on stdin for a start that will not come
+                    q.kill()
                 raise RuntimeError(f"txring did not start: {said.strip()} {p.communicate(timeout=60)[0].strip()}")
     irq0, idle0 = softirq_idle_seconds()
     for p in procs:

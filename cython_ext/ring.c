@@ -3,9 +3,14 @@
 /* BEGIN: Cython Metadata
 {
     "distutils": {
-        "depends": [],
+        "depends": [
+            "cython_ext/ringword.h"
+        ],
         "extra_compile_args": [
             "-O3"
+        ],
+        "include_dirs": [
+            "cython_ext"
         ],
         "name": "cython_ext.ring",
         "sources": [
@@ -1270,17 +1275,9 @@ static int __Pyx_init_tpflags_variables(void) {
 /* Early includes */
 #include <stdint.h>
 #include <string.h>
+#include "ringword.h"
 
     #include <stdint.h>
-    /* The block status word is shared with the kernel: read it with acquire order (the
-     * frames it guards were written before it), hand a block back with release order
-     * (our reads and the VLAN rewrite are done before the kernel may refill it). */
-    static inline uint32_t ckptd_load_acquire(const uint8_t *p) {
-        return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE);
-    }
-    static inline void ckptd_store_release(uint8_t *p, uint32_t v) {
-        __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE);
-    }
     static inline uint32_t ckptd_u32(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
     static inline uint16_t ckptd_u16(const uint8_t *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
     
@@ -17949,7 +17946,7 @@ static PyObject *__pyx_unpickle_Enum__set_state(struct __pyx_MemviewEnum_obj *__
   return __pyx_r;
 }
 
-/* "cython_ext/ring.pyx":60
+/* "cython_ext/ring.pyx":55
  * 
  * 
  * def block_ready(uint8_t[::1] ring, int64_t block_size, int64_t block) -> bool:             # <<<<<<<<<<<<<<
@@ -17999,46 +17996,46 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ring,&__pyx_mstate_global->__pyx_n_u_block_size,&__pyx_mstate_global->__pyx_n_u_block,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 60, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 55, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 60, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 55, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 60, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 55, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 60, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 55, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "block_ready", 0) < (0)) __PYX_ERR(0, 60, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "block_ready", 0) < (0)) __PYX_ERR(0, 55, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 3; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("block_ready", 1, 3, 3, i); __PYX_ERR(0, 60, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("block_ready", 1, 3, 3, i); __PYX_ERR(0, 55, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 3)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 60, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 55, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 60, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 55, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 60, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 55, __pyx_L3_error)
     }
-    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 60, __pyx_L3_error)
-    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 60, __pyx_L3_error)
-    __pyx_v_block = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 60, __pyx_L3_error)
+    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 55, __pyx_L3_error)
+    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 55, __pyx_L3_error)
+    __pyx_v_block = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 55, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("block_ready", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 60, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("block_ready", 1, 3, 3, __pyx_nargs); __PYX_ERR(0, 55, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -18073,7 +18070,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_block_ready(CYTHON_UNUSED PyObject 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("block_ready", 0);
 
-  /* "cython_ext/ring.pyx":62
+  /* "cython_ext/ring.pyx":57
  * def block_ready(uint8_t[::1] ring, int64_t block_size, int64_t block) -> bool:
  *     """The kernel has handed block `block` to user space."""
  *     return load_acquire(&ring[block * block_size + BLOCK_STATUS]) & TP_STATUS_USER != 0             # <<<<<<<<<<<<<<
@@ -18081,7 +18078,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_block_ready(CYTHON_UNUSED PyObject 
  * 
 */
   __pyx_t_1 = ((__pyx_v_block * __pyx_v_block_size) + 8);
-  __pyx_t_2 = __Pyx_PyBool_FromLong(((ckptd_load_acquire((&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))))) & 1) != 0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 62, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong(((ckptd_load_acquire((&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))))) & 1) != 0)); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 57, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   {
     PyObject *__pyx_temp;
@@ -18094,7 +18091,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_block_ready(CYTHON_UNUSED PyObject 
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "cython_ext/ring.pyx":60
+  /* "cython_ext/ring.pyx":55
  * 
  * 
  * def block_ready(uint8_t[::1] ring, int64_t block_size, int64_t block) -> bool:             # <<<<<<<<<<<<<<
@@ -18113,7 +18110,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_block_ready(CYTHON_UNUSED PyObject 
   return __pyx_r;
 }
 
-/* "cython_ext/ring.pyx":65
+/* "cython_ext/ring.pyx":60
  * 
  * 
  * def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -18172,109 +18169,109 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ring,&__pyx_mstate_global->__pyx_n_u_block_size,&__pyx_mstate_global->__pyx_n_u_block_nr,&__pyx_mstate_global->__pyx_n_u_first,&__pyx_mstate_global->__pyx_n_u_max_blocks,&__pyx_mstate_global->__pyx_n_u_snaplen,&__pyx_mstate_global->__pyx_n_u_frame_base,&__pyx_mstate_global->__pyx_n_u_offsets,&__pyx_mstate_global->__pyx_n_u_caplen,&__pyx_mstate_global->__pyx_n_u_origlen,&__pyx_mstate_global->__pyx_n_u_ts,&__pyx_mstate_global->__pyx_n_u_frame_no,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 65, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 60, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case 12:
         values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 11:
         values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case 10:
         values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  9:
         values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  8:
         values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 65, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 60, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "index_blocks", 0) < (0)) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "index_blocks", 0) < (0)) __PYX_ERR(0, 60, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 12; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("index_blocks", 1, 12, 12, i); __PYX_ERR(0, 65, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("index_blocks", 1, 12, 12, i); __PYX_ERR(0, 60, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 12)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[8] = __Pyx_ArgRef_FASTCALL(__pyx_args, 8);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[8])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[9] = __Pyx_ArgRef_FASTCALL(__pyx_args, 9);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[9])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[10] = __Pyx_ArgRef_FASTCALL(__pyx_args, 10);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[10])) __PYX_ERR(0, 60, __pyx_L3_error)
       values[11] = __Pyx_ArgRef_FASTCALL(__pyx_args, 11);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 65, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[11])) __PYX_ERR(0, 60, __pyx_L3_error)
     }
-    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 65, __pyx_L3_error)
-    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 65, __pyx_L3_error)
-    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 65, __pyx_L3_error)
-    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 65, __pyx_L3_error)
-    __pyx_v_max_blocks = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_max_blocks == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 66, __pyx_L3_error)
-    __pyx_v_snaplen = __Pyx_PyLong_As_int64_t(values[5]); if (unlikely((__pyx_v_snaplen == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 66, __pyx_L3_error)
-    __pyx_v_frame_base = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_frame_base == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 66, __pyx_L3_error)
-    __pyx_v_offsets = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[7], PyBUF_WRITABLE); if (unlikely(!__pyx_v_offsets.memview)) __PYX_ERR(0, 67, __pyx_L3_error)
-    __pyx_v_caplen = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[8], PyBUF_WRITABLE); if (unlikely(!__pyx_v_caplen.memview)) __PYX_ERR(0, 67, __pyx_L3_error)
-    __pyx_v_origlen = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[9], PyBUF_WRITABLE); if (unlikely(!__pyx_v_origlen.memview)) __PYX_ERR(0, 67, __pyx_L3_error)
-    __pyx_v_ts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[10], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ts.memview)) __PYX_ERR(0, 68, __pyx_L3_error)
-    __pyx_v_frame_no = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[11], PyBUF_WRITABLE); if (unlikely(!__pyx_v_frame_no.memview)) __PYX_ERR(0, 68, __pyx_L3_error)
+    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 60, __pyx_L3_error)
+    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 60, __pyx_L3_error)
+    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 60, __pyx_L3_error)
+    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 60, __pyx_L3_error)
+    __pyx_v_max_blocks = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_max_blocks == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 61, __pyx_L3_error)
+    __pyx_v_snaplen = __Pyx_PyLong_As_int64_t(values[5]); if (unlikely((__pyx_v_snaplen == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 61, __pyx_L3_error)
+    __pyx_v_frame_base = __Pyx_PyLong_As_int64_t(values[6]); if (unlikely((__pyx_v_frame_base == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 61, __pyx_L3_error)
+    __pyx_v_offsets = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[7], PyBUF_WRITABLE); if (unlikely(!__pyx_v_offsets.memview)) __PYX_ERR(0, 62, __pyx_L3_error)
+    __pyx_v_caplen = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[8], PyBUF_WRITABLE); if (unlikely(!__pyx_v_caplen.memview)) __PYX_ERR(0, 62, __pyx_L3_error)
+    __pyx_v_origlen = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[9], PyBUF_WRITABLE); if (unlikely(!__pyx_v_origlen.memview)) __PYX_ERR(0, 62, __pyx_L3_error)
+    __pyx_v_ts = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[10], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ts.memview)) __PYX_ERR(0, 63, __pyx_L3_error)
+    __pyx_v_frame_no = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t(values[11], PyBUF_WRITABLE); if (unlikely(!__pyx_v_frame_no.memview)) __PYX_ERR(0, 63, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("index_blocks", 1, 12, 12, __pyx_nargs); __PYX_ERR(0, 65, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("index_blocks", 1, 12, 12, __pyx_nargs); __PYX_ERR(0, 60, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -18349,7 +18346,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   __Pyx_RefNannySetupContext("index_blocks", 0);
 
 
-  /* "cython_ext/ring.pyx":74
+  /* "cython_ext/ring.pyx":69
  *     counts tagged frames with no room before them to put the tag back (never seen from
  *     a kernel that follows the documented layout; those frames keep the tag off)."""
  *     cdef int64_t cap = offsets.shape[0], nb = 0, k = 0, restored = 0, unrestored = 0             # <<<<<<<<<<<<<<
@@ -18362,7 +18359,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   __pyx_v_restored = 0;
   __pyx_v_unrestored = 0;
 
-  /* "cython_ext/ring.pyx":77
+  /* "cython_ext/ring.pyx":72
  *     cdef int64_t base, pos, start, cl, wl, j
  *     cdef uint32_t num, status, tci, tpid
  *     cdef uint8_t *p = &ring[0]             # <<<<<<<<<<<<<<
@@ -18372,7 +18369,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   __pyx_t_1 = 0;
   __pyx_v_p = (&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))));
 
-  /* "cython_ext/ring.pyx":78
+  /* "cython_ext/ring.pyx":73
  *     cdef uint32_t num, status, tci, tpid
  *     cdef uint8_t *p = &ring[0]
  *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed             # <<<<<<<<<<<<<<
@@ -18384,7 +18381,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   if (__pyx_t_2) {
 
 
-    /* "cython_ext/ring.pyx":79
+    /* "cython_ext/ring.pyx":74
  *     cdef uint8_t *p = &ring[0]
  *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
  *         max_blocks = block_nr             # <<<<<<<<<<<<<<
@@ -18393,7 +18390,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
     __pyx_v_max_blocks = __pyx_v_block_nr;
 
-    /* "cython_ext/ring.pyx":78
+    /* "cython_ext/ring.pyx":73
  *     cdef uint32_t num, status, tci, tpid
  *     cdef uint8_t *p = &ring[0]
  *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed             # <<<<<<<<<<<<<<
@@ -18402,7 +18399,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "cython_ext/ring.pyx":80
+  /* "cython_ext/ring.pyx":75
  *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
  *         max_blocks = block_nr
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -18415,7 +18412,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "cython_ext/ring.pyx":81
+        /* "cython_ext/ring.pyx":76
  *         max_blocks = block_nr
  *     with nogil:
  *         while nb < max_blocks:             # <<<<<<<<<<<<<<
@@ -18428,7 +18425,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 
           if (!__pyx_t_2) break;
 
-          /* "cython_ext/ring.pyx":82
+          /* "cython_ext/ring.pyx":77
  *     with nogil:
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size             # <<<<<<<<<<<<<<
@@ -18437,7 +18434,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_base = (((__pyx_v_first + __pyx_v_nb) % __pyx_v_block_nr) * __pyx_v_block_size);
 
-          /* "cython_ext/ring.pyx":83
+          /* "cython_ext/ring.pyx":78
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:             # <<<<<<<<<<<<<<
@@ -18449,7 +18446,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           if (__pyx_t_2) {
 
 
-            /* "cython_ext/ring.pyx":84
+            /* "cython_ext/ring.pyx":79
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:
  *                 break             # <<<<<<<<<<<<<<
@@ -18458,7 +18455,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             goto __pyx_L8_break;
 
-            /* "cython_ext/ring.pyx":83
+            /* "cython_ext/ring.pyx":78
  *         while nb < max_blocks:
  *             base = ((first + nb) % block_nr) * block_size
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:             # <<<<<<<<<<<<<<
@@ -18467,7 +18464,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           }
 
-          /* "cython_ext/ring.pyx":85
+          /* "cython_ext/ring.pyx":80
  *             if load_acquire(p + base + BLOCK_STATUS) & TP_STATUS_USER == 0:
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)             # <<<<<<<<<<<<<<
@@ -18476,7 +18473,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_num = ckptd_u32(((__pyx_v_p + __pyx_v_base) + 12));
 
-          /* "cython_ext/ring.pyx":86
+          /* "cython_ext/ring.pyx":81
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:             # <<<<<<<<<<<<<<
@@ -18488,7 +18485,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           if (__pyx_t_2) {
 
 
-            /* "cython_ext/ring.pyx":87
+            /* "cython_ext/ring.pyx":82
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:
  *                 break             # <<<<<<<<<<<<<<
@@ -18497,7 +18494,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             goto __pyx_L8_break;
 
-            /* "cython_ext/ring.pyx":86
+            /* "cython_ext/ring.pyx":81
  *                 break
  *             num = u32(p + base + BLOCK_NUM_PKTS)
  *             if k + num > cap:             # <<<<<<<<<<<<<<
@@ -18506,7 +18503,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           }
 
-          /* "cython_ext/ring.pyx":88
+          /* "cython_ext/ring.pyx":83
  *             if k + num > cap:
  *                 break
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)             # <<<<<<<<<<<<<<
@@ -18515,7 +18512,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
           __pyx_v_pos = (__pyx_v_base + ckptd_u32(((__pyx_v_p + __pyx_v_base) + 16)));
 
-          /* "cython_ext/ring.pyx":89
+          /* "cython_ext/ring.pyx":84
  *                 break
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)
  *             for j in range(num):             # <<<<<<<<<<<<<<
@@ -18529,7 +18526,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           for (__pyx_t_5 = 0; __pyx_t_5 < __pyx_t_4; __pyx_t_5+=1) {
             __pyx_v_j = __pyx_t_5;
 
-            /* "cython_ext/ring.pyx":90
+            /* "cython_ext/ring.pyx":85
  *             pos = base + u32(p + base + BLOCK_FIRST_PKT)
  *             for j in range(num):
  *                 start = pos + u16(p + pos + PKT_MAC)             # <<<<<<<<<<<<<<
@@ -18538,7 +18535,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_start = (__pyx_v_pos + ckptd_u16(((__pyx_v_p + __pyx_v_pos) + 24)));
 
-            /* "cython_ext/ring.pyx":91
+            /* "cython_ext/ring.pyx":86
  *             for j in range(num):
  *                 start = pos + u16(p + pos + PKT_MAC)
  *                 cl = u32(p + pos + PKT_SNAPLEN)             # <<<<<<<<<<<<<<
@@ -18547,7 +18544,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_cl = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 12));
 
-            /* "cython_ext/ring.pyx":92
+            /* "cython_ext/ring.pyx":87
  *                 start = pos + u16(p + pos + PKT_MAC)
  *                 cl = u32(p + pos + PKT_SNAPLEN)
  *                 wl = u32(p + pos + PKT_LEN)             # <<<<<<<<<<<<<<
@@ -18556,7 +18553,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_wl = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 16));
 
-            /* "cython_ext/ring.pyx":93
+            /* "cython_ext/ring.pyx":88
  *                 cl = u32(p + pos + PKT_SNAPLEN)
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)             # <<<<<<<<<<<<<<
@@ -18565,7 +18562,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_status = ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 20));
 
-            /* "cython_ext/ring.pyx":94
+            /* "cython_ext/ring.pyx":89
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:             # <<<<<<<<<<<<<<
@@ -18577,7 +18574,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             if (__pyx_t_2) {
 
 
-              /* "cython_ext/ring.pyx":95
+              /* "cython_ext/ring.pyx":90
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:             # <<<<<<<<<<<<<<
@@ -18589,7 +18586,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
               if (__pyx_t_2) {
 
 
-                /* "cython_ext/ring.pyx":96
+                /* "cython_ext/ring.pyx":91
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)             # <<<<<<<<<<<<<<
@@ -18598,7 +18595,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_tpid = ckptd_u16(((__pyx_v_p + __pyx_v_pos) + 36));
 
-                /* "cython_ext/ring.pyx":97
+                /* "cython_ext/ring.pyx":92
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):             # <<<<<<<<<<<<<<
@@ -18627,7 +18624,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
                 if (__pyx_t_6) {
 
 
-                  /* "cython_ext/ring.pyx":98
+                  /* "cython_ext/ring.pyx":93
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):
  *                             tpid = 0x8100             # <<<<<<<<<<<<<<
@@ -18636,7 +18633,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                   __pyx_v_tpid = 0x8100;
 
-                  /* "cython_ext/ring.pyx":97
+                  /* "cython_ext/ring.pyx":92
  *                     if start - 4 >= pos + PKT_HDR:
  *                         tpid = u16(p + pos + PKT_TPID)
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):             # <<<<<<<<<<<<<<
@@ -18645,7 +18642,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 }
 
-                /* "cython_ext/ring.pyx":99
+                /* "cython_ext/ring.pyx":94
  *                         if not (status & TP_STATUS_VLAN_TPID_VALID and tpid):
  *                             tpid = 0x8100
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF             # <<<<<<<<<<<<<<
@@ -18654,7 +18651,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_tci = (ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 32)) & 0xFFFF);
 
-                /* "cython_ext/ring.pyx":100
+                /* "cython_ext/ring.pyx":95
  *                             tpid = 0x8100
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF
  *                         memmove(p + start - 4, p + start, 12)             # <<<<<<<<<<<<<<
@@ -18663,7 +18660,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (void)(memmove(((__pyx_v_p + __pyx_v_start) - 4), (__pyx_v_p + __pyx_v_start), 12));
 
-                /* "cython_ext/ring.pyx":101
+                /* "cython_ext/ring.pyx":96
  *                         tci = u32(p + pos + PKT_TCI) & 0xFFFF
  *                         memmove(p + start - 4, p + start, 12)
  *                         start -= 4             # <<<<<<<<<<<<<<
@@ -18672,7 +18669,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_start = (__pyx_v_start - 4);
 
-                /* "cython_ext/ring.pyx":102
+                /* "cython_ext/ring.pyx":97
  *                         memmove(p + start - 4, p + start, 12)
  *                         start -= 4
  *                         p[start + 12] = tpid >> 8             # <<<<<<<<<<<<<<
@@ -18681,7 +18678,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 12)]) = (__pyx_v_tpid >> 8);
 
-                /* "cython_ext/ring.pyx":103
+                /* "cython_ext/ring.pyx":98
  *                         start -= 4
  *                         p[start + 12] = tpid >> 8
  *                         p[start + 13] = tpid & 0xFF             # <<<<<<<<<<<<<<
@@ -18690,7 +18687,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 13)]) = (__pyx_v_tpid & 0xFF);
 
-                /* "cython_ext/ring.pyx":104
+                /* "cython_ext/ring.pyx":99
  *                         p[start + 12] = tpid >> 8
  *                         p[start + 13] = tpid & 0xFF
  *                         p[start + 14] = tci >> 8             # <<<<<<<<<<<<<<
@@ -18699,7 +18696,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 14)]) = (__pyx_v_tci >> 8);
 
-                /* "cython_ext/ring.pyx":105
+                /* "cython_ext/ring.pyx":100
  *                         p[start + 13] = tpid & 0xFF
  *                         p[start + 14] = tci >> 8
  *                         p[start + 15] = tci & 0xFF             # <<<<<<<<<<<<<<
@@ -18708,7 +18705,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 (__pyx_v_p[(__pyx_v_start + 15)]) = (__pyx_v_tci & 0xFF);
 
-                /* "cython_ext/ring.pyx":106
+                /* "cython_ext/ring.pyx":101
  *                         p[start + 14] = tci >> 8
  *                         p[start + 15] = tci & 0xFF
  *                         cl += 4             # <<<<<<<<<<<<<<
@@ -18717,7 +18714,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_cl = (__pyx_v_cl + 4);
 
-                /* "cython_ext/ring.pyx":107
+                /* "cython_ext/ring.pyx":102
  *                         p[start + 15] = tci & 0xFF
  *                         cl += 4
  *                         wl += 4             # <<<<<<<<<<<<<<
@@ -18726,7 +18723,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_wl = (__pyx_v_wl + 4);
 
-                /* "cython_ext/ring.pyx":108
+                /* "cython_ext/ring.pyx":103
  *                         cl += 4
  *                         wl += 4
  *                         restored += 1             # <<<<<<<<<<<<<<
@@ -18735,7 +18732,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
                 __pyx_v_restored = (__pyx_v_restored + 1);
 
-                /* "cython_ext/ring.pyx":95
+                /* "cython_ext/ring.pyx":90
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:
  *                     if start - 4 >= pos + PKT_HDR:             # <<<<<<<<<<<<<<
@@ -18745,7 +18742,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
                 goto __pyx_L14;
               }
 
-              /* "cython_ext/ring.pyx":110
+              /* "cython_ext/ring.pyx":105
  *                         restored += 1
  *                     else:
  *                         unrestored += 1             # <<<<<<<<<<<<<<
@@ -18757,7 +18754,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
               }
               __pyx_L14:;
 
-              /* "cython_ext/ring.pyx":94
+              /* "cython_ext/ring.pyx":89
  *                 wl = u32(p + pos + PKT_LEN)
  *                 status = u32(p + pos + PKT_STATUS)
  *                 if status & TP_STATUS_VLAN_VALID:             # <<<<<<<<<<<<<<
@@ -18766,7 +18763,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             }
 
-            /* "cython_ext/ring.pyx":111
+            /* "cython_ext/ring.pyx":106
  *                     else:
  *                         unrestored += 1
  *                 if cl > snaplen:             # <<<<<<<<<<<<<<
@@ -18778,7 +18775,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             if (__pyx_t_6) {
 
 
-              /* "cython_ext/ring.pyx":112
+              /* "cython_ext/ring.pyx":107
  *                         unrestored += 1
  *                 if cl > snaplen:
  *                     cl = snaplen             # <<<<<<<<<<<<<<
@@ -18787,7 +18784,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
               __pyx_v_cl = __pyx_v_snaplen;
 
-              /* "cython_ext/ring.pyx":111
+              /* "cython_ext/ring.pyx":106
  *                     else:
  *                         unrestored += 1
  *                 if cl > snaplen:             # <<<<<<<<<<<<<<
@@ -18796,7 +18793,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             }
 
-            /* "cython_ext/ring.pyx":113
+            /* "cython_ext/ring.pyx":108
  *                 if cl > snaplen:
  *                     cl = snaplen
  *                 offsets[k] = start             # <<<<<<<<<<<<<<
@@ -18806,7 +18803,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_offsets.data) + __pyx_t_1)) )) = __pyx_v_start;
 
-            /* "cython_ext/ring.pyx":114
+            /* "cython_ext/ring.pyx":109
  *                     cl = snaplen
  *                 offsets[k] = start
  *                 caplen[k] = cl             # <<<<<<<<<<<<<<
@@ -18816,7 +18813,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_caplen.data) + __pyx_t_1)) )) = __pyx_v_cl;
 
-            /* "cython_ext/ring.pyx":115
+            /* "cython_ext/ring.pyx":110
  *                 offsets[k] = start
  *                 caplen[k] = cl
  *                 origlen[k] = wl             # <<<<<<<<<<<<<<
@@ -18826,7 +18823,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_origlen.data) + __pyx_t_1)) )) = __pyx_v_wl;
 
-            /* "cython_ext/ring.pyx":116
+            /* "cython_ext/ring.pyx":111
  *                 caplen[k] = cl
  *                 origlen[k] = wl
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)             # <<<<<<<<<<<<<<
@@ -18836,7 +18833,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_ts.data) + __pyx_t_1)) )) = ((((int64_t)ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 4))) * 0x3B9ACA00) + ckptd_u32(((__pyx_v_p + __pyx_v_pos) + 8)));
 
-            /* "cython_ext/ring.pyx":117
+            /* "cython_ext/ring.pyx":112
  *                 origlen[k] = wl
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)
  *                 frame_no[k] = frame_base + k + 1             # <<<<<<<<<<<<<<
@@ -18846,7 +18843,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
             __pyx_t_1 = __pyx_v_k;
             *((int64_t *) ( /* dim=0 */ ((char *) (((int64_t *) __pyx_v_frame_no.data) + __pyx_t_1)) )) = ((__pyx_v_frame_base + __pyx_v_k) + 1);
 
-            /* "cython_ext/ring.pyx":118
+            /* "cython_ext/ring.pyx":113
  *                 ts[k] = <int64_t>u32(p + pos + PKT_SEC) * 1000000000 + u32(p + pos + PKT_NSEC)
  *                 frame_no[k] = frame_base + k + 1
  *                 k += 1             # <<<<<<<<<<<<<<
@@ -18855,7 +18852,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
 */
             __pyx_v_k = (__pyx_v_k + 1);
 
-            /* "cython_ext/ring.pyx":119
+            /* "cython_ext/ring.pyx":114
  *                 frame_no[k] = frame_base + k + 1
  *                 k += 1
  *                 pos += u32(p + pos + PKT_NEXT)             # <<<<<<<<<<<<<<
@@ -18866,7 +18863,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
           }
 
 
-          /* "cython_ext/ring.pyx":120
+          /* "cython_ext/ring.pyx":115
  *                 k += 1
  *                 pos += u32(p + pos + PKT_NEXT)
  *             nb += 1             # <<<<<<<<<<<<<<
@@ -18878,7 +18875,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
         __pyx_L8_break:;
       }
 
-      /* "cython_ext/ring.pyx":80
+      /* "cython_ext/ring.pyx":75
  *     if max_blocks > block_nr:  # past that the walk would come round to blocks already indexed
  *         max_blocks = block_nr
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -18895,31 +18892,31 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
       }
   }
 
-  /* "cython_ext/ring.pyx":121
+  /* "cython_ext/ring.pyx":116
  *                 pos += u32(p + pos + PKT_NEXT)
  *             nb += 1
  *     return nb, k, restored, unrestored             # <<<<<<<<<<<<<<
  * 
  * 
 */
-  __pyx_t_7 = __Pyx_PyLong_From_int64_t(__pyx_v_nb); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int64_t(__pyx_v_nb); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 116, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_k); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_k); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 116, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_restored); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_restored); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 116, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_10 = __Pyx_PyLong_From_int64_t(__pyx_v_unrestored); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyLong_From_int64_t(__pyx_v_unrestored); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 116, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_10);
-  __pyx_t_11 = PyTuple_New(4); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 121, __pyx_L1_error)
+  __pyx_t_11 = PyTuple_New(4); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 116, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 0, __pyx_t_7) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 0, __pyx_t_7) != (0)) __PYX_ERR(0, 116, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 116, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_9);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 2, __pyx_t_9) != (0)) __PYX_ERR(0, 116, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_10);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 3, __pyx_t_10) != (0)) __PYX_ERR(0, 121, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_11, 3, __pyx_t_10) != (0)) __PYX_ERR(0, 116, __pyx_L1_error);
   __pyx_t_7 = 0;
   __pyx_t_8 = 0;
   __pyx_t_9 = 0;
@@ -18935,7 +18932,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   __pyx_t_11 = 0;
   goto __pyx_L0;
 
-  /* "cython_ext/ring.pyx":65
+  /* "cython_ext/ring.pyx":60
  * 
  * 
  * def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -18975,7 +18972,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_2index_blocks(CYTHON_UNUSED PyObjec
   return __pyx_r;
 }
 
-/* "cython_ext/ring.pyx":124
+/* "cython_ext/ring.pyx":119
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -19027,60 +19024,60 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ring,&__pyx_mstate_global->__pyx_n_u_block_size,&__pyx_mstate_global->__pyx_n_u_block_nr,&__pyx_mstate_global->__pyx_n_u_first,&__pyx_mstate_global->__pyx_n_u_count,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 124, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 119, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 124, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 119, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 124, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 119, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 124, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 119, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 124, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 119, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 124, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 119, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "release_blocks", 0) < (0)) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "release_blocks", 0) < (0)) __PYX_ERR(0, 119, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 5; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, i); __PYX_ERR(0, 124, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, i); __PYX_ERR(0, 119, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 5)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 119, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 119, __pyx_L3_error)
       values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 119, __pyx_L3_error)
       values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 119, __pyx_L3_error)
       values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 124, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 119, __pyx_L3_error)
     }
-    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 124, __pyx_L3_error)
-    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
-    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
-    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 124, __pyx_L3_error)
-    __pyx_v_count = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_count == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 125, __pyx_L3_error)
+    __pyx_v_ring = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_uint8_t(values[0], PyBUF_WRITABLE); if (unlikely(!__pyx_v_ring.memview)) __PYX_ERR(0, 119, __pyx_L3_error)
+    __pyx_v_block_size = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_block_size == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 119, __pyx_L3_error)
+    __pyx_v_block_nr = __Pyx_PyLong_As_int64_t(values[2]); if (unlikely((__pyx_v_block_nr == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 119, __pyx_L3_error)
+    __pyx_v_first = __Pyx_PyLong_As_int64_t(values[3]); if (unlikely((__pyx_v_first == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 119, __pyx_L3_error)
+    __pyx_v_count = __Pyx_PyLong_As_int64_t(values[4]); if (unlikely((__pyx_v_count == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 120, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 124, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("release_blocks", 1, 5, 5, __pyx_nargs); __PYX_ERR(0, 119, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -19118,7 +19115,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
   int64_t __pyx_t_4;
   __Pyx_RefNannySetupContext("release_blocks", 0);
 
-  /* "cython_ext/ring.pyx":128
+  /* "cython_ext/ring.pyx":123
  *     """Hand blocks first .. first+count-1 (mod block_nr) back to the kernel."""
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]             # <<<<<<<<<<<<<<
@@ -19128,7 +19125,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
   __pyx_t_1 = 0;
   __pyx_v_p = (&(*((uint8_t *) ( /* dim=0 */ ((char *) (((uint8_t *) __pyx_v_ring.data) + __pyx_t_1)) ))));
 
-  /* "cython_ext/ring.pyx":129
+  /* "cython_ext/ring.pyx":124
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -19141,7 +19138,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "cython_ext/ring.pyx":130
+        /* "cython_ext/ring.pyx":125
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:
  *         for b in range(count):             # <<<<<<<<<<<<<<
@@ -19154,7 +19151,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
         for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
           __pyx_v_b = __pyx_t_4;
 
-          /* "cython_ext/ring.pyx":131
+          /* "cython_ext/ring.pyx":126
  *     with nogil:
  *         for b in range(count):
  *             store_release(p + ((first + b) % block_nr) * block_size + BLOCK_STATUS, TP_STATUS_KERNEL)             # <<<<<<<<<<<<<<
@@ -19164,7 +19161,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
 
       }
 
-      /* "cython_ext/ring.pyx":129
+      /* "cython_ext/ring.pyx":124
  *     cdef int64_t b
  *     cdef uint8_t *p = &ring[0]
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -19181,7 +19178,7 @@ static PyObject *__pyx_pf_10cython_ext_4ring_4release_blocks(CYTHON_UNUSED PyObj
       }
   }
 
-  /* "cython_ext/ring.pyx":124
+  /* "cython_ext/ring.pyx":119
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
@@ -21345,54 +21342,54 @@ __Pyx_RefNannySetupContext("PyInit_ring", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_pyx_unpickle_Enum, __pyx_t_4) < (0)) __PYX_ERR(1, 4, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "cython_ext/ring.pyx":60
+  /* "cython_ext/ring.pyx":55
  * 
  * 
  * def block_ready(uint8_t[::1] ring, int64_t block_size, int64_t block) -> bool:             # <<<<<<<<<<<<<<
  *     """The kernel has handed block `block` to user space."""
  *     return load_acquire(&ring[block * block_size + BLOCK_STATUS]) & TP_STATUS_USER != 0
 */
-  __pyx_t_4 = __Pyx_PyDict_NewPresized(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 60, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyDict_NewPresized(1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 55, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  if (PyDict_SetItem(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_return, __pyx_mstate_global->__pyx_n_u_bool) < (0)) __PYX_ERR(0, 60, __pyx_L1_error)
-  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_1block_ready, 0, __pyx_mstate_global->__pyx_n_u_block_ready, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 60, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_return, __pyx_mstate_global->__pyx_n_u_bool) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_1block_ready, 0, __pyx_mstate_global->__pyx_n_u_block_ready, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 55, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_5);
   #endif
   __Pyx_CyFunction_SetAnnotationsDict(__pyx_t_5, __pyx_t_4);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_block_ready, __pyx_t_5) < (0)) __PYX_ERR(0, 60, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_block_ready, __pyx_t_5) < (0)) __PYX_ERR(0, 55, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-  /* "cython_ext/ring.pyx":65
+  /* "cython_ext/ring.pyx":60
  * 
  * 
  * def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
  *                  int64_t max_blocks, int64_t snaplen, int64_t frame_base,
  *                  int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
 */
-  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_3index_blocks, 0, __pyx_mstate_global->__pyx_n_u_index_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 65, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_3index_blocks, 0, __pyx_mstate_global->__pyx_n_u_index_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 60, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_5);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_index_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 65, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_index_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 60, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
-  /* "cython_ext/ring.pyx":124
+  /* "cython_ext/ring.pyx":119
  * 
  * 
  * def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,             # <<<<<<<<<<<<<<
  *                    int64_t count):
  *     """Hand blocks first .. first+count-1 (mod block_nr) back to the kernel."""
 */
-  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_5release_blocks, 0, __pyx_mstate_global->__pyx_n_u_release_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 124, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_CyFunction_New(&__pyx_mdef_10cython_ext_4ring_5release_blocks, 0, __pyx_mstate_global->__pyx_n_u_release_blocks, NULL, __pyx_mstate_global->__pyx_n_u_cython_ext_ring, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 119, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_5);
   #endif
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_release_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 124, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_release_blocks, __pyx_t_5) < (0)) __PYX_ERR(0, 119, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
 
   /* "cython_ext/ring.pyx":1
@@ -21717,17 +21714,17 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
   PyObject* tuple_dedup_map = PyDict_New();
   if (unlikely(!tuple_dedup_map)) return -1;
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 60};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 55};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_block_size, __pyx_mstate->__pyx_n_u_block};
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_block_ready, __pyx_mstate->__pyx_kp_b_iso88591_I_q_QfBk_OSVVW, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 28, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 65};
+    const __Pyx_PyCode_New_function_description descr = {12, 0, 0, 28, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 60};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_block_size, __pyx_mstate->__pyx_n_u_block_nr, __pyx_mstate->__pyx_n_u_first, __pyx_mstate->__pyx_n_u_max_blocks, __pyx_mstate->__pyx_n_u_snaplen, __pyx_mstate->__pyx_n_u_frame_base, __pyx_mstate->__pyx_n_u_offsets, __pyx_mstate->__pyx_n_u_caplen, __pyx_mstate->__pyx_n_u_origlen, __pyx_mstate->__pyx_n_u_ts, __pyx_mstate->__pyx_n_u_frame_no, __pyx_mstate->__pyx_n_u_cap, __pyx_mstate->__pyx_n_u_nb, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_restored, __pyx_mstate->__pyx_n_u_unrestored, __pyx_mstate->__pyx_n_u_base, __pyx_mstate->__pyx_n_u_pos, __pyx_mstate->__pyx_n_u_start, __pyx_mstate->__pyx_n_u_cl, __pyx_mstate->__pyx_n_u_wl, __pyx_mstate->__pyx_n_u_j, __pyx_mstate->__pyx_n_u_num, __pyx_mstate->__pyx_n_u_status, __pyx_mstate->__pyx_n_u_tci, __pyx_mstate->__pyx_n_u_tpid, __pyx_mstate->__pyx_n_u_p};
     __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_index_blocks, __pyx_mstate->__pyx_kp_b_iso88591_wfAYg_CSST_at1A_A_Q_c_1_V2T_Rq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 124};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 119};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_block_size, __pyx_mstate->__pyx_n_u_block_nr, __pyx_mstate->__pyx_n_u_first, __pyx_mstate->__pyx_n_u_count, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_p};
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_cython_ext_ring_pyx, __pyx_mstate->__pyx_n_u_release_blocks, __pyx_mstate->__pyx_kp_b_iso88591_at1A_E_aq_D_b_2Zr_BnTU, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }

@@ -112,3 +112,12 @@ def test_missing_interface_is_named(links, tmp_path):
     write_pcap(src, frames(1, seed=6))
     r = send(links, src, "--topspeed", ifname="nosuch0")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "TX ring on nosuch0" in r.stderr, r.stderr
+
+
+def test_unreadable_capture_is_named(tmp_path, capsys):
+    from ckptd.testing.txring import main
+    bad = tmp_path / "bad.pcap"
+    bad.write_bytes(b"not a capture")
+    assert main(["-i", "lo", "--topspeed", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and "neither pcap nor pcapng" in err

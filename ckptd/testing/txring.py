@@ -121,8 +121,8 @@ def send_capture(path: str, ifname: str, pps: float | None, *, batch: int = BATC
     the ring goes). ready(), if given, is called once the frames are in memory and the
     ring is open, just before the first frame. Returns (what was sent, send(2) calls)."""
     frames, error = load_capture(path)
-    if error:
-        raise OSError(errno.EINVAL, f"{path}: {error}")
+    if error:  # load_capture's message, naming the file where it does not already
+        raise OSError(errno.EINVAL, error if str(path) in error else f"{path}: {error}")
     lengths = np.ascontiguousarray(frames.caplen, np.int64)
     offsets = np.ascontiguousarray(frames.offsets, np.int64)
     tx = open_tx_ring(ifname, int(lengths.max()) if len(lengths) else 64, batch, netns)

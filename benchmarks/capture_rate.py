@@ -4,12 +4,17 @@ is not the bottleneck, measured side by side in one run.
 
     python -m benchmarks.capture_rate [--model small] [--duration 2] [--ring-mib 32]
                                       [--start-pps 10000] [--only daemon]
+                                      [--sender txring|tcpreplay] [--sender-check]
 
 A synthesized job (4 ranks, 2 channels, Simple, 4 KiB RoCE MTU, 3 mirror ports, no
 injected loss) gives one capture per mirror port. Each mirror port is a veth pair from
 a sender namespace into the capture namespace, and each step replays the ports'
 captures (whole iterations 0..n-1, about rate x duration frames per port) with one
-`tcpreplay --pps=R` per interface, all at once (`--topspeed` for the last step):
+sender process per interface, all at once, at --pps=R each (`--topspeed` for the last
+step). The sender is `python -m ckptd.testing.txring` (the capture preloaded in
+memory, sent through a PACKET_TX_RING past the qdisc, a batch of frames per send(2),
+paced by the monotonic clock; the default where cython_ext.txring is built) or
+`tcpreplay`. Each step runs
 - once into a fresh ckptd Daemon (a spawned child process: TPACKET_V3 rings on the 3
   interfaces, the fast pipeline, checkpoints written and compared with the trainer's);
 - once into 3 `tcpdump -w /dev/shm/... -B <ring KiB>`, one per interface, with the
@@ -22,10 +27,16 @@ until a capturer fails, then each capturer's bracket is bisected.
 
 Also printed: each capturer's CPU-seconds per million captured frames (utime + stime
 over the step, from /proc: the daemon's process and its capture workers; the three
-tcpdumps), and the offline fast pipeline's frames/s per
+tcpdumps), the senders' CPU-seconds and the machine's softirq and idle CPU-seconds over
+the send (on veth the receive side -- skb, the capture's copy into its ring -- runs in
+softirq on the sending CPU, mostly in the sender's own context, whose CPU time then
+includes it: tick accounting charges both), and the offline fast pipeline's frames/s per
 core on the same captures (FastPipeline.run_batch over the files in memory, CPU time of
 this process): the daemon's target is >= 0.5x that per core. Where the sender (not a
 capturer) runs out first, the daemon's CPU per million frames is its headroom figure.
+
+--sender-check measures the senders instead: each at --topspeed into the interfaces
+with nothing capturing, then with a tcpdump -w on each, alternating, no search.
 """
 from __future__ import annotations
 
@@ -35,6 +46,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -141,23 +153,86 @@ class Links:
 
 
 _ACTUAL = re.compile(r"Actual: (\d+) packets \((\d+) bytes\) sent in ([\d.]+) seconds")
+_TXRING_CPU = re.compile(r"CPU user ([\d.]+) s, system ([\d.]+) s")
+SENDERS = ("txring", "tcpreplay")
 
 
-def replay(links: Links, paths: list[Path], pps_per_port: float | None) -> tuple[int, int, float]:
-    """One tcpreplay per interface, all at once; (frames, bytes, seconds of the slowest)."""
+def default_sender() -> str:
+    """txring where its extension is built (python setup.py build_ext), else tcpreplay."""
+    try:
+        import cython_ext.txring  # noqa: F401
+    except ImportError:
+        return "tcpreplay"
+    return "txring"
+
+
+@dataclass
+class Sent:
+    frames: int = 0                # all ports
+    bytes: int = 0
+    seconds: float = 0.0           # the slowest port's
+    cpu_s: float = 0.0             # the senders' CPU-seconds (all ports)
+    softirq_s: float = 0.0         # the machine's softirq and idle CPU-seconds over the send
+    idle_s: float = 0.0            # (all cores; /proc/stat)
+
+
+def softirq_idle_seconds() -> tuple[float, float]:
+    """softirq and idle time of all CPUs so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        cpu = f.readline().split()
+    return int(cpu[7]) / CLK_TCK, int(cpu[4]) / CLK_TCK
+
+
+def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: str) -> Sent:
+    """One sender process per interface, all at once, in the sender namespace:
+    `python -m ckptd.testing.txring` (loads its capture, says "ready", and all start on one
+    line on stdin) or `tcpreplay`. Rate: --pps=pps_per_port, or --topspeed for None.
+
+    Sender CPU: txring's own account of its send loop; tcpreplay's from the kernel
+    (RUSAGE_CHILDREN over the run: it reads its file as it sends)."""
     rate = ["--topspeed"] if pps_per_port is None else [f"--pps={pps_per_port:.0f}"]
-    procs = [subprocess.Popen(["ip", "netns", "exec", links.send_ns, "tcpreplay", "-i", f"tx{k}", *rate, str(p)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k, p in enumerate(paths)]
-    n = b = 0
-    secs = 0.0
+    if sender == "txring":
+        cmds = [[sys.executable, "-m", "ckptd.testing.txring", "--ready", "-i", f"tx{k}", *rate, str(p)]
+                for k, p in enumerate(paths)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    else:
+        cmds = [["tcpreplay", "-i", f"tx{k}", *rate, str(p)] for k, p in enumerate(paths)]
+        env = None
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    stdin = subprocess.PIPE if sender == "txring" else subprocess.DEVNULL
+    procs = [subprocess.Popen(["ip", "netns", "exec", links.send_ns, *c], stdin=stdin, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env) for c in cmds]
+    if sender == "txring":
+        for p in procs:
+            said = p.stdout.readline()
+            if said.strip() != "ready":
+                for q in procs:  # the others wait on stdin for a start that will not come
+                    q.kill()
+                raise RuntimeError(f"txring did not start: {said.strip()} {p.communicate(timeout=60)[0].strip()}")
+    irq0, idle0 = softirq_idle_seconds()
     for p in procs:
-        out = p.communicate(timeout=600)[0]
+        if p.stdin:
+            p.stdin.write("go\n")
+            p.stdin.close()
+    sent = Sent()
+    for p in procs:
+        out = p.stdout.read()  # to its end: the sender has exited
+        p.wait(60)
         m = _ACTUAL.search(out)
         if p.returncode or not m:
-            raise RuntimeError(f"tcpreplay failed ({p.returncode}): {out.strip()[-400:]}")
-        n, b, secs = n + int(m[1]), b + int(m[2]), max(secs, float(m[3]))
-    return n, b, secs
+            raise RuntimeError(f"{sender} failed ({p.returncode}): {out.strip()[-400:]}")
+        sent.frames += int(m[1])
+        sent.bytes += int(m[2])
+        sent.seconds = max(sent.seconds, float(m[3]))
+        if sender == "txring":
+            c = _TXRING_CPU.search(out)
+            sent.cpu_s += float(c[1]) + float(c[2])
+    irq1, idle1 = softirq_idle_seconds()
+    sent.softirq_s, sent.idle_s = irq1 - irq0, idle1 - idle0
+    if sender != "txring":
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        sent.cpu_s = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+    return sent
 
 
 def cpu_seconds(pids: set[int], children: bool = False) -> float:
@@ -271,6 +346,9 @@ class Trial:
     committed: int | None = None   # daemon only: iterations committed, and of those bit-exact
     exact: int | None = None
     cpu_s: float | None = None     # the capturer's CPU-seconds over the step
+    sender_cpu_s: float | None = None  # the senders' CPU-seconds, and the machine's softirq
+    softirq_s: float | None = None     # and idle CPU-seconds, over the send (Sent)
+    idle_s: float | None = None
     notes: list = field(default_factory=list)
 
     @property
@@ -295,12 +373,19 @@ class Trial:
         return self.drops == 0 and self.packets > 0 and whole
 
 
+def take_sent(t: Trial, sent: Sent):
+    t.sent, t.sent_bytes, t.seconds = sent.frames, sent.bytes, sent.seconds
+    t.sender_cpu_s, t.softirq_s, t.idle_s = sent.cpu_s, sent.softirq_s, sent.idle_s
+
+
 def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
     from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
     out = tmp / "ckpt"
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"plan": str(wl.run / "plan.json"), "init": str(wl.run / "init.pt"), "out": str(out),
            "listen": "127.0.0.1:0", "capture_workers": a.workers,
+           # every commit's file written as it commits, and none retired: each one is compared
+           "persist_sync": True, "keep_last": max(10, t.iterations),
            "interfaces": [{"name": f"mirror{k}", "ifname": f"rx{k}", "netns": links.cap_ns,
                            "block_size": a.block_kb * 1024, "block_nr": a.ring_mib * 1024 // a.block_kb}
                           for k in range(len(paths))]}
@@ -309,7 +394,7 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
         raise RuntimeError(f"daemon did not start: {st}")
     cpu0 = dp.cpu_seconds()
     try:
-        t.sent, t.sent_bytes, t.seconds = replay(links, paths, t.target_pps)
+        take_sent(t, replay(links, paths, t.target_pps, a.sender))
         last, still, deadline = None, time.time(), time.time() + 120
         while time.time() < deadline:  # until every iteration committed, or 3 s without progress
             st = dp.call("stats")
@@ -324,9 +409,12 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
     finally:
         st = dp.call("stop")
     t.packets, t.drops, t.committed = st["packets"], st["drops"], len(st["committed"])
+    unwritten = [it for it in st["committed"] if not (out / checkpoint_name(it)).exists()]
     t.exact = sum(not diff_checkpoints(load_checkpoint(out / checkpoint_name(it)),
                                        load_checkpoint(wl.run / "reference" / checkpoint_name(it)))
-                  for it in st["committed"])
+                  for it in st["committed"] if it not in unwritten)
+    if unwritten:  # reported committed, no file: not exact (and worth a look at the daemon)
+        t.notes.append(f"committed without a checkpoint file: iterations {unwritten}")
     shutil.rmtree(out, ignore_errors=True)
     if st["errors"]:
         t.notes.append(f"capture errors {st['errors'][:2]}")
@@ -354,7 +442,7 @@ def trial_tcpdump(links, a, t: Trial, paths, tmp: Path):
                 raise RuntimeError(f"tcpdump did not start: {' '.join(p.args)}: {''.join(said).strip()}")
         pids = {p.pid for p in procs}  # `ip netns exec` execs tcpdump in place
         cpu0 = cpu_seconds(pids)
-        t.sent, t.sent_bytes, t.seconds = replay(links, paths, t.target_pps)
+        take_sent(t, replay(links, paths, t.target_pps, a.sender))
         time.sleep(1.3)  # libpcap retires a partly filled block after 1000 ms
         t.cpu_s = cpu_seconds(pids) - cpu0
     finally:
@@ -463,10 +551,42 @@ class Search:
         return best, fail
 
 
+def sender_check(links, wl, a, senders, tmp) -> list[tuple[str, Trial, float]]:
+    """Each sender at --topspeed into the interfaces: nothing capturing, then a tcpdump -w
+    on each interface; senders alternate, a.check_rounds rounds. (sender, trial, load)"""
+    n = min(wl.iterations, a.check_iterations)
+    paths = wl.write(n, tmp)
+    rows = []
+    for _ in range(a.check_rounds):
+        for snd in senders:
+            t = Trial("none", None, n, len(paths))
+            take_sent(t, replay(links, paths, None, snd))
+            rows.append((snd, t, os.getloadavg()[0]))
+            print(f"  {snd:9s} {row(t)}", flush=True)
+            t = Trial("tcpdump", None, n, len(paths))
+            trial_tcpdump(links, argparse.Namespace(**{**vars(a), "sender": snd}), t, paths, tmp)
+            rows.append((snd, t, os.getloadavg()[0]))
+            print(f"  {snd:9s} {row(t)}", flush=True)
+    return rows
+
+
+def check_markdown(rows) -> str:
+    lines = ["| sender | capturing | frames/s | Gb/s | s | sender CPU s | softirq s | idle s | tcpdump CPU s "
+             "| tcpdump drops | load avg |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for snd, t, load in rows:
+        cap = "3 x tcpdump -w" if t.capturer == "tcpdump" else "nothing"
+        dump = f"{t.cpu_s:.2f} | {t.drops}" if t.capturer == "tcpdump" else " | "
+        lines.append(f"| {snd} | {cap} | {t.pps:.0f} | {t.gbps:.2f} | {t.seconds:.2f} | {t.sender_cpu_s:.2f} | "
+                     f"{t.softirq_s:.2f} | {t.idle_s:.2f} | {dump} | {load:.2f} |")
+    return "\n".join(lines)
+
+
 def row(t: Trial) -> str:
     target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f} pps/port"
     com = f" committed {t.committed}/{t.iterations} exact {t.exact}" if t.committed is not None else ""
     cpu = f" cpu {t.cpu_s:.2f} s = {t.cpu_per_mframe:.2f} s/Mframe" if t.cpu_per_mframe else ""
+    cpu += (f"; sender cpu {t.sender_cpu_s:.2f} s, softirq {t.softirq_s:.2f} s, idle {t.idle_s:.2f} s"
+            if t.sender_cpu_s is not None else "")
     return (f"{t.capturer:7s} {target:>18s}: sent {t.pps:8.0f} frames/s {t.gbps:5.2f} Gb/s in {t.seconds:4.1f} s;"
             f" kernel {t.packets}/{t.sent}, drops {t.drops}{com}{cpu}"
             f"{' sender-limited' if t.sender_limited else ''} {'; '.join(t.notes)}")
@@ -474,14 +594,16 @@ def row(t: Trial) -> str:
 
 def markdown(trials: list[Trial]) -> str:
     lines = ["| capturer | target (per port) | sent frames/s | Gb/s | s | kernel frames | drops | committed (exact) "
-             "| CPU s per M frames | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| CPU s per M frames | sender CPU s | softirq s | idle s | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in trials:
         com = f"{t.committed}/{t.iterations} ({t.exact})" if t.committed is not None else ""
         cpu = f"{t.cpu_per_mframe:.2f}" if t.cpu_per_mframe else ""
         note = "; ".join((["sender-limited"] if t.sender_limited else []) + t.notes)
         target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f}"
+        snd = f"{t.sender_cpu_s:.2f} | {t.softirq_s:.2f} | {t.idle_s:.2f}" if t.sender_cpu_s is not None else " | | "
         lines.append(f"| {t.capturer} | {target} | {t.pps:.0f} | {t.gbps:.2f} | {t.seconds:.1f} | {t.packets} | "
-                     f"{t.drops} | {com} | {cpu} | {note} |")
+                     f"{t.drops} | {com} | {cpu} | {snd} | {note} |")
     return "\n".join(lines)
 
 
@@ -502,6 +624,14 @@ def main(argv=None):
                     help="the daemon with capture_workers: true (a capture process per interface)")
     ap.add_argument("--tcpdump-filter", default=TCPDUMP_FILTER)
     ap.add_argument("--only", choices=("daemon", "tcpdump"), help="measure one capturer only")
+    ap.add_argument("--sender", choices=SENDERS, default=default_sender(),
+                    help="one process per interface: ckptd.testing.txring (a PACKET_TX_RING; the default "
+                         "where cython_ext.txring is built) or tcpreplay")
+    ap.add_argument("--sender-check", action="store_true",
+                    help="no search: each sender at --topspeed into the interfaces, nothing capturing and "
+                         "then a tcpdump -w on each, alternating senders, --check-rounds times")
+    ap.add_argument("--check-rounds", type=int, default=2)
+    ap.add_argument("--check-iterations", type=int, default=12, help="iterations of the pool a check sends")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ckptd-capture-rate"),
                     help="synthesized scenarios are kept here and reused")
@@ -512,12 +642,18 @@ def main(argv=None):
     if reason:
         sys.exit(f"capture_rate needs network namespaces: {reason}")
     capturers = [a.only] if a.only else ["daemon", "tcpdump"]
-    for tool in ["tcpreplay"] + (["tcpdump"] if "tcpdump" in capturers else []):
+    if a.sender == "txring" and default_sender() != "txring":
+        sys.exit("--sender txring: cython_ext.txring is not built (python setup.py build_ext --inplace)")
+    senders = [x for x in SENDERS if x != "txring" or default_sender() == "txring"] if a.sender_check \
+        else [a.sender]
+    if a.sender_check:
+        capturers = ["tcpdump"]
+    for tool in [x for x in senders if x == "tcpreplay"] + (["tcpdump"] if "tcpdump" in capturers else []):
         if not shutil.which(tool):
             sys.exit(f"{tool} is not installed (scripts/install-deps installs it)")
     t_start = time.time()
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}; daemon capture_workers: "
-          f"{a.workers}", flush=True)
+          f"{a.workers}; sender {', '.join(senders)}", flush=True)
     probe = load_workload(ensure_synth(a, 4))
     need = math.ceil(a.pool_pps * a.duration / probe.per_iteration()) + 1
     wl = load_workload(ensure_synth(a, need))
@@ -526,6 +662,14 @@ def main(argv=None):
           f"iteration per port, mean frame {nbytes / wl.frames_for(wl.iterations):.0f} B; rings "
           f"{a.ring_mib} MiB per interface for both [{time.time() - t_start:.0f} s]", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-caprate-", dir="/dev/shm"))
+    if a.sender_check:
+        try:
+            with Links(len(wl.frames)) as links:
+                rows = sender_check(links, wl, a, senders, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print("\n" + check_markdown(rows))
+        return
     dp = DaemonProc() if "daemon" in capturers else None
     try:
         n_off = min(wl.iterations, 24)

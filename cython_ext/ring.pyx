@@ -16,23 +16,18 @@ capture's snaplen after that is cut to it. Layouts: include/uapi/linux/if_packet
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memmove
 
+# A block's status word: read with acquire order (its frames were written before it),
+# handed back with release order (our reads and the VLAN rewrite are done first).
+cdef extern from "ringword.h":
+    uint32_t load_acquire "ckptd_load_acquire"(const uint8_t *p) nogil
+    void store_release "ckptd_store_release"(uint8_t *p, uint32_t v) nogil
+
 cdef extern from *:
     """
     #include <stdint.h>
-    /* The block status word is shared with the kernel: read it with acquire order (the
-     * frames it guards were written before it), hand a block back with release order
-     * (our reads and the VLAN rewrite are done before the kernel may refill it). */
-    static inline uint32_t ckptd_load_acquire(const uint8_t *p) {
-        return __atomic_load_n((const uint32_t *)p, __ATOMIC_ACQUIRE);
-    }
-    static inline void ckptd_store_release(uint8_t *p, uint32_t v) {
-        __atomic_store_n((uint32_t *)p, v, __ATOMIC_RELEASE);
-    }
     static inline uint32_t ckptd_u32(const uint8_t *p) { uint32_t v; __builtin_memcpy(&v, p, 4); return v; }
     static inline uint16_t ckptd_u16(const uint8_t *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
     """
-    uint32_t load_acquire "ckptd_load_acquire"(const uint8_t *p) nogil
-    void store_release "ckptd_store_release"(uint8_t *p, uint32_t v) nogil
     uint32_t u32 "ckptd_u32"(const uint8_t *p) nogil
     uint16_t u16 "ckptd_u16"(const uint8_t *p) nogil
 

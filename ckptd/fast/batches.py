@@ -300,6 +300,19 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
                 pend[s], pos[s] = refill(s), 0
 
 
+def reader_cpu() -> tuple[int | None, set[int]]:
+    """(a CPU for the reader alone, the CPUs this thread may use): on 2 or more, the
+    reader takes the highest and the rest of the replay (extraction, the optimizer's
+    thread) keeps to the others. The reader is the longest stage of a replay (mapping,
+    indexing, the ICRC check); left to the scheduler it shares a core with the
+    optimizer about half the time, ~0.02 s of issue 16's 0.14 s (benchmarks/RESULTS.md)."""
+    try:
+        mask = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None, set()
+    return (max(mask) if len(mask) >= 2 else None), mask
+
+
 def release_mapped(batch: Batch):
     """The consumer is done with a Batch: the mapped pages before each stream's last
     frame in it are released (MappedFiles.release_before; each stream's frames lie in
@@ -325,8 +338,9 @@ class ReaderStage:
     _END = object()
 
     def __init__(self, batches: Iterable[Batch], depth: int = READ_DEPTH,
-                 release: Callable[[Batch], None] | None = None):
+                 release: Callable[[Batch], None] | None = None, cpu: int | None = None):
         self.release = release
+        self.cpu = cpu  # the CPU the reader keeps to itself (reader_cpu), or None
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # Batches for release
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.error: BaseException | None = None
@@ -339,12 +353,18 @@ class ReaderStage:
         self.thread.start()
 
     def _work(self, batches):
-        # Reading ahead is the least urgent work: with fewer cores than stages, the
-        # optimizer's step (the commit waits for it) goes first.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
-        except OSError:
-            pass  # not permitted here: the reader keeps the process's priority
+        if self.cpu is not None:
+            try:
+                os.sched_setaffinity(0, {self.cpu})  # this thread only (Linux: per thread)
+            except OSError:
+                self.cpu = None
+        if self.cpu is None:
+            # Sharing cores with the other stages, reading ahead is the least urgent
+            # work: the optimizer's step (the commit waits for it) goes first.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+            except OSError:
+                pass  # not permitted here: the reader keeps the process's priority
         try:
             while True:
                 self._go.wait()
@@ -395,7 +415,10 @@ class ReaderStage:
             self.release(b)
 
     def pause(self, on: bool):
-        """Hold the reader before its next read (on=True) or let it go on."""
+        """Hold the reader before its next read (on=True) or let it go on. A reader
+        on a CPU of its own is never held: that would free nothing for the optimizer."""
+        if self.cpu is not None:
+            return
         if on:
             self._go.clear()
         else:

@@ -65,7 +65,7 @@ from parsers.opcodes import EXT_LEN, OPCODES
 from parsers.roce import _DECODED, FrameClass, decode_frame
 
 from ckptd.core.assemble import IterationAssembly
-from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, release_mapped,
+from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_frames, reader_cpu, release_mapped,
                                 stream_batches)
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
@@ -692,8 +692,11 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
     errors: list[str] = []
     batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES)
-    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc), release=release_mapped)
+    cpu, mask = reader_cpu()
+    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc), release=release_mapped, cpu=cpu)
     try:
+        if cpu is not None:  # this thread, and the optimizer's thread it starts, keep off the reader's CPU
+            os.sched_setaffinity(0, mask - {cpu})
         with collector_paused():
             pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
             pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
@@ -702,6 +705,8 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
                 pipe.run_batch(batch)
     finally:
         reader.close()
+        if cpu is not None:
+            os.sched_setaffinity(0, mask)
     pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}
     pipe.finish()
     return pipe

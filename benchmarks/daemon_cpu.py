@@ -148,6 +148,9 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
     th.start()
     while (len(d.captures) < len(ifs) or d.snapshot.get().get("state") != "running") and th.is_alive():
         time.sleep(0.01)
+    if a.fine:  # the rings are open now; ring_batches looks read_batch up at each call
+        for c in d.captures:
+            c.read_batch = clock.wrap("  read_batch (index)", c.read_batch)
     cpu0, load0 = thread_cpu(), os.getloadavg()[0]
     rec = None
     if perf and perf.endswith(".txt"):  # py-spy's collapsed stacks, by thread
@@ -190,6 +193,35 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
             "statuses": Counter(r.status for r in reps)}
 
 
+def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float]]:
+    """The daemon loop's work without the network: each port's capture cut into batches
+    of `frames` (a ring block's worth), fed to FastPipeline.run_batch a port at a time in
+    turn, as ring_batches hands them over. (thread CPU-s of the loop, process CPU-s) per
+    rep: the per-batch Python beside the kernel, measured without tcpreplay's noise."""
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.fast.batches import Batch, load_capture
+    from ckptd.fast.pipeline import FastPipeline
+    from ckptd.pipeline import ReplayOptions
+    ports = [load_capture(str(p), k)[0] for k, p in enumerate(paths)]
+    cuts = []
+    for b in ports:
+        cuts.append([Batch(b.buf, *(getattr(b, f)[i:i + frames] for f in
+                                    ("offsets", "caplen", "origlen", "stream", "linktype", "frame_no", "ts")))
+                     for i in range(0, len(b), frames)])
+    turns = [c[i] for i in range(max(map(len, cuts))) for c in cuts if i < len(c)]
+    out = []
+    for _ in range(reps):
+        pipe = FastPipeline(load_plan(wl.run / "plan.json"), load_checkpoint(wl.run / "init.pt"), len(paths),
+                            ReplayOptions())
+        t0, p0 = time.thread_time(), time.process_time()
+        for b in turns:
+            pipe.run_batch(b)
+        pipe.finish()
+        out.append((time.thread_time() - t0, time.process_time() - p0))
+    return out
+
+
 def report(label: str, r: dict) -> str:
     m = r["packets"] / 1e6
     total = sum(r["by_thread"].values())
@@ -218,6 +250,8 @@ def main(argv=None):
                     "collapsed Python stacks by thread instead)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a DaemonConfig field (Python literal), e.g. persist_every=1")
+    ap.add_argument("--offline-batch", type=int, metavar="FRAMES",
+                    help="no network: the captures in batches of FRAMES per port in turn (offline_turns)")
     ap.add_argument("--fine", action="store_true", help="time run_batch's parts too")
     ap.add_argument("--cprofile", help="cProfile the daemon loop's thread into this file (last rep's wins)")
     ap.add_argument("--tcpdump", action="store_true",
@@ -233,6 +267,12 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-dcpu-", dir="/dev/shm"))
     try:
         paths = wl.write(a.iterations, tmp)
+        if a.offline_batch:
+            m = wl.frames_for(a.iterations) / 1e6
+            for loop, proc in offline_turns(wl, paths, a.offline_batch, a.reps):
+                print(f"offline, batches of {a.offline_batch} frames: loop thread {loop / m:.3f} s per M frames, "
+                      f"process {proc / m:.3f}; load {os.getloadavg()[0]:.2f}", flush=True)
+            return
         with Links(len(wl.frames)) as links:
             for rep in range(a.reps):
                 r = one_rep(a, wl, links, paths, a.iterations, tmp, a.perf if rep == a.reps - 1 else None)

@@ -11,15 +11,19 @@ Daemon (rings of --ring-mib per interface in --block-kb blocks, the fast pipelin
 checkpoints into a fresh `out` under /dev/shm) on a thread of this process, replays
 --iterations whole iterations at --pps per port, waits until they are all committed,
 then reads:
-- CPU-seconds per million kernel frames, all threads of this process (utime + stime
-  from /proc/self/task/*/stat; the harness's own waiting thread is idle), and split by
-  thread (the daemon's loop, the apply thread, the persistence writer, HTTP, torch's
-  and the digest pools by their names);
+- CPU-seconds per million kernel frames (with --warm N: per million frames delivered
+  after the N-th commit, i.e. without the start-up costs), all threads of this process
+  (utime + stime from /proc/self/task/*/stat; the harness's own threads are idle), and
+  split by thread (the daemon's loop, the apply thread, the persistence writer, HTTP,
+  the digest pool);
 - the daemon loop's thread CPU split by stage (time.thread_time around each stage,
   which costs two clock reads per call): taking batches from the rings (indexing,
   poll), run_batch (kernel + the Python it stops for + commits done inline), the
   status snapshots; and the kernel's own seconds (FastPipeline.kernel_seconds, wall);
-- each committed checkpoint compared with the trainer's (bit-exact), kernel drops.
+- each checkpoint file written compared with the trainer's (bit-exact), kernel drops.
+--fine adds run_batch's parts (kernel, drain, ...), read_batch, and the apply thread's
+(optimizer step, memory tier copy); --offline-batch FRAMES runs the loop's work without
+the network (offline_turns); --cprofile profiles the loop's thread.
 With --tcpdump, each rep is followed by the same traffic into 3 `tcpdump -w` (equal
 ring memory), whose CPU per million frames is printed beside it.
 With --perf, `perf record -g` (or py-spy, for a .txt file) samples this process during
@@ -159,7 +163,16 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
     elif perf:
         rec = subprocess.Popen(["perf", "record", "-q", "-g", "-o", perf, "-p", str(os.getpid())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sent, _, secs = replay(links, paths, a.pps)
+    sender = threading.Thread(target=lambda: box.setdefault("sent", replay(links, paths, a.pps)), name="sender")
+    sender.start()
+    frames0, base = 0, (Counter(), Counter(), 0.0)
+    if a.warm:  # count from the commit of iteration warm-1 on: the steady state, without start-up costs
+        while sum(r.status == "committed" for r in d.pipe.reports) < a.warm and sender.is_alive():
+            time.sleep(0.005)
+        cpu0, frames0 = thread_cpu(), d.frames
+        base = (Counter(clock.seconds), Counter(apply_clock.seconds), d.pipe.kernel_seconds)
+    sender.join()
+    sent, _, secs = box["sent"]
     still, last = time.time(), None
     while time.time() - still < 3:
         done = sum(r.status == "committed" for r in d.pipe.reports)
@@ -175,20 +188,22 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
     by_thread = Counter()
     for tid, c in cpu1.items():
         by_thread[group(names.get(tid, "?"))] += c - cpu0.get(tid, 0.0)
-    stages = {**clock.seconds, **{f"apply: {k}": v for k, v in apply_clock.seconds.items()}}
+    frames = d.frames - frames0
+    stages = {**(clock.seconds - base[0]), **{f"apply: {k}": v for k, v in (apply_clock.seconds - base[1]).items()}}
     calls = {**clock.calls, **{f"apply: {k}": v for k, v in apply_clock.calls.items()}}
-    kernel_s = d.pipe.kernel_seconds
+    kernel_s = d.pipe.kernel_seconds - base[2]
     d.stop.set()
     th.join(120)
     reps = list(d.pipe.reports)
     committed = [r.iteration for r in reps if r.status == "committed"]
+    files = [it for it in committed if (out / checkpoint_name(it)).exists()]  # the persistence tier's
     exact = sum(not diff_checkpoints(load_checkpoint(out / checkpoint_name(it)),
-                                     load_checkpoint(wl.run / "reference" / checkpoint_name(it)))
-                for it in committed if (out / checkpoint_name(it)).exists())
+                                     load_checkpoint(wl.run / "reference" / checkpoint_name(it))) for it in files)
     st = [c.stats() for c in d.captures]
     shutil.rmtree(out, ignore_errors=True)
     return {"sent": sent, "secs": secs, "packets": sum(s["packets"] for s in st), "drops": sum(s["drops"] for s in st),
-            "committed": len(committed), "written": exact, "rc": box.get("rc"), "by_thread": by_thread,
+            "counted": frames if a.warm else sum(s["packets"] for s in st),
+            "committed": len(committed), "files": len(files), "exact": exact, "rc": box.get("rc"), "by_thread": by_thread,
             "stages": stages, "calls": calls, "kernel_s": kernel_s, "load": (load0, os.getloadavg()[0]),
             "statuses": Counter(r.status for r in reps)}
 
@@ -223,12 +238,12 @@ def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float]
 
 
 def report(label: str, r: dict) -> str:
-    m = r["packets"] / 1e6
+    m = r["counted"] / 1e6
     total = sum(r["by_thread"].values())
     lines = [f"{label}: {r['sent']} frames sent in {r['secs']:.2f} s, kernel {r['packets']}, drops {r['drops']}, "
-             f"committed {r['committed']} ({r['written']} checkpoints written, all bit-exact), rc {r['rc']}, "
+             f"committed {r['committed']} (checkpoint files {r['files']}, bit-exact {r['exact']}), rc {r['rc']}, "
              f"statuses {dict(r['statuses'])}, load {r['load'][0]:.2f}->{r['load'][1]:.2f}",
-             f"  all threads: {total:.2f} CPU-s = {total / m:.2f} s per M frames"]
+             f"  all threads: {total:.2f} CPU-s over {r['counted']} frames = {total / m:.2f} s per M frames"]
     for name, c in r["by_thread"].most_common():
         if c >= 0.005:
             lines.append(f"    thread {name:24s} {c:6.2f} s = {c / m:5.2f} s/M")
@@ -252,6 +267,8 @@ def main(argv=None):
                     help="a DaemonConfig field (Python literal), e.g. persist_every=1")
     ap.add_argument("--offline-batch", type=int, metavar="FRAMES",
                     help="no network: the captures in batches of FRAMES per port in turn (offline_turns)")
+    ap.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="count CPU and frames only after N iterations committed (the steady state)")
     ap.add_argument("--fine", action="store_true", help="time run_batch's parts too")
     ap.add_argument("--cprofile", help="cProfile the daemon loop's thread into this file (last rep's wins)")
     ap.add_argument("--tcpdump", action="store_true",

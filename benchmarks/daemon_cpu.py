@@ -1,5 +1,5 @@
 """Where the live daemon's CPU per frame goes (issue 16): the daemon in this process on
-issue 16's scenario, fed by one `tcpreplay --pps` per mirror port, its CPU split by
+issue 16's scenario, fed by one `tcpreplay --pps` (or txring) per mirror port, its CPU split by
 thread and by stage.
 
     python -m benchmarks.daemon_cpu [--model default] [--pps 8000] [--iterations 6]
@@ -163,7 +163,8 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
     elif perf:
         rec = subprocess.Popen(["perf", "record", "-q", "-g", "-o", perf, "-p", str(os.getpid())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sender = threading.Thread(target=lambda: box.setdefault("sent", replay(links, paths, a.pps)), name="sender")
+    sender = threading.Thread(target=lambda: box.setdefault("sent", replay(links, paths, a.pps, a.sender)),
+                              name="sender")
     sender.start()
     frames0, base = 0, (Counter(), Counter(), 0.0)
     if a.warm:  # count from the commit of iteration warm-1 on: the steady state, without start-up costs
@@ -172,7 +173,7 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
         cpu0, frames0 = thread_cpu(), d.frames
         base = (Counter(clock.seconds), Counter(apply_clock.seconds), d.pipe.kernel_seconds)
     sender.join()
-    sent, _, secs = box["sent"]
+    sent, secs = box["sent"].frames, box["sent"].seconds
     still, last = time.time(), None
     while time.time() - still < 3:
         done = sum(r.status == "committed" for r in d.pipe.reports)
@@ -273,6 +274,8 @@ def main(argv=None):
     ap.add_argument("--cprofile", help="cProfile the daemon loop's thread into this file (last rep's wins)")
     ap.add_argument("--tcpdump", action="store_true",
                     help="after each rep, the same traffic into 3 `tcpdump -w` (capture_rate's trial_tcpdump)")
+    ap.add_argument("--sender", choices=("tcpreplay", "txring"), default="tcpreplay",
+                    help="capture_rate's senders (its default is txring where built)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ckptd-capture-rate"))
     a = ap.parse_args(argv)

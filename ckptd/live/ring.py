@@ -388,6 +388,8 @@ class RingCapture:
             return None
         if self._held:
             raise RuntimeError(f"{self._where}: read_batch before the last batch was released")
+        if not self.ready():  # most calls (every ring at each turn): skip index_blocks' call setup
+            return None
         offsets, caplen, origlen, ts, frame_no = self._arrays
         nb, n, restored, unrestored = _ring_index.index_blocks(
             self._array, self.block_size, self.block_nr, self._block,

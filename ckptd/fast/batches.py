@@ -287,11 +287,10 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
             pend[s], pos[s] = refill(s), 0
             continue
         which, idx = _kernel.merge_order([pend[s].ts[pos[s]:] for s in live])
-        # the merge is exact up to where a stream's last pending frame goes out
-        left = np.array([len(pend[s]) - pos[s] for s in live])
-        last = which * (1 << 40) + idx  # (stream, index) as one key
-        at = np.flatnonzero(np.isin(last, np.arange(len(live)) * (1 << 40) + left - 1))
-        cut = int(at.min()) + 1
+        # The merge is exact up to where a stream's last pending frame goes out: the
+        # last place its number appears in `which`.
+        backwards = which[::-1]
+        cut = len(which) - max(int(np.argmax(backwards == j)) for j in range(len(live)))
         yield _gather([pend[s] for s in live], [pos[s] for s in live], which[:cut], idx[:cut])
         taken = np.bincount(which[:cut], minlength=len(live))
         for j, s in enumerate(live):

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import ReaderStage, batch_from_frames, load_capture, load_captures, stream_batches
+from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, load_captures, reader_cpu,
+                                stream_batches)
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
@@ -518,6 +519,26 @@ def test_reader_stage_raises_the_readers_error_after_its_batches():
     assert len(seen) == 1
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give the reader one of its own")
+def test_a_reader_on_a_cpu_of_its_own_runs_there_and_is_never_held():
+    cpu, mask = reader_cpu()
+    assert mask == os.sched_getaffinity(0) and cpu == max(mask)
+    seen = {}
+
+    def batches():
+        seen["cpus"] = os.sched_getaffinity(0)  # asked on the reader's thread: its own mask
+        yield batch_from_frames([])
+    stage = ReaderStage(batches(), cpu=cpu)
+    stage.pause(True)
+    assert stage._go.is_set()  # holding it would free nothing for the optimizer
+    assert len(list(stage)) == 1 and seen["cpus"] == {cpu}
+    assert os.sched_getaffinity(0) == mask  # this thread is left as it was
+    shared = ReaderStage(iter(()))
+    shared.pause(True)
+    assert not shared._go.is_set()  # sharing cores, the reader still yields to the commit
+    shared.close()
+
+
 def test_load_capture_reports_broken_files_as_file_source_does(tmp_path):
     bad = tmp_path / "bad.pcap"
     bad.write_bytes(b"not a capture at all")
@@ -644,8 +665,10 @@ def test_fast_replay_writes_the_reference_checkpoints(tmp_path):
     synth(tmp_path, ranks=3, channels=2, protocol="simple", mtu=2048, mirrors=2, loss=1e-3, iterations=4)
     plan = load_plan(tmp_path / "plan.json")
     opts = ReplayOptions(out=str(tmp_path / "fast"), reference=str(tmp_path / "reference"))
+    cpus = os.sched_getaffinity(0)
     pipe = fast_replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"), opts)
     assert [r.status for r in pipe.reports] == ["committed"] * 4 and all(r.exact for r in pipe.reports)
+    assert os.sched_getaffinity(0) == cpus  # the reader's CPU is given back to this thread
     ref = replay(plan, pcaps(tmp_path), load_checkpoint(tmp_path / "init.pt"),
                  ReplayOptions(out=str(tmp_path / "ref")))
     assert [r.loss for r in ref.reports] == [r.loss for r in pipe.reports]

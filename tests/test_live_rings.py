@@ -104,6 +104,38 @@ def assert_committed_are_exact(run, daemon, out):
             assert diff_checkpoints(mine, load_checkpoint(run / "reference" / checkpoint_name(r.iteration))) == []
 
 
+def test_a_drop_gap_covers_iterations_first_seen_after_it():
+    """A ring that drops during a stall loses frames of iterations no frame of has been
+    read yet: every iteration seen until the stream has placed frames captured after
+    the gap counts as in flight during the drops; later ones do not."""
+    from types import SimpleNamespace
+
+    class Ring:
+        drops = 0
+
+        def stats(self):
+            return {"drops": self.drops}
+    ring = Ring()
+    d = Daemon.__new__(Daemon)
+    d.captures, d.drop_iterations = [ring], set()
+    d._drops_seen, d._drop_gaps, d._drops_done, d._drops_looked = [], {}, -1, 0.0
+    d.pipe = SimpleNamespace(offset=0, highest=0, done=-1, stream_time=[time.time_ns()])
+    d._watch_drops(force=True)
+    assert d.drop_iterations == set()
+    ring.drops = 100  # the stall: iteration 0 open, the ring full
+    d._watch_drops(force=True)
+    assert d.drop_iterations == {0, 1}
+    d.pipe.highest = 3  # frames from the ring's backlog, captured before the look
+    d._watch_drops(force=True)
+    assert d.drop_iterations == {0, 1, 2, 3, 4}
+    d.pipe.highest, d.pipe.stream_time = 5, [time.time_ns()]  # placed frames from after the gap
+    d._watch_drops(force=True)
+    assert d.drop_iterations == set(range(7))
+    d.pipe.highest, d.pipe.done = 9, 6
+    d._watch_drops(force=True)
+    assert d.drop_iterations == set(range(7))  # the gap is behind: later iterations are not in it
+
+
 def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path):
     """Rings of two 16 KiB blocks and a daemon that stalls 0.5 s on its first batch:
     the kernel drops frames, the iterations hit end `dropped` (not abandoned or merely

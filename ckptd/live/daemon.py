@@ -490,7 +490,10 @@ class Daemon:
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
         self._join_logged = False
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
-        self._drops_seen = 0  # kernel drops over all rings at the last look
+        self._drops_seen: list[int] = []  # kernel drops per ring at the last look
+        # per ring that dropped: the wall clock (ns) of the look that saw it; open until the
+        # ring's stream has placed frames from after it (see _watch_drops)
+        self._drop_gaps: dict[int, int] = {}
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
         self._drops_looked = 0.0  # time.monotonic() of the last look
         # the checkpoint files: written in the commit path (persist_sync), else by the
@@ -630,21 +633,33 @@ class Daemon:
 
     # -- kernel ring drops -------------------------------------------------------------
     def _watch_drops(self, force: bool = False):
-        """Look at the rings' kernel drop counters (PACKET_STATISTICS). Drops since the
-        last look may have hit any iteration in flight since then, or the next one,
-        whose first frames may be the ones lost: all of them are remembered, so that
-        those that end incomplete are reported as lost to kernel drops, not abandoned."""
+        """Look at the rings' kernel drop counters (PACKET_STATISTICS). Frames a ring
+        dropped since the last look may belong to any iteration in flight since then or
+        to later ones that no frame of has been read yet (a long stall loses whole
+        iterations; the ring still holds frames from before the gap). So after a ring
+        drops, every iteration up to the newest seen is remembered at each look until
+        that ring's stream has placed frames captured after the look that saw the drops
+        (Pipeline.stream_time; the idle clock counts too): then its gap is behind.
+        Iterations remembered that end incomplete are reported as lost to kernel drops,
+        not abandoned or unrecoverable."""
         if not self.captures:
             return
         now = time.monotonic()
         if not force and now - self._drops_looked < DROPS_LOOK_S:
             return
         self._drops_looked = now
-        total = sum(c.stats()["drops"] for c in self.captures)
-        if total > self._drops_seen:
+        per_ring = [c.stats()["drops"] for c in self.captures]
+        seen = self._drops_seen or [0] * len(per_ring)
+        for k, (d, before) in enumerate(zip(per_ring, seen)):
+            if d > before:
+                self._drop_gaps[k] = time.time_ns()
+        self._drops_seen = per_ring
+        if self._drop_gaps:
             off = self.pipe.offset
             self.drop_iterations.update(range(self._drops_done + 1 + off, self.pipe.highest + 2 + off))
-            self._drops_seen = total
+            clock = self.pipe.stream_time
+            placed = (lambda k: clock[k]) if len(clock) == len(per_ring) else (lambda k: min(clock))
+            self._drop_gaps = {k: t for k, t in self._drop_gaps.items() if placed(k) < t}
         self._drops_done = self.pipe.done
 
     def _mark_kernel_drops(self, rep: IterationReport):

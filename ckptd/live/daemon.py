@@ -657,9 +657,10 @@ class Daemon:
         if self._drop_gaps:
             off = self.pipe.offset
             self.drop_iterations.update(range(self._drops_done + 1 + off, self.pipe.highest + 2 + off))
-            clock = self.pipe.stream_time
-            placed = (lambda k: clock[k]) if len(clock) == len(per_ring) else (lambda k: min(clock))
-            self._drop_gaps = {k: t for k, t in self._drop_gaps.items() if placed(k) < t}
+            clock = self.pipe.stream_time  # per stream; a ring per stream, else the slowest
+            per_stream = len(clock) == len(per_ring)
+            self._drop_gaps = {k: t for k, t in self._drop_gaps.items()
+                               if (clock[k] if per_stream else min(clock)) < t}
         self._drops_done = self.pipe.done
 
     def _mark_kernel_drops(self, rep: IterationReport):

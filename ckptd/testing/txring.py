@@ -33,12 +33,10 @@ import numpy as np
 from cython_ext.txring import TxRingError, send_paced
 
 from ckptd.fast.batches import load_capture
-from ckptd.live.ring import in_netns
+from ckptd.live.ring import PACKET_VERSION, SOL_PACKET, in_netns
 from ckptd.testing.sender import SendResult
 
-SOL_PACKET = 263
-PACKET_VERSION = 10       # include/uapi/linux/if_packet.h
-PACKET_TX_RING = 13
+PACKET_TX_RING = 13       # include/uapi/linux/if_packet.h (SOL_PACKET, PACKET_VERSION: ckptd.live.ring)
 PACKET_QDISC_BYPASS = 20
 TPACKET_V2 = 1
 SLOT_DATA = 32            # TPACKET2_HDRLEN - sizeof(struct sockaddr_ll): the frame's place in a slot

@@ -276,19 +276,40 @@ def ll128_unpack_into(const uint8_t[::1] payload, uint8_t[::1] out, uint64_t fla
 
 
 # -- source helpers --------------------------------------------------------------------------
+cdef extern from *:
+    void __builtin_prefetch(const void *addr) noexcept nogil
+
+# How many frames ahead `run` asks for a frame's first two cache lines (its headers up
+# to the RETH). A Batch's frames were last touched on the reader's core, usually long
+# enough ago to be out of the caches, and decode cannot start before its header is in.
+cdef enum:
+    PREFETCH_AHEAD = 8
+
+
 def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_endian, int64_t base,
                int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
-               int64_t[::1] ts_sec, int64_t[::1] ts_frac):
+               int64_t[::1] ts_sec, int64_t[::1] ts_frac,
+               BatchKernel checker=None, int linktype=0, uint8_t[::1] checked=None):
     """Walk the pcap records that start in [start, stop) (start: after the file header,
     or where the last walk ended; buf: the whole file) and fill the arrays (offsets get
     `base` added). Returns (frames, end, clean): end is where the next record starts;
     clean is False when the file ends inside a record or a record is implausible, where
     parsers/pcap.py would raise CaptureError; the caller then asks that reader for the
     exact error. Arrays of (stop - start) // 16 + 1 frames always suffice: a record
-    takes at least its 16-byte header."""
-    cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0]
+    takes at least its 16-byte header.
+
+    With a checker (a kernel with opcode tables and a CRC) each frame's ICRC is checked
+    as it is indexed, as check_icrc would (checked[k]; linktype: the file's). Walking
+    the headers alone waits on memory at every record (the next header's place is in
+    this one); here the next header is fetched while this frame's CRC runs."""
+    cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0], nxt
     cdef uint32_t sec, frac, cl, ol
-    cdef bint clean = True
+    cdef bint clean = True, check = checker is not None
+    cdef Frame f
+    if check and (checked is None or checked.shape[0] < cap):
+        raise ValueError("checked must hold as many frames as offsets")
+    if check and checker.op_known is None:
+        raise RuntimeError("opcode tables not set")
     if stop > n:
         stop = n
     with nogil:
@@ -308,8 +329,14 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_end
             origlen[k] = ol
             ts_sec[k] = sec
             ts_frac[k] = frac
+            nxt = pos + 16 + cl
+            if check:
+                if nxt < n:
+                    __builtin_prefetch(&buf[nxt])
+                checked[k] = checker.decode_frame(&buf[pos + 16] if cl else NULL, cl, ol, linktype, &f) \
+                    in (K_ROCE_DATA, K_ROCE_ACK)
             k += 1
-            pos += 16 + cl
+            pos = nxt
     return k, pos, clean
 
 
@@ -1312,6 +1339,10 @@ cdef class BatchKernel:
                 if self.nconflicts >= cap:
                     reason = STOP_CONFLICTS_FULL
                     break
+                if i + PREFETCH_AHEAD < end:   # headers a few frames on: see PREFETCH_AHEAD
+                    d = &buf[offsets[i + PREFETCH_AHEAD]]
+                    __builtin_prefetch(d)
+                    __builtin_prefetch(d + 64)
                 d = &buf[offsets[i]] if caplen[i] else NULL
                 s = stream[i]
                 flow = -1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import os
 import random
+import resource
 import struct
 import subprocess
 import sys
@@ -25,14 +26,14 @@ from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, lo
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
-                                 icrc_checked, reduction_constants, trusted_frame)
+                                 icrc_checker, reduction_constants, trusted_frame)
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel
 from cython_ext.filemap import MappedFiles
 from parsers import icrc
 from parsers.capfile import CapturedFrame, open_capture
-from parsers.pcap import PcapWriter
+from parsers.pcap import ChunkedFile, PcapWriter
 from parsers.roce import FrameClass, decode_frame
 
 from helpers import pcaps, synth
@@ -96,8 +97,8 @@ def run_both(plan, paths, start_path=None, trust_icrc=False, abandon=False, fram
     if frames:
         fast.run(frames(), abandon=abandon)
     elif chunk_bytes:  # as fast_replay reads: ICRCs checked on the reader's thread
-        batches = stream_batches(paths, fast.errors, chunk_bytes)
-        for batch in ReaderStage(batches if trust_icrc else icrc_checked(batches)):
+        batches = stream_batches(paths, fast.errors, chunk_bytes, None if trust_icrc else icrc_checker())
+        for batch in ReaderStage(batches):
             fast.run_batch(batch)
         fast.finish(abandon)
     else:
@@ -299,7 +300,7 @@ def test_kernel_classifies_every_frame_as_decode_frame(tmp_path):
     assert {"roce_data", "roce_ack", "truncated", "malformed", "other", "bad_icrc",
             "encapsulated"} <= seen
     # the reader's ICRC check: good exactly where decoding finds RoCE with a good ICRC
-    checked = next(icrc_checked([batch])).icrc_checked
+    checked = icrc_checker().check_icrc(batch.buf, batch.offsets, batch.caplen, batch.origlen, batch.linktype)
     assert checked.tolist() == [int(c in ("roce_data", "roce_ack")) for c in got]
 
 
@@ -367,23 +368,30 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
         assert nbatches > 10
 
 
+def _pcapng(frames) -> bytes:
+    """A pcapng file: section, one Ethernet interface (microseconds), a packet block per
+    (time in us, data)."""
+    def block(btype, body):
+        body += b"\0" * (-len(body) % 4)
+        return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
+    blocks = [block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1)),
+              block(1, struct.pack("<HHI", 1, 0, 0))]
+    for t, data in frames:
+        blocks.append(block(6, struct.pack("<IIIII", 0, t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
+    return b"".join(blocks)
+
+
 def test_stream_batches_mix_mapped_pcap_and_pcapng(tmp_path):
     """A pcapng stream (parsers' reader, its own buffer) merged with mapped pcap
     streams: the frames are copied into one buffer, in file_source's order; an empty
     pcap file and a missing one are reported as file_source reports them."""
     paths = _stream_files(tmp_path, random.Random(7), n=2)
-    def block(btype, body):
-        body += b"\0" * (-len(body) % 4)
-        return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
-    ng = tmp_path / "s.pcapng"  # section, Ethernet interface (microseconds), packets
-    blocks = [block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1)),
-              block(1, struct.pack("<HHI", 1, 0, 0))]
-    t, rng = 1_700_000_000_000_000, random.Random(8)
+    ng = tmp_path / "s.pcapng"
+    t, rng, frames = 1_700_000_000_000_000, random.Random(8), []
     for _ in range(200):
         t += rng.choice([0, 2, 7])
-        data = rng.randbytes(rng.randrange(0, 900))
-        blocks.append(block(6, struct.pack("<IIIII", 0, t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
-    ng.write_bytes(b"".join(blocks))
+        frames.append((t, rng.randbytes(rng.randrange(0, 900))))
+    ng.write_bytes(_pcapng(frames))
     empty = tmp_path / "empty.pcap"
     empty.write_bytes(b"")
     paths += [str(ng), str(empty), str(tmp_path / "missing.pcap")]
@@ -484,6 +492,46 @@ def test_a_capture_read_from_disk_is_mapped_with_pmd_entries(tmp_path):
     files.release_before(len(buf) - 1)
     assert _file_pmd_mapped_kb(lo, lo + len(buf)) < (8 << 10)
     np.testing.assert_array_equal(buf, data)
+
+
+def _fs_type(path) -> str:
+    """The file system `path` is on (the longest mount point above it)."""
+    best, kind = "", ""
+    for line in open("/proc/self/mounts"):
+        _, point, fs = line.split()[:3]
+        if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fs
+    return kind
+
+
+def _faults_to_touch(path) -> tuple[int, int]:
+    """(page faults, pages) of reading one byte per page of a file through MappedFiles."""
+    files = MappedFiles([str(path)])
+    buf = np.frombuffer(files, np.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    int(buf[::4096].sum())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, len(buf) // 4096
+
+
+def test_a_capture_written_in_whole_chunks_maps_a_large_folio_per_fault(tmp_path):
+    """The synthesizer's captures (parsers.pcap.ChunkedFile: whole 4 MiB writes) are held
+    in large folios right after writing, and a replay maps each with one fault; the same
+    records written 8 KiB at a time (Python's default buffer) take a fault per 16 pages
+    (the kernel's fault-around). The bytes are PcapWriter's either way."""
+    if not _thp_for_files() or _fs_type(tmp_path) not in ("ext4", "xfs"):
+        pytest.skip(f"large page-cache folios need Linux 6.16+ on ext4 or xfs ({_fs_type(tmp_path)} here)")
+    rng = random.Random(4)
+    frames = [(rng.randrange(1 << 60), rng.randbytes(rng.randrange(60, 4200))) for _ in range(24_000)]
+    paths = [tmp_path / "chunked.pcap", tmp_path / "plain.pcap"]
+    for path, f in zip(paths, (ChunkedFile(paths[0]), open(paths[1], "wb"))):
+        w = PcapWriter(f)
+        for ts, data in frames:
+            w.write(data, ts)
+        f.close()
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    chunked, pages = _faults_to_touch(paths[0])
+    plain, _ = _faults_to_touch(paths[1])
+    assert chunked <= pages // 64 and plain >= pages // 32, (chunked, plain, pages)
 
 
 def test_a_capture_that_shrinks_under_the_mapping_stops_in_one_line(tmp_path):
@@ -596,6 +644,27 @@ def test_trusting_the_nic_with_corrupted_frames(tmp_path, protocol, mtu):
     assert_same(ref, fast)
     assert sum(len(s["conflicts"]) for s in ref.snaps) > 0
     assert fast.classes[0]["bad_icrc"] == 0
+
+
+def test_indexing_checks_each_frames_icrc_as_check_icrc_does(tmp_path):
+    """stream_batches with a checker checks ICRCs while it indexes (index_pcap with a
+    checker, prefetching the next header): the flags are check_icrc's on the same frames,
+    at every chunk size, corrupted frames (0) included; a pcapng stream is checked as read."""
+    synth(tmp_path, ranks=4, channels=2, protocol="simple", mtu=1024, mirrors=2, loss=1e-3,
+          corrupt=2e-2, iterations=2)
+    paths = pcaps(tmp_path)
+    ng = tmp_path / "m.pcapng"
+    ng.write_bytes(_pcapng([(fr.ts_ns // 1000, fr.data) for fr in open_capture(paths[1])]))
+    checker = icrc_checker()
+    for files in (paths, [paths[0], str(ng)]):
+        for chunk in (3000, 100_000, 1 << 24):
+            errors, flags = [], []
+            for b in stream_batches(files, errors, chunk, checker):
+                want = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
+                np.testing.assert_array_equal(b.icrc_checked, want)
+                flags.append(want)
+            flags = np.concatenate(flags)
+            assert not errors and 0 < flags.sum() < len(flags), (files, chunk)
 
 
 def test_icrcs_checked_on_the_reader_thread_with_corrupted_frames(tmp_path):

@@ -30,13 +30,16 @@ from parsers.pcap import MAGIC_NS, MAGIC_US
 
 # Bytes of a file stream_batches indexes at a time: the grain of a merged Batch, so of
 # how often the fast pipeline moves the streams' clocks (agreement windows), and of the
-# pages the reader faults in ahead of the kernel.
-CHUNK_BYTES = 4 << 20
+# pages the reader faults in ahead of the kernel. Each Batch costs the consumer a round
+# of Python (merge, stops, clocks): issue 16's replay took 0.108 s at 4 MiB, 0.100 s at
+# 16 MiB, 0.15 s at 1 MiB (benchmarks/RESULTS.md).
+CHUNK_BYTES = 16 << 20
 CHUNK_FRAMES = 1 << 11  # frames per Batch from the reference readers
 # Batches a ReaderStage may hold ready: enough for the reader to index ahead while the
-# pipeline is built (a mapped file's Batch holds only its index); with the reference
-# readers' Batches (their own bytes) at most 64k frames, fewer than the 3 x 32k before.
-READ_DEPTH = 32
+# pipeline is built (a mapped file's Batch holds only its index: 8 x 16 MiB per stream
+# mapped ahead at most); the reference readers' Batches (their own bytes) stay at
+# 16k frames.
+READ_DEPTH = 8
 READER_NICE = 10  # the reader thread's nice value (in Linux each thread has its own)
 
 
@@ -173,11 +176,11 @@ def _reference_chunks(path, stream: int, errors: list[str]) -> Iterator[Batch]:
 
 
 def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int, chunk_bytes: int,
-                 errors: list[str]) -> Iterator[Batch]:
+                 errors: list[str], checker=None) -> Iterator[Batch]:
     """Mapped file k as Batches of the records that start in each `chunk_bytes`: offsets
     into buf (every mapped file's bytes), nothing copied. Indexing faults in the pages
-    that hold record headers; the ICRC check (ckptd.fast.pipeline.icrc_checked), on the
-    same thread, the rest."""
+    that hold record headers; with a checker (ckptd.fast.pipeline.icrc_checker) it also
+    checks each frame's ICRC as it goes (Batch.icrc_checked), on the same thread."""
     start, size = files.starts[k], files.sizes[k]
     data = buf[start:start + size]
     if (hdr := _pcap_header(data[:24].tobytes())) is None:
@@ -186,15 +189,18 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
     big, tick, linktype = hdr
     cap = chunk_bytes // 16 + 1
     scratch = [np.empty(cap, np.int64) for _ in range(5)]
+    checked = np.empty(cap, np.uint8) if checker is not None else None
     pos, numbered = 24, 0
     while pos < size:
-        n, end, clean = _kernel.index_pcap(data, pos, pos + chunk_bytes, big, start, *scratch)
+        n, end, clean = _kernel.index_pcap(data, pos, pos + chunk_bytes, big, start, *scratch,
+                                           checker, linktype, checked)
         if n:
             offsets, caplen, origlen, sec, frac = (a[:n].copy() for a in scratch)
             yield Batch(buf, offsets, caplen, origlen, np.full(n, stream, np.int32),
                         np.full(n, linktype, np.int32),
                         np.arange(numbered + 1, numbered + n + 1, dtype=np.int64),
-                        sec * 1_000_000_000 + frac * tick)
+                        sec * 1_000_000_000 + frac * tick,
+                        None if checked is None else checked[:n].copy())
             numbered += n
         if not clean:
             errors.append(_reference_error(path) or f"{path}: capture ends inside a record")
@@ -202,7 +208,7 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
         pos = end
 
 
-def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int) -> list[Iterator[Batch]]:
+def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, checker) -> list[Iterator[Batch]]:
     """Per file, its Batches: regular pcap files mapped together (one buffer: the merge
     is by index), anything else through parsers' reader. Files that cannot be opened or
     recognized are reported in errors, in stream order."""
@@ -220,7 +226,7 @@ def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int) -> li
     sources, nmapped = [], 0
     for k, (p, fmt) in enumerate(zip(paths, formats)):
         if fmt == "mapped":
-            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors))
+            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors, checker))
             nmapped += 1
         elif fmt is not None:
             sources.append(_reference_chunks(p, k, errors))
@@ -254,22 +260,31 @@ def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.n
         return np.concatenate([getattr(b, name)[lo:hi] + (d if shift else 0) for b, lo, hi, d in runs])[pos]
 
     buf = sources[0].buf if shared else np.concatenate(spans)
+    checked = None
+    if any(b.icrc_checked is not None for b, *_ in runs):  # unchecked sources: 0, the kernel checks
+        checked = np.concatenate([np.zeros(hi - lo, np.uint8) if b.icrc_checked is None
+                                  else b.icrc_checked[lo:hi] for b, lo, hi, _ in runs])[pos]
     return Batch(buf, take("offsets", True), take("caplen"), take("origlen"),
-                 take("stream"), take("linktype"), take("frame_no"), take("ts"))
+                 take("stream"), take("linktype"), take("frame_no"), take("ts"), checked)
 
 
-def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Batch]:
+def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES,
+                   checker=None) -> Iterator[Batch]:
     """Every file (one per stream), merged into Batches in the order file_source yields
     the frames: repeatedly the smallest (time, stream, frame number) head. Each file is
     indexed a chunk at a time; that choice needs every stream's next frame indexed, so
     a merged Batch ends where some stream's chunk runs out; that stream's next chunk
     is indexed and the merge goes on. Pcap files are mapped (cython_ext/filemap.pyx) and
-    every Batch points into the mapping: no bytes are read or copied."""
-    sources = _stream_sources(paths, errors, chunk_bytes)
+    every Batch points into the mapping: no bytes are read or copied. With a checker
+    (ckptd.fast.pipeline.icrc_checker) every frame's ICRC is checked on the way
+    (Batch.icrc_checked): mapped files as they are indexed, the others as read."""
+    sources = _stream_sources(paths, errors, chunk_bytes, checker)
 
     def refill(s):
         for b in sources[s]:
             if len(b):
+                if checker is not None and b.icrc_checked is None:
+                    b.icrc_checked = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
                 return b
         return None
 

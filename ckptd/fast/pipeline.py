@@ -54,7 +54,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -665,17 +665,16 @@ class FastPipeline:
         k.done, k.highest = pipe.done, pipe.highest
 
 
-def icrc_checked(batches: Iterable[Batch], crc: str = "auto") -> Iterator[Batch]:
-    """The Batches with their ICRCs checked (Batch.icrc_checked): run on the reader's
-    thread, this moves the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's replay, off
-    the core that places (benchmarks/RESULTS.md). A frame whose ICRC is bad, or that
-    is no RoCE, is decoded by the placing kernel as before."""
+def icrc_checker(crc: str = "auto") -> _kernel.BatchKernel:
+    """A kernel that only checks ICRCs (opcode tables and a CRC), for the reader's thread:
+    stream_batches checks every frame as it indexes it (Batch.icrc_checked), which moves
+    the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's replay, off the core that
+    places (benchmarks/RESULTS.md). A frame whose ICRC is bad, or that is no RoCE, is
+    decoded by the placing kernel as before."""
     checker = _kernel.BatchKernel(1)
     checker.set_crc(*crc_setting(crc))
     checker.set_opcodes(**opcode_tables())
-    for b in batches:
-        b.icrc_checked = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
-        yield b
+    return checker
 
 
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
@@ -691,9 +690,10 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     # The reader starts first: it maps, indexes and faults in the files and checks the
     # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
     errors: list[str] = []
-    batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES)
+    batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES,
+                             None if trust_icrc else icrc_checker(crc))
     cpu, mask = reader_cpu()
-    reader = ReaderStage(batches if trust_icrc else icrc_checked(batches, crc), release=release_mapped, cpu=cpu)
+    reader = ReaderStage(batches, release=release_mapped, cpu=cpu)
     try:
         if cpu is not None:  # this thread, and the optimizer's thread it starts, keep off the reader's CPU
             os.sched_setaffinity(0, mask - {cpu})

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from parsers.pcap import PcapWriter
+from parsers.pcap import ChunkedFile, PcapWriter
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
 from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
@@ -623,12 +623,12 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     gs = plan.optimizer.grad_scaler
     scaler = None if gs is None else torch.amp.GradScaler("cpu", **gs)
     wire = Wire(plan, opts, rng)
-    files = [open(out / "mirrors" / f"{m.name}.pcap", "wb") for m in plan.mirrors]
+    files = [ChunkedFile(out / "mirrors" / f"{m.name}.pcap") for m in plan.mirrors]
     writers = [PcapWriter(f) for f in files]
     hosts = []
     if opts.write_hosts:
         (out / "hosts").mkdir(exist_ok=True)
-        hosts = [PcapWriter(open(out / "hosts" / f"rank{r}.pcap", "wb")) for r in range(plan.nranks)]
+        hosts = [PcapWriter(ChunkedFile(out / "hosts" / f"rank{r}.pcap")) for r in range(plan.nranks)]
         files += [w.f for w in hosts]
     stats = {m.name: {"frames": 0, "lost": 0, "corrupted": 0, "duplicated": 0, "reordered": 0}
              for m in plan.mirrors}

@@ -37,7 +37,7 @@ import numpy as np
 
 from parsers import icrc
 from parsers.bth import BTH
-from parsers.pcap import PcapWriter
+from parsers.pcap import ChunkedFile, PcapWriter
 from parsers.reth import RETH
 
 from ckptd.core.plan import Plan
@@ -298,7 +298,7 @@ class BulkSynth:
         plan = self.plan
         nb_max = max(b.count for s in self.scheds for b in s.buckets)
         local = np.zeros((plan.nranks, nb_max), np.float32)  # reused: pages touched once
-        files = [open(p, "wb", buffering=8 << 20) for p in self.paths]
+        files = [ChunkedFile(p) for p in self.paths]
         self.writers = [PcapWriter(f) for f in files]
         try:
             for t in range(iterations):

@@ -314,17 +314,17 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
                 pend[s], pos[s] = refill(s), 0
 
 
-def reader_cpu() -> tuple[int | None, set[int]]:
-    """(a CPU for the reader alone, the CPUs this thread may use): on 2 or more, the
-    reader takes the highest and the rest of the replay (extraction, the optimizer's
-    thread) keeps to the others. The reader is the longest stage of a replay (mapping,
-    indexing, the ICRC check); left to the scheduler it shares a core with the
-    optimizer about half the time, ~0.02 s of issue 16's 0.14 s (benchmarks/RESULTS.md)."""
+def reader_cpu() -> int | None:
+    """A CPU for the reader alone where the process may use 2 or more (the highest), else
+    None. The reader keeps to it; extraction and the optimizer's thread may use every CPU,
+    the reader's too, since indexing and the ICRC check fill about half of one
+    (benchmarks/RESULTS.md: 0.091-0.097 s on issue 16's replay, against 0.099-0.101 with
+    the rest kept off the reader's CPU)."""
     try:
         mask = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        return None, set()
-    return (max(mask) if len(mask) >= 2 else None), mask
+        return None
+    return max(mask) if len(mask) >= 2 else None
 
 
 def release_mapped(batch: Batch):

@@ -692,11 +692,8 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     errors: list[str] = []
     batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES,
                              None if trust_icrc else icrc_checker(crc))
-    cpu, mask = reader_cpu()
-    reader = ReaderStage(batches, release=release_mapped, cpu=cpu)
+    reader = ReaderStage(batches, release=release_mapped, cpu=reader_cpu())
     try:
-        if cpu is not None:  # this thread, and the optimizer's thread it starts, keep off the reader's CPU
-            os.sched_setaffinity(0, mask - {cpu})
         with collector_paused():
             pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)
             pipe.pipeline.errors = errors  # the reader's reports are the pipeline's
@@ -705,8 +702,6 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
                 pipe.run_batch(batch)
     finally:
         reader.close()
-        if cpu is not None:
-            os.sched_setaffinity(0, mask)
     pipe.read_waits = {"reader_waited": reader.full_waits, "extraction_waited": reader.empty_waits}
     pipe.finish()
     return pipe

@@ -121,3 +121,19 @@ def test_unreadable_capture_is_named(tmp_path, capsys):
     assert main(["-i", "lo", "--topspeed", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(bad) in err and "neither pcap nor pcapng" in err
+
+
+def test_only_an_8021q_tag_is_allowed_past_the_mtu():
+    """too_long follows the kernel's rule (af_packet.c packet_extra_vlan_len_allowed):
+    4 bytes more for a frame whose ethertype is 0x8100, none for 0x88A8 or untagged."""
+    import numpy as np
+    from ckptd.testing.txring import too_long
+    mtu = 1500
+    frames = [bytes(12) + tpid + bytes(mtu + extra)  # 14 bytes of header, then mtu + extra
+              for tpid, extra in ((b"\x81\x00", 4), (b"\x08\x00", 0), (b"\x88\xa8", 4), (b"\x81\x00", 5))]
+    buf = np.frombuffer(b"".join(frames), np.uint8)
+    lengths = np.array([len(f) for f in frames], np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    assert too_long(buf, offsets, lengths, mtu) == 2  # the 802.1ad frame
+    assert too_long(buf[:offsets[2]], offsets[:2], lengths[:2], mtu) == -1
+    assert too_long(buf, offsets[3:], lengths[3:], mtu) == 0  # one byte over even with 802.1Q

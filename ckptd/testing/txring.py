@@ -102,13 +102,14 @@ def open_tx_ring(ifname: str, max_frame: int, batch: int = BATCH, netns: str | N
 
 def too_long(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, mtu: int) -> int:
     """Index of the first frame the kernel would refuse on a device of this MTU (longer
-    than MTU + Ethernet header, + 4 for an 802.1Q-tagged one: af_packet.c tpacket_snd),
+    than MTU + Ethernet header, + 4 for an 802.1Q-tagged one: af_packet.c tpacket_snd,
+    packet_extra_vlan_len_allowed; an 802.1ad (0x88A8) outer tag gets no allowance),
     or -1."""
     limit = np.full(len(lengths), mtu + ETH_HLEN, np.int64)
     tagged = lengths >= ETH_HLEN
     ethertype = np.zeros(len(lengths), np.int64)
     ethertype[tagged] = buf[offsets[tagged] + 12].astype(np.int64) << 8 | buf[offsets[tagged] + 13]
-    limit[(ethertype == 0x8100) | (ethertype == 0x88A8)] += VLAN_HLEN
+    limit[ethertype == 0x8100] += VLAN_HLEN
     bad = np.flatnonzero(lengths > limit)
     return int(bad[0]) if len(bad) else -1
 

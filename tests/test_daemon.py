@@ -170,3 +170,35 @@ def test_joining_daemon_reports_where_it_joined(run, tmp_path):
     doc = json.loads(json.dumps(d.snapshot.get()))
     assert doc["join"] == {"joining": False, "joined_at": 1, "packets_before": 0,
                            "restarted_from": None}
+
+
+def test_startup_objects_are_out_of_the_collectors_walks_while_capturing(run, tmp_path):
+    """While the loop runs, what the daemon made before it (torch, plan, schedules, shadow)
+    is frozen (gc.freeze): a full collection over it held the GIL for 60-160 ms and the
+    rings overflowed. Garbage the loop makes is still collected, and at the stop the
+    objects go back to the collector."""
+    import gc
+    import weakref
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    seen = {}
+
+    class Holder:
+        pass
+
+    def source():
+        frames = list(file_source(pcaps(run), []))
+        yield from frames[:len(frames) // 2]
+        seen["frozen"] = gc.get_freeze_count()
+        seen["pipe_walked"] = any(o is daemon.pipe for o in gc.get_objects())
+        holder = Holder()
+        holder.me = holder  # a cycle made during the loop: only the collector frees it
+        gone = weakref.ref(holder)
+        del holder
+        gc.collect()
+        seen["cycle_collected"] = gone() is None
+        yield from frames[len(frames) // 2:]
+
+    assert gc.get_freeze_count() == 0
+    assert daemon.run(source=source(), install_signals=False) == 0
+    assert seen["frozen"] > 10_000 and not seen["pipe_walked"] and seen["cycle_collected"]
+    assert gc.get_freeze_count() == 0 and any(o is daemon.pipe for o in gc.get_objects())

@@ -20,6 +20,8 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import ipaddress
 import json
@@ -883,6 +885,21 @@ class Daemon:
             "workers": [{"interface": c.ifname, "pid": c.pid} for c in self.captures],
             "busy_poll": self.cfg.busy_poll, "cpus": self.cfg.cpus}})
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _startup_objects_frozen():
+        """The objects made before the capture loop (torch's, the plan, the schedules, the
+        shadow model: ~200k) kept out of the cyclic collector's walks while it runs: a
+        full collection over them held the GIL for 60-160 ms, on whichever thread set it
+        off, and the loop fell behind the rings (benchmarks/RESULTS.md). What the loop
+        makes is collected as before. They go back at the end (tests run many daemons in
+        one process)."""
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+
     def run(self, source=None, install_signals: bool = True) -> int:
         """Capture until stopped. `source` replaces the capture rings (tests, replays)."""
         if install_signals:
@@ -899,10 +916,11 @@ class Daemon:
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})
-            if self.fast:
-                self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
-            else:
-                self.pipe.run(self._counting(source), abandon=True)
+            with self._startup_objects_frozen():
+                if self.fast:
+                    self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
+                else:
+                    self.pipe.run(self._counting(source), abandon=True)
             self._persist_newest()
         finally:
             self._publish("stopped")

@@ -202,3 +202,21 @@ def test_startup_objects_are_out_of_the_collectors_walks_while_capturing(run, tm
     assert daemon.run(source=source(), install_signals=False) == 0
     assert seen["frozen"] > 10_000 and not seen["pipe_walked"] and seen["cycle_collected"]
     assert gc.get_freeze_count() == 0 and any(o is daemon.pipe for o in gc.get_objects())
+
+
+def test_commits_copy_into_the_memory_reserved_at_start(run, tmp_path):
+    """The memory tier's slots are made (and their pages touched) before capturing, laid
+    out as every commit's state is (ShadowModel.state_template), and the commits copy
+    into them. (Checkpoints are written in the commit path here: the persistence tier's
+    writer holds a state while it writes it, and a commit meanwhile takes fresh memory.)"""
+    from ckptd.live.memory_tier import _layout
+    daemon = Daemon(load_config(_config(run, tmp_path, persist_sync="true")))
+    reserved = list(daemon.memory._slots)
+    assert len(reserved) == daemon.memory.KEEP + 1 and len({s.layout for s in reserved}) == 1
+    assert daemon.run(source=file_source(pcaps(run), []), install_signals=False) == 0
+    assert daemon.memory.iterations() == [2, 3]
+    homes = {t.data_ptr() for s in reserved for t in s.tensors}
+    for it in (2, 3):
+        held = daemon.memory.get(it)
+        assert _layout({"model": held.model, "optimizer": held.optimizer}) == reserved[0].layout
+        assert all(t.data_ptr() in homes for t in held.model.values())

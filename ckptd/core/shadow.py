@@ -186,6 +186,24 @@ class ShadowModel:
         out.update((n, keep(b)) for n, b in self.buffers.items())
         return out
 
+    def state_template(self) -> tuple[dict, dict]:
+        """(model_state, optimizer_state) as a commit hands them out once every parameter
+        has stepped: the live tensors, and meta tensors (init_state's) for optimizer state
+        not made yet. For laying out memory ahead (ckptd.live.memory_tier.reserve)."""
+        model = self.model_state(copy=False)
+        opt = self.optimizer_state(copy=False)
+        hyper = self.hyper.at(self.iteration + 1)
+        for i, n in enumerate(self.names):
+            if n not in self.state:
+                p = self.params[i].to("meta")
+                g = hyper[self.group_of[n]]
+                st = init_state(self.opt.kind, p, g)
+                if self.opt.kind == "sgd" and g.get("momentum"):
+                    st = {"momentum_buffer": p}  # the functional makes it on the first step
+                opt["state"][n] = st
+        opt["state"] = {n: opt["state"][n] for n in self.names if n in opt["state"]}
+        return model, opt
+
     def optimizer_state(self, copy: bool = True) -> dict:
         """{"lr": the first group's lr of the last step, "state": {name: torch's per-parameter
         state}}, plus "grad_scaler": {scale, growth_tracker} with AMP."""

@@ -524,6 +524,9 @@ class Daemon:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
         self.memory = MemoryTier() if cfg.memory_tier else None
+        shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
+        if self.memory is not None and shadow is not None:
+            self.memory.reserve(*shadow.state_template())  # no fresh pages in a commit
         self.persist = None
         if not cfg.persist_sync:
             from ckptd.live.persist import PersistTier

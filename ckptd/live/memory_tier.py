@@ -4,6 +4,8 @@ At each commit the shadow's tensors are copied once (the shadow steps them in pl
 for the next iteration); the copy is never changed after, so the HTTP workers and the
 persistence tier read it without a lock while the pipeline goes on. Two are kept: a
 client that asked for the latest may still be reading it when the next commit lands.
+The memory of a copy nothing refers to any more (torch counts what shares it) takes a
+later commit's copy: after start-up, commits touch no fresh pages.
 
 A held state is encoded for the wire on first request only (torch.save of the standard
 trainer format, ckptd.core.formats.torch_doc, the one `ckptd.restore` reads), with its
@@ -78,17 +80,107 @@ def copy_state(tree):
     return tree
 
 
+def _tensors(tree, path=()):
+    """(path, tensor) of every tensor in a state tree, in its order."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, path + (k,))
+
+
+def _layout(tree) -> tuple:
+    return tuple((path, tuple(t.shape), t.dtype) for path, t in _tensors(tree))
+
+
+def _sharers(t: torch.Tensor) -> int:
+    """How many tensors (views, and what numpy arrays or memoryviews made of them keep
+    alive) share t's memory: torch's own count on the storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Slot:
+    """Memory for one copy of a state of a given layout, reused from commit to commit. A
+    HeldState gets views of these tensors, and anything a reader makes of them (numpy
+    arrays, memoryviews, torch.save's references) is a view too, so the slot is free
+    exactly when torch counts no sharer but its own tensors."""
+
+    def __init__(self, layout: tuple):
+        self.layout = layout
+        self.tensors = [torch.empty(shape, dtype=dtype) for _, shape, dtype in layout]
+        for t in self.tensors:
+            t.zero_()  # every page touched now, not in a commit
+        self.idle = [_sharers(t) for t in self.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def free(self) -> bool:
+        return all(_sharers(t) == n for t, n in zip(self.tensors, self.idle))
+
+    def fill(self, tree):
+        """tree's values copied in; returns the same tree with views of them."""
+        it = iter(self.tensors)
+
+        def copy(x):
+            if isinstance(x, torch.Tensor):
+                t = next(it)
+                t.copy_(x)
+                return t.view(t.shape)
+            if isinstance(x, dict):
+                return {k: copy(v) for k, v in x.items()}
+            return x
+        return copy(tree)
+
+
 class MemoryTier:
+    """The latest KEEP committed states. Each commit copies into memory of an earlier copy
+    that nothing refers to any more (_Slot), so after start-up a commit touches no fresh
+    page: on a virtual machine whose freed memory goes back to the host, fresh pages cost
+    the copy of issue 16's 31 MB state 80-180 ms instead of ~13, the bucket steps queued
+    behind it stalled the capture loop, and the rings overflowed (benchmarks/RESULTS.md).
+    reserve() makes the slots before capturing starts."""
+
     KEEP = 2
 
     def __init__(self):
         self._lock = threading.Lock()
         self._held: list[HeldState] = []  # oldest first
+        self._slots: list[_Slot] = []
+
+    def reserve(self, model: dict, optimizer: dict | None):
+        """Make KEEP + 1 slots (the held states and the one being copied) for states laid
+        out as model and optimizer (their tensors may be on the meta device)."""
+        layout = _layout({"model": model, "optimizer": optimizer})
+        have = sum(s.layout == layout for s in self._slots)
+        self._slots += [_Slot(layout) for _ in range(self.KEEP + 1 - have)]
+
+    def _copy(self, model: dict, optimizer: dict | None) -> dict:
+        tree = {"model": model, "optimizer": optimizer}
+        layout = _layout(tree)
+        slot = next((s for s in self._slots if s.layout == layout and s.free()), None)
+        if slot is None:  # the state's layout changed, or a reader still holds every copy
+            slot = _Slot(layout)
+            self._slots.append(slot)
+        copied = slot.fill(tree)
+        # Slots kept: the held states, the next copy and one the persistence tier may be
+        # writing (what taking a fresh copy each commit held at most too); spare ones
+        # beyond that, and those of an old layout, are let go.
+        spare = [s for s in self._slots if s is not slot and s.free()]
+        busy = len(self._slots) - len(spare)
+        for s in spare:
+            if s.layout != layout or busy >= self.KEEP + 2:
+                self._slots.remove(s)
+            else:
+                busy += 1
+        return copied
 
     def commit(self, iteration: int, model: dict, optimizer: dict | None) -> HeldState:
         """Take a copy of a state just committed (its tensors are the shadow's live ones)."""
         t0 = time.perf_counter()
-        held = HeldState(iteration, copy_state(model), copy_state(optimizer), time.time(), 0.0)
+        copied = self._copy(model, optimizer)
+        held = HeldState(iteration, copied["model"], copied["optimizer"], time.time(), 0.0)
         held.copy_seconds = time.perf_counter() - t0
         with self._lock:
             self._held = (self._held + [held])[-self.KEEP:]

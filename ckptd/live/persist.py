@@ -216,6 +216,7 @@ class PersistTier:
                 log.error("persistence failed", extra={"fields": {"iteration": held.iteration,
                                                                   "error": str(e)}})
             finally:
+                held = None  # not kept while waiting: the memory tier reuses its memory
                 with self._cv:
                     self._busy = False
 

@@ -521,6 +521,8 @@ class Search:
             self.trials.append(t)
             out[c] = t
             print(f"  [{time.time() - self.t0:5.0f} s] {row(t)}", flush=True)
+        for p in paths:  # in /dev/shm: a search's steps kept them all and ran the machine out of memory
+            p.unlink(missing_ok=True)
         return out
 
     def search(self, capturers: list[str]):

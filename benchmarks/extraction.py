@@ -39,6 +39,7 @@ first run.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from pathlib import Path
@@ -207,6 +208,8 @@ def bench_replay(reps: int, from_disk: bool = False) -> list[str]:
         times.setdefault("memcpy", []).append(_timed(lambda: np.copyto(dst, buf)))
         times.setdefault("memcpy64", []).append(_timed(chunked))
         plan, start = load_plan(d / "plan.json"), load_checkpoint(d / "init.pt")
+        pipe = None
+        gc.collect()  # the last rep's garbage is not this replay's (a `ckptd replay` starts clean)
         t = time.perf_counter()
         pipe = fast_replay(plan, paths, start, ReplayOptions())
         times.setdefault("replay", []).append(time.perf_counter() - t)

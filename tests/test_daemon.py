@@ -220,3 +220,18 @@ def test_commits_copy_into_the_memory_reserved_at_start(run, tmp_path):
         held = daemon.memory.get(it)
         assert _layout({"model": held.model, "optimizer": held.optimizer}) == reserved[0].layout
         assert all(t.data_ptr() in homes for t in held.model.values())
+
+
+def test_a_host_without_memory_for_the_memory_tier_is_refused_at_start(run, tmp_path, monkeypatch):
+    """The memory tier's copies are made at start, so they count in the memory the daemon
+    asks for: too little is one line naming the way out, not an OOM kill at a commit."""
+    from ckptd.core import memory
+    from ckptd.core.plan import load_plan
+    from ckptd.live.memory_tier import MemoryTier
+    plan = load_plan(run / "plan.json")
+    monkeypatch.setattr(memory, "available_memory",
+                        lambda: plan.shadow_bytes() + MemoryTier.KEEP * plan.state_bytes())
+    with pytest.raises(memory.MemoryLimitError, match="memory tier's 3 copies.*memory_tier: false"):
+        Daemon(load_config(_config(run, tmp_path)))
+    daemon = Daemon(load_config(_config(run, tmp_path, memory_tier="false")))
+    assert daemon.memory is None

@@ -494,14 +494,19 @@ class Plan:
             off += n
         return out
 
-    def shadow_bytes(self) -> int:
-        """About what shadowing this plan holds in memory: the parameters, Adam's two
-        (three with amsgrad) moments, and gradient buffers for two iterations in flight."""
+    def state_bytes(self) -> int:
+        """About one copy of the shadow's state: the parameters and Adam's two (three
+        with amsgrad) moments."""
         params = sum(p.numel * _itemsize(p.dtype) for p in self.parameters)
         moments = 0 if self.optimizer is None else (3 if self.optimizer.amsgrad else 2)
+        return params * (1 + moments)
+
+    def shadow_bytes(self) -> int:
+        """About what shadowing this plan holds in memory: the state, and gradient
+        buffers for two iterations in flight."""
         grads = max(sum(self.bucket_count(b) * _itemsize(self.bucket_dtype(b)) for b in layout)
                     for layout in (self.buckets_first, self.buckets_rebuilt))
-        return params * (1 + moments) + 2 * grads
+        return self.state_bytes() + 2 * grads
 
     def check_start(self, state: dict, where: str) -> None:
         """The state the shadow starts from (`--init`, the daemon's `init`) fits this plan:

@@ -473,7 +473,10 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
-        require_memory(self.plan.shadow_bytes(), f"shadowing the plan {cfg.plan}")
+        copies = (MemoryTier.KEEP + 1) * self.plan.state_bytes() if cfg.memory_tier else 0
+        require_memory(self.plan.shadow_bytes() + copies, f"shadowing the plan {cfg.plan}"
+                       + (f" with the memory tier's {MemoryTier.KEEP + 1} copies (memory_tier: false to go without)"
+                          if copies else ""))
         if cfg.user is not None:  # an unknown user is refused before anything is opened
             from ckptd.live.privilege import resolve
             resolve(cfg.user, cfg.group)

@@ -430,7 +430,9 @@ class ReaderStage:
 
     def pause(self, on: bool):
         """Hold the reader before its next read (on=True) or let it go on. A reader
-        on a CPU of its own is never held: that would free nothing for the optimizer."""
+        on a CPU of its own is never held: the optimizer's thread may share that CPU now,
+        but holding the reader for it measured slower (issue 16's replay: 0.104 s best
+        against 0.097)."""
         if self.cpu is not None:
             return
         if on:

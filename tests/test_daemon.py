@@ -231,7 +231,7 @@ def test_a_host_without_memory_for_the_memory_tier_is_refused_at_start(run, tmp_
     plan = load_plan(run / "plan.json")
     monkeypatch.setattr(memory, "available_memory",
                         lambda: plan.shadow_bytes() + MemoryTier.KEEP * plan.state_bytes())
-    with pytest.raises(memory.MemoryLimitError, match="memory tier's 3 copies.*memory_tier: false"):
+    with pytest.raises(memory.MemoryLimitError, match="memory tier's 4 copies.*memory_tier: false"):
         Daemon(load_config(_config(run, tmp_path)))
     daemon = Daemon(load_config(_config(run, tmp_path, memory_tier="false")))
     assert daemon.memory is None

@@ -42,6 +42,13 @@ def test_commits_copy_into_reserved_memory_and_keep_what_readers_hold():
     assert len(tier._slots) <= MemoryTier.KEEP + 2 and set(map(id, tier._slots)) <= set(map(id, before))
 
 
+def test_with_a_persistence_writer_one_slot_more_is_reserved():
+    tier = MemoryTier()
+    tier.reserve(*_state(0.0), writer=True)
+    tier.reserve(*_state(0.0), writer=True)  # made once
+    assert len(tier._slots) == MemoryTier.KEEP + 2 and all(s.free() for s in tier._slots)
+
+
 def test_a_state_laid_out_otherwise_gets_its_own_memory():
     tier = MemoryTier()
     tier.reserve(*_state(0.0))

@@ -473,10 +473,10 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
-        copies = (MemoryTier.KEEP + 1) * self.plan.state_bytes() if cfg.memory_tier else 0
-        require_memory(self.plan.shadow_bytes() + copies, f"shadowing the plan {cfg.plan}"
-                       + (f" with the memory tier's {MemoryTier.KEEP + 1} copies (memory_tier: false to go without)"
-                          if copies else ""))
+        ncopies = (MemoryTier.KEEP + 1 + (not cfg.persist_sync)) if cfg.memory_tier else 0
+        require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
+                       + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"
+                          if ncopies else ""))
         if cfg.user is not None:  # an unknown user is refused before anything is opened
             from ckptd.live.privilege import resolve
             resolve(cfg.user, cfg.group)
@@ -527,14 +527,14 @@ class Daemon:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
         self.memory = MemoryTier() if cfg.memory_tier else None
-        shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
-        if self.memory is not None and shadow is not None:
-            self.memory.reserve(*shadow.state_template())  # no fresh pages in a commit
         self.persist = None
         if not cfg.persist_sync:
             from ckptd.live.persist import PersistTier
             self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
                                        cfg.keep_every, self.plan_hash(), options=cfg.persist_options)
+        shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
+        if self.memory is not None and shadow is not None:  # no fresh pages in a commit
+            self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)

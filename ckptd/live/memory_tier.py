@@ -149,12 +149,14 @@ class MemoryTier:
         self._held: list[HeldState] = []  # oldest first
         self._slots: list[_Slot] = []
 
-    def reserve(self, model: dict, optimizer: dict | None):
-        """Make KEEP + 1 slots (the held states and the one being copied) for states laid
-        out as model and optimizer (their tensors may be on the meta device)."""
+    def reserve(self, model: dict, optimizer: dict | None, writer: bool = False):
+        """Make the slots for states laid out as model and optimizer (their tensors may be
+        on the meta device): the KEEP held, the one being copied, and with `writer` one
+        the persistence tier may still be writing (its first write took 300-370 ms, three
+        commits at issue 16's rates)."""
         layout = _layout({"model": model, "optimizer": optimizer})
         have = sum(s.layout == layout for s in self._slots)
-        self._slots += [_Slot(layout) for _ in range(self.KEEP + 1 - have)]
+        self._slots += [_Slot(layout) for _ in range(self.KEEP + 1 + writer - have)]
 
     def _copy(self, model: dict, optimizer: dict | None) -> dict:
         tree = {"model": model, "optimizer": optimizer}

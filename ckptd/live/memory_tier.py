@@ -112,10 +112,6 @@ class _Slot:
             t.zero_()  # every page touched now, not in a commit
         self.idle = [_sharers(t) for t in self.tensors]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
     def free(self) -> bool:
         return all(_sharers(t) == n for t, n in zip(self.tensors, self.idle))
 

@@ -94,38 +94,41 @@ class PcapWriter:
 
 
 class ChunkedFile:
-    """A file for writing captures: whole WRITE_CHUNK pieces at multiples of WRITE_CHUNK
-    (the rest at close). The page cache then keeps the capture in large folios (where the
-    file system has them), as it would after reading it from disk, and a replay maps it
-    2 MiB at a time (cython_ext/filemap.pyx). Written 8 KiB at a time (Python's default
-    buffer) it was held in 4 KiB pages: issue 16's replay of a fresh synthesis took
-    0.147 s instead of 0.109 (benchmarks/RESULTS.md)."""
+    """A file for writing captures: written up to the next multiple of WRITE_CHUNK at a
+    time, so the writes cover whole, aligned WRITE_CHUNK pieces of the file (after a
+    flush, the next write completes the piece it left). The page cache then keeps the
+    capture in large folios (where the file system has them), as it would after reading
+    it from disk, and a replay maps it 2 MiB at a time (cython_ext/filemap.pyx). Written
+    8 KiB at a time (Python's default buffer) it was held in 4 KiB pages: issue 16's
+    replay of a fresh synthesis took 0.147 s instead of 0.109 (benchmarks/RESULTS.md)."""
 
     WRITE_CHUNK = 4 << 20
 
     def __init__(self, path):
         self.raw = open(path, "wb", buffering=0)
         self.pending = bytearray()
+        self.written = 0  # bytes handed to the file so far
 
     def write(self, data) -> None:
         self.pending += data
-        if len(self.pending) >= self.WRITE_CHUNK:
-            n = len(self.pending) // self.WRITE_CHUNK * self.WRITE_CHUNK
-            self._write_all(self.pending[:n])
-            del self.pending[:n]
+        end = (self.written + len(self.pending)) // self.WRITE_CHUNK * self.WRITE_CHUNK
+        if end > self.written:
+            self._write_out(end - self.written)
 
-    def _write_all(self, data) -> None:
-        view = memoryview(data)
+    def _write_out(self, n: int) -> None:
+        view = memoryview(self.pending)[:n]
         while view:
             view = view[self.raw.write(view):]
+        view.release()
+        del self.pending[:n]
+        self.written += n
 
     def flush(self) -> None:
-        pass  # whole chunks only: the tail goes at close
+        self._write_out(len(self.pending))
 
     def close(self) -> None:
         if not self.raw.closed:
-            self._write_all(self.pending)
-            self.pending.clear()
+            self.flush()
             self.raw.close()
 
 

@@ -573,3 +573,25 @@ def test_ipv4_header_checksum_helper():
     eth = Ethernet.build(b"\x02" * 6, b"\x04" * 6, 0x86DD, tags=[(0x88A8, 10), (0x8100, 20, 5)])
     parsed = Ethernet.unpack(eth.pack() + b"\x60")
     assert parsed.vlan_ids == [10, 20] and parsed.ethertype == 0x86DD and parsed.tags[1].pcp == 5
+
+
+def test_chunked_file_writes_whole_aligned_pieces_and_the_same_bytes(tmp_path):
+    """parsers.pcap.ChunkedFile hands the file writes that end on multiples of
+    WRITE_CHUNK, also after a flush (the next write completes the piece), and the file
+    holds exactly what was written."""
+    from parsers.pcap import ChunkedFile
+    rng, data, ends = random.Random(3), [], []
+    f = ChunkedFile(tmp_path / "c.pcap")
+    f.WRITE_CHUNK = 1 << 16
+    write = f.raw.write
+    f.raw.write = lambda view: ends.append(f.written + len(view)) or write(view)
+    for i in range(400):
+        data.append(rng.randbytes(rng.randrange(1, 3000)))
+        f.write(data[-1])
+        if i == 150:
+            f.flush()
+            flushed_at = len(ends) - 1
+    f.close()
+    assert (tmp_path / "c.pcap").read_bytes() == b"".join(data)
+    inner = [e for k, e in enumerate(ends[:-1]) if k != flushed_at]
+    assert len(inner) > 3 and all(e % (1 << 16) == 0 for e in inner)

@@ -54,15 +54,20 @@ def thp_policy() -> str | None:
     return next((w[1:-1] for w in words if w.startswith("[")), None)
 
 
-def _hugetlb_fd(nbytes: int) -> int:
-    """A memfd of 2 MiB hugetlb pages, sized; OSError when the pool cannot back it."""
-    fd = os.memfd_create("ckptd-slots", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+def _memfd(nbytes: int, flags: int = 0) -> int:
+    """A memfd for the slots, sized; OSError (and nothing left open) when it cannot be."""
+    fd = os.memfd_create("ckptd-slots", os.MFD_CLOEXEC | flags)
     try:
         os.ftruncate(fd, nbytes)
         return fd
     except OSError:
         os.close(fd)
         raise
+
+
+def _hugetlb_fd(nbytes: int) -> int:
+    """A memfd of 2 MiB hugetlb pages; OSError when the pool cannot back it."""
+    return _memfd(nbytes, os.MFD_HUGETLB)
 
 
 class SharedArea:
@@ -90,7 +95,7 @@ class SharedArea:
                 except OSError:
                     os.close(fd)  # the pool is short
             if thp_policy() in _THP_ADVICE_HONOURED:
-                fd = self._plain_fd()
+                fd = _memfd(self.size)
                 m = mmap.mmap(fd, self.size)
                 m.madvise(mmap.MADV_HUGEPAGE)
                 return fd, m, "thp"
@@ -99,13 +104,8 @@ class SharedArea:
                     f"huge_pages: on, but no huge pages for the capture workers' shared memory "
                     f"({self.size >> 20} MiB): reserve 2 MiB pages (vm.nr_hugepages) or let shared memory use "
                     f"transparent huge pages ({THP_SHMEM_POLICY}: advise), or set huge_pages: auto")
-        fd = self._plain_fd()
+        fd = _memfd(self.size)
         return fd, mmap.mmap(fd, self.size), "4k"
-
-    def _plain_fd(self) -> int:
-        fd = os.memfd_create("ckptd-slots", os.MFD_CLOEXEC)
-        os.ftruncate(fd, self.size)
-        return fd
 
     def __reduce__(self):
         """Into a spawned process: the memfd itself goes along (multiprocessing passes it

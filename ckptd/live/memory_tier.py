@@ -71,12 +71,13 @@ class HeldState:
         return head, [as_bytes(t) for _, t in tensors]
 
 
-def copy_state(tree):
-    """A deep copy of a state's tensors (dicts of tensors and plain values)."""
+def copy_state(tree, copy=lambda t: t.detach().clone()):
+    """A deep copy of a state (dicts of tensors and plain values): each tensor through
+    `copy`, in the tree's order."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return copy(tree)
     if isinstance(tree, dict):
-        return {k: copy_state(v) for k, v in tree.items()}
+        return {k: copy_state(v, copy) for k, v in tree.items()}
     return tree
 
 
@@ -119,15 +120,11 @@ class _Slot:
         """tree's values copied in; returns the same tree with views of them."""
         it = iter(self.tensors)
 
-        def copy(x):
-            if isinstance(x, torch.Tensor):
-                t = next(it)
-                t.copy_(x)
-                return t.view(t.shape)
-            if isinstance(x, dict):
-                return {k: copy(v) for k, v in x.items()}
-            return x
-        return copy(tree)
+        def into(x):
+            t = next(it)
+            t.copy_(x)
+            return t.view(t.shape)
+        return copy_state(tree, into)
 
 
 class MemoryTier:

@@ -27,11 +27,12 @@ until a capturer fails, then each capturer's bracket is bisected.
 
 Also printed: each capturer's CPU-seconds per million captured frames (utime + stime
 over the step, from /proc: the daemon's process and its capture workers; the three
-tcpdumps), the senders' CPU-seconds and the machine's softirq and idle CPU-seconds over
-the send (on veth the receive side -- skb, the capture's copy into its ring -- runs in
-softirq on the sending CPU, mostly in the sender's own context, whose CPU time then
-includes it: tick accounting charges both), and the offline fast pipeline's frames/s per
-core on the same captures (FastPipeline.run_batch over the files in memory, CPU time of
+tcpdumps), the senders' CPU-seconds and the machine's softirq, idle and steal
+CPU-seconds over the send (on veth the receive side -- skb, the capture's copy into its
+ring -- runs in softirq on the sending CPU, mostly in the sender's own context, whose CPU
+time then includes it: tick accounting charges both; steal is time the hypervisor gave
+this guest's vCPUs to others), and the offline fast pipeline's frames/s per core on the
+same captures (FastPipeline.run_batch over the files in memory, CPU time of
 this process): the daemon's target is >= 0.5x that per core. Where the sender (not a
 capturer) runs out first, the daemon's CPU per million frames is its headroom figure.
 
@@ -172,15 +173,18 @@ class Sent:
     bytes: int = 0
     seconds: float = 0.0           # the slowest port's
     cpu_s: float = 0.0             # the senders' CPU-seconds (all ports)
-    softirq_s: float = 0.0         # the machine's softirq and idle CPU-seconds over the send
-    idle_s: float = 0.0            # (all cores; /proc/stat)
+    softirq_s: float = 0.0         # the machine's softirq, idle and steal CPU-seconds over the
+    idle_s: float = 0.0            # send (all cores; /proc/stat)
+    steal_s: float = 0.0
 
 
-def softirq_idle_seconds() -> tuple[float, float]:
-    """softirq and idle time of all CPUs so far, from /proc/stat."""
+def softirq_idle_steal_seconds() -> tuple[float, float, float]:
+    """softirq, idle and steal time of all CPUs so far, from /proc/stat. Steal is time the
+    hypervisor ran something else while this guest's vCPU wanted to run: a capturer stalled
+    that way for ~100 ms overflows its ring through no fault of its own."""
     with open("/proc/stat") as f:
         cpu = f.readline().split()
-    return int(cpu[7]) / CLK_TCK, int(cpu[4]) / CLK_TCK
+    return int(cpu[7]) / CLK_TCK, int(cpu[4]) / CLK_TCK, int(cpu[8]) / CLK_TCK
 
 
 def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: str) -> Sent:
@@ -209,7 +213,7 @@ def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: 
                 for q in procs:  # the others wait on stdin for a start that will not come
                     q.kill()
                 raise RuntimeError(f"txring did not start: {said.strip()} {p.communicate(timeout=60)[0].strip()}")
-    irq0, idle0 = softirq_idle_seconds()
+    irq0, idle0, steal0 = softirq_idle_steal_seconds()
     for p in procs:
         if p.stdin:
             p.stdin.write("go\n")
@@ -227,8 +231,8 @@ def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: 
         if sender == "txring":
             c = _TXRING_CPU.search(out)
             sent.cpu_s += float(c[1]) + float(c[2])
-    irq1, idle1 = softirq_idle_seconds()
-    sent.softirq_s, sent.idle_s = irq1 - irq0, idle1 - idle0
+    irq1, idle1, steal1 = softirq_idle_steal_seconds()
+    sent.softirq_s, sent.idle_s, sent.steal_s = irq1 - irq0, idle1 - idle0, steal1 - steal0
     if sender != "txring":
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         sent.cpu_s = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
@@ -347,8 +351,9 @@ class Trial:
     exact: int | None = None
     cpu_s: float | None = None     # the capturer's CPU-seconds over the step
     sender_cpu_s: float | None = None  # the senders' CPU-seconds, and the machine's softirq
-    softirq_s: float | None = None     # and idle CPU-seconds, over the send (Sent)
+    softirq_s: float | None = None     # idle and steal CPU-seconds, over the send (Sent)
     idle_s: float | None = None
+    steal_s: float | None = None
     notes: list = field(default_factory=list)
 
     @property
@@ -375,7 +380,7 @@ class Trial:
 
 def take_sent(t: Trial, sent: Sent):
     t.sent, t.sent_bytes, t.seconds = sent.frames, sent.bytes, sent.seconds
-    t.sender_cpu_s, t.softirq_s, t.idle_s = sent.cpu_s, sent.softirq_s, sent.idle_s
+    t.sender_cpu_s, t.softirq_s, t.idle_s, t.steal_s = sent.cpu_s, sent.softirq_s, sent.idle_s, sent.steal_s
 
 
 def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
@@ -600,7 +605,8 @@ def row(t: Trial) -> str:
     target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f} pps/port"
     com = f" committed {t.committed}/{t.iterations} exact {t.exact}" if t.committed is not None else ""
     cpu = f" cpu {t.cpu_s:.2f} s = {t.cpu_per_mframe:.2f} s/Mframe" if t.cpu_per_mframe else ""
-    cpu += (f"; sender cpu {t.sender_cpu_s:.2f} s, softirq {t.softirq_s:.2f} s, idle {t.idle_s:.2f} s"
+    cpu += (f"; sender cpu {t.sender_cpu_s:.2f} s, softirq {t.softirq_s:.2f} s, idle {t.idle_s:.2f} s, "
+            f"steal {t.steal_s:.2f} s"
             if t.sender_cpu_s is not None else "")
     return (f"{t.capturer:7s} {target:>18s}: sent {t.pps:8.0f} frames/s {t.gbps:5.2f} Gb/s in {t.seconds:4.1f} s;"
             f" kernel {t.packets}/{t.sent}, drops {t.drops}{com}{cpu}"
@@ -609,14 +615,15 @@ def row(t: Trial) -> str:
 
 def markdown(trials: list[Trial]) -> str:
     lines = ["| capturer | target (per port) | sent frames/s | Gb/s | s | kernel frames | drops | committed (exact) "
-             "| CPU s per M frames | sender CPU s | softirq s | idle s | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| CPU s per M frames | sender CPU s | softirq s | idle s | steal s | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in trials:
         com = f"{t.committed}/{t.iterations} ({t.exact})" if t.committed is not None else ""
         cpu = f"{t.cpu_per_mframe:.2f}" if t.cpu_per_mframe else ""
         note = "; ".join((["sender-limited"] if t.sender_limited else []) + t.notes)
         target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f}"
-        snd = f"{t.sender_cpu_s:.2f} | {t.softirq_s:.2f} | {t.idle_s:.2f}" if t.sender_cpu_s is not None else " | | "
+        snd = f"{t.sender_cpu_s:.2f} | {t.softirq_s:.2f} | {t.idle_s:.2f} | {t.steal_s:.2f}" \
+            if t.sender_cpu_s is not None else " | | | "
         lines.append(f"| {t.capturer} | {target} | {t.pps:.0f} | {t.gbps:.2f} | {t.seconds:.1f} | {t.packets} | "
                      f"{t.drops} | {com} | {cpu} | {snd} | {note} |")
     return "\n".join(lines)

@@ -437,7 +437,7 @@ cdef class BatchKernel:
     cdef int64_t[::1] tl_conn                 # timeline -> connection index
     cdef int64_t[:, ::1] tl_npkts             # [layout, timeline]
     cdef int64_t[::1] tl_cycle                # [timeline] packets of layouts 1.. (one QP-rotation period)
-    cdef int64_t nlayouts                     # 1 + the rotation period (Plan.timeline_schedules)
+    cdef readonly int64_t nlayouts            # 1 + the rotation period (Plan.timeline_schedules)
     cdef public int64_t per_step              # wire rounds per training iteration (Plan.allreduces_per_step)
     cdef int64_t cts_bytes                    # RDMA WRITE (no imm) carries data unless this long; -1: never
     cdef int64_t[:, ::1] tl_mlo, tl_mhi       # [layout, timeline] message index range
@@ -568,14 +568,47 @@ cdef class BatchKernel:
                 return q
         return -1
 
+    def layout_of(self, int64_t iteration):
+        """The layout an iteration's packets follow: that of its step's last wire round
+        (0 for iteration 0, then the QP rotation's 1 .. nlayouts - 1)."""
+        cdef int64_t w = (iteration + 1) * self.per_step - 1
+        return 0 if w == 0 else 1 + (w - 1) % (self.nlayouts - 1)
+
+    def _new_recv(self, int64_t layout):
+        return np.zeros((self.nstreams, max(self.recv_total[layout], 1)), np.uint8)
+
+    def _new_buffers(self, int64_t layout):
+        cdef int64_t b, nb = self.b_nbuckets[layout]
+        data = [np.zeros(self.b_count[layout, b], f"u{self.b_itemsize[layout, b]}") for b in range(nb)]
+        covered = [np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+        by_stream = [[np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
+                     for _ in range(self.nstreams)]
+        return data, covered, by_stream
+
+    def reserve(self, int64_t layout, int64_t count):
+        """Buffers and a received map for `count` more iterations of this layout, made
+        and written now (every page faulted in), kept for reuse. The live daemon reserves
+        what its first iterations take, so that placing them touches no fresh memory
+        while frames wait in the rings."""
+        if not 0 <= layout < self.nlayouts:
+            raise ValueError(f"layout {layout}: the plan has layouts 0 .. {self.nlayouts - 1}")
+        for _ in range(count):
+            recv = self._new_recv(layout)
+            recv.fill(0)  # np.zeros maps untouched pages: writing faults them in
+            bufs = self._new_buffers(layout)
+            data, covered, by_stream = bufs
+            for a in data + covered + [m for maps in by_stream for m in maps]:
+                a.fill(0)
+            self.free_recv[layout].append(recv)
+            self.free_buffers[layout].append(bufs)
+
     def track_iteration(self, int64_t iteration):
         """Keep a received map for a live iteration (its packets' positions, per stream:
         Extractor.stream_loss); False when every slot is taken (its packets then go to
         the reference path). Maps are reused across iterations, cleared."""
         if self.slot_of(iteration) >= 0:
             return True
-        cdef int64_t w = (iteration + 1) * self.per_step - 1  # the step's last wire round: its layout
-        cdef int64_t q, slot = -1, layout = 0 if w == 0 else 1 + (w - 1) % (self.nlayouts - 1)
+        cdef int64_t q, slot = -1, layout = self.layout_of(iteration)
         for q in range(MAX_SLOTS):
             if self.slot_iter[q] < 0:
                 slot = q
@@ -587,7 +620,7 @@ cdef class BatchKernel:
             recv = free.pop()
             recv.fill(0)
         else:
-            recv = np.zeros((self.nstreams, max(self.recv_total[layout], 1)), np.uint8)
+            recv = self._new_recv(layout)
         self.recv_maps[slot] = recv
         self.slot_recv[slot] = recv.ctypes.data
         self.slot_layout[slot] = layout
@@ -615,12 +648,7 @@ cdef class BatchKernel:
             for a in data + covered + [m for maps in by_stream for m in maps]:
                 a.fill(0)
         else:
-            nb = self.b_nbuckets[layout]
-            data = [np.zeros(self.b_count[layout, b], f"u{self.b_itemsize[layout, b]}") for b in range(nb)]
-            covered = [np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
-            by_stream = [[np.zeros((self.b_count[layout, b] + 7) // 8, np.uint8) for b in range(nb)]
-                         for _ in range(self.nstreams)]
-            bufs = (data, covered, by_stream)
+            data, covered, by_stream = bufs = self._new_buffers(layout)
         for b in range(len(data)):
             self.slot_ptr[slot, b, 0] = data[b].ctypes.data
             self.slot_ptr[slot, b, 1] = covered[b].ctypes.data

@@ -222,6 +222,22 @@ def test_commits_copy_into_the_memory_reserved_at_start(run, tmp_path):
         assert all(t.data_ptr() in homes for t in held.model.values())
 
 
+def test_the_first_iterations_memory_is_made_before_capturing(run, tmp_path):
+    """Fresh pages cost a fault each (10-30 us where the VM hands freed memory back to its
+    host): the kernel's iteration buffers and the first step's optimizer state are made
+    at start, and the run takes no other buffers and steps that state."""
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    assert daemon.fast
+    reserved = daemon.pipe.kernel.buffer_bytes()
+    prepared = {(n, k): t for n, (_, st) in daemon.pipe.shadow._prepared.items() for k, t in st.items()}
+    assert reserved["kept"] > 0 and {k for _, k in prepared} == {"step", "exp_avg", "exp_avg_sq"}
+    assert not daemon.pipe.shadow.state  # Adam's state appears with its first step, as torch's
+    assert daemon.run(source=file_source(pcaps(run), []), install_signals=False) == 0
+    assert [r.status for r in daemon.pipe.reports] == ["committed"] * 4
+    assert daemon.pipe.kernel.buffer_bytes() == reserved
+    assert all(daemon.pipe.shadow.state[n][k] is t for (n, k), t in prepared.items())
+
+
 def test_a_host_without_memory_for_the_memory_tier_is_refused_at_start(run, tmp_path, monkeypatch):
     """The memory tier's copies are made at start, so they count in the memory the daemon
     asks for: too little is one line naming the way out, not an OOM kill at a commit."""

@@ -801,3 +801,30 @@ def test_reader_stage_pause_holds_the_next_read():
     assert len(reads) == 2
     stage.pause(False)
     assert 1 + len(list(it)) == 50 and len(reads) == 50
+
+
+@pytest.mark.parametrize("kw", [dict(ranks=3, channels=2, protocol="simple", mtu=2048),
+                                dict(ranks=3, channels=1, protocol="ll", mtu=1024),
+                                # QP rotations of 3 and 2 iterations: layouts 1-3, 1-2
+                                dict(ranks=2, channels=2, protocol="simple", mtu=1024, qps=3, nccl_version="2.22"),
+                                dict(ranks=2, channels=2, protocol="ll", mtu=1024, qps=4, nccl_version="2.29")])
+def test_the_buffers_reserved_ahead_are_all_a_run_takes(tmp_path, kw):
+    """FastPipeline.reserve_iterations (the daemon calls it before capturing) makes the
+    kernel's iteration buffers a run takes: replaying the job afterwards allocates none,
+    and every iteration commits exactly as without the reservation."""
+    synth(tmp_path, mirrors=2, iterations=7, **kw)
+    plan = load_plan(tmp_path / "plan.json")
+    ref = tmp_path / "reference"
+    fast = FastPipeline(plan, load_checkpoint(tmp_path / "init.pt"), 2, ReplayOptions(reference=str(ref)))
+    before = fast.kernel.buffer_bytes()
+    assert before == {"lent": 0, "kept": 0, "received_maps": 0}
+    reserved = fast.reserve_iterations()
+    assert reserved > 0 and fast.kernel.buffer_bytes()["kept"] == reserved
+    with pytest.raises(ValueError, match="layout"):
+        fast.kernel.reserve(fast.kernel.nlayouts, 1)
+    batch, errors = load_captures(pcaps(tmp_path))
+    assert not errors
+    fast.run_batch(batch)
+    fast.finish()
+    assert [r.status for r in fast.reports] == ["committed"] * 7 and all(r.exact for r in fast.reports)
+    assert fast.kernel.buffer_bytes() == {"lent": 0, "kept": reserved, "received_maps": 0}

@@ -523,6 +523,9 @@ class Daemon:
             from ckptd.fast.pipeline import FastPipeline
             self.pipe = FastPipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                      on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
+            # the first iterations' buffers now: placing them must not wait on fresh pages
+            # while the rings fill (ckptd.fast.pipeline.FastPipeline.reserve_iterations)
+            self.pipe.reserve_iterations()
         else:
             self.pipe = Pipeline(self.plan, self.start_state, len(cfg.interfaces), opts,
                                  on_iteration=self._on_iteration, keep_reports=KEEP_REPORTS)
@@ -533,6 +536,8 @@ class Daemon:
             self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
                                        cfg.keep_every, self.plan_hash(), options=cfg.persist_options)
         shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
+        if shadow is not None:  # nor in the first step
+            shadow.prepare_state()
         if self.memory is not None and shadow is not None:  # no fresh pages in a commit
             self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)

@@ -644,9 +644,9 @@ class FastPipeline:
         written, before any frame arrives; bytes the kernel now keeps. Enough for
         `at_once` consecutive iterations open together anywhere in the layouts' rotation
         (iteration 0 has a layout of its own): what a steady run allocates anyway, now
-        instead of while its first iterations' frames wait in the capture rings (fresh
-        pages cost a fault each, 10-30 us on a VM that hands freed memory back to its
-        host: 100-200 ms for this scenario's first iterations)."""
+        instead of while its first iterations' frames wait in the capture rings: fresh
+        pages cost a fault each, 13-24 us on a VM that hands freed memory back to its host
+        (docs/DAEMON.md), and a 2.6M-parameter model's buffers took ~8.6k of them."""
         k, pipe = self.kernel, self.pipeline
         first = pipe.join_wire if pipe.opts.join else 0
         period = k.nlayouts - 1

@@ -661,14 +661,16 @@ cdef class BatchKernel:
     def close_iteration(self, int64_t iteration):
         """Stop tracking an iteration the pipeline is done with: its received map and
         buffers go back to the kernel for reuse (whoever held them must not use them
-        again)."""
+        again). Layout 0's are let go instead: only iteration 0 has it, and a daemon
+        would otherwise hold a gradient-sized buffer it never uses again."""
         cdef int64_t slot = self.slot_of(iteration), layout
         if slot < 0:
             raise KeyError(f"iteration {iteration} is not tracked")
         layout = self.slot_layout[slot]
-        self.free_recv[layout].append(self.recv_maps[slot])
-        if self.buffers[slot] is not None:
-            self.free_buffers[layout].append(self.buffers[slot])
+        if layout != 0:
+            self.free_recv[layout].append(self.recv_maps[slot])
+            if self.buffers[slot] is not None:
+                self.free_buffers[layout].append(self.buffers[slot])
         self.recv_maps[slot] = self.buffers[slot] = None
         self.slot_iter[slot] = -1
         self.slot_has_asm[slot] = 0

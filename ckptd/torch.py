@@ -578,6 +578,15 @@ class _LossOf(torch.nn.Module):
         return self.model.loss(batch)
 
 
+# The DDP that ddp_layouts made last, kept until its next call. Dropping it at once can
+# deadlock (torch 2.13): a gloo worker thread drops its finished allreduce last, and that
+# needs the GIL (the work captured a Python object), while this thread holds the GIL in
+# ~ProcessGroupGloo joining that worker. Seen once in a run of .ci/run, and in 2 of 4
+# loops of 300-2000 calls under load (none in 3 loops of 1,000 since). By the next call
+# the workers have long dropped everything.
+_LAST_DDP: list = []
+
+
 def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits_out: dict | None = None
                 ) -> tuple[tuple[BucketLayout, ...], tuple[BucketLayout, ...] | None]:
     """DDP's own first and rebuilt bucket layouts for `model`, offline (`ckptd plan`):
@@ -596,6 +605,7 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits
         ddp = torch.nn.parallel.DistributedDataParallel(_LossOf(model) if has_loss else model,
                                                         bucket_cap_mb=bucket_cap_mb,
                                                         find_unused_parameters=False)
+        _LAST_DDP[:] = [ddp]  # the one before goes now (see _LAST_DDP)
         names_of = {id(p): n for n, p in model.named_parameters()}
         first = _layout(ddp, names_of)
         if limits_out is not None:

@@ -116,6 +116,21 @@ def test_offline_layouts_come_from_ddp(group):
     assert sorted(rebuilt[0].params) == sorted(names) and rebuilt[0].params[0] == "2.bias"
 
 
+def test_offline_layouts_keep_their_ddp_until_the_next_call(group):
+    """Letting the DDP go as ddp_layouts returns could deadlock with torch 2.13 (a gloo
+    worker freeing its last allreduce needs the GIL that the teardown holds while it joins
+    that worker): each call keeps its DDP, and the next call lets it go."""
+    import gc
+    import weakref
+    ct.ddp_layouts(_net(), 25.0, torch.randn(3, 4))
+    first = weakref.ref(ct._LAST_DDP[0])
+    gc.collect()
+    assert first() is not None
+    ct.ddp_layouts(_net(), 25.0, torch.randn(3, 4))
+    gc.collect()
+    assert first() is None and len(ct._LAST_DDP) == 1
+
+
 def test_lr_set_by_hand_is_recorded_as_a_list_or_refused(group):
     m = _ddp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)

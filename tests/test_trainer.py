@@ -152,7 +152,7 @@ def test_lr_set_by_hand_is_recorded_as_a_list_or_refused(group):
 
 
 _EXCHANGE_JOB = r'''
-import json, sys
+import json, os, sys
 import torch, torch.distributed as dist
 import ckptd.torch as ct
 rank, store_file = int(sys.argv[1]), sys.argv[2]
@@ -173,9 +173,11 @@ out = [None, None]
 dist.all_gather_object(out, rank)  # the old way, to show the count sees collectives
 seq.append(pg._get_sequence_number_for_group())
 print(json.dumps({"got": got, "seq": seq}), flush=True)
-dist.barrier()  # neither rank tears gloo down while the other still talks (std::terminate seen)
-del ddp
-dist.destroy_process_group()
+dist.barrier()
+# No teardown: torch 2.13's gloo teardown races between the ranks ("terminate called
+# without an active exception" on one rank, seen twice, once after a barrier before it),
+# and nothing after the output is under test.
+os._exit(0)
 '''
 
 

@@ -585,6 +585,12 @@ cdef class BatchKernel:
                      for _ in range(self.nstreams)]
         return data, covered, by_stream
 
+    @staticmethod
+    def _zero_buffers(bufs):
+        data, covered, by_stream = bufs
+        for a in data + covered + [m for maps in by_stream for m in maps]:
+            a.fill(0)
+
     def reserve(self, int64_t layout, int64_t count):
         """Buffers and a received map for `count` more iterations of this layout, made
         and written now (every page faulted in), kept for reuse. The live daemon reserves
@@ -596,9 +602,7 @@ cdef class BatchKernel:
             recv = self._new_recv(layout)
             recv.fill(0)  # np.zeros maps untouched pages: writing faults them in
             bufs = self._new_buffers(layout)
-            data, covered, by_stream = bufs
-            for a in data + covered + [m for maps in by_stream for m in maps]:
-                a.fill(0)
+            self._zero_buffers(bufs)
             self.free_recv[layout].append(recv)
             self.free_buffers[layout].append(bufs)
 
@@ -645,8 +649,7 @@ cdef class BatchKernel:
         free = self.free_buffers[layout]
         if free:
             data, covered, by_stream = bufs = free.pop()
-            for a in data + covered + [m for maps in by_stream for m in maps]:
-                a.fill(0)
+            self._zero_buffers(bufs)
         else:
             data, covered, by_stream = bufs = self._new_buffers(layout)
         for b in range(len(data)):

@@ -229,7 +229,7 @@ def test_the_first_iterations_memory_is_made_before_capturing(run, tmp_path):
     daemon = Daemon(load_config(_config(run, tmp_path)))
     assert daemon.fast
     reserved = daemon.pipe.kernel.buffer_bytes()
-    prepared = {(n, k): t for n, (_, st) in daemon.pipe.shadow._prepared.items() for k, t in st.items()}
+    prepared = {(n, k): t for n, st in daemon.pipe.shadow._prepared.items() for k, t in st.items()}
     assert reserved["kept"] > 0 and {k for _, k in prepared} == {"step", "exp_avg", "exp_avg_sq"}
     assert not daemon.pipe.shadow.state  # Adam's state appears with its first step, as torch's
     assert daemon.run(source=file_source(pcaps(run), []), install_signals=False) == 0

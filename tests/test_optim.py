@@ -43,7 +43,7 @@ def _run(opt: Optimizer, steps=8, inf_at=(), grad_scale=1.0, sched_args=None, pr
         eager = {n: dict(st) for n, st in shadow.state.items()}
         shadow.prepare_state()
         assert shadow.state == eager  # nothing shows before the step that makes it
-        made = {(n, k): t.data_ptr() for n, (_, st) in shadow._prepared.items() for k, t in st.items()
+        made = {(n, k): t.data_ptr() for n, st in shadow._prepared.items() for k, t in st.items()
                 if t.numel() == t.new_empty(SHAPES[n]).numel()}
     skipped = 0
     for step in range(steps):

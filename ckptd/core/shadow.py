@@ -76,8 +76,10 @@ class ShadowModel:
             first = self.hyper.at(self.iteration + 1)
             for i, n in enumerate(self.names):
                 self.state[n] = init_state(self.opt.kind, self.params[i], first[self.group_of[n]])
-        # prepare_state: iteration -> the state init_state makes for a parameter's first step
-        self._prepared: dict[str, tuple[int, dict]] = {}
+        # prepare_state: per parameter, the state init_state makes for its first step, made
+        # ahead for iteration _prepared_for
+        self._prepared: dict[str, dict] = {}
+        self._prepared_for: int | None = None
         self.scaler = None
         if self.opt.grad_scaler is not None:
             self.scaler = dict(opt.get("grad_scaler") or scaler_state(self.opt.grad_scaler))
@@ -93,22 +95,19 @@ class ShadowModel:
         needs every gradient first (clipping's total norm, the scaler's inf check)."""
         return self.opt.max_grad_norm is None and self.scaler is None
 
-    def prepare_state(self) -> int:
+    def prepare_state(self):
         """Makes now the optimizer state the next iteration's step would create (as
         init_state does then, with that iteration's hyperparameters), kept aside: the step
         takes it instead of allocating and zeroing ~2x the model's bytes in the middle of
         the live daemon's first iteration. The state only appears when that step runs, so
-        checkpoints are as before; a parameter that first steps later makes its own.
-        Bytes prepared."""
-        it = self.iteration + 1
-        hyper = self.hyper.at(it)
-        for i, n in enumerate(self.names):
-            if n not in self.state and n not in self._prepared:
-                self._prepared[n] = (it, init_state(self.opt.kind, self.params[i], hyper[self.group_of[n]]))
-        return sum(t.numel() * t.element_size() for _, st in self._prepared.values() for t in st.values())
+        checkpoints are as before; a parameter that first steps later makes its own."""
+        self._prepared_for = self.iteration + 1
+        hyper = self.hyper.at(self._prepared_for)
+        self._prepared = {n: init_state(self.opt.kind, self.params[i], hyper[self.group_of[n]])
+                          for i, n in enumerate(self.names) if n not in self.state}
 
     def _step(self, iteration: int, idx: list[int], grads: list[torch.Tensor]):
-        if self._prepared and next(iter(self._prepared.values()))[0] < iteration:
+        if self._prepared and self._prepared_for != iteration:
             self._prepared.clear()  # made for an iteration that did not step these parameters
         hyper = self.hyper.at(iteration)
         self.lr = hyper[0]["lr"]
@@ -122,7 +121,7 @@ class ShadowModel:
                 n = self.names[idx[k]]
                 if n not in self.state:
                     made = self._prepared.pop(n, None)
-                    self.state[n] = made[1] if made and made[0] == iteration else \
+                    self.state[n] = made if made is not None else \
                         init_state(self.opt.kind, self.params[idx[k]], hyper[gi])
                 states.append(self.state[n])
             gs = [grads[k] for k in ks]

@@ -473,7 +473,7 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
-        ncopies = (MemoryTier.KEEP + 1 + (not cfg.persist_sync)) if cfg.memory_tier else 0
+        ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
         require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
                        + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"
                           if ncopies else ""))
@@ -536,10 +536,10 @@ class Daemon:
             self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
                                        cfg.keep_every, self.plan_hash(), options=cfg.persist_options)
         shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
-        if shadow is not None:  # nor in the first step
-            shadow.prepare_state()
-        if self.memory is not None and shadow is not None:  # no fresh pages in a commit
-            self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
+        if shadow is not None:
+            shadow.prepare_state()  # nor in the first step
+            if self.memory is not None:  # nor in a commit
+                self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)

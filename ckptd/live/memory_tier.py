@@ -137,6 +137,13 @@ class MemoryTier:
 
     KEEP = 2
 
+    @classmethod
+    def copies(cls, writer: bool) -> int:
+        """Copies of the state the tier holds at most: the KEEP held, the one being
+        copied, and with a persistence `writer` one it may still be writing (its first
+        write took 300-370 ms, three commits at issue 16's rates)."""
+        return cls.KEEP + 1 + writer
+
     def __init__(self):
         self._lock = threading.Lock()
         self._held: list[HeldState] = []  # oldest first
@@ -144,12 +151,10 @@ class MemoryTier:
 
     def reserve(self, model: dict, optimizer: dict | None, writer: bool = False):
         """Make the slots for states laid out as model and optimizer (their tensors may be
-        on the meta device): the KEEP held, the one being copied, and with `writer` one
-        the persistence tier may still be writing (its first write took 300-370 ms, three
-        commits at issue 16's rates)."""
+        on the meta device): copies(writer) of them."""
         layout = _layout({"model": model, "optimizer": optimizer})
         have = sum(s.layout == layout for s in self._slots)
-        self._slots += [_Slot(layout) for _ in range(self.KEEP + 1 + writer - have)]
+        self._slots += [_Slot(layout) for _ in range(self.copies(writer) - have)]
 
     def _copy(self, model: dict, optimizer: dict | None) -> dict:
         tree = {"model": model, "optimizer": optimizer}
@@ -165,7 +170,7 @@ class MemoryTier:
         spare = [s for s in self._slots if s is not slot and s.free()]
         busy = len(self._slots) - len(spare)
         for s in spare:
-            if s.layout != layout or busy >= self.KEEP + 2:
+            if s.layout != layout or busy >= self.copies(writer=True):
                 self._slots.remove(s)
             else:
                 busy += 1

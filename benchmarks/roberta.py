@@ -463,7 +463,7 @@ def child_main(spec_path: str) -> int:
         "wall": wall, "vm_hwm": hwm, "baseline_rss": baseline, "commits": commits,
         "digest": digest, "stops": stops, "kernel_frames": pipe.kernel_frames,
         "kernel_seconds": pipe.kernel_seconds, "read_waits": getattr(pipe, "read_waits", {}),
-        "apply_waits": pipe.apply_waits, "late": pipe.late, "errors": pipe.errors,
+        "late": pipe.late, "errors": pipe.errors,
         "counters": dict(pipe.extract.counters), "binder_errors": pipe.extract.binder.errors,
         "classes": [dict(c) for c in pipe.classes],
         "reader": {"chunk_bytes": spec["chunk_bytes"], "read_depth": batches.READ_DEPTH},
@@ -697,7 +697,7 @@ def run(a) -> int:
         print(f"frames the reference path handled: {frames_py}")
         print(f"stops to the reference path: {res['stops']}; kernel frames {res['kernel_frames']:,}, "
               f"kernel {res['kernel_seconds']:.1f} s; reader waits {res['read_waits']}; "
-              f"optimizer back-pressure {res['apply_waits']}; late {res['late']}")
+              f"late {res['late']}")
         if res["errors"] or res["binder_errors"]:
             print(f"errors: {res['errors'] + res['binder_errors']}")
         bad = [n for n in gen["digest"] if gen["digest"][n] != res["digest"].get(n)]

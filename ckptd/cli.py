@@ -205,7 +205,6 @@ def cmd_replay(a) -> int:
         print(f"stream {name}: " + ", ".join(f"{key}={v}" for key, v in sorted(cls.items())))
     c = pipe.extract.counters
     print("extraction: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())) + f", late={pipe.late}"
-          + f", optimizer_backpressure={pipe.apply_waits}"
           + "".join(f", {k}={v}" for k, v in getattr(pipe, "read_waits", {}).items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")

@@ -82,39 +82,44 @@ def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, Capt
 
 # -- apply: the optimizer on its own thread ----------------------------------------------
 class ApplyStage:
-    """Bucket steps run on a worker thread fed through a bounded queue, so the optimizer
-    (torch kernels, which release the GIL) overlaps decoding the traffic still to come.
-    A full queue makes `submit` wait (back-pressure, never a drop); `drain` waits for
-    every step submitted so far and re-raises a step's error in the caller."""
+    """Bucket steps run on a worker thread, so the optimizer (torch kernels, which release
+    the GIL) overlaps decoding the traffic still to come. `submit` never waits: the
+    queue holds at most one iteration's bucket steps and commit hooks (the pipeline
+    queues only iteration done+1's buckets, and `drain`s the queue before it commits
+    that iteration), so its length is bounded by the plan, not by a depth. A bounded
+    queue (8) made the capture loop wait on this thread, which first needs the GIL the
+    loop holds: 0.5 ms a bucket on average, 230-300 ms of every 2 s at 400-450k
+    frames/s (benchmarks/RESULTS.md, issue 16). `drain` waits for every step submitted
+    so far and re-raises a step's error in the caller."""
 
-    def __init__(self, depth: int = 8):
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.waits = 0  # submits that found the queue full
         self.thread = threading.Thread(target=self._work, name="ckptd-apply", daemon=True)
         self.thread.start()
 
     def _work(self):
         while True:
             job = self.queue.get()
+            if job is None:
+                return
             try:
-                if job is None:
-                    return
-                if self.error is None:
+                if isinstance(job, threading.Event):  # drain's fence: everything before it ran
+                    job.set()
+                elif self.error is None:
                     job()
             except BaseException as e:  # surfaced by drain()
                 self.error = e
             finally:
                 job = None  # the job holds a bucket's gradient: let the pool have it back
-                self.queue.task_done()
 
     def submit(self, job: Callable[[], None]):
-        if self.queue.full():
-            self.waits += 1
         self.queue.put(job)
 
     def drain(self):
-        self.queue.join()
+        fence = threading.Event()
+        self.queue.put(fence)
+        fence.wait()
         if self.error is not None:
             err, self.error = self.error, None
             raise err
@@ -211,7 +216,6 @@ class Pipeline:
         self.applier = ApplyStage() if self.shadow is not None else None
         if self.shadow is not None and self.shadow.bucketwise:
             self.applier.submit(partial(limit_step_threads, bucket_step_threads()))
-        self.apply_waits = 0  # times extraction waited on a full optimizer queue
         # Called with True once an iteration's last bucket step is queued and with False
         # when that step is done: a stage that shares the cores (the file reader) pauses
         # meanwhile, since the commit waits for that step.
@@ -324,7 +328,6 @@ class Pipeline:
         if self.applier is not None:
             self.applier.drain()
             self.applier.close()
-            self.apply_waits += self.applier.waits
             self.applier = None
 
     def place(self, pl: Placement):

@@ -154,7 +154,7 @@ def test_replay_defaults_to_the_fast_path_with_the_reference_paths_output(run, t
     alias = capsys.readouterr().out
 
     def lines(text):  # all but the waits between threads (timing) and the wall time
-        return [ln.split(", optimizer_backpressure")[0] for ln in text.splitlines()
+        return [ln.split(", reader_waited")[0] for ln in text.splitlines()
                 if ln.startswith(("iteration", "stream", "extraction"))]
     assert lines(fast) == lines(slow) == lines(alias) and fast.count("bit-exact") == 3
     assert "reader_waited" in fast and "reader_waited" not in slow  # which path ran

@@ -117,14 +117,14 @@ class _Slot:
         return all(_sharers(t) == n for t, n in zip(self.tensors, self.idle))
 
     def fill(self, tree):
-        """tree's values copied in; returns the same tree with views of them."""
+        """tree's values copied in; returns the same tree with views of them. One torch
+        call copies them all: each torch call lets go of the GIL, which the capture
+        loop then takes, and this thread waits to have it back (a copy per tensor was
+        ~160 calls for issue 16's state)."""
+        if self.tensors:
+            torch._foreach_copy_(self.tensors, [t for _, t in _tensors(tree)])
         it = iter(self.tensors)
-
-        def into(x):
-            t = next(it)
-            t.copy_(x)
-            return t.view(t.shape)
-        return copy_state(tree, into)
+        return copy_state(tree, lambda _: next(it)[...])
 
 
 class MemoryTier:

@@ -256,3 +256,21 @@ def test_a_host_without_memory_for_the_memory_tier_is_refused_at_start(run, tmp_
         Daemon(load_config(_config(run, tmp_path)))
     daemon = Daemon(load_config(_config(run, tmp_path, memory_tier="false")))
     assert daemon.memory is None
+
+
+def test_status_names_the_last_commit_however_many_reports_came_after_it(run, tmp_path):
+    """A shadow that stopped (a lost iteration) reports complete-not-applied from then on;
+    the pipeline keeps only the newest KEEP_REPORTS reports, and /status must still name
+    the last iteration committed, not -1."""
+    from ckptd.live.daemon import KEEP_REPORTS
+    from ckptd.pipeline import IterationReport
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    assert daemon.run(source=file_source(pcaps(run), []), install_signals=False) == 0
+    assert daemon.snapshot.get()["last_committed"] == 3
+    for it in range(4, 4 + KEEP_REPORTS + 1):
+        rep = IterationReport(it, "complete-not-applied", note="shadow stopped at iteration 3")
+        daemon.pipe.reports.append(rep)  # as Pipeline._finalize does, then the hook
+        daemon._on_iteration(rep)
+    assert all(r.status != "committed" for r in daemon.pipe.reports)
+    assert daemon.snapshot.get()["last_committed"] == 3
+    assert daemon.snapshot.get()["iterations_by_status"]["complete-not-applied"] == KEEP_REPORTS + 1

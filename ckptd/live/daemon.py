@@ -490,6 +490,7 @@ class Daemon:
         self.frames = 0
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
+        self.last_committed: IterationReport | None = None  # (the status reads it ~100 times a second)
         self.unrecovered: list[dict] = []
         self.started = time.time()
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
@@ -600,6 +601,8 @@ class Daemon:
             self.notifier.on_iteration(rep)
         self.by_status[rep.status] = self.by_status.get(rep.status, 0) + 1
         self.last_report = rep
+        if rep.status == "committed":
+            self.last_committed = rep
         fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
                   "coverage": [round(c, 6) for c in rep.coverage], "note": rep.note.strip()}
         if rep.commit_lag is not None:
@@ -744,7 +747,7 @@ class Daemon:
             self._join_logged = True
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
-        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        committed = self.last_committed
         keeper = self.pipe.keeper or (self.persist.keeper if self.persist else None)
         last = self.last_report
         streams = []
@@ -756,12 +759,12 @@ class Daemon:
                             "loss": last.loss[k] if last and last.loss else None})
         doc = {
             "state": state, "uptime_s": round(time.time() - self.started, 3),
-            "last_committed": committed[-1].iteration if committed else -1,
+            "last_committed": committed.iteration if committed else -1,
             "last_checkpoint": (keeper.store.where(checkpoint_name(keeper.last_persisted))
                                 if keeper and keeper.last_persisted is not None else None),
             "checkpoints": (self.persist.status() if self.persist else keeper.status() if keeper else None),
-            "commit_lag_s": committed[-1].commit_lag if committed else None,
-            "checkpoint_write_s": committed[-1].write_seconds if committed else None,
+            "commit_lag_s": committed.commit_lag if committed else None,
+            "checkpoint_write_s": committed.write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
@@ -943,11 +946,11 @@ class Daemon:
             server.stop()
             if self.notifier is not None:
                 self.notifier.close()
-        committed = [r for r in self.pipe.reports if r.status == "committed"]
+        committed = self.last_committed
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {
-            "last_committed": committed[-1].iteration if committed else -1,
+            "last_committed": committed.iteration if committed else -1,
             "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})

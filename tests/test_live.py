@@ -98,6 +98,8 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
     assert [r.iteration for r in reps] == list(range(ITERATIONS)), \
         [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
     assert status["last_committed"] == ITERATIONS - 1
+    loop = status["loop"]  # at 4,000 frames/s the loop mostly sleeps in poll(2)
+    assert loop["cpu_s"] > 0 and loop["idle_s"] > 0.5 * loop["wall_s"], loop
     offline = run_replay(run)  # the synthesized captures, replayed offline
     assert all(r.status == "committed" for r in offline.reports)
     for it in range(ITERATIONS):

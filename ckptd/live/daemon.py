@@ -43,7 +43,7 @@ from ckptd.core.plan import PlanError, load_plan
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
-from ckptd.live.status import Snapshot, checkpoint_routes, routes
+from ckptd.live.status import LoopClock, Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError
 
@@ -491,6 +491,7 @@ class Daemon:
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
         self.last_committed: IterationReport | None = None  # (the status reads it ~100 times a second)
+        self.loop = LoopClock()
         self.unrecovered: list[dict] = []
         self.started = time.time()
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
@@ -713,9 +714,10 @@ class Daemon:
         before each batch."""
         from ckptd.live.ring import ring_batches
         if self.workers is not None:
-            batches = self.workers.batches(self.stop, self.pipe.errors)
+            batches = self.workers.batches(self.stop, self.pipe.errors, on_poll=self.loop.polled)
         else:
-            batches = ring_batches(self.captures, self.stop, self.pipe.errors, idle=True)
+            batches = ring_batches(self.captures, self.stop, self.pipe.errors, idle=True,
+                                   on_poll=self.loop.polled)
         # frames wait in a ring block for at most retire_ms before it is handed over: all
         # frames older than that have been placed when the rings are quiet
         settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000
@@ -776,6 +778,7 @@ class Daemon:
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
+            "loop": self.loop.sample(),
             "unrecoverable": self.unrecovered[-20:],
             "notice": self.notifier.stats() if self.notifier is not None else None,
         }
@@ -926,11 +929,13 @@ class Daemon:
                 self.open_captures()
                 self.drop_privileges()
                 if not self.fast:
-                    source = ring_source(self.captures, self.stop, self.pipe.errors, idle=True)
+                    source = ring_source(self.captures, self.stop, self.pipe.errors, idle=True,
+                                         on_poll=self.loop.polled)
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})
             with self._startup_objects_frozen():
+                self.loop.start()
                 if self.fast:
                     self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
                 else:

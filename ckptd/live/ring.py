@@ -482,8 +482,8 @@ class RingCapture:
 
 # -- several rings as one source -------------------------------------------------------
 def ring_source(captures: list[RingCapture], stop_event: threading.Event,
-                errors: list[str], poll_s: float = 0.05,
-                idle: bool = False) -> Iterator[tuple[int, CapturedFrame | None]]:
+                errors: list[str], poll_s: float = 0.05, idle: bool = False,
+                on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, CapturedFrame | None]]:
     """(stream index, frame) from every capture, stream = position in the list, until
     stop_event is set; then whatever the rings still hold is delivered.
 
@@ -493,7 +493,8 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     tolerates that: it places packets by PSN, not by arrival).  Socket errors (a link
     going down) are reported in `errors` and the stream goes on; a ring that fails is
     reported and dropped, and the others go on. With idle=True a poll that found
-    nothing yields (-1, None), as ring_batches does.
+    nothing yields (-1, None), as ring_batches does. on_poll gets the seconds each
+    poll(2) slept (the loop's idle time, for /status).
     """
     live = list(range(len(captures)))
     poller = select.poll()
@@ -526,7 +527,10 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
+            t0 = time.perf_counter()
             events = poller.poll(int(poll_s * 1000))
+            if on_poll is not None:
+                on_poll(time.perf_counter() - t0)
             if idle and not events:
                 yield -1, None
             for fd, ev in events:
@@ -543,8 +547,8 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
 
 
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
-                 errors: list[str], poll_s: float = 0.05,
-                 idle: bool = False) -> Iterator[tuple[int, Batch | None]]:
+                 errors: list[str], poll_s: float = 0.05, idle: bool = False,
+                 on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, Batch | None]]:
     """(stream index, Batch) from every capture, as ring_source gives frames: round
     robin, each ring's ready blocks up to TURN_BYTES (at least one block) as one Batch,
     one poll(2) on all rings when none is ready, socket errors reported and the stream
@@ -558,7 +562,8 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     A Batch's frames are the ring's own bytes: its blocks go back to the kernel when
     the consumer asks for the next item, so it must be done with the Batch by then.
     With idle=True a poll that found nothing yields (-1, None): the consumer's clock
-    can move on while the mirror ports are quiet (the agreement window)."""
+    can move on while the mirror ports are quiet (the agreement window). on_poll gets
+    the seconds each poll(2) slept."""
     live = list(range(len(captures)))
     poller = select.poll()
     for k in live:
@@ -593,7 +598,10 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
+            t0 = time.perf_counter()
             ready = poller.poll(int(poll_s * 1000))
+            if on_poll is not None:
+                on_poll(time.perf_counter() - t0)
             for fd, ev in ready:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
                     msg = captures[by_fd[fd]].take_error()  # e.g. the link went down

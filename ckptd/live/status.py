@@ -11,6 +11,7 @@ import json
 import os
 import re
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,6 +36,39 @@ class Snapshot:
     def get(self) -> dict:
         with self._lock:
             return self._doc
+
+
+class LoopClock:
+    """Where the capture loop's time goes, for /status `loop`: the wall time since it
+    started, its thread's CPU time, the time it slept in poll(2) for want of traffic
+    (`idle_s`), and the rest (`waiting_s`): runnable or blocked on something other than
+    traffic -- the GIL while another thread of the daemon runs Python (the optimizer's,
+    the persistence writer's), or a CPU that other work holds. A loop whose rings drop
+    frames while it waits a large share of its time needs cores of its own (`cpus`),
+    not a bigger ring (docs/DAEMON.md). Sampled on the loop's own thread (its CPU clock
+    is per thread), read by anyone."""
+
+    def __init__(self):
+        self._thread: int | None = None
+        self._t0 = self._c0 = 0.0
+        self.idle_s = 0.0
+        self._last: dict | None = None
+
+    def start(self):
+        self._thread = threading.get_ident()
+        self._t0, self._c0 = time.monotonic(), time.thread_time()
+        self.idle_s = 0.0
+
+    def polled(self, seconds: float):
+        self.idle_s += seconds
+
+    def sample(self) -> dict | None:
+        """The figures now, if called on the loop's thread; else the last ones."""
+        if self._thread is not None and threading.get_ident() == self._thread:
+            wall, cpu = time.monotonic() - self._t0, time.thread_time() - self._c0
+            self._last = {"wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "idle_s": round(self.idle_s, 6),
+                          "waiting_s": round(max(0.0, wall - cpu - self.idle_s), 6)}
+        return self._last
 
 
 class _Collector:

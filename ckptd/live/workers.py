@@ -29,7 +29,7 @@ import select
 import signal
 import time
 from multiprocessing.connection import wait
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -255,10 +255,12 @@ class CaptureWorkers:
                 raise CaptureSetupError(msg[1])
             self.captures[k].last.update(msg[1])
 
-    def batches(self, stop, errors: list[str]) -> Iterator[tuple[int, Batch]]:
+    def batches(self, stop, errors: list[str],
+                on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, Batch]]:
         """(stream, Batch) as the workers hand blocks over, until stop is set and every
         worker has drained its ring (or died). A Batch's slot goes back to its worker
-        when the next item is asked for."""
+        when the next item is asked for. on_poll gets the seconds each wait for the
+        workers took."""
         live = set(range(len(self.conns)))
         stopping = False
         while live:
@@ -266,7 +268,10 @@ class CaptureWorkers:
                 stopping = True
                 for k in live:
                     self._send(k, ("stop",))
+            t0 = time.perf_counter()
             ready = wait([self.conns[k] for k in live] + [self.procs[k].sentinel for k in live], 0.05)
+            if on_poll is not None:
+                on_poll(time.perf_counter() - t0)
             for k in sorted(live):
                 conn, proc = self.conns[k], self.procs[k]
                 while k in live and conn in ready and conn.poll(0):

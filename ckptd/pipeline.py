@@ -88,7 +88,7 @@ class ApplyStage:
     queues only iteration done+1's buckets, and `drain`s the queue before it commits
     that iteration), so its length is bounded by the plan, not by a depth. A bounded
     queue (8) made the capture loop wait on this thread, which first needs the GIL the
-    loop holds: 0.5 ms a bucket on average, 230-300 ms of every 2 s at 400-450k
+    loop holds: 0.5 ms a bucket on average, 230-340 ms of every 2 s at 400-460k
     frames/s (benchmarks/RESULTS.md, issue 16). `drain` waits for every step submitted
     so far and re-raises a step's error in the caller."""
 

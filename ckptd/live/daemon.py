@@ -543,7 +543,6 @@ class Daemon:
             if self.memory is not None:  # nor in a commit
                 self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
-        self._last_commit: int | None = None
         self.pipe.on_commit.append(self._committed)
 
     @property
@@ -593,7 +592,6 @@ class Daemon:
             held = held or HeldState(iteration, copy_state(model), copy_state(optimizer), time.time(), 0.0)
             self.persist.offer(held)
         self._newest = held or self._newest
-        self._last_commit = iteration
 
     # -- feature hooks on the core loop ----------------------------------------------
     def _on_iteration(self, rep: IterationReport):
@@ -853,7 +851,8 @@ class Daemon:
         if self.persist is not None:
             newest = self._newest
             shadow = self.pipe.shadow
-            if (shadow is not None and self._last_commit is not None and shadow.iteration == self._last_commit
+            last = self.last_committed
+            if (shadow is not None and last is not None and shadow.iteration == last.iteration
                     and (newest is None or newest.iteration != shadow.iteration)):
                 from ckptd.live.memory_tier import HeldState
                 newest = HeldState(shadow.iteration, shadow.model_state(), shadow.optimizer_state(),
@@ -951,11 +950,10 @@ class Daemon:
             server.stop()
             if self.notifier is not None:
                 self.notifier.close()
-        committed = self.last_committed
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {
-            "last_committed": committed.iteration if committed else -1,
+            "last_committed": self.last_committed.iteration if self.last_committed else -1,
             "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})

@@ -481,6 +481,17 @@ class RingCapture:
 
 
 # -- several rings as one source -------------------------------------------------------
+def _poll(poller: select.poll, poll_s: float, on_poll: Callable[[float], None] | None) -> list:
+    """poller.poll for up to poll_s; on_poll, if given, gets the seconds it slept."""
+    if on_poll is None:
+        return poller.poll(int(poll_s * 1000))
+    t0 = time.perf_counter()
+    try:
+        return poller.poll(int(poll_s * 1000))
+    finally:
+        on_poll(time.perf_counter() - t0)
+
+
 def ring_source(captures: list[RingCapture], stop_event: threading.Event,
                 errors: list[str], poll_s: float = 0.05, idle: bool = False,
                 on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, CapturedFrame | None]]:
@@ -527,10 +538,7 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            t0 = time.perf_counter()
-            events = poller.poll(int(poll_s * 1000))
-            if on_poll is not None:
-                on_poll(time.perf_counter() - t0)
+            events = _poll(poller, poll_s, on_poll)
             if idle and not events:
                 yield -1, None
             for fd, ev in events:
@@ -598,10 +606,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            t0 = time.perf_counter()
-            ready = poller.poll(int(poll_s * 1000))
-            if on_poll is not None:
-                on_poll(time.perf_counter() - t0)
+            ready = _poll(poller, poll_s, on_poll)
             for fd, ev in ready:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
                     msg = captures[by_fd[fd]].take_error()  # e.g. the link went down

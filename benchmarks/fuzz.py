@@ -65,32 +65,38 @@ def captures_run(d: Path, n: int, rng: random.Random) -> dict:
     paths = sorted((d / "mirrors").glob("*.pcap"))
     streams = [list(open_capture(p)) for p in paths]
     out = {"captures": 0, "crashes": 0, "wrong_commits": 0, "committed": 0, "refused": 0}
-    work = Path(tempfile.mkdtemp(prefix="ckptd-fuzz-"))
-    for k in range(n):
-        mine = []
-        for s, frames in enumerate(streams):
-            fs = list(frames)
-            for _ in range(rng.randrange(1, 6)):
-                i = rng.randrange(len(fs))
-                fr = fs[i]
-                data = mutate(fr.data, rng)
-                fs[i] = CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
-            p = work / f"m{s}.pcap"
-            write_pcap(p, fs)
-            mine.append(str(p))
-        try:
-            pipe = fast_replay(plan, mine, load_checkpoint(d / "init.pt"),
-                               ReplayOptions(reference=str(d / "reference")))
-            for r in pipe.reports:
-                out["committed"] += r.ok
-                out["wrong_commits"] += r.ok and r.exact is False
-        except CkptdError:
-            out["refused"] += 1
-        except Exception as e:  # a crash: what the fuzz run looks for
-            out["crashes"] += 1
-            print(f"  crash on capture {k}: {type(e).__name__}: {e}", file=sys.stderr)
-        out["captures"] += 1
+    with tempfile.TemporaryDirectory(prefix="ckptd-fuzz-") as tmp:
+        for k in range(n):
+            _one_capture(d, plan, streams, Path(tmp), k, rng, out)
     return out
+
+
+def _one_capture(d: Path, plan, streams: list, work: Path, k: int, rng: random.Random, out: dict):
+    """One replay of the scenario's captures with a few frames of each stream mutated,
+    counted into `out`."""
+    mine = []
+    for s, frames in enumerate(streams):
+        fs = list(frames)
+        for _ in range(rng.randrange(1, 6)):
+            i = rng.randrange(len(fs))
+            fr = fs[i]
+            data = mutate(fr.data, rng)
+            fs[i] = CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
+        p = work / f"m{s}.pcap"
+        write_pcap(p, fs)
+        mine.append(str(p))
+    try:
+        pipe = fast_replay(plan, mine, load_checkpoint(d / "init.pt"),
+                           ReplayOptions(reference=str(d / "reference")))
+        for r in pipe.reports:
+            out["committed"] += r.ok
+            out["wrong_commits"] += r.ok and r.exact is False
+    except CkptdError:
+        out["refused"] += 1
+    except Exception as e:  # a crash: what the fuzz run looks for
+        out["crashes"] += 1
+        print(f"  crash on capture {k}: {type(e).__name__}: {e}", file=sys.stderr)
+    out["captures"] += 1
 
 
 def main(argv=None) -> int:
@@ -100,7 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     rng = random.Random(a.seed)
-    d = Path(tempfile.mkdtemp(prefix="ckptd-fuzz-scenario-"))
+    with tempfile.TemporaryDirectory(prefix="ckptd-fuzz-scenario-") as tmp:
+        return _run(Path(tmp), a, rng)
+
+
+def _run(d: Path, a: argparse.Namespace, rng: random.Random) -> int:
     synthesize(SynthOptions(out=str(d), ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=2,
                             iterations=2, model="tiny", seed=a.seed))
     plan = load_plan(d / "plan.json")

@@ -31,8 +31,10 @@ def test_fuzz_through_a_bounds_checked_asan_kernel(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     so = next((tmp_path / "cython_ext").glob("batch*.so"))
     assert "libasan" in subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+    scratch = tmp_path / "fuzz-tmp"  # the fuzz run's own temporary files, which it must remove
+    scratch.mkdir()
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", LD_PRELOAD=asan,
-               PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", TMPDIR=str(scratch))
     code = ("import sys, cython_ext.batch as b; assert b.__file__.startswith(sys.argv[1]), b.__file__; "
             "from benchmarks.fuzz import main; sys.exit(main(sys.argv[2:]))")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--frames", "30000", "--captures", "6",
@@ -42,3 +44,4 @@ def test_fuzz_through_a_bounds_checked_asan_kernel(tmp_path):
     assert run.returncode == 0, out[-4000:]
     assert "kernel/reference class disagreements 0" in out
     assert "crashes 0" in out and "wrong commits 0" in out
+    assert not list(scratch.glob("ckptd-*")), "benchmarks/fuzz.py left its scenario or captures behind"

@@ -56,7 +56,7 @@ DEF TP_STATUS_VLAN_TPID_VALID = 0x40
 # The kernel wrote them on another core. Walked one header at a time (each says where
 # the next frame starts), every header was a cache miss of its own, and the batch kernel
 # then missed again on each frame's payload; a sequential stream of prefetches lets both
-# find the bytes on their way in: 6-16% less CPU in the live loop at 400k frames/s
+# find the bytes on their way in: 12-13% less CPU in the live loop at 400k frames/s
 # (benchmarks/RESULTS.md, session 12).
 DEF PREFETCH_BYTES = 32768
 

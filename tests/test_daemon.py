@@ -312,3 +312,24 @@ def test_status_says_how_long_the_loop_waited_for_the_gil(run, tmp_path):
         assert loop["cpu_s"] + loop["waiting_s"] == pytest.approx(loop["wall_s"], abs=2e-6), loop
     assert hogged["waiting_s"] > 0.3 * hogged["wall_s"], hogged
     assert hogged["waiting_s"] > 3 * alone["waiting_s"], (alone, hogged)
+
+
+def test_status_has_every_frame_once_the_capture_goes_quiet(run, tmp_path):
+    """Snapshots are taken at most every SNAPSHOT_S while frames flow; when the rings go
+    quiet (an idle tick) the status catches up with every frame placed, not only with
+    those before the last snapshot or report."""
+    daemon = Daemon(load_config(_config(run, tmp_path, fast="false")))
+    frames = list(file_source(pcaps(run), []))
+    cut = len(frames) * 3 // 5  # mid-iteration: frames after the last report
+    seen = {}
+
+    def source():
+        yield from frames[:cut]
+        yield -1, None  # the rings are quiet
+        seen["doc"] = daemon.snapshot.get()  # what /status serves, after the quiet tick
+        yield from frames[cut:]
+
+    assert daemon.run(source=source(), install_signals=False) == 0
+    doc = seen["doc"]
+    assert sum(s["frames"] for s in doc["streams"]) == cut, (cut, doc["streams"])
+    assert doc["last_committed"] < 3  # the cut left iterations to come

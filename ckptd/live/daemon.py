@@ -490,7 +490,7 @@ class Daemon:
         self.frames = 0
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
-        self.last_committed: IterationReport | None = None  # (the status reads it ~100 times a second)
+        self.last_committed: IterationReport | None = None  # (kept, not searched for: the status reads it)
         self.loop = LoopClock()
         self.unrecovered: list[dict] = []
         self.started = time.time()
@@ -636,14 +636,14 @@ class Daemon:
             if fr is None:
                 quiet = time.monotonic() - last >= QUIET_S
                 self.pipe.idle(time.time_ns() - settled_ns, place_held=quiet)
-                if self.frames != self._published_frames:  # the status has every frame
+                if self._snapshot_due(quiet=True):
                     self._publish()
                 if quiet:
                     last = time.monotonic()  # once per quiet spell, then every QUIET_S
                 continue
             last = time.monotonic()
             self.frames += 1
-            if last - self._published_at >= SNAPSHOT_S:
+            if self._snapshot_due():
                 self._watch_drops()
                 self._publish()
             yield k, fr
@@ -726,7 +726,7 @@ class Daemon:
         for _, batch in batches:
             if batch is None:  # the mirror ports are quiet: the capture clock moves on
                 self.pipe.advance_clock([time.time_ns() - settled_ns] * len(self.captures))
-                if self.frames != self._published_frames:  # the status has every frame
+                if self._snapshot_due(quiet=True):
                     self._publish()
                 continue
             self._watch_drops()
@@ -742,11 +742,19 @@ class Daemon:
         for batch in batches:
             self.frames += len(batch)
             self.pipe.run_batch(batch)
-            # A snapshot costs ~130 us (every stream's and ring's counters): at line rate
-            # one per 4,096 frames was 5% of the loop's CPU; twenty a second tell as much.
-            if time.monotonic() - self._published_at >= SNAPSHOT_S:
+            if self._snapshot_due():
                 self._publish()
         self.pipe.finish(abandon=True)
+
+    def _snapshot_due(self, quiet: bool = False) -> bool:
+        """Whether the capture loop should publish a status snapshot now: SNAPSHOT_S after
+        the last one while frames flow; when the rings have gone quiet, as soon as frames
+        came since the last one (so the status holds every frame placed). A snapshot
+        costs ~130 us (every stream's and ring's counters): at line rate one per 4,096
+        frames was 5% of the loop's CPU; twenty a second tell as much."""
+        if quiet:
+            return self.frames != self._published_frames
+        return time.monotonic() - self._published_at >= SNAPSHOT_S
 
     def _publish(self, state: str = "running"):
         self._published_at, self._published_frames = time.monotonic(), self.frames

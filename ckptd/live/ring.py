@@ -481,13 +481,14 @@ class RingCapture:
 
 
 # -- several rings as one source -------------------------------------------------------
-def _poll(poller: select.poll, poll_s: float, on_poll: Callable[[float], None] | None) -> list:
-    """poller.poll for up to poll_s; on_poll, if given, gets the seconds it slept."""
+def timed_wait(on_poll: Callable[[float], None] | None, wait: Callable, *args):
+    """wait(*args) (a poll(2) or a wait for capture workers); on_poll, if given, gets the
+    seconds it slept: the capture loop's idle time, for /status."""
     if on_poll is None:
-        return poller.poll(int(poll_s * 1000))
+        return wait(*args)
     t0 = time.perf_counter()
     try:
-        return poller.poll(int(poll_s * 1000))
+        return wait(*args)
     finally:
         on_poll(time.perf_counter() - t0)
 
@@ -538,7 +539,7 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            events = _poll(poller, poll_s, on_poll)
+            events = timed_wait(on_poll, poller.poll, int(poll_s * 1000))
             if idle and not events:
                 yield -1, None
             for fd, ev in events:
@@ -606,7 +607,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     while live and not stop_event.is_set():
         got = yield from sweep()
         if not got:
-            ready = _poll(poller, poll_s, on_poll)
+            ready = timed_wait(on_poll, poller.poll, int(poll_s * 1000))
             for fd, ev in ready:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
                     msg = captures[by_fd[fd]].take_error()  # e.g. the link went down

@@ -35,7 +35,7 @@ import numpy as np
 
 from ckptd.fast.batches import Batch
 from ckptd.live.hugemem import SharedArea
-from ckptd.live.ring import TURN_BYTES
+from ckptd.live.ring import TURN_BYTES, timed_wait
 from parsers.frame import LINKTYPE_ETHERNET
 
 SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
@@ -268,10 +268,8 @@ class CaptureWorkers:
                 stopping = True
                 for k in live:
                     self._send(k, ("stop",))
-            t0 = time.perf_counter()
-            ready = wait([self.conns[k] for k in live] + [self.procs[k].sentinel for k in live], 0.05)
-            if on_poll is not None:
-                on_poll(time.perf_counter() - t0)
+            ready = timed_wait(on_poll, wait, [self.conns[k] for k in live] + [self.procs[k].sentinel for k in live],
+                               0.05)
             for k in sorted(live):
                 conn, proc = self.conns[k], self.procs[k]
                 while k in live and conn in ready and conn.poll(0):

@@ -27,7 +27,10 @@ until a capturer fails, then each capturer's bracket is bisected.
 
 Also printed: each capturer's CPU-seconds per million captured frames (utime + stime
 over the step, from /proc: the daemon's process and its capture workers; the three
-tcpdumps), the senders' CPU-seconds and the machine's softirq, idle and steal
+tcpdumps) -- the daemon's also split by thread (ckptd.threads names them in the kernel):
+the capture path (the capture loop's thread and the capture workers, what tcpdump's
+figure compares with) and the shadow model's optimizer and persistence threads (work per
+iteration, not per frame) --, the senders' CPU-seconds and the machine's softirq, idle and steal
 CPU-seconds over the send (on veth the receive side -- skb, the capture's copy into its
 ring -- runs in softirq on the sending CPU, mostly in the sender's own context, whose CPU
 time then includes it: tick accounting charges both; steal is time the hypervisor gave
@@ -53,7 +56,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,21 +241,54 @@ def replay(links: Links, paths: list[Path], pps_per_port: float | None, sender: 
     return sent
 
 
-def cpu_seconds(pids: set[int], children: bool = False) -> float:
-    """utime + stime of these processes (all threads), and with children=True of their
-    children too, from /proc."""
-    total = 0
+def _stat_cpu(stat: str) -> tuple[str, str, float]:
+    """(comm, parent pid, utime + stime in seconds) of a /proc .../stat line."""
+    comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+    fields = rest.split()
+    return comm, fields[1], (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# The daemon's threads by their kernel names (ckptd.threads): the capture path is the
+# capture loop (the thread the child runs Daemon.run on) and the capture workers; the
+# shadow model's work is the optimizer's thread and the checkpoint writer's.
+LOOP_THREAD = "ckptd-loop"
+SHADOW_THREADS = ("ckptd-apply", "ckptd-persist", "ckptd-digest")
+
+
+def cpu_parts(pid: int) -> dict[str, float]:
+    """A process's CPU-seconds so far by part: "capture" (its thread LOOP_THREAD and its
+    child processes, the capture workers), "shadow" (its SHADOW_THREADS threads alive
+    now) and "total" (the process, exited threads included, and its children)."""
+    parts = {"capture": 0.0, "shadow": 0.0, "total": cpu_seconds({pid}, children=True)}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm, _, cpu = _stat_cpu((t / "stat").read_text())
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if comm == LOOP_THREAD:
+            parts["capture"] += cpu
+        elif comm.startswith(SHADOW_THREADS):
+            parts["shadow"] += cpu
+    parts["capture"] += cpu_seconds(set(), children_of=pid)
+    return parts
+
+
+def cpu_seconds(pids: set[int], children: bool = False, children_of: int | None = None) -> float:
+    """utime + stime of these processes (all threads), with children=True of their
+    children too, and of children_of's children, from /proc."""
+    total = 0.0
     want = {str(p) for p in pids}
+    parent = {str(children_of)} if children_of is not None else set()
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            _, ppid, cpu = _stat_cpu((d / "stat").read_text())
+        except (OSError, IndexError, ValueError):
             continue
-        if d.name in want or (children and fields[1] in want):
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+        if d.name in want or (children and ppid in want) or ppid in parent:
+            total += cpu
+    return total
 
 
 # -- the daemon, in a child process ----------------------------------------------------------
@@ -263,6 +298,7 @@ def _daemon_worker(conn):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     logging.getLogger("ckptd").setLevel(logging.CRITICAL)  # drops are read from counters
     from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
+    from ckptd.threads import Thread
     daemon = thread = None
     box = {}
 
@@ -283,8 +319,8 @@ def _daemon_worker(conn):
                 ifs = [InterfaceConfig(**i) for i in arg.pop("interfaces")]
                 daemon = Daemon(DaemonConfig(interfaces=ifs, **arg))
                 box.clear()
-                thread = threading.Thread(target=lambda: box.setdefault("rc", daemon.run(install_signals=False)),
-                                          name="daemon", daemon=True)
+                thread = Thread(target=lambda: box.setdefault("rc", daemon.run(install_signals=False)),
+                                name=LOOP_THREAD, daemon=True)
                 thread.start()
                 deadline = time.time() + 30
                 while (len(daemon.captures) < len(ifs) or daemon.snapshot.get().get("state") != "running") \
@@ -322,9 +358,9 @@ class DaemonProc:
             raise RuntimeError(f"daemon worker, {cmd}: {val}")
         return val
 
-    def cpu_seconds(self) -> float:
-        """utime + stime of the daemon's process and its children (capture workers)."""
-        return cpu_seconds({self.proc.pid}, children=True)
+    def cpu_parts(self) -> dict[str, float]:
+        """CPU-seconds of the daemon's process and its capture workers, by part (cpu_parts)."""
+        return cpu_parts(self.proc.pid)
 
     def close(self):
         if self.proc.is_alive():
@@ -350,6 +386,8 @@ class Trial:
     committed: int | None = None   # daemon only: iterations committed, and of those bit-exact
     exact: int | None = None
     cpu_s: float | None = None     # the capturer's CPU-seconds over the step
+    capture_cpu_s: float | None = None  # daemon: of those, the capture path's and the shadow's
+    shadow_cpu_s: float | None = None   # (cpu_parts)
     sender_cpu_s: float | None = None  # the senders' CPU-seconds, and the machine's softirq
     softirq_s: float | None = None     # idle and steal CPU-seconds, over the send (Sent)
     idle_s: float | None = None
@@ -366,7 +404,10 @@ class Trial:
 
     @property
     def cpu_per_mframe(self):
-        return self.cpu_s / (self.packets / 1e6) if self.cpu_s is not None and self.packets else None
+        return self.per_mframe(self.cpu_s)
+
+    def per_mframe(self, cpu_s):
+        return cpu_s / (self.packets / 1e6) if cpu_s is not None and self.packets else None
 
     @property
     def sender_limited(self):
@@ -398,7 +439,7 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
     st = dp.call("start", cfg)
     if not st["running"]:
         raise RuntimeError(f"daemon did not start: {st}")
-    cpu0 = dp.cpu_seconds()
+    cpu0 = dp.cpu_parts()
     try:
         take_sent(t, replay(links, paths, t.target_pps, a.sender))
         last, still, deadline = None, time.time(), time.time() + 120
@@ -411,7 +452,8 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
             elif time.time() - still > 3:
                 break
             time.sleep(0.05)
-        t.cpu_s = dp.cpu_seconds() - cpu0  # before the stop: that is not capture work
+        cpu1 = dp.cpu_parts()  # before the stop: that is not capture work
+        t.cpu_s, t.capture_cpu_s, t.shadow_cpu_s = (cpu1[k] - cpu0[k] for k in ("total", "capture", "shadow"))
     finally:
         st = dp.call("stop")
     t.packets, t.drops, t.committed = st["packets"], st["drops"], len(st["committed"])
@@ -605,6 +647,9 @@ def row(t: Trial) -> str:
     target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f} pps/port"
     com = f" committed {t.committed}/{t.iterations} exact {t.exact}" if t.committed is not None else ""
     cpu = f" cpu {t.cpu_s:.2f} s = {t.cpu_per_mframe:.2f} s/Mframe" if t.cpu_per_mframe else ""
+    if t.capture_cpu_s is not None and t.packets:
+        cpu += (f" (capture path {t.per_mframe(t.capture_cpu_s):.2f}, "
+                f"optimizer + persistence {t.per_mframe(t.shadow_cpu_s):.2f})")
     cpu += (f"; sender cpu {t.sender_cpu_s:.2f} s, softirq {t.softirq_s:.2f} s, idle {t.idle_s:.2f} s, "
             f"steal {t.steal_s:.2f} s"
             if t.sender_cpu_s is not None else "")
@@ -615,11 +660,14 @@ def row(t: Trial) -> str:
 
 def markdown(trials: list[Trial]) -> str:
     lines = ["| capturer | target (per port) | sent frames/s | Gb/s | s | kernel frames | drops | committed (exact) "
-             "| CPU s per M frames | sender CPU s | softirq s | idle s | steal s | note |",
+             "| CPU s per M frames: all (capture path, optimizer + persistence) | sender CPU s | softirq s | idle s "
+             "| steal s | note |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in trials:
         com = f"{t.committed}/{t.iterations} ({t.exact})" if t.committed is not None else ""
         cpu = f"{t.cpu_per_mframe:.2f}" if t.cpu_per_mframe else ""
+        if cpu and t.capture_cpu_s is not None:
+            cpu += f" ({t.per_mframe(t.capture_cpu_s):.2f}, {t.per_mframe(t.shadow_cpu_s):.2f})"
         note = "; ".join((["sender-limited"] if t.sender_limited else []) + t.notes)
         target = "topspeed" if t.target_pps is None else f"{t.target_pps:.0f}"
         snd = f"{t.sender_cpu_s:.2f} | {t.softirq_s:.2f} | {t.idle_s:.2f} | {t.steal_s:.2f}" \
@@ -733,6 +781,13 @@ def main(argv=None):
                 print(f"{c} CPU per million frames at zero drops: {min(cpm):.2f}-{max(cpm):.2f} s, i.e. up to "
                       f"{per_core:,.0f} frames per CPU-second"
                       + (f" = {per_core / off:.2f}x the offline fast pipeline per core" if c == "daemon" else ""))
+        ok = [t for t in s.trials if t.capturer == "daemon" and t.ok and t.capture_cpu_s is not None and t.packets]
+        if ok:
+            cap = [t.per_mframe(t.capture_cpu_s) for t in ok]
+            sh = [t.per_mframe(t.shadow_cpu_s) for t in ok]
+            print(f"daemon, of that: the capture path (capture loop, capture workers) {min(cap):.2f}-{max(cap):.2f} s "
+                  f"per million frames; the shadow model's optimizer and persistence threads "
+                  f"{min(sh):.2f}-{max(sh):.2f} s (per iteration, not per frame: the same for any capture path)")
     if d is not None and best.get("tcpdump") is not None:
         t = best["tcpdump"]
         how = {(False, False): "", (False, True): " at most (tcpdump reached the sender's limit)",

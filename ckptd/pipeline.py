@@ -55,6 +55,7 @@ from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import Plan
 from ckptd.core.schedule import RS
 from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threads
+from ckptd.threads import Thread
 
 FINALIZE_LAG = 2
 # Mirror copies of one packet reach the capture host at different times (another switch
@@ -95,7 +96,7 @@ class ApplyStage:
     def __init__(self):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, name="ckptd-apply", daemon=True)
+        self.thread = Thread(target=self._work, name="ckptd-apply", daemon=True)
         self.thread.start()
 
     def _work(self):

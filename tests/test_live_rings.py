@@ -232,12 +232,15 @@ def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, l
     def kill_worker_1():
         time.sleep(0.3)  # what was sent so far is through
         seen["frames0"] = daemon.pipe.classes[0]["frames"]
+        # each worker carries its stream in its kernel name (top, ps, capture_rate's CPU split)
+        seen["comm"] = [Path(f"/proc/{c.pid}/comm").read_text().strip() for c in daemon.captures]
         os.kill(daemon.captures[1].pid, signal.SIGKILL)
         deadline = time.time() + 10
         while not daemon.pipe.errors and time.time() < deadline:
             time.sleep(0.05)
 
     rc = run_until_done(daemon, run, links[0], midway=kill_worker_1)
+    assert seen["comm"] == ["ckptd-capture0", "ckptd-capture1"]
     assert len(daemon.pipe.errors) == 1, daemon.pipe.errors
     assert "capture worker for stream 1 on rx1" in daemon.pipe.errors[0] and "died" in daemon.pipe.errors[0]
     st = daemon.snapshot.get()

@@ -28,6 +28,8 @@ from cython_ext.filemap import MappedFiles, mappable
 from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_capture
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
+from ckptd.threads import Thread
+
 # Bytes of a file stream_batches indexes at a time: the grain of a merged Batch, so of
 # how often the fast pipeline moves the streams' clocks (agreement windows), and of the
 # pages the reader faults in ahead of the kernel. Each Batch costs the consumer a round
@@ -362,7 +364,7 @@ class ReaderStage:
         self._stop = threading.Event()
         self._go = threading.Event()  # cleared by pause(True)
         self._go.set()
-        self.thread = threading.Thread(target=self._work, args=(iter(batches),),
+        self.thread = Thread(target=self._work, args=(iter(batches),),
                                        name="ckptd-read", daemon=True)
         self.thread.start()
 

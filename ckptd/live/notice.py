@@ -24,12 +24,12 @@ import json
 import logging
 import queue
 import re
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 
 from ckptd.errors import CkptdError
+from ckptd.threads import Thread
 
 log = logging.getLogger("ckptd.notice")
 
@@ -107,7 +107,7 @@ class Notifier:
         self.dropped = 0  # events the queue had no room for
         self._q: queue.Queue = queue.Queue(QUEUE_DEPTH)
         self._store = None
-        self._thread = threading.Thread(target=self._run, name="ckptd-notice", daemon=True)
+        self._thread = Thread(target=self._run, name="ckptd-notice", daemon=True)
         self._thread.start()
 
     def on_iteration(self, rep) -> None:

@@ -40,6 +40,7 @@ from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, Checkpoin
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
+from ckptd.threads import Thread, name_os_thread
 
 log = logging.getLogger("ckptd")
 MANIFEST = "manifest.json"
@@ -56,7 +57,8 @@ def tensor_digests(model: dict, optimizer: dict | None) -> dict[str, str]:
     """'model.NAME' and 'optimizer.NAME.KEY' -> digest, for every tensor of a checkpoint,
     hashed on HASH_THREADS threads."""
     named = state_tensors(model, optimizer)
-    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckptd-digest") as pool:
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="ckptd-digest",
+                            initializer=name_os_thread) as pool:
         return dict(zip((n for n, _ in named), pool.map(tensor_digest, (t for _, t in named))))
 
 
@@ -161,7 +163,7 @@ class PersistTier:
         self._pending = None
         self._busy = False
         self._closing = False
-        self.thread = threading.Thread(target=self._writer, name="ckptd-persist", daemon=True)
+        self.thread = Thread(target=self._writer, name="ckptd-persist", daemon=True)
         self.thread.start()
 
     def due(self, iteration: int) -> bool:

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from ckptd.threads import Thread, name_os_thread
+
 MAX_HEAD = 8192
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 431: "Request Header Fields Too Large",
@@ -98,9 +100,10 @@ class HttpServer:
         self._reading: collections.OrderedDict[int, _Conn] = collections.OrderedDict()  # by deadline
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.sock, selectors.EVENT_READ)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-http")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-http",
+                                        initializer=name_os_thread)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="ckptd-http-accept", daemon=True)
+        self.thread = Thread(target=self._loop, name="ckptd-accept", daemon=True)
 
     def start(self):
         self.thread.start()

@@ -36,6 +36,7 @@ import numpy as np
 from ckptd.fast.batches import Batch
 from ckptd.live.hugemem import SharedArea
 from ckptd.live.ring import TURN_BYTES, timed_wait
+from ckptd.threads import name_os_thread
 from parsers.frame import LINKTYPE_ETHERNET
 
 SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
@@ -102,6 +103,7 @@ def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None
     worker after the ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
     service must not end a worker before its ring is drained."""
     from ckptd.live.ring import RingCapture
+    name_os_thread(f"ckptd-capture{stream}")  # top, ps and capture_rate tell the workers apart
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if cpu is not None:

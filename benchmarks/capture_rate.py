@@ -583,7 +583,8 @@ class Search:
             res = self.run(active, None if top else rate)
             for c, t in res.items():
                 if t.ok:
-                    best[c] = t
+                    if best[c] is None or t.pps > best[c].pps:  # --topspeed may send slower than the step before
+                        best[c] = t
                     if t.sender_limited:
                         active.remove(c)
                 else:
@@ -769,9 +770,9 @@ def main(argv=None):
         if t is None:
             print(f"{c}: failed already at the first step")
             continue
-        bound = ">= " if t.sender_limited else ""
+        bound = ">= " if fail[c] is None else ""  # never failed: the sender ran out first
         print(f"{c}: zero-drop rate {bound}{t.pps:,.0f} frames/s, {bound}{t.gbps:.2f} Gb/s"
-              + (" (the sender's limit)" if t.sender_limited else f" (fails at ~{fail[c] * t.ports:,.0f} frames/s)"))
+              + (" (the sender's limit)" if fail[c] is None else f" (fails at ~{fail[c] * t.ports:,.0f} frames/s)"))
     d = best.get("daemon")
     if d is not None:
         for c in capturers:
@@ -793,7 +794,8 @@ def main(argv=None):
         how = {(False, False): "", (False, True): " at most (tcpdump reached the sender's limit)",
                (True, False): " at least (the daemon reached the sender's limit)",
                (True, True): " -- both reached the sender's limit: no ranking, see CPU per frame"}
-        print(f"daemon / tcpdump zero-drop rate: {d.pps / t.pps:.2f}{how[(d.sender_limited, t.sender_limited)]}")
+        print(f"daemon / tcpdump zero-drop rate: {d.pps / t.pps:.2f}"
+              f"{how[(fail['daemon'] is None, fail['tcpdump'] is None)]}")
 
 
 if __name__ == "__main__":

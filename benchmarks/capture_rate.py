@@ -308,7 +308,8 @@ def _daemon_worker(conn):
                 "packets": sum(c.stats()["packets"] for c in list(daemon.captures)),
                 "committed": [r.iteration for r in reps if r.status == "committed"],
                 "statuses": {s: sum(r.status == s for r in reps) for s in {r.status for r in reps}},
-                "frames": daemon.frames, "errors": list(daemon.pipe.errors), "running": thread.is_alive()}
+                "frames": daemon.frames, "errors": list(daemon.pipe.errors), "running": thread.is_alive(),
+                "loop": daemon.snapshot.get().get("loop")}
     while True:
         try:
             cmd, arg = conn.recv()
@@ -480,6 +481,10 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
         t.notes.append(f"capture errors {st['errors'][:2]}")
     if t.committed < t.iterations:
         t.notes.append(f"statuses {st['statuses']}")
+    if st.get("loop"):  # /status `loop` since the daemon started: where the capture loop's time went
+        lp = st["loop"]
+        rq = f" ({lp['runqueue_s']:.2f} in the run queue)" if lp.get("runqueue_s") is not None else ""
+        t.notes.append(f"loop cpu {lp['cpu_s']:.2f} s, waiting {lp['waiting_s']:.2f} s{rq}")
 
 
 _TCPDUMP_STATS = re.compile(r"(\d+) packets? (captured|received by filter|dropped by kernel)")

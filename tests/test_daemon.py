@@ -1,12 +1,17 @@
 """The daemon's loop, status and metrics, fed from files (the live network test is
 tests/test_live.py)."""
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 import urllib.request
 
 import pytest
 
 from ckptd.live.daemon import ConfigError, Daemon, load_config
+from ckptd.live.status import run_delay
 from ckptd.pipeline import ReplayOptions, file_source
 
 from helpers import pcaps, synth
@@ -312,6 +317,44 @@ def test_status_says_how_long_the_loop_waited_for_the_gil(run, tmp_path):
         assert loop["cpu_s"] + loop["waiting_s"] == pytest.approx(loop["wall_s"], abs=2e-6), loop
     assert hogged["waiting_s"] > 0.3 * hogged["wall_s"], hogged
     assert hogged["waiting_s"] > 3 * alone["waiting_s"], (alone, hogged)
+    if hogged["runqueue_s"] is not None:  # the GIL is not a CPU: that wait is not in the run queue
+        assert hogged["runqueue_s"] < 0.5 * hogged["waiting_s"], hogged
+
+
+@pytest.mark.skipif(run_delay() is None, reason="this kernel keeps no run delay (/proc/thread-self/schedstat)")
+def test_status_says_how_long_the_loop_waited_for_a_cpu(run, tmp_path):
+    """/status `loop` `runqueue_s`: the loop runnable with no CPU to run on. The daemon's
+    threads kept to one CPU with a busy process on it (nice 0 both: about half the CPU
+    each) wait there a large share of the run; a GIL wait (above) is not counted."""
+    cpu = max(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    box = {}
+    try:
+        time.sleep(0.2)  # the hog is on its CPU
+        daemon = Daemon(load_config(_config(run, tmp_path)))
+        frames = list(file_source(pcaps(run), []))
+
+        def source():  # work on the loop's thread between frames: ~0.4 s of CPU in all
+            for i, f in enumerate(frames):
+                if i % (len(frames) // 40) == 0:
+                    end = time.thread_time() + 0.01
+                    while time.thread_time() < end:
+                        pass
+                yield f
+
+        def pinned():
+            os.sched_setaffinity(0, {cpu})  # this thread, and the daemon's threads it starts
+            box["rc"] = daemon.run(source=source(), install_signals=False)
+        t = threading.Thread(target=pinned)
+        t.start()
+        t.join(120)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert box["rc"] == 0
+    loop = daemon.snapshot.get()["loop"]
+    assert loop["runqueue_s"] > 0.25 * loop["wall_s"], loop
+    assert loop["runqueue_s"] <= loop["waiting_s"] + 0.05, loop
 
 
 def test_status_has_every_frame_once_the_capture_goes_quiet(run, tmp_path):

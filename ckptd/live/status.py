@@ -43,20 +43,24 @@ class LoopClock:
     started, its thread's CPU time, the time it slept in poll(2) for want of traffic
     (`idle_s`), and the rest (`waiting_s`): runnable or blocked on something other than
     traffic -- the GIL while another thread of the daemon runs Python (the optimizer's,
-    the persistence writer's), or a CPU that other work holds. A loop whose rings drop
-    frames while it waits a large share of its time needs cores of its own (`cpus`),
-    not a bigger ring (docs/DAEMON.md). Sampled on the loop's own thread (its CPU clock
-    is per thread), read by anyone."""
+    the persistence writer's), or a CPU that other work holds. Of that, `runqueue_s` is
+    the time the kernel kept it runnable with no CPU to run on (/proc/thread-self/
+    schedstat's run delay; None where the kernel keeps none): other processes or threads
+    held every CPU it may use. A loop whose rings drop frames while it waits a large
+    share of its time needs cores of its own (`cpus`), not a bigger ring
+    (docs/DAEMON.md). Sampled on the loop's own thread (its CPU clock and its schedstat
+    are per thread), read by anyone."""
 
     def __init__(self):
         self._thread: int | None = None
         self._t0 = self._c0 = 0.0
+        self._r0: float | None = None
         self.idle_s = 0.0
         self._last: dict | None = None
 
     def start(self):
         self._thread = threading.get_ident()
-        self._t0, self._c0 = time.monotonic(), time.thread_time()
+        self._t0, self._c0, self._r0 = time.monotonic(), time.thread_time(), run_delay()
         self.idle_s = 0.0
 
     def polled(self, seconds: float):
@@ -66,9 +70,22 @@ class LoopClock:
         """The figures now, if called on the loop's thread; else the last ones."""
         if self._thread is not None and threading.get_ident() == self._thread:
             wall, cpu = time.monotonic() - self._t0, time.thread_time() - self._c0
+            delay = run_delay()
             self._last = {"wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "idle_s": round(self.idle_s, 6),
-                          "waiting_s": round(max(0.0, wall - cpu - self.idle_s), 6)}
+                          "waiting_s": round(max(0.0, wall - cpu - self.idle_s), 6),
+                          "runqueue_s": (round(delay - self._r0, 6) if delay is not None and self._r0 is not None
+                                         else None)}
         return self._last
+
+
+def run_delay() -> float | None:
+    """Seconds the calling thread has spent runnable, waiting for a CPU (the second field
+    of /proc/thread-self/schedstat, in ns), or None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class _Collector:

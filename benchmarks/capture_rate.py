@@ -483,8 +483,8 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
         t.notes.append(f"statuses {st['statuses']}")
     if st.get("loop"):  # /status `loop` since the daemon started: where the capture loop's time went
         lp = st["loop"]
-        rq = f" ({lp['runqueue_s']:.2f} in the run queue)" if lp.get("runqueue_s") is not None else ""
-        t.notes.append(f"loop cpu {lp['cpu_s']:.2f} s, waiting {lp['waiting_s']:.2f} s{rq}")
+        rq = f", runnable without a CPU {lp['runqueue_s']:.2f} s" if lp.get("runqueue_s") is not None else ""
+        t.notes.append(f"loop cpu {lp['cpu_s']:.2f} s{rq}, waiting {lp['waiting_s']:.2f} s")
 
 
 _TCPDUMP_STATS = re.compile(r"(\d+) packets? (captured|received by filter|dropped by kernel)")

@@ -43,13 +43,15 @@ class LoopClock:
     started, its thread's CPU time, the time it slept in poll(2) for want of traffic
     (`idle_s`), and the rest (`waiting_s`): runnable or blocked on something other than
     traffic -- the GIL while another thread of the daemon runs Python (the optimizer's,
-    the persistence writer's), or a CPU that other work holds. Of that, `runqueue_s` is
-    the time the kernel kept it runnable with no CPU to run on (/proc/thread-self/
-    schedstat's run delay; None where the kernel keeps none): other processes or threads
-    held every CPU it may use. A loop whose rings drop frames while it waits a large
-    share of its time needs cores of its own (`cpus`), not a bigger ring
-    (docs/DAEMON.md). Sampled on the loop's own thread (its CPU clock and its schedstat
-    are per thread), read by anyone."""
+    the persistence writer's), or a CPU that other work holds. `runqueue_s` is the time
+    the kernel kept it runnable with no CPU to run on (/proc/thread-self/schedstat's run
+    delay; None where the kernel keeps none): other processes or threads held every CPU
+    it may use. It overlaps the others: a wake-up from poll(2) that waits for a CPU is in
+    `idle_s` (poll's clock), one in the middle of work in `waiting_s`; so
+    wall - cpu - runqueue is the time it slept, for traffic, the GIL or a commit. A loop
+    whose rings drop frames while it is runnable without a CPU a large share of its time
+    needs cores of its own (`cpus`), not a bigger ring (docs/DAEMON.md). Sampled on the
+    loop's own thread (its CPU clock and its schedstat are per thread), read by anyone."""
 
     def __init__(self):
         self._thread: int | None = None

@@ -43,6 +43,7 @@ def test_a_long_name_is_cut_to_what_the_kernel_keeps():
 def test_the_optimizer_thread_is_named():
     stage = ApplyStage()
     try:
+        stage.drain()  # its thread has started running (a thread names itself as it starts)
         assert comm(stage.thread.native_id) == "ckptd-apply"
     finally:
         stage.close()

@@ -2,6 +2,7 @@
 tests/test_live.py)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -57,6 +58,10 @@ def test_daemon_commits_and_serves_status_and_metrics(run, tmp_path):
     assert st["streams"][0]["frames"] > 0 and st["commit_lag_s"] is not None
     assert "ckptd_last_committed_iteration" in seen["metrics"]
     assert 'ckptd_stream_frames_total{stream="mirror0"}' in seen["metrics"]
+    loop = {m[1]: float(m[2]) for m in re.finditer(r'^ckptd_loop_seconds_total\{part="(\w+)"\} (\S+)$',
+                                                   seen["metrics"], re.M)}
+    assert loop["cpu"] > 0 and loop["idle"] == 0, loop  # from a file: the loop never waits for traffic
+    assert set(loop) >= {"cpu", "idle", "waiting"}
     assert (tmp_path / "ck" / "iter_000003.pt").exists()
 
 

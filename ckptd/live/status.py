@@ -125,6 +125,15 @@ class _Collector:
             pkts.add_metric([name], st.get("packets", 0))
         yield drops
         yield pkts
+        loop = doc.get("loop")
+        if loop:  # /status `loop` (LoopClock): rate(...) of a part is its share of a second
+            parts = CounterMetricFamily("ckptd_loop_seconds", "The capture loop's time since it started: cpu, idle "
+                                        "(poll(2)), waiting (the rest); runqueue (runnable with no CPU) overlaps them",
+                                        labels=["part"])
+            for part in ("cpu", "idle", "waiting", "runqueue"):
+                if loop.get(f"{part}_s") is not None:
+                    parts.add_metric([part], loop[f"{part}_s"])
+            yield parts
 
 
 def redact(doc: dict) -> dict:

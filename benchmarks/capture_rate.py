@@ -259,7 +259,13 @@ def cpu_parts(pid: int) -> dict[str, float]:
     """A process's CPU-seconds so far by part: "capture" (its thread LOOP_THREAD and its
     child processes, the capture workers), "shadow" (its SHADOW_THREADS threads alive
     now) and "total" (the process, exited threads included, and its children)."""
-    parts = {"capture": 0.0, "shadow": 0.0, "total": cpu_seconds({pid}, children=True)}
+    own, children = 0.0, 0.0
+    for p, ppid, cpu in _processes():
+        if p == str(pid):
+            own += cpu
+        elif ppid == str(pid):
+            children += cpu
+    parts = {"capture": children, "shadow": 0.0, "total": own + children}
     for t in Path(f"/proc/{pid}/task").iterdir():
         try:
             comm, _, cpu = _stat_cpu((t / "stat").read_text())
@@ -269,26 +275,24 @@ def cpu_parts(pid: int) -> dict[str, float]:
             parts["capture"] += cpu
         elif comm.startswith(SHADOW_THREADS):
             parts["shadow"] += cpu
-    parts["capture"] += cpu_seconds(set(), children_of=pid)
     return parts
 
 
-def cpu_seconds(pids: set[int], children: bool = False, children_of: int | None = None) -> float:
-    """utime + stime of these processes (all threads), with children=True of their
-    children too, and of children_of's children, from /proc."""
-    total = 0.0
-    want = {str(p) for p in pids}
-    parent = {str(children_of)} if children_of is not None else set()
+def _processes():
+    """(pid, parent pid, utime + stime in seconds, all threads) of every process, from /proc."""
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            _, ppid, cpu = _stat_cpu((d / "stat").read_text())
-        except (OSError, IndexError, ValueError):
-            continue
-        if d.name in want or (children and ppid in want) or ppid in parent:
-            total += cpu
-    return total
+        if d.name.isdigit():
+            try:
+                _, ppid, cpu = _stat_cpu((d / "stat").read_text())
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            yield d.name, ppid, cpu
+
+
+def cpu_seconds(pids: set[int]) -> float:
+    """utime + stime of these processes (all threads), from /proc."""
+    want = {str(p) for p in pids}
+    return sum(cpu for p, _, cpu in _processes() if p in want)
 
 
 # -- the daemon, in a child process ----------------------------------------------------------

@@ -1,6 +1,7 @@
 """Shared by the tests: synthesize a scenario and replay it."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ckptd.core.checkpoint import load_checkpoint
@@ -25,3 +26,10 @@ def run_replay(tmp: Path, paths=None, **kw):
     plan = load_plan(tmp / "plan.json")
     opts = ReplayOptions(out=str(tmp / "out"), reference=str(tmp / "reference"), **kw)
     return replay(plan, paths or pcaps(tmp), load_checkpoint(tmp / "init.pt"), opts)
+
+
+def busy(seconds: float):
+    """Burn `seconds` of this thread's CPU time (a CPU hog, not a sleep)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

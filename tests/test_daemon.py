@@ -15,7 +15,7 @@ from ckptd.live.daemon import ConfigError, Daemon, load_config
 from ckptd.live.status import run_delay
 from ckptd.pipeline import ReplayOptions, file_source
 
-from helpers import pcaps, synth
+from helpers import busy, pcaps, synth
 
 
 @pytest.fixture(scope="module")
@@ -342,9 +342,7 @@ def test_status_says_how_long_the_loop_waited_for_a_cpu(run, tmp_path):
         def source():  # work on the loop's thread between frames: ~0.4 s of CPU in all
             for i, f in enumerate(frames):
                 if i % (len(frames) // 40) == 0:
-                    end = time.thread_time() + 0.01
-                    while time.thread_time() < end:
-                        pass
+                    busy(0.01)
                 yield f
 
         def pinned():

@@ -2,7 +2,6 @@
 benchmarks/capture_rate.py splits a daemon's CPU time by them."""
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from benchmarks.capture_rate import LOOP_THREAD, cpu_parts
 from ckptd.pipeline import ApplyStage
 from ckptd.threads import Thread
+from helpers import busy
 
 pytestmark = pytest.mark.skipif(not Path("/proc/thread-self/comm").exists(), reason="needs Linux /proc")
 
@@ -47,12 +47,6 @@ def test_the_optimizer_thread_is_named():
         assert comm(stage.thread.native_id) == "ckptd-apply"
     finally:
         stage.close()
-
-
-def busy(seconds: float):
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
 
 
 def test_capture_rate_splits_the_daemons_cpu_by_thread():

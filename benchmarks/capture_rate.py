@@ -313,6 +313,8 @@ def _daemon_worker(conn):
                 "committed": [r.iteration for r in reps if r.status == "committed"],
                 "statuses": {s: sum(r.status == s for r in reps) for s in {r.status for r in reps}},
                 "frames": daemon.frames, "errors": list(daemon.pipe.errors), "running": thread.is_alive(),
+                "ring_peak": max((r["ready_peak"] / r["block_nr"] for r in (c.stats() for c in list(daemon.captures))
+                                  if r.get("block_nr")), default=None),
                 "loop": daemon.snapshot.get().get("loop")}
     while True:
         try:
@@ -397,6 +399,7 @@ class Trial:
     softirq_s: float | None = None     # idle and steal CPU-seconds, over the send (Sent)
     idle_s: float | None = None
     steal_s: float | None = None
+    ring_peak: float | None = None     # daemon: the fullest its rings were found (RingCapture ready_peak)
     notes: list = field(default_factory=list)
 
     @property
@@ -485,6 +488,9 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
         t.notes.append(f"capture errors {st['errors'][:2]}")
     if t.committed < t.iterations:
         t.notes.append(f"statuses {st['statuses']}")
+    t.ring_peak = st.get("ring_peak")
+    if t.ring_peak is not None:  # the rings' high-water mark: the headroom drops do not show
+        t.notes.append(f"rings peaked at {t.ring_peak:.0%} full")
     if st.get("loop"):  # /status `loop` since the daemon started: where the capture loop's time went
         lp = st["loop"]
         rq = f", runnable without a CPU {lp['runqueue_s']:.2f} s" if lp.get("runqueue_s") is not None else ""
@@ -781,7 +787,8 @@ def main(argv=None):
             continue
         bound = ">= " if fail[c] is None else ""  # never failed: the sender ran out first
         print(f"{c}: zero-drop rate {bound}{t.pps:,.0f} frames/s, {bound}{t.gbps:.2f} Gb/s"
-              + (" (the sender's limit)" if fail[c] is None else f" (fails at ~{fail[c] * t.ports:,.0f} frames/s)"))
+              + (" (the sender's limit)" if fail[c] is None else f" (fails at ~{fail[c] * t.ports:,.0f} frames/s)")
+              + (f"; its rings peaked at {t.ring_peak:.0%} full there" if t.ring_peak is not None else ""))
     d = best.get("daemon")
     if d is not None:
         for c in capturers:

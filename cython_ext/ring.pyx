@@ -72,10 +72,12 @@ def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_
                  int64_t[::1] ts, int64_t[::1] frame_no):
     """Index the user-owned blocks first, first+1, ... (mod block_nr), at most max_blocks
     of them (and block_nr) and no more frames than the arrays hold; frames are numbered frame_base+1
-    on. Returns (blocks, frames, vlan_restored, vlan_unrestored): vlan_unrestored
+    on. Returns (blocks, frames, vlan_restored, vlan_unrestored, ready): vlan_unrestored
     counts tagged frames with no room before them to put the tag back (never seen from
-    a kernel that follows the documented layout; those frames keep the tag off)."""
-    cdef int64_t cap = offsets.shape[0], nb = 0, k = 0, restored = 0, unrestored = 0
+    a kernel that follows the documented layout; those frames keep the tag off); ready
+    is how many blocks from first on the kernel had handed over, indexed or not: how full
+    the ring was (the kernel fills and hands over blocks in ring order)."""
+    cdef int64_t cap = offsets.shape[0], nb = 0, k = 0, restored = 0, unrestored = 0, ready
     cdef int64_t base, pos, start, cl, wl, j, end, ahead
     cdef uint32_t num, status, tci, tpid
     cdef uint8_t *p = &ring[0]
@@ -127,7 +129,11 @@ def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_
                 k += 1
                 pos += u32(p + pos + PKT_NEXT)
             nb += 1
-    return nb, k, restored, unrestored
+        ready = nb
+        while ready < block_nr and load_acquire(p + ((first + ready) % block_nr) * block_size
+                                                + BLOCK_STATUS) & TP_STATUS_USER:
+            ready += 1
+    return nb, k, restored, unrestored, ready
 
 
 def release_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,

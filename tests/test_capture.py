@@ -312,6 +312,32 @@ def test_overrun_ring_reports_drops(link):
     assert st["packets"] == 300 == st["delivered"] + st["drops"] and len(got) == st["delivered"]
 
 
+def test_ring_high_water_mark(link):
+    """stats()["ready_peak"]: the most blocks found handed over and waiting at a read,
+    counted past what the read takes (max_blocks); a ring that overran peaks at block_nr."""
+    with RingCapture("rx", netns=link[1], block_size=1 << 14, block_nr=16, retire_ms=5) as cap:
+        assert cap.stats()["ready_peak"] == 0 and cap.stats()["block_nr"] == 16
+        send_frames([roce_v4(i, size=1000) for i in range(60)], "tx", link[0])  # ~4-5 blocks
+        time.sleep(0.1)  # every block retired before the first look
+        reads = 0
+        while cap.read_batch(0, max_blocks=1) is not None:
+            reads += 1
+            cap.release()
+            if reads == 1:
+                first_peak = cap.stats()["ready_peak"]
+        st = cap.stats()
+    assert st["delivered"] == 60 and st["drops"] == 0
+    assert 3 <= reads < 16 and first_peak == reads == st["ready_peak"]
+    send = [roce_v4(i, size=1000) for i in range(300)]
+    with RingCapture("rx", netns=link[1], block_size=4096, block_nr=2, frame_size=2048, retire_ms=5) as cap:
+        send_frames(send, "tx", link[0])
+        time.sleep(0.05)
+        cap.read_batch(0)
+        cap.release()
+        st = cap.stats()
+    assert st["drops"] > 0 and st["ready_peak"] == st["block_nr"] == 2
+
+
 def test_stats_accumulate_across_reads(link):
     with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap:
         for k in range(3):

@@ -8,6 +8,7 @@ trainer's and to the offline replay's."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -78,6 +79,7 @@ def live_daemon(run, tmp_path, *, join=False, daemon_after=0.0, sender_after=0.0
                 s.join(60)
                 status = json.loads(urllib.request.urlopen(
                     f"http://127.0.0.1:{daemon.address[1]}/status").read())
+                metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.address[1]}/metrics").read().decode()
                 drops = lab.link_drops()
             finally:
                 daemon.stop.set()
@@ -88,6 +90,12 @@ def live_daemon(run, tmp_path, *, join=False, daemon_after=0.0, sender_after=0.0
     assert sent and all(x.failed == 0 for x in sent.values())
     assert drops["mirror1"] > 0, "loss should have been injected on mirror1's link"
     assert all(st["drops"] == 0 for st in status["capture"].values()), status["capture"]
+    # the rings' high-water marks: every read found a block; none was ever full
+    assert all(1 <= st["ring"]["ready_peak"] < st["ring"]["blocks"] for st in status["capture"].values()), \
+        status["capture"]
+    fill = {m[1]: float(m[2]) for m in re.finditer(r'^ckptd_ring_peak_fill_ratio\{interface="([^"]+)"\} (\S+)$',
+                                                   metrics, re.M)}
+    assert set(fill) == set(status["capture"]) and all(0 < v < 1 for v in fill.values()), fill
     assert status["pipeline"]["fast"] and status["pipeline"]["kernel_frames"] > 0, status["pipeline"]
     return daemon, status
 

@@ -247,6 +247,8 @@ def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, l
     assert st["capture"]["rx1"]["worker"]["alive"] is False
     assert st["capture"]["rx1"]["worker"]["exitcode"] == -signal.SIGKILL
     assert st["capture"]["rx0"]["drops"] == 0
+    # the worker's ring high-water mark reaches the coordinator with its other counters
+    assert 1 <= st["capture"]["rx0"]["ring"]["ready_peak"] < st["capture"]["rx0"]["ring"]["blocks"]
     frames0 = daemon.pipe.classes[0]["frames"]
     assert seen["frames0"] > 0 and frames0 > 2 * seen["frames0"]  # stream 0 went on
     assert daemon.pipe.classes[1]["frames"] < frames0

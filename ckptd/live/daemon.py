@@ -787,7 +787,8 @@ class Daemon:
                       "restarted_from": self.restarted_from[0] if self.restarted_from else None}
                      if self.cfg.join else None),
             "streams": streams,
-            "capture": {c.ifname: {k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st}
+            "capture": {c.ifname: {**{k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st},
+                                   "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")}}
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),

@@ -254,6 +254,9 @@ class RingCapture:
         self._index = 0               # frames delivered so far (CapturedFrame.index)
         self._block = 0               # next block to look at
         self._blocks_read = 0
+        # the most blocks the kernel had handed over and not yet got back, seen at any
+        # read_batch: how close the ring came to full (block_nr: it was, and dropped)
+        self._ready_peak = 0
         self._totals = {"packets": 0, "drops": 0, "freeze_q_cnt": 0}
         self._vlan_restored = 0
         self._errors: dict[str, int] = {}
@@ -391,10 +394,12 @@ class RingCapture:
         if not self.ready():  # most calls (every ring at each turn): skip index_blocks' call setup
             return None
         offsets, caplen, origlen, ts, frame_no = self._arrays
-        nb, n, restored, unrestored = _ring_index.index_blocks(
+        nb, n, restored, unrestored, ready = _ring_index.index_blocks(
             self._array, self.block_size, self.block_nr, self._block,
             self.block_nr if max_blocks is None else min(max_blocks, self.block_nr), self.snaplen, self._index,
             offsets, caplen, origlen, ts, frame_no)
+        if ready > self._ready_peak:
+            self._ready_peak = ready
         if nb == 0:
             return None
         self._held = nb
@@ -444,7 +449,9 @@ class RingCapture:
     def stats(self) -> dict:
         """Cumulative counters.  packets: frames the filter passed (delivered or not);
         drops: of those, lost because the ring was full; freeze_q_cnt: times the ring
-        filled up; delivered: frames handed to the caller so far."""
+        filled up; delivered: frames handed to the caller so far; ready_peak: the most
+        blocks of the ring (block_nr of them) ever found handed over and waiting at a
+        read_batch, the ring's high-water mark: block_nr means it was full."""
         with self._lock:
             if not self._closed:
                 raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, _STATS3.size)
@@ -453,6 +460,7 @@ class RingCapture:
                     self._totals[k] += v
             return {"ifname": self.ifname, "netns": self.netns, **self._totals,
                     "delivered": self._index, "blocks": self._blocks_read,
+                    "block_nr": self.block_nr, "ready_peak": self._ready_peak,
                     "vlan_restored": self._vlan_restored, "errors": dict(self._errors)}
 
     def close(self) -> None:

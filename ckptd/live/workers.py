@@ -180,7 +180,7 @@ class WorkerCapture:
     def __init__(self, pool: "CaptureWorkers", stream: int, ifname: str, netns: str | None):
         self.pool, self.stream, self.ifname, self.netns = pool, stream, ifname, netns
         self.last: dict = {"packets": 0, "drops": 0, "freeze_q_cnt": 0, "delivered": 0, "blocks": 0,
-                           "vlan_restored": 0, "errors": {}}
+                           "block_nr": None, "ready_peak": 0, "vlan_restored": 0, "errors": {}}
         self.received = 0  # frames that reached the coordinator
         self.pid: int | None = None
         self.pages = ""  # what backs its shared-memory slots (ckptd.live.hugemem: hugetlb, thp, 4k)

@@ -51,7 +51,8 @@ from benchmarks.captures import CONFIGS, capture, mirrors, replay_scenario
 from benchmarks.minimal_extractors import extract_dpkt, extract_scapy
 from ckptd.fast.batches import load_captures
 from ckptd.core.checkpoint import load_checkpoint
-from ckptd.fast.pipeline import FastPipeline, crc_choices, fast_replay, isal_crc_address
+from ckptd.fast.icrc import crc_choices, isal_crc_address
+from ckptd.fast.pipeline import FastPipeline, fast_replay
 from ckptd.pipeline import ReplayOptions
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel

@@ -25,8 +25,8 @@ from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, lo
                                 stream_batches)
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
-from ckptd.fast.pipeline import (FastExtractor, FastPipeline, crc_choices, fast_replay, fold_constants,
-                                 icrc_checker, reduction_constants, trusted_frame)
+from ckptd.fast.icrc import crc_choices, fold_constants, icrc_checker, reduction_constants
+from ckptd.fast.pipeline import FastExtractor, FastPipeline, fast_replay, trusted_frame
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
 from cython_ext import batch as kernel

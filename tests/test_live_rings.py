@@ -306,3 +306,29 @@ def test_worker_slot_copy_rebases_blocks_that_wrap_the_ring():
         o, n = int(meta[0, i]), int(caplen[i])
         assert data[o:o + n].tobytes() == ring[offsets[i]:offsets[i] + n].tobytes()
     assert meta[1:, :4].tolist() == [caplen.tolist(), (caplen + 4).tolist(), [0, 7, 14, 21], [1, 2, 3, 4]]
+
+
+def test_capture_workers_check_the_icrc(run, links):
+    """A worker checks each frame's ICRC as it hands a slot over: the coordinator's
+    Batches say which frames are RoCE with a good ICRC (the kernel then computes no CRC
+    for them), and a frame with one byte changed on the way is not one of them."""
+    import numpy as np
+    from ckptd.live.workers import CaptureWorkers
+    # RoCEv2 only (the synthesized capture has other UDP too, which the ring's filter drops)
+    frames = [fr.data for fr in read_pcap(pcaps(run)[0]) if fr.data[36:38] == b"\x12\xb7"][:300]
+    bad = set(range(7, 300, 50))
+    sent = [f[:60] + bytes([f[60] ^ 0xFF]) + f[61:] if i in bad else f for i, f in enumerate(frames)]
+    iface = InterfaceConfig("mirror0", "rx0", links[1], block_size=1 << 16, block_nr=16, retire_ms=5)
+    workers = CaptureWorkers([iface], bpf=True, icrc=True)
+    stop, errors, got = threading.Event(), [], []
+    try:
+        threading.Timer(0.2, lambda: send_frames(sent, "tx0", links[0])).start()
+        threading.Timer(3.0, stop.set).start()
+        for _, b in workers.batches(stop, errors):
+            got += [(b.frame(i).data, int(b.icrc_checked[i])) for i in range(len(b))]
+    finally:
+        stop.set()
+        workers.close()
+    assert errors == [] and [d for d, _ in got] == sent
+    assert [i for i, (_, ok) in enumerate(got) if not ok] == sorted(bad)
+    assert np.mean([ok for _, ok in got]) > 0.9

@@ -181,7 +181,7 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
                  errors: list[str], checker=None) -> Iterator[Batch]:
     """Mapped file k as Batches of the records that start in each `chunk_bytes`: offsets
     into buf (every mapped file's bytes), nothing copied. Indexing faults in the pages
-    that hold record headers; with a checker (ckptd.fast.pipeline.icrc_checker) it also
+    that hold record headers; with a checker (ckptd.fast.icrc.icrc_checker) it also
     checks each frame's ICRC as it goes (Batch.icrc_checked), on the same thread."""
     start, size = files.starts[k], files.sizes[k]
     data = buf[start:start + size]
@@ -278,7 +278,7 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     a merged Batch ends where some stream's chunk runs out; that stream's next chunk
     is indexed and the merge goes on. Pcap files are mapped (cython_ext/filemap.pyx) and
     every Batch points into the mapping: no bytes are read or copied. With a checker
-    (ckptd.fast.pipeline.icrc_checker) every frame's ICRC is checked on the way
+    (ckptd.fast.icrc.icrc_checker) every frame's ICRC is checked on the way
     (Batch.icrc_checked): mapped files as they are indexed, the others as read."""
     sources = _stream_sources(paths, errors, chunk_bytes, checker)
 

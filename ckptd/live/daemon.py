@@ -905,7 +905,8 @@ class Daemon:
         from ckptd.live.workers import CaptureWorkers
         self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
                                       busy_poll=self.cfg.busy_poll, huge_pages=self.cfg.huge_pages,
-                                      drop_capabilities=self.cfg.drop_capabilities)
+                                      drop_capabilities=self.cfg.drop_capabilities,
+                                      icrc=self.fast)  # the fast path's kernel then skips the CRC
         self.captures = list(self.workers.captures)
         if self.cfg.cpus:
             for tid in os.listdir("/proc/self/task"):

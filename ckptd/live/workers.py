@@ -12,7 +12,11 @@ stalls every ring at once, and the kernel drops what arrives meanwhile. A worker
 nothing but wait for retired blocks, copy their frames into a free shared-memory slot
 (one memcpy of each block's used part, offsets rebased; cython_ext/ring.pyx indexed
 them in place) and give the blocks back to the kernel at once; the coordinator runs the
-batch kernel, commits and steps the optimizer. The slots add `SLOTS` x TURN_BYTES of
+batch kernel, commits and steps the optimizer. A worker also checks each frame's ICRC
+as it hands the slot over (ckptd.fast.icrc.icrc_checker on the bytes it has just copied,
+still in its cache), the share of the kernel's work that needs nothing but the frame:
+the coordinator's kernel computes no CRC for a frame found good (Batch.icrc_checked)
+and decodes the rest as before. The slots add `SLOTS` x TURN_BYTES of
 backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
 be pinned to a CPU and can busy-poll its ring instead of sleeping in poll(2).
 
@@ -41,7 +45,8 @@ from parsers.frame import LINKTYPE_ETHERNET
 
 SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
 _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
-_META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no
+_META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no; then a byte per
+# frame: 1 where the worker found the frame RoCE with a good ICRC
 STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
 
 
@@ -55,7 +60,7 @@ def _layout(block_size: int) -> tuple[int, int, int]:
     """(bytes of frame data, frames the arrays hold, bytes) of one slot."""
     data = slot_blocks(block_size) * block_size
     frames = data // _MIN_FRAME_SPACE
-    return data, frames, data + _META * 8 * frames
+    return data, frames, data + _META * 8 * frames + frames
 
 
 def _busy_flags(shm: SharedArea, block_size: int) -> np.ndarray:
@@ -70,7 +75,8 @@ def _slot_views(shm: SharedArea, slot: int, block_size: int):
     base = slot * size
     data = np.ndarray(nbytes, np.uint8, shm.buf, base)
     meta = np.ndarray((_META, frames), np.int64, shm.buf, base + nbytes)
-    return data, meta
+    checked = np.ndarray(frames, np.uint8, shm.buf, base + nbytes + _META * 8 * frames)
+    return data, meta, checked
 
 
 def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray, meta: np.ndarray) -> int:
@@ -97,7 +103,7 @@ def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray,
 
 # -- the worker process ---------------------------------------------------------------------
 def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None, busy_poll: bool,
-                 drop_capabilities: bool = False):
+                 drop_capabilities: bool = False, icrc: bool = False):
     """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
     the coordinator clears the slot's busy flag when done with it; ("stop",) ends the
     worker after the ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
@@ -121,13 +127,17 @@ def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None
             cap.close()
             conn.send(("error", f"capture worker for {spec['ifname']}: {e}"))
             return
+    checker = None
+    if icrc:
+        from ckptd.fast.icrc import icrc_checker  # the kernel's CRC set-up, without torch
+        checker = icrc_checker()
     try:
-        _capture_loop(stream, cap, shm, conn, busy_poll)
+        _capture_loop(stream, cap, shm, conn, busy_poll, checker)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         cap.close()  # the coordinator is gone: nobody to hand frames to
 
 
-def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool):
+def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, checker=None):
     bs = cap.block_size
     per_slot = slot_blocks(bs)
     views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
@@ -157,7 +167,10 @@ def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool):
                         cap.take_error()
             continue
         slot = int(free[0])
-        n = _copy_blocks(batch, bs, cap.block_nr, *views[slot])
+        data, meta, checked = views[slot]
+        n = _copy_blocks(batch, bs, cap.block_nr, data, meta)
+        if checker is not None:
+            checked[:n] = checker.check_icrc(data, meta[0, :n], meta[1, :n], meta[2, :n], batch.linktype)
         busy[slot] = 1
         del batch
         cap.release()
@@ -204,7 +217,7 @@ class CaptureWorkers:
     """One capture process per interface (docs/DAEMON.md: workers, pinning, sizing)."""
 
     def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False, drop_capabilities: bool = False,
-                 huge_pages: str = "auto"):
+                 huge_pages: str = "auto", icrc: bool = False):
         ctx = mp.get_context("spawn")  # the daemon holds torch's threads: no fork
         self.captures: list[WorkerCapture] = []
         self.shms: list[SharedArea] = []
@@ -212,18 +225,19 @@ class CaptureWorkers:
         self._closed = False
         self._views: list[list] = []
         self._busy: list[np.ndarray] = []
+        self.icrc = icrc  # the workers check ICRCs: Batches carry icrc_checked
         if drop_capabilities:  # spawning starts multiprocessing's resource tracker: without any capability
             from ckptd.live.privilege import start_resource_tracker_unprivileged
             start_resource_tracker_unprivileged()
         try:
-            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages)
+            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc)
         except BaseException:
             self.close()  # no shared memory or process left behind
             raise
         self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
         self._start()
 
-    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages):
+    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc):
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
@@ -233,7 +247,7 @@ class CaptureWorkers:
             self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
             self._busy.append(_busy_flags(shm, i.block_size))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(k, spec, shm, child, i.cpu, busy_poll, drop_capabilities),
+            p = ctx.Process(target=_worker_main, args=(k, spec, shm, child, i.cpu, busy_poll, drop_capabilities, icrc),
                             name=f"ckptd-capture-{i.name}", daemon=True)
             p.start()
             child.close()
@@ -300,9 +314,9 @@ class CaptureWorkers:
                                   f"with it; the other streams go on")
 
     def _batch(self, k: int, slot: int, n: int) -> Batch:
-        data, meta = self._views[k][slot]
+        data, meta, checked = self._views[k][slot]
         return Batch(data, meta[0, :n], meta[1, :n], meta[2, :n], np.full(n, k, np.int32),
-                     self._linktype[:n], meta[4, :n], meta[3, :n])
+                     self._linktype[:n], meta[4, :n], meta[3, :n], checked[:n] if self.icrc else None)
 
     def _send(self, k: int, msg):
         try:

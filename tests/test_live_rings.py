@@ -136,7 +136,7 @@ def test_a_drop_gap_covers_iterations_first_seen_after_it():
     assert d.drop_iterations == set(range(7))  # the gap is behind: later iterations are not in it
 
 
-def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path):
+def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path, caplog):
     """Rings of two 16 KiB blocks and a daemon that stalls 0.5 s on its first batch:
     the kernel drops frames, the iterations hit end `dropped` (not abandoned or merely
     unrecoverable), the exit status is 4, and whatever committed is exact."""
@@ -163,6 +163,10 @@ def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path)
         t.join(60)
     drops = sum(c.stats()["drops"] for c in daemon.captures)
     assert stalled and drops > 0
+    # the ring that dropped was found full, and said so once
+    full = [r.fields for r in caplog.records if r.getMessage() == "capture ring nearly full"]
+    assert full and all(f["ready_peak"] == f["blocks"] == 2 for f in full), full
+    assert len({f["interface"] for f in full}) == len(full)
     statuses = [r.status for r in daemon.pipe.reports]
     assert "dropped" in statuses and "abandoned" not in statuses, statuses
     assert all("kernel dropped frames" in r.note for r in daemon.pipe.reports if r.status == "dropped")

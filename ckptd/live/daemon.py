@@ -52,6 +52,9 @@ SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
 DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
+# A ring found this full (blocks handed over and waiting, of all its blocks) is logged once,
+# ahead of the drops that come when it is full: the loop fell behind for a while
+RING_WARN_FILL = 0.75
 DEFAULT_RING_MEMORY = 2 << 30  # max_ring_memory: every capture ring together
 MAX_BLOCK_SIZE = 1 << 28
 MAX_BLOCK_NR = 1 << 16
@@ -503,6 +506,7 @@ class Daemon:
         self._drop_gaps: dict[int, int] = {}
         self._drops_done = -1  # the pipeline's last finished iteration at the last look
         self._drops_looked = 0.0  # time.monotonic() of the last look
+        self._ring_warned: set[int] = set()  # rings logged as nearly full (RING_WARN_FILL)
         self._published_at, self._published_frames = 0.0, 0  # the last status snapshot's
         # the checkpoint files: written in the commit path (persist_sync), else by the
         # persistence tier's thread (ckptd.live.persist) from copies taken at the commit
@@ -666,7 +670,9 @@ class Daemon:
         if not force and now - self._drops_looked < DROPS_LOOK_S:
             return
         self._drops_looked = now
-        per_ring = [c.stats()["drops"] for c in self.captures]
+        stats = [c.stats() for c in self.captures]
+        per_ring = [st["drops"] for st in stats]
+        self._warn_full_rings(stats)
         seen = self._drops_seen or [0] * len(per_ring)
         for k, (d, before) in enumerate(zip(per_ring, seen)):
             if d > before:
@@ -680,6 +686,20 @@ class Daemon:
             self._drop_gaps = {k: t for k, t in self._drop_gaps.items()
                                if (clock[k] if per_stream else min(clock)) < t}
         self._drops_done = self.pipe.done
+
+    def _warn_full_rings(self, stats: list[dict]):
+        """Log a ring the first time its high-water mark (RingCapture.stats ready_peak)
+        reaches RING_WARN_FILL of its blocks: the operator hears of a loop that falls
+        behind before it costs frames, with what to do about it."""
+        for k, st in enumerate(stats):
+            nr, peak = st.get("block_nr"), st.get("ready_peak", 0)
+            if k not in self._ring_warned and nr and peak >= RING_WARN_FILL * nr:
+                self._ring_warned.add(k)
+                log.warning("capture ring nearly full", extra={"fields": {
+                    "interface": st["ifname"], "ready_peak": peak, "blocks": nr, "drops": st["drops"],
+                    "hint": "the capture loop fell behind for a while: a full ring drops frames; give "
+                            "the daemon CPUs of its own (cpus), capture workers, or more ring "
+                            "(block_nr; docs/DAEMON.md, sizing)"}})
 
     def _mark_kernel_drops(self, rep: IterationReport):
         """An iteration that did not commit and was in flight while a ring dropped frames

@@ -114,11 +114,12 @@ def opcode_tables() -> dict[str, np.ndarray]:
 
 
 def icrc_checker(crc: str = "auto") -> _kernel.BatchKernel:
-    """A kernel that only checks ICRCs (opcode tables and a CRC), for the reader's thread:
-    stream_batches checks every frame as it indexes it (Batch.icrc_checked), which moves
-    the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's replay, off the core that
-    places (benchmarks/RESULTS.md). A frame whose ICRC is bad, or that is no RoCE, is
-    decoded by the placing kernel as before."""
+    """A kernel that only checks ICRCs (opcode tables and a CRC), for a stage ahead of
+    the one that places: the replay's reader thread (stream_batches checks every frame as
+    it indexes it, which moves the CRC, ~0.04 of the kernel's ~0.11 s on issue 16's
+    replay, off the core that places) and each capture worker (ckptd.live.workers, on the
+    slot it has just filled). Their verdicts travel as Batch.icrc_checked; a frame whose
+    ICRC is bad, or that is no RoCE, is decoded by the placing kernel as before."""
     checker = _kernel.BatchKernel(1)
     checker.set_crc(*crc_setting(crc))
     checker.set_opcodes(**opcode_tables())

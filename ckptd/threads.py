@@ -10,15 +10,31 @@ inherits its name.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 
 COMM_BYTES = 15  # TASK_COMM_LEN 16, less the terminating NUL
+PR_SET_NAME = 15  # include/uapi/linux/prctl.h
+
+try:  # libc called with the GIL held (PyDLL): see name_os_thread
+    _prctl = ctypes.PyDLL(None).prctl
+    _prctl.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    _prctl.restype = ctypes.c_int
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
 
 
 def name_os_thread(name: str | None = None) -> None:
-    """Give the calling thread its name (default: its Python name) in the kernel too.
-    Where /proc cannot take it (not Linux, a read-only /proc) the name stays Python's."""
+    """Give the calling thread its name (default: its Python name) in the kernel too,
+    with prctl(PR_SET_NAME) and without letting go of the GIL. Writing
+    /proc/thread-self/comm let go of it at the open, the write and the close, and a new
+    thread waits up to the switch interval (5 ms) to get it back each time while another
+    runs Python: the replay's reader started indexing 16 ms late, behind the pipeline's
+    construction (benchmarks/RESULTS.md, session 14). Where neither works (not Linux)
+    the name stays Python's."""
     raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:COMM_BYTES]
+    if _prctl is not None and _prctl(PR_SET_NAME, raw, 0, 0, 0) == 0:
+        return
     try:
         with open("/proc/thread-self/comm", "wb") as f:
             f.write(raw)

@@ -104,25 +104,35 @@ def assert_committed_are_exact(run, daemon, out):
             assert diff_checkpoints(mine, load_checkpoint(run / "reference" / checkpoint_name(r.iteration))) == []
 
 
-def test_a_drop_gap_covers_iterations_first_seen_after_it():
+def test_a_drop_gap_covers_iterations_first_seen_after_it(caplog):
     """A ring that drops during a stall loses frames of iterations no frame of has been
     read yet: every iteration seen until the stream has placed frames captured after
-    the gap counts as in flight during the drops; later ones do not."""
+    the gap counts as in flight during the drops; later ones do not. A ring found 3/4
+    full is logged once, before it drops."""
     from types import SimpleNamespace
 
     class Ring:
-        drops = 0
+        drops, ready_peak = 0, 2
 
         def stats(self):
-            return {"drops": self.drops}
+            return {"ifname": "rx0", "drops": self.drops, "block_nr": 8, "ready_peak": self.ready_peak}
     ring = Ring()
     d = Daemon.__new__(Daemon)
     d.captures, d.drop_iterations = [ring], set()
     d._drops_seen, d._drop_gaps, d._drops_done, d._drops_looked = [], {}, -1, 0.0
+    d._ring_warned = set()
     d.pipe = SimpleNamespace(offset=0, highest=0, done=-1, stream_time=[time.time_ns()])
+
+    def warned():
+        return [r.fields for r in caplog.records if r.getMessage() == "capture ring nearly full"]
     d._watch_drops(force=True)
+    assert d.drop_iterations == set() and warned() == []
+    ring.ready_peak = 6  # 3/4 of the ring waiting: said once, with no drop yet
+    d._watch_drops(force=True)
+    d._watch_drops(force=True)
+    assert [(w["interface"], w["ready_peak"], w["blocks"], w["drops"]) for w in warned()] == [("rx0", 6, 8, 0)]
     assert d.drop_iterations == set()
-    ring.drops = 100  # the stall: iteration 0 open, the ring full
+    ring.drops, ring.ready_peak = 100, 8  # the stall: iteration 0 open, the ring full
     d._watch_drops(force=True)
     assert d.drop_iterations == {0, 1}
     d.pipe.highest = 3  # frames from the ring's backlog, captured before the look
@@ -134,6 +144,7 @@ def test_a_drop_gap_covers_iterations_first_seen_after_it():
     d.pipe.highest, d.pipe.done = 9, 6
     d._watch_drops(force=True)
     assert d.drop_iterations == set(range(7))  # the gap is behind: later iterations are not in it
+    assert len(warned()) == 1
 
 
 def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path, caplog):

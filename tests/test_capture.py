@@ -328,6 +328,15 @@ def test_ring_high_water_mark(link):
         st = cap.stats()
     assert st["delivered"] == 60 and st["drops"] == 0
     assert 3 <= reads < 16 and first_peak == reads == st["ready_peak"]
+    # the same through the frame-by-frame reader (the reference path's)
+    with RingCapture("rx", netns=link[1], block_size=1 << 14, block_nr=16, retire_ms=5) as cap:
+        send_frames([roce_v4(i, size=1000) for i in range(60)], "tx", link[0])
+        time.sleep(0.1)
+        blocks = 0
+        while cap.read_block(0):
+            blocks += 1
+        st = cap.stats()
+    assert st["delivered"] == 60 and 3 <= blocks < 16 and st["ready_peak"] == blocks
     send = [roce_v4(i, size=1000) for i in range(300)]
     with RingCapture("rx", netns=link[1], block_size=4096, block_nr=2, frame_size=2048, retire_ms=5) as cap:
         send_frames(send, "tx", link[0])

@@ -255,7 +255,7 @@ class RingCapture:
         self._block = 0               # next block to look at
         self._blocks_read = 0
         # the most blocks the kernel had handed over and not yet got back, seen at any
-        # read_batch: how close the ring came to full (block_nr: it was, and dropped)
+        # read: how close the ring came to full (block_nr: it was, and dropped)
         self._ready_peak = 0
         self._totals = {"packets": 0, "drops": 0, "freeze_q_cnt": 0}
         self._vlan_restored = 0
@@ -335,7 +335,18 @@ class RingCapture:
                     self.take_error()
             if self._closed or not self.ready():
                 return []
+        self._note_ready()
         return self._take_block()
+
+    def _note_ready(self):
+        """The high-water mark (stats ready_peak) where frames are read one block at a
+        time: the blocks handed over from the next one on (read_batch has index_blocks
+        count them)."""
+        n = 0
+        while n < self.block_nr and _BLOCK.unpack_from(
+                self._mv, (self._block + n) % self.block_nr * self.block_size + _BLOCK_STATUS_OFF)[0] & TP_STATUS_USER:
+            n += 1
+        self._ready_peak = max(self._ready_peak, n)
 
     def take_error(self) -> str | None:
         """The socket's pending error, cleared and counted (stats()["errors"]), as text.
@@ -451,7 +462,8 @@ class RingCapture:
         drops: of those, lost because the ring was full; freeze_q_cnt: times the ring
         filled up; delivered: frames handed to the caller so far; ready_peak: the most
         blocks of the ring (block_nr of them) ever found handed over and waiting at a
-        read_batch, the ring's high-water mark: block_nr means it was full."""
+        read (read_batch or read_block), the ring's high-water mark: block_nr means it
+        was full."""
         with self._lock:
             if not self._closed:
                 raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, _STATS3.size)

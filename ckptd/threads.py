@@ -29,9 +29,9 @@ def name_os_thread(name: str | None = None) -> None:
     with prctl(PR_SET_NAME) and without letting go of the GIL. Writing
     /proc/thread-self/comm let go of it at the open, the write and the close, and a new
     thread waits up to the switch interval (5 ms) to get it back each time while another
-    runs Python: the replay's reader started indexing 16 ms late, behind the pipeline's
-    construction (benchmarks/RESULTS.md, session 14). Where neither works (not Linux)
-    the name stays Python's."""
+    runs Python: the replay's reader lost 5 ms so before its first line of work, behind
+    the pipeline's construction (benchmarks/RESULTS.md, session 14). Where neither works
+    (not Linux) the name stays Python's."""
     raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:COMM_BYTES]
     if _prctl is not None and _prctl(PR_SET_NAME, raw, 0, 0, 0) == 0:
         return

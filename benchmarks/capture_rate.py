@@ -308,13 +308,12 @@ def _daemon_worker(conn):
 
     def stats():
         reps = list(daemon.pipe.reports)
-        return {"drops": sum(c.stats()["drops"] for c in list(daemon.captures)),
-                "packets": sum(c.stats()["packets"] for c in list(daemon.captures)),
+        rings = [c.stats() for c in list(daemon.captures)]  # one PACKET_STATISTICS read each
+        return {"drops": sum(r["drops"] for r in rings), "packets": sum(r["packets"] for r in rings),
                 "committed": [r.iteration for r in reps if r.status == "committed"],
                 "statuses": {s: sum(r.status == s for r in reps) for s in {r.status for r in reps}},
                 "frames": daemon.frames, "errors": list(daemon.pipe.errors), "running": thread.is_alive(),
-                "ring_peak": max((r["ready_peak"] / r["block_nr"] for r in (c.stats() for c in list(daemon.captures))
-                                  if r.get("block_nr")), default=None),
+                "ring_peak": max((r["ready_peak"] / r["block_nr"] for r in rings if r.get("block_nr")), default=None),
                 "loop": daemon.snapshot.get().get("loop")}
     while True:
         try:

@@ -27,19 +27,14 @@ except (OSError, AttributeError):  # not Linux
 def name_os_thread(name: str | None = None) -> None:
     """Give the calling thread its name (default: its Python name) in the kernel too,
     with prctl(PR_SET_NAME) and without letting go of the GIL. Writing
-    /proc/thread-self/comm let go of it at the open, the write and the close, and a new
-    thread waits up to the switch interval (5 ms) to get it back each time while another
-    runs Python: the replay's reader lost 5 ms so before its first line of work, behind
-    the pipeline's construction (benchmarks/RESULTS.md, session 14). Where neither works
-    (not Linux) the name stays Python's."""
-    raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:COMM_BYTES]
-    if _prctl is not None and _prctl(PR_SET_NAME, raw, 0, 0, 0) == 0:
-        return
-    try:
-        with open("/proc/thread-self/comm", "wb") as f:
-            f.write(raw)
-    except OSError:
-        pass
+    /proc/thread-self/comm instead let go of it at the open, the write and the close, and
+    a new thread waits up to the switch interval (5 ms) to get it back each time while
+    another runs Python: the replay's reader lost 5 ms so before its first line of work,
+    behind the pipeline's construction (benchmarks/RESULTS.md, session 14). Without
+    prctl (not Linux) the name stays Python's."""
+    if _prctl is not None:
+        _prctl(PR_SET_NAME, (name or threading.current_thread().name).encode("utf-8", "replace")[:COMM_BYTES],
+               0, 0, 0)
 
 
 class Thread(threading.Thread):

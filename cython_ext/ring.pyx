@@ -66,6 +66,23 @@ def block_ready(uint8_t[::1] ring, int64_t block_size, int64_t block) -> bool:
     return load_acquire(&ring[block * block_size + BLOCK_STATUS]) & TP_STATUS_USER != 0
 
 
+cdef inline int64_t _handed_over(const uint8_t *p, int64_t block_size, int64_t block_nr, int64_t first,
+                                 int64_t known) nogil:
+    """Blocks first, first+1, ... (mod block_nr) the kernel has handed over, counting on
+    from `known` of them already seen: the kernel fills and hands over blocks in ring
+    order, so they end at the first block it still owns."""
+    while known < block_nr and load_acquire(p + ((first + known) % block_nr) * block_size
+                                            + BLOCK_STATUS) & TP_STATUS_USER:
+        known += 1
+    return known
+
+
+def blocks_handed_over(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first) -> int:
+    """How full the ring is, from block `first` on (index_blocks' `ready`, for a reader
+    that takes one block at a time)."""
+    return _handed_over(&ring[0], block_size, block_nr, first, 0)
+
+
 def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_t first,
                  int64_t max_blocks, int64_t snaplen, int64_t frame_base,
                  int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
@@ -129,10 +146,7 @@ def index_blocks(uint8_t[::1] ring, int64_t block_size, int64_t block_nr, int64_
                 k += 1
                 pos += u32(p + pos + PKT_NEXT)
             nb += 1
-        ready = nb
-        while ready < block_nr and load_acquire(p + ((first + ready) % block_nr) * block_size
-                                                + BLOCK_STATUS) & TP_STATUS_USER:
-            ready += 1
+        ready = _handed_over(p, block_size, block_nr, first, nb)
     return nb, k, restored, unrestored, ready
 
 

@@ -335,18 +335,10 @@ class RingCapture:
                     self.take_error()
             if self._closed or not self.ready():
                 return []
-        self._note_ready()
+        # the high-water mark (stats ready_peak); read_batch has index_blocks count it
+        self._ready_peak = max(self._ready_peak, _ring_index.blocks_handed_over(
+            self._array, self.block_size, self.block_nr, self._block))
         return self._take_block()
-
-    def _note_ready(self):
-        """The high-water mark (stats ready_peak) where frames are read one block at a
-        time: the blocks handed over from the next one on (read_batch has index_blocks
-        count them)."""
-        n = 0
-        while n < self.block_nr and _BLOCK.unpack_from(
-                self._mv, (self._block + n) % self.block_nr * self.block_size + _BLOCK_STATUS_OFF)[0] & TP_STATUS_USER:
-            n += 1
-        self._ready_peak = max(self._ready_peak, n)
 
     def take_error(self) -> str | None:
         """The socket's pending error, cleared and counted (stats()["errors"]), as text.

@@ -178,6 +178,11 @@ def cmd_replay(a) -> int:
         start = load_checkpoint(a.init, [p.name for p in plan.parameters])
         plan.check_start(start, a.init)
         require_memory(plan.shadow_bytes(), f"shadowing the plan {a.plan}")
+    if a.reference and not Path(a.reference).is_dir():
+        why = "no such directory" if not Path(a.reference).exists() else "not a directory"
+        print(f"error: --reference {a.reference}: {why} (the trainer's checkpoints, one file per iteration)",
+              file=sys.stderr)
+        return 2
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2

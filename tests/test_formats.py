@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +171,36 @@ def test_export_loads_with_plain_torch_and_verifies_against_the_source(tmp_path,
             assert torch.equal(opt.state[p]["exp_avg_sq"], bopt.state[q]["exp_avg_sq"])
         r = ckptd.restore(back, bopt, out, scheduler=bsched)
         assert r.buffers_not_restored == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp", "safetensors"])
+def test_export_where_it_cannot_write_is_one_line_and_leaves_nothing(tmp_path, fmt):
+    """An --out in a missing directory, a file's place taken by a directory (or a DCP
+    directory's by a file): exit 2, one line naming --out, no traceback, no temporary left;
+    a file written is readable as the umask allows (a trainer loads it, often as another
+    user), not owner-only like ckptd's own checkpoints."""
+    model, opt, sched = fresh()
+    m, o = _parameters_only(model, *trainer_checkpoint(model, opt, opt.param_groups[0]["lr"]))
+    src = tmp_path / "iter_000000.pt"
+    save_checkpoint(src, 0, m, o)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("x")  # a DCP --out must be empty
+    (tmp_path / "afile").write_text("x")
+    blocked = [tmp_path / "missing" / "sub" / "x" if fmt != "dcp" else Path("/proc/ckptd-x"),
+               tmp_path / "taken", *([tmp_path / "afile"] if fmt == "dcp" else [])]
+    for out in blocked:
+        rc = subprocess.run([sys.executable, "-m", "ckptd", "export", str(src), "--format", fmt,
+                             "--out", str(out)], capture_output=True, text=True)
+        assert rc.returncode == 2 and "Traceback" not in rc.stderr, rc.stderr
+        assert rc.stderr.startswith(f"error: {out}:") and rc.stderr.count("\n") == 1, rc.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["afile", "iter_000000.pt", "taken"]
+    if fmt != "dcp":
+        out = tmp_path / "ok"
+        rc = subprocess.run(["sh", "-c", 'umask 022 && exec "$@"', "sh", sys.executable, "-m", "ckptd",
+                             "export", str(src), "--format", fmt, "--out", str(out)],
+                            capture_output=True, text=True)
+        assert rc.returncode == 0, rc.stderr
+        assert out.stat().st_mode & 0o777 == 0o644 and src.stat().st_mode & 0o777 == 0o600
 
 
 def test_restore_from_a_directory_takes_the_newest_whole_checkpoint(tmp_path):

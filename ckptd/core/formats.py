@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, named_optimizer_state,
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, atomic_write, named_optimizer_state,
                                    torch_optimizer_state)
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
 STANDARD_TAG = "ckptd-torch/1"
+EXPORT_MODE = 0o644  # less the umask (os.open applies it)
 BUFFERS_NOTE = "parameters only: no module buffers captured (none, or not on a wire ckptd decodes)"
 
 
@@ -209,34 +210,51 @@ def optimizer_param_groups(plan, lr: float | None) -> list[dict]:
 
 
 def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
-    """Write a ckptd checkpoint as `fmt` at `out` (a file; a directory for dcp)."""
+    """Write a ckptd checkpoint as `fmt` at `out` (a file; a directory for dcp). A file
+    is written whole or not at all (atomic_write) and, unlike ckptd's own checkpoints
+    (owner only), readable as the umask allows: it is made for a trainer to load, often
+    as another user. Any failure is one CheckpointError naming `out`."""
     out = Path(out)
     if fmt not in EXPORT_FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
+    if fmt != "dcp" and out.is_dir():
+        raise CheckpointError(f"{out}: is a directory; --format {fmt} writes a file")
     names = [p.name for p in plan.parameters] if plan is not None else list(ckpt["model"])
     if fmt == "safetensors":
-        from safetensors.torch import save_file
-        tmp = out.with_name(out.name + ".tmp")
-        save_file({n: t.contiguous() for n, t in ckpt["model"].items()}, str(tmp),
-                  metadata={"step": str(int(ckpt["iteration"]) + 1), "format": STANDARD_TAG})
-        tmp.replace(out)
+        from safetensors.torch import save
+        data = save({n: t.contiguous() for n, t in ckpt["model"].items()},
+                    metadata={"step": str(int(ckpt["iteration"]) + 1), "format": STANDARD_TAG})
+        atomic_write(out, lambda f: f.write(data), mode=EXPORT_MODE)
         return out
     groups = None
     if plan is not None and ckpt.get("optimizer") is not None:
         groups = optimizer_param_groups(plan, ckpt["optimizer"].get("lr"))
     doc = torch_doc(ckpt, names, groups)
     if fmt == "torch":
-        tmp = out.with_name(out.name + ".tmp")
-        torch.save(doc, tmp)
-        tmp.replace(out)
+        atomic_write(out, lambda f: torch.save(doc, f), mode=EXPORT_MODE)
         return out
     import torch.distributed.checkpoint as dcp
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty; DCP writes a directory")
+    from torch.distributed.checkpoint.api import CheckpointException
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: exists and is not an empty directory; DCP writes a directory")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        dcp.save(doc, checkpoint_id=str(out))
+        try:
+            dcp.save(doc, checkpoint_id=str(out))
+        except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
+            raise CheckpointError(f"{out}: cannot write the DCP directory: {_root_cause(e)}") from None
     return out
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost error's one-line message (DCP's exception lists every rank's
+    traceback; an OSError from a rank is what the user can act on)."""
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # -- finding -------------------------------------------------------------------------------

@@ -351,6 +351,8 @@ def cmd_plan(a) -> int:
     import dataclasses
     import os
 
+    import torch
+
     from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
     from ckptd.torch import ddp_layouts
@@ -369,9 +371,16 @@ def cmd_plan(a) -> int:
         raise UsageError("give --ranks and --addr, or --nccl-log")
     sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
     model = _call_named(a.model, "--model")
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--model {a.model!r} returned {type(model).__name__}, not a torch.nn.Module")
     batch = _call_named(a.sample, "--sample") if a.sample else None
     limits: dict = {}
-    first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)
+    try:
+        first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)
+    except CkptdError:
+        raise
+    except Exception as e:  # the model's forward or backward on the sample
+        raise UsageError(f"--sample {a.sample!r}: a training step of --model {a.model!r} on it {_raised(e)}") from e
     if rebuilt is None and a.transport == "nccl":
         raise UsageError("--transport nccl needs --sample: the layout DDP rebuilds after "
                          "iteration 0 follows the order gradients become ready")
@@ -428,8 +437,9 @@ def default_mirror_ports(plan, count: int = 3) -> list[int]:
 
 
 def _call_named(spec: str, option: str):
-    """module:function, imported and called (the user's own code: its errors are theirs,
-    but a name that does not resolve is a usage error)."""
+    """module:function, imported and called. The user's own code: an error in it is one
+    line naming the option, the error and where it was raised (CKPTD_DEBUG=1 shows the
+    whole traceback); a name that does not resolve is a usage error."""
     mod, sep, fn = spec.partition(":")
     if not sep or not mod or not fn.isidentifier():
         raise UsageError(f"{option} {spec!r} is not module:function")
@@ -439,7 +449,20 @@ def _call_named(spec: str, option: str):
         raise UsageError(f"{option} {spec!r}: cannot import {mod!r}: {e}") from None
     except AttributeError:
         raise UsageError(f"{option} {spec!r}: module {mod!r} has no {fn!r}") from None
-    return target()
+    except Exception as e:  # the module's own import-time code
+        raise UsageError(f"{option} {spec!r}: importing {mod!r} {_raised(e)}") from e
+    try:
+        return target()
+    except Exception as e:
+        raise UsageError(f"{option} {spec!r} {_raised(e)}") from e
+
+
+def _raised(e: BaseException) -> str:
+    """'raised TypeError: ... (at file:line)', the line being the innermost frame's."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno}; CKPTD_DEBUG=1 shows the traceback)" if frames else ""
+    return f"raised {type(e).__name__}: {' '.join(str(e).split())}{where}"
 
 
 def _nccl_version(text: str) -> tuple[int, int]:
@@ -472,6 +495,15 @@ def _ranged(kind, lo, hi):
             raise argparse.ArgumentTypeError(f"{text} is not in {lo}..{hi}")
         return v
     return parse
+
+
+def _ip_address(text: str) -> str:
+    """An argparse type: an IPv4 or IPv6 address, in canonical text."""
+    import ipaddress
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 or IPv6 address") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -695,7 +727,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
                          "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
     pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")
-    pl.add_argument("--addr", action="append", help="NIC address of rank 0, 1, ... (repeat)")
+    pl.add_argument("--addr", action="append", type=_ip_address,
+                    help="NIC address (IPv4 or IPv6) of rank 0, 1, ... (repeat)")
     pl.add_argument("--channels", type=_ranged(int, 1, 64), default=2)
     pl.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     pl.add_argument("--nccl-version", default="2.19", help="the job's NCCL, MAJOR.MINOR (2.14..2.32)")

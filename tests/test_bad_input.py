@@ -285,6 +285,7 @@ def _fifo(d):
     return p
 
 
+_TWO_RANKS = ["--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2"]
 ARG_CASES = [
     ("same-capture-twice", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _pcap0(d)], "the same capture as"),
     ("fifo-twice", lambda d: ["replay", "--plan", d / "plan.json", _fifo(d), _fifo(d)], "the same capture as"),
@@ -302,6 +303,14 @@ ARG_CASES = [
     ("plan-model", lambda d: ["plan", "--model", "no_such_module:f", "--ranks", "2", "--out", d / "p.json"], "cannot import"),
     ("plan-model-attr", lambda d: ["plan", "--model", "json:no_such_fn", "--ranks", "2", "--out", d / "p.json"], "has no 'no_such_fn'"),
     ("plan-model-spec", lambda d: ["plan", "--model", "json", "--ranks", "2", "--out", d / "p.json"], "module:function"),
+    ("plan-model-raises", lambda d: ["plan", "--model", "json:loads", *_TWO_RANKS, "--out", d / "p.json"],
+     "--model 'json:loads' raised TypeError: loads() missing 1 required positional argument"),
+    ("plan-model-not-module", lambda d: ["plan", "--model", "os:getcwd", *_TWO_RANKS, "--out", d / "p.json"],
+     "returned str, not a torch.nn.Module"),
+    ("plan-sample-fails", lambda d: ["plan", "--model", "test_cli:build_model", "--sample", "os:getcwd", *_TWO_RANKS,
+                                     "--out", d / "p.json"], "--sample 'os:getcwd': a training step of --model"),
+    ("plan-addr", lambda d: ["plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "999.1.1.1",
+                             "--addr", "10.0.0.2", "--out", d / "p.json"], "'999.1.1.1' is not an IPv4 or IPv6 address"),
     ("verify-missing", lambda d: ["verify", d / "nope.pt", d / "init.pt"], "nope.pt"),
     ("verify-garbage", lambda d: ["verify", _capture(d, "garbage"), d / "init.pt"], "cannot read checkpoint"),
     ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),

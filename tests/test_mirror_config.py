@@ -171,6 +171,20 @@ def test_cabling_errors(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("args,message", [(["--min-streams", "0"], "--min-streams must be at least 1, not 0"),
+                                          (["--links", "-1"], "--links must be at least 1, not -1"),
+                                          (["--vendor", "cisco"], "unknown vendor 'cisco'"),
+                                          (["--vendor", " , "], "--vendor names no vendor")])
+def test_bad_options_are_bad_input_not_an_unmet_request(tmp_path, capsys, args, message):
+    """Exit 2 (the request is malformed), not 3 (a well-formed request the cabling
+    cannot meet), and nothing written."""
+    rc = run_cli(["--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_span.json",
+                  "--out", tmp_path / "o", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_render_errors():
     ring = RingConfig(nranks=4, rings=((0, 1, 2, 3),))
     d = cabling(4, mode="erspan")

@@ -68,7 +68,7 @@ def run(a) -> int:
     from ckptd.core.plan import PlanError, load_plan
     from switch_config.cabling import CablingError, load_cabling
     from switch_config.common import RenderError
-    from switch_config.render import render_all
+    from switch_config.render import RENDERERS, render_all
     from switch_config.select import SelectionError, network_links, select_mirrors
 
     try:
@@ -89,6 +89,12 @@ def run(a) -> int:
                   "port in ports, NCCL's device order", file=sys.stderr)
             return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
+    bad = [f"--{k} must be at least 1, not {v}" for k, v in (("links", a.links), ("min-streams", a.min_streams)) if v < 1]
+    bad += [f"--vendor: unknown vendor {v!r} (known: {', '.join(RENDERERS)}, or auto, all)"
+            for v in (vendors if isinstance(vendors, list) else []) if v not in RENDERERS]
+    if bad or vendors == []:
+        print("error: " + "; ".join(bad or ["--vendor names no vendor"]), file=sys.stderr)
+        return EXIT_INPUT
     try:
         network = network_links(plan) if not plan.one_host_per_rank else None
         sel = select_mirrors(plan.ring, cabling, links=a.links, min_streams=a.min_streams, network=network)

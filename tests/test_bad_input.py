@@ -316,6 +316,14 @@ ARG_CASES = [
     ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),
     ("unknown-option", lambda d: ["inspect", "--colour", _pcap0(d)], "--colour"),
     ("run-config-missing", lambda d: ["run", "--config", d / "nope.yaml"], "nope.yaml"),
+    ("risk-ring-huge", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--ring", "100000000",
+                                  "--packets", "10"], "--ring N (2..65536)"),  # it ran out of memory
+    ("risk-packets-nan", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--ring", "4",
+                                    "--packets", "nan"], "--packets K"),  # it printed 'inf' iterations
+    ("risk-trials", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--ring", "4", "--packets", "9",
+                               "--simulate", "--trials", "100000000"], "--trials must be 1..1000000"),
+    ("risk-seconds", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--ring", "4", "--packets", "9",
+                                "--iteration-seconds", "-1"], "--iteration-seconds must be a number > 0"),
     ("risk-mirrors", lambda d: ["mirror-risk", "--mirrors", "two", "--loss", "0.1", "--ring", "4"], "--mirrors"),
 ]
 

@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from ckptd.core.plan import MAX_RANKS
+
 MODEL = """\
 Model (the setting of the FlowCheck paper's Eq. 2, derived here from the ring schedule):
 
@@ -156,6 +158,10 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None, int]:
 
 
 # -- command ---------------------------------------------------------------------------
+MAX_PACKETS = 1e15  # a link's allgather packets per iteration: ~4 EB at 4 KiB each
+MAX_TRIALS = 1_000_000  # a simulated iteration walks every chunk's packets in Python
+
+
 def add_subparser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "mirror-risk", help="probability that an iteration cannot be recovered from M mirrors",
@@ -199,18 +205,20 @@ def run(a) -> int:
         ports = ports if ports is not None else p_plan
     ports = 1 if ports is None else ports
     problems = []
-    if n is None or n < 2:
-        problems.append("--ring N (at least 2) or --plan is needed")
-    if k is None or k < 1:
-        problems.append("--packets K (at least 1) or --plan is needed")
+    if n is None or not 2 <= n <= MAX_RANKS:
+        problems.append(f"--ring N (2..{MAX_RANKS}) or --plan is needed")
+    if k is None or not 1 <= k <= MAX_PACKETS:  # NaN fails this too
+        problems.append(f"--packets K (1..{MAX_PACKETS:.0e}) or --plan is needed")
+    if a.iteration_seconds is not None and not 0 < a.iteration_seconds < math.inf:
+        problems.append("--iteration-seconds must be a number > 0")
     if a.mirrors < 1:
         problems.append("--mirrors must be at least 1")
     if not 0.0 <= a.loss <= 1.0:
         problems.append("--loss is a probability, 0..1")
     if not 1 <= ports <= 4:
         problems.append("--ports must be 1..4 (NCCL_IB_MAX_DEVS_PER_NIC)")
-    if a.simulate and a.trials < 1:
-        problems.append("--trials must be at least 1")
+    if a.simulate and not 1 <= a.trials <= MAX_TRIALS:
+        problems.append(f"--trials must be 1..{MAX_TRIALS}")
     if nodes is not None and n is not None and not 2 <= nodes <= n:
         problems.append(f"--nodes must be 2..N ({n}): a ring inside one node never reaches a switch")
     if problems:

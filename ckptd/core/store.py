@@ -146,7 +146,12 @@ class Store:
         """The directory, made if missing; on a bucket store only the bucket's presence is
         checked (an object store has no directories, and ckptd creates no bucket)."""
         if self.local:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as e:  # /proc/x, a file in the way, no permission: the path, not a bare errno
+                why = "a file is in the way" if self.path.exists() and not self.path.is_dir() else e.strerror or e
+                raise CheckpointWriteError(e.errno, f"{self.path}: cannot create the checkpoint directory: "
+                                                    f"{why}") from None
         elif self.protocol in BUCKET_STORES:
             self.check_bucket()
         else:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, load_checkpoint
 
 log = logging.getLogger("ckptd.recovery")
 URL = re.compile(r"^https?://", re.I)
@@ -59,6 +59,11 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     memory first at the cost of one more pass). Other sources are loaded whole first."""
     import time
     t0 = time.perf_counter()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ckptd.restore: model must be a torch.nn.Module, not {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ckptd.restore: optimizer must be a torch.optim.Optimizer or None, "
+                        f"not {type(optimizer).__name__}")
     names = [n for n, _ in model.named_parameters()]
     src = str(source)
     from_daemon = URL.match(src) is not None
@@ -66,6 +71,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, src, names, token, timeout, all_or_nothing)
     else:
         ckpt, src, nbytes = load_source(src, names, token, timeout)
+        if optimizer is not None and ckpt.get("optimizer") is not None:  # before anything changes
+            check_optimizer_fits(optimizer, model, {n: {k for k, v in st.items() if v is not None}
+                                                    for n, st in ckpt["optimizer"]["state"].items()}, src)
         missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
         _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon)  # read for this call only

@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ckptd.core.checkpoint import CheckpointError
+from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
 CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are still in cache
@@ -129,6 +129,12 @@ def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> lis
         raise CheckpointError(f"{where}: lacks parameters {lacking[:5]}")
     if optimizer is not None and not head.get("optimizer"):
         raise CheckpointError(f"{where}: holds no optimizer state (weights only)")
+    if optimizer is not None:  # before a byte is read into the model
+        saved: dict[str, set[str]] = {}
+        for e, _ in out:
+            if "param" in e:
+                saved.setdefault(e["param"], set()).add(e["key"])
+        check_optimizer_fits(optimizer, model, saved, where)
     return out
 
 

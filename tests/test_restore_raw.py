@@ -130,6 +130,35 @@ def test_a_header_that_does_not_fit_the_model_is_refused_with_the_model_unchange
     assert not opt.state
 
 
+OTHER_OPTIMIZERS = {  # what each served state must not load into, and what its message names
+    "adam": [(lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9), "keeps ['momentum_buffer']"),
+             (lambda ps: torch.optim.Adam(ps, lr=LR, amsgrad=True), "keeps ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step']")],
+    "sgd_momentum": [(lambda ps: torch.optim.Adam(ps, lr=LR), "holds ['momentum_buffer']"),
+                     (lambda ps: torch.optim.SGD(ps, lr=LR), "SGD {'momentum': 0")],
+}
+
+
+def test_the_state_of_another_optimizer_is_refused_with_the_model_unchanged(served):
+    """Adam's moments into an SGD, a state without max_exp_avg_sq into an amsgrad Adam,
+    momentum into a momentum-less SGD: torch's load_state_dict takes any keys without a
+    word, and training would go on from a state that is not the checkpoint's. Refused
+    before a byte reaches the model, from the daemon's raw layout and from a file alike."""
+    kind, url, path = served
+    for make, message in OTHER_OPTIMIZERS[kind]:
+        for source in (url, path):
+            model = _model(1)
+            opt = make(model.parameters())
+            before = {n: t.clone() for n, t in model.state_dict().items()}
+            with pytest.raises(CheckpointError) as e:
+                ckptd.restore(model, opt, source)
+            msg = str(e.value)
+            assert "\n" not in msg and message in msg and "another optimizer or setting" in msg, msg
+            for n, t in model.state_dict().items():
+                assert torch.equal(t, before[n]), (source, n)
+            assert not opt.state
+        ckptd.restore(_model(1), None, url)  # weights only: no optimizer to fit
+
+
 def _cut_server(url: str, short: int):
     """A server answering /checkpoint with the raw body of `url` less its last `short`
     bytes, under the whole body's Content-Length: a connection torn mid-body."""

@@ -186,6 +186,46 @@ def named_optimizer_state(sd: dict, names: list[str] | None, where: str) -> dict
     return {"lr": float(lr) if isinstance(lr, (int, float)) else lr, "state": state}
 
 
+def check_optimizer_fits(optimizer, model, saved_keys: dict[str, set[str]], where: str) -> None:
+    """Refuse optimizer state that `optimizer` would not keep: Adam's exp_avg/exp_avg_sq
+    loaded into an SGD, or a state without max_exp_avg_sq into an amsgrad Adam, loads
+    without a word (load_state_dict copies whatever keys it is given) and the job goes on
+    with an optimizer state that is not the checkpoint's. `saved_keys`: parameter name
+    -> the state keys the checkpoint holds for it. What a group keeps is found by one step
+    of its class, with its settings, on a 1-element probe; a class that cannot be probed
+    so (a custom optimizer with a required argument) is not checked."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        names = [name_of.get(id(q)) for q in group["params"]]
+        saved = {n: saved_keys[n] for n in names if saved_keys.get(n)}
+        if not saved:
+            continue
+        keeps = _state_keys_kept(optimizer, group)
+        if keeps is None:
+            continue
+        for n, keys in saved.items():
+            if keys != keeps:
+                settings = {k: v for k, v in group.items() if k in ("momentum", "amsgrad", "centered", "nesterov")}
+                raise CheckpointError(
+                    f"{where}: the optimizer state of {n} holds {sorted(keys)}, but this "
+                    f"{type(optimizer).__name__}{' ' + str(settings) if settings else ''} (param group {g}) "
+                    f"keeps {sorted(keeps)}: the checkpoint is of another optimizer or setting")
+
+
+def _state_keys_kept(optimizer, group: dict) -> set[str] | None:
+    import inspect
+    try:
+        accepted = inspect.signature(type(optimizer)).parameters
+        args = {k: v for k, v in group.items() if k != "params" and k in accepted}
+        probe_param = torch.zeros(1, requires_grad=True)
+        probe = type(optimizer)([probe_param], **args)
+        probe_param.grad = torch.ones(1)
+        probe.step()
+    except Exception:  # noqa: BLE001 -- an optimizer the probe cannot build or step: unchecked
+        return None
+    return {k for k, v in probe.state[probe_param].items() if v is not None}
+
+
 def diff_checkpoints(a: dict, b: dict, limit: int = 10) -> list[str]:
     """Names of what differs between two checkpoints, bit for bit; empty if identical."""
     out: list[str] = []

@@ -110,7 +110,7 @@ def _synth_training(a) -> dict:
         if a.lr_per_step:
             out["lr_per_step"] = parse_lr_per_step(a.lr_per_step)
     except ValueError as e:
-        raise SystemExit(f"ckptd synth: {e}") from None
+        raise UsageError(str(e)) from None
     if a.amp is not None:
         out.update(amp_init_scale=a.amp, amp_growth_interval=a.amp_growth_interval)
     return dict(out, no_decay_group=a.param_groups == "no-decay", inf_at=tuple(a.inf_at),
@@ -121,7 +121,10 @@ def cmd_synth(a) -> int:
     from ckptd.core.plan import OPTIMIZER_CLASSES
     from ckptd.testing.synth import SynthOptions, synthesize
     if a.optim and a.optim.partition(":")[0].lower() not in OPTIMIZER_CLASSES:
-        raise SystemExit(f"ckptd synth: --optim {a.optim.partition(':')[0]!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
+        raise UsageError(f"--optim {a.optim.partition(':')[0]!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
+    from ckptd.testing.synth.model import MODEL_SIZES
+    if a.model not in MODEL_SIZES:  # before --out is made
+        raise UsageError(f"--model {a.model!r} is not a synthetic model size ({', '.join(MODEL_SIZES)})")
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
@@ -138,7 +141,7 @@ def cmd_synth(a) -> int:
     try:
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
-        raise SystemExit(f"ckptd synth: {e}") from None
+        raise UsageError(str(e)) from None
     nparams = sum(p.numel for p in plan.parameters)
     where = f" on {a.nodes} nodes" if a.nodes else ""
     print(f"synthesized {a.iterations} iterations of a {nparams:,}-parameter model over "
@@ -312,6 +315,9 @@ def cmd_export(a) -> int:
 
 def cmd_demo(a) -> int:
     """synth + replay of the built-in default scenario, per-iteration bit-exactness."""
+    from ckptd.testing.synth.model import MODEL_SIZES
+    if a.model not in MODEL_SIZES:  # before a directory is made
+        raise UsageError(f"--model {a.model!r} is not a synthetic model size ({', '.join(MODEL_SIZES)})")
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="ckptd-demo-"))
     try:
         syn = build_parser().parse_args([

@@ -299,6 +299,9 @@ ARG_CASES = [
     ("synth-iterations", lambda d: ["synth", "--out", d / "s", "--iterations", "1e12"], "--iterations"),
     ("synth-iterations-huge", lambda d: ["synth", "--out", d / "s", "--iterations", str(10 ** 12)], "--iterations"),
     ("synth-loss", lambda d: ["synth", "--out", d / "s", "--loss", "nan"], "--loss"),
+    ("synth-model", lambda d: ["synth", "--out", d / "s-model", "--model", "huge"], "not a synthetic model size"),
+    ("demo-model", lambda d: ["demo", "--out", d / "d-model", "--model", "huge"], "not a synthetic model size"),
+    ("synth-optim", lambda d: ["synth", "--out", d / "s-optim", "--optim", "lamb"], "--optim 'lamb'"),
     ("synth-ranks", lambda d: ["synth", "--out", d / "s", "--ranks", "1"], "--ranks"),
     ("plan-model", lambda d: ["plan", "--model", "no_such_module:f", "--ranks", "2", "--out", d / "p.json"], "cannot import"),
     ("plan-model-attr", lambda d: ["plan", "--model", "json:no_such_fn", "--ranks", "2", "--out", d / "p.json"], "has no 'no_such_fn'"),
@@ -502,3 +505,10 @@ def test_plan_command_writes_where_the_job_starts(tmp_path, capsys):
                    "--out", tmp_path / "bad.json")
     _one_line_error(r, None, "optimizer.lr must be a finite number >= 0, not -1.0")
     assert not (tmp_path / "bad.json").exists()
+
+
+@pytest.mark.parametrize("cmd", ["synth", "demo"])
+def test_an_unknown_synthetic_model_makes_no_directory(tmp_path, capsys, cmd):
+    r = ckptd_main(capsys, cmd, "--out", tmp_path / "out", "--model", "huge")
+    _one_line_error(r, None, "--model 'huge' is not a synthetic model size (tiny, small, default")
+    assert not (tmp_path / "out").exists()

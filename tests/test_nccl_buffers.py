@@ -195,5 +195,5 @@ def test_a_buffer_packet_lost_on_every_mirror_leaves_its_iteration_uncommitted(t
 def test_synth_refuses_an_nccl_version_outside_the_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ckptd", "synth", "--out", str(tmp_path / "cli"), "--model", "tiny-bn",
                         "--iterations", "1", "--nccl-version", "2.13"], capture_output=True, text=True, timeout=300)
-    # ckptd synth exits 1 with one line for what it cannot synthesize (SystemExit)
-    assert r.returncode == 1 and "NCCL 2.13 is not supported" in r.stderr and "Traceback" not in r.stderr
+    # ckptd synth exits 2 with one line for what it cannot synthesize, like any bad input
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "NCCL 2.13 is not supported" in r.stderr and "Traceback" not in r.stderr

@@ -79,7 +79,13 @@ _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + so
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
 BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
 _MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
-TURN_BYTES = 1 << 20                   # ring_batches: ring bytes per ring and turn, at most
+# ring_batches: ring bytes per ring and turn, at most: the daemon's default block (so a
+# ring of smaller blocks takes as much per turn as the default), a fraction of an
+# iteration of the models that fill it. Each batch costs the loop a fixed share of Python
+# (its stops, clocks, drop counters): at 462k frames/s on 1 MiB blocks, 4 MiB turns took
+# 8-10% less capture-path CPU per frame than 1 MiB turns, and the rings peaked at 38-50%
+# instead of 75-94% (benchmarks/RESULTS.md, session 15)
+TURN_BYTES = 4 << 20
 
 
 class CaptureSetupError(CkptdError, OSError):

@@ -16,7 +16,7 @@ batch kernel, commits and steps the optimizer. A worker also checks each frame's
 as it hands the slot over (ckptd.fast.icrc.icrc_checker on the bytes it has just copied,
 still in its cache), the share of the kernel's work that needs nothing but the frame:
 the coordinator's kernel computes no CRC for a frame found good (Batch.icrc_checked)
-and decodes the rest as before. The slots add `SLOTS` x TURN_BYTES of
+and decodes the rest as before. The slots add `SLOTS` x SLOT_BYTES of
 backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
 be pinned to a CPU and can busy-poll its ring instead of sleeping in poll(2).
 
@@ -39,11 +39,12 @@ import numpy as np
 
 from ckptd.fast.batches import Batch
 from ckptd.live.hugemem import SharedArea
-from ckptd.live.ring import TURN_BYTES, timed_wait
+from ckptd.live.ring import timed_wait
 from ckptd.threads import name_os_thread
 from parsers.frame import LINKTYPE_ETHERNET
 
-SLOTS = 8  # shared-memory slots per worker, each TURN_BYTES of ring blocks (at least one)
+SLOTS = 8  # shared-memory slots per worker, each SLOT_BYTES of ring blocks (at least one)
+SLOT_BYTES = 1 << 20
 _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
 _META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no; then a byte per
 # frame: 1 where the worker found the frame RoCE with a good ICRC
@@ -51,9 +52,10 @@ STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at
 
 
 def slot_blocks(block_size: int) -> int:
-    """Ring blocks a slot holds: TURN_BYTES' worth (at least one), as the daemon's own
-    ring reader takes per ring and turn, so streams stay as close in processing order."""
-    return max(1, TURN_BYTES // block_size)
+    """Ring blocks a slot holds: SLOT_BYTES' worth (at least one). The coordinator takes
+    a slot per stream and turn, so the streams stay within a slot of each other in
+    processing order (see ring.TURN_BYTES)."""
+    return max(1, SLOT_BYTES // block_size)
 
 
 def _layout(block_size: int) -> tuple[int, int, int]:

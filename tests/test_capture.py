@@ -291,6 +291,43 @@ def test_ring_batches_streams_and_hands_blocks_back(link):
     assert all(c.stats()["drops"] == 0 for c in caps)
 
 
+@pytest.mark.parametrize("turn_blocks", [1, 3])
+def test_a_turn_takes_at_most_its_bytes_of_a_backed_up_ring(link, turn_blocks):
+    """Eight retired blocks waiting: each Batch takes `turn` bytes' worth of them (at
+    least one block, however small the turn), in order, nothing lost."""
+    block = 1 << 14
+    with RingCapture("rx", netns=link[1], block_size=block, block_nr=16, retire_ms=5) as cap:
+        for r in range(8):  # one retired block each: the reader is not running yet
+            send_frames([roce_v4(r * 3 + i, size=1000) for i in range(3)], "tx", link[0])
+            time.sleep(0.02)
+        stop, errors, sizes, seqs = threading.Event(), [], [], []
+        for k, b in ring_batches([cap], stop, errors, poll_s=0.01, idle=True, turn=turn_blocks * block - 1):
+            if b is None:
+                break
+            sizes.append(len(b))
+            seqs.extend(struct.unpack_from("!I", b.frame(i).data, 42)[0] for i in range(len(b)))
+        stop.set()
+    want_blocks = max(1, turn_blocks - 1)  # turn // block_size, at least one
+    assert errors == [] and seqs == list(range(24))
+    assert sizes == [3 * want_blocks] * (8 // want_blocks) + ([3 * (8 % want_blocks)] if 8 % want_blocks else [])
+
+
+def test_the_daemon_turn_is_under_half_an_iteration_of_the_quietest_link(tmp_path):
+    """Plan.least_link_bytes: a ring allreduce moves 2(n-1)/n of the gradients over each
+    link (reduce-scatter and allgather), so a link of a 4-rank tiny plan carries ~1.5x its
+    gradient bytes; the turn is half that (a block at least), TURN_BYTES at most."""
+    from ckptd.core.plan import load_plan
+    from ckptd.live.ring import TURN_BYTES, turn_bytes
+    from tests.helpers import synth
+    synth(tmp_path, model="tiny", ranks=4, channels=2, protocol="simple", mtu=4096, mirrors=2, iterations=1)
+    plan = load_plan(tmp_path / "plan.json")
+    grads = sum(p.numel for p in plan.parameters) * 4
+    least = plan.least_link_bytes()
+    assert 1.3 * grads < least <= 1.5 * grads, (least, grads)
+    assert turn_bytes(least) == least // 2 < TURN_BYTES
+    assert turn_bytes(10 * TURN_BYTES) == TURN_BYTES and turn_bytes(0) == 1
+
+
 def test_snaplen_keeps_the_wire_length(link):
     with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10, snaplen=60) as cap:
         send_frames([roce_v4(1, size=1000)], "tx", link[0])

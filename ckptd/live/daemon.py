@@ -733,12 +733,12 @@ class Daemon:
         (ckptd.live.workers); the block or slot is given back when the next one is
         asked for, i.e. once run_batch has placed it. Kernel drops are looked at
         before each batch."""
-        from ckptd.live.ring import ring_batches
+        from ckptd.live.ring import ring_batches, turn_bytes
         if self.workers is not None:
             batches = self.workers.batches(self.stop, self.pipe.errors, on_poll=self.loop.polled)
         else:
             batches = ring_batches(self.captures, self.stop, self.pipe.errors, idle=True,
-                                   on_poll=self.loop.polled)
+                                   on_poll=self.loop.polled, turn=turn_bytes(self.plan.least_link_bytes()))
         # frames wait in a ring block for at most retire_ms before it is handed over: all
         # frames older than that have been placed when the rings are quiet
         settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000

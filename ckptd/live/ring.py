@@ -79,13 +79,21 @@ _TPACKET3_HDRLEN = 48 + 20             # TPACKET_ALIGN(sizeof tpacket3_hdr) + so
 _STATS3 = struct.Struct("=III")        # tpacket_stats_v3: packets, drops, freeze_q_cnt
 BATCH_FRAMES = 1 << 15                 # read_batch: frames per Batch at most (whole blocks)
 _MIN_FRAME_SPACE = 64                  # a frame takes more than this much of a block
-# ring_batches: ring bytes per ring and turn, at most: the daemon's default block (so a
-# ring of smaller blocks takes as much per turn as the default), a fraction of an
-# iteration of the models that fill it. Each batch costs the loop a fixed share of Python
-# (its stops, clocks, drop counters): at 462k frames/s on 1 MiB blocks, 4 MiB turns took
-# 8-10% less capture-path CPU per frame than 1 MiB turns, and the rings peaked at 38-50%
-# instead of 75-94% (benchmarks/RESULTS.md, session 15)
+# ring_batches: ring bytes per ring and turn, at most (turn_bytes: less for a small model).
+# Each batch costs the loop a fixed share of Python (its stops, clocks, drop counters): at
+# 462k frames/s on 1 MiB blocks, 4 MiB turns took 8-10% less capture-path CPU per frame
+# than 1 MiB turns, and the rings peaked at 38-50% instead of 75-94% (benchmarks/RESULTS.md,
+# session 15). 4 MiB is also the daemon's default block.
 TURN_BYTES = 4 << 20
+
+
+def turn_bytes(least_link_bytes: int) -> int:
+    """Ring bytes per turn for streams that each carry at least `least_link_bytes` an
+    iteration (Plan.least_link_bytes): half of that, at most TURN_BYTES. The pipeline
+    closes an iteration once some stream has gone two past it, so no stream may get an
+    iteration ahead of another within one turn; a turn is at least one block whatever
+    this says (ring_batches)."""
+    return max(1, min(TURN_BYTES, least_link_bytes // 2))
 
 
 class CaptureSetupError(CkptdError, OSError):
@@ -575,13 +583,14 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
 
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
                  errors: list[str], poll_s: float = 0.05, idle: bool = False,
-                 on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, Batch | None]]:
+                 on_poll: Callable[[float], None] | None = None,
+                 turn: int = TURN_BYTES) -> Iterator[tuple[int, Batch | None]]:
     """(stream index, Batch) from every capture, as ring_source gives frames: round
-    robin, each ring's ready blocks up to TURN_BYTES (at least one block) as one Batch,
+    robin, each ring's ready blocks up to `turn` bytes (at least one block) as one Batch,
     one poll(2) on all rings when none is ready, socket errors reported and the stream
     going on, a failing ring dropped, and on stop what the rings already hold delivered.
 
-    A bounded turn per ring keeps the streams within TURN_BYTES of each other in
+    A bounded turn per ring keeps the streams within a turn of each other in
     processing order: the pipeline finalizes an iteration once a stream has gone
     FINALIZE_LAG iterations past it, so a batch spanning several iterations of one
     stream would close iterations before another stream's copies of them came in.
@@ -610,7 +619,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
         for k in list(live):
             cap = captures[k]
             try:
-                batch = cap.read_batch(k, max(1, TURN_BYTES // cap.block_size))
+                batch = cap.read_batch(k, max(1, turn // cap.block_size))
             except (OSError, ValueError) as e:
                 fail(k, e)
                 continue

@@ -442,13 +442,22 @@ class GlooExtractor:
         """Data messages of tag t that followed a framing loss on their direction: their
         index counts back from the tag's last message (the schedule gives how many there
         are) when no framing was lost on that direction after them: then every later
-        message of the tag was framed. Earlier groups (between two losses) stay unplaced."""
+        message of the tag was framed. Earlier groups (between two losses) stay unplaced.
+        Nor is a group placed while its direction holds bytes beyond a hole not yet given
+        up: a later message of the tag may lie in that hole, which then shifts every index
+        counted from the end. (A quiet capture numbers the tags before such a hole is
+        given up at the stop: tests/test_gloo_live.py with 2% loss then placed a group at
+        the wrong index in about 1 run of 10, and the last iteration, its copies in
+        conflict, was never committed.)"""
         out = []
         for key in [k for k in self.tail if k[1] == t]:
             held = self.tail.pop(key)
             last = held[-1].epoch
             if last < len(self.framers[key[0]].lost):
                 self.counters["after_framing_loss"] += len(held)
+                continue
+            if self.reasm.dirs[key[0]].pending:
+                self.counters["before_a_pending_hole"] += len(held)
                 continue
             group = [d for d in held if d.epoch == last]
             self.counters["after_framing_loss"] += len(held) - len(group)

@@ -474,16 +474,16 @@ class Plan:
 
     def least_link_bytes(self) -> int:
         """The fewest payload bytes one directed NIC-to-NIC link carries in an iteration
-        (every channel and QP of it, from iteration 1's schedule): the least a mirror
-        stream can carry, since it sees at least one such link (0 where nothing crosses
-        the network)."""
+        (every channel and QP of it, from iteration 1's schedule), shared among a merged
+        NIC's ports: the least a mirror stream can carry, since it sees at least one such
+        link, or one port of it (0 where nothing crosses the network)."""
         per_link: dict[tuple[int, int], int] = {}
         wire = self.network_connections
         for (s, d, c, _q), flow in self.schedule(1).flows.items():
             if (s, d, c) in wire:
                 link = self.link_of((s, d, c))
                 per_link[link] = per_link.get(link, 0) + sum(m.wire_len for m in flow.messages)
-        return min(per_link.values(), default=0)
+        return min(per_link.values(), default=0) // self.ring.ndevs
 
     def link_of(self, conn: tuple[int, int, int]) -> tuple[int, int]:
         """The NIC pair a network connection's frames travel between, each NIC named by

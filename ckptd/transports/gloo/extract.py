@@ -154,7 +154,7 @@ class GlooExtractor:
         self.reasm = TcpReassembler(hole_window)
         self.ranks = RankMap(plan)
         self.framers: dict[tuple, GlooFramer] = {}
-        self.lost_seen: Counter = Counter()
+        self.bounded: Counter = Counter()  # direction -> framing losses whose tags are bounded
         self.uncertain_upto: dict[tuple, int] = {}  # direction -> tags <= this are unplaceable
         self.waiting: dict[tuple, list[GlooMessage]] = defaultdict(list)  # ranks not known yet
         self.tags: list[int] = []  # allreduce tags seen, sorted
@@ -167,6 +167,7 @@ class GlooExtractor:
         # (direction, tag) -> data messages after a framing loss that cut the tag: indexed
         # from the tag's end once it is numbered, if no later loss on that direction
         self.tail: dict[tuple, list[_Data]] = defaultdict(list)
+        self.dir_top: dict[tuple, int] = {}  # direction -> highest tag framed on it
         self.map_lag = map_lag
         self.counters: Counter = Counter()
         self.examples: list[str] = []
@@ -212,6 +213,8 @@ class GlooExtractor:
             for m in self.waiting.pop(key):
                 self._note(key, m, "ranks_unknown")
         self._map(out, final=True)
+        for key in list(self.tail):  # every direction has ended: its tail groups are whole
+            self._from_the_end(key, out, final=True)
         return out
 
     def idle(self) -> list[Placement]:
@@ -246,15 +249,14 @@ class GlooExtractor:
                 if self._ranks(k) is not None:
                     pend = self.waiting.pop(k)
                     self._messages(k, pend, out)
-        if fr.counts["framing_lost"] > self.lost_seen[key]:
-            self.lost_seen[key] = fr.counts["framing_lost"]
-            self.uncertain_upto[key] = self.tags[-1] if self.tags else -1
         if not msgs:
             return
         rk = self._ranks(key)
         if rk is None:
             self.waiting[key].extend(msgs)
             return
+        if self.waiting.get(key):  # ranks learned some other way: the held messages first
+            msgs = self.waiting.pop(key) + msgs
         for m in msgs:
             self._message(key, rk, m, out)
         self._map(out)
@@ -264,8 +266,31 @@ class GlooExtractor:
         d = self.ranks.rank(key[2], key[3])
         return None if s is None or d is None else (s, d)
 
+    def _bound_losses(self, key, m: GlooMessage):
+        """The first message framed after a framing loss on its direction bounds the tags
+        of the messages lost in it: none above the highest tag seen anywhere by now, nor
+        above this message's tag plus MAP_LAG (collectives overlap by fewer). A data
+        message of a tag up to that bound, after the loss, cannot count its index from
+        the tag's start. Bounded here, in the direction's own order, not when the framer
+        reports the loss: messages held for their ranks (a connection setup not yet
+        seen) come through here later, and the tags seen at the report may not yet
+        include theirs (a lost header then shifted every later index of its tag by one,
+        and a wrong payload was placed)."""
+        lost = self.framers[key].lost
+        k = self.bounded[key]
+        while k < len(lost) and lost[k][0] < m.offset:
+            top = max(self.tags[-1] if self.tags else -1, m.header.tag + self.map_lag)
+            self.uncertain_upto[key] = max(self.uncertain_upto.get(key, -1), top)
+            k += 1
+        self.bounded[key] = k
+
     def _message(self, key, rk, m: GlooMessage, out):
         h = m.header
+        self._bound_losses(key, m)
+        if h.tag > self.dir_top.get(key, -1):
+            self.dir_top[key] = h.tag
+            for k in [k for k in self.tail if k[0] == key and self._past(key, k[1])]:
+                self._from_the_end(k, out)
         if not h.is_allreduce:
             self.other_slots[SLOT_PREFIXES.get(h.prefix, hex(h.prefix))] += 1
             if h.prefix == BROADCAST_PREFIX and h.is_data:
@@ -419,54 +444,70 @@ class GlooExtractor:
             self.next_number += 1
             self._place_numbered(t, n, self.data.pop(t, []), out)
 
-    def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
-        """Place the data messages of allreduce number n (tag t): wire iteration w (the
-        w-th round of bucket allreduces), which is training iteration w // K's last
-        micro-batch when w % K == K - 1 (K = allreduces_per_step). The earlier
-        micro-batches' allreduces are checked against the schedule but not placed: DDP
-        hands each micro-batch param.grad (the previous reduced value plus this
-        backward's), so the last round carries exactly the gradient the step uses."""
+    def _position(self, n: int, count: int) -> tuple[int | None, int, int] | None:
+        """(training iteration or None, wire layout, bucket) of allreduce number n: wire
+        iteration w (the w-th round of bucket allreduces), which is training iteration
+        w // K's last micro-batch when w % K == K - 1 (K = allreduces_per_step). The
+        earlier micro-batches' allreduces are checked against the schedule but not
+        placed: DDP hands each micro-batch param.grad (the previous reduced value plus
+        this backward's), so the last round carries exactly the gradient the step uses.
+        None: nothing of it is placed (count messages dropped)."""
         w, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
                                               (n - self.nb[0]) % self.nb[1])
-        lay = min(w, 1)
         if w >= 1 and (self.rebuilt == "mismatch"
                        or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
             self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
-                          else "rebuilt_unknown_dropped"] += len(data)
-            return
+                          else "rebuilt_unknown_dropped"] += count
+            return None
         it = w // self.per_step if w % self.per_step == self.per_step - 1 else None
-        for d in data + self._from_the_end(t, b, lay):
-            self._place(it, lay, b, d, out)
+        return it, min(w, 1), b
 
-    def _from_the_end(self, t: int, b: int, lay: int) -> list[_Data]:
-        """Data messages of tag t that followed a framing loss on their direction: their
-        index counts back from the tag's last message (the schedule gives how many there
-        are) when no framing was lost on that direction after them: then every later
-        message of the tag was framed. Earlier groups (between two losses) stay unplaced.
-        Nor is a group placed while its direction holds bytes beyond a hole not yet given
-        up: a later message of the tag may lie in that hole, which then shifts every index
-        counted from the end. (A quiet capture numbers the tags before such a hole is
-        given up at the stop: tests/test_gloo_live.py with 2% loss then placed a group at
-        the wrong index in about 1 run of 10, and the last iteration, its copies in
-        conflict, was never committed.)"""
-        out = []
+    def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
+        """Place the data messages of allreduce number n (tag t), and the groups held
+        after a framing loss whose direction has gone past the tag."""
+        pos = self._position(n, len(data))
+        if pos is not None:
+            for d in data:
+                self._place(*pos, d, out)
         for key in [k for k in self.tail if k[1] == t]:
-            held = self.tail.pop(key)
-            last = held[-1].epoch
-            if last < len(self.framers[key[0]].lost):
-                self.counters["after_framing_loss"] += len(held)
-                continue
-            if self.reasm.dirs[key[0]].pending:
-                self.counters["before_a_pending_hole"] += len(held)
-                continue
-            group = [d for d in held if d.epoch == last]
-            self.counters["after_framing_loss"] += len(held) - len(group)
-            n = len(self.sched[lay].connection_sends(group[0].src, b))
-            for j, d in enumerate(group):
-                d.index = n - len(group) + j
-            self.counters["indexed_from_end"] += len(group)
-            out += group
-        return out
+            self._from_the_end(key, out)
+
+    def _past(self, key, t: int) -> bool:
+        """Direction key has framed a message of a tag more than MAP_LAG above t: no more
+        messages of tag t follow on it (the bound the numbering of tags assumes)."""
+        return self.dir_top.get(key, -1) > t + self.map_lag
+
+    def _from_the_end(self, key: tuple, out: list[Placement], final: bool = False):
+        """Data messages of one tag on one direction that followed a framing loss there:
+        their index counts back from the tag's last message (the schedule gives how many
+        there are) when no framing was lost on that direction after them: then every
+        later message of the tag was framed. Earlier groups (between two losses) stay
+        unplaced. Only once the tag is numbered and its direction has gone past it (or
+        the capture ended): a later message of the tag still to come, or in a hole not
+        yet given up, shifts every index counted from the end. (A quiet capture numbers
+        its tags before they end: tests/test_gloo_live.py with 2% loss placed a group at
+        the wrong index in about 1 run of 10, and its last iteration, copies in conflict,
+        was never committed.)"""
+        (dkey, t) = key
+        if t not in self.mapped or not (final or self._past(dkey, t)):
+            return
+        held = self.tail.pop(key)
+        pos = self._position(self.mapped[t], len(held))
+        if pos is None:
+            return
+        it, lay, b = pos
+        last = held[-1].epoch
+        if last < len(self.framers[dkey].lost):
+            self.counters["after_framing_loss"] += len(held)
+            return
+        group = [d for d in held if d.epoch == last]
+        self.counters["after_framing_loss"] += len(held) - len(group)
+        n = len(self.sched[lay].connection_sends(group[0].src, b))
+        for j, d in enumerate(group):
+            d.index = n - len(group) + j
+        self.counters["indexed_from_end"] += len(group)
+        for d in group:
+            self._place(it, lay, b, d, out)
 
     def _place(self, it: int | None, lay: int, b: int, d: _Data, out: list[Placement]):
         """Check one data message against the schedule of wire layout `lay` and place

@@ -135,7 +135,7 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
         d.pipe.pipeline.after_placement = clock.wrap(" after_placement", d.pipe.pipeline.after_placement)
         # the apply thread's parts (its own clock: another thread)
         sh = d.pipe.pipeline.shadow
-        sh.apply_bucket = apply_clock.wrap("shadow.apply_bucket", sh.apply_bucket)
+        sh.apply_buckets = apply_clock.wrap("shadow.apply_buckets", sh.apply_buckets)
         sh._step = apply_clock.wrap(" optimizer step", sh._step)
         if d.memory is not None:
             d.memory.commit = apply_clock.wrap("memory tier copy", d.memory.commit)

@@ -321,7 +321,7 @@ def instrument() -> dict:
 
     wrap(ShadowModel, "__init__", "shadow_init")
     wrap(FastPipeline, "run_batch", "run_batch")
-    wrap(ShadowModel, "apply_bucket", "apply_bucket", lambda a: (a[1], a[2]))
+    wrap(ShadowModel, "apply_buckets", "apply_bucket", lambda a: (a[1], max(b for b, _ in a[2])))
     wrap(ApplyStage, "drain", "drain")
     wrap(IterationAssembly, "coverage", "coverage", lambda a: a[0].iteration)
     wrap(FastExtractor, "stream_loss", "stream_loss", lambda a: a[2])

@@ -82,6 +82,18 @@ def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, Capt
 
 
 # -- apply: the optimizer on its own thread ----------------------------------------------
+@dataclass
+class BucketStep:
+    """The shadow's step on reduced buckets of one iteration (ShadowModel.apply_buckets)."""
+    shadow: object
+    iteration: int
+    buckets: list  # (bucket, gradient buffer)
+    layout_iteration: int
+
+    def __call__(self):
+        self.shadow.apply_buckets(self.iteration, self.buckets, self.layout_iteration)
+
+
 class ApplyStage:
     """Bucket steps run on a worker thread, so the optimizer (torch kernels, which release
     the GIL) overlaps decoding the traffic still to come. `submit` never waits: the
@@ -100,19 +112,36 @@ class ApplyStage:
         self.thread.start()
 
     def _work(self):
+        nxt = None
         while True:
-            job = self.queue.get()
+            job, nxt = (nxt, None) if nxt is not None else (self.queue.get(), None)
             if job is None:
                 return
             try:
                 if isinstance(job, threading.Event):  # drain's fence: everything before it ran
                     job.set()
                 elif self.error is None:
+                    if isinstance(job, BucketStep):
+                        job, nxt = self._merged(job)
                     job()
             except BaseException as e:  # surfaced by drain()
                 self.error = e
             finally:
                 job = None  # the job holds a bucket's gradient: let the pool have it back
+
+    def _merged(self, job: "BucketStep") -> tuple["BucketStep", object]:
+        """The bucket steps of the same iteration queued right behind `job`, as one step
+        (one optimizer call instead of one per bucket: ~0.2 ms less each for a few
+        hundred thousand parameters), and the first job that is not one of them."""
+        while True:
+            try:
+                nxt = self.queue.get_nowait()
+            except queue.Empty:
+                return job, None
+            if not (isinstance(nxt, BucketStep) and nxt.shadow is job.shadow
+                    and (nxt.iteration, nxt.layout_iteration) == (job.iteration, job.layout_iteration)):
+                return job, nxt
+            job = BucketStep(job.shadow, job.iteration, job.buckets + nxt.buckets, job.layout_iteration)
 
     def submit(self, job: Callable[[], None]):
         self.queue.put(job)
@@ -543,9 +572,9 @@ class Pipeline:
         if not self._bucketwise():
             return
         while self.next_bucket < len(asm.buckets) and asm.bucket_complete(self.next_bucket):
-            self.applier.submit(partial(self.shadow.apply_bucket, asm.iteration + self.offset,
-                                        self.next_bucket, asm.gradient(self.next_bucket),
-                                        asm.iteration))
+            self.applier.submit(BucketStep(self.shadow, asm.iteration + self.offset,
+                                           [(self.next_bucket, asm.gradient(self.next_bucket))],
+                                           asm.iteration))
             self.next_bucket += 1
         if self.next_bucket == len(asm.buckets) and self.yield_to_commit and not self._yielding:
             self._yielding = True

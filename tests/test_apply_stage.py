@@ -1,5 +1,6 @@
 """The optimizer's thread (ckptd.pipeline.ApplyStage): submit never waits, drain is a
-fence, an error comes back at the drain and the stage goes on."""
+fence, an error comes back at the drain and the stage goes on, bucket steps queued
+together run as one."""
 import threading
 import time
 
@@ -40,3 +41,56 @@ def test_a_failed_job_is_raised_at_the_drain_and_later_jobs_skipped_until_then()
     stage.drain()
     assert ran == [1, 3]
     stage.close()
+
+
+def test_bucket_steps_queued_together_run_as_one_step_with_the_same_bits(tmp_path):
+    """Bucket steps of one iteration that wait behind a busy optimizer run as one
+    ShadowModel.apply_buckets call (not one per bucket); a job of another kind in between
+    (a commit hook, a fence) ends the merge; the state is bit-identical to stepping the
+    buckets one by one."""
+    import numpy as np
+
+    from ckptd.core.checkpoint import load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.core.shadow import ShadowModel
+    from ckptd.pipeline import BucketStep
+    from helpers import synth
+
+    synth(tmp_path, ranks=2, channels=1, iterations=1)
+    plan = load_plan(tmp_path / "plan.json")
+    nb = len(plan.buckets_first)
+    assert nb >= 3, "the test needs a plan with several buckets"
+    rng = np.random.default_rng(0)
+    bufs = [rng.standard_normal(sum(e - s for _, s, e in plan.param_ranges(0, b))).astype(np.float32)
+            for b in range(nb)]
+    one_by_one = ShadowModel(plan, load_checkpoint(tmp_path / "init.pt"))
+    for b in range(nb):
+        one_by_one.apply_bucket(0, b, bufs[b], 0)
+    merged = ShadowModel(plan, load_checkpoint(tmp_path / "init.pt"))
+    calls = []
+    real = merged.apply_buckets
+    merged.apply_buckets = lambda it, bks, lay: (calls.append([b for b, _ in bks]), real(it, bks, lay))
+    stage, gate, hooked = ApplyStage(), threading.Event(), []
+    stage.submit(gate.wait)
+    for b in range(nb - 1):
+        stage.submit(BucketStep(merged, 0, [(b, bufs[b])], 0))
+    stage.submit(lambda: hooked.append(len(calls)))  # not a bucket step: the merge ends here
+    stage.submit(BucketStep(merged, 0, [(nb - 1, bufs[nb - 1])], 0))
+    gate.set()
+    stage.drain()
+    stage.close()
+    assert calls == [list(range(nb - 1)), [nb - 1]] and hooked == [1]
+    assert _same(one_by_one.model_state(copy=False), merged.model_state(copy=False))
+    assert _same(one_by_one.optimizer_state(copy=False), merged.optimizer_state(copy=False))
+
+
+def _same(x, y) -> bool:
+    import torch
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and \
+            torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(_same(p, q) for p, q in zip(x, y))
+    return x == y

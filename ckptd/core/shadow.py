@@ -135,15 +135,21 @@ class ShadowModel:
         so stepping bucket by bucket is bit-identical to one step over all parameters. The
         iteration is done when `finish_iteration` is called after the last bucket; if it
         never completes, this in-memory state is abandoned (the last checkpoint is on disk)."""
+        self.apply_buckets(iteration, [(b, buffer)], layout_iteration)
+
+    def apply_buckets(self, iteration: int, buckets: list[tuple[int, np.ndarray]], layout_iteration: int):
+        """apply_bucket for several reduced buckets of one iteration in one step (one
+        optimizer call, not one per bucket: the same bits, as above)."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
         if not self.bucketwise:
             raise RuntimeError("gradient clipping and AMP need every bucket: use apply()")
-        flat = self._wire_to_param_dtype(buffer)
         idx, grads = [], []
-        for name, start, end in self.plan.param_ranges(layout_iteration, b):
-            idx.append(self.index[name])
-            grads.append(flat[start:end].view(self.plan.param(name).shape))
+        for b, buffer in buckets:
+            flat = self._wire_to_param_dtype(buffer)
+            for name, start, end in self.plan.param_ranges(layout_iteration, b):
+                idx.append(self.index[name])
+                grads.append(flat[start:end].view(self.plan.param(name).shape))
         self._step(iteration, idx, grads)
 
     def finish_iteration(self, iteration: int):

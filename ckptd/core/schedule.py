@@ -325,6 +325,9 @@ class Send(NamedTuple):
     ring_step: int  # 0 for the loop's first send, which carries the sender's own values
 
 
+_new = tuple.__new__  # a NamedTuple made without its Python-level __new__ (same object)
+
+
 class Message(NamedTuple):
     """One RDMA write message on one QP: a Send, or one QP's part of it.
 
@@ -800,8 +803,10 @@ class RingSchedule:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
         for conn, cells in self._allreduce_cells(bucket.count, bucket.dtype.itemsize).items():
             first = len(self.sends[conn])
-            self._emit(conn, [Send(b, phase, off, s_n, wb, first + i, chunk, k)
-                              for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells)])
+            # tuple.__new__ straight, not Send(...): the NamedTuple's __new__ is a Python
+            # function, one call per send of the plan (32k for issue 16's replay)
+            self._emit(conn, [_new(Send, (b, phase, off, s_n, wb, i, chunk, k))
+                              for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells, first)])
 
     def _allreduce_cells(self, count: int, itemsize: int) -> dict:
         """{connection: (phase, chunk, ring step, (offset, nelem, wire bytes)) of each send}
@@ -870,7 +875,7 @@ class RingSchedule:
                 flow = self.flows[conn + (q,)]
                 mine = new[(q - index) % nq::nq]
                 counts = [-(-s.wire_bytes // mtu) or 1 for s in mine]
-                flow.messages += [Message(s, 0, s.wire_bytes, s.wire_bytes, k) for s, k in zip(mine, counts)]
+                flow.messages += [_new(Message, (s, 0, s.wire_bytes, s.wire_bytes, k)) for s, k in zip(mine, counts)]
                 starts = list(accumulate(counts, initial=flow.npkts))
                 flow.npkts = starts.pop()
                 flow.starts += starts

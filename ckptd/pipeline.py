@@ -663,8 +663,11 @@ class Pipeline:
         d = Path(self.opts.dump_gradients)
         it = asm.iteration + self.offset
         for b, grad in enumerate(asm.gradients()):
+            cov = asm.covered_elements(b)
+            if not cov.all():  # the kernel's buffers hold stale bytes where nothing was placed
+                grad = np.where(cov, grad, np.zeros((), grad.dtype))
             np.save(d / f"iter_{it:06d}_bucket_{b:03d}.npy", grad)
-            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", asm.covered_elements(b))
+            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", cov)
 
     def _dump_rs(self, upto: int):
         """Each sender's own values, from its first reduce-scatter sends (diagnostics)."""

@@ -112,9 +112,9 @@ class ApplyStage:
         self.thread.start()
 
     def _work(self):
-        nxt = None
+        nxt = None  # a job _merged took off the queue that was not a step to merge
         while True:
-            job, nxt = (nxt, None) if nxt is not None else (self.queue.get(), None)
+            job, nxt = nxt if nxt is not None else self.queue.get(), None
             if job is None:
                 return
             try:
@@ -133,15 +133,16 @@ class ApplyStage:
         """The bucket steps of the same iteration queued right behind `job`, as one step
         (one optimizer call instead of one per bucket: ~0.2 ms less each for a few
         hundred thousand parameters), and the first job that is not one of them."""
+        buckets = list(job.buckets)
         while True:
             try:
                 nxt = self.queue.get_nowait()
             except queue.Empty:
-                return job, None
+                nxt = None
             if not (isinstance(nxt, BucketStep) and nxt.shadow is job.shadow
                     and (nxt.iteration, nxt.layout_iteration) == (job.iteration, job.layout_iteration)):
-                return job, nxt
-            job = BucketStep(job.shadow, job.iteration, job.buckets + nxt.buckets, job.layout_iteration)
+                return BucketStep(job.shadow, job.iteration, buckets, job.layout_iteration), nxt
+            buckets += nxt.buckets
 
     def submit(self, job: Callable[[], None]):
         self.queue.put(job)

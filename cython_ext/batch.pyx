@@ -591,9 +591,9 @@ cdef class BatchKernel:
         return data, covered, by_stream
 
     @staticmethod
-    def _zero_buffers(bufs, bint data=True):
-        d, covered, by_stream = bufs
-        for a in (d if data else []) + covered + [m for maps in by_stream for m in maps]:
+    def _zero_buffers(bufs, bint with_data=True):
+        data, covered, by_stream = bufs
+        for a in (data if with_data else []) + covered + [m for maps in by_stream for m in maps]:
             a.fill(0)
 
     def reserve(self, int64_t layout, int64_t count):
@@ -654,7 +654,7 @@ cdef class BatchKernel:
         free = self.free_buffers[layout]
         if free:
             data, covered, by_stream = bufs = free.pop()
-            self._zero_buffers(bufs, data=False)  # bitmaps only: see _new_buffers
+            self._zero_buffers(bufs, with_data=False)  # bitmaps only: see _new_buffers
         else:
             data, covered, by_stream = bufs = self._new_buffers(layout)
         for b in range(len(data)):

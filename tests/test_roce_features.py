@@ -143,7 +143,7 @@ def test_shadow_leaves_the_wire_buffers_alone(tmp_path):
             for b in range(len(plan.buckets_first))]
     keep = [b.copy() for b in bufs]
     for b, buf in enumerate(bufs):
-        shadow.apply_bucket(0, b, buf, 0)
+        shadow.apply_buckets(0, [(b, buf)], 0)
     assert all(np.array_equal(a, b) for a, b in zip(bufs, keep))
 
 

@@ -129,17 +129,14 @@ class ShadowModel:
                 gs = [g.clone() for g in gs]  # not into the assembly's buffers
             step_groups(self.opt.kind, [self.params[idx[k]] for k in ks], gs, states, hyper[gi])
 
-    def apply_bucket(self, iteration: int, b: int, buffer: np.ndarray, layout_iteration: int):
-        """Step only bucket b's parameters: as soon as DDP's bucket is reduced, while the
-        next buckets are still on the wire. torch's optimizers are elementwise per tensor,
-        so stepping bucket by bucket is bit-identical to one step over all parameters. The
-        iteration is done when `finish_iteration` is called after the last bucket; if it
-        never completes, this in-memory state is abandoned (the last checkpoint is on disk)."""
-        self.apply_buckets(iteration, [(b, buffer)], layout_iteration)
-
     def apply_buckets(self, iteration: int, buckets: list[tuple[int, np.ndarray]], layout_iteration: int):
-        """apply_bucket for several reduced buckets of one iteration in one step (one
-        optimizer call, not one per bucket: the same bits, as above)."""
+        """Step only these reduced buckets' parameters ((bucket, buffer) pairs): as soon as
+        DDP's buckets are reduced, while the next ones are still on the wire, several at
+        once in one optimizer call where they are ready together. torch's optimizers are
+        elementwise per tensor, so any grouping of the buckets is bit-identical to one
+        step over all parameters. The iteration is done when `finish_iteration` is called
+        after the last bucket; if it never completes, this in-memory state is abandoned
+        (the last checkpoint is on disk)."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
         if not self.bucketwise:

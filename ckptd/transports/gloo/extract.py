@@ -279,10 +279,11 @@ class GlooExtractor:
         lost = self.framers[key].lost
         k = self.bounded[key]
         while k < len(lost) and lost[k][0] < m.offset:
+            k += 1
+        if k > self.bounded[key]:
+            self.bounded[key] = k
             top = max(self.tags[-1] if self.tags else -1, m.header.tag + self.map_lag)
             self.uncertain_upto[key] = max(self.uncertain_upto.get(key, -1), top)
-            k += 1
-        self.bounded[key] = k
 
     def _message(self, key, rk, m: GlooMessage, out):
         h = m.header

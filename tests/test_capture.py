@@ -299,7 +299,9 @@ def test_a_turn_takes_at_most_its_bytes_of_a_backed_up_ring(link, turn_blocks):
     with RingCapture("rx", netns=link[1], block_size=block, block_nr=16, retire_ms=5) as cap:
         for r in range(8):  # one retired block each: the reader is not running yet
             send_frames([roce_v4(r * 3 + i, size=1000) for i in range(3)], "tx", link[0])
-            time.sleep(0.02)
+            deadline = time.monotonic() + 5  # retired after retire_ms: wait for it, not a guess
+            while cap.handed_over() < r + 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
         stop, errors, sizes, seqs = threading.Event(), [], [], []
         for k, b in ring_batches([cap], stop, errors, poll_s=0.01, idle=True, turn=turn_blocks * block - 1):
             if b is None:

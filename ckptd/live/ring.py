@@ -335,6 +335,10 @@ class RingCapture:
         off = self._block * self.block_size
         return _BLOCK.unpack_from(self._mv, off + _BLOCK_STATUS_OFF)[0] & TP_STATUS_USER != 0
 
+    def handed_over(self) -> int:
+        """Blocks the kernel has handed over and not yet read, from the next one on."""
+        return _ring_index.blocks_handed_over(self._array, self.block_size, self.block_nr, self._block)
+
     def read_block(self, timeout: float | None = 0.0) -> list[CapturedFrame]:
         """Frames of the next retired block, waiting up to `timeout` seconds for one
         (None: forever, 0: not at all); [] when none came.  The block goes back to the
@@ -350,8 +354,7 @@ class RingCapture:
             if self._closed or not self.ready():
                 return []
         # the high-water mark (stats ready_peak); read_batch has index_blocks count it
-        self._ready_peak = max(self._ready_peak, _ring_index.blocks_handed_over(
-            self._array, self.block_size, self.block_nr, self._block))
+        self._ready_peak = max(self._ready_peak, self.handed_over())
         return self._take_block()
 
     def take_error(self) -> str | None:

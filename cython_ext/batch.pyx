@@ -286,6 +286,47 @@ cdef enum:
     PREFETCH_AHEAD = 8
 
 
+cdef int64_t index_records(const uint8_t *buf, int64_t n, int64_t *pos, int64_t stop, bint big_endian,
+                           int64_t base, int64_t cap, int64_t *offsets, int64_t *caplen, int64_t *origlen,
+                           int64_t *ts_sec, int64_t *ts_frac, BatchKernel checker, int linktype,
+                           uint8_t *checked, bint *clean) noexcept nogil:
+    """index_pcap's walk over the n bytes of one file: the records that start in
+    [*pos, stop), at most cap; *pos ends where the next record starts. Returns how many.
+    A checker (NULL for none) checks each frame's ICRC into checked."""
+    cdef int64_t p = pos[0], k = 0, nxt
+    cdef uint32_t sec, frac, cl, ol
+    cdef Frame f
+    clean[0] = True
+    if stop > n:
+        stop = n
+    while p < stop:
+        if p + 16 > n or k >= cap:
+            clean[0] = p + 16 <= n and k < cap
+            break
+        if big_endian:
+            sec, frac, cl, ol = be32(&buf[p]), be32(&buf[p + 4]), be32(&buf[p + 8]), be32(&buf[p + 12])
+        else:
+            sec, frac, cl, ol = le32(&buf[p]), le32(&buf[p + 4]), le32(&buf[p + 8]), le32(&buf[p + 12])
+        if cl > 262144 or p + 16 + cl > n:  # parsers.frame.MAX_SNAPLEN
+            clean[0] = False
+            break
+        offsets[k] = base + p + 16
+        caplen[k] = cl
+        origlen[k] = ol
+        ts_sec[k] = sec
+        ts_frac[k] = frac
+        nxt = p + 16 + cl
+        if checker is not None:
+            if nxt < n:
+                __builtin_prefetch(&buf[nxt])
+            checked[k] = checker.decode_frame(&buf[p + 16] if cl else NULL, cl, ol, linktype, &f) \
+                in (K_ROCE_DATA, K_ROCE_ACK)
+        k += 1
+        p = nxt
+    pos[0] = p
+    return k
+
+
 def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_endian, int64_t base,
                int64_t[::1] offsets, int64_t[::1] caplen, int64_t[::1] origlen,
                int64_t[::1] ts_sec, int64_t[::1] ts_frac,
@@ -302,42 +343,147 @@ def index_pcap(const uint8_t[::1] buf, int64_t start, int64_t stop, bint big_end
     as it is indexed, as check_icrc would (checked[k]; linktype: the file's). Walking
     the headers alone waits on memory at every record (the next header's place is in
     this one); here the next header is fetched while this frame's CRC runs."""
-    cdef int64_t n = buf.shape[0], pos = start, k = 0, cap = offsets.shape[0], nxt
-    cdef uint32_t sec, frac, cl, ol
-    cdef bint clean = True, check = checker is not None
-    cdef Frame f
-    if check and (checked is None or checked.shape[0] < cap):
+    cdef int64_t pos = start, k, cap = offsets.shape[0]
+    cdef bint clean
+    if caplen.shape[0] < cap or origlen.shape[0] < cap or ts_sec.shape[0] < cap or ts_frac.shape[0] < cap:
+        raise ValueError("the per-frame arrays must be as long as offsets")
+    if checker is not None and (checked is None or checked.shape[0] < cap):
         raise ValueError("checked must hold as many frames as offsets")
-    if check and checker.op_known is None:
+    if checker is not None and checker.op_known is None:
         raise RuntimeError("opcode tables not set")
-    if stop > n:
-        stop = n
+    if cap == 0:
+        return 0, start, start >= min(stop, buf.shape[0])
     with nogil:
-        while pos < stop:
-            if pos + 16 > n or k >= cap:
-                clean = pos + 16 <= n and k < cap
-                break
-            if big_endian:
-                sec, frac, cl, ol = be32(&buf[pos]), be32(&buf[pos + 4]), be32(&buf[pos + 8]), be32(&buf[pos + 12])
-            else:
-                sec, frac, cl, ol = le32(&buf[pos]), le32(&buf[pos + 4]), le32(&buf[pos + 8]), le32(&buf[pos + 12])
-            if cl > 262144 or pos + 16 + cl > n:  # parsers.frame.MAX_SNAPLEN
-                clean = False
-                break
-            offsets[k] = base + pos + 16
-            caplen[k] = cl
-            origlen[k] = ol
-            ts_sec[k] = sec
-            ts_frac[k] = frac
-            nxt = pos + 16 + cl
-            if check:
-                if nxt < n:
-                    __builtin_prefetch(&buf[nxt])
-                checked[k] = checker.decode_frame(&buf[pos + 16] if cl else NULL, cl, ol, linktype, &f) \
-                    in (K_ROCE_DATA, K_ROCE_ACK)
-            k += 1
-            pos = nxt
+        k = index_records(&buf[0], buf.shape[0], &pos, stop, big_endian, base, cap, &offsets[0], &caplen[0],
+                          &origlen[0], &ts_sec[0], &ts_frac[0], checker, linktype,
+                          &checked[0] if checker is not None else NULL, &clean)
     return k, pos, clean
+
+
+# how far a stream of PcapMerge has read
+cdef enum:
+    MERGE_READING = 0  # chunks left to index
+    MERGE_ENDED = 1  # read to the end of the file
+    MERGE_CUT = 2  # ends inside a record, or a record is implausible: no chunk after this one
+    MERGE_CUT_REPORTED = 3  # ... and every frame before the cut handed out (cut_short)
+
+
+cdef class PcapMerge:
+    """Several pcap files mapped in one buffer (cython_ext/filemap.pyx), each indexed a
+    chunk at a time (index_pcap's walk, ICRCs checked on the way with a checker) and
+    merged in capture-time order (merge_order's order: time, then stream), a Batch's
+    index per `next_batch`. A Batch ends where some stream's indexed chunk runs out, as
+    ckptd.fast.batches' merge of separate sources does. Indexing and merging run in one
+    call without the GIL: the reader thread that calls it otherwise waits for the GIL at
+    every numpy call, up to the switch interval (5 ms) each time the pipeline is running
+    Python (benchmarks/RESULTS.md, session 17)."""
+    cdef const uint8_t[::1] buf
+    cdef BatchKernel checker
+    cdef int64_t k, cap, chunk
+    cdef int64_t[::1] base, size, pos, tick, first_no, head, count
+    cdef int32_t[::1] linktype
+    cdef uint8_t[::1] big, state
+    cdef int64_t[:, ::1] offsets, caplen, origlen, sec, frac, ts
+    cdef uint8_t[:, ::1] checked
+
+    def __init__(self, const uint8_t[::1] buf, list files, int64_t chunk_bytes, BatchKernel checker=None):
+        """files: per stream, (where its file starts in buf, its size, big-endian, ns per
+        timestamp tick, linktype), or None for a stream with no frames."""
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be at least 1")
+        if checker is not None and checker.op_known is None:
+            raise RuntimeError("opcode tables not set")
+        self.buf, self.checker, self.chunk = buf, checker, chunk_bytes
+        self.k = len(files)
+        self.cap = chunk_bytes // 16 + 1
+        k = self.k
+        self.base, self.size, self.pos = np.zeros(k, np.int64), np.zeros(k, np.int64), np.full(k, 24, np.int64)
+        self.tick, self.first_no = np.ones(k, np.int64), np.ones(k, np.int64)
+        self.head, self.count = np.zeros(k, np.int64), np.zeros(k, np.int64)
+        self.linktype, self.big = np.zeros(k, np.int32), np.zeros(k, np.uint8)
+        self.state = np.full(k, MERGE_ENDED, np.uint8)
+        for s, f in enumerate(files):
+            if f is None:
+                continue
+            start, size, big, tick, linktype = f
+            if start < 0 or size < 0 or start + size > buf.shape[0]:
+                raise ValueError(f"stream {s}: bytes {start}..{start + size} are outside the buffer")
+            self.base[s], self.size[s], self.big[s], self.tick[s], self.linktype[s] = start, size, big, tick, linktype
+            self.state[s] = MERGE_READING
+        self.offsets, self.caplen, self.origlen = (np.empty((k, self.cap), np.int64) for _ in range(3))
+        self.sec, self.frac, self.ts = (np.empty((k, self.cap), np.int64) for _ in range(3))
+        self.checked = np.empty((k, self.cap if checker is not None else 1), np.uint8)
+
+    cdef void _refill(self, int64_t s) noexcept nogil:
+        """Stream s's next chunk indexed, where the last one is all handed out."""
+        cdef int64_t i, n
+        cdef bint clean
+        while self.head[s] == self.count[s] and self.state[s] == MERGE_READING:
+            self.head[s] = 0
+            self.first_no[s] += self.count[s]
+            self.count[s] = 0
+            if self.pos[s] >= self.size[s]:
+                self.state[s] = MERGE_ENDED
+                return
+            n = index_records(&self.buf[self.base[s]], self.size[s], &self.pos[s], self.pos[s] + self.chunk,
+                              self.big[s], self.base[s], self.cap, &self.offsets[s, 0], &self.caplen[s, 0],
+                              &self.origlen[s, 0], &self.sec[s, 0], &self.frac[s, 0], self.checker,
+                              self.linktype[s], &self.checked[s, 0] if self.checker is not None else NULL,
+                              &clean)
+            for i in range(n):
+                self.ts[s, i] = self.sec[s, i] * 1_000_000_000 + self.frac[s, i] * self.tick[s]
+            self.count[s] = n
+            if not clean:
+                self.state[s] = MERGE_CUT
+
+    def next_batch(self):
+        """(offsets, caplen, origlen, stream, linktype, frame_no, ts, icrc_checked or None)
+        of the next Batch, or None when every stream is read out. Streams that ended
+        early (see MERGE_CUT) are listed by cut_short() once their last frame is out."""
+        cdef int64_t s, total = 0
+        with nogil:
+            for s in range(self.k):
+                self._refill(s)
+                total += self.count[s] - self.head[s]
+        if total == 0:
+            return None
+        out = [np.empty(total, np.int64) for _ in range(3)] + [np.empty(total, np.int32) for _ in range(2)] + \
+              [np.empty(total, np.int64) for _ in range(2)]
+        checked = np.empty(total, np.uint8) if self.checker is not None else None
+        cdef int64_t[::1] o_off = out[0], o_cap = out[1], o_orig = out[2], o_no = out[5], o_ts = out[6]
+        cdef int32_t[::1] o_stream = out[3], o_link = out[4]
+        cdef uint8_t[::1] o_chk = checked if checked is not None else np.empty(1, np.uint8)
+        cdef int64_t i = 0, best, h, t, bt
+        cdef bint check = self.checker is not None
+        with nogil:
+            while True:
+                best, bt = -1, 0
+                for s in range(self.k):
+                    if self.head[s] < self.count[s]:
+                        t = self.ts[s, self.head[s]]
+                        if best < 0 or t < bt:  # ties: the lower stream, as merge_order
+                            best, bt = s, t
+                h = self.head[best]
+                o_off[i], o_cap[i], o_orig[i] = self.offsets[best, h], self.caplen[best, h], self.origlen[best, h]
+                o_stream[i], o_link[i] = <int32_t>best, self.linktype[best]
+                o_no[i], o_ts[i] = self.first_no[best] + h, bt
+                if check:
+                    o_chk[i] = self.checked[best, h]
+                i += 1
+                self.head[best] = h + 1
+                if h + 1 == self.count[best]:
+                    break  # past here the order needs best's next chunk
+        return tuple(a[:i] for a in out) + (None if checked is None else checked[:i],)
+
+    def cut_short(self) -> list:
+        """Streams whose file ended early (MERGE_CUT) and whose every frame before that is
+        now handed out; each is listed once."""
+        out = []
+        for s in range(self.k):
+            if self.state[s] == MERGE_CUT and self.head[s] == self.count[s]:
+                self.state[s] = MERGE_CUT_REPORTED
+                out.append(s)
+        return out
 
 
 def merge_order(list ts_per_stream):

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.fast.batches import (ReaderStage, batch_from_frames, load_capture, load_captures, reader_cpu,
-                                stream_batches)
+from ckptd.fast.batches import (ReaderStage, _merged, _pcap_chunks, batch_from_frames, load_capture, load_captures,
+                                reader_cpu, stream_batches)
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.icrc import crc_choices, fold_constants, icrc_checker, reduction_constants
@@ -370,6 +370,37 @@ def test_stream_batches_yield_file_sources_frames_in_its_order(tmp_path, chunk):
     assert len(bufs) == 1
     if chunk <= 4096:
         assert nbatches > 10
+
+
+@pytest.mark.parametrize("chunk", [100, 3000, 70_000])
+def test_mapped_merge_makes_the_batches_of_the_per_file_merge(tmp_path, chunk):
+    """PcapMerge (every file a mapped pcap: index and merge in one call without the GIL)
+    and the per-file merge it stands in for (_pcap_chunks + _merged, still used where a
+    stream is pcapng) give the same Batches, frame for frame and cut for cut, ICRC flags
+    and the error of a file cut inside a record included."""
+    synth(tmp_path, ranks=4, channels=2, protocol="simple", mtu=1024, mirrors=3, loss=1e-3,
+          corrupt=2e-2, iterations=2)
+    paths = pcaps(tmp_path)
+    cut = tmp_path / "cut.pcap"
+    cut.write_bytes(Path(paths[1]).read_bytes()[:-5])
+    paths[1] = str(cut)
+    paths.append(str(tmp_path / "missing.pcap"))
+    checker = icrc_checker()
+    errors = []
+    got = list(stream_batches(paths, errors, chunk, checker))
+    files = MappedFiles(paths[:3])
+    buf = np.frombuffer(files, np.uint8)
+    errors_ref = errors[:1]  # the missing file, reported as it is opened
+    sources = [_pcap_chunks(p, k, files, buf, k, chunk, errors_ref, checker) for k, p in enumerate(paths[:3])]
+    want = list(_merged(sources + [iter(())], len(paths), checker))
+    assert len(got) == len(want) > (3 if chunk < 70_000 else 1)
+    for g, w in zip(got, want):
+        for name in ("offsets", "caplen", "origlen", "stream", "linktype", "frame_no", "ts", "icrc_checked"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert errors == errors_ref and len(errors) == 2
+    flags = np.concatenate([b.icrc_checked for b in got])
+    assert 0 < flags.sum() < len(flags)
 
 
 def _pcapng(frames) -> bytes:

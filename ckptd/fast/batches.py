@@ -210,10 +210,11 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
         pos = end
 
 
-def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, checker) -> list[Iterator[Batch]]:
-    """Per file, its Batches: regular pcap files mapped together (one buffer: the merge
-    is by index), anything else through parsers' reader. Files that cannot be opened or
-    recognized are reported in errors, in stream order."""
+def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, checker) -> Iterator[Batch]:
+    """Every file's Batches, merged: regular pcap files mapped together (one buffer: the
+    merge is by index), by PcapMerge where every file is one (or could not be opened),
+    else through _merged with parsers' reader for the rest. Files that cannot be opened
+    or recognized are reported in errors, in stream order."""
     formats: list[str | None] = []
     for p in paths:
         try:
@@ -225,6 +226,13 @@ def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, check
     mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
     files = MappedFiles(mapped) if mapped else None
     buf = np.frombuffer(files, np.uint8) if mapped else None
+    headers, k = [], 0
+    for fmt in formats:
+        start = files.starts[k] if fmt == "mapped" else 0
+        headers.append(_pcap_header(buf[start:start + min(24, files.sizes[k])].tobytes()) if fmt == "mapped" else None)
+        k += fmt == "mapped"
+    if all(f is None or h is not None for f, h in zip(formats, headers)):
+        return _mapped_merge(paths, files, buf, formats, headers, chunk_bytes, errors, checker)
     sources, nmapped = [], 0
     for k, (p, fmt) in enumerate(zip(paths, formats)):
         if fmt == "mapped":
@@ -234,7 +242,29 @@ def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, check
             sources.append(_reference_chunks(p, k, errors))
         else:
             sources.append(iter(()))
-    return sources
+    return _merged(sources, len(paths), checker)
+
+
+def _mapped_merge(paths, files, buf, formats, headers, chunk_bytes: int, errors: list[str],
+                  checker) -> Iterator[Batch]:
+    """stream_batches where every file is a mapped pcap (or absent): cython_ext's
+    PcapMerge indexes and merges, one call without the GIL per Batch."""
+    specs, k = [], 0
+    for fmt, hdr in zip(formats, headers):
+        if fmt == "mapped":
+            big, tick, linktype = hdr
+            specs.append((files.starts[k], files.sizes[k], big, tick, linktype))
+            k += 1
+        else:
+            specs.append(None)
+    merge = _kernel.PcapMerge(buf if buf is not None else np.zeros(0, np.uint8), specs, chunk_bytes, checker)
+    while True:
+        arrays = merge.next_batch()
+        for s in merge.cut_short():
+            errors.append(_reference_error(paths[s]) or f"{paths[s]}: capture ends inside a record")
+        if arrays is None:
+            return
+        yield Batch(buf, *arrays)
 
 
 def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.ndarray) -> Batch:
@@ -286,8 +316,7 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     ReaderStage's thread, its first step is then indexing, which runs without the GIL.
     Opened on that thread, while the caller built the pipeline (pure Python), they took
     ~16 ms of GIL hand-overs on issue 16's replay before the first chunk was indexed."""
-    sources = _stream_sources(paths, errors, chunk_bytes, checker)
-    return _merged(sources, len(paths), checker)
+    return _stream_sources(paths, errors, chunk_bytes, checker)
 
 
 def _merged(sources: list[Iterator[Batch]], nstreams: int, checker) -> Iterator[Batch]:

@@ -64,3 +64,29 @@ def test_compiled_tables_are_the_schedules_messages(version, protocol, qps, ndev
             expect = expect.byteswap()
         assert got.dtype == expect.dtype, name
         assert np.array_equal(got, expect), name
+
+
+def test_tables_are_compiled_without_making_a_send_and_each_send_is_one_object():
+    """Where every send is one message, a schedule keeps its sends as rows
+    (ConnectionSends) and its QPs' FlowSchedules are views of them: compiling the kernel's
+    tables makes no Send or Message tuple. Those made afterwards, one at a time
+    (FlowSchedule.message, what the reference places through) or all at once (sends,
+    messages), are one object per send: Message.send is the connection's Send."""
+    opts = SynthOptions(out="unused", ranks=4, channels=2, mirrors=1, model="tiny-bn", iterations=3,
+                        protocol="simple", nccl_version="2.29", qps=2)
+    plan = make_plan(opts, build_model("tiny-bn", 0), random.Random(0))
+    compile_schedule(plan)
+    scheds = plan.timeline_schedules()
+    made = [s for sched in scheds for cs in sched._sends.values() for s in cs._made]
+    # only the few sends the other collectives (DDP's broadcasts) were built from as tuples
+    assert made.count(None) > 10 * (len(made) - made.count(None)) > 0
+    sched = scheds[1]
+    key = sorted(sched.flows)[1]
+    fs = sched.flows[key]
+    one = fs.message(7)
+    assert fs.message(7) is one and sched._sends[key[:3]]._made.count(None) < sched.steps(key[:3])
+    sends = sched.sends[key[:3]]
+    assert fs.messages[7] is one and all(m.send is sends[m.send.step] for m in fs.messages)
+    # send i goes on QP (sends before the iteration + i) mod 2
+    assert [m.send for m in fs.messages] == sends[(key[3] - sched.send_base.get(key[:3], 0)) % 2::2]
+    assert len(fs.messages) == len(fs) and fs.npkts == sum(m.npkts for m in fs.messages)

@@ -394,7 +394,8 @@ class Plan:
 
     def _sends_per_iteration(self, iteration: int) -> dict:
         """Sends each connection makes in an iteration (they do not depend on the QPs)."""
-        return {c: len(v) for c, v in self._ring_schedule(min(iteration, 1), ()).sends.items()}
+        sched = self._ring_schedule(min(iteration, 1), ())
+        return {c: sched.steps(c) for c in sched.conns}
 
     def _send_base(self, iteration: int) -> tuple:
         """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
@@ -482,7 +483,7 @@ class Plan:
         for (s, d, c, _q), flow in self.schedule(1).flows.items():
             if (s, d, c) in wire:
                 link = self.link_of((s, d, c))
-                per_link[link] = per_link.get(link, 0) + sum(m.wire_len for m in flow.messages)
+                per_link[link] = per_link.get(link, 0) + int(flow.columns()["m_wire_len"].sum())
         return min(per_link.values(), default=0) // self.ring.ndevs
 
     def link_of(self, conn: tuple[int, int, int]) -> tuple[int, int]:

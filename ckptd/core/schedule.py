@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
-from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
@@ -310,9 +309,9 @@ class Send(NamedTuple):
     is one Simple slice (or LL/LL128 chunk) of one rank's block, phase AG, `offset` within
     the gathered buffer (owner rank * count + element), `chunk` its index in the channel's
     part and `ring_step` how many hops the block has made (0: the sender's own).
-    A NamedTuple, not a dataclass: a schedule holds one per send (16k for issue 16's
-    replay, built before the first frame is placed), and a tuple is made in a third of
-    the time.
+    A NamedTuple, not a dataclass: its fields are a row of ConnectionSends, which keeps
+    a schedule's sends (16k for issue 16's replay) as rows and makes a Send only where
+    one is asked for, and a tuple is made in a third of the time.
     """
 
     bucket: int  # gradient bucket; < 0: other collective -1-bucket (RingSchedule.others), no gradient
@@ -334,7 +333,7 @@ class Message(NamedTuple):
     Normally a WRITE_WITH_IMM carrying the data. Where the send goes as RDMA WRITE + a
     0-byte WRITE_WITH_IMM (RingConfig.ar_writes) it is two Messages: the data with
     `imm` None (a plain WRITE), then one of wire_len 0 with the immediate. A NamedTuple
-    like Send, for the same reason."""
+    like Send; where every send is one message, FlowSchedule makes them on demand too."""
 
     send: Send
     wire_offset: int  # where this part starts within the send's wire bytes
@@ -343,27 +342,191 @@ class Message(NamedTuple):
     npkts: int
 
 
-@dataclass
-class FlowSchedule:
-    """The messages one QP carries in one iteration, with fast PSN-position lookup."""
+SEND_FIELDS = len(Send._fields)
+WIRE_BYTES = Send._fields.index("wire_bytes")
 
-    src: int
-    dst: int
-    channel: int
-    qp: int
-    messages: list[Message] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # packet position of each message start
-    npkts: int = 0
+
+class ConnectionSends:
+    """One connection's sends in issue order, kept as rows of Send's fields (int64) and
+    made into Send tuples only where asked for. A plan's schedules hold every send of an
+    iteration (16k for issue 16's replay, built before its first frame is placed); the
+    fast path reads them as arrays (FlowSchedule.columns), the reference only the few
+    messages it places itself. Blocks come as int64 rows (allreduces,
+    RingSchedule._add_allreduce) or as Send tuples, which are kept as they are: a Send is
+    one object wherever it is handed out (Message.send is the connection's send)."""
+
+    __slots__ = ("n", "_blocks", "_rows", "_made", "_unmade")
+
+    def __init__(self):
+        self.n = 0
+        self._blocks: list = []
+        self._rows: np.ndarray | None = None
+        self._made: list[Send | None] = []  # the Send of each index handed out so far
+        self._unmade = 0  # how many of _made are None
+
+    def add(self, block):
+        """Sends issued next: an int64 array of rows, or a list of Send tuples."""
+        if not len(block):
+            return
+        if isinstance(block, np.ndarray):
+            self._made += [None] * len(block)
+            self._unmade += len(block)
+        else:
+            self._made += block
+        self._blocks.append(block)
+        self.n += len(block)
+        self._rows = None
+
+    def rows(self) -> np.ndarray:
+        """Every send as a row of Send's fields, (n, SEND_FIELDS) int64."""
+        if self._rows is None:
+            parts = [b if isinstance(b, np.ndarray) else np.array(b, np.int64).reshape(-1, SEND_FIELDS)
+                     for b in self._blocks]
+            self._rows = np.concatenate(parts) if parts else np.zeros((0, SEND_FIELDS), np.int64)
+            self._blocks = [self._rows]
+        return self._rows
+
+    def send(self, i: int) -> Send:
+        s = self._made[i]
+        if s is None:
+            s = self._made[i] = _new(Send, tuple(self.rows()[i].tolist()))
+            self._unmade -= 1
+        return s
+
+    def sends(self) -> list[Send]:
+        """Every send as a Send tuple (made now where not yet)."""
+        if self._unmade:
+            self._made[:] = [s if s is not None else _new(Send, tuple(r))
+                             for s, r in zip(self._made, self.rows().tolist())]
+            self._unmade = 0
+        return self._made
+
+
+class FlowSchedule:
+    """The messages one QP carries in one iteration, with fast PSN-position lookup.
+
+    It holds them one of two ways. Where every send is one message on one QP
+    (RingSchedule._whole_sends, NCCL's usual case) it is a view of its connection's sends:
+    every `stride`-th from `first`; their Message tuples are made only where asked for
+    (`message`, `messages`) and `columns` reads the sends' rows. Otherwise (a send split
+    over QPs, or sent as a WRITE and a 0-byte WRITE_WITH_IMM) its messages are `add`ed one
+    by one."""
+
+    def __init__(self, src: int, dst: int, channel: int, qp: int):
+        self.src, self.dst, self.channel, self.qp = src, dst, channel, qp
+        self._messages: list[Message | None] = []  # added, or made so far (a view)
+        self._starts: list[int] = []  # packet position of each message start (added)
+        self._npkts = 0  # (added)
+        self._view: tuple[ConnectionSends, int, int, int] | None = None  # (sends, first, stride, mtu)
+        self._derived: tuple | None = None  # a view's (sends.n, indices, npkts, starts) arrays
+        self._columns: tuple[int, dict] | None = None  # (len, columns()) as last made
+        self._unmade = 0  # a view's messages not made yet (None in _messages)
+
+    @classmethod
+    def view_of(cls, src: int, dst: int, channel: int, qp: int, sends: ConnectionSends, first: int,
+                stride: int, mtu: int) -> "FlowSchedule":
+        """The QP that carries sends first, first + stride, ... of its connection, each one
+        WRITE_WITH_IMM of the whole send with its size as immediate."""
+        fs = cls(src, dst, channel, qp)
+        fs._view = (sends, first, stride, mtu)
+        return fs
 
     def add(self, msg: Message):
-        self.starts.append(self.npkts)
-        self.messages.append(msg)
-        self.npkts += msg.npkts
+        if self._view is not None:
+            raise TypeError("a view of its connection's sends takes no messages of its own")
+        self._starts.append(self._npkts)
+        self._messages.append(msg)
+        self._npkts += msg.npkts
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A view's (send indices, packets per message, message starts)."""
+        sends, first, stride, mtu = self._view
+        if self._derived is None or self._derived[0] != sends.n:
+            idx = np.arange(first, sends.n, stride, dtype=np.int64)
+            wire = sends.rows()[idx, WIRE_BYTES]
+            npk = np.maximum(1, -(-wire // mtu))  # npkts(): an empty write takes one PSN
+            starts = np.zeros(len(idx), np.int64)
+            np.cumsum(npk[:-1], out=starts[1:])
+            self._derived = (sends.n, idx, npk, starts)
+            self._messages = [None] * len(idx)
+            self._unmade = len(idx)
+        return self._derived[1:]
+
+    @property
+    def npkts(self) -> int:
+        if self._view is None:
+            return self._npkts
+        _, npk, starts = self._arrays()
+        return int(starts[-1] + npk[-1]) if len(npk) else 0
+
+    @property
+    def starts(self) -> list[int]:
+        return self._starts if self._view is None else self._arrays()[2].tolist()
+
+    def __len__(self) -> int:
+        return len(self._messages) if self._view is None else len(self._arrays()[0])
+
+    def message(self, m: int) -> Message:
+        """Message m (made now if it is a view's and not made yet)."""
+        if self._view is None:
+            return self._messages[m]
+        idx, npk, _ = self._arrays()
+        msg = self._messages[m]
+        if msg is None:
+            send = self._view[0].send(int(idx[m]))
+            msg = self._messages[m] = _new(Message, (send, 0, send.wire_bytes, send.wire_bytes, int(npk[m])))
+            self._unmade -= 1
+        return msg
+
+    @property
+    def messages(self) -> list[Message]:
+        if self._view is not None:
+            idx, npk, _ = self._arrays()  # (sized for every send so far)
+            if self._unmade:
+                made, sends = self._messages, self._view[0].sends()
+                for m, (i, k) in enumerate(zip(idx.tolist(), npk.tolist())):
+                    if made[m] is None:
+                        send = sends[i]
+                        made[m] = _new(Message, (send, 0, send.wire_bytes, send.wire_bytes, k))
+                self._unmade = 0
+        return self._messages
 
     def locate(self, pkt: int) -> tuple[int, int]:
         """(message index, packet index within it) of the packet at position pkt."""
-        m = bisect_right(self.starts, pkt) - 1
-        return m, pkt - self.starts[m]
+        if self._view is None:
+            m = bisect_right(self._starts, pkt) - 1
+            return m, pkt - self._starts[m]
+        starts = self._arrays()[2]
+        m = int(np.searchsorted(starts, pkt, "right")) - 1
+        return m, pkt - int(starts[m])
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Every message as int64 columns: m_<Send field> of its send (bucket, phase,
+        offset, nelem, wire_bytes, step, chunk, ring_step), m_wire_offset, m_wire_len,
+        m_imm (0 where there is none), m_has_imm, m_npkts, m_start. Read-only."""
+        if self._columns is None or self._columns[0] != len(self):
+            self._columns = (len(self), self._make_columns())
+        return self._columns[1]
+
+    def _make_columns(self) -> dict[str, np.ndarray]:
+        if self._view is None:
+            n = len(self._messages)
+            rows = np.array([m.send for m in self._messages], np.int64).reshape(n, SEND_FIELDS)
+            out = {f"m_{f}": rows[:, k] for k, f in enumerate(Send._fields)}
+            out.update(m_wire_offset=np.array([m.wire_offset for m in self._messages], np.int64),
+                       m_wire_len=np.array([m.wire_len for m in self._messages], np.int64),
+                       m_imm=np.array([m.imm or 0 for m in self._messages], np.int64),
+                       m_has_imm=np.array([m.imm is not None for m in self._messages], np.int64),
+                       m_npkts=np.array([m.npkts for m in self._messages], np.int64),
+                       m_start=np.array(self._starts, np.int64))
+            return out
+        idx, npk, starts = self._arrays()
+        rows = self._view[0].rows()[idx]
+        out = {f"m_{f}": rows[:, k] for k, f in enumerate(Send._fields)}
+        wire = out["m_wire_bytes"]
+        out.update(m_wire_offset=np.zeros(len(idx), np.int64), m_wire_len=wire, m_imm=wire,
+                   m_has_imm=np.ones(len(idx), np.int64), m_npkts=npk, m_start=starts)
+        return out
 
 
 @dataclass(frozen=True)
@@ -674,7 +837,9 @@ class RingSchedule:
     """The wire schedule of one iteration: every bucket allreduced once, in order.
 
     flows[(src, dst, channel, qp)] is the FlowSchedule of that QP; sends[(src, dst,
-    channel)] the connection's sends in issue order.
+    channel)] the connection's sends in issue order (Send tuples, made on first use:
+    the fast path reads the same sends as arrays, FlowSchedule.columns; `conns` and
+    `steps` need neither).
     """
 
     def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
@@ -692,10 +857,7 @@ class RingSchedule:
         for c in range(cfg.channels):
             for idx in range(cfg.nranks):
                 src = cfg.rank_at(c, idx)
-                dst = cfg.next_rank(c, src)
-                self.sends[(src, dst, c)] = []
-                for q in range(cfg.data_qps):
-                    self.flows[(src, dst, c, q)] = FlowSchedule(src, dst, c, q)
+                self._add_connection((src, cfg.next_rank(c, src), c))
         for k, other in enumerate(before):
             self._add_other(-1 - k, other)
         for b, bucket in enumerate(self.buckets):
@@ -714,8 +876,35 @@ class RingSchedule:
         # every send one message on one QP (no split, no adaptive-routing write pair):
         # _emit's short path
         self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
-        self.sends: dict[tuple[int, int, int], list[Send]] = {}
+        self._sends: dict[tuple[int, int, int], ConnectionSends] = {}
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
+
+    def _add_connection(self, conn):
+        """A connection with no sends yet, and its QPs' FlowSchedules: views of its sends
+        where every send is one message (send index i goes on QP i mod nq: qp_of_part(i,
+        0, 1), counted from send_base), else filled by _emit."""
+        cfg = self.cfg
+        sends = self._sends[conn] = ConnectionSends()
+        nq, base = cfg.data_qps, self.send_base.get(conn, 0)
+        for q in range(nq):
+            if self._whole_sends:
+                self.flows[conn + (q,)] = FlowSchedule.view_of(*conn, q, sends, (q - base) % nq, nq, cfg.mtu)
+            else:
+                self.flows[conn + (q,)] = FlowSchedule(*conn, q)
+
+    @property
+    def conns(self) -> list[tuple[int, int, int]]:
+        """The connections (sender, receiver, channel)."""
+        return list(self._sends)
+
+    @property
+    def sends(self) -> dict[tuple[int, int, int], list[Send]]:
+        """Each connection's sends in issue order, as Send tuples (made on first use: the
+        fast path reads them as arrays, FlowSchedule.columns)."""
+        out = self.__dict__.get("_sends_made")
+        if out is None:
+            out = self._sends_made = {conn: s.sends() for conn, s in self._sends.items()}
+        return out
 
     def _add_other(self, b: int, other: Bucket):
         if isinstance(other, Broadcast):
@@ -758,7 +947,7 @@ class RingSchedule:
             src = bc.root
             for dist in range(n - 1):  # the hops root -> ... -> the rank before the root
                 conn = (src, cfg.next_rank(bid, src), bid)
-                first = len(self.sends[conn])
+                first = self._sends[conn].n
                 self._emit(conn, [Send(b, AG, eoff, nelem, wb, first + k, k, dist)
                                   for k, (eoff, nelem, wb) in enumerate(cut)])
                 src = conn[1]
@@ -792,7 +981,7 @@ class RingSchedule:
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
                 conn = (src, cfg.next_rank(bid, src), bid)
-                first = len(self.sends[conn])
+                first = self._sends[conn].n
                 cells = [(k, j, cfg.rank_at(bid, (idx - j) % n) * ag.count + boff // itemsize, bn)
                          for k, slices in enumerate(cut) for j in range(n - 1) for boff, bn in slices]
                 self._emit(conn, [Send(b, AG, eoff, bn // itemsize, wire_bytes(cfg.protocol, bn, 1), first + i, k, j)
@@ -802,17 +991,18 @@ class RingSchedule:
         if bucket.count == 0:
             return  # empty collectives never reach the proxy (src/enqueue.cc)
         for conn, cells in self._allreduce_cells(bucket.count, bucket.dtype.itemsize).items():
-            first = len(self.sends[conn])
-            # tuple.__new__ straight, not Send(...): the NamedTuple's __new__ is a Python
-            # function, one call per send of the plan (32k for issue 16's replay)
-            self._emit(conn, [_new(Send, (b, phase, off, s_n, wb, i, chunk, k))
-                              for i, (phase, chunk, k, (off, s_n, wb)) in enumerate(cells, first)])
+            # the cells' rows with this bucket and the connection's next step numbers: as
+            # rows, not Send tuples (ConnectionSends), since this is every send of the plan
+            rows = cells.copy()
+            rows[:, 0] = b
+            rows[:, 5] += self._sends[conn].n
+            self._emit(conn, rows if self._whole_sends else [_new(Send, tuple(r)) for r in rows.tolist()])
 
     def _allreduce_cells(self, count: int, itemsize: int) -> dict:
-        """{connection: (phase, chunk, ring step, (offset, nelem, wire bytes)) of each send}
-        of an allreduce of count elements: all of a send but its bucket and step. Kept per
-        (count, itemsize): DDP's buckets repeat a few sizes (issue 16's 18 buckets a layout
-        have 7), and this is every send of the plan, built before the first frame is read."""
+        """{connection: its sends of an allreduce of count elements as rows of Send's
+        fields, with bucket 0 and steps counted from 0}. Kept per (count, itemsize): DDP's
+        buckets repeat a few sizes (issue 16's 18 buckets a layout have 7), and this is
+        every send of the plan, built before the first frame is read."""
         key = (count, itemsize)
         if key in self._cells:
             return self._cells[key]
@@ -829,9 +1019,10 @@ class RingSchedule:
                     for off, nelem in map(at, range(n))] for at in loops]
             for idx in range(n):
                 src = cfg.rank_at(bid, idx)
-                out[(src, cfg.next_rank(bid, src), bid)] = [
-                    (phase, chunk, k, sl) for chunks in cut
-                    for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for sl in chunks[chunk]]
+                rows = [(0, phase, off, s_n, wb, 0, chunk, k) for chunks in cut
+                        for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for off, s_n, wb in chunks[chunk]]
+                out[(src, cfg.next_rank(bid, src), bid)] = cells = np.array(rows, np.int64).reshape(-1, SEND_FIELDS)
+                cells[:, 5] = np.arange(len(cells))
         return out
 
     def _slices(self, nelem: int, itemsize: int):
@@ -852,8 +1043,9 @@ class RingSchedule:
             off += size
         return out
 
-    def _emit(self, conn, new: list[Send]):
-        """Turn the connection's next sends, in issue order, into RDMA messages on its QPs.
+    def _emit(self, conn, new):
+        """Turn the connection's next sends, in issue order (Send tuples, or rows of their
+        fields where every send is one message), into RDMA messages on its QPs.
 
         src/transport/net_ib.cc ncclIbMultiSend: with NCCL_IB_SPLIT_DATA_ON_QPS (always
         before 2.18) every send is cut into nqps parts of DIVUP(DIVUP(size, nqps), 128)*128
@@ -862,24 +1054,13 @@ class RingSchedule:
         RingConfig.qp_of_part, from the connection's send count over all collectives.
         """
         cfg = self.cfg
-        sends = self.sends[conn]
-        index = self.send_base.get(conn, 0) + len(sends)
-        sends.extend(new)
+        sends = self._sends[conn]
+        index = self.send_base.get(conn, 0) + sends.n
+        sends.add(new)
+        self.__dict__.pop("_sends_made", None)
         nq = cfg.data_qps
         if self._whole_sends:
-            # one part on one QP, the whole send (NCCL's usual case): send index i goes on QP
-            # i mod nq (qp_of_part(i, 0, 1)), so QP q takes every nq-th of the new sends.
-            # Built a list at a time: this is every message of the plan.
-            mtu = cfg.mtu
-            for q in range(nq):
-                flow = self.flows[conn + (q,)]
-                mine = new[(q - index) % nq::nq]
-                counts = [-(-s.wire_bytes // mtu) or 1 for s in mine]
-                flow.messages += [_new(Message, (s, 0, s.wire_bytes, s.wire_bytes, k)) for s, k in zip(mine, counts)]
-                starts = list(accumulate(counts, initial=flow.npkts))
-                flow.npkts = starts.pop()
-                flow.starts += starts
-            return
+            return  # one part on one QP, the whole send: the QPs' FlowSchedules are views
         nparts = cfg.parts_per_send
         for index, send in enumerate(new, index):
             part = _round_up(_div_up(send.wire_bytes, nparts), IB_SPLIT_ALIGN) if nparts > 1 else send.wire_bytes
@@ -905,15 +1086,15 @@ class RingSchedule:
 
     def steps(self, conn) -> int:
         """LL steps a connection advances by in one iteration (one per send)."""
-        return len(self.sends[conn])
+        return self._sends[conn].n
 
     def ag_elements(self, b: int) -> np.ndarray:
         """How many allgather copies of each element of bucket b cross the ring (tests)."""
         seen = np.zeros(self.buckets[b].count, np.int32)
-        for sends in self.sends.values():
-            for s in sends:
-                if s.bucket == b and s.phase == AG:
-                    seen[s.offset:s.offset + s.nelem] += 1
+        for sends in self._sends.values():
+            rows = sends.rows()
+            for offset, nelem in rows[(rows[:, 0] == b) & (rows[:, 1] == AG)][:, 2:4].tolist():
+                seen[offset:offset + nelem] += 1
         return seen
 
 

@@ -25,7 +25,7 @@ alignment is approximated by the same cells).
 """
 from __future__ import annotations
 
-from ckptd.core.schedule import (RS, WARP_SIZE, Bucket, FlowSchedule, RingConfig, RingSchedule, Send, _div_up,
+from ckptd.core.schedule import (RS, WARP_SIZE, Bucket, RingConfig, RingSchedule, Send, _div_up,
                                  cbd_ranges, wire_bytes)
 
 
@@ -140,9 +140,7 @@ class TreeSchedule(RingSchedule):
             self.edges[c] = [(entry[a], entry[b]) for a, b in tree_edges(self.nnodes, which)]
             for child, parent in self.edges[c]:
                 for conn in ((child, parent, c), (parent, child, c)):
-                    self.sends[conn] = []
-                    for q in range(cfg.data_qps):
-                        self.flows[conn + (q,)] = FlowSchedule(conn[0], conn[1], c, q)
+                    self._add_connection(conn)
         for b, bucket in enumerate(self.buckets):
             if bucket.count:
                 self._add_tree_allreduce(b, bucket)
@@ -152,6 +150,6 @@ class TreeSchedule(RingSchedule):
         for bid, chunks in _channel_chunks(self.cfg, bucket.count, size, self.nnodes):
             for child, parent in self.edges[bid]:
                 for conn, direction in (((child, parent, bid), 0), ((parent, child, bid), 1)):
-                    first = len(self.sends[conn])
+                    first = self._sends[conn].n
                     self._emit(conn, [Send(b, RS, off, nelem, wire_bytes(self.cfg.protocol, nelem, size),
                                            first + k, k, direction) for k, (off, nelem) in enumerate(chunks)])

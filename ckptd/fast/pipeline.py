@@ -70,7 +70,6 @@ from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
 from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
-from ckptd.core.schedule import Send
 
 CLASS_NAMES = _kernel.CLASS_NAMES
 COUNTER_NAMES = _kernel.COUNTER_NAMES
@@ -99,7 +98,7 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     layouts = plan.timeline_schedules()
     s0, s1 = layouts[0], layouts[1]
     keys = sorted(s0.flows)
-    conns = sorted(s0.sends)
+    conns = sorted(s0.conns)
     conn_ix = {c: i for i, c in enumerate(conns)}
     T, L = len(keys), len(layouts)
     tl_npkts = np.zeros((L, T), np.int64)
@@ -107,40 +106,32 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     tl_mhi = np.zeros((L, T), np.int64)
     tl_recv_off = np.zeros((L, T), np.int64)
     recv_total = np.zeros(L, np.int64)
-    msgs: list = []  # every message of every layout's timelines, in table order
-    starts: list = []
-    keep_from = []  # (first message, buffer broadcasts kept) of each layout
+    parts: list[dict] = []  # every timeline's message columns (FlowSchedule.columns), in table order
+    keep_parts: list[np.ndarray] = []  # DDP's buffer broadcasts (other collectives -1-bucket): the reference keeps them
+    nmsgs = 0
     for layout, sched in enumerate(layouts):
-        keep_from.append((len(msgs), plan.buffer_others(min(layout, 1))))
+        kept = list(plan.buffer_others(min(layout, 1)))
         for t, key in enumerate(keys):
             fs = sched.flows[key]
-            tl_mlo[layout, t] = len(msgs)
-            msgs += fs.messages
-            starts += fs.starts
-            tl_mhi[layout, t] = len(msgs)
+            cols = fs.columns()
+            parts.append(cols)
+            b = cols["m_bucket"]
+            keep_parts.append((b < 0) & np.isin(-1 - b, kept) if kept else np.zeros(len(b), bool))
+            tl_mlo[layout, t] = nmsgs
+            nmsgs += len(b)
+            tl_mhi[layout, t] = nmsgs
             tl_npkts[layout, t] = fs.npkts
             tl_recv_off[layout, t] = recv_total[layout]
             recv_total[layout] += fs.npkts
-    # one pass over the Message and Send tuples per column group, not one per field
-    sends, wire_offset, wire_len, imm, counts = zip(*msgs) if msgs else ((),) * 5
-    send_cols = dict(zip(Send._fields, zip(*sends))) if sends else dict.fromkeys(Send._fields, ())
-    arrays = {f"m_{f}": np.array(send_cols[f], np.int64) for f in ("bucket", "offset", "nelem", "phase", "step",
-                                                                   "ring_step")}
-    # a plain RDMA WRITE (data before a 0-byte WRITE_WITH_IMM) has no immediate
-    has_imm = np.array([i is not None for i in imm], bool)
-    arrays.update(m_start=np.array(starts, np.int64), m_npkts=np.array(counts, np.int64),
-                  m_wire_len=np.array(wire_len, np.int64), m_wire_offset=np.array(wire_offset, np.int64),
-                  m_imm=np.array([i or 0 for i in imm], np.uint32), m_has_imm=has_imm.astype(np.int64))
+    names = [f"m_{f}" for f in ("bucket", "offset", "nelem", "phase", "step", "ring_step")] + \
+        ["m_start", "m_npkts", "m_wire_len", "m_wire_offset", "m_has_imm"]
+    arrays = {n: np.concatenate([c[n] for c in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+              for n in names}
+    imm = np.concatenate([c["m_imm"] for c in parts]) if parts else np.zeros(0, np.int64)
+    arrays["m_imm"] = imm.astype(np.uint32)
     if plan.ring.imm_big_endian:  # the kernel reads the immediate's 4 wire bytes little-endian
         arrays["m_imm"] = arrays["m_imm"].byteswap()
-    # DDP's buffer broadcasts (other collectives -1-bucket): the reference keeps them
-    keep = np.zeros(len(msgs), bool)
-    bounds = [lo for lo, _ in keep_from[1:]] + [len(msgs)]
-    for (lo, kept), hi in zip(keep_from, bounds):
-        if kept:
-            b = arrays["m_bucket"][lo:hi]
-            keep[lo:hi] = (b < 0) & np.isin(-1 - b, list(kept))
-    arrays["m_keep"] = keep.astype(np.int64)
+    arrays["m_keep"] = (np.concatenate(keep_parts) if keep_parts else np.zeros(0, bool)).astype(np.int64)
     nb = max(len(s0.buckets), len(s1.buckets), 1)
     b_itemsize = np.ones((L, nb), np.int64)
     b_count = np.zeros((L, nb), np.int64)

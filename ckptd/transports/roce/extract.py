@@ -50,7 +50,7 @@ class Extractor:
         self.per_step = plan.allreduces_per_step
         self.binder = FlowBinder(plan, None if join_from is None else join_from * self.per_step)
         s0, s1 = plan.schedule(0), plan.schedule(1)
-        self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.sends}
+        self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.conns}
         self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
                          1: [b.dtype.itemsize for b in s1.buckets]}
         self.flag_base: dict[tuple[int, int, int], int] = {}

@@ -184,7 +184,7 @@ class FlowTimeline:
         loc = self.locate(pos)
         if loc is None or loc[3] != 0:
             return None
-        return loc[1].messages[loc[2]]
+        return loc[1].message(loc[2])
 
 
 @dataclass
@@ -402,7 +402,7 @@ class FlowBinder:
         trees = []
         for buckets in layouts:
             t = TreeSchedule(plan.ring, buckets, plan.node_names, send_base=sent)
-            sent.update({conn: len(sends) for conn, sends in t.sends.items()})
+            sent.update({conn: t.steps(conn) for conn in t.conns})
             trees.append(t)
         out: dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]] = {}
         for key in trees[0].flows:
@@ -575,10 +575,9 @@ class FlowBinder:
         # cycle: with several QPs, a QP may carry nothing until a later iteration
         for it, fs in enumerate(tl.layouts):
             origin = tl.iteration_start(it)
-            for k, msg in enumerate(fs.messages):
-                if msg.wire_len != len0:
-                    continue
-                base_rel = rel0 - origin - fs.starts[k]
+            cols = fs.columns()  # (every message of the layout, read as arrays)
+            for start in cols["m_start"][cols["m_wire_len"] == len0].tolist():
+                base_rel = rel0 - origin - start
                 if base_rel > cand.min_rel:
                     continue  # a packet of this flow would lie before the job's first message
                 if self._explains(tl, cand, base_rel):
@@ -628,7 +627,7 @@ class FlowBinder:
         loc = tl.locate(pos)
         if loc is None:
             return False
-        msg = loc[1].messages[loc[2]]
+        msg = loc[1].message(loc[2])
         return loc[3] == msg.npkts - 1 and msg.imm is not None and \
             imm == msg.imm.to_bytes(4, "big" if self.imm_big_endian else "little")
 
@@ -641,4 +640,4 @@ class FlowBinder:
         if loc is None:
             return None
         it, sched, m, i = loc
-        return Location(it, sched.messages[m], i, sched, u - b.base)
+        return Location(it, sched.message(m), i, sched, u - b.base)

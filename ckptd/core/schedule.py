@@ -418,7 +418,7 @@ class FlowSchedule:
         self._starts: list[int] = []  # packet position of each message start (added)
         self._npkts = 0  # (added)
         self._view: tuple[ConnectionSends, int, int, int] | None = None  # (sends, first, stride, mtu)
-        self._derived: tuple | None = None  # a view's (sends.n, indices, npkts, starts) arrays
+        self._derived: tuple | None = None  # a view's (sends.n, indices, npkts, starts, starts as a list)
         self._columns: tuple[int, dict] | None = None  # (len, columns()) as last made
         self._unmade = 0  # a view's messages not made yet (None in _messages)
 
@@ -438,8 +438,9 @@ class FlowSchedule:
         self._messages.append(msg)
         self._npkts += msg.npkts
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A view's (send indices, packets per message, message starts)."""
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """A view's (send indices, packets per message, message starts, the same as a list:
+        locate bisects it, a few times faster than searchsorted on the array)."""
         sends, first, stride, mtu = self._view
         if self._derived is None or self._derived[0] != sends.n:
             idx = np.arange(first, sends.n, stride, dtype=np.int64)
@@ -447,7 +448,7 @@ class FlowSchedule:
             npk = np.maximum(1, -(-wire // mtu))  # npkts(): an empty write takes one PSN
             starts = np.zeros(len(idx), np.int64)
             np.cumsum(npk[:-1], out=starts[1:])
-            self._derived = (sends.n, idx, npk, starts)
+            self._derived = (sends.n, idx, npk, starts, starts.tolist())
             self._messages = [None] * len(idx)
             self._unmade = len(idx)
         return self._derived[1:]
@@ -456,12 +457,12 @@ class FlowSchedule:
     def npkts(self) -> int:
         if self._view is None:
             return self._npkts
-        _, npk, starts = self._arrays()
+        _, npk, starts, _ = self._arrays()
         return int(starts[-1] + npk[-1]) if len(npk) else 0
 
     @property
     def starts(self) -> list[int]:
-        return self._starts if self._view is None else self._arrays()[2].tolist()
+        return self._starts if self._view is None else self._arrays()[3]
 
     def __len__(self) -> int:
         return len(self._messages) if self._view is None else len(self._arrays()[0])
@@ -470,7 +471,7 @@ class FlowSchedule:
         """Message m (made now if it is a view's and not made yet)."""
         if self._view is None:
             return self._messages[m]
-        idx, npk, _ = self._arrays()
+        idx, npk, _, _ = self._arrays()
         msg = self._messages[m]
         if msg is None:
             send = self._view[0].send(int(idx[m]))
@@ -481,7 +482,7 @@ class FlowSchedule:
     @property
     def messages(self) -> list[Message]:
         if self._view is not None:
-            idx, npk, _ = self._arrays()  # (sized for every send so far)
+            idx, npk, _, _ = self._arrays()  # (sized for every send so far)
             if self._unmade:
                 made, sends = self._messages, self._view[0].sends()
                 for m, (i, k) in enumerate(zip(idx.tolist(), npk.tolist())):
@@ -493,12 +494,9 @@ class FlowSchedule:
 
     def locate(self, pkt: int) -> tuple[int, int]:
         """(message index, packet index within it) of the packet at position pkt."""
-        if self._view is None:
-            m = bisect_right(self._starts, pkt) - 1
-            return m, pkt - self._starts[m]
-        starts = self._arrays()[2]
-        m = int(np.searchsorted(starts, pkt, "right")) - 1
-        return m, pkt - int(starts[m])
+        starts = self._starts if self._view is None else self._arrays()[3]
+        m = bisect_right(starts, pkt) - 1
+        return m, pkt - starts[m]
 
     def columns(self) -> dict[str, np.ndarray]:
         """Every message as int64 columns: m_<Send field> of its send (bucket, phase,
@@ -520,7 +518,7 @@ class FlowSchedule:
                        m_npkts=np.array([m.npkts for m in self._messages], np.int64),
                        m_start=np.array(self._starts, np.int64))
             return out
-        idx, npk, starts = self._arrays()
+        idx, npk, starts, _ = self._arrays()
         rows = self._view[0].rows()[idx]
         out = {f"m_{f}": rows[:, k] for k, f in enumerate(Send._fields)}
         wire = out["m_wire_bytes"]

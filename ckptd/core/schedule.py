@@ -343,7 +343,8 @@ class Message(NamedTuple):
 
 
 SEND_FIELDS = len(Send._fields)
-WIRE_BYTES = Send._fields.index("wire_bytes")
+# columns of a ConnectionSends row
+BUCKET, STEP, WIRE_BYTES = (Send._fields.index(f) for f in ("bucket", "step", "wire_bytes"))
 
 
 class ConnectionSends:
@@ -875,6 +876,7 @@ class RingSchedule:
         # _emit's short path
         self._whole_sends = cfg.parts_per_send == 1 and not cfg.ar_writes
         self._sends: dict[tuple[int, int, int], ConnectionSends] = {}
+        self._sends_made: dict | None = None  # `sends` as last made (until the next _emit)
         self.flows: dict[tuple[int, int, int, int], FlowSchedule] = {}
 
     def _add_connection(self, conn):
@@ -899,10 +901,9 @@ class RingSchedule:
     def sends(self) -> dict[tuple[int, int, int], list[Send]]:
         """Each connection's sends in issue order, as Send tuples (made on first use: the
         fast path reads them as arrays, FlowSchedule.columns)."""
-        out = self.__dict__.get("_sends_made")
-        if out is None:
-            out = self._sends_made = {conn: s.sends() for conn, s in self._sends.items()}
-        return out
+        if self._sends_made is None:
+            self._sends_made = {conn: s.sends() for conn, s in self._sends.items()}
+        return self._sends_made
 
     def _add_other(self, b: int, other: Bucket):
         if isinstance(other, Broadcast):
@@ -992,8 +993,8 @@ class RingSchedule:
             # the cells' rows with this bucket and the connection's next step numbers: as
             # rows, not Send tuples (ConnectionSends), since this is every send of the plan
             rows = cells.copy()
-            rows[:, 0] = b
-            rows[:, 5] += self._sends[conn].n
+            rows[:, BUCKET] = b
+            rows[:, STEP] += self._sends[conn].n
             self._emit(conn, rows if self._whole_sends else [_new(Send, tuple(r)) for r in rows.tolist()])
 
     def _allreduce_cells(self, count: int, itemsize: int) -> dict:
@@ -1020,7 +1021,7 @@ class RingSchedule:
                 rows = [(0, phase, off, s_n, wb, 0, chunk, k) for chunks in cut
                         for k, (phase, chunk) in enumerate(ring_steps(n, idx)) for off, s_n, wb in chunks[chunk]]
                 out[(src, cfg.next_rank(bid, src), bid)] = cells = np.array(rows, np.int64).reshape(-1, SEND_FIELDS)
-                cells[:, 5] = np.arange(len(cells))
+                cells[:, STEP] = np.arange(len(cells))
         return out
 
     def _slices(self, nelem: int, itemsize: int):
@@ -1055,7 +1056,7 @@ class RingSchedule:
         sends = self._sends[conn]
         index = self.send_base.get(conn, 0) + sends.n
         sends.add(new)
-        self.__dict__.pop("_sends_made", None)
+        self._sends_made = None
         nq = cfg.data_qps
         if self._whole_sends:
             return  # one part on one QP, the whole send: the QPs' FlowSchedules are views

@@ -210,53 +210,12 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
         pos = end
 
 
-def _stream_sources(paths: list[str], errors: list[str], chunk_bytes: int, checker) -> Iterator[Batch]:
-    """Every file's Batches, merged: regular pcap files mapped together (one buffer: the
-    merge is by index), by PcapMerge where every file is one (or could not be opened),
-    else through _merged with parsers' reader for the rest. Files that cannot be opened
-    or recognized are reported in errors, in stream order."""
-    formats: list[str | None] = []
-    for p in paths:
-        try:
-            fmt = capture_format(p)
-            formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
-        except (CaptureError, OSError) as e:
-            errors.append(str(e))
-            formats.append(None)
-    mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
-    files = MappedFiles(mapped) if mapped else None
-    buf = np.frombuffer(files, np.uint8) if mapped else None
-    headers, k = [], 0
-    for fmt in formats:
-        start = files.starts[k] if fmt == "mapped" else 0
-        headers.append(_pcap_header(buf[start:start + min(24, files.sizes[k])].tobytes()) if fmt == "mapped" else None)
-        k += fmt == "mapped"
-    if all(f is None or h is not None for f, h in zip(formats, headers)):
-        return _mapped_merge(paths, files, buf, formats, headers, chunk_bytes, errors, checker)
-    sources, nmapped = [], 0
-    for k, (p, fmt) in enumerate(zip(paths, formats)):
-        if fmt == "mapped":
-            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors, checker))
-            nmapped += 1
-        elif fmt is not None:
-            sources.append(_reference_chunks(p, k, errors))
-        else:
-            sources.append(iter(()))
-    return _merged(sources, len(paths), checker)
-
-
-def _mapped_merge(paths, files, buf, formats, headers, chunk_bytes: int, errors: list[str],
-                  checker) -> Iterator[Batch]:
-    """stream_batches where every file is a mapped pcap (or absent): cython_ext's
-    PcapMerge indexes and merges, one call without the GIL per Batch."""
-    specs, k = [], 0
-    for fmt, hdr in zip(formats, headers):
-        if fmt == "mapped":
-            big, tick, linktype = hdr
-            specs.append((files.starts[k], files.sizes[k], big, tick, linktype))
-            k += 1
-        else:
-            specs.append(None)
+def _mapped_merge(paths: list[str], buf: np.ndarray | None, specs: list, chunk_bytes: int,
+                  errors: list[str], checker) -> Iterator[Batch]:
+    """stream_batches where every file is a mapped pcap (or could not be opened):
+    cython_ext's PcapMerge indexes and merges, one call without the GIL per Batch.
+    specs: per stream, (where its file starts in buf, its size, big-endian, ns per tick,
+    linktype), or None."""
     merge = _kernel.PcapMerge(buf if buf is not None else np.zeros(0, np.uint8), specs, chunk_bytes, checker)
     while True:
         arrays = merge.next_batch()
@@ -315,8 +274,49 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     a millisecond), and the Batches come from the returned iterator: run on a
     ReaderStage's thread, its first step is then indexing, which runs without the GIL.
     Opened on that thread, while the caller built the pipeline (pure Python), they took
-    ~16 ms of GIL hand-overs on issue 16's replay before the first chunk was indexed."""
-    return _stream_sources(paths, errors, chunk_bytes, checker)
+    ~16 ms of GIL hand-overs on issue 16's replay before the first chunk was indexed.
+
+    Where every file is a pcap, cython_ext's PcapMerge indexes and merges them in one call
+    without the GIL per Batch: with numpy calls in between, the reader waited for the GIL
+    at each one, up to the switch interval, whenever the pipeline ran Python
+    (benchmarks/RESULTS.md, session 17). A pcapng stream (parsers' reader, its own
+    buffer) is merged with the others by _merged, which copies the frames into one buffer.
+    Files that cannot be opened or recognized are reported in errors, in stream order."""
+    formats: list[str | None] = []
+    for p in paths:
+        try:
+            fmt = capture_format(p)
+            formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
+        except (CaptureError, OSError) as e:
+            errors.append(str(e))
+            formats.append(None)
+    mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
+    files = MappedFiles(mapped) if mapped else None
+    buf = np.frombuffer(files, np.uint8) if mapped else None
+    specs, k, all_pcap = [], 0, True  # PcapMerge's per stream
+    for fmt in formats:
+        spec = None
+        if fmt == "mapped":
+            start, size = files.starts[k], files.sizes[k]
+            k += 1
+            hdr = _pcap_header(buf[start:start + min(24, size)].tobytes())
+            all_pcap &= hdr is not None  # else parsers' reader words what is wrong
+            spec = None if hdr is None else (start, size, *hdr)
+        elif fmt is not None:
+            all_pcap = False
+        specs.append(spec)
+    if all_pcap:
+        return _mapped_merge(paths, buf, specs, chunk_bytes, errors, checker)
+    sources, nmapped = [], 0
+    for k, (p, fmt) in enumerate(zip(paths, formats)):
+        if fmt == "mapped":
+            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors, checker))
+            nmapped += 1
+        elif fmt is not None:
+            sources.append(_reference_chunks(p, k, errors))
+        else:
+            sources.append(iter(()))
+    return _merged(sources, len(paths), checker)
 
 
 def _merged(sources: list[Iterator[Batch]], nstreams: int, checker) -> Iterator[Batch]:

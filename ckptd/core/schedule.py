@@ -403,6 +403,11 @@ class ConnectionSends:
         return self._made
 
 
+def _whole_message(send: Send, npkts: int) -> Message:
+    """A send as one WRITE_WITH_IMM of all its bytes, its size the immediate."""
+    return _new(Message, (send, 0, send.wire_bytes, send.wire_bytes, npkts))
+
+
 class FlowSchedule:
     """The messages one QP carries in one iteration, with fast PSN-position lookup.
 
@@ -475,8 +480,7 @@ class FlowSchedule:
         idx, npk, _, _ = self._arrays()
         msg = self._messages[m]
         if msg is None:
-            send = self._view[0].send(int(idx[m]))
-            msg = self._messages[m] = _new(Message, (send, 0, send.wire_bytes, send.wire_bytes, int(npk[m])))
+            msg = self._messages[m] = _whole_message(self._view[0].send(int(idx[m])), int(npk[m]))
             self._unmade -= 1
         return msg
 
@@ -488,8 +492,7 @@ class FlowSchedule:
                 made, sends = self._messages, self._view[0].sends()
                 for m, (i, k) in enumerate(zip(idx.tolist(), npk.tolist())):
                     if made[m] is None:
-                        send = sends[i]
-                        made[m] = _new(Message, (send, 0, send.wire_bytes, send.wire_bytes, k))
+                        made[m] = _whole_message(sends[i], k)
                 self._unmade = 0
         return self._messages
 

@@ -125,7 +125,7 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
             recv_total[layout] += fs.npkts
     names = [f"m_{f}" for f in ("bucket", "offset", "nelem", "phase", "step", "ring_step")] + \
         ["m_start", "m_npkts", "m_wire_len", "m_wire_offset", "m_has_imm"]
-    arrays = {n: np.concatenate([c[n] for c in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+    arrays = {n: np.concatenate([c[n] for c in parts]) if parts else np.zeros(0, np.int64)  # int64 columns
               for n in names}
     imm = np.concatenate([c["m_imm"] for c in parts]) if parts else np.zeros(0, np.int64)
     arrays["m_imm"] = imm.astype(np.uint32)

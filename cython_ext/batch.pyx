@@ -864,6 +864,88 @@ cdef class BatchKernel:
             self.bucket_state[slot, b, 1] = uncovered[b]
         self.placed[slot, 2] = every_placement
 
+    # -- the counts, handed to the reference's objects ---------------------------------
+    def drain(self, counters, list classes, dict assemblies, double now):
+        """Fold the counts since the last drain into the reference's objects and clear
+        them: the Extractor's `counters` (Counter, by COUNTER_NAMES; `late` is returned
+        instead, for Pipeline.count_late), the pipeline's per-stream `classes` (Counter
+        per stream, by CLASS_NAMES), and each open IterationAssembly in `assemblies`
+        (iteration -> assembly): packets, bytes, last_packet = now, bucket_covered,
+        ncovered, conflicts. Counts of a slot with no assembly are dropped, as Python's
+        placements into it never happened. The daemon drains after every kernel run, so
+        this is one C loop, not a numpy call per array."""
+        cdef int64_t late = 0, v, slot, b, nb, packets, fresh, total, r
+        cdef Py_ssize_t c, s
+        for c in range(NCOUNTERS):
+            v = self.counters[c]
+            if v:
+                if c == C_LATE:
+                    late = v
+                else:
+                    name = COUNTER_NAMES[c]
+                    counters[name] += v
+                self.counters[c] = 0
+        for s in range(self.classes.shape[0]):
+            if self.classes[s, K_FRAMES]:
+                row = classes[s]
+                for c in range(NCLASSES):
+                    v = self.classes[s, c]
+                    if v:
+                        name = CLASS_NAMES[c]
+                        row[name] += v
+                        self.classes[s, c] = 0
+        cdef bint any_placed = False
+        for slot in range(MAX_SLOTS):
+            if self.slot_counts[slot, 0]:
+                any_placed = True
+                break
+        if not any_placed and not self.nconflicts:
+            return late
+        for it, asm in assemblies.items():
+            slot = self.slot_of(it)
+            if slot < 0:
+                continue
+            packets = self.slot_counts[slot, 0]
+            if packets:
+                asm.packets += packets
+                asm.bytes += self.slot_counts[slot, 1]
+                asm.last_packet = now  # Pipeline.place stamps every placement
+                covered = asm.bucket_covered
+                nb = len(asm.buckets)
+                total = 0
+                for b in range(nb):
+                    fresh = self.slot_bucket[slot, b, 0]
+                    if fresh:
+                        covered[b] += fresh
+                        total += fresh
+                        self.slot_bucket[slot, b, 0] = 0
+                asm.ncovered += total
+        for slot in range(MAX_SLOTS):
+            self.slot_counts[slot, 0] = 0
+            self.slot_counts[slot, 1] = 0
+        for r in range(self.nconflicts):
+            assemblies[self.conflicts[r, 0]].conflicts.append(
+                (self.conflicts[r, 1], self.conflicts[r, 2], self.conflicts[r, 3], self.conflicts[r, 4]))
+        self.nconflicts = 0
+        return late
+
+    def stream_newest(self, const int32_t[:] stream, const int64_t[:] ts):
+        """The newest capture time of each stream in a batch (0 where it has none): the
+        streams' clocks after it (Pipeline.advance_clock)."""
+        cdef Py_ssize_t i, n = stream.shape[0]
+        newest = np.zeros(max(self.nstreams, 1), np.int64)
+        cdef int64_t[::1] out = newest
+        cdef int32_t s
+        if ts.shape[0] != n:
+            raise ValueError(f"{n} stream ids for {ts.shape[0]} times")
+        for i in range(n):
+            s = stream[i]
+            if s < 0 or s >= out.shape[0]:
+                raise IndexError(f"frame {i}: stream {s}, not one of the kernel's {out.shape[0]}")
+            if ts[i] > out[s]:
+                out[s] = ts[i]
+        return newest.tolist()
+
     # -- the flow table: the reference decides, these record ------------------------------
     def add_flow(self, bytes key not None, int kind, int64_t tl=0, int64_t base=0, int64_t last=0):
         """Enter a flow (key: flow_key()) the reference bound (FLOW_BOUND: its timeline,

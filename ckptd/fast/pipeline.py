@@ -294,47 +294,9 @@ class FastExtractor(RoceTransport):
     def drain(self, classes: list[Counter], assemblies: dict[int, IterationAssembly]) -> int:
         """Fold the kernel's counts into the reference's: Extractor.counters, the
         pipeline's per-stream classes, each open IterationAssembly's packets, bytes,
-        covered count and conflicts. Returns the late placements (Pipeline.late)."""
-        k = self.kernel
-        late = 0
-        counts = k.counter_values.tolist()
-        if any(counts):
-            for name, v in zip(COUNTER_NAMES, counts):
-                if v:
-                    if name == "late":
-                        late = v
-                    else:
-                        self.counters[name] += v
-            k.counter_values[:] = 0
-        for s, row in enumerate(k.class_counts.tolist()):
-            if row[0]:  # frames
-                for name, v in zip(CLASS_NAMES, row):
-                    if v:
-                        classes[s][name] += v
-        k.class_counts[:] = 0
-        placed = k.placed
-        if not placed[:, 0].any() and not k.nconflicts:
-            return late
-        now = time.monotonic()
-        for it, asm in assemblies.items():
-            slot = k.slot_of(it)
-            if slot < 0:
-                continue
-            packets, nbytes, _ = placed[slot].tolist()
-            if packets:
-                asm.packets += packets
-                asm.bytes += nbytes
-                asm.last_packet = now  # Pipeline.place stamps every placement
-                fresh = k.bucket_state[slot, :len(asm.buckets), 0]
-                for b in np.flatnonzero(fresh).tolist():
-                    asm.bucket_covered[b] += int(fresh[b])
-                asm.ncovered += int(fresh.sum())
-                fresh[:] = 0
-        placed[:, :2] = 0
-        for it, s, b, lo, hi in k.conflict_rows[:k.nconflicts].tolist():
-            assemblies[it].conflicts.append((s, b, lo, hi))
-        k.nconflicts = 0
-        return late
+        covered count and conflicts (BatchKernel.drain). Returns the late placements
+        (Pipeline.late)."""
+        return self.kernel.drain(self.counters, classes, assemblies, time.monotonic())
 
     def stream_loss(self, stream: int, iteration: int) -> float | None:
         """Extractor.stream_loss over the positions both paths received."""
@@ -473,9 +435,7 @@ class FastPipeline:
     def _run_batch(self, batch: Batch):
         self._place_batch(batch)
         if len(batch):  # every frame placed: the streams' clocks move on (agreement windows)
-            newest = np.zeros(self.nstreams, np.int64)
-            np.maximum.at(newest, batch.stream, batch.ts)
-            self.advance_clock(newest.tolist())
+            self.advance_clock(self.kernel.stream_newest(batch.stream, batch.ts))
 
     def advance_clock(self, stream_time: list[int]):
         """Pipeline.advance_clock, then the kernel's tables follow what it committed."""

@@ -855,14 +855,32 @@ cdef class BatchKernel:
         cdef int64_t slot = self.slot_of(iteration)
         return None if slot < 0 else self.recv_maps[slot]
 
-    def watch(self, int64_t iteration, uncovered, bint every_placement):
-        """For an open iteration: the elements each bucket still misses (the kernel
-        stops after the placement that covers a bucket's last one), and whether to stop
-        after every placement into it."""
-        cdef int64_t slot = self.slot_of(iteration), b
-        for b in range(len(uncovered)):
-            self.bucket_state[slot, b, 1] = uncovered[b]
-        self.placed[slot, 2] = every_placement
+    def sync(self, int64_t done, int64_t highest, dict assemblies, int64_t every_placement=-1):
+        """Follow the pipeline: iterations <= done that it no longer holds open are
+        closed, the live ones up to highest tracked (as many as there are slots), and
+        for each open iteration (`assemblies`, iteration -> IterationAssembly) the
+        elements each bucket still misses are set (the kernel stops after the placement
+        that covers a bucket's last one; the reference path places too). The iteration
+        `every_placement` stops the kernel after every placement into it."""
+        cdef int64_t q, it, slot
+        cdef Py_ssize_t b
+        for q in range(MAX_SLOTS):
+            it = self.slot_iter[q]
+            if 0 <= it <= done and it not in assemblies:  # finalized or dropped (joining)
+                self.close_iteration(it)
+        for it in range(done + 1, highest + 1):
+            if not self.track_iteration(it):
+                break
+        for key, asm in assemblies.items():
+            it = key
+            slot = self.slot_of(it)
+            if slot < 0 or not asm.data:
+                continue
+            buckets, covered = asm.buckets, asm.bucket_covered
+            for b in range(len(buckets)):
+                self.slot_bucket[slot, b, 1] = buckets[b].count - covered[b]
+            self.slot_counts[slot, 2] = it == every_placement
+        self.done, self.highest = done, highest
 
     # -- the counts, handed to the reference's objects ---------------------------------
     def drain(self, counters, list classes, dict assemblies, double now):

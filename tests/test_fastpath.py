@@ -190,6 +190,16 @@ def test_kernel_constants_equal_the_references():
     assert (w["UDP_LEN"], w["BTH_LEN"]) == (udp.UDP.LEN, bth.BTH.LEN)
 
 
+def test_stream_newest_is_each_streams_latest_time_and_refuses_a_foreign_stream():
+    k = kernel.BatchKernel(3)
+    stream = np.array([2, 0, 2, 0, 2], np.int32)
+    ts = np.array([50, 7, 40, 9, 60], np.int64)
+    assert k.stream_newest(stream, ts) == [9, 0, 60]  # stream 1 sent nothing: 0
+    assert k.stream_newest(stream[::2], ts[::2]) == [0, 0, 60]  # strided views too
+    with pytest.raises(IndexError, match="frame 1: stream 3"):
+        k.stream_newest(np.array([0, 3], np.int32), np.array([1, 2], np.int64))
+
+
 @pytest.mark.parametrize("lines", [0, 1, 2, 3, 64, 255, 256])
 def test_ll_unpack_matches_reference(lines):
     rng = np.random.default_rng(lines)

@@ -526,19 +526,12 @@ class FastPipeline:
     def _sync_iterations(self):
         """The kernel tracks the live iterations (done < it <= highest) and places into
         those the pipeline has opened; it stops after a placement the pipeline must act
-        on (a bucket's last element, or any while a whole bucket waits to be stepped)."""
-        k, pipe = self.kernel, self.pipeline
-        for it in k.tracked():
-            if it <= pipe.done and it not in pipe.open:  # finalized or dropped (joining)
-                k.close_iteration(it)
-        for it in range(pipe.done + 1, pipe.highest + 1):
-            if not k.track_iteration(it):
-                break
-        for it, asm in pipe.open.items():
-            if k.slot_of(it) >= 0 and asm.data:
-                k.watch(it, [b.count - c for b, c in zip(asm.buckets, asm.bucket_covered)],
-                        pipe.wants_every_placement(asm))
-        k.done, k.highest = pipe.done, pipe.highest
+        on (a bucket's last element, or any while a whole bucket waits to be stepped:
+        only ever in the next iteration to finalize)."""
+        pipe = self.pipeline
+        nxt = pipe.open.get(pipe.done + 1)
+        every = nxt is not None and pipe.wants_every_placement(nxt)
+        self.kernel.sync(pipe.done, pipe.highest, pipe.open, pipe.done + 1 if every else -1)
 
 
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,

@@ -323,7 +323,15 @@ class Plan:
         return None if round_ < 1 else self.step_of_round(round_ - 1)
 
     def layout_buckets(self, layout: tuple[BucketLayout, ...]) -> list[Bucket]:
-        return [Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout]
+        # made once per layout (a bucket's count sums its parameters' sizes): asked per
+        # iteration opened, finalized and scheduled; keyed by the layout tuple itself,
+        # which the cache keeps alive, so its id is never another's
+        cache = self.__dict__.setdefault("_layout_buckets", {})
+        hit = cache.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            hit = cache[id(layout)] = (layout, tuple(
+                Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout))
+        return list(hit[1])
 
     def learn_rebuilt(self, layout) -> None:
         """Set the rebuilt layout learned from the wire (a plan with "rebuilt": "learn";

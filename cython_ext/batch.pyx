@@ -20,7 +20,8 @@ with add_flow (the one flow hash is here), their PSN anchors live here and the
 reference reads and moves them through anchor/set_anchor; LL flag bases learned by the
 reference Extractor are set with set_flag_base; iterations are tracked, opened (the
 kernel lends its buffers to the pipeline's IterationAssembly) and closed by the Python
-pipeline (track_iteration, open_iteration, close_iteration). Whenever a frame needs a
+pipeline (track_iteration, open_iteration, close_iteration, sync), and what the kernel
+counted goes into the reference's own counters and assemblies (drain). Whenever a frame needs a
 decision the kernel does not hold (a flow it does not know, an iteration it does not
 track, a connection whose flag base is unknown, a rejection the reference must describe
 in its examples, a GRE-wrapped frame, ...), `run` stops *before* changing any state for

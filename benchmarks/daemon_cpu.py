@@ -209,11 +209,12 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
             "statuses": Counter(r.status for r in reps)}
 
 
-def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float]]:
+def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float, float]]:
     """The daemon loop's work without the network: each port's capture cut into batches
     of `frames` (a ring block's worth), fed to FastPipeline.run_batch a port at a time in
-    turn, as ring_batches hands them over. (thread CPU-s of the loop, process CPU-s) per
-    rep: the per-batch Python beside the kernel, measured without tcpreplay's noise."""
+    turn, as ring_batches hands them over. (thread CPU-s of the loop, process CPU-s, the
+    kernel's seconds) per rep: the loop less the kernel is the Python around it (stops,
+    clocks, counters, commits), measured without tcpreplay's noise."""
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.core.plan import load_plan
     from ckptd.fast.batches import Batch, load_capture
@@ -234,7 +235,7 @@ def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float]
         for b in turns:
             pipe.run_batch(b)
         pipe.finish()
-        out.append((time.thread_time() - t0, time.process_time() - p0))
+        out.append((time.thread_time() - t0, time.process_time() - p0, pipe.kernel_seconds))
     return out
 
 
@@ -289,9 +290,10 @@ def main(argv=None):
         paths = wl.write(a.iterations, tmp)
         if a.offline_batch:
             m = wl.frames_for(a.iterations) / 1e6
-            for loop, proc in offline_turns(wl, paths, a.offline_batch, a.reps):
-                print(f"offline, batches of {a.offline_batch} frames: loop thread {loop / m:.3f} s per M frames, "
-                      f"process {proc / m:.3f}; load {os.getloadavg()[0]:.2f}", flush=True)
+            for loop, proc, kernel in offline_turns(wl, paths, a.offline_batch, a.reps):
+                print(f"offline, batches of {a.offline_batch} frames: loop thread {loop / m:.3f} s per M frames "
+                      f"(kernel {kernel / m:.3f}, the rest {(loop - kernel) / m:.3f}), process {proc / m:.3f}; "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
             return
         with Links(len(wl.frames)) as links:
             for rep in range(a.reps):

@@ -878,7 +878,7 @@ cdef class BatchKernel:
             if slot < 0 or not asm.data:
                 continue
             buckets, covered = asm.buckets, asm.bucket_covered
-            for b in range(len(buckets)):
+            for b in range(min(len(buckets), self.slot_bucket.shape[1])):
                 self.slot_bucket[slot, b, 1] = buckets[b].count - covered[b]
             self.slot_counts[slot, 2] = it == every_placement
         self.done, self.highest = done, highest
@@ -930,7 +930,7 @@ cdef class BatchKernel:
                 asm.bytes += self.slot_counts[slot, 1]
                 asm.last_packet = now  # Pipeline.place stamps every placement
                 covered = asm.bucket_covered
-                nb = len(asm.buckets)
+                nb = min(len(asm.buckets), self.slot_bucket.shape[1])
                 total = 0
                 for b in range(nb):
                     fresh = self.slot_bucket[slot, b, 0]

@@ -890,9 +890,9 @@ cdef class BatchKernel:
         instead, for Pipeline.count_late), the pipeline's per-stream `classes` (Counter
         per stream, by CLASS_NAMES), and each open IterationAssembly in `assemblies`
         (iteration -> assembly): packets, bytes, last_packet = now, bucket_covered,
-        ncovered, conflicts. Counts of a slot with no assembly are dropped, as Python's
-        placements into it never happened. The daemon drains after every kernel run, so
-        this is one C loop, not a numpy call per array."""
+        ncovered, conflicts (the kernel places only into open iterations; a slot's counts
+        are cleared either way). The daemon drains after every kernel run, so this is
+        one C loop, not a numpy call per array."""
         cdef int64_t late = 0, v, slot, b, nb, packets, fresh, total, r
         cdef Py_ssize_t c, s
         for c in range(NCOUNTERS):
@@ -952,7 +952,7 @@ cdef class BatchKernel:
         """The newest capture time of each stream in a batch (0 where it has none): the
         streams' clocks after it (Pipeline.advance_clock)."""
         cdef Py_ssize_t i, n = stream.shape[0]
-        newest = np.zeros(max(self.nstreams, 1), np.int64)
+        newest = np.zeros(self.nstreams, np.int64)
         cdef int64_t[::1] out = newest
         cdef int32_t s
         if ts.shape[0] != n:

@@ -72,7 +72,6 @@ from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
 
 CLASS_NAMES = _kernel.CLASS_NAMES
-COUNTER_NAMES = _kernel.COUNTER_NAMES
 STOP_NAMES = _kernel.STOP_NAMES
 FLOW_BOUND, FLOW_UNRELATED = _kernel.FLOW_KINDS["bound"], _kernel.FLOW_KINDS["unrelated"]
 BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline.run)

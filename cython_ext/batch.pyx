@@ -617,12 +617,11 @@ cdef class BatchKernel:
     cdef int64_t[:, ::1] slot_counts          # [slot, 0 packets | 1 bytes | 2 stop after any placement]
     cdef int64_t[:, :, ::1] slot_bucket       # [slot, bucket, 0 newly covered | 1 still uncovered]
 
-    # outputs drained by Python (the same arrays as numpy objects, read-only attributes)
+    # outputs, folded into the reference's objects by drain
     cdef int64_t[:, ::1] classes              # [stream, class]
     cdef int64_t[::1] counters
     cdef int64_t[:, ::1] conflicts            # (iteration, stream, bucket, start, end)
     cdef public int64_t nconflicts
-    cdef readonly object class_counts, counter_values, conflict_rows, placed, bucket_state
     # per slot (Python lists): received map and assembly buffers; free ones per layout
     cdef object recv_maps, buffers, free_recv, free_buffers
 
@@ -694,13 +693,11 @@ cdef class BatchKernel:
         self.slot_has_asm = np.zeros(MAX_SLOTS, np.int64)
         self.slot_ptr = np.zeros((MAX_SLOTS, nb, 2 + self.nstreams), np.int64)
         self.slot_recv = np.zeros(MAX_SLOTS, np.int64)
-        self.placed = np.zeros((MAX_SLOTS, 3), np.int64)
-        self.bucket_state = np.zeros((MAX_SLOTS, nb, 2), np.int64)
-        self.slot_counts, self.slot_bucket = self.placed, self.bucket_state
-        self.class_counts = np.zeros((max(self.nstreams, 1), NCLASSES), np.int64)
-        self.counter_values = np.zeros(NCOUNTERS, np.int64)
-        self.conflict_rows = np.zeros((CONFLICT_CAP, 5), np.int64)
-        self.classes, self.counters, self.conflicts = self.class_counts, self.counter_values, self.conflict_rows
+        self.slot_counts = np.zeros((MAX_SLOTS, 3), np.int64)
+        self.slot_bucket = np.zeros((MAX_SLOTS, nb, 2), np.int64)
+        self.classes = np.zeros((max(self.nstreams, 1), NCLASSES), np.int64)
+        self.counters = np.zeros(NCOUNTERS, np.int64)
+        self.conflicts = np.zeros((CONFLICT_CAP, 5), np.int64)
         self.recv_maps = [None] * MAX_SLOTS
         self.buffers = [None] * MAX_SLOTS
         self.free_recv = {k: [] for k in range(self.nlayouts)}
@@ -781,8 +778,8 @@ cdef class BatchKernel:
         self.slot_recv[slot] = recv.ctypes.data
         self.slot_layout[slot] = layout
         self.slot_has_asm[slot] = 0
-        self.placed[slot] = 0
-        self.bucket_state[slot] = 0
+        self.slot_counts[slot, :] = 0
+        self.slot_bucket[slot, :, :] = 0
         self.slot_iter[slot] = iteration
         return True
 
@@ -831,8 +828,8 @@ cdef class BatchKernel:
         self.slot_has_asm[slot] = 0
         self.slot_ptr[slot] = 0
         self.slot_recv[slot] = 0
-        self.placed[slot] = 0
-        self.bucket_state[slot] = 0
+        self.slot_counts[slot, :] = 0
+        self.slot_bucket[slot, :, :] = 0
 
     def buffer_bytes(self):
         """Bytes of the iteration memory the kernel holds: buffers lent to open
@@ -844,11 +841,6 @@ cdef class BatchKernel:
                 "kept": sum(size(b) for free in self.free_buffers.values() for b in free)
                 + sum(m.nbytes for free in self.free_recv.values() for m in free),
                 "received_maps": sum(m.nbytes for m in self.recv_maps if m is not None)}
-
-    def tracked(self):
-        """The iterations the kernel tracks."""
-        cdef Py_ssize_t q
-        return [self.slot_iter[q] for q in range(MAX_SLOTS) if self.slot_iter[q] >= 0]
 
     def received(self, int64_t iteration):
         """A tracked iteration's received map: uint8[stream, position] (positions: each

@@ -23,7 +23,8 @@ then reads:
 - each checkpoint file written compared with the trainer's (bit-exact), kernel drops.
 --fine adds run_batch's parts (kernel, drain, ...), read_batch, and the apply thread's
 (optimizer step, memory tier copy); --offline-batch FRAMES runs the loop's work without
-the network (offline_turns); --cprofile profiles the loop's thread.
+the network (offline_turns), with --icrc-ahead as a coordinator fed by capture workers
+(the batches carry the workers' ICRC verdicts); --cprofile profiles the loop's thread.
 With --tcpdump, each rep is followed by the same traffic into 3 `tcpdump -w` (equal
 ring memory), whose CPU per million frames is printed beside it.
 With --perf, `perf record -g` (or py-spy, for a .txt file) samples this process during
@@ -209,12 +210,14 @@ def one_rep(a, wl, links, paths, n, tmp: Path, perf: str | None) -> dict:
             "statuses": Counter(r.status for r in reps)}
 
 
-def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float, float]]:
+def offline_turns(wl, paths, frames: int, reps: int, icrc_ahead: bool = False) -> list[tuple[float, float, float]]:
     """The daemon loop's work without the network: each port's capture cut into batches
     of `frames` (a ring block's worth), fed to FastPipeline.run_batch a port at a time in
     turn, as ring_batches hands them over. (thread CPU-s of the loop, process CPU-s, the
     kernel's seconds) per rep: the loop less the kernel is the Python around it (stops,
-    clocks, counters, commits), measured without tcpreplay's noise."""
+    clocks, counters, commits), measured without tcpreplay's noise. icrc_ahead: every
+    batch carries the ICRC verdicts a capture worker would have sent with it (checked
+    before the clock starts), so the loop is the coordinator's with `capture_workers`."""
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.core.plan import load_plan
     from ckptd.fast.batches import Batch, load_capture
@@ -227,6 +230,11 @@ def offline_turns(wl, paths, frames: int, reps: int) -> list[tuple[float, float,
                                     ("offsets", "caplen", "origlen", "stream", "linktype", "frame_no", "ts")))
                      for i in range(0, len(b), frames)])
     turns = [c[i] for i in range(max(map(len, cuts))) for c in cuts if i < len(c)]
+    if icrc_ahead:
+        from ckptd.fast.icrc import icrc_checker
+        checker = icrc_checker()
+        for b in turns:
+            b.icrc_checked = checker.check_icrc(b.buf, b.offsets, b.caplen, b.origlen, b.linktype)
     out = []
     for _ in range(reps):
         pipe = FastPipeline(load_plan(wl.run / "plan.json"), load_checkpoint(wl.run / "init.pt"), len(paths),
@@ -269,6 +277,8 @@ def main(argv=None):
                     help="a DaemonConfig field (Python literal), e.g. persist_every=1")
     ap.add_argument("--offline-batch", type=int, metavar="FRAMES",
                     help="no network: the captures in batches of FRAMES per port in turn (offline_turns)")
+    ap.add_argument("--icrc-ahead", action="store_true",
+                    help="with --offline-batch: the batches carry ICRC verdicts, as capture workers send them")
     ap.add_argument("--warm", type=int, default=0, metavar="N",
                     help="count CPU and frames only after N iterations committed (the steady state)")
     ap.add_argument("--fine", action="store_true", help="time run_batch's parts too")
@@ -290,8 +300,8 @@ def main(argv=None):
         paths = wl.write(a.iterations, tmp)
         if a.offline_batch:
             m = wl.frames_for(a.iterations) / 1e6
-            for loop, proc, kernel in offline_turns(wl, paths, a.offline_batch, a.reps):
-                print(f"offline, batches of {a.offline_batch} frames: loop thread {loop / m:.3f} s per M frames "
+            for loop, proc, kernel in offline_turns(wl, paths, a.offline_batch, a.reps, a.icrc_ahead):
+                print(f"offline, batches of {a.offline_batch} frames{', ICRCs checked ahead' if a.icrc_ahead else ''}: loop thread {loop / m:.3f} s per M frames "
                       f"(kernel {kernel / m:.3f}, the rest {(loop - kernel) / m:.3f}), process {proc / m:.3f}; "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -66,13 +67,19 @@ def print_iteration(names: list[str]):
 
 
 # -- commands ------------------------------------------------------------------------
+def _count(text: str, least: int = 1) -> bool:
+    """A whole number of ASCII digits (int() also takes other scripts' and fails on '²')
+    of at least `least`."""
+    return re.fullmatch(r"[0-9]{1,9}", text) is not None and int(text) >= least
+
+
 def _other_allreduces(specs: list[str]) -> dict:
     """--other-allreduce WHEN:COUNT[:DTYPE] values as SynthOptions.collectives."""
     from ckptd.core.plan import COLLECTIVE_WHEN, DTYPES
     out: dict = {}
     for spec in specs:
         parts = spec.split(":")
-        ok = len(parts) in (2, 3) and parts[0] in COLLECTIVE_WHEN and parts[1].isdigit() and int(parts[1]) > 0 \
+        ok = len(parts) in (2, 3) and parts[0] in COLLECTIVE_WHEN and _count(parts[1]) \
             and (len(parts) == 2 or parts[2] in DTYPES)
         if not ok:
             raise UsageError(f"--other-allreduce {spec!r} is not WHEN:COUNT[:DTYPE] with WHEN one of "
@@ -86,8 +93,8 @@ def _other_broadcasts(specs: list[str], out: dict) -> dict:
     from ckptd.core.plan import COLLECTIVE_WHEN, DTYPES
     for spec in specs:
         parts = spec.split(":")
-        ok = 2 <= len(parts) <= 4 and parts[0] in COLLECTIVE_WHEN and parts[1].isdigit() and int(parts[1]) > 0 \
-            and (len(parts) < 3 or parts[2] in DTYPES) and (len(parts) < 4 or parts[3].isdigit())
+        ok = 2 <= len(parts) <= 4 and parts[0] in COLLECTIVE_WHEN and _count(parts[1]) \
+            and (len(parts) < 3 or parts[2] in DTYPES) and (len(parts) < 4 or _count(parts[3], 0))
         if not ok:
             raise UsageError(f"--other-broadcast {spec!r} is not WHEN:COUNT[:DTYPE[:ROOT]] with WHEN one of "
                              f"{', '.join(COLLECTIVE_WHEN)} and COUNT > 0")
@@ -471,7 +478,7 @@ def _raised(e: BaseException) -> str:
 
 def _nccl_version(text: str) -> tuple[int, int]:
     major, _, minor = text.partition(".")
-    if not (major.isdigit() and minor.isdigit()):
+    if not (_count(major, 0) and _count(minor, 0)):
         raise UsageError(f"--nccl-version {text!r} is not MAJOR.MINOR (e.g. 2.19)")
     return int(major), int(minor)
 
@@ -670,7 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
                         "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
                         "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
-                        "kernel ring drops cost one (see docs/DAEMON.md)")
+                        "kernel ring drops cost one, 5 if the newest committed checkpoint could not be "
+                        "written (see docs/DAEMON.md)")
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
     rn.add_argument("--listen", help="override the config's status address: HOST:PORT, [IPv6]:PORT "
                     "(default 127.0.0.1:9187)")
@@ -761,9 +769,16 @@ def main(argv=None) -> int:
     """Every error ckptd raises on purpose (CkptdError) and every OS error on a path the
     user gave becomes one line on stderr and exit 2; CKPTD_DEBUG=1 shows the traceback."""
     import os
+    import signal
+    import threading
 
-    args = build_parser().parse_args(argv)
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["run"] and \
+            threading.current_thread() is threading.main_thread():
+        # a daemon ignores SIGHUP (docs/DAEMON.md) from its first moment, not only once
+        # Daemon.run logs it: the imports below take a second or two
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
+        args = build_parser().parse_args(argv)  # imports torch: Ctrl-C here is no traceback either
         return args.func(args)
     except (CkptdError, OSError) as e:
         if os.environ.get("CKPTD_DEBUG"):

@@ -32,6 +32,7 @@ daemon's notice asks the trainer for a checkpoint, ckptd.live.notice).
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import queue
 import threading
@@ -48,7 +49,7 @@ from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import IterationAssembly, Missing
 from ckptd.core.buffers import unflatten_buffers
-from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, diff_checkpoints, load_checkpoint
 from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.transports import Placement, Transport, transport_for
@@ -56,6 +57,8 @@ from ckptd.core.plan import Plan
 from ckptd.core.schedule import RS
 from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threads
 from ckptd.threads import Thread
+
+log = logging.getLogger("ckptd")
 
 FINALIZE_LAG = 2
 # Mirror copies of one packet reach the capture host at different times (another switch
@@ -240,6 +243,7 @@ class Pipeline:
         # iteration; a file is read again when needed, since the shadow takes over (and
         # then changes) the tensors of the state it starts from
         self.resume_sources = [src for src in (opts.restart, opts.resume) if src]
+        self._unreadable: set[str] = set()  # checkpoints _resume_state could not read, warned of once
         self.resume_iterations = {src: int(load_checkpoint(src, self.param_names).get("iteration", -2))
                                   for src in self.resume_sources if not Path(src).is_dir()}
         self.stopped_after: int | None = None  # shadow stops advancing after a gap
@@ -653,11 +657,19 @@ class Pipeline:
         came from: the restart file, the --resume checkpoint, or that iteration's
         checkpoint in the --resume directory."""
         for src in self.resume_sources:
-            if src in self.resume_iterations:
-                if self.resume_iterations[src] == iteration:
-                    return load_checkpoint(src, self.param_names), src
-            elif (doc := find_checkpoint(src, iteration, self.param_names)) is not None:
-                return doc, src
+            try:
+                if src in self.resume_iterations:
+                    if self.resume_iterations[src] == iteration:
+                        return load_checkpoint(src, self.param_names), src
+                elif (doc := find_checkpoint(src, iteration, self.param_names)) is not None:
+                    return doc, src
+            except CheckpointError as e:
+                # a trainer's file half written, or replaced by something else: not there
+                # yet. The shadow keeps waiting; a daemon must not die of it
+                why = " ".join(str(e).split())
+                if why not in self._unreadable:
+                    self._unreadable.add(why)
+                    log.warning("resume: %s; the shadow waits for a readable checkpoint of iteration %d", why, iteration)
         return None
 
     def _dump(self, asm: IterationAssembly):

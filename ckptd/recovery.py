@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, load_checkpoint, torch_load
 
 log = logging.getLogger("ckptd.recovery")
 URL = re.compile(r"^https?://", re.I)
@@ -163,7 +163,7 @@ def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
     if want is not None and hashlib.sha256(buf.getbuffer()).hexdigest() != want:
         raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
     try:
-        doc = torch.load(buf, map_location="cpu", weights_only=True)
+        doc = torch_load(buf)
     except Exception as e:  # a cut stream
         raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes): {e}") from e
     from ckptd.core.formats import from_torch_doc
@@ -176,7 +176,7 @@ def _read_body(resp) -> io.RawIOBase:
     cost 0.2-0.7 s here), and never copied: io.BytesIO copies a bytearray it is given,
     1.4-1.7 s for 600 MB in this VM, five times the transfer itself."""
     length = resp.headers.get("Content-Length")
-    if length is None or not length.isdigit():
+    if length is None or not re.fullmatch(r"[0-9]{1,15}", length):
         return io.BytesIO(resp.read())
     data = np.empty(int(length), np.uint8)
     view, got = memoryview(data), 0

@@ -133,7 +133,7 @@ def _uint(v, hi: int):
         return None
     if isinstance(v, int):
         n = v
-    elif isinstance(v, str) and v.isdigit():
+    elif isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 18:
         n = int(v)
     else:
         return None

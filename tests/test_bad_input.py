@@ -385,6 +385,11 @@ CONFIG_CASES = [
     ("unknown-key", IF + "colour: red\n", "unknown keys"),
     ("plan-int", IF.replace("interfaces", "interfaces") + "plan: 5\n", "plan"),
     ("yaml-syntax", "interfaces: [\n  {ifname: x\n", "cannot read config"),
+    ("nul-in-path", IF + "dump_gradients: \"a\\0b\"\n", "'dump_gradients' holds a NUL byte"),
+    ("listen-superscript", IF + "listen: '127.0.0.1:\u00b3'\n", "listen"),
+    ("listen-arabic-digits", IF + "listen: '127.0.0.1:\u0663'\n", "listen"),
+    ("if-key-types", IF + "    1: x\n    colour: red\n", "unknown keys ['1', 'colour']"),
+    ("token-not-utf8", IF + "token_file: tok-latin1\n", "printable ASCII"),
     ("not-mapping", None, "must be a mapping"),
 ]
 
@@ -398,6 +403,8 @@ def _prepare_config(d, name, text):
         cfg.write_text("plan: 5\ninit: init.pt\nout: ckpt\n" + IF)
     else:
         cfg = _config(d, name, text)
+    if name == "token-not-utf8":
+        (d / "tok-latin1").write_bytes(b"secret-token-\xe9\xe9\xe9-0123456789\n")
     return ["run", "--config", cfg], str(cfg)
 
 
@@ -492,6 +499,18 @@ def test_good_values_the_checks_accept(scenario):
     assert [i.netns for i in cfg.interfaces] == ["ck-lab_1", "ck-lab_1"]
 
 
+def test_null_takes_the_default(scenario):
+    """`key:` left empty (YAML null) is the key's default, never a silent off switch."""
+    from ckptd.live.daemon import DaemonConfig, load_config
+    keys = ["read_timeout_s", "max_connections", "drop_capabilities", "memory_tier", "keep_last",
+            "persist_every", "persist_interval_s", "http_workers", "agree_window_ms", "max_ring_memory"]
+    cfg = load_config(_config(scenario, "nulls", "".join(f"{k}:\n" for k in keys) + IF + "    block_nr: null\n"))
+    defaults = DaemonConfig(plan="", init="", out="", interfaces=[])
+    assert [getattr(cfg, k) for k in keys if k != "drop_capabilities"] == \
+        [getattr(defaults, k) for k in keys if k != "drop_capabilities"]
+    assert cfg.drop_capabilities is True and cfg.interfaces[0].block_nr == 64  # a config file's defaults
+
+
 def test_plan_command_writes_where_the_job_starts(tmp_path, capsys):
     from ckptd.core.plan import load_plan
     out = tmp_path / "plan.json"
@@ -512,3 +531,48 @@ def test_an_unknown_synthetic_model_makes_no_directory(tmp_path, capsys, cmd):
     r = ckptd_main(capsys, cmd, "--out", tmp_path / "out", "--model", "huge")
     _one_line_error(r, None, "--model 'huge' is not a synthetic model size (tiny, small, default")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arg", ["\u00b2", "\u0663", "9" * 5000, "-1", "1.0"])
+def test_checkpoint_route_refuses_what_is_not_an_iteration_number(arg):
+    """/checkpoint/<iteration>: ASCII digits only (int() takes other scripts' digits and
+    fails on '²' or 5000 of them); anything else is a 404, not a 500."""
+    from ckptd.live.memory_tier import MemoryTier
+    from ckptd.live.status import checkpoint_routes
+    one = checkpoint_routes(MemoryTier(), ["w"], lambda lr: None, None)["/checkpoint/"]
+    r = one(arg, {})
+    assert r.status == 404 and b"not an iteration number" in bytes(r.body), (r.status, arg)
+
+
+def test_a_fifo_as_checkpoint_is_refused_not_waited_on(tmp_path):
+    from ckptd.core.checkpoint import CheckpointError, load_checkpoint
+    fifo = tmp_path / "init.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file or directory"):
+        load_checkpoint(fifo)
+
+
+def test_a_bad_pickle_is_one_error_without_torchs_warnings(tmp_path, recwarn):
+    from ckptd.core.checkpoint import CheckpointError, load_checkpoint
+    bad = tmp_path / "proto.pt"
+    bad.write_bytes(b"\x80\xf4" + b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        load_checkpoint(bad)
+    assert not [w for w in recwarn.list if "torch" in str(w.filename)], [str(w.message) for w in recwarn.list]
+
+
+def test_an_unreadable_file_in_the_resume_directory_is_waited_past(scenario, tmp_path, caplog):
+    """A trainer's checkpoint half written when the shadow looks for it: not there yet, one
+    warning, and the shadow goes on waiting (a daemon must not die of it)."""
+    from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import Pipeline, ReplayOptions
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / checkpoint_name(2)).write_bytes(b"PK\x03\x04truncated-zip")
+    pipe = Pipeline(load_plan(scenario / "plan.json"), load_checkpoint(scenario / "init.pt"), 1,
+                    ReplayOptions(resume=str(resume)))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert pipe._resume_state(2) is None and pipe._resume_state(2) is None
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
+    assert len(warned) == 1 and checkpoint_name(2) in warned[0], warned

@@ -120,3 +120,61 @@ def test_sighup_is_ignored(run, tmp_path):
     finally:
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["persist_sync", "persistence_tier"])
+def test_a_disk_full_to_the_end_is_exit_5_naming_the_newest_iteration(run, tmpfs, tmp_path, monkeypatch, caplog,
+                                                                       sync):
+    """Commits go on while no checkpoint can be written; at the stop the last try fails
+    too: the exit status says the newest committed state is not on disk (not 0)."""
+    monkeypatch.setattr(keep, "BACKOFF_FIRST_S", 0.0)
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {tmpfs}\n"
+                   f"listen: 127.0.0.1:0\npersist_sync: {str(sync).lower()}\npersist_every: 1\ninterfaces:\n"
+                   "  - {name: mirror0, ifname: m0}\n  - {name: mirror1, ifname: m1}\n")
+    daemon = Daemon(load_config(cfg))
+
+    def top_up():
+        """Whatever space a failed write gave back is taken again (the persistence tier
+        writes from its own thread, so the disk may be full before the filler exists)."""
+        try:
+            with open(tmpfs / "filler", "ab") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+    def source():
+        full = False
+        for item in file_source(pcaps(run), []):
+            full = full or any(r.status == "committed" for r in daemon.pipe.reports)
+            if full:
+                top_up()
+            yield item
+
+    with caplog.at_level("ERROR", logger="ckptd"):
+        rc = daemon.run(source=source(), install_signals=False)
+    committed = [r.iteration for r in daemon.pipe.reports if r.status == "committed"]
+    assert committed == list(range(ITERATIONS))
+    assert rc == 5 and daemon._unpersisted() == ITERATIONS - 1
+    assert any(r.getMessage() == "the newest committed checkpoint was not written" for r in caplog.records)
+    assert checkpoint_name(ITERATIONS - 1) not in {p.name for p in tmpfs.iterdir()}
+
+
+def test_an_out_the_daemon_cannot_write_stops_it_at_the_start(run, tmp_path):
+    mnt = tmp_path / f"ro-ck-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
+    try:
+        cfg = tmp_path / "ckptd.yaml"
+        cfg.write_text(f"plan: {run / 'plan.json'}\ninit: {run / 'init.pt'}\nout: {mnt}\n"
+                       "listen: 127.0.0.1:0\ninterfaces:\n  - {name: mirror0, ifname: lo}\n")
+        r = subprocess.run(["ckptd", "run", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and err[-1].startswith(f"error: out {mnt}: the daemon cannot write there"), r.stderr
+        assert "Read-only file system" in err[-1] and "Traceback" not in r.stderr
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,17 +121,32 @@ def load_checkpoint(path: str | Path, names: list[str] | None = None) -> dict:
     names in optimizer order (the plan's), needed for a trainer's file that does not say
     which model entries are parameters."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint: {e.strerror or e}") from e
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the read forever
+        raise CheckpointError(f"{path}: cannot read checkpoint: not a regular file or directory")
     if path.is_dir() or not _is_torch_zip(path):
         from ckptd.core.formats import load_standard
         return load_standard(path, names)
     try:
-        doc = torch.load(path, map_location="cpu", weights_only=True)
+        doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
         raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
     if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
         return doc
     from ckptd.core.formats import from_torch_doc
     return from_torch_doc(doc, path, names)
+
+
+def torch_load(src):
+    """torch.load of tensors and plain containers only (weights_only), on the CPU. A bad
+    file is the caller's one-line error: torch's own warnings about it (a legacy header,
+    an unknown pickle protocol) are not printed beside that line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(src, map_location="cpu", weights_only=True)
 
 
 def _is_torch_zip(path: Path) -> bool:

@@ -20,6 +20,7 @@ read, and `ckptd verify` compares them.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, atomic_write, named_optimizer_state,
-                                   torch_optimizer_state)
+                                   torch_load, torch_optimizer_state)
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
 STANDARD_TAG = "ckptd-torch/1"
@@ -46,7 +47,7 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
     if _is_safetensors(path):
         return _load_safetensors(path)
     try:  # torch.save's legacy (non-zip) serialization
-        doc = torch.load(path, map_location="cpu", weights_only=True)
+        doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
         why = (str(e).split(". ")[0].splitlines() or [""])[0][:120] or type(e).__name__
         raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
@@ -163,7 +164,7 @@ def _load_safetensors(path: Path) -> dict:
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read safetensors: {e}") from e
     step = meta.get("step", "0")
-    if not step.isdigit():
+    if not isinstance(step, str) or not re.fullmatch(r"[0-9]{1,18}", step):
         raise CheckpointError(f"{path}: safetensors metadata 'step' is {step!r}, not a number")
     return {"format": CHECKPOINT_FORMAT, "iteration": int(step) - 1, "model": model, "optimizer": None}
 

@@ -141,6 +141,12 @@ class _Keys:
     def fail(self, key, why):
         raise ConfigError(f"{self.path}: '{self.prefix}{key}' {why}")
 
+    def _get(self, key, default):
+        """A key set to null (or left empty in YAML) takes its default, as if absent: an
+        explicit null must not switch off what the default switches on."""
+        v = self.doc.get(key)
+        return default if v is None else v
+
     def str(self, key, default=None, pattern=None, what="", required=False):
         if key not in self.doc:
             if required:
@@ -151,12 +157,14 @@ class _Keys:
             return default
         if not isinstance(v, str) or not v:
             self.fail(key, f"must be a non-empty string, not {v!r}"[:200])
+        if "\0" in v:
+            self.fail(key, "holds a NUL byte")
         if pattern is not None and (not pattern.fullmatch(v) or v in (".", "..")):
             self.fail(key, f"{v!r} is not {what}"[:200])
         return v
 
     def int(self, key, lo, hi, default=None, what="an integer"):
-        v = self.doc.get(key, default)
+        v = self._get(key, default)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
@@ -167,7 +175,7 @@ class _Keys:
 
     def size(self, key, lo, hi, default):
         """Bytes: an integer, or a string with a binary unit (4M, 4MiB, 512K, 1G)."""
-        v = self.doc.get(key, default)
+        v = self._get(key, default)
         if isinstance(v, str) and (m := _SIZE.fullmatch(v)):
             v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "")[:1].lower()]
         if isinstance(v, bool) or not isinstance(v, int):
@@ -177,7 +185,7 @@ class _Keys:
         return v
 
     def bool(self, key, default):
-        v = self.doc.get(key, default)
+        v = self._get(key, default)
         if not isinstance(v, bool) and v is not None:
             self.fail(key, f"must be true or false, not {v!r}"[:200])
         return v
@@ -189,7 +197,7 @@ def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
     if not isinstance(text, str):
         raise ConfigError(f"{where} must be HOST:PORT, not {text!r}")
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{where} {text!r} is not HOST:PORT with a port in 0..65535")
     if host.startswith("[") and host.endswith("]"):
         try:
@@ -214,7 +222,7 @@ def _interface(path, i: int, x) -> InterfaceConfig:
         raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
     unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
     if unknown:
-        raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(unknown)}")
+        raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(map(str, unknown))}")
     k = _Keys(path, x, f"interfaces[{i}].")
     page = mmap.PAGESIZE
     ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . : @ -)",
@@ -387,12 +395,15 @@ def _persist_options(k: _Keys, url: str | None) -> dict | None:
 def read_token(path: str, where: str) -> str:
     """The bearer token: the file's one line (at least 16 characters)."""
     try:
-        tok = Path(path).read_text().strip()
+        tok = Path(path).read_bytes().strip()
     except OSError as e:
         raise ConfigError(f"{where}: cannot read {path}: {e.strerror or e}") from None
-    if len(tok) < 16 or any(c.isspace() or not c.isprintable() for c in tok):
-        raise ConfigError(f"{where}: {path} must hold one token of at least 16 printable "
+    # HTTP headers are bytes: clients send a non-ASCII token in whatever encoding they
+    # like (curl UTF-8, urllib latin-1), so only printable ASCII matches reliably
+    if len(tok) < 16 or any(not 0x21 <= c <= 0x7E for c in tok):
+        raise ConfigError(f"{where}: {path} must hold one token of at least 16 printable ASCII "
                           "characters without spaces")
+    tok = tok.decode("ascii")
     return tok
 
 
@@ -872,6 +883,27 @@ class Daemon:
                         [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d],
                         keep_net_raw=not self.cfg.drop_capabilities)
 
+    def _check_writable(self):
+        """Every local directory the daemon writes takes a file, as the daemon now runs
+        (its user, its capabilities dropped): a daemon that could never write a checkpoint
+        stops at the start with one line, not after hours of failed writes."""
+        import tempfile
+        for key, d in (("out", self.cfg.out), ("dump_gradients", self.cfg.dump_gradients),
+                       ("persist_url", self._persist_dir())):
+            if not d:
+                continue
+            try:
+                Path(d).mkdir(parents=True, exist_ok=True)
+                fd, probe = tempfile.mkstemp(prefix=".ckptd-probe-", dir=d)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as e:
+                who = f"as user {self.cfg.user}" if self.cfg.user else \
+                    "as root without capabilities" if self.cfg.drop_capabilities and os.geteuid() == 0 else \
+                    f"as uid {os.geteuid()}"
+                raise ConfigError(f"{key} {d}: the daemon cannot write there ({who}): "
+                                  f"{e.strerror or e}") from None
+
     def _persist_dir(self) -> str | None:
         """persist_url naming a local directory (file://): it is the daemon's to write too."""
         from ckptd.core.store import open_store
@@ -907,15 +939,18 @@ class Daemon:
         if self.cfg.capture_workers:
             self._open_workers()
             return
-        from ckptd.live.ring import RingCapture
-        for i in self.cfg.interfaces:
+        from ckptd.live.ring import CaptureSetupError, RingCapture
+        for k, i in enumerate(self.cfg.interfaces):
             fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
-            self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
-                                             block_nr=i.block_nr, frame_size=i.frame_size,
-                                             retire_ms=i.retire_ms, snaplen=i.snaplen,
-                                             fanout=fanout,
-                                             # the kernel filter passes RoCEv2 and GRE only
-                                             bpf=self.plan.transport == "roce"))
+            try:
+                self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
+                                                 block_nr=i.block_nr, frame_size=i.frame_size,
+                                                 retire_ms=i.retire_ms, snaplen=i.snaplen,
+                                                 fanout=fanout,
+                                                 # the kernel filter passes RoCEv2 and GRE only
+                                                 bpf=self.plan.transport == "roce"))
+            except CaptureSetupError as e:  # which config entry: the message names the interface
+                raise CaptureSetupError(e.errno, f"interfaces[{k}]: {e}") from e
 
     # -- capture workers (ckptd.live.workers) ----------------------------------------
     def _open_workers(self):
@@ -967,6 +1002,7 @@ class Daemon:
                 if not self.fast:
                     source = ring_source(self.captures, self.stop, self.pipe.errors, idle=True,
                                          on_poll=self.loop.polled)
+            self._check_writable()
             self._publish()
             log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
                                                     "fast": self.fast}})
@@ -996,16 +1032,32 @@ class Daemon:
                             if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
+        if (lost := self._unpersisted()) is not None:
+            from ckptd.core.store import redact
+            log.error("the newest committed checkpoint was not written", extra={"fields": {
+                "iteration": lost, "to": redact(self.persist_target)}})
         return self._exit_status()
+
+    def _unpersisted(self) -> int | None:
+        """After the stop: the newest committed iteration, if its checkpoint could not be
+        written (the persistence tier's last try at the stop included)."""
+        keeper = self.persist.keeper if self.persist is not None else self.pipe.keeper
+        last = self.last_committed
+        if last is None or keeper is None or keeper.last_persisted == last.iteration:
+            return None
+        return last.iteration
 
     def _exit_status(self) -> int:
         """0: every iteration seen committed or was merely in flight at the stop;
         3: an iteration could not be recovered (the capture had no copy of some of its
         data); 4: an iteration lost data to kernel ring drops (rings too small, or the
-        daemon too slow for the link: docs/DAEMON.md, sizing). 4 wins: it names what
-        the operator can fix."""
+        daemon too slow for the link: docs/DAEMON.md, sizing); 5: the newest committed
+        checkpoint could not be written. 4 and 5 win over 3: they name what the operator
+        can fix."""
         statuses = {u["status"] for u in self.unrecovered}
         if "dropped" in statuses:
             return 4
+        if self._unpersisted() is not None:
+            return 5
         # not-captured: ran before this daemon saw the job (reported, and noticed)
         return 3 if statuses - {"abandoned", "not-captured"} else 0

@@ -99,6 +99,9 @@ def turn_bytes(least_link_bytes: int) -> int:
 class CaptureSetupError(CkptdError, OSError):
     """Opening or configuring a capture failed; the message names interface and netns."""
 
+    def __str__(self):  # the message alone, without OSError's "[Errno 19]" in front
+        return self.strerror if self.strerror else super().__str__()
+
 
 # -- network namespaces ---------------------------------------------------------------
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)

@@ -208,7 +208,7 @@ def checkpoint_routes(tier, names: list[str], groups_for, plan_hash: str | None)
         return send(tier.latest(), headers)
 
     def one(arg, headers):
-        if not arg.isdigit():
+        if not re.fullmatch(r"[0-9]{1,18}", arg):  # ASCII digits only: int() takes others
             return text(404, f"/checkpoint/{arg[:40]}: not an iteration number")
         held = tier.get(int(arg))
         if held is None:

@@ -237,6 +237,11 @@ def cmd_replay(a) -> int:
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
+    if not pipe.reports:  # not one packet of the plan's job: wrong captures or wrong plan
+        frames = sum(cls.get("frames", 0) for cls in pipe.classes)
+        raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
+                         "captures of another job, or a plan with other addresses or QPs "
+                         "(`ckptd inspect` lists the captures' flows)")
     if any(r.exact is False for r in reps):
         return 4
     return EXIT_UNRECOVERED if bad else 0
@@ -261,6 +266,7 @@ def _distinct_captures(paths: list[str]) -> None:
     """One capture per stream: the same file (or FIFO) twice would be read twice, and a
     FIFO opened twice blocks. Checked on the paths' identities, not their spelling."""
     import os
+    import stat
     seen: dict[tuple[int, int], str] = {}
     for p in paths:
         try:
@@ -271,6 +277,11 @@ def _distinct_captures(paths: list[str]) -> None:
         if key in seen:
             raise UsageError(f"{p}: the same capture as {seen[key]}: give each stream once")
         seen[key] = p
+        if stat.S_ISREG(st.st_mode):  # not a FIFO: its first bytes would be gone
+            from parsers.capfile import capture_format
+            capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
+        elif stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{p}: a directory, not a capture file")
 
 
 def _plan_names(plan_path) -> list[str] | None:

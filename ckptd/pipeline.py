@@ -49,7 +49,7 @@ from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import IterationAssembly, Missing
 from ckptd.core.buffers import unflatten_buffers
-from ckptd.core.checkpoint import CheckpointError, diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, atomic_write, diff_checkpoints, load_checkpoint
 from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.transports import Placement, Transport, transport_for
@@ -59,6 +59,15 @@ from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threa
 from ckptd.threads import Thread
 
 log = logging.getLogger("ckptd")
+
+
+def _save_npy(path: Path, array: np.ndarray):
+    """A --dump-gradients file, whole or not at all: a full disk is one error naming the
+    file (CheckpointWriteError), never a truncated .npy left behind."""
+    import io
+    buf = io.BytesIO()  # np.save straight to a file reports a short write without its errno
+    np.save(buf, array)
+    atomic_write(path, lambda f: f.write(buf.getbuffer()), mode=0o644)
 
 FINALIZE_LAG = 2
 # Mirror copies of one packet reach the capture host at different times (another switch
@@ -679,8 +688,8 @@ class Pipeline:
             cov = asm.covered_elements(b)
             if not cov.all():  # the kernel's buffers hold stale bytes where nothing was placed
                 grad = np.where(cov, grad, np.zeros((), grad.dtype))
-            np.save(d / f"iter_{it:06d}_bucket_{b:03d}.npy", grad)
-            np.save(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", cov)
+            _save_npy(d / f"iter_{it:06d}_bucket_{b:03d}.npy", grad)
+            _save_npy(d / f"iter_{it:06d}_bucket_{b:03d}_coverage.npy", cov)
 
     def _dump_rs(self, upto: int):
         """Each sender's own values, from its first reduce-scatter sends (diagnostics)."""
@@ -701,8 +710,8 @@ class Pipeline:
                         vals[pl.start:pl.start + len(v)] = v
                         cov[pl.start:pl.start + len(v)] = True
                 stem = f"iter_{it + self.offset:06d}_bucket_{b:03d}_rs_rank{sender}"
-                np.save(d / f"{stem}.npy", vals)
-                np.save(d / f"{stem}_coverage.npy", cov)
+                _save_npy(d / f"{stem}.npy", vals)
+                _save_npy(d / f"{stem}_coverage.npy", cov)
 
 
 def _parameters_only(ckpt: dict, names: list[str]) -> dict:

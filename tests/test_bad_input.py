@@ -285,6 +285,14 @@ def _fifo(d):
     return p
 
 
+def _other_job(doc):
+    """The plan of a job on other addresses, which does not say how many iterations ran
+    (as `ckptd plan` writes it): no packet of the captures is its."""
+    doc.pop("iterations", None)
+    for r in doc["ranks"]:
+        r["addr"] = "10.99.0." + r["addr"].rsplit(".", 1)[1]
+
+
 _TWO_RANKS = ["--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2"]
 ARG_CASES = [
     ("same-capture-twice", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _pcap0(d)], "the same capture as"),
@@ -295,6 +303,11 @@ ARG_CASES = [
                                     d / "plan.json", _pcap0(d)], "--reference"),
     ("reference-missing", lambda d: ["replay", "--plan", d / "plan.json", "--reference", d / "nope", _pcap0(d)],
      "no such directory"),
+    ("capture-empty-beside-good", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _capture(d, "empty")],
+     "cap-empty.pcap: neither pcap nor pcapng"),
+    ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
+    ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",
+                                       d / "init.pt", "--out", d / "o-other", _pcap0(d)], "hold no iteration"),
     ("join-from-negative", lambda d: ["replay", "--plan", d / "plan.json", "--join-from", "-1", _pcap0(d)], "--join-from"),
     ("synth-iterations", lambda d: ["synth", "--out", d / "s", "--iterations", "1e12"], "--iterations"),
     ("synth-iterations-huge", lambda d: ["synth", "--out", d / "s", "--iterations", str(10 ** 12)], "--iterations"),
@@ -576,3 +589,22 @@ def test_an_unreadable_file_in_the_resume_directory_is_waited_past(scenario, tmp
         assert pipe._resume_state(2) is None and pipe._resume_state(2) is None
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
     assert len(warned) == 1 and checkpoint_name(2) in warned[0], warned
+
+
+def test_dump_gradients_on_a_full_disk_is_one_line_and_leaves_whole_files(scenario, capsys, tmp_path):
+    import numpy as np
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                       "--dump-gradients", mnt / "g", _pcap0(scenario))
+        _one_line_error(r, str(mnt / "g"), "No space left on device")
+        left = sorted((mnt / "g").iterdir())
+        assert left and all(p.suffix == ".npy" for p in left), left  # no temporary, no partial file
+        for p in left:
+            np.load(p)  # each one whole
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -113,8 +113,23 @@ def test_token_required_refused_and_accepted():
         assert status_of(port, "/hello") == 401
         assert status_of(port, "/hello", token="wrong-token-0123456789") == 403
         assert get(port, "/hello", token=TOKEN)[2] == b"hi"
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110 11.1)
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/hello",
+                                         headers={"Authorization": f"{scheme} {TOKEN}"})
+            with urllib.request.urlopen(req, timeout=5) as r:
+                assert r.read() == b"hi"
     finally:
         srv.stop()
+
+
+def test_a_name_for_loopback_needs_no_token_and_a_dotted_non_address_is_refused(run, tmp_path):
+    from ckptd.live.serve import is_loopback
+    assert is_loopback("localhost") and is_loopback("127.0.0.1") and not is_loopback("10.1.2.3")
+    srv = http_server(load_config(_config(run, tmp_path, listen="localhost:0")), {})
+    srv.stop()
+    for bad in ("999.1.1.1:0", "127.1:0"):
+        with pytest.raises(ConfigError, match="is not an IPv4 address"):
+            load_config(_config(run, tmp_path, listen=bad))
 
 
 # -- the daemon -------------------------------------------------------------------------
@@ -269,7 +284,10 @@ def test_restore_from_the_daemon_url_equals_the_trainers_own_state(run, tmp_path
     ("status_details", "'yes'", r"'status_details' must be true or false"),
     ("persist_every", 0, r"'persist_every' is 0"),
     ("persist_sync", 3, r"'persist_sync' must be true or false"),
-    ("token_file", "/nonexistent/tok", r"token_file: cannot read /nonexistent/tok")])
+    ("token_file", "/nonexistent/tok", r"token_file: cannot read /nonexistent/tok"),
+    ("persist_url", "'://'", r"'persist_url' .* has no protocol"),
+    ("persist_url", "file://ckpts", r"'persist_url' .* absolute path"),
+    ("plan", "other.json", r"cannot read config: key 'plan' given twice \(line 7\)")])
 def test_new_config_keys_are_checked(run, tmp_path, key, value, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(_config(run, tmp_path, **{key: value}))

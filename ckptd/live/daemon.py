@@ -212,6 +212,8 @@ def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
         pass
     if ":" in host:
         raise ConfigError(f"{where} {text!r}: put an IPv6 address in brackets, [::1]:9187")
+    if re.fullmatch(r"[0-9.]+", host):
+        raise ConfigError(f"{where} {text!r}: {host!r} is not an IPv4 address (four numbers 0-255)")
     if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", host):
         raise ConfigError(f"{where} {text!r}: {host!r} is not an address or host name")
     return host, int(port)
@@ -249,6 +251,32 @@ def _interface(path, i: int, x) -> InterfaceConfig:
         cpu=x.get("cpu"))  # checked with the other capture-worker keys (_capture_config)
 
 
+def _yaml_load(text: str):
+    """yaml.safe_load, but a key given twice in one mapping is an error: YAML's last one
+    silently winning would hide the typo of an operator who meant two different keys."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor`: keys given here override the merged ones, as YAML says
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                if key in seen:
+                    raise ValueError(f"key {str(key)[:60]!r} given twice (line {key_node.start_mark.line + 1})")
+                seen.add(key)
+            except TypeError:
+                pass  # an unhashable key: construct_mapping says so
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+
+
 def load_config(path: str | Path) -> DaemonConfig:
     """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key. Every value
     is checked here, before any file, socket or ring is opened."""
@@ -259,8 +287,7 @@ def load_config(path: str | Path) -> DaemonConfig:
             import tomllib
             doc = tomllib.loads(text)
         else:
-            import yaml
-            doc = yaml.safe_load(text)
+            doc = _yaml_load(text)
     except Exception as e:
         raise ConfigError(f"{path}: cannot read config: {_one_line(e)}") from e
     if not isinstance(doc, dict):
@@ -357,7 +384,12 @@ def _persist_url(k: _Keys) -> str | None:
     if not isinstance(url, str) or "://" not in url:
         k.fail("persist_url", "must be a URL such as memory://ckpts, file:///var/lib/ckptd or s3://bucket/prefix")
     import fsspec
-    protocol = url.split("://", 1)[0]
+    protocol, rest = url.split("://", 1)
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", protocol):
+        k.fail("persist_url", f"{redact(url)[:100]!r} has no protocol before '://' (memory://, file:///..., s3://...)")
+    if protocol.lower() in ("file", "local") and not rest.startswith("/"):
+        k.fail("persist_url", f"{url[:100]!r}: a file:// URL takes an absolute path (file:///var/lib/ckptd), "
+               "not one relative to wherever the daemon was started")
     try:
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as e:
@@ -1004,7 +1036,9 @@ class Daemon:
                                          on_poll=self.loop.polled)
             self._check_writable()
             self._publish()
-            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": self.cfg.listen,
+            host, port = self.address[:2]
+            bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # the port listen: ...:0 got
+            log.info("capturing", extra={"fields": {"interfaces": self.names, "listen": bound,
                                                     "fast": self.fast}})
             with self._startup_objects_frozen():
                 self.loop.start()

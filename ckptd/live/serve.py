@@ -61,10 +61,17 @@ def resolve_listen(host: str, port: int) -> tuple[int, tuple]:
 
 
 def is_loopback(host: str) -> bool:
+    """A loopback address, or a name that resolves to loopback addresses only (localhost)."""
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
+        pass
+    import socket
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
         return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
 class _Conn:
@@ -225,10 +232,10 @@ class HttpServer:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         if self.token is not None:
-            auth = headers.get("authorization", "")
-            if not auth.startswith("Bearer "):
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 9110 11.1)
                 return text(401, "a bearer token is required (Authorization: Bearer ...)"), False
-            if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
+            if not hmac.compare_digest(given.strip().encode("latin-1", "replace"), self.token.encode()):
                 return text(403, "wrong token"), False
         path = target.split("?", 1)[0]
         route = self.routes.get(path)

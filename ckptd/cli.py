@@ -495,6 +495,13 @@ def _nccl_version(text: str) -> tuple[int, int]:
 
 
 # -- parser --------------------------------------------------------------------------
+def _path(text: str) -> str:
+    """A path argument: an empty one would mean the current directory or nothing at all."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError("an empty path" if not text else "a path with a NUL byte")
+    return text
+
+
 class UsageError(CkptdError):
     """An argument that cannot be used as given."""
 
@@ -538,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="synthesize the default scenario and replay it, "
                        "printing per iteration whether the checkpoint is bit-exact")
-    d.add_argument("--out", help="keep the scenario here (default: a temporary directory)")
+    d.add_argument("--out", type=_path, help="keep the scenario here (default: a temporary directory)")
     d.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=6)
     d.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     d.add_argument("--loss", type=_ranged(float, 0, 1), default=1e-3, help="packet loss on every mirror link")
@@ -548,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "
                        "RoCEv2 traffic, the plan, the initial state and reference checkpoints")
-    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--out", type=_path, required=True, help="output directory")
     s.add_argument("--ranks", type=_ranged(int, 2, 64), default=4)
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
@@ -651,11 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "ring neighbours in no channel while nothing matches the plan's ring (Tree/CollNet), "
                        "or traffic of another protocol than the plan's (LL/LL128 flag words in the payload, "
                        "or none). With multi-GPU nodes only the hops between nodes are expected on the wire.")
-    r.add_argument("--plan", required=True)
-    r.add_argument("--init", help="initial state (a checkpoint of iteration -1)")
-    r.add_argument("--out", help="directory for the per-iteration checkpoints")
-    r.add_argument("--reference", help="trainer checkpoints to compare each commit with")
-    r.add_argument("--dump-gradients", metavar="DIR",
+    r.add_argument("--plan", type=_path, required=True)
+    r.add_argument("--init", type=_path, help="initial state (a checkpoint of iteration -1)")
+    r.add_argument("--out", type=_path, help="directory for the per-iteration checkpoints")
+    r.add_argument("--reference", type=_path, help="trainer checkpoints to compare each commit with")
+    r.add_argument("--dump-gradients", type=_path, metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
     r.add_argument("--resume", metavar="CKPT|DIR|URL",
                    help="after a gap (or when joining), restart the shadow from this checkpoint, or "
@@ -722,7 +729,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.distributed.checkpoint directory) or safetensors (weights)")
     ex.add_argument("checkpoint", help="any checkpoint ckptd reads")
     ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True)
-    ex.add_argument("--out", required=True, help="file (torch, safetensors) or directory (dcp)")
+    ex.add_argument("--out", type=_path, required=True, help="file (torch, safetensors) or directory (dcp)")
     ex.add_argument("--plan", help="the plan: puts torch's own optimizer param_groups (every "
                     "hyperparameter) in the file, so optimizer.load_state_dict takes it as is")
     ex.set_defaults(func=cmd_export)
@@ -771,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
                     help="the iteration the job (re)starts at: replay and the daemon then refuse an "
                          "init that is not the state of iteration N-1")
-    pl.add_argument("--out", required=True)
+    pl.add_argument("--out", type=_path, required=True)
     pl.set_defaults(func=cmd_plan)
     return p
 

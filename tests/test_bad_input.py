@@ -305,6 +305,7 @@ ARG_CASES = [
      "no such directory"),
     ("capture-empty-beside-good", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _capture(d, "empty")],
      "cap-empty.pcap: neither pcap nor pcapng"),
+    ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",
                                        d / "init.pt", "--out", d / "o-other", _pcap0(d)], "hold no iteration"),

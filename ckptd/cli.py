@@ -326,6 +326,8 @@ def cmd_export(a) -> int:
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan) if a.plan else None
     ckpt = load_checkpoint(a.checkpoint, [p.name for p in plan.parameters] if plan else None)
+    if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
+        plan.check_state(ckpt, a.checkpoint)
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
     return 0

@@ -285,6 +285,10 @@ def _fifo(d):
     return p
 
 
+def _bigger_first(doc):
+    doc["parameters"][0]["shape"] = [n + 1 for n in doc["parameters"][0]["shape"]]
+
+
 def _other_job(doc):
     """The plan of a job on other addresses, which does not say how many iterations ran
     (as `ckptd plan` writes it): no packet of the captures is its."""
@@ -305,6 +309,8 @@ ARG_CASES = [
      "no such directory"),
     ("capture-empty-beside-good", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), _capture(d, "empty")],
      "cap-empty.pcap: neither pcap nor pcapng"),
+    ("export-plan-of-another-model", lambda d: ["export", d / "init.pt", "--format", "torch", "--out", d / "x.torch",
+                                                "--plan", _plan(d, _bigger_first, "bigger")], "the plan says"),
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",

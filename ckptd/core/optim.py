@@ -18,6 +18,8 @@ and a step whose gradients hold an inf or nan is skipped, as `scaler.step` does.
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import inspect
 import math
@@ -49,7 +51,7 @@ def _eager(fn):
 adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd = map(
     _eager, (adadelta, adagrad, adam, adamax, asgd, nadam, radam, rmsprop, rprop, sgd))
 
-from ckptd.core.plan import OPTIMIZER_CLASSES, Optimizer
+from ckptd.core.plan import OPTIMIZER_CLASSES, Optimizer, PlanError, _all_finite, _short
 from ckptd.errors import CkptdError
 
 
@@ -256,8 +258,8 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     try:
         filled = construct(opt.kind, [{**_hyper_for_torch(g), "params": [d]}
                                       for g, d in zip(groups, dummy)], stand_in=True).param_groups
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise OptimizerError(f"optimizer {cls.__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 -- whatever torch's constructor refuses, said by key
+        raise OptimizerError(_refused_hyperparameter(opt, groups) or f"optimizer.groups: {cls.__name__}: {e}") from e
     out = []
     for g, f in zip(groups, filled):
         h = {k: v for k, v in f.items() if k != "params"}
@@ -265,6 +267,160 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
             raise OptimizerError(f"optimizer {cls.__name__}: a tensor lr is not supported")
         out.append({**h, "params": list(g["params"])})
     return out
+
+
+# Plan keys of the legacy hyperparameters (plans without groups) that torch's do not name.
+_LEGACY_KEYS = {"foreach": "implementation", "fused": "implementation"}
+
+
+def _construct_error(kind: str, hyper: dict) -> Exception | None:
+    try:
+        construct(kind, [{**hyper, "params": [torch.zeros(1)]}], stand_in=True)
+    except Exception as e:  # noqa: BLE001 -- a refusal of any kind is what is asked
+        return e
+    return None
+
+
+def _refused_hyperparameter(opt: Optimizer, groups) -> str | None:
+    """The message for the first group torch's constructor refuses on its own, naming the
+    plan key: the hyperparameter without which it is taken (torch's default for it is
+    valid), or the group."""
+    cls = optimizer_class(opt.kind).__name__
+    for i, g in enumerate(groups):
+        h = _hyper_for_torch(g)
+        err = _construct_error(opt.kind, h)
+        if err is None:
+            continue
+        why = " ".join(str(err).split())[:200]
+        for k in h:
+            if _construct_error(opt.kind, {x: v for x, v in h.items() if x != k}) is None:
+                key = f"optimizer.groups[{i}].{k}" if opt.groups else f"optimizer.{_LEGACY_KEYS.get(k, k)}"
+                return f"{key} is {_short(g[k])}: torch.optim.{cls} refuses it ({why})"
+        return f"{f'optimizer.groups[{i}]' if opt.groups else 'optimizer'}: torch.optim.{cls} refuses it ({why})"
+    return None
+
+
+def _scheduler_class(name) -> type:
+    if name in UNREPLAYABLE:
+        raise OptimizerError(f"optimizer.lr_scheduler.class {name} cannot be replayed: {UNREPLAYABLE[name]}")
+    cls = getattr(torch.optim.lr_scheduler, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
+        raise OptimizerError(f"optimizer.lr_scheduler.class {_short(name)} is not a torch.optim.lr_scheduler class")
+    return cls
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == sep and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur.strip()]
+
+
+def _fits_annotation(v, ann: str) -> bool | None:
+    """Whether a JSON value is of a scheduler argument's annotated type (torch's strings:
+    "int", "float | list[float]", "Iterable[int]", "Literal['cos', 'linear']", ...);
+    None where the annotation is not one of these."""
+    verdicts = []
+    for alt in _split_top(ann, "|"):
+        if alt == "None":
+            verdicts.append(v is None)
+        elif alt == "int":
+            verdicts.append(isinstance(v, int) and not isinstance(v, bool))
+        elif alt == "float":
+            verdicts.append(isinstance(v, (int, float)) and not isinstance(v, bool) and _all_finite(v))
+        elif alt == "bool":
+            verdicts.append(isinstance(v, bool))
+        elif alt == "str":
+            verdicts.append(isinstance(v, str))
+        elif alt.startswith(("list[", "Iterable[", "Sequence[")) and alt.endswith("]"):
+            inner = alt[alt.index("[") + 1:-1]
+            each = [_fits_annotation(x, inner) for x in v] if isinstance(v, list) else [False]
+            verdicts.append(None if None in each else all(each))
+        elif alt.startswith("Literal[") and alt.endswith("]"):
+            try:
+                choices = ast.literal_eval(f"({alt[8:-1]},)")
+            except (ValueError, SyntaxError):
+                return None
+            verdicts.append(v in choices and not isinstance(v, (list, dict)))
+        elif alt.startswith("Callable"):
+            verdicts.append(False)  # Python code: never in a plan
+        else:
+            return None
+    return any(verdicts)
+
+
+# Scheduler arguments torch takes as any int but divides by (StepLR: last_epoch %
+# step_size; CosineAnnealingLR: % (2 * T_max)): 0 fails at the first step.
+_POSITIVE_ARGS = {("StepLR", "step_size"), ("CosineAnnealingLR", "T_max"), ("CosineAnnealingWarmRestarts", "T_0"),
+                  ("CyclicLR", "step_size_up")}
+
+
+def _scheduler_failure(opt: Optimizer, groups: list[dict], args: dict, steps: int) -> Exception | None:
+    """What building the scheduler over `groups` and stepping it `steps` times raises."""
+    trial = dataclasses.replace(opt, lr_scheduler={**opt.lr_scheduler, "args": args})
+    try:
+        sched = GroupSchedule(trial, groups)
+        for step in range(steps + 1):
+            sched.at(step)
+    except Exception as e:  # noqa: BLE001 -- ZeroDivisionError, TypeError, ...: any is the plan's
+        return e.__cause__ if isinstance(e, OptimizerError) and e.__cause__ is not None else e
+    return None
+
+
+def check_replayable(opt: Optimizer, iterations: int | None = None) -> None:
+    """What torch itself refuses in a plan's optimizer, found when the plan is loaded, not
+    when a step needs it: every group through the class's constructor, and the lr
+    scheduler built by class and stepped (up to twice, within the plan's iterations) as
+    the shadow will. PlanError naming the plan key."""
+    try:
+        groups = full_groups(opt, [])
+    except OptimizerError as e:
+        raise PlanError(str(e)) from None
+    s = opt.lr_scheduler
+    if s is None:
+        return
+    key = "optimizer.lr_scheduler"
+    try:
+        cls = _scheduler_class(s["class"])
+    except OptimizerError as e:
+        raise PlanError(str(e)) from None
+    name, args = cls.__name__, dict(s.get("args") or {})
+    takes = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k not in ("self", "optimizer")}
+    for k, v in args.items():
+        if k not in takes:
+            raise PlanError(f"{key}.args.{k}: {name} takes no such argument (it takes {', '.join(takes)})")
+        ann = takes[k].annotation
+        if isinstance(ann, str) and _fits_annotation(v, ann) is False:
+            raise PlanError(f"{key}.args.{k} is {_short(v)}; {name} takes {ann}")
+        if (name, k) in _POSITIVE_ARGS and isinstance(v, int) and v < 1:
+            raise PlanError(f"{key}.args.{k} is {v}; {name} needs it >= 1 (it divides by it)")
+    missing = [k for k, p in takes.items() if p.default is inspect.Parameter.empty and k not in args]
+    if missing:
+        raise PlanError(f"{key}.args.{missing[0]} is missing: {name} needs it")
+    steps = 2 if iterations is None else max(0, min(2, iterations - 1))
+    err = _scheduler_failure(opt, groups, args, steps)
+    if err is None:
+        return
+    text = err.args[0] if isinstance(err, KeyError) and err.args else err  # KeyError's str is a repr
+    why = f"{type(err).__name__}: {' '.join(str(text).split())[:200]}"
+    said = [k for k in args if k in str(text)]
+    if len(said) == 1:  # torch's own check names it ("Expected positive integer total_steps")
+        raise PlanError(f"{key}.args.{said[0]} is {_short(args[said[0]])}: {name} refuses it ({why})")
+    for k in args:  # the argument without which (torch's default instead) it works
+        if takes[k].default is not inspect.Parameter.empty and \
+                _scheduler_failure(opt, groups, {x: v for x, v in args.items() if x != k}, steps) is None:
+            raise PlanError(f"{key}.args.{k} is {_short(args[k])}: {name} fails with it ({why})")
+    only = f".args.{next(iter(args))}" if len(args) == 1 else ""
+    raise PlanError(f"{key}{only}: {name}({', '.join(f'{k}={v!r}' for k, v in args.items())[:120]}) "
+                    f"fails when built and stepped ({why})")
 
 
 UNREPLAYABLE = {
@@ -290,11 +446,7 @@ class GroupSchedule:
     def _start(self):
         s = self.opt.lr_scheduler
         name = s["class"]
-        if name in UNREPLAYABLE:
-            raise OptimizerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE[name]}")
-        cls = getattr(torch.optim.lr_scheduler, name, None)
-        if not isinstance(cls, type):
-            raise OptimizerError(f"lr scheduler {name!r} is not a torch.optim.lr_scheduler class")
+        cls = _scheduler_class(name)
         groups = []
         for g in self.groups:
             h = _hyper_for_torch(g)
@@ -308,7 +460,7 @@ class GroupSchedule:
             try:
                 self.sched = cls(self.dummy, **args)
             except (TypeError, ValueError, KeyError) as e:
-                raise OptimizerError(f"lr scheduler {name}{args}: {e}") from e
+                raise OptimizerError(f"optimizer.lr_scheduler: {name}{args}: {e}") from e
         self.pos = 0
 
     def at(self, step: int) -> list[dict]:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
-                                 ScheduleError, network_connections)
+                                 ScheduleError, min_buffsize, network_connections)
 from ckptd.errors import CkptdError
 
 PLAN_FORMAT = "ckptd-plan"
@@ -182,6 +182,14 @@ def check_optimizer(opt: Optimizer) -> None:
             bad(f"lr_per_step[{i}]", f"has {len(x)} lrs for {max(1, len(opt.groups))} param groups")
     if gs is not None and (not isinstance(gs, dict) or set(gs) - set(GRAD_SCALER_KEYS)):
         bad("grad_scaler", f"takes only {', '.join(GRAD_SCALER_KEYS)}")
+    for k, v in (gs or {}).items():
+        ok, why = GRAD_SCALER_RULES[k]
+        if not ok(v):
+            bad(f"grad_scaler.{k}", f"is {_short(v)}; it must be {why}")
+    for i, g in enumerate(opt.groups):
+        for k, v in g.items() if isinstance(g, dict) else ():
+            if k != "params" and not _all_finite(v):
+                bad(f"groups[{i}].{k}", f"is {_short(v)}; it must be finite")
     if opt.implementation not in ("for-loop", "foreach", "fused"):
         bad("implementation", f"{opt.implementation!r} must be for-loop, foreach or fused")
     if not _finite(opt.lr) or opt.lr < 0:
@@ -215,11 +223,41 @@ def check_optimizer(opt: Optimizer) -> None:
 
 
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A number a float holds and that is neither inf nor nan (a JSON integer too large
+    for a float is not: torch would overflow on it)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _all_finite(v) -> bool:
+    """No inf, nan or float-overflowing number anywhere in a JSON value."""
+    if isinstance(v, (list, tuple)):
+        return all(_all_finite(x) for x in v)
+    if isinstance(v, dict):
+        return all(_all_finite(x) for x in v.values())
+    return _finite(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else True
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+# GradScaler's settings: torch itself asks growth_factor > 1 and backoff_factor < 1
+# (torch/amp/grad_scaler.py GradScaler.__init__) and nothing else, but its scale is a
+# float32 (_lazy_init_scale_growth_tracker) and _amp_update_scale_ takes growth_interval
+# as an int64 matched against an int32 tracker: a scale <= 0 or inf, a backoff <= 0 or
+# an interval < 1 gives garbage (or never-growing) scales, never an error.
+GRAD_SCALER_RULES = {
+    "init_scale": (lambda v: _finite(v) and 0 < v <= FLOAT32_MAX, "a finite number > 0 (a float32)"),
+    "growth_factor": (lambda v: _finite(v) and 1 < v <= FLOAT32_MAX, "a finite number > 1"),
+    "backoff_factor": (lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1)"),
+    "growth_interval": (lambda v: _is_int(v) and 1 <= v < 1 << 63, "an integer >= 1"),
+}
 
 
 @dataclass(frozen=True)
@@ -547,8 +585,14 @@ class Plan:
         if self.iterations is not None and it >= self.iterations - 1:
             raise CheckpointError(f"{where}: holds iteration {it}; the plan's job has only "
                                   f"{self.iterations} iterations (0..{self.iterations - 1})")
-        if self.optimizer is None:
-            return
+        if self.optimizer is not None:
+            self.check_state(state, where)
+
+    def check_state(self, state: dict, where: str) -> None:
+        """Every parameter of this plan is in the state with the plan's shape and dtype,
+        and so is its optimizer state (when the state has one). CheckpointError naming
+        `where` and the key."""
+        from ckptd.core.checkpoint import CheckpointError
         model = state.get("model")
         if not isinstance(model, dict):
             raise CheckpointError(f"{where}: has no model state")
@@ -556,8 +600,8 @@ class Plan:
         per_param = opt.get("state") if isinstance(opt, dict) else None
         if opt is not None and per_param is not None and not isinstance(per_param, dict):
             raise CheckpointError(f"{where}: optimizer.state must map parameter names to state")
-        adam = self.optimizer.kind in ("adam", "adamw")
-        keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.optimizer.amsgrad else ())
+        adam = self.optimizer is not None and self.optimizer.kind in ("adam", "adamw")
+        keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if adam and self.optimizer.amsgrad else ())
         for p in self.parameters:
             _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
             if per_param:
@@ -667,7 +711,57 @@ class Plan:
         return out
 
     def save(self, path: str | Path):
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write the plan as JSON, whole or not at all (a temporary beside it, fsynced, then
+        renamed over it). PlanError naming the key of a number JSON cannot hold (inf, nan);
+        PlanWriteError naming the file where it cannot be written."""
+        doc = self.to_json()
+        try:
+            text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+        except ValueError:
+            raise PlanError(f"{path}: {_nonfinite_key(doc) or 'a number'} is not finite: "
+                            "a plan holds no inf or nan") from None
+        _write_atomic(Path(path), text)
+
+
+class PlanWriteError(CkptdError, OSError):
+    """A plan file could not be written; nothing was left under its name (errno kept)."""
+
+    def __str__(self):
+        return str(self.strerror)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    import os
+    import tempfile
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise PlanWriteError(e.errno, f"{path}: cannot write plan: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # as a plain write leaves it (mkstemp: 0600)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise PlanWriteError(e.errno, f"{path}: cannot write plan: {e.strerror or e}") from None
+
+
+def _nonfinite_key(v, key: str = "") -> str | None:
+    """The key path of the first inf or nan in a JSON document."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return key or "the plan"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, (list, tuple)) else ()
+    for k, x in items:
+        found = _nonfinite_key(x, f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else str(k))
+        if found:
+            return found
+    return None
 
 
 # -- checks --------------------------------------------------------------------------
@@ -733,12 +827,23 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"ring.max_threads {r.max_threads} is not in 1..{MAX_THREADS}")
     if r.buffsize is not None and not 1 <= r.buffsize <= MAX_BUFFSIZE:
         raise PlanError(f"ring.buffsize {r.buffsize} is not in 1..{MAX_BUFFSIZE}")
+    if r.buffsize is not None:
+        broadcast = any(collective_entry(e)[0] == "broadcast" for es in plan.collectives.values() for e in es)
+        least = min_buffsize(r.nccl_version, r.protocol, broadcast)
+        if r.buffsize < least:
+            raise PlanError(f"ring.buffsize is {r.buffsize}; with NCCL {r.nccl_version[0]}.{r.nccl_version[1]} "
+                            f"{r.protocol}{' and broadcasts' if broadcast else ''} it must be at least {least} "
+                            f"bytes (NCCL_BUFFSIZE; a smaller one leaves a ring chunk empty)")
     if r.qps_per_connection > MAX_QPS:
         raise PlanError(f"ring.qps_per_connection {r.qps_per_connection} is more than {MAX_QPS}")
     if plan.optimizer is not None:
         if not plan.parameters:
             raise PlanError("an optimizer needs parameters")
         check_optimizer(plan.optimizer)
+        steps = plan.optimizer.lr_per_step
+        if steps and plan.iterations is not None and len(steps) < plan.iterations:
+            raise PlanError(f"optimizer.lr_per_step has {len(steps)} entries for the plan's {plan.iterations} "
+                            f"iterations: no lr for step {len(steps)}")
     if len(plan.addresses) != r.nranks:
         raise PlanError(f"ranks lists {len(plan.addresses)} addresses for {r.nranks} ranks")
     for i, m in enumerate(plan.mirrors):
@@ -915,8 +1020,9 @@ def load_plan(path: str | Path) -> Plan:
             raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
                             f"(at most {MAX_PLAN_BYTES})")
         doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise PlanError(f"{path}: cannot read plan: {e}") from e
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
+        raise PlanError(f"{path}: cannot read plan: {e}") from None
     return plan_from_json(doc, str(path))
 
 
@@ -953,7 +1059,10 @@ class _Doc:
         v = self.d.get(k, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise PlanError(f"{self.path(k)} must be a number, not {_kind(v)}")
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:
+            raise PlanError(f"{self.path(k)} is {_short(v)}...: too large for a float") from None
 
     def str(self, k, default=None, choices=None):
         v = self.d.get(k, default)
@@ -977,7 +1086,7 @@ def _int(v, key: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise PlanError(f"{key} must be an integer, not {_kind(v)}")
     if not lo <= v <= hi:
-        raise PlanError(f"{key} is {v}; it must be in {lo}..{hi}")
+        raise PlanError(f"{key} is {_short(v)}; it must be in {lo}..{hi}")
     return v
 
 
@@ -994,6 +1103,12 @@ def plan_from_json(doc, where: str = "plan") -> Plan:
     """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>"."""
     try:
         plan = _plan_from_json(doc)
+        opt = plan.optimizer
+        if opt is not None and (opt.groups or opt.lr_scheduler is not None):
+            # torch's constructors and scheduler: what they refuse (or fail on at their
+            # first step) is refused now, before any checkpoint is written
+            from ckptd.core.optim import check_replayable
+            check_replayable(opt, plan.iterations)
         if plan.bucket_limits is None and plan.parameters:
             _say_no_limits()  # once it loaded: an error stays one line
         return plan

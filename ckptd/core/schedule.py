@@ -663,6 +663,28 @@ def cbd_ranges(version: tuple[int, int], protocol: str, count: int, itemsize: in
     return out
 
 
+def min_buffsize(nccl_version: tuple[int, int], protocol: str, broadcast: bool = False) -> int:
+    """The smallest NCCL_BUFFSIZE (bytes) whose ring chunks hold at least one element of
+    every dtype a plan takes (8 bytes at most) in every collective this module cuts: a
+    step is buffsize / NCCL_STEPS, and a smaller buffer makes some chunk 0 elements (an
+    endless, empty loop). `broadcast`: the job also runs ring broadcasts, whose Simple
+    chunk is one step, not four (BROADCAST_CHUNKSTEPS).
+    2.14-2.19 (_channel_loops, interleaved): Simple step // itemsize * 4, LL step / 2 //
+    itemsize, LL128 step / 16 * 15 // itemsize. 2.20-2.21: Simple step * 4 // itemsize,
+    LL and LL128 as before. 2.22+ (_ring_chunk_bytes): the chunk is rounded down to the
+    protocol's grain, Simple 512 B (step * chunk steps), LL 16 B (step / 2), LL128
+    1920 B (step / 16 * 15)."""
+    big = 8  # the largest itemsize of DTYPES
+    if tuple(nccl_version) >= (2, 22):
+        step = {"simple": -(-512 // (BROADCAST_CHUNKSTEPS if broadcast else ALLREDUCE_CHUNKSTEPS)),
+                "ll": 2 * 16, "ll128": 16 * -(-LL128_DATA_PER_BLOCK // 15)}[protocol]
+    elif protocol == "simple":
+        step = big if tuple(nccl_version) < (2, 20) else -(-big // ALLREDUCE_CHUNKSTEPS)
+    else:  # LL: step / 2 >= 8; LL128: step / 16 * 15 >= 8, i.e. step >= 16
+        step = 16
+    return step * NCCL_STEPS
+
+
 def cbd_chunk_count(protocol: str, step_bytes: int, itemsize: int) -> int:
     """Elements per chunk for a ring, 2.22+ (calcCollChunking, enqueue.cc:1757-1762,1813@v2.22.3):
     Simple 4 steps, LL half a step, LL128 the 15/16 of a step that is data, each rounded

@@ -27,6 +27,7 @@ OPT_END = 0
 OPT_IF_TSRESOL = 9
 OPT_IF_TSOFFSET = 14
 _MAX_BLOCK = 16 << 20  # a packet block is at most MAX_SNAPLEN; others (names, stats) small
+MAX_TS_NS = (1 << 63) - 1  # timestamps are int64 nanoseconds downstream (ckptd.fast.batches)
 
 
 def is_pcapng(head: bytes) -> bool:
@@ -137,9 +138,14 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
                 fail(f"captured length {caplen} is more than the largest snaplen ({MAX_SNAPLEN})")
             if 20 + caplen > len(body):
                 fail(f"captured length {caplen} overruns its block")
-            frame_no += 1
             iface = interfaces[if_id]
-            yield CapturedFrame(frame_no, iface.to_ns((ts_hi << 32) | ts_lo), iface.linktype,
+            ticks = (ts_hi << 32) | ts_lo
+            ts = iface.to_ns(ticks)
+            if not 0 <= ts <= MAX_TS_NS:
+                fail(f"timestamp {ticks} ticks of interface {if_id} is {ts} ns since 1970, outside "
+                     f"0..2**63-1 (if_tsresol {iface.tsresol:#04x}, if_tsoffset {iface.tsoffset} s)")
+            frame_no += 1
+            yield CapturedFrame(frame_no, ts, iface.linktype,
                                 caplen, origlen, bytes(body[20:20 + caplen]), if_id)
         elif btype == BT_SPB:
             if not interfaces:

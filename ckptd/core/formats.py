@@ -19,9 +19,14 @@ read, and `ckptd verify` compares them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import re
+import shutil
 import struct
+import uuid
 import warnings
 from pathlib import Path
 
@@ -134,14 +139,56 @@ def _steps(doc: dict, optimizer: dict | None, where: str) -> int:
 
 
 def _load_dcp(path: Path) -> dict:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_dcp():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
             return _load_state_dict_from_keys(checkpoint_id=str(path))
-    except Exception as e:  # DCP raises CheckpointException and others for a bad directory
-        raise CheckpointError(f"{path}: cannot read DCP checkpoint: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
+        raise CheckpointError(f"{path}: cannot read DCP checkpoint: {_dcp_why(e)}") from None
+
+
+def _dcp_why(e: BaseException) -> str:
+    """DCP's reason in one line: for a bad .metadata it says "metadata is None; global
+    metadata read failed: <why>; rank local metadata read failed: <no __0.metadata>",
+    of which the first is the one that matters."""
+    why = _root_cause(e)
+    m = re.search(r"global metadata read failed: (.*?);? rank local metadata read failed", why)
+    if m:
+        why = f".metadata: {m.group(1).rstrip('.; ')}"
+    return why[:300]
+
+
+class _DcpLogFilter(logging.Filter):
+    """Drops what torch.distributed.checkpoint logs (on the root logger, tracebacks
+    included: "Global metadata is not found. Falling back ..."): ckptd says in one line
+    what was wrong. Other code's records pass."""
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DCP_DIR not in record.pathname
+
+
+_DCP_DIR = os.path.join("torch", "distributed", "checkpoint", "")
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """While DCP loads or saves here, its log records are dropped. torch logs through the
+    root logger itself, so a filter there (not a level: other threads log through it too)
+    catches its records and no one else's; its own named loggers, if any, propagate to
+    the root's handlers, so the handlers get the filter as well (lastResort when none)."""
+    flt = _DcpLogFilter()
+    root = logging.getLogger()
+    handlers = list(root.handlers) + ([logging.lastResort] if logging.lastResort else [])
+    root.addFilter(flt)
+    for h in handlers:
+        h.addFilter(flt)
+    try:
+        yield
+    finally:
+        root.removeFilter(flt)
+        for h in handlers:
+            h.removeFilter(flt)
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -238,13 +285,34 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
     from torch.distributed.checkpoint.api import CheckpointException
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: exists and is not an empty directory; DCP writes a directory")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
-        try:
-            dcp.save(doc, checkpoint_id=str(out))
-        except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
-            raise CheckpointError(f"{out}: cannot write the DCP directory: {_root_cause(e)}") from None
+    # Written whole or not at all, as a file is: into a new sibling directory, renamed into
+    # place (over an empty directory too); a failure removes it, so a retry finds out as
+    # it was and not a partial directory ("not an empty directory").
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        with warnings.catch_warnings(), _quiet_dcp():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+            dcp.save(doc, checkpoint_id=str(tmp))
+        os.rename(tmp, out)
+    except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{out}: cannot write the DCP directory: {_root_cause(e)}") from None
+    _fsync_dir(out.parent)
     return out
+
+
+def _fsync_dir(d: Path) -> None:
+    """The rename made durable, where the directory can be opened so."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _root_cause(e: BaseException) -> str:
@@ -255,6 +323,12 @@ def _root_cause(e: BaseException) -> str:
         e = next(iter(failures.values()))[0]
     while e.__cause__ is not None:
         e = e.__cause__
+    if not isinstance(e, OSError) and isinstance(e.__context__, OSError):
+        # torch's writer reports a failed write (a full disk) as "[enforce fail at
+        # inline_container.cc] unexpected pos ..." raised while the OSError was handled
+        e = e.__context__
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f': {e.filename}' if e.filename else ''}"
     return " ".join(str(e).split()) or type(e).__name__
 
 

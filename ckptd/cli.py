@@ -107,17 +107,21 @@ def _synth_training(a) -> dict:
     """The trainer's optimizer, groups, lr, AMP, comm hook and parameter dtype options."""
     from ckptd.testing.synth import parse_lr_per_step, parse_spec
     out = {}
+    option = None
     try:
         if a.optim:
+            option = "--optim"
             kind, hyper = parse_spec(a.optim)
             out.update(opt_kind=kind.lower(), opt_hyper=hyper)
         if a.lr_scheduler:
+            option = "--lr-scheduler"
             cls, args = parse_spec(a.lr_scheduler)
             out["lr_scheduler"] = {"class": cls, "args": args}
         if a.lr_per_step:
+            option = "--lr-per-step"
             out["lr_per_step"] = parse_lr_per_step(a.lr_per_step)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{option} {e}") from None
     if a.amp is not None:
         out.update(amp_init_scale=a.amp, amp_growth_interval=a.amp_growth_interval)
     return dict(out, no_decay_group=a.param_groups == "no-decay", inf_at=tuple(a.inf_at),
@@ -572,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
     s.add_argument("--allreduces-per-step", type=_ranged(int, 1, 64), default=1,
                    help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0)
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
                    "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward)")
     s.add_argument("--nccl-version", default="2.19",
@@ -623,12 +627,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--write-hosts", action="store_true",
                    help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network); "
                         "with --nodes, what each NIC sends, under the rank that owns it")
-    s.add_argument("--nodes", type=int, default=0,
+    s.add_argument("--nodes", type=_ranged(int, 0, 64), default=0,
                    help="multi-GPU nodes: ranks = NODES x --gpus-per-node, each node's ranks consecutive, one "
                         "NCCL-style ring per channel through NVLink inside a node; only hops between nodes "
                         "reach the mirrors (default 0: every rank a host of its own, --ranks of them)")
-    s.add_argument("--gpus-per-node", type=int, default=1)
-    s.add_argument("--nics-per-node", type=int, default=0,
+    s.add_argument("--gpus-per-node", type=_ranged(int, 1, 64), default=1)
+    s.add_argument("--nics-per-node", type=_ranged(int, 0, 64), default=0,
                    help="with --nodes: NICs per node (default: one per GPU, rails); channel c uses NIC c mod this "
                         "on every node; mirror k is the port of NIC k mod this of node k div this")
     s.add_argument("--collective", choices=["allreduce", "reduce_scatter", "tree"], default="allreduce",

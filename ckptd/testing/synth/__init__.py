@@ -11,7 +11,11 @@ It writes, under --out:
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
+import shutil
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,12 +26,14 @@ from parsers.pcap import ChunkedFile, PcapWriter
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
 from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
-from ckptd.core.plan import BucketLayout, Mirror, ModuleBuffers, Optimizer, Parameter, Plan
+from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, MAX_BUCKET_ELEMENTS, OPTIMIZER_CLASSES, BucketLayout,
+                             Mirror, ModuleBuffers, Optimizer, Parameter, Plan)
+from ckptd.errors import CkptdError
 from ckptd.core.psn import PSN_MOD
 from ckptd.core.schedule import AG, RingConfig
 from ckptd.core.tree import TreeSchedule
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
-from ckptd.testing.synth.model import build_model, shard_batches
+from ckptd.testing.synth.model import MODEL_SIZES, build_model, shard_batches
 from ckptd.testing.synth.ring import reduce_iteration
 from ckptd.core import ll128
 from ckptd.testing.synth.wire import Host, QueuePair, imm_bytes, ip_udp_frame, ll_encode, roce_frame
@@ -38,6 +44,27 @@ from parsers.bth import BTH
 # the forward pass and the first part of the backward pass. Tens to hundreds of ms in real
 # jobs; longer than the agreement window (ckptd.pipeline.AGREE_WINDOW_MS), as there.
 ITERATION_GAP_NS = 100_000_000
+
+# What the synthesizer takes (the command line's ranges): every rank's gradients and every
+# other collective's values are real tensors, reduced on this machine for every iteration.
+SYNTH_RANKS = (2, 64)
+SYNTH_CHANNELS = (1, 32)
+SYNTH_MIRRORS = (1, 64)
+MAX_ITERATIONS_SYNTH = 10_000
+SYNTH_NICS_PER_NODE = (0, 64)
+# The other collectives' elements (--other-allreduce/--other-broadcast), each and in all: a
+# loss or metric is a few elements; this is more than the default model's 2.6 M parameters,
+# and far below the plan's MAX_BUCKET_ELEMENTS (which the command line's 9-digit COUNT
+# never reaches), as synth holds count x ranks values of each in memory every iteration.
+SYNTH_MAX_OTHER_ELEMENTS = min(1 << 22, MAX_BUCKET_ELEMENTS)
+# shard_batches seeds a torch.Generator with seed * 1_000_003 + ...: a 64-bit seed overflows it
+SYNTH_MAX_SEED = (1 << 32) - 1
+NCCL_VERSIONS = ((2, 14), (2, 32))
+
+
+class SynthOptionError(CkptdError, ValueError):
+    """SynthOptions that do not make a job, named as the `ckptd synth` option that sets them."""
+
 
 @dataclass
 class SynthOptions:
@@ -236,9 +263,9 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     first = first_buckets(params, cap, first_bytes=cap // 4)
     order = grad_ready_order(model, shard_batches(model, 0, 0, opts.seed))
     rebuilt = rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
-    major, minor = (int(x) for x in opts.nccl_version.split("."))
+    major, minor = _nccl_version(opts.nccl_version)
     if opts.nodes and opts.shuffle_rings:
-        raise ValueError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
+        raise SynthOptionError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
     ring = RingConfig(nranks=opts.ranks, rings=_ring_orders(opts, rng), protocol=opts.protocol,
                       nccl_version=(major, minor), qps_per_connection=opts.qps, mtu=opts.mtu,
                       buffsize=opts.buffsize, ndevs=opts.merged_nics,
@@ -250,12 +277,14 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
                           implementation=opts.optimizer, lr_schedule=sched[opts.lr_schedule],
                           max_grad_norm=opts.max_grad_norm)
     if opts.lr_per_step and opts.lr_scheduler:
-        raise ValueError("lr_per_step and lr_scheduler both set the lr: give one")
+        raise SynthOptionError("--lr-per-step and --lr-scheduler (lr_per_step and lr_scheduler) both set "
+                               "the lr: give one")
     if opts.lr_per_step and len(opts.lr_per_step) < opts.iterations:
-        raise ValueError(f"lr_per_step has {len(opts.lr_per_step)} lrs for {opts.iterations} iterations")
+        raise SynthOptionError(f"--lr-per-step (lr_per_step) has {len(opts.lr_per_step)} lrs for "
+                               f"{opts.iterations} iterations")
     if opts.inf_at and opts.amp_init_scale is None:
-        raise ValueError("an inf gradient without a GradScaler (amp_init_scale) would be stepped: "
-                         "the job would train on NaNs")
+        raise SynthOptionError("--inf-at needs --amp: an inf gradient without a GradScaler (amp_init_scale) "
+                               "would be stepped: the job would train on NaNs")
     if opts.opt_kind != "adamw" or opts.opt_hyper or opts.no_decay_group or opts.lr_scheduler \
             or opts.amp_init_scale or opts.lr_per_step:
         hyper = {"lr": 3e-3, "weight_decay": 0.1, "foreach": opts.optimizer == "foreach",
@@ -601,21 +630,177 @@ def _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, 
     return ts + 100 * len(frames) + ITERATION_GAP_NS  # then the next round's forward and backward
 
 
-def synthesize(opts: SynthOptions, progress=None) -> Plan:
+def _nccl_version(text) -> tuple[int, int]:
+    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", str(text))
+    (lo_major, lo_minor), (hi_major, hi_minor) = NCCL_VERSIONS
+    if m is None or not NCCL_VERSIONS[0] <= (int(m[1]), int(m[2])) <= NCCL_VERSIONS[1]:
+        raise SynthOptionError(f"--nccl-version {text!r} is not MAJOR.MINOR in "
+                               f"{lo_major}.{lo_minor}..{hi_major}.{hi_minor}")
+    return int(m[1]), int(m[2])
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _in_range(option: str, value, lo: int, hi: int, note: str = "") -> None:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise SynthOptionError(f"{option} {value!r} is not in {lo}..{hi}{note}")
+
+
+def check_options(opts: SynthOptions) -> None:
+    """Everything about `opts` that needs no model: refused (SynthOptionError, naming the
+    `ckptd synth` option) before anything is allocated or written."""
     if opts.collective not in ("allreduce", "reduce_scatter", "tree"):
-        raise ValueError(f"collective {opts.collective!r}: allreduce, reduce_scatter or tree")
+        raise SynthOptionError(f"--collective {opts.collective!r}: allreduce, reduce_scatter or tree")
+    if opts.param_dtype not in ("float32", "bfloat16"):
+        raise SynthOptionError(f"--param-dtype {opts.param_dtype!r}: float32 or bfloat16")
+    if opts.model not in MODEL_SIZES:
+        raise SynthOptionError(f"--model {opts.model!r} is not a synthetic model size ({', '.join(MODEL_SIZES)})")
+    if opts.param_dtype == "bfloat16" and opts.model.endswith("-bn"):
+        raise SynthOptionError(f"--param-dtype bfloat16 with --model {opts.model}: the BatchNorm's running "
+                               "statistics would be bfloat16 module buffers, which synth does not broadcast; "
+                               "use --param-dtype float32 or a model without -bn")
+    _in_range("--seed", opts.seed, 0, SYNTH_MAX_SEED)
+    _nccl_version(opts.nccl_version)
+    lo, hi = SYNTH_RANKS
+    if opts.nodes or opts.gpus_per_node != 1:
+        if not _is_int(opts.nodes) or opts.nodes < 0:
+            raise SynthOptionError(f"--nodes {opts.nodes!r} is not a number of nodes (0: one GPU per host)")
+        if not _is_int(opts.gpus_per_node) or opts.gpus_per_node < 1:
+            raise SynthOptionError(f"--gpus-per-node {opts.gpus_per_node!r} must be at least 1")
+    if opts.nodes:
+        n = opts.nodes * opts.gpus_per_node
+        if not lo <= n <= hi:
+            raise SynthOptionError(f"--nodes {opts.nodes} x --gpus-per-node {opts.gpus_per_node} is {n} ranks; "
+                                   + (f"at most {hi}" if n > hi else f"at least {lo}"))
+        opts.ranks = n
+    else:
+        _in_range("--ranks", opts.ranks, lo, hi)
+    _in_range("--nics-per-node", opts.nics_per_node, *SYNTH_NICS_PER_NODE, " (0: one NIC per GPU)")
+    _in_range("--channels", opts.channels, *SYNTH_CHANNELS)
+    _in_range("--mirrors", opts.mirrors, *SYNTH_MIRRORS)
+    _in_range("--iterations", opts.iterations, 1, MAX_ITERATIONS_SYNTH)
+    _in_range("--allreduces-per-step", opts.allreduces_per_step, 1, 64)
+    _in_range("--bucket-cap-kb", opts.bucket_cap_kb, 1, 1 << 20)
+    if opts.opt_kind not in OPTIMIZER_CLASSES:
+        raise SynthOptionError(f"--optim {opts.opt_kind!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
+    if "params" in opts.opt_hyper:
+        raise SynthOptionError("--optim: params is not a hyperparameter")
+    _check_collectives(opts)
+
+
+def _check_collectives(opts: SynthOptions) -> None:
+    """--other-allreduce / --other-broadcast (SynthOptions.collectives): every count at most
+    SYNTH_MAX_OTHER_ELEMENTS, and all of them together too; a broadcast's root a rank."""
+    if not isinstance(opts.collectives, dict):
+        raise SynthOptionError("--other-allreduce/--other-broadcast: collectives must be a dict")
+    total = 0
+    for when, entries in opts.collectives.items():
+        for e in entries or ():
+            option = "--other-broadcast" if len(e) > 2 and e[2] == "broadcast" else "--other-allreduce"
+            spec = ":".join(str(x) for x in [when, *e] if x != "broadcast")
+            if when not in COLLECTIVE_WHEN or not 2 <= len(e) <= 4 or str(e[1]) not in DTYPES:
+                raise SynthOptionError(f"{option} {spec}: not WHEN:COUNT:DTYPE with WHEN one of "
+                                       f"{', '.join(COLLECTIVE_WHEN)}")
+            count = e[0]
+            if not _is_int(count) or not 1 <= count <= SYNTH_MAX_OTHER_ELEMENTS:
+                raise SynthOptionError(f"{option} {spec}: COUNT {count} is not in 1..{SYNTH_MAX_OTHER_ELEMENTS} "
+                                       "(synth materializes every rank's values of it each iteration)")
+            total += count
+            if total > SYNTH_MAX_OTHER_ELEMENTS:
+                raise SynthOptionError(f"--other-allreduce/--other-broadcast: {total} or more elements in all; "
+                                       f"at most {SYNTH_MAX_OTHER_ELEMENTS} together")
+            if len(e) == 4 and (not _is_int(e[3]) or not 0 <= e[3] < opts.ranks):
+                raise SynthOptionError(f"{option} {spec}: ROOT {e[3]!r} is not a rank (0..{opts.ranks - 1})")
+
+
+def _check_training(opts: SynthOptions, plan: Plan, model) -> None:
+    """The trainer's optimizer and lr scheduler, built and stepped for every iteration on
+    stand-in parameters (one element each): what torch refuses only when constructing or
+    stepping them is refused here, before --out is touched."""
+    dtype = getattr(torch, opts.param_dtype)
+    dummy = [(n, torch.zeros(1, dtype=dtype, requires_grad=True)) for n, _ in model.named_parameters()]
+    which = (f"--optim {opts.opt_kind}" if opts.opt_kind != "adamw" or opts.opt_hyper
+             else f"--optimizer {opts.optimizer}")
+    try:
+        optimizer = torch_optimizer(plan.optimizer, dummy)
+        for _, p in dummy:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    except (CkptdError, ValueError, TypeError, RuntimeError, KeyError) as e:
+        raise SynthOptionError(f"{which}: {e}") from None
+    sch = plan.optimizer.lr_scheduler
+    if sch is None:
+        return
+    name = sch.get("class")
+    cls = getattr(torch.optim.lr_scheduler, str(name), None)
+    base = getattr(torch.optim.lr_scheduler, "LRScheduler", torch.optim.lr_scheduler._LRScheduler)
+    if not (isinstance(cls, type) and issubclass(cls, base)) and cls is not torch.optim.lr_scheduler.ReduceLROnPlateau:
+        raise SynthOptionError(f"--lr-scheduler {name!r} is not a torch.optim.lr_scheduler class")
+    if name in ("LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler"):
+        raise SynthOptionError(f"--lr-scheduler {name}: it takes python objects (functions or schedulers), "
+                               "which the command line cannot give")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scheduler = torch_scheduler(plan.optimizer, optimizer)
+            for _ in range(opts.iterations):  # as the training loop steps it, after every step
+                scheduler.step()
+            lrs = [g["lr"] for g in optimizer.param_groups]
+    except (CkptdError, ValueError, TypeError, RuntimeError, KeyError, ZeroDivisionError, ArithmeticError,
+            AttributeError, IndexError) as e:
+        raise SynthOptionError(f"--lr-scheduler {name}: {type(e).__name__}: {e}") from None
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in lrs):
+        raise SynthOptionError(f"--lr-scheduler {name}: the lr becomes {lrs[0]!r} within {opts.iterations} "
+                               "iterations (not a finite lr >= 0)")
+
+
+class _Created:
+    """The paths this run creates under --out, removed again if it fails: never a file
+    or directory that was there before it started."""
+
+    def __init__(self):
+        self.paths: list[Path] = []
+
+    def mkdir(self, d: Path) -> Path:
+        missing = []
+        p = d
+        while not p.exists():
+            missing.append(p)
+            if p.parent == p:
+                break
+            p = p.parent
+        d.mkdir(parents=True, exist_ok=True)
+        self.paths += reversed(missing)  # the outermost first: removing it removes the rest
+        return d
+
+    def file(self, f: Path) -> Path:
+        if not f.exists() and not f.is_symlink():
+            self.paths.append(f)
+        return f
+
+    def remove(self) -> None:
+        for p in reversed(self.paths):
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                pass  # best effort: the error being raised is the one to report
+
+
+def synthesize(opts: SynthOptions, progress=None) -> Plan:
+    check_options(opts)
     out = Path(opts.out)
-    (out / "mirrors").mkdir(parents=True, exist_ok=True)
-    (out / "reference").mkdir(exist_ok=True)
     rng = random.Random(opts.seed)
     torch.manual_seed(opts.seed)
-    if opts.param_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"param_dtype {opts.param_dtype!r}: float32 or bfloat16")
     model = build_model(opts.model, opts.seed).to(getattr(torch, opts.param_dtype))
     plan = make_plan(opts, model, rng)
-    plan.save(out / "plan.json")
-    save_checkpoint(out / "init.pt", -1, {**{n: p.detach().clone() for n, p in model.named_parameters()},
-                                          **{n: b.detach().clone() for n, b in model.named_buffers()}}, None)
+    _check_training(opts, plan, model)
     buffers = dict(model.named_buffers())  # the model's own (rank 0's after each forward)
     optimizer = torch_optimizer(plan.optimizer, model.named_parameters())
     scheduler = torch_scheduler(plan.optimizer, optimizer)
@@ -623,18 +808,38 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     gs = plan.optimizer.grad_scaler
     scaler = None if gs is None else torch.amp.GradScaler("cpu", **gs)
     wire = Wire(plan, opts, rng)
-    files = [ChunkedFile(out / "mirrors" / f"{m.name}.pcap") for m in plan.mirrors]
-    writers = [PcapWriter(f) for f in files]
-    hosts = []
-    if opts.write_hosts:
-        (out / "hosts").mkdir(exist_ok=True)
-        hosts = [PcapWriter(ChunkedFile(out / "hosts" / f"rank{r}.pcap")) for r in range(plan.nranks)]
-        files += [w.f for w in hosts]
+    created = _Created()
+    try:
+        return _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, wire, rng,
+                      out, created, progress)
+    except BaseException:
+        created.remove()
+        raise
+
+
+def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, wire, rng, out: Path,
+           created: _Created, progress) -> Plan:
+    """Train and write everything under --out (every path it creates told to `created`)."""
+    created.mkdir(out / "mirrors")
+    created.mkdir(out / "reference")
+    plan.save(created.file(out / "plan.json"))
+    save_checkpoint(created.file(out / "init.pt"), -1,
+                    {**{n: p.detach().clone() for n, p in model.named_parameters()},
+                     **{n: b.detach().clone() for n, b in model.named_buffers()}}, None)
+    files, writers, hosts = [], [], []
     stats = {m.name: {"frames": 0, "lost": 0, "corrupted": 0, "duplicated": 0, "reordered": 0}
              for m in plan.mirrors}
     ts = 1_700_000_000 * 10**9
     params = dict(model.named_parameters())
     try:
+        for m in plan.mirrors:
+            files.append(ChunkedFile(created.file(out / "mirrors" / f"{m.name}.pcap")))
+            writers.append(PcapWriter(files[-1]))
+        if opts.write_hosts:
+            created.mkdir(out / "hosts")
+            for r in range(plan.nranks):
+                files.append(ChunkedFile(created.file(out / "hosts" / f"rank{r}.pcap")))
+                hosts.append(PcapWriter(files[-1]))
         K = plan.allreduces_per_step
         for t in range(opts.iterations):
             for j in range(K):  # micro-batch j of step t: wire round w
@@ -697,7 +902,7 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
             if scheduler is not None:
                 scheduler.step()
             m_state, o_state = trainer_checkpoint(model, optimizer, lr, scaler)
-            save_checkpoint(out / "reference" / checkpoint_name(t), t, m_state, o_state)
+            save_checkpoint(created.file(out / "reference" / checkpoint_name(t)), t, m_state, o_state)
 
             ts = _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, ts)
             if progress:
@@ -706,5 +911,5 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
         for f in files:
             f.close()
     opts.stats = stats
-    (out / "synth.json").write_text(json.dumps(asdict(opts), indent=1) + "\n")
+    created.file(out / "synth.json").write_text(json.dumps(asdict(opts), indent=1) + "\n")
     return plan

@@ -19,6 +19,7 @@ what they get; each error names the entry and the field.
 """
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import json
 import re
@@ -38,6 +39,28 @@ GRE_TYPES = (0x88BE, 0x22EB, 0x6558)
 
 class CablingError(CkptdError, ValueError):
     """A cabling file that is malformed or inconsistent; the message names the entry."""
+
+
+def show(v, limit: int = 60) -> str:
+    """A value from a user's file, for an error message: short whatever it is.
+
+    Never repr() a parsed value whole: a YAML alias bomb is a few lines that expand to
+    billions of nodes when walked (repr, str, ==, len of the nested lists), a string
+    may be megabytes, and repr() of an int over 4300 digits raises. Containers show as
+    their type and length, strings and numbers cut to about `limit` characters."""
+    if v is None or isinstance(v, (bool, float, datetime.date)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
+    if isinstance(v, str):
+        return repr(v) if len(v) <= limit else f"{v[:limit]!r}... ({len(v)} characters)"
+    if isinstance(v, list):
+        return f"a list of {len(v)} item(s)"
+    if isinstance(v, dict):
+        return f"a mapping of {len(v)} key(s)"
+    if isinstance(v, (bytes, bytearray)):
+        return f"{len(v)} bytes"
+    return f"a {type(v).__name__}"
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,7 @@ def load_cabling(path: str | Path) -> Cabling:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:   # a binary file is no cabling file either
         raise CablingError(f"{path}: cannot read cabling file: {e}") from e
     try:
         if path.suffix.lower() == ".json":
@@ -128,10 +151,11 @@ def load_cabling(path: str | Path) -> Cabling:
 
 def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
     if not isinstance(doc, dict) or doc.get("format") != CABLING_FORMAT:
-        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise CablingError(f"{where}: not a ckptd cabling file (format is {got!r}, expected {CABLING_FORMAT!r})")
-    if doc.get("version") != CABLING_VERSION:
-        raise CablingError(f"{where}: cabling version {doc.get('version')!r} is not supported "
+        got = show(doc.get("format")) if isinstance(doc, dict) else show(doc)
+        raise CablingError(f"{where}: not a ckptd cabling file (format is {got}, expected {CABLING_FORMAT!r})")
+    version = doc.get("version")
+    if isinstance(version, bool) or version != CABLING_VERSION:
+        raise CablingError(f"{where}: cabling version {show(version)} is not supported "
                            f"(this ckptd reads version {CABLING_VERSION})")
     switches = tuple(_switch(s, f"{where}: switches[{i}]") for i, s in enumerate(_list(doc, "switches", where)))
     names = [s.name for s in switches]
@@ -139,6 +163,7 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
     collectors = tuple(_collector(c, f"{where}: collectors[{i}]", switches)
                        for i, c in enumerate(_list(doc, "collectors", where)))
     _unique([c.name for c in collectors], f"{where}: collector names")
+    _unique_ips(collectors, where)
     ranks = tuple(_rank(r, f"{where}: ranks[{i}]", names) for i, r in enumerate(_list(doc, "ranks", where)))
     _unique([r.rank for r in ranks], f"{where}: ranks")
     _unique([(r.switch, p) for r in ranks for p in r.switch_ports] + [(c.switch, c.port) for c in collectors if c.port],
@@ -184,14 +209,22 @@ def _switch(d, ctx) -> Switch:
 
 def _erspan(d, ctx) -> Erspan:
     src = _ip(d, "src_ip", ctx, required=True)
-    gre = d.get("gre_type", 0x88BE)
-    try:
-        gre = int(gre, 0) if isinstance(gre, str) else int(gre)
-    except ValueError:
-        raise CablingError(f"{ctx}: gre_type {gre!r} is not a number") from None
+    raw = d.get("gre_type", 0x88BE)
+    decodes = "ckptd decodes " + ", ".join(f"{g:#06x}" for g in GRE_TYPES)
+    gre = None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        gre = raw
+    elif isinstance(raw, str) and len(raw) <= 16:   # "0x88be", "35006"; longer is no protocol number
+        try:
+            gre = int(raw, 0)
+        except ValueError:
+            pass
+    if gre is None:   # null, a float (35006.5 would truncate to 0x88be), a list, a mapping, garbage text
+        raise CablingError(f"{ctx}: gre_type is {show(raw)}; expected an integer or a hex string "
+                           f"such as 0x88be ({decodes})")
     if gre not in GRE_TYPES:
-        raise CablingError(f"{ctx}: gre_type {gre:#x}: ckptd decodes "
-                           + ", ".join(f"{g:#06x}" for g in GRE_TYPES))
+        got = f"{gre:#x}" if 0 <= gre < 1 << 64 else show(gre)
+        raise CablingError(f"{ctx}: gre_type {got}: {decodes}")
     queue = d.get("queue")
     return Erspan(src, gre, _int(d, "dscp", ctx, 0, 63, default=0), _int(d, "ttl", ctx, 1, 255, default=64),
                   None if queue is None else _int(d, "queue", ctx, 0, 255),
@@ -203,8 +236,8 @@ def _collector(d, ctx, switches) -> Collector:
     name = _name(d, "name", ctx)
     ctx = f"{ctx} ({name})"
     sw = d.get("switch")
-    if sw is not None and sw not in [s.name for s in switches]:
-        raise CablingError(f"{ctx}: switch {sw!r} is not in switches")
+    if sw is not None and (not isinstance(sw, str) or sw not in [s.name for s in switches]):
+        raise CablingError(f"{ctx}: switch {show(sw)} is not in switches")
     port = _name(d, "port", ctx, PORT_NAME, required=False)
     if (sw is None) != (port is None):
         raise CablingError(f"{ctx}: give switch and port together (where the host's NIC is plugged in)")
@@ -219,7 +252,7 @@ def _rank(d, ctx, switch_names) -> RankPort:
     rank = _int(d, "rank", ctx, 0, 1 << 20)
     sw = _str(d, "switch", ctx)
     if sw not in switch_names:
-        raise CablingError(f"{ctx}: rank {rank} is on switch {sw!r}, which is not in switches")
+        raise CablingError(f"{ctx}: rank {rank} is on switch {show(sw)}, which is not in switches")
     port = _name(d, "port", ctx, PORT_NAME)
     if "ports" not in d:
         return RankPort(rank, sw, port)
@@ -249,9 +282,13 @@ def _dict(d, ctx):
 
 def _str(d, key, ctx):
     v = d.get(key)
-    if v is None or str(v) == "":
+    if v is None or v == "":
         raise CablingError(f"{ctx}: {key} is required")
-    return str(v)
+    # a scalar only: str() of a list walks it whole (an alias bomb never ends), of a
+    # huge int raises; a number is taken as its text (port 1, switch 7)
+    if isinstance(v, int) and v.bit_length() <= 64 or isinstance(v, (str, float)):
+        return str(v)
+    raise CablingError(f"{ctx}: {key} is {show(v)}; expected a name")
 
 
 # Names go into file names (a switch's) and into vendor CLI lines and comments (all of
@@ -276,15 +313,15 @@ def _name(d, key, ctx, pattern=SWITCH_NAME, required=True):
 
 def _choice(d, key, allowed, ctx, default=None):
     v = d.get(key, default)
-    if v not in allowed:
-        raise CablingError(f"{ctx}: {key} is {v!r}; expected one of {', '.join(allowed)}")
+    if not isinstance(v, str) or v not in allowed:
+        raise CablingError(f"{ctx}: {key} is {show(v)}; expected one of {', '.join(allowed)}")
     return v
 
 
 def _int(d, key, ctx, lo, hi, default=None):
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise CablingError(f"{ctx}: {key} is {v!r}; expected an integer in {lo}..{hi}")
+        raise CablingError(f"{ctx}: {key} is {show(v)}; expected an integer in {lo}..{hi}")
     return v
 
 
@@ -295,14 +332,37 @@ def _ip(d, key, ctx, required):
             raise CablingError(f"{ctx}: {key} is required")
         return None
     try:
-        return str(ipaddress.ip_address(str(v)))
+        if not isinstance(v, str):   # str() of a list walks it whole; an int is no address here
+            raise ValueError(v)
+        return str(ipaddress.ip_address(v))
     except ValueError:
-        raise CablingError(f"{ctx}: {key} {v!r} is not an IP address") from None
+        raise CablingError(f"{ctx}: {key} {show(v)} is not an IP address") from None
 
 
 def _unique(items, what):
     seen = set()
     for x in items:
         if x in seen:
-            raise CablingError(f"{what} must be unique; {x!r} appears twice")
+            raise CablingError(f"{what} must be unique; {show(x) if not isinstance(x, tuple) else x!r} "
+                               "appears twice")
         seen.add(x)
+
+
+def _unique_ips(collectors, where):
+    """One IP is one capture NIC, so one stream: two collectors with the same ip would be
+    counted as two streams (every chunk 'reaches 2') while every ERSPAN copy lands on the
+    same host. A NIC that is both a SPAN destination and an ERSPAN one is one entry with
+    switch, port and ip, so the format never needs two entries with one address.
+    IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) count as their IPv4 address."""
+    seen = {}
+    for i, c in enumerate(collectors):
+        if c.ip is None:
+            continue
+        a = ipaddress.ip_address(c.ip)
+        key = str(getattr(a, "ipv4_mapped", None) or a)
+        if key in seen:
+            j, other = seen[key]
+            raise CablingError(f"{where}: collectors[{j}] ({other.name}) and collectors[{i}] ({c.name}) have "
+                               f"the same ip {key}: one NIC is one stream, not two; give each its own address (a NIC "
+                               "that is also a SPAN destination is one entry with switch, port and ip)")
+        seen[key] = (i, c)

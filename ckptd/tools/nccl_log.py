@@ -57,8 +57,10 @@ import re
 from dataclasses import dataclass, field
 
 from ckptd.core.algorithms import allreduce_protocol, check_allreduce_algorithm
+from ckptd.core.plan import MAX_RANKS
 from ckptd.core.schedule import ScheduleError, ib_ar_settings
 from ckptd.errors import CkptdError
+from switch_config.cabling import show
 
 PREFIX = re.compile(r"^(?:\[[^\]]*\] )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
 VERSION = re.compile(r"NCCL version (\d+)\.(\d+)\.(\d+)\S*")
@@ -76,6 +78,10 @@ NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|rec
 
 class NcclLogError(CkptdError, ValueError):
     """An NCCL log that does not describe one ring communicator completely."""
+
+
+MAX_HOST = 255     # a host name (RFC 1035: 253 characters); longer is no NCCL line
+MAX_SETTING = 256  # an NCCL_* value as logged (NCCL_ALGO="allreduce:ring;..." stays far below)
 
 
 @dataclass
@@ -102,51 +108,79 @@ class NcclJob:
 def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
     job = NcclJob()
     for lineno, raw in enumerate(text.splitlines(), 1):
-        m = VERSION.search(raw)
-        if m and job.version is None:
-            job.version = tuple(int(x) for x in m.groups())
-        p = PREFIX.match(raw.rstrip())
-        if not p:
-            continue
-        host, msg = p["host"], p["msg"].rstrip()
-        if (m := RING.match(msg)):
-            c, n = int(m[1]), int(m[2])
-            if m[4]:
-                continue  # cut at 128 characters: rebuilt from the Ring lines
-            ranks = tuple(int(x) for x in m[3].split())
-            if c in job.rings and job.rings[c] != ranks:
-                raise NcclLogError(f"{where}:{lineno}: a second ring for channel {c}: the log holds "
-                                   "several communicators; give the log of the data-parallel one")
-            job.rings[c] = ranks
-            job.nrings = n
-        elif (m := RING_GRAPH.match(msg)):
-            job.graph_next.setdefault(int(m[1]), {})[int(m[3])] = int(m[4])
-        elif (m := COMPLETE.search(msg)):
-            r = int(m[1])
-            _agree(job, "nranks", int(m[2]), where, lineno)
-            job.host[r], job.cuda_dev[r], job.bus_id[r] = host, int(m[3]), m[4]
-        elif (m := NODES.search(msg)):
-            _agree(job, "nranks", int(m[2]), where, lineno)
-            _agree(job, "nnodes", int(m[3]), where, lineno)
-            job.host.setdefault(int(m[1]), host)
-            job.local_ranks[int(m[1])] = int(m[4])
-        elif (m := CHANNELS.match(msg)):
-            _agree(job, "coll_channels", int(m[1]), where, lineno)
-            _agree(job, "nvls_channels", int(m[3]), where, lineno)
-        elif (m := SETTING.match(msg)):
-            job.settings[m[1]] = m[2]
-        elif (m := MERGED_USING.match(msg)) or ((m := MERGED_VDEV.match(msg)) and int(m[3]) > 1):
-            what = f"device [{m[1]}] = {{{m[2]}}}" if m.re is MERGED_USING else f"virtual device [{m[1]}] {m[2]} of {m[3]} ports"
-            raise NcclLogError(
-                f"{where}:{lineno}: NCCL merged NIC ports into one net device on {host} ({what}): "
-                "--nic-addrs maps a device to one address, and a merged device's QPs use every port's; "
-                "write each rank's ranks[].ports into the plan by hand (docs/PLAN.md), or run the job "
-                "unmerged (NCCL_IB_MERGE_NICS=0 up to 2.23, NCCL_NET_MERGE_LEVEL=LOC from 2.24)")
-        elif (m := NET.match(msg)):
-            c, s, d, kind, dev, proxy = int(m[1]), int(m[2]), int(m[3]), m[4], int(m[5]), m[6]
-            job.net.setdefault((c, s, d), {})[kind] = (dev, None if proxy is None else int(proxy))
-            job.host.setdefault(s if kind == "send" else d, host)
+        try:
+            _parse_line(job, raw, where, lineno)
+        except NcclLogError:
+            raise
+        except ValueError:  # _num
+            raise NcclLogError(f"{where}:{lineno}: a number of more than {MAX_DIGITS} digits: "
+                               "not a line NCCL printed") from None
     return job
+
+
+MAX_DIGITS = 12  # ranks, channels, devices, versions: far fewer; a longer number is no NCCL line
+
+
+def _num(digits: str) -> int:
+    """int() of a log's digits, refused (ValueError) past MAX_DIGITS: a huge value would
+    make messages of thousands of digits (or, past 4300, int() itself raise)."""
+    if len(digits) > MAX_DIGITS:
+        raise ValueError(digits[:20])
+    return int(digits)
+
+
+def _parse_line(job: NcclJob, raw: str, where: str, lineno: int):
+    m = VERSION.search(raw)
+    if m and job.version is None:
+        job.version = tuple(_num(x) for x in m.groups())
+    p = PREFIX.match(raw.rstrip())
+    if not p:
+        return
+    host, msg = p["host"], p["msg"].rstrip()
+    if len(host) > MAX_HOST:  # every message naming it stays one short line
+        raise NcclLogError(f"{where}:{lineno}: host name of {len(host)} characters "
+                           f"({host[:40]!r}...): not a line NCCL printed")
+    if (m := RING.match(msg)):
+        c, n = _num(m[1]), _num(m[2])
+        if m[4]:
+            return  # cut at 128 characters: rebuilt from the Ring lines
+        ranks = tuple(_num(x) for x in m[3].split())
+        if c in job.rings and job.rings[c] != ranks:
+            raise NcclLogError(f"{where}:{lineno}: a second ring for channel {c}: the log holds "
+                               "several communicators; give the log of the data-parallel one")
+        job.rings[c] = ranks
+        job.nrings = n
+    elif (m := RING_GRAPH.match(msg)):
+        job.graph_next.setdefault(_num(m[1]), {})[_num(m[3])] = _num(m[4])
+    elif (m := COMPLETE.search(msg)):
+        r = _num(m[1])
+        _agree(job, "nranks", _num(m[2]), where, lineno)
+        job.host[r], job.cuda_dev[r], job.bus_id[r] = host, _num(m[3]), m[4]
+    elif (m := NODES.search(msg)):
+        _agree(job, "nranks", _num(m[2]), where, lineno)
+        _agree(job, "nnodes", _num(m[3]), where, lineno)
+        job.host.setdefault(_num(m[1]), host)
+        job.local_ranks[_num(m[1])] = _num(m[4])
+    elif (m := CHANNELS.match(msg)):
+        _agree(job, "coll_channels", _num(m[1]), where, lineno)
+        _agree(job, "nvls_channels", _num(m[3]), where, lineno)
+    elif (m := SETTING.match(msg)):
+        if len(m[2]) > MAX_SETTING:
+            raise NcclLogError(f"{where}:{lineno}: {m[1]} set to a value of {len(m[2])} characters "
+                               f"({m[2][:40]!r}...): not a setting NCCL takes")
+        job.settings[m[1]] = m[2]
+    elif (m := MERGED_USING.match(msg)) or ((m := MERGED_VDEV.match(msg)) and _num(m[3]) > 1):
+        what = (f"device [{m[1][:12]}] = {{{m[2][:80]}}}" if m.re is MERGED_USING
+                else f"virtual device [{m[1][:12]}] {m[2][:80]} of {m[3]} ports")
+        raise NcclLogError(
+            f"{where}:{lineno}: NCCL merged NIC ports into one net device on {host} ({what}): "
+            "--nic-addrs maps a device to one address, and a merged device's QPs use every port's; "
+            "write each rank's ranks[].ports into the plan by hand (docs/PLAN.md), or run the job "
+            "unmerged (NCCL_IB_MERGE_NICS=0 up to 2.23, NCCL_NET_MERGE_LEVEL=LOC from 2.24)")
+    elif (m := NET.match(msg)):
+        c, s, d, kind, dev, proxy = _num(m[1]), _num(m[2]), _num(m[3]), m[4], _num(m[5]), m[6]
+        job.net.setdefault((c, s, d), {})[kind] = (dev, None if proxy is None else _num(proxy))
+        job.host.setdefault(s if kind == "send" else d, host)
 
 
 def _agree(job: NcclJob, name: str, value: int, where: str, lineno: int):
@@ -179,6 +213,8 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
     if job.nranks is None:
         raise NcclLogError(f"{where}: no '- Init COMPLETE' line: how many ranks the job has is unknown")
     n = job.nranks
+    if not 1 <= n <= MAX_RANKS:  # set(range(n)) below: a line saying nranks 10**12 must not take the memory
+        raise NcclLogError(f"{where}: nranks {n} is not 1..{MAX_RANKS}")
     missing = sorted(set(range(n)) - set(job.host))
     if missing:
         raise NcclLogError(f"{where}: no line of ranks {missing[:8]} names their host: give every rank's log")
@@ -266,13 +302,14 @@ def _rings(job: NcclJob, where: str) -> tuple[tuple[int, ...], ...]:
             if len(nxt) != n:
                 raise NcclLogError(f"{where}: the ring of channel {c} is missing or cut; give rank 0's log whole, "
                                    "or every rank's 'Ring NN :' lines (NCCL_DEBUG_SUBSYS=INIT,GRAPH)")
-            ring, r = [0], nxt[0]
-            while r != 0 and len(ring) <= n:
+            ring, r = [0], nxt.get(0)
+            while r is not None and r != 0 and len(ring) <= n:  # a next no line names ends it: refused below
                 ring.append(r)
-                r = nxt[r]
+                r = nxt.get(r)
             ring = tuple(ring)
         if sorted(ring) != list(range(n)):
-            raise NcclLogError(f"{where}: the ring of channel {c} {list(ring)} does not hold ranks 0..{n - 1} once each")
+            shown = " ".join(map(str, ring[:16])) + (" ..." if len(ring) > 16 else "")
+            raise NcclLogError(f"{where}: the ring of channel {c} [{shown}] does not hold ranks 0..{n - 1} once each")
         out.append(ring)
     return tuple(out)
 
@@ -283,17 +320,32 @@ def load_nic_addrs(path: str) -> dict[str, list[str]]:
     from pathlib import Path
 
     import yaml
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as e:  # OSError: the command line says it in one line
+        raise NcclLogError(f"{path}: cannot read NIC addresses: {e}") from e
     try:
         doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise NcclLogError(f"{path}: cannot read NIC addresses: {e}") from e
-    if not isinstance(doc, dict) or not all(isinstance(v, list) for v in doc.values()):
-        raise NcclLogError(f"{path}: expected a map host -> list of NIC addresses in NCCL device order")
+    except (ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: also an int over 4300 digits
+        raise NcclLogError(f"{path}: cannot read NIC addresses: {str(e)[:200]}") from e
+    if not isinstance(doc, dict):
+        raise NcclLogError(f"{path}: expected a map host -> list of NIC addresses in NCCL device order, "
+                           f"not {show(doc)}")
+    out = {}
     for host, addrs in doc.items():
-        for a in addrs:
+        # every value is shown short (show): a YAML alias bomb must not be walked by repr or str
+        if not isinstance(host, (str, int)) or isinstance(host, int) and host.bit_length() > 64:
+            raise NcclLogError(f"{path}: host {show(host)} is not a host name")
+        if not isinstance(addrs, list):
+            raise NcclLogError(f"{path}: host {show(host)}: expected a list of NIC addresses in NCCL device "
+                               f"order, not {show(addrs)}")
+        for i, a in enumerate(addrs):
             try:
-                ipaddress.ip_address(str(a))
-            except ValueError as e:
-                raise NcclLogError(f"{path}: host {host}: {e}") from e
-    return {str(k): [str(a) for a in v] for k, v in doc.items()}
+                if not isinstance(a, str):
+                    raise ValueError(a)
+                ipaddress.ip_address(a)
+            except ValueError:
+                raise NcclLogError(f"{path}: host {show(host)}: NIC address [{i}] {show(a)} is not an "
+                                   "IPv4 or IPv6 address") from None
+        out[str(host)] = list(addrs)
+    return out

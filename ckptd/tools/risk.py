@@ -84,14 +84,35 @@ def _ring(n: int):
     return RingConfig(nranks=n, rings=(tuple(range(n)),))
 
 
-def chunk_copies(n: int, m: int, nodes: int | None = None) -> list[int]:
-    """How many mirrored links carry each chunk's final value (chunk k = rank k's),
-    read off the ring schedule rather than assumed."""
+# Reading a link's chunks off the schedule costs O(N) time and memory per link, and
+# ckptd.core.schedule.ring_steps caches every ring position it is asked about: past this
+# many (link, chunk) pairs the chunks come from the rule the schedule shows (a link
+# s -> d carries every chunk but d's; test_risk checks the two agree) instead, so that
+# --ring 65536 --mirrors 65536 takes O(N), not 4e9 steps and tens of GB.
+MAX_SCHEDULE_READ = 1 << 18
+
+
+def carried_chunks(n: int, links: list[tuple[int, int]]) -> list[list[int]]:
+    """The chunks (owner ranks) each link carries in allgather, sorted."""
+    if n * len(links) > MAX_SCHEDULE_READ:
+        return [[k for k in range(n) if k != d] for _, d in links]
     from switch_config.select import link_chunks
     ring = _ring(n)
+    return [sorted(link_chunks(ring, 0, s)) for s, _ in links]
+
+
+def chunk_copies(n: int, m: int, nodes: int | None = None) -> list[int]:
+    """How many mirrored links carry each chunk's final value (chunk k = rank k's),
+    read off the ring schedule rather than assumed (up to MAX_SCHEDULE_READ)."""
+    links = mirrored_links(n, m, nodes)
+    if n * len(links) > MAX_SCHEDULE_READ:  # every link carries all chunks but its receiver's
+        copies = [len(links)] * n
+        for _, d in links:
+            copies[d] -= 1
+        return copies
     copies = [0] * n
-    for s, _ in mirrored_links(n, m, nodes):
-        for owner in link_chunks(ring, 0, s):
+    for chunks in carried_chunks(n, links):
+        for owner in chunks:
             copies[owner] += 1
     return copies
 
@@ -107,7 +128,7 @@ def failure_probability(n: int, m: int, p: float, k: float, nodes: int | None = 
         if q >= 1.0:
             return 1.0
         log_ok += per_chunk * math.log1p(-q)
-    return -math.expm1(log_ok)
+    return -math.expm1(log_ok) + 0.0   # + 0.0: never print P = -0
 
 
 def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 0,
@@ -115,11 +136,9 @@ def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 
     """Failed iterations out of `trials`, through ckptd.core.assemble.IterationAssembly."""
     from ckptd.core.assemble import IterationAssembly
     from ckptd.core.schedule import Bucket
-    from switch_config.select import link_chunks
 
-    ring = _ring(n)
     links = mirrored_links(n, m, nodes)
-    carried = [sorted(link_chunks(ring, 0, s)) for s, _ in links]
+    carried = carried_chunks(n, links)
     count = n * per_chunk * ELEMS_PER_PACKET
     bucket = Bucket(count, np.dtype(np.float32))
     raw = np.arange(count, dtype="<f4").tobytes()    # every copy of a packet is identical
@@ -160,6 +179,13 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None, int]:
 # -- command ---------------------------------------------------------------------------
 MAX_PACKETS = 1e15  # a link's allgather packets per iteration: ~4 EB at 4 KiB each
 MAX_TRIALS = 1_000_000  # a simulated iteration walks every chunk's packets in Python
+# --simulate draws one loss per packet copy, mirrored links x N x packets per chunk of
+# them per iteration, and keeps the iteration's bucket (N x packets per chunk) in an
+# IterationAssembly: memory is O(copies of one iteration), capped here (~10 MB), and
+# every copy is placed through the merge code in Python (~20 us), so all trials
+# together are capped too (a few minutes). The formula has no such limit.
+MAX_SIM_ITERATION = 1 << 18
+MAX_SIM_COPIES = 10_000_000
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
@@ -184,9 +210,13 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
                    help="P: ports of each merged NIC (NCCL_IB_MERGE_NICS; or --plan; default 1): a link is "
                         "mirrored only when all P of its ports are")
     p.add_argument("--iteration-seconds", type=float, help="also give the mean time between failures")
-    p.add_argument("--simulate", action="store_true", help="check by Monte Carlo through the merge code")
-    p.add_argument("--trials", type=int, default=2000, help="Monte Carlo iterations (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed (default 0)")
+    p.add_argument("--simulate", action="store_true",
+                   help="check by Monte Carlo through the merge code (for small K: an iteration may draw at "
+                        f"most {MAX_SIM_ITERATION} packet copies, mirrored links x N x K/(N-1), and all "
+                        f"trials together {MAX_SIM_COPIES:.0e})")
+    p.add_argument("--trials", type=int, default=2000,
+                   help=f"Monte Carlo iterations (default 2000, at most {MAX_TRIALS})")
+    p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed, >= 0 (default 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
     return p
@@ -198,7 +228,7 @@ def run(a) -> int:
         try:
             n, k_plan, h_plan, p_plan = packets_from_plan(a.plan)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line
             return 2
         k = k if k is not None else k_plan
         nodes = nodes if nodes is not None else h_plan
@@ -219,6 +249,21 @@ def run(a) -> int:
         problems.append("--ports must be 1..4 (NCCL_IB_MAX_DEVS_PER_NIC)")
     if a.simulate and not 1 <= a.trials <= MAX_TRIALS:
         problems.append(f"--trials must be 1..{MAX_TRIALS}")
+    if a.simulate and a.seed < 0:
+        problems.append(f"--seed must be >= 0 (numpy's generators take no negative seed), not {a.seed}")
+    if a.simulate and not problems:
+        links = min(a.mirrors, len(mirrorable_links(n, nodes)))
+        per_chunk = max(1, round(k / (n - 1)))
+        copies = links * n * per_chunk
+        if copies > MAX_SIM_ITERATION:
+            problems.append(f"--simulate with --packets {k:g}: one simulated iteration would draw {copies:.3g} "
+                            f"packet copies ({links} mirrored links x {n} chunks x {per_chunk} packets), more "
+                            f"than {MAX_SIM_ITERATION} (its memory and time grow with them); simulate a "
+                            "smaller --packets (the formula holds for any K) or drop --simulate")
+        elif copies * a.trials > MAX_SIM_COPIES:
+            problems.append(f"--simulate: --trials {a.trials} x {copies} packet copies an iteration is "
+                            f"{copies * a.trials:.3g}, more than {MAX_SIM_COPIES:.0e} (~20 us each through "
+                            "the merge code); lower --trials or --packets")
     if nodes is not None and n is not None and not 2 <= nodes <= n:
         problems.append(f"--nodes must be 2..N ({n}): a ring inside one node never reaches a switch")
     if problems:

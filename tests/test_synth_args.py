@@ -26,7 +26,7 @@ CASES = [
     ("inf-at-no-amp", ["--inf-at", "0"], ["--inf-at"]),
     ("optim-betas", ["--optim", "adam:betas=2/3"], ["--optim adam"]),
     ("nccl-version-2", ["--nccl-version", "2"], ["--nccl-version '2'"]),
-    ("nccl-version-2.99", ["--nccl-version", "2.99"], ["--nccl-version '2.99'"]),
+    ("nccl-version-2.99", ["--nccl-version", "2.99"], ["--nccl-version", "NCCL 2.99 is not supported"]),
     ("nics-per-node-neg", ["--nodes", "2", "--gpus-per-node", "2", "--nics-per-node", "-1"], ["--nics-per-node"]),
     ("bn-bfloat16", ["--model", "tiny-bn", "--param-dtype", "bfloat16"], ["--param-dtype bfloat16", "--model tiny-bn"]),
     ("scheduler-unknown", ["--lr-scheduler", "NoSuch"], ["--lr-scheduler 'NoSuch'"]),

@@ -633,9 +633,11 @@ def _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, 
 def _nccl_version(text) -> tuple[int, int]:
     m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", str(text))
     (lo_major, lo_minor), (hi_major, hi_minor) = NCCL_VERSIONS
-    if m is None or not NCCL_VERSIONS[0] <= (int(m[1]), int(m[2])) <= NCCL_VERSIONS[1]:
-        raise SynthOptionError(f"--nccl-version {text!r} is not MAJOR.MINOR in "
-                               f"{lo_major}.{lo_minor}..{hi_major}.{hi_minor}")
+    if m is None:
+        raise SynthOptionError(f"--nccl-version {str(text)[:40]!r} is not MAJOR.MINOR (e.g. 2.19)")
+    if not NCCL_VERSIONS[0] <= (int(m[1]), int(m[2])) <= NCCL_VERSIONS[1]:
+        raise SynthOptionError(f"--nccl-version: NCCL {int(m[1])}.{int(m[2])} is not supported (the schedule "
+                               f"models {lo_major}.{lo_minor}..{hi_major}.{hi_minor})")
     return int(m[1]), int(m[2])
 
 

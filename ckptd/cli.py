@@ -494,10 +494,11 @@ def _raised(e: BaseException) -> str:
 
 
 def _nccl_version(text: str) -> tuple[int, int]:
-    major, _, minor = text.partition(".")
-    if not (_count(major, 0) and _count(minor, 0)):
-        raise UsageError(f"--nccl-version {text!r} is not MAJOR.MINOR (e.g. 2.19)")
-    return int(major), int(minor)
+    from ckptd.core.schedule import parse_nccl_version
+    try:
+        return parse_nccl_version(text)
+    except ValueError as e:
+        raise UsageError(f"--nccl-version {e}") from None
 
 
 # -- parser --------------------------------------------------------------------------

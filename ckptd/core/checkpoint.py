@@ -164,7 +164,7 @@ def load_checkpoint(path: str | Path, names: list[str] | None = None) -> dict:
         raise CheckpointError(f"{path}: cannot read checkpoint: {e.strerror or e}") from e
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the read forever
         raise CheckpointError(f"{path}: cannot read checkpoint: not a regular file or directory")
-    if path.is_dir() or not _is_torch_zip(path):
+    if stat.S_ISDIR(mode) or not _is_torch_zip(path):
         from ckptd.core.formats import load_standard
         return check_checkpoint(load_standard(path, names), path)
     verify_zip(path)  # torch.load reads a damaged tensor without a word

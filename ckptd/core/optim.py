@@ -300,7 +300,7 @@ def _refused_hyperparameter(opt: Optimizer, groups) -> str | None:
     return None
 
 
-def _scheduler_class(name) -> type:
+def scheduler_class(name) -> type:
     if name in UNREPLAYABLE:
         raise OptimizerError(f"optimizer.lr_scheduler.class {name} cannot be replayed: {UNREPLAYABLE[name]}")
     cls = getattr(torch.optim.lr_scheduler, name, None) if isinstance(name, str) and not name.startswith("_") else None
@@ -389,7 +389,7 @@ def check_replayable(opt: Optimizer, iterations: int | None = None) -> None:
         return
     key = "optimizer.lr_scheduler"
     try:
-        cls = _scheduler_class(s["class"])
+        cls = scheduler_class(s["class"])
     except OptimizerError as e:
         raise PlanError(str(e)) from None
     name, args = cls.__name__, dict(s.get("args") or {})
@@ -446,7 +446,7 @@ class GroupSchedule:
     def _start(self):
         s = self.opt.lr_scheduler
         name = s["class"]
-        cls = _scheduler_class(name)
+        cls = scheduler_class(name)
         groups = []
         for g in self.groups:
             h = _hyper_for_torch(g)

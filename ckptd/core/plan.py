@@ -731,25 +731,15 @@ class PlanWriteError(CkptdError, OSError):
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """checkpoint.atomic_write's whole-or-nothing write, as a plain write leaves a plan
+    (0644 less the umask), its failure named as the plan's."""
     import os
-    import tempfile
+    from ckptd.core.checkpoint import CheckpointWriteError, atomic_write
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise PlanWriteError(e.errno, f"{path}: cannot write plan: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o644)  # as a plain write leaves it (mkstemp: 0600)
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise PlanWriteError(e.errno, f"{path}: cannot write plan: {e.strerror or e}") from None
+        atomic_write(path, lambda f: f.write(text.encode()), mode=0o644)
+    except CheckpointWriteError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise PlanWriteError(e.errno, f"{path}: cannot write plan: {why}") from None
 
 
 def _nonfinite_key(v, key: str = "") -> str | None:

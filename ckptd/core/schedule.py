@@ -15,6 +15,7 @@ FlowCheck captures taken on real NICs.
 """
 from __future__ import annotations
 
+import re
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,6 +70,18 @@ class ScheduleError(CkptdError, ValueError):
     """The plan asks for a collective this schedule cannot describe exactly."""
 
 
+
+NCCL_VERSIONS = ((2, 14), (2, 32))  # the ring layouts RingConfig implements (docs/NCCL.md)
+
+
+def parse_nccl_version(text) -> tuple[int, int]:
+    """MAJOR.MINOR ("2.19") as (2, 19); ValueError for anything else (ASCII digits only:
+    int() takes other scripts' digits and fails on '2.²')."""
+    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", str(text))
+    if m is None:
+        raise ValueError(f"{str(text)[:40]!r} is not MAJOR.MINOR (e.g. 2.19)")
+    return int(m[1]), int(m[2])
+
 @dataclass(frozen=True)
 class RingConfig:
     """How the job's NCCL communicator runs its ring allreduce.
@@ -97,7 +110,7 @@ class RingConfig:
     def __post_init__(self):
         if self.protocol not in ("simple", "ll", "ll128"):
             raise ScheduleError(f"unknown NCCL protocol {self.protocol!r} (expected simple, ll or ll128)")
-        if not ((2, 14) <= tuple(self.nccl_version) <= (2, 32)):
+        if not (NCCL_VERSIONS[0] <= tuple(self.nccl_version) <= NCCL_VERSIONS[1]):
             raise ScheduleError(
                 f"NCCL {self.nccl_version[0]}.{self.nccl_version[1]} is not supported: the ring "
                 "layout is implemented for 2.14-2.19 (channels interleaved), 2.20-2.21 "

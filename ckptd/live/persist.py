@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, checkpoint_name,
-                                   load_checkpoint)
+                                   load_checkpoint, torch_load)
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
@@ -106,7 +106,7 @@ def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
         try:
-            doc = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            doc = torch_load(io.BytesIO(data))
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
         if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -25,12 +24,12 @@ import torch
 from parsers.pcap import ChunkedFile, PcapWriter
 
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
-from ckptd.core.optim import lr_factor, torch_optimizer, torch_scheduler
+from ckptd.core.optim import UNREPLAYABLE, lr_factor, scheduler_class, torch_optimizer, torch_scheduler
 from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, MAX_BUCKET_ELEMENTS, OPTIMIZER_CLASSES, BucketLayout,
-                             Mirror, ModuleBuffers, Optimizer, Parameter, Plan)
+                             Mirror, ModuleBuffers, Optimizer, Parameter, Plan, _is_int)
 from ckptd.errors import CkptdError
 from ckptd.core.psn import PSN_MOD
-from ckptd.core.schedule import AG, RingConfig
+from ckptd.core.schedule import AG, NCCL_VERSIONS, RingConfig, parse_nccl_version
 from ckptd.core.tree import TreeSchedule
 from ckptd.testing.synth.ddp import first_buckets, grad_ready_order, rebuilt_buckets
 from ckptd.testing.synth.model import MODEL_SIZES, build_model, shard_batches
@@ -59,7 +58,6 @@ SYNTH_NICS_PER_NODE = (0, 64)
 SYNTH_MAX_OTHER_ELEMENTS = min(1 << 22, MAX_BUCKET_ELEMENTS)
 # shard_batches seeds a torch.Generator with seed * 1_000_003 + ...: a 64-bit seed overflows it
 SYNTH_MAX_SEED = (1 << 32) - 1
-NCCL_VERSIONS = ((2, 14), (2, 32))
 
 
 class SynthOptionError(CkptdError, ValueError):
@@ -631,18 +629,15 @@ def _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, 
 
 
 def _nccl_version(text) -> tuple[int, int]:
-    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", str(text))
-    (lo_major, lo_minor), (hi_major, hi_minor) = NCCL_VERSIONS
-    if m is None:
-        raise SynthOptionError(f"--nccl-version {str(text)[:40]!r} is not MAJOR.MINOR (e.g. 2.19)")
-    if not NCCL_VERSIONS[0] <= (int(m[1]), int(m[2])) <= NCCL_VERSIONS[1]:
-        raise SynthOptionError(f"--nccl-version: NCCL {int(m[1])}.{int(m[2])} is not supported (the schedule "
+    try:
+        version = parse_nccl_version(text)
+    except ValueError as e:
+        raise SynthOptionError(f"--nccl-version {e}") from None
+    if not NCCL_VERSIONS[0] <= version <= NCCL_VERSIONS[1]:
+        (lo_major, lo_minor), (hi_major, hi_minor) = NCCL_VERSIONS
+        raise SynthOptionError(f"--nccl-version: NCCL {version[0]}.{version[1]} is not supported (the schedule "
                                f"models {lo_major}.{lo_minor}..{hi_major}.{hi_minor})")
-    return int(m[1]), int(m[2])
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return version
 
 
 def _in_range(option: str, value, lo: int, hi: int, note: str = "") -> None:
@@ -676,7 +671,6 @@ def check_options(opts: SynthOptions) -> None:
         if not lo <= n <= hi:
             raise SynthOptionError(f"--nodes {opts.nodes} x --gpus-per-node {opts.gpus_per_node} is {n} ranks; "
                                    + (f"at most {hi}" if n > hi else f"at least {lo}"))
-        opts.ranks = n
     else:
         _in_range("--ranks", opts.ranks, lo, hi)
     _in_range("--nics-per-node", opts.nics_per_node, *SYNTH_NICS_PER_NODE, " (0: one NIC per GPU)")
@@ -736,13 +730,12 @@ def _check_training(opts: SynthOptions, plan: Plan, model) -> None:
     if sch is None:
         return
     name = sch.get("class")
-    cls = getattr(torch.optim.lr_scheduler, str(name), None)
-    base = getattr(torch.optim.lr_scheduler, "LRScheduler", torch.optim.lr_scheduler._LRScheduler)
-    if not (isinstance(cls, type) and issubclass(cls, base)) and cls is not torch.optim.lr_scheduler.ReduceLROnPlateau:
-        raise SynthOptionError(f"--lr-scheduler {name!r} is not a torch.optim.lr_scheduler class")
-    if name in ("LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler"):
-        raise SynthOptionError(f"--lr-scheduler {name}: it takes python objects (functions or schedulers), "
-                               "which the command line cannot give")
+    if name in UNREPLAYABLE:  # the shadow's own list of what it cannot replay
+        raise SynthOptionError(f"--lr-scheduler {name}: {UNREPLAYABLE[name]}, which the shadow cannot replay")
+    try:
+        scheduler_class(name)
+    except CkptdError:
+        raise SynthOptionError(f"--lr-scheduler {name!r} is not a torch.optim.lr_scheduler class") from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -789,10 +782,8 @@ class _Created:
                     shutil.rmtree(p)
                 else:
                     p.unlink()
-            except FileNotFoundError:
-                pass
             except OSError:
-                pass  # best effort: the error being raised is the one to report
+                pass  # gone already, or best effort: the error being raised is the one to report
 
 
 def synthesize(opts: SynthOptions, progress=None) -> Plan:

@@ -80,11 +80,7 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(path.parent)
     except Exception as e:  # torch reports a full disk as RuntimeError, not OSError
         try:
             os.unlink(tmp)
@@ -129,6 +125,15 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def fsync_dir(d: Path) -> None:
+    """A rename into `d` made durable (OSError if the directory cannot be synced)."""
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _remove_stale(tmp: Path) -> None:

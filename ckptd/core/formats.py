@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, atomic_write, named_optimizer_state,
-                                   torch_load, torch_optimizer_state)
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, atomic_write,
+                                   fsync_dir, named_optimizer_state, torch_load, torch_optimizer_state)
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
 STANDARD_TAG = "ckptd-torch/1"
@@ -297,22 +297,11 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
     except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{out}: cannot write the DCP directory: {_root_cause(e)}") from None
-    _fsync_dir(out.parent)
+    try:
+        fsync_dir(out.parent)
+    except OSError as e:  # in place, but not known to be durable: as atomic_write says of a file
+        raise CheckpointWriteError(e.errno, f"{out}: cannot sync its directory: {e.strerror or e}") from None
     return out
-
-
-def _fsync_dir(d: Path) -> None:
-    """The rename made durable, where the directory can be opened so."""
-    try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _root_cause(e: BaseException) -> str:

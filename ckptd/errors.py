@@ -1,6 +1,30 @@
 """The one base of every error ckptd raises on purpose: the command line turns each into
 one line naming what was wrong and where (file, frame, flow, config key) and exit 2."""
+import datetime
 
 
 class CkptdError(Exception):
     """Bad input or an impossible request, said in words a user can act on."""
+
+
+def show(v, limit: int = 60) -> str:
+    """A value from a user's file, for an error message: short whatever it is.
+
+    Never repr() a parsed value whole: a YAML alias bomb (or a pickle that shares one list
+    many times over) is a few lines that expand to billions of nodes when walked (repr,
+    str, ==, len of the nested lists), a string may be megabytes, and repr() of an int
+    over 4300 digits raises. Containers show as their type and length, strings and
+    numbers cut to about `limit` characters."""
+    if v is None or isinstance(v, (bool, float, datetime.date)):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
+    if isinstance(v, str):
+        return repr(v) if len(v) <= limit else f"{v[:limit]!r}... ({len(v)} characters)"
+    if isinstance(v, list):
+        return f"a list of {len(v)} item(s)"
+    if isinstance(v, dict):
+        return f"a mapping of {len(v)} key(s)"
+    if isinstance(v, (bytes, bytearray)):
+        return f"{len(v)} bytes"
+    return f"a {type(v).__name__}"

@@ -47,7 +47,7 @@ import numpy as np
 
 from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
-from ckptd.core.assemble import IterationAssembly, Missing
+from ckptd.core.assemble import AGREE_WINDOW_MS, IterationAssembly, Missing
 from ckptd.core.buffers import unflatten_buffers
 from ckptd.core.checkpoint import CheckpointError, atomic_write, diff_checkpoints, load_checkpoint
 from ckptd.core.formats import find_checkpoint
@@ -70,11 +70,6 @@ def _save_npy(path: Path, array: np.ndarray):
     atomic_write(path, lambda f: f.write(buf.getbuffer()), mode=0o644)
 
 FINALIZE_LAG = 2
-# Mirror copies of one packet reach the capture host at different times (another switch
-# port, another queue): 9-11 ms apart were seen. An iteration commits only once every
-# stream's capture clock has passed this much beyond the moment it became complete, so
-# those copies are compared first (docs/ARCHITECTURE.md "Copies must agree").
-AGREE_WINDOW_MS = 50.0
 SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer holds commits
 
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, load_checkpoint, torch_load
+from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, load_checkpoint,
+                                   torch_load)
 
 log = logging.getLogger("ckptd.recovery")
 URL = re.compile(r"^https?://", re.I)
@@ -166,8 +167,7 @@ def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
         doc = torch_load(buf)
     except Exception as e:  # a cut stream
         raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes): {e}") from e
-    from ckptd.core.formats import from_torch_doc
-    return from_torch_doc(doc, Path(url), names), n
+    return as_checkpoint(doc, url, names), n
 
 
 def _read_body(resp) -> io.RawIOBase:

@@ -19,13 +19,12 @@ what they get; each error names the entry and the field.
 """
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 
 CABLING_FORMAT = "ckptd-cabling"
 CABLING_VERSION = 1
@@ -39,28 +38,6 @@ GRE_TYPES = (0x88BE, 0x22EB, 0x6558)
 
 class CablingError(CkptdError, ValueError):
     """A cabling file that is malformed or inconsistent; the message names the entry."""
-
-
-def show(v, limit: int = 60) -> str:
-    """A value from a user's file, for an error message: short whatever it is.
-
-    Never repr() a parsed value whole: a YAML alias bomb is a few lines that expand to
-    billions of nodes when walked (repr, str, ==, len of the nested lists), a string
-    may be megabytes, and repr() of an int over 4300 digits raises. Containers show as
-    their type and length, strings and numbers cut to about `limit` characters."""
-    if v is None or isinstance(v, (bool, float, datetime.date)):
-        return repr(v)
-    if isinstance(v, int):
-        return repr(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
-    if isinstance(v, str):
-        return repr(v) if len(v) <= limit else f"{v[:limit]!r}... ({len(v)} characters)"
-    if isinstance(v, list):
-        return f"a list of {len(v)} item(s)"
-    if isinstance(v, dict):
-        return f"a mapping of {len(v)} key(s)"
-    if isinstance(v, (bytes, bytearray)):
-        return f"{len(v)} bytes"
-    return f"a {type(v).__name__}"
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ def test_replay_huge_records_are_a_capture_error(scenario, capsys, fast):
     cap = _capture(scenario, "huge-record")
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", *(["--fast"] if fast else []), cap)
     assert "Traceback" not in r.stderr
-    assert "frame 1: captured length 268435456 is more than the largest snaplen" in r.stdout
+    assert "frame 1: captured length 268435456 is more than the largest snaplen" in r.stderr
 
 
 # -- command-line arguments ---------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_alias_bomb_anywhere_gives_a_short_line_naming_the_key(tmp_path, capsys,
 
 
 def test_long_and_huge_scalars_are_shown_short():
-    from switch_config.cabling import show
+    from ckptd.errors import show
     doc = golden_cabling()
     doc["switches"][0]["os"] = "x" * 1_000_000
     with pytest.raises(CablingError) as e:

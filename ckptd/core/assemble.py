@@ -17,6 +17,12 @@ import numpy as np
 
 from ckptd.core.schedule import Bucket
 
+# Mirror copies of one packet reach the capture host at different times (another switch
+# port, another queue): 9-11 ms apart were seen. An iteration commits only once every
+# stream's capture clock has passed this much beyond the moment it became complete, so
+# those copies are compared first (docs/ARCHITECTURE.md "Copies must agree").
+AGREE_WINDOW_MS = 50.0
+
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 

@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 
 CHECKPOINT_FORMAT = "ckptd-checkpoint/1"
 
@@ -74,7 +74,7 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
         raise CheckpointWriteError(e.errno, f"{path}: cannot create {tmp.name}: {e.strerror or e}") from None
     raw = None
     try:
-        raw = _RecordingFile(fd, "wb")
+        raw = io.FileIO(fd, "wb")
         with io.BufferedWriter(raw) as f:
             write(f)
             f.flush()
@@ -90,7 +90,7 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
             pass  # the directory itself is unusable: the error below says why
         if raw is None:
             _close_quietly(fd)
-        cause = _oserror_in(e, raw)
+        cause = _oserror_in(e)
         if cause is not None:  # the real errno, not torch's "enforce fail ... unexpected pos"
             err, why = cause.errno, cause.strerror or cause
         else:
@@ -99,25 +99,19 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
                                    + " ".join(str(why).split())[:300]) from None
 
 
-class _RecordingFile(io.FileIO):
-    """The temporary's raw file: keeps the OSError a write raised (a full disk). torch.save
-    reports it as its own RuntimeError ("[enforce fail at inline_container.cc] unexpected
-    pos ..."), which names neither the cause nor its errno."""
-    error: OSError | None = None
-
-    def write(self, b):
-        try:
-            return super().write(b)
-        except OSError as e:
-            self.error = e
-            raise
-
-
-def _oserror_in(e: BaseException, raw: _RecordingFile | None) -> OSError | None:
-    """The OSError behind a failed write: e itself, or the one the file's write saw."""
-    if isinstance(e, OSError):
-        return e
-    return raw.error if raw is not None else None
+def _oserror_in(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: e itself, or one in its chain. torch.save reports
+    a full disk as its own RuntimeError ("[enforce fail at inline_container.cc] unexpected
+    pos ..."), which names neither the cause nor its errno; but that error is raised by
+    its zip writer's __exit__ while the file's OSError propagates, so Python chains the
+    OSError as its __context__."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _close_quietly(fd: int) -> None:
@@ -147,10 +141,7 @@ def _remove_stale(tmp: Path) -> None:
 
 
 def _errno_in(e: Exception) -> int | None:
-    """The errno behind torch's RuntimeError for a failed write, where it says one."""
-    cause = e.__cause__ or e.__context__
-    if isinstance(cause, OSError):
-        return cause.errno
+    """The errno a failed write's message names, where no OSError is chained to it."""
     text = str(e)
     for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
         if os.strerror(code) in text:
@@ -158,10 +149,12 @@ def _errno_in(e: Exception) -> int | None:
     return None
 
 
-def load_checkpoint(path: str | Path, names: list[str] | None = None) -> dict:
+def load_checkpoint(path: str | Path, names: list[str] | None = None, *, check_crc: bool = True) -> dict:
     """Any supported checkpoint, as a ckptd checkpoint dict. `names`: the model's parameter
     names in optimizer order (the plan's), needed for a trainer's file that does not say
-    which model entries are parameters."""
+    which model entries are parameters. `check_crc=False` skips verify_zip's pass over the
+    file, for a caller that has just checked the whole file's hash itself (a persisted
+    checkpoint against its manifest's SHA-256): a second pass would find nothing new."""
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -172,15 +165,23 @@ def load_checkpoint(path: str | Path, names: list[str] | None = None) -> dict:
     if stat.S_ISDIR(mode) or not _is_torch_zip(path):
         from ckptd.core.formats import load_standard
         return check_checkpoint(load_standard(path, names), path)
-    verify_zip(path)  # torch.load reads a damaged tensor without a word
+    if check_crc:
+        verify_zip(path)  # torch.load reads a damaged tensor without a word
     try:
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
         raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
-    if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
-        return check_checkpoint(doc, path)
-    from ckptd.core.formats import from_torch_doc
-    return check_checkpoint(from_torch_doc(doc, path, names), path)
+    return as_checkpoint(doc, path, names)
+
+
+def as_checkpoint(doc, where, names: list[str] | None = None) -> dict:
+    """What torch_load read (a file, an HTTP body) as a checked ckptd checkpoint: ckptd's
+    own format as it is, a trainer's through ckptd.core.formats.from_torch_doc, then
+    check_checkpoint either way, so every reader gets the one-line error naming the key."""
+    if not (isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT):
+        from ckptd.core.formats import from_torch_doc
+        doc = from_torch_doc(doc, where, names)
+    return check_checkpoint(doc, where)
 
 
 def check_checkpoint(doc: dict, where) -> dict:
@@ -236,18 +237,17 @@ def _check_values(d: dict, key: str, where) -> None:
 
 
 def _short(v, width: int = 60) -> str:
-    """A value in a few words for a one-line message: its type and a clipped repr (a
-    tensor by dtype and shape, never its elements)."""
+    """A value from a checkpoint for a structure error: ckptd.errors.show (never walks a
+    container: a pickle can share one list many times over), a tensor by dtype and shape
+    (never its elements; errors.py does not import torch), and a number or string with
+    its type, as what is wrong in a structure is the type ("model.w is an int 1")."""
     if isinstance(v, torch.Tensor):
         return f"a tensor {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-    if v is None:
-        return "None"
-    if isinstance(v, (list, tuple, dict)) and any(isinstance(x, torch.Tensor) for x in
-                                                  (v.values() if isinstance(v, dict) else v)):
-        return f"a {type(v).__name__} of {len(v)} items, with tensors"
-    text = _clip(repr(v), width)
-    kind = type(v).__name__
-    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} {text}"
+    text = show(v, width)
+    if isinstance(v, (bool, float, str)) or isinstance(v, int) and v.bit_length() <= 64:
+        kind = type(v).__name__
+        return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} {text}"
+    return text  # None, or show names the type (a list of 3 item(s), an integer of 90 bits)
 
 
 def verify_zip(path: Path) -> None:
@@ -468,15 +468,9 @@ def _same(x, y) -> bool:
 
 
 def _brief(v) -> str:
-    """A value in a difference line: short, and never a tensor's elements."""
-    if isinstance(v, (torch.Tensor, list, tuple, dict)):
-        return _short(v, 40)
-    return _clip(repr(v), 40)
-
-
-def _clip(text: str, width: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[:width - 3] + "..."
+    """A value in a difference line: the value itself (no type, as _short gives), short,
+    and never a tensor's elements."""
+    return _short(v, 40) if isinstance(v, torch.Tensor) else show(v, 40)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -1003,7 +1003,8 @@ def _np_dtype(name: str) -> str:
     return "uint16" if name == "bfloat16" else name
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
+    """The plan in the file at `path`; check_optimizer as in plan_from_json."""
     path = Path(path)
     try:
         if path.stat().st_size > MAX_PLAN_BYTES:
@@ -1013,7 +1014,7 @@ def load_plan(path: str | Path) -> Plan:
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
         raise PlanError(f"{path}: cannot read plan: {e}") from None
-    return plan_from_json(doc, str(path))
+    return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
 
 
 class _Doc:
@@ -1089,12 +1090,15 @@ def _kind(v) -> str:
             type(None): "null"}.get(type(v), f"{type(v).__name__} {v!r}"[:60])
 
 
-def plan_from_json(doc, where: str = "plan") -> Plan:
-    """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>"."""
+def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) -> Plan:
+    """The plan a parsed JSON document describes; PlanError "<where>: <key>: <why>".
+    check_optimizer=False is for tools that read only the ring and parameters and never
+    step the optimizer (mirror-config, mirror-risk): its groups and lr scheduler are then
+    not built in torch, which is not even imported; whatever replays keeps the check."""
     try:
         plan = _plan_from_json(doc)
         opt = plan.optimizer
-        if opt is not None and (opt.groups or opt.lr_scheduler is not None):
+        if check_optimizer and opt is not None and (opt.groups or opt.lr_scheduler is not None):
             # torch's constructors and scheduler: what they refuse (or fail on at their
             # first step) is refused now, before any checkpoint is written
             from ckptd.core.optim import check_replayable

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, checkpoint_name,
-                                   load_checkpoint, torch_load)
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, check_checkpoint,
+                                   checkpoint_name, load_checkpoint, torch_load)
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
@@ -95,7 +95,8 @@ def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:
             raise CheckpointError(f"{path}: listed in the manifest but missing")
         if file_digest(store.path / entry["file"]) != entry["sha256"]:
             raise CheckpointError(f"{path}: SHA-256 differs from the manifest's")
-        doc = load_checkpoint(store.path / entry["file"])
+        # the SHA-256 covers every byte the zip CRCs do: no second pass for them
+        doc = load_checkpoint(store.path / entry["file"], check_crc=False)
     else:
         try:
             data = store.read(entry["file"])
@@ -111,6 +112,7 @@ def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:
             raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
         if not isinstance(doc, dict) or doc.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: not a ckptd checkpoint")
+        check_checkpoint(doc, path)  # as load_checkpoint does on the local branch
     if doc.get("iteration") != entry["iteration"]:
         raise CheckpointError(f"{path}: holds iteration {doc.get('iteration')}, the manifest says "
                               f"{entry['iteration']}")

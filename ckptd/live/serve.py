@@ -8,7 +8,8 @@ a buffer each, never a thread:
 - at most `max_connections` are open at once; one more is answered 503 and closed at
   once, without reading it;
 - a request head must arrive whole within `read_timeout_s` of the accept (a slowloris
-  sending a byte a second is closed at the deadline, 408), and be at most 8 KiB (431);
+  sending a byte a second is closed at the deadline, 408), and be at most 8 KiB with
+  its blank line (431); its lines may end in CRLF or bare LF;
 - a worker writes with the same timeout per send, so a client that stops reading
   frees its worker;
 - with a `token`, every request needs `Authorization: Bearer <token>` (401 without it,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import collections
 import hmac
 import ipaddress
+import re
 import selectors
 import socket
 import threading
@@ -33,7 +35,11 @@ from typing import Callable, Iterable
 
 from ckptd.threads import Thread, name_os_thread
 
-MAX_HEAD = 8192
+MAX_HEAD = 8192  # bytes of a request head, its blank line included
+# The blank line that ends a head. Lines may end in bare LF as well as CRLF (RFC 9112
+# 2.2 allows a recipient to accept it): hand-typed netcat requests are answered, not
+# left to time out.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable"}
@@ -169,14 +175,22 @@ class HttpServer:
         if not data:
             self._drop(c)
             return
+        # the blank line may straddle two recvs: search from just before the new data,
+        # never the whole buffer again (a byte-a-second client must not cost quadratic time)
+        start = max(0, len(c.buf) - 2)
         c.buf += data
-        if b"\r\n\r\n" in c.buf:
-            self._sel.unregister(c.sock)
-            del self._reading[c.sock.fileno()]
-            self._pool.submit(self._answer, c)
-        elif len(c.buf) > MAX_HEAD:
+        blank = _BLANK_LINE.search(c.buf, start)
+        if blank is None and len(c.buf) <= MAX_HEAD:
+            return  # more to come
+        # the limit holds for the head with its blank line, however the recvs cut it
+        if blank is None or blank.end() > MAX_HEAD:
             _send_quietly(c.sock, _head(431, "text/plain", 0))
             self._drop(c)
+            return
+        c.buf = c.buf[:blank.start()]  # the head's lines; anything after it is ignored
+        self._sel.unregister(c.sock)
+        del self._reading[c.sock.fileno()]
+        self._pool.submit(self._answer, c)
 
     def _expire(self, now: float):
         while self._reading:
@@ -218,9 +232,11 @@ class HttpServer:
         finally:
             self._close(s)
 
-    def _respond(self, raw: bytes) -> tuple[Response, bool]:
-        head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1")
-        lines = head.split("\r\n")
+    def _respond(self, head: bytes) -> tuple[Response, bool]:
+        """The response to a request head (its lines, without the blank line)."""
+        lines = [line.removesuffix("\r") for line in head.decode("latin-1").split("\n")]
+        if any("\r" in line for line in lines):  # RFC 9112 2.2: reject a bare CR
+            return text(400, "bare CR in the request head"), False
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return text(400, "bad request line"), False

@@ -72,7 +72,7 @@ def run(a) -> int:
     from switch_config.select import SelectionError, network_links, select_mirrors
 
     try:
-        plan = load_plan(a.plan)
+        plan = load_plan(a.plan, check_optimizer=False)  # the ring and ranks only: no torch
         cabling = load_cabling(a.cabling)
     except (PlanError, CablingError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)

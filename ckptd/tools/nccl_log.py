@@ -59,8 +59,7 @@ from dataclasses import dataclass, field
 from ckptd.core.algorithms import allreduce_protocol, check_allreduce_algorithm
 from ckptd.core.plan import MAX_RANKS
 from ckptd.core.schedule import ScheduleError, ib_ar_settings
-from ckptd.errors import CkptdError
-from switch_config.cabling import show
+from ckptd.errors import CkptdError, show
 
 PREFIX = re.compile(r"^(?:\[[^\]]*\] )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
 VERSION = re.compile(r"NCCL version (\d+)\.(\d+)\.(\d+)\S*")
@@ -112,9 +111,8 @@ def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
             _parse_line(job, raw, where, lineno)
         except NcclLogError:
             raise
-        except ValueError:  # _num
-            raise NcclLogError(f"{where}:{lineno}: a number of more than {MAX_DIGITS} digits: "
-                               "not a line NCCL printed") from None
+        except ValueError as e:  # _num's names the number; any other ValueError, its own cause
+            raise NcclLogError(f"{where}:{lineno}: {e}") from None
     return job
 
 
@@ -125,7 +123,8 @@ def _num(digits: str) -> int:
     """int() of a log's digits, refused (ValueError) past MAX_DIGITS: a huge value would
     make messages of thousands of digits (or, past 4300, int() itself raise)."""
     if len(digits) > MAX_DIGITS:
-        raise ValueError(digits[:20])
+        raise ValueError(f"a number of more than {MAX_DIGITS} digits: {digits[:20]}... ({len(digits)} digits), "
+                         "not a line NCCL printed")
     return int(digits)
 
 

@@ -92,9 +92,14 @@ def _ring(n: int):
 MAX_SCHEDULE_READ = 1 << 18
 
 
+def _by_rule(n: int, links: list[tuple[int, int]]) -> bool:
+    """Past MAX_SCHEDULE_READ (link, chunk) pairs the chunks come from the rule, not the schedule."""
+    return n * len(links) > MAX_SCHEDULE_READ
+
+
 def carried_chunks(n: int, links: list[tuple[int, int]]) -> list[list[int]]:
     """The chunks (owner ranks) each link carries in allgather, sorted."""
-    if n * len(links) > MAX_SCHEDULE_READ:
+    if _by_rule(n, links):
         return [[k for k in range(n) if k != d] for _, d in links]
     from switch_config.select import link_chunks
     ring = _ring(n)
@@ -105,7 +110,7 @@ def chunk_copies(n: int, m: int, nodes: int | None = None) -> list[int]:
     """How many mirrored links carry each chunk's final value (chunk k = rank k's),
     read off the ring schedule rather than assumed (up to MAX_SCHEDULE_READ)."""
     links = mirrored_links(n, m, nodes)
-    if n * len(links) > MAX_SCHEDULE_READ:  # every link carries all chunks but its receiver's
+    if _by_rule(n, links):  # every link carries all chunks but its receiver's
         copies = [len(links)] * n
         for _, d in links:
             copies[d] -= 1
@@ -129,6 +134,12 @@ def failure_probability(n: int, m: int, p: float, k: float, nodes: int | None = 
             return 1.0
         log_ok += per_chunk * math.log1p(-q)
     return -math.expm1(log_ok) + 0.0   # + 0.0: never print P = -0
+
+
+def _sim_per_chunk(n: int, k: float) -> int:
+    """Packets per chunk in a simulation of K per link: whole, at least 1. run() sizes --simulate
+    by it and check() simulates it, so the two must agree."""
+    return max(1, round(k / (n - 1)))
 
 
 def simulate(n: int, m: int, p: float, per_chunk: int, trials: int, seed: int = 0,
@@ -166,7 +177,7 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None, int]:
     no gradient, so K is a slight overestimate for Simple."""
     from ckptd.core.plan import load_plan
     from ckptd.core.schedule import AG
-    plan = load_plan(path)
+    plan = load_plan(path, check_optimizer=False)  # the ring and buckets only: no torch
     wire = plan.network_connections
     total = 0
     for (s, d, c, _q), flow in plan.schedule(1).flows.items():
@@ -253,7 +264,7 @@ def run(a) -> int:
         problems.append(f"--seed must be >= 0 (numpy's generators take no negative seed), not {a.seed}")
     if a.simulate and not problems:
         links = min(a.mirrors, len(mirrorable_links(n, nodes)))
-        per_chunk = max(1, round(k / (n - 1)))
+        per_chunk = _sim_per_chunk(n, k)
         copies = links * n * per_chunk
         if copies > MAX_SIM_ITERATION:
             problems.append(f"--simulate with --packets {k:g}: one simulated iteration would draw {copies:.3g} "
@@ -294,7 +305,7 @@ def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None
 
 def check(n: int, m: int, p: float, k: float, trials: int, seed: int, nodes: int | None = None) -> dict:
     """Monte Carlo with a whole number of packets per chunk, and the formula at that K."""
-    per_chunk = max(1, round(k / (n - 1)))
+    per_chunk = _sim_per_chunk(n, k)
     k_sim = per_chunk * (n - 1)
     failed = simulate(n, m, p, per_chunk, trials, seed, nodes)
     rate = failed / trials

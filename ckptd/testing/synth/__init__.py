@@ -41,7 +41,7 @@ from parsers.bth import BTH
 
 # Between one iteration's last allreduce and the next one's first: the optimizer step,
 # the forward pass and the first part of the backward pass. Tens to hundreds of ms in real
-# jobs; longer than the agreement window (ckptd.pipeline.AGREE_WINDOW_MS), as there.
+# jobs; longer than the agreement window (ckptd.core.assemble.AGREE_WINDOW_MS), as there.
 ITERATION_GAP_NS = 100_000_000
 
 # What the synthesizer takes (the command line's ranges): every rank's gradients and every

@@ -288,12 +288,19 @@ def main(argv=None):
     ap.add_argument("--sender", choices=("tcpreplay", "txring"), default="tcpreplay",
                     help="capture_rate's senders (its default is txring where built)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--turn-kib", type=int, metavar="KIB",
+                    help="the turn (ring bytes the in-process loop takes per ring, a capture worker's slot) instead "
+                         "of the plan's (ckptd.live.ring.turn_bytes), to compare sizes in one run")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ckptd-capture-rate"))
     a = ap.parse_args(argv)
     a.tcpdump_filter = TCPDUMP_FILTER
     import ast
     a.extra = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in a.set)}
-    print(f"machine: {machine()}; load average {os.getloadavg()}; config {a.extra}", flush=True)
+    if a.turn_kib:  # the daemon asks ring.turn_bytes when it opens its rings or workers
+        import ckptd.live.ring
+        ckptd.live.ring.turn_bytes = lambda least, kib=a.turn_kib: kib << 10
+    print(f"machine: {machine()}; load average {os.getloadavg()}; config {a.extra}"
+          f"{f'; turn {a.turn_kib} KiB' if a.turn_kib else ''}", flush=True)
     wl = load_workload(ensure_synth(a, a.iterations))
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-dcpu-", dir="/dev/shm"))
     try:

@@ -2,7 +2,7 @@
 cheaper, and does start-up fault less?
 
     flock /tmp/bench.lock python -m benchmarks.hugepages [--passes 200] [--rounds 3]
-        [--block-kib 1024] [--frame-bytes 3000]
+        [--block-kib 1024] [--frame-bytes 3000] [--slot-kib 4096]
 
 A ring-sized buffer (64 MiB, ordinary pages, standing in for the TPACKET ring mapping)
 is cut into blocks of --block-kib holding --frame-bytes frames; ckptd.live.workers'
@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from benchmarks.machine import machine
+from ckptd.live.ring import TURN_BYTES
 
 RING = 64 << 20
 
@@ -41,7 +42,7 @@ def ring_batch(block: int, frame: int, blocks: int):
                  np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64))
 
 
-def area_for(pages: str, block: int):
+def area_for(pages: str, block: int, slot: int):
     """A fresh SharedArea of a worker's size backed by `pages`, or None where the machine has none."""
     from ckptd.live import hugemem
     from ckptd.live.workers import SLOTS, _layout
@@ -50,7 +51,7 @@ def area_for(pages: str, block: int):
     if pages == "thp":  # past a reserved hugetlb pool, which `on` would take first
         hugemem._hugetlb_fd = _no_pool
     try:
-        a = hugemem.SharedArea(SLOTS * _layout(block)[2] + SLOTS, mode)
+        a = hugemem.SharedArea(SLOTS * _layout(block, slot)[2] + SLOTS, mode)
     except OSError:
         return None
     finally:
@@ -70,13 +71,13 @@ def shmem_huge_kib() -> int:
     return next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("ShmemHugePages:"))
 
 
-def one(pages: str, batch, block: int, passes: int):
+def one(pages: str, batch, block: int, slot: int, passes: int):
     from ckptd.live.workers import SLOTS, _copy_blocks, _slot_views, slot_blocks
-    a = area_for(pages, block)
+    a = area_for(pages, block, slot)
     if a is None:
         return None
-    views = [_slot_views(a, s, block) for s in range(SLOTS)]
-    nblk = slot_blocks(block)
+    views = [_slot_views(a, s, block, slot) for s in range(SLOTS)]
+    nblk = slot_blocks(block, slot)
     cuts = np.flatnonzero(np.diff(batch.offsets // block)) + 1
     starts = np.concatenate(([0], cuts))[::nblk].tolist() + [len(batch)]
     pieces = [_slice(batch, lo, hi) for lo, hi in zip(starts, starts[1:])]  # one slot's worth each
@@ -85,7 +86,7 @@ def one(pages: str, batch, block: int, passes: int):
     def sweep():
         n = 0
         for k, p in enumerate(pieces):
-            n += _copy_blocks(p, block, ring_blocks, *views[k % SLOTS])
+            n += _copy_blocks(p, block, ring_blocks, *views[k % SLOTS][:2])  # data, meta
         return n
     f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     for _ in range(-(-SLOTS // len(pieces))):
@@ -113,21 +114,23 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-kib", type=int, default=1024)
     ap.add_argument("--frame-bytes", type=int, default=3000)
+    ap.add_argument("--slot-kib", type=int, default=TURN_BYTES >> 10,
+                    help="a slot's bytes: the daemon's is the plan's turn (ckptd.live.ring.turn_bytes), at most this")
     a = ap.parse_args(argv)
     from ckptd.live.hugemem import thp_policy
     from ckptd.live.workers import SLOTS, slot_blocks
-    block = a.block_kib << 10
-    batch = ring_batch(block, a.frame_bytes, SLOTS * slot_blocks(block))
+    block, slot = a.block_kib << 10, a.slot_kib << 10
+    batch = ring_batch(block, a.frame_bytes, SLOTS * slot_blocks(block, slot))
     print(machine())
     hp = {k: v for k, v in (line.split(":") for line in open("/proc/meminfo") if line.startswith("HugePages_"))}
-    print(f"{len(batch)} frames of {a.frame_bytes} bytes in {SLOTS * slot_blocks(block)} blocks of {a.block_kib} KiB; "
+    print(f"{len(batch)} frames of {a.frame_bytes} bytes in {SLOTS * slot_blocks(block, slot)} blocks of {a.block_kib} KiB; "
           f"shmem THP: {thp_policy()}; HugePages_Free: {hp['HugePages_Free'].strip()}")
     print("| pages | round | start-up minor faults | start-up ms | CPU-s per M frames (copy) | ShmemHugePages KiB | load |")
     print("|---|---|---|---|---|---|---|")
     kinds = ["4k", "hugetlb", "thp"]
     for r in range(a.rounds):
         for pages in (kinds if r % 2 == 0 else kinds[::-1]):
-            got = one(pages, batch, block, a.passes)
+            got = one(pages, batch, block, slot, a.passes)
             load = open("/proc/loadavg").read().split()[0]
             if got is None:
                 print(f"| {pages} | {r} | (none on this machine) | | | | {load} |")

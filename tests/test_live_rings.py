@@ -14,7 +14,7 @@ import pytest
 
 from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
 from ckptd.live.daemon import Daemon, DaemonConfig, InterfaceConfig
-from ckptd.live.ring import in_netns
+from ckptd.live.ring import in_netns, turn_bytes
 from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
 from ckptd.testing.sender import send_frames
 from parsers.pcap import read_pcap
@@ -229,6 +229,9 @@ def test_rings_without_drops_commit_every_iteration(run, links, tmp_path, reques
     if workers:
         assert all(c["worker"]["alive"] is False and c["worker"]["lost"] == 0 for c in caps)
         assert len({c["worker"]["pid"] for c in caps}) == 2
+        # a slot holds what the in-process path takes of a ring per turn, sized from the plan
+        turn = turn_bytes(daemon.plan.least_link_bytes())
+        assert all(c["worker"]["slot_bytes"] == max(1, turn >> 16) << 16 for c in caps), (turn, caps)
         pages = {c["worker"]["pages"] for c in caps}
         if huge == "auto":  # whatever the machine has: the same for both workers
             assert len(pages) == 1 and pages <= {"hugetlb", "thp", "4k"}

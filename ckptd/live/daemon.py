@@ -989,11 +989,13 @@ class Daemon:
         """One capture process per interface; then the coordinator (this process, all
         its threads) is pinned to `cpus`, after the workers started so that a worker
         without a `cpu` of its own keeps the machine's CPUs."""
+        from ckptd.live.ring import turn_bytes
         from ckptd.live.workers import CaptureWorkers
         self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
                                       busy_poll=self.cfg.busy_poll, huge_pages=self.cfg.huge_pages,
                                       drop_capabilities=self.cfg.drop_capabilities,
-                                      icrc=self.fast)  # the fast path's kernel then skips the CRC
+                                      icrc=self.fast,  # the fast path's kernel then skips the CRC
+                                      slot_bytes=turn_bytes(self.plan.least_link_bytes()))  # as ring_batches
         self.captures = list(self.workers.captures)
         if self.cfg.cpus:
             for tid in os.listdir("/proc/self/task"):

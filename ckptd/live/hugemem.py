@@ -15,9 +15,10 @@ Where the memory comes from, in this order under `auto`:
 - "4k": a plain memfd.
 `on` refuses to start with neither, `off` takes "4k".
 
-Why huge pages: one area is 8 slots of ~1.6 MiB per interface; the worker writes every
-ring block into it and the coordinator reads it back, so in 4 KiB pages each pass walks
-~3,300 pages (first touch: that many page faults) and their TLB misses; in 2 MiB pages, 7.
+Why huge pages: one area is 8 slots per interface, up to ~6.6 MiB each (a 4 MiB turn of
+ring blocks and its frame arrays); the worker writes every ring block into it and the
+coordinator reads it back, so in 4 KiB pages each pass walks up to ~13,400 pages (first
+touch: that many page faults) and their TLB misses; in 2 MiB pages, 27.
 A memfd rather than a file in /dev/shm: nothing is left behind by a daemon that is
 killed (the memory goes with its last mapping), MFD_HUGETLB needs no hugetlbfs mount,
 and /dev/shm's tmpfs ignores shmem_enabled (its own mount option `huge=` decides).

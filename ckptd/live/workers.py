@@ -16,8 +16,8 @@ batch kernel, commits and steps the optimizer. A worker also checks each frame's
 as it hands the slot over (ckptd.fast.icrc.icrc_checker on the bytes it has just copied,
 still in its cache), the share of the kernel's work that needs nothing but the frame:
 the coordinator's kernel computes no CRC for a frame found good (Batch.icrc_checked)
-and decodes the rest as before. The slots add `SLOTS` x SLOT_BYTES of
-backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
+and decodes the rest as before. The slots add `SLOTS` slots of a turn's bytes
+(ckptd.live.ring.turn_bytes) of backlog per interface beyond the ring, and no worker shares the coordinator's GIL. A worker can
 be pinned to a CPU and can busy-poll its ring instead of sleeping in poll(2).
 
 A worker that dies is reported (errors, and `worker` in its capture's stats) and the
@@ -32,48 +32,49 @@ import os
 import select
 import signal
 import time
-from multiprocessing.connection import wait
 from typing import Callable, Iterator
 
 import numpy as np
 
 from ckptd.fast.batches import Batch
 from ckptd.live.hugemem import SharedArea
-from ckptd.live.ring import timed_wait
+from ckptd.live.ring import TURN_BYTES, timed_wait
 from ckptd.threads import name_os_thread
 from parsers.frame import LINKTYPE_ETHERNET
 
-SLOTS = 8  # shared-memory slots per worker, each SLOT_BYTES of ring blocks (at least one)
-SLOT_BYTES = 1 << 20
+SLOTS = 8  # shared-memory slots per worker, each a turn's bytes of ring blocks (at least one)
 _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
 _META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no; then a byte per
 # frame: 1 where the worker found the frame RoCE with a good ICRC
 STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
 
 
-def slot_blocks(block_size: int) -> int:
-    """Ring blocks a slot holds: SLOT_BYTES' worth (at least one). The coordinator takes
-    a slot per stream and turn, so the streams stay within a slot of each other in
-    processing order (see ring.TURN_BYTES)."""
-    return max(1, SLOT_BYTES // block_size)
+def slot_blocks(block_size: int, slot_bytes: int) -> int:
+    """Ring blocks a slot holds: slot_bytes' worth (at least one). slot_bytes is the
+    in-process path's turn (ring.turn_bytes of the plan): the coordinator takes a slot
+    per stream as it comes, so a slot may not span more of a stream than a turn does
+    (ring_batches: no stream an iteration ahead of another within one turn), and the
+    larger it may be, the less of the coordinator's fixed cost per batch each frame
+    bears."""
+    return max(1, slot_bytes // block_size)
 
 
-def _layout(block_size: int) -> tuple[int, int, int]:
+def _layout(block_size: int, slot_bytes: int) -> tuple[int, int, int]:
     """(bytes of frame data, frames the arrays hold, bytes) of one slot."""
-    data = slot_blocks(block_size) * block_size
+    data = slot_blocks(block_size, slot_bytes) * block_size
     frames = data // _MIN_FRAME_SPACE
     return data, frames, data + _META * 8 * frames + frames
 
 
-def _busy_flags(shm: SharedArea, block_size: int) -> np.ndarray:
+def _busy_flags(shm: SharedArea, block_size: int, slot_bytes: int) -> np.ndarray:
     """One byte per slot after the slots: 1 while the slot holds frames the coordinator
     has not processed yet. The worker sets it, the coordinator clears it: a slot goes
     back without a message (and the wakeup a message costs)."""
-    return np.ndarray(SLOTS, np.uint8, shm.buf, SLOTS * _layout(block_size)[2])
+    return np.ndarray(SLOTS, np.uint8, shm.buf, SLOTS * _layout(block_size, slot_bytes)[2])
 
 
-def _slot_views(shm: SharedArea, slot: int, block_size: int):
-    nbytes, frames, size = _layout(block_size)
+def _slot_views(shm: SharedArea, slot: int, block_size: int, slot_bytes: int):
+    nbytes, frames, size = _layout(block_size, slot_bytes)
     base = slot * size
     data = np.ndarray(nbytes, np.uint8, shm.buf, base)
     meta = np.ndarray((_META, frames), np.int64, shm.buf, base + nbytes)
@@ -105,7 +106,7 @@ def _copy_blocks(batch: Batch, block_size: int, block_nr: int, data: np.ndarray,
 
 # -- the worker process ---------------------------------------------------------------------
 def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None, busy_poll: bool,
-                 drop_capabilities: bool = False, icrc: bool = False):
+                 slot_bytes: int, drop_capabilities: bool = False, icrc: bool = False):
     """One capture worker: ring -> shared-memory slots -> ("batch", slot, n) messages;
     the coordinator clears the slot's busy flag when done with it; ("stop",) ends the
     worker after the ring is drained. Signals are the coordinator's business: a SIGTERM to the whole
@@ -134,16 +135,16 @@ def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None
         from ckptd.fast.icrc import icrc_checker  # the kernel's CRC set-up, without torch
         checker = icrc_checker()
     try:
-        _capture_loop(stream, cap, shm, conn, busy_poll, checker)
+        _capture_loop(stream, cap, shm, conn, busy_poll, slot_bytes, checker)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         cap.close()  # the coordinator is gone: nobody to hand frames to
 
 
-def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, checker=None):
+def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, slot_bytes: int, checker=None):
     bs = cap.block_size
-    per_slot = slot_blocks(bs)
-    views = [_slot_views(shm, s, bs) for s in range(SLOTS)]
-    busy = _busy_flags(shm, bs)
+    per_slot = slot_blocks(bs, slot_bytes)
+    views = [_slot_views(shm, s, bs, slot_bytes) for s in range(SLOTS)]
+    busy = _busy_flags(shm, bs, slot_bytes)
     poller = select.poll()
     poller.register(cap.fileno(), select.POLLIN | select.POLLERR)
     poller.register(conn.fileno(), select.POLLIN)
@@ -199,6 +200,7 @@ class WorkerCapture:
         self.received = 0  # frames that reached the coordinator
         self.pid: int | None = None
         self.pages = ""  # what backs its shared-memory slots (ckptd.live.hugemem: hugetlb, thp, 4k)
+        self.slot_bytes = 0  # ring bytes a slot holds: the most the coordinator takes of it at once
         self.exitcode: int | None = None
         self.done = False
 
@@ -209,7 +211,7 @@ class WorkerCapture:
         lost = 0 if alive or self.done else max(0, self.last["packets"] - self.last["drops"] - self.received)
         return {"ifname": self.ifname, "netns": self.netns, **self.last,
                 "worker": {"pid": self.pid, "alive": alive, "exitcode": self.exitcode, "lost": lost,
-                           "pages": self.pages}}
+                           "pages": self.pages, "slot_bytes": self.slot_bytes}}
 
     def close(self):
         self.pool.close()
@@ -219,7 +221,7 @@ class CaptureWorkers:
     """One capture process per interface (docs/DAEMON.md: workers, pinning, sizing)."""
 
     def __init__(self, interfaces: list, *, bpf: bool, busy_poll: bool = False, drop_capabilities: bool = False,
-                 huge_pages: str = "auto", icrc: bool = False):
+                 huge_pages: str = "auto", icrc: bool = False, slot_bytes: int = TURN_BYTES):
         ctx = mp.get_context("spawn")  # the daemon holds torch's threads: no fork
         self.captures: list[WorkerCapture] = []
         self.shms: list[SharedArea] = []
@@ -232,24 +234,28 @@ class CaptureWorkers:
             from ckptd.live.privilege import start_resource_tracker_unprivileged
             start_resource_tracker_unprivileged()
         try:
-            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc)
+            self._spawn(ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc, slot_bytes)
         except BaseException:
             self.close()  # no shared memory or process left behind
             raise
-        self._linktype = np.full(max(_layout(i.block_size)[1] for i in interfaces), LINKTYPE_ETHERNET, np.int32)
+        # per-frame columns that are the same for every frame of a worker's batches: made once
+        frames = max(_layout(i.block_size, slot_bytes)[1] for i in interfaces)
+        self._linktype = np.full(frames, LINKTYPE_ETHERNET, np.int32)
+        self._stream = [np.full(frames, k, np.int32) for k in range(len(interfaces))]
         self._start()
 
-    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc):
+    def _spawn(self, ctx, interfaces, bpf, busy_poll, drop_capabilities, huge_pages, icrc, slot_bytes):
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
                     "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
-            shm = SharedArea(SLOTS * _layout(i.block_size)[2] + SLOTS, huge_pages)
+            shm = SharedArea(SLOTS * _layout(i.block_size, slot_bytes)[2] + SLOTS, huge_pages)
             self.shms.append(shm)
-            self._views.append([_slot_views(shm, s, i.block_size) for s in range(SLOTS)])
-            self._busy.append(_busy_flags(shm, i.block_size))
+            self._views.append([_slot_views(shm, s, i.block_size, slot_bytes) for s in range(SLOTS)])
+            self._busy.append(_busy_flags(shm, i.block_size, slot_bytes))
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(k, spec, shm, child, i.cpu, busy_poll, drop_capabilities, icrc),
+            p = ctx.Process(target=_worker_main,
+                            args=(k, spec, shm, child, i.cpu, busy_poll, slot_bytes, drop_capabilities, icrc),
                             name=f"ckptd-capture-{i.name}", daemon=True)
             p.start()
             child.close()
@@ -257,6 +263,7 @@ class CaptureWorkers:
             self.procs.append(p)
             wc = WorkerCapture(self, k, i.ifname, i.netns)
             wc.pid, wc.pages = p.pid, shm.pages
+            wc.slot_bytes = slot_blocks(i.block_size, slot_bytes) * i.block_size
             self.captures.append(wc)
 
     def _start(self):
@@ -278,19 +285,38 @@ class CaptureWorkers:
         """(stream, Batch) as the workers hand blocks over, until stop is set and every
         worker has drained its ring (or died). A Batch's slot goes back to its worker
         when the next item is asked for. on_poll gets the seconds each wait for the
-        workers took."""
+        workers took.
+
+        One poll(2) set for the whole run (each worker's pipe and its process sentinel,
+        which turns readable when the process ends): the coordinator pays this per batch,
+        so no selector is built per wait and no process is asked whether it lives
+        until its sentinel says it ended."""
         live = set(range(len(self.conns)))
+        poller = select.poll()
+        which = {}  # fd -> (worker, is its sentinel)
+        for k in live:
+            for fd, sentinel in ((self.conns[k].fileno(), False), (self.procs[k].sentinel, True)):
+                poller.register(fd, select.POLLIN)
+                which[fd] = (k, sentinel)
+
+        def retire(k):
+            live.discard(k)
+            for fd in (self.conns[k].fileno(), self.procs[k].sentinel):
+                poller.unregister(fd)
+
         stopping = False
         while live:
             if stop.is_set() and not stopping:
                 stopping = True
                 for k in live:
                     self._send(k, ("stop",))
-            ready = timed_wait(on_poll, wait, [self.conns[k] for k in live] + [self.procs[k].sentinel for k in live],
-                               0.05)
-            for k in sorted(live):
+            ready = timed_wait(on_poll, poller.poll, 50)
+            has_data = {which[fd][0] for fd, _ in ready if not which[fd][1]}
+            ended = {which[fd][0] for fd, _ in ready if which[fd][1]}
+            for k in sorted(has_data | ended):
                 conn, proc = self.conns[k], self.procs[k]
-                while k in live and conn in ready and conn.poll(0):
+                # what a worker sent before it ended is still in its pipe: read that first
+                while k in live and (k in has_data or k in ended) and conn.poll(0):
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError):
@@ -305,19 +331,19 @@ class CaptureWorkers:
                     elif msg[0] == "done":
                         self.captures[k].last.update(msg[1])
                         self.captures[k].done = True
-                        live.discard(k)
-                if k in live and not proc.is_alive():
+                        retire(k)
+                if k in live and k in ended:
                     proc.join(1)
                     cap = self.captures[k]
                     cap.exitcode = proc.exitcode
-                    live.discard(k)
+                    retire(k)
                     errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) died "
                                   f"(exit code {proc.exitcode}); {cap.stats()['worker']['lost']} frames lost "
                                   f"with it; the other streams go on")
 
     def _batch(self, k: int, slot: int, n: int) -> Batch:
         data, meta, checked = self._views[k][slot]
-        return Batch(data, meta[0, :n], meta[1, :n], meta[2, :n], np.full(n, k, np.int32),
+        return Batch(data, meta[0, :n], meta[1, :n], meta[2, :n], self._stream[k][:n],
                      self._linktype[:n], meta[4, :n], meta[3, :n], checked[:n] if self.icrc else None)
 
     def _send(self, k: int, msg):

@@ -350,3 +350,40 @@ def test_capture_workers_check_the_icrc(run, links):
     assert errors == [] and [d for d, _ in got] == sent
     assert [i for i, (_, ok) in enumerate(got) if not ok] == sorted(bad)
     assert np.mean([ok for _, ok in got]) > 0.9
+
+
+def test_the_coordinator_takes_the_workers_slots_in_turn():
+    """Slots waiting from several workers are taken one per worker in turn, as
+    ring_batches takes the rings, however many one worker has queued: no stream gets
+    ahead of the others by more than a slot (the pipeline closes an iteration once a
+    stream is two past it, and the others' copies of it would come too late)."""
+    import multiprocessing as mp
+    import numpy as np
+    from ckptd.live.workers import SLOTS, CaptureWorkers, WorkerCapture
+
+    class Alive:  # a worker process that runs on: its sentinel never turns readable
+        def __init__(self):
+            self.sentinel, self._w = os.pipe()
+            self.pid, self.exitcode = 0, None
+
+    pool = CaptureWorkers.__new__(CaptureWorkers)
+    pipes = [mp.Pipe() for _ in range(2)]
+    pool.conns, pool.procs = [p[0] for p in pipes], [Alive(), Alive()]
+    pool.captures = [WorkerCapture(pool, k, f"rx{k}", None) for k in range(2)]
+    pool.icrc = False
+    views = [(np.zeros(64, np.uint8), np.zeros((5, 4), np.int64), np.zeros(4, np.uint8)) for _ in range(SLOTS)]
+    pool._views = [views, views]
+    pool._busy = [np.ones(SLOTS, np.uint8), np.ones(SLOTS, np.uint8)]
+    pool._stream = [np.full(4, k, np.int32) for k in range(2)]
+    pool._linktype = np.ones(4, np.int32)
+    for slot in range(3):  # worker 0 has three slots waiting before worker 1 has one
+        pipes[0][1].send(("batch", slot, 1, {}))
+    pipes[1][1].send(("batch", 0, 1, {}))
+    for p in pipes:
+        p[1].send(("done", {}))
+    order = [(k, int(b.stream[0])) for k, b in pool.batches(threading.Event(), [])]
+    assert order == [(0, 0), (1, 1), (0, 0), (0, 0)]
+    assert all(c.done for c in pool.captures) and pool._busy[0][:3].tolist() == [0, 0, 0]
+    for p in pool.procs:
+        os.close(p.sentinel)
+        os.close(p._w)

@@ -294,10 +294,13 @@ class CaptureWorkers:
         live = set(range(len(self.conns)))
         poller = select.poll()
         which = {}  # fd -> (worker, is its sentinel)
+        pending = []  # per worker: a poll set of its pipe alone (Connection.poll builds a selector a call)
         for k in live:
             for fd, sentinel in ((self.conns[k].fileno(), False), (self.procs[k].sentinel, True)):
                 poller.register(fd, select.POLLIN)
                 which[fd] = (k, sentinel)
+            pending.append(select.poll())
+            pending[k].register(self.conns[k].fileno(), select.POLLIN)
 
         def retire(k):
             live.discard(k)
@@ -315,8 +318,10 @@ class CaptureWorkers:
             ended = {which[fd][0] for fd, _ in ready if which[fd][1]}
             for k in sorted(has_data | ended):
                 conn, proc = self.conns[k], self.procs[k]
-                # what a worker sent before it ended is still in its pipe: read that first
-                while k in live and (k in has_data or k in ended) and conn.poll(0):
+                # one slot per worker and pass, in turn as ring_batches takes the rings, so
+                # that no stream gets ahead of the others by more than a slot; of a worker
+                # that ended, everything it sent before (still in its pipe)
+                while k in live and pending[k].poll(0):
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError):
@@ -328,6 +333,8 @@ class CaptureWorkers:
                         cap.received += n
                         yield k, self._batch(k, slot, n)
                         self._busy[k][slot] = 0
+                        if k not in ended:
+                            break
                     elif msg[0] == "done":
                         self.captures[k].last.update(msg[1])
                         self.captures[k].done = True

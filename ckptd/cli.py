@@ -387,8 +387,14 @@ def cmd_plan(a) -> int:
         if not a.nic_addrs:
             raise UsageError("--nccl-log needs --nic-addrs (each host's NIC addresses in NCCL device order; "
                              "the log names NET/IB devices, not their addresses)")
-        text = "".join(Path(f).read_text(errors="replace") for f in a.nccl_log)
-        topo = ring_topology(parse_nccl_log(text, a.nccl_log[0]), load_nic_addrs(a.nic_addrs), a.nccl_log[0])
+        job = None
+        for f in a.nccl_log:
+            try:
+                text = Path(f).read_text(errors="replace")
+            except OSError as e:
+                raise UsageError(f"--nccl-log {f}: {e.strerror or e}") from None
+            job = parse_nccl_log(text, f, job)
+        topo = ring_topology(job, load_nic_addrs(a.nic_addrs), " + ".join(a.nccl_log))
         if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:
             raise UsageError(f"--nccl-log gives the ranks ({len(topo.addresses)}) and their NICs: leave out "
                              "--ranks and --addr, or make --ranks agree")

@@ -176,3 +176,33 @@ def test_nccl_list_syntax():
     assert enabled("tree;broadcast:ring", algos) == {"Tree"}
     with pytest.raises(CollectiveRefused, match="unknown name 'rign'"):
         enabled("rign", algos)
+
+
+def test_a_job_split_over_several_logs_reads_as_one_and_errors_name_their_file(tmp_path, capsys):
+    """`--nccl-log` given once per host's log: the logs are read one by one into the same
+    job (the plan is the one the whole log gives, even where a file does not end in a
+    newline), and an error names the file it is in and the line within that file."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    nics = tmp_path / "nics.json"
+    nics.write_text(json.dumps(NIC_ADDRS))
+    lines = log("2.19").splitlines()
+    half = len(lines) // 2
+    first, second = tmp_path / "host0.log", tmp_path / "host1.log"
+    first.write_text("\n".join(lines[:half]))  # no newline at its end
+    second.write_text("\n".join(lines[half:]) + "\n")
+    args = ["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch", "--nic-addrs", str(nics)]
+    assert main(args + ["--nccl-log", str(LOGS / "nccl-2.19-2x4.log"), "--out", str(tmp_path / "whole.json")]) == 0
+    assert main(args + ["--nccl-log", str(first), "--nccl-log", str(second), "--out", str(tmp_path / "split.json")]) == 0
+    assert json.loads((tmp_path / "split.json").read_text()) == json.loads((tmp_path / "whole.json").read_text())
+    capsys.readouterr()
+    bad = lines[half:]
+    prefix = bad[2][:bad[2].index("NCCL INFO ") + len("NCCL INFO ")]
+    bad[2] = prefix + "Channel 00/04 : 0 1" + "2" * 40  # a 41-digit rank: no line NCCL prints
+    second.write_text("\n".join(bad) + "\n")
+    out = tmp_path / "bad.json"
+    assert main(args + ["--nccl-log", str(first), "--nccl-log", str(second), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {second}:3: ") and "\n" not in err and not out.exists(), err
+    assert main(args + ["--nccl-log", str(tmp_path / "absent.log"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --nccl-log {tmp_path / 'absent.log'}: No such file or directory", err

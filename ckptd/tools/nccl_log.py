@@ -104,8 +104,11 @@ class NcclJob:
     net: dict[tuple[int, int, int], dict[str, tuple[int, int | None]]] = field(default_factory=dict)
 
 
-def parse_nccl_log(text: str, where: str = "log") -> NcclJob:
-    job = NcclJob()
+def parse_nccl_log(text: str, where: str = "log", job: NcclJob | None = None) -> NcclJob:
+    """What the lines of one log say, added to `job` (a fresh one without): a job's logs
+    (one per host, or per rank) are parsed one by one into the same NcclJob, so an error
+    names the file it is in and the line within that file."""
+    job = NcclJob() if job is None else job
     for lineno, raw in enumerate(text.splitlines(), 1):
         try:
             _parse_line(job, raw, where, lineno)

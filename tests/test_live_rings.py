@@ -352,38 +352,99 @@ def test_capture_workers_check_the_icrc(run, links):
     assert np.mean([ok for _, ok in got]) > 0.9
 
 
+class _FakeWorker:
+    """A capture worker's process as CaptureWorkers.batches sees it: a sentinel fd that
+    turns readable when the process ends (end()), a pid and an exit code."""
+
+    def __init__(self):
+        self.sentinel, self._w = os.pipe()
+        self.pid, self.exitcode = 0, None
+
+    def end(self, exitcode=0):
+        self.exitcode = exitcode
+        os.write(self._w, b"x")
+
+    def join(self, timeout=None):
+        pass
+
+    def close(self):
+        os.close(self.sentinel)
+        os.close(self._w)
+
+
+def _fake_pool(n: int):
+    """CaptureWorkers with n fake workers: (pool, the workers' ends of their pipes)."""
+    import multiprocessing as mp
+    import numpy as np
+    from ckptd.live.workers import SLOTS, CaptureWorkers, WorkerCapture
+    pool = CaptureWorkers.__new__(CaptureWorkers)
+    pipes = [mp.Pipe() for _ in range(n)]
+    pool.conns, pool.procs = [p[0] for p in pipes], [_FakeWorker() for _ in range(n)]
+    pool.captures = [WorkerCapture(pool, k, f"rx{k}", None) for k in range(n)]
+    pool.icrc = False
+    views = [(np.zeros(64, np.uint8), np.zeros((5, 4), np.int64), np.zeros(4, np.uint8)) for _ in range(SLOTS)]
+    pool._views = [views] * n
+    pool._busy = [np.ones(SLOTS, np.uint8) for _ in range(n)]
+    pool._stream = [np.full(4, k, np.int32) for k in range(n)]
+    pool._linktype = np.ones(4, np.int32)
+    return pool, [p[1] for p in pipes]
+
+
+def _take(pool, errors=None, on_poll=None):
+    got = [k for k, b in pool.batches(threading.Event(), [] if errors is None else errors, on_poll)
+           if int(b.stream[0]) == k]
+    for p in pool.procs:
+        p.close()
+    return got
+
+
 def test_the_coordinator_takes_the_workers_slots_in_turn():
     """Slots waiting from several workers are taken one per worker in turn, as
     ring_batches takes the rings, however many one worker has queued: no stream gets
     ahead of the others by more than a slot (the pipeline closes an iteration once a
     stream is two past it, and the others' copies of it would come too late)."""
-    import multiprocessing as mp
-    import numpy as np
-    from ckptd.live.workers import SLOTS, CaptureWorkers, WorkerCapture
-
-    class Alive:  # a worker process that runs on: its sentinel never turns readable
-        def __init__(self):
-            self.sentinel, self._w = os.pipe()
-            self.pid, self.exitcode = 0, None
-
-    pool = CaptureWorkers.__new__(CaptureWorkers)
-    pipes = [mp.Pipe() for _ in range(2)]
-    pool.conns, pool.procs = [p[0] for p in pipes], [Alive(), Alive()]
-    pool.captures = [WorkerCapture(pool, k, f"rx{k}", None) for k in range(2)]
-    pool.icrc = False
-    views = [(np.zeros(64, np.uint8), np.zeros((5, 4), np.int64), np.zeros(4, np.uint8)) for _ in range(SLOTS)]
-    pool._views = [views, views]
-    pool._busy = [np.ones(SLOTS, np.uint8), np.ones(SLOTS, np.uint8)]
-    pool._stream = [np.full(4, k, np.int32) for k in range(2)]
-    pool._linktype = np.ones(4, np.int32)
+    pool, ends = _fake_pool(2)
     for slot in range(3):  # worker 0 has three slots waiting before worker 1 has one
-        pipes[0][1].send(("batch", slot, 1, {}))
-    pipes[1][1].send(("batch", 0, 1, {}))
-    for p in pipes:
-        p[1].send(("done", {}))
-    order = [(k, int(b.stream[0])) for k, b in pool.batches(threading.Event(), [])]
-    assert order == [(0, 0), (1, 1), (0, 0), (0, 0)]
+        ends[0].send(("batch", slot, 1, {}))
+    ends[1].send(("batch", 0, 1, {}))
+    for e in ends:
+        e.send(("done", {}))
+    assert _take(pool) == [0, 1, 0, 0]
     assert all(c.done for c in pool.captures) and pool._busy[0][:3].tolist() == [0, 0, 0]
-    for p in pool.procs:
-        os.close(p.sentinel)
-        os.close(p._w)
+
+
+def test_a_worker_that_ended_with_slots_queued_still_takes_its_turn():
+    """At stop a worker hands over what its ring held and ends: its process may be gone
+    while its slots still wait in the pipe. They are taken in turn with the other
+    workers' (not all at once), and a worker that ends without saying done has died: it
+    is reported once everything it sent has been taken."""
+    pool, ends = _fake_pool(3)
+    for slot in range(3):
+        ends[0].send(("batch", slot, 1, {}))
+        ends[2].send(("batch", slot, 1, {}))
+    ends[0].send(("done", {}))
+    ends[0].close()
+    pool.procs[0].end(0)  # ended normally, after its last slots
+    ends[1].send(("batch", 0, 1, {}))
+    ends[1].close()
+    pool.procs[1].end(-9)  # killed: no "done"
+    ends[2].send(("done", {}))
+    errors = []
+    assert _take(pool, errors) == [0, 1, 2, 0, 2, 0, 2]
+    assert [c.done for c in pool.captures] == [True, False, True]
+    assert len(errors) == 1 and "stream 1 on rx1" in errors[0] and "exit code -9" in errors[0], errors
+    assert pool.captures[1].exitcode == -9
+
+
+def test_a_worker_whose_pipe_closed_before_its_process_ended_is_waited_for_not_spun_on():
+    """A worker that dies of an exception closes its pipe while its interpreter shuts
+    down, before the process ends: the coordinator waits for the process's sentinel in
+    poll(2) (a hung-up pipe polls ready for ever), then reports it."""
+    pool, ends = _fake_pool(2)
+    ends[0].close()  # EOF now, the process ends 0.3 s later
+    threading.Timer(0.3, pool.procs[0].end, (1,)).start()
+    ends[1].send(("done", {}))
+    waits, errors = [], []
+    assert _take(pool, errors, on_poll=waits.append) == []
+    assert len(errors) == 1 and "exit code 1" in errors[0], errors
+    assert len(waits) < 100, f"{len(waits)} waits in ~0.3 s: spinning on the hung-up pipe"

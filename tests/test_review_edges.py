@@ -24,12 +24,11 @@ def server():
     srv.stop()
 
 
-def ask(server, *pieces: bytes) -> tuple[bytes, float]:
-    """Send the pieces (a pause between them, so the server reads each on its own) and
-    return the response's status line and how long it took."""
+def ask(server, *pieces: bytes) -> bytes:
+    """Send the pieces (a pause between them, so the server mostly reads each on its own)
+    and return the response's status line."""
     s = socket.create_connection(server.address)
     s.settimeout(5)
-    t0 = time.monotonic()
     try:
         for i, piece in enumerate(pieces):
             if i:
@@ -41,7 +40,7 @@ def ask(server, *pieces: bytes) -> tuple[bytes, float]:
             if not more:
                 break
             got += more
-        return got.split(b"\r\n", 1)[0], time.monotonic() - t0
+        return got.split(b"\r\n", 1)[0]
     finally:
         s.close()
 
@@ -56,14 +55,14 @@ def head_of(size: int, eol: bytes = b"\r\n") -> bytes:
 @pytest.mark.parametrize("extra", [1, 100, 4000])
 def test_a_head_over_the_limit_is_431_whatever_the_recv_boundaries(server, extra):
     head = head_of(MAX_HEAD + extra)
-    assert ask(server, head)[0] == b"HTTP/1.1 431 Request Header Fields Too Large"
+    assert ask(server, head) == b"HTTP/1.1 431 Request Header Fields Too Large"
     # the blank line alone arriving past the limit, in a recv of its own
-    assert ask(server, head[:-4], head[-4:])[0].startswith(b"HTTP/1.1 431")
+    assert ask(server, head[:-4], head[-4:]).startswith(b"HTTP/1.1 431")
 
 
 def test_a_head_of_exactly_the_limit_is_served(server):
-    assert ask(server, head_of(MAX_HEAD))[0] == b"HTTP/1.1 200 OK"
-    assert ask(server, head_of(MAX_HEAD, b"\n"))[0] == b"HTTP/1.1 200 OK"
+    assert ask(server, head_of(MAX_HEAD)) == b"HTTP/1.1 200 OK"
+    assert ask(server, head_of(MAX_HEAD, b"\n")) == b"HTTP/1.1 200 OK"
 
 
 @pytest.mark.parametrize("pieces", [
@@ -74,15 +73,14 @@ def test_a_head_of_exactly_the_limit_is_served(server):
     [b"GET /hello HTTP/1.1\r\nHost: x\r", b"\n\r", b"\n"],  # CRLFCRLF cut across recvs
 ])
 def test_bare_lf_heads_are_answered_at_once(server, pieces):
-    status, took = ask(server, *pieces)
+    status = ask(server, *pieces)
     assert status == b"HTTP/1.1 200 OK"
-    assert took < 1.5  # not left to the read timeout (2 s here)
-    assert server.timed_out == 0
+    assert server.timed_out == 0  # answered, not left to the read timeout
 
 
 def test_a_bare_cr_in_the_head_is_400_at_once(server):
-    status, took = ask(server, b"GET /hello HTTP/1.1\r\nX-A: b\rc\r\n\r\n")
-    assert status == b"HTTP/1.1 400 Bad Request" and took < 1.5
+    status = ask(server, b"GET /hello HTTP/1.1\r\nX-A: b\rc\r\n\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request" and server.timed_out == 0
 
 
 # -- ckptd replay on damaged captures -------------------------------------------------------

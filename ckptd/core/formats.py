@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, atomic_write,
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
                                    fsync_dir, named_optimizer_state, torch_load, torch_optimizer_state)
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
@@ -57,9 +57,7 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
         why = (str(e).split(". ")[0].splitlines() or [""])[0][:120] or type(e).__name__
         raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
                               f"directory or safetensors file ({why})") from e
-    if isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT:
-        return doc
-    return from_torch_doc(doc, path, names)
+    return as_checkpoint(doc, path, names)
 
 
 def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:

@@ -84,7 +84,7 @@ class _Conn:
     __slots__ = ("sock", "buf", "deadline")
 
     def __init__(self, sock, deadline):
-        self.sock, self.buf, self.deadline = sock, b"", deadline
+        self.sock, self.buf, self.deadline = sock, bytearray(), deadline
 
 
 class HttpServer:

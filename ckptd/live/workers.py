@@ -293,19 +293,24 @@ class CaptureWorkers:
         until its sentinel says it ended."""
         live = set(range(len(self.conns)))
         poller = select.poll()
-        which = {}  # fd -> (worker, is its sentinel)
+        which = {}  # registered fd -> (worker, is its sentinel)
         pending = []  # per worker: a poll set of its pipe alone (Connection.poll builds a selector a call)
-        for k in live:
+        for k in range(len(self.conns)):
             for fd, sentinel in ((self.conns[k].fileno(), False), (self.procs[k].sentinel, True)):
                 poller.register(fd, select.POLLIN)
                 which[fd] = (k, sentinel)
             pending.append(select.poll())
             pending[k].register(self.conns[k].fileno(), select.POLLIN)
+        exited, closed = set(), set()  # workers whose process ended; whose pipe is read to its end
+
+        def unregister(fd):
+            if which.pop(fd, None) is not None:
+                poller.unregister(fd)
 
         def retire(k):
             live.discard(k)
-            for fd in (self.conns[k].fileno(), self.procs[k].sentinel):
-                poller.unregister(fd)
+            unregister(self.conns[k].fileno())
+            unregister(self.procs[k].sentinel)
 
         stopping = False
         while live:
@@ -314,39 +319,41 @@ class CaptureWorkers:
                 for k in live:
                     self._send(k, ("stop",))
             ready = timed_wait(on_poll, poller.poll, 50)
-            has_data = {which[fd][0] for fd, _ in ready if not which[fd][1]}
-            ended = {which[fd][0] for fd, _ in ready if which[fd][1]}
-            for k in sorted(has_data | ended):
-                conn, proc = self.conns[k], self.procs[k]
-                # one slot per worker and pass, in turn as ring_batches takes the rings, so
-                # that no stream gets ahead of the others by more than a slot; of a worker
-                # that ended, everything it sent before (still in its pipe)
-                while k in live and pending[k].poll(0):
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        break
-                    if msg[0] == "batch":
-                        _, slot, n, st = msg
-                        cap = self.captures[k]
-                        cap.last.update(st)
-                        cap.received += n
-                        yield k, self._batch(k, slot, n)
-                        self._busy[k][slot] = 0
-                        if k not in ended:
-                            break
-                    elif msg[0] == "done":
-                        self.captures[k].last.update(msg[1])
-                        self.captures[k].done = True
-                        retire(k)
-                if k in live and k in ended:
-                    proc.join(1)
+            for fd, _ in ready:
+                k, sentinel = which.get(fd, (None, False))
+                if sentinel:  # the process ended; what it sent before is still in its pipe
+                    exited.add(k)
+                    unregister(fd)
+            # one slot per worker and pass, in turn as ring_batches takes the rings, so that
+            # no stream gets ahead of the others by more than a slot; a worker that ended too
+            for k in sorted({which[fd][0] for fd, _ in ready if fd in which and not which[fd][1]}):
+                if k not in live or not pending[k].poll(0):
+                    continue
+                try:
+                    msg = self.conns[k].recv()
+                except (EOFError, OSError):  # read to its end: its process ends, or has
+                    closed.add(k)
+                    unregister(self.conns[k].fileno())  # a hung-up pipe polls ready for ever
+                    continue
+                if msg[0] == "batch":
+                    _, slot, n, st = msg
                     cap = self.captures[k]
-                    cap.exitcode = proc.exitcode
+                    cap.last.update(st)
+                    cap.received += n
+                    yield k, self._batch(k, slot, n)
+                    self._busy[k][slot] = 0
+                elif msg[0] == "done":
+                    self.captures[k].last.update(msg[1])
+                    self.captures[k].done = True
                     retire(k)
-                    errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) died "
-                                  f"(exit code {proc.exitcode}); {cap.stats()['worker']['lost']} frames lost "
-                                  f"with it; the other streams go on")
+            for k in sorted(live & exited & closed):  # ended without "done": it died
+                proc, cap = self.procs[k], self.captures[k]
+                proc.join(1)
+                cap.exitcode = proc.exitcode
+                retire(k)
+                errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) died "
+                              f"(exit code {proc.exitcode}); {cap.stats()['worker']['lost']} frames lost "
+                              f"with it; the other streams go on")
 
     def _batch(self, k: int, slot: int, n: int) -> Batch:
         data, meta, checked = self._views[k][slot]

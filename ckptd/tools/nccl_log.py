@@ -100,6 +100,7 @@ class NcclJob:
     host: dict[int, str] = field(default_factory=dict)  # rank -> host
     cuda_dev: dict[int, int] = field(default_factory=dict)
     bus_id: dict[int, str] = field(default_factory=dict)
+    said: dict[str, str] = field(default_factory=dict)  # _agree's values -> "file:line" that first said it
     # (channel, sender, receiver) -> {"send": (dev, proxy rank or None), "receive": (dev, None)}
     net: dict[tuple[int, int, int], dict[str, tuple[int, int | None]]] = field(default_factory=dict)
 
@@ -187,9 +188,11 @@ def _parse_line(job: NcclJob, raw: str, where: str, lineno: int):
 
 def _agree(job: NcclJob, name: str, value: int, where: str, lineno: int):
     old = getattr(job, name)
-    if old is not None and old != value:
-        raise NcclLogError(f"{where}:{lineno}: {name} {value} where earlier lines said {old}: "
+    if old is not None and old != value:  # (the first may be in another of the job's logs)
+        raise NcclLogError(f"{where}:{lineno}: {name} {value} where {job.said[name]} said {old}: "
                            "the log holds several communicators; give the log of the data-parallel one")
+    if old is None:
+        job.said[name] = f"{where}:{lineno}"
     setattr(job, name, value)
 
 

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, load_checkpoint,
-                                   torch_load)
+from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
+                                   load_checkpoint, load_failure, optimizer_params_in, torch_load)
+from ckptd.errors import show
 
 log = logging.getLogger("ckptd.recovery")
 URL = re.compile(r"^https?://", re.I)
@@ -67,14 +68,17 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
                         f"not {type(optimizer).__name__}")
     names = [n for n, _ in model.named_parameters()]
     src = str(source)
+    if not src.strip():
+        raise CheckpointError("ckptd.restore: source is empty (a checkpoint file, directory or URL)")
+    if optimizer is not None:
+        optimizer_params_in(optimizer, model, src)
     from_daemon = URL.match(src) is not None
-    if from_daemon:
-        ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, src, names, token, timeout, all_or_nothing)
+    if from_daemon:  # the raw layout is checked whole before a byte reaches the model
+        ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, scheduler, src, names, token, timeout,
+                                                     all_or_nothing)
     else:
         ckpt, src, nbytes = load_source(src, names, token, timeout)
-        if optimizer is not None and ckpt.get("optimizer") is not None:  # before anything changes
-            check_optimizer_fits(optimizer, model, {n: {k for k, v in st.items() if v is not None}
-                                                    for n, st in ckpt["optimizer"]["state"].items()}, src)
+        _check_fits(model, optimizer, scheduler, ckpt, src)  # before anything changes
         missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
         _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon)  # read for this call only
@@ -85,7 +89,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
 
 
-def _from_daemon(model, optimizer, url: str, names: list[str], token: str | None, timeout: float,
+def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token: str | None, timeout: float,
                  all_or_nothing: bool) -> tuple[dict, list[str], int]:
     """(the checkpoint less the model's tensors, which are read in place; buffers not
     restored; bytes read). A daemon that answers in torch.save format (an older one) is
@@ -95,8 +99,55 @@ def _from_daemon(model, optimizer, url: str, names: list[str], token: str | None
     with _request(url, token or os.environ.get("CKPTD_TOKEN"), timeout, MEDIA_TYPE) as (resp, url):
         if resp.headers.get_content_type() != MEDIA_TYPE:
             ckpt, n = _torch_body(resp, url, names)
+            _check_fits(model, optimizer, scheduler, ckpt, url)
             return ckpt, _load_model(model, ckpt, url), n
         return read_into_model(resp, model, optimizer, url, all_or_nothing)
+
+
+def _check_fits(model, optimizer, scheduler, ckpt: dict, where: str) -> None:
+    """Everything restore() will load checked against the model, optimizer and scheduler
+    first, so that a refusal leaves all three as they were: the model's entries (as
+    _load_model checks them), the optimizer's state (its kind, each tensor's shape and
+    dtype), the scheduler's saved state."""
+    _check_model(model, ckpt, where)
+    named = ckpt.get("optimizer")
+    if optimizer is not None:
+        if named is None:
+            raise CheckpointError(f"{where}: holds no optimizer state (weights only)")
+        check_optimizer_fits(optimizer, model, {n: {k for k, v in st.items() if v is not None}
+                                                for n, st in named["state"].items()}, where)
+        check_state_tensors(optimizer, model, {n: {k: (v.dtype, list(v.shape)) for k, v in st.items()
+                                                   if isinstance(v, torch.Tensor)}
+                                               for n, st in named["state"].items()}, where)
+    if scheduler is not None:
+        _check_scheduler(scheduler, optimizer, ckpt.get("lr_scheduler"), where)
+
+
+def _check_scheduler(scheduler, optimizer, saved, where: str) -> None:
+    """A scheduler's saved state_dict (one with base_lrs, which _load_scheduler loads
+    whole) must be this scheduler's kind: LRScheduler.load_state_dict sets every key as
+    an attribute, so a StepLR's state loaded into a CosineAnnealingLR leaves a hybrid of
+    the two without a word."""
+    if not (isinstance(saved, dict) and "base_lrs" in saved):
+        return
+    own = scheduler.state_dict()
+    # its public settings name the kind (StepLR's step_size, gamma; CosineAnnealingLR's
+    # T_max, eta_min); private keys come and go between torch versions, and the daemon's
+    # torch need not be the trainer's
+    foreign = sorted(str(k) for k in saved if k not in own and not str(k).startswith("_"))
+    if foreign:
+        raise CheckpointError(f"{where}: lr_scheduler holds {foreign[:5]}, which this "
+                              f"{type(scheduler).__name__} does not have: the checkpoint is of another scheduler")
+    base = saved["base_lrs"]
+    groups = len(optimizer.param_groups) if optimizer is not None else len(own.get("base_lrs") or [])
+    if not isinstance(base, list) or len(base) != groups or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in base):
+        raise CheckpointError(f"{where}: lr_scheduler.base_lrs is {show(base)}, not one number per "
+                              f"param group ({groups})")
+    for key in ("last_epoch", "_step_count"):
+        v = saved.get(key)
+        if key in saved and (isinstance(v, bool) or not isinstance(v, int)):
+            raise CheckpointError(f"{where}: lr_scheduler.{key} is {show(v)}, not an integer")
 
 
 def load_source(src: str, names: list[str] | None, token: str | None = None,
@@ -150,8 +201,12 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
             yield resp, url
     except urllib.error.HTTPError as e:
-        detail = e.read(300).decode(errors="replace").strip()
-        raise CheckpointError(f"{url}: HTTP {e.code} {e.reason}: {detail}") from e
+        try:
+            detail = e.read(300).decode(errors="replace")
+        except (OSError, http.client.HTTPException):
+            detail = ""
+        line = " ".join(f"HTTP {e.code} {e.reason}: {detail}".split()).rstrip(":")
+        raise CheckpointError(f"{url}: {line}") from e
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         reason = " ".join(str(getattr(e, "reason", e)).split())
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {reason}") from e
@@ -159,18 +214,20 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
 
 def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
     want = resp.headers.get("X-Ckptd-SHA256")
-    buf = _read_body(resp)
+    buf = _read_body(resp, url)
     n = buf.getbuffer().nbytes
     if want is not None and hashlib.sha256(buf.getbuffer()).hexdigest() != want:
         raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
     try:
         doc = torch_load(buf)
-    except Exception as e:  # a cut stream
-        raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes): {e}") from e
+    except Exception as e:  # a cut stream, or not a checkpoint at all (a proxy's page)
+        ctype = resp.headers.get_content_type()
+        said = "" if ctype == "application/octet-stream" else f", Content-Type {ctype}"
+        raise CheckpointError(f"{url}: not a whole checkpoint ({n} bytes{said}): {load_failure(e)}") from e
     return as_checkpoint(doc, url, names), n
 
 
-def _read_body(resp) -> io.RawIOBase:
+def _read_body(resp, url: str) -> io.RawIOBase:
     """The whole body as a seekable file over one buffer, read in place. With a
     Content-Length the buffer is allocated once, uninitialized (zero-filling 4 GB first
     cost 0.2-0.7 s here), and never copied: io.BytesIO copies a bytearray it is given,
@@ -178,7 +235,10 @@ def _read_body(resp) -> io.RawIOBase:
     length = resp.headers.get("Content-Length")
     if length is None or not re.fullmatch(r"[0-9]{1,15}", length):
         return io.BytesIO(resp.read())
-    data = np.empty(int(length), np.uint8)
+    try:
+        data = np.empty(int(length), np.uint8)
+    except MemoryError:
+        raise CheckpointError(f"{url}: Content-Length {length}: cannot allocate a buffer that large") from None
     view, got = memoryview(data), 0
     while got < len(data):
         n = resp.readinto(view[got:got + (1 << 24)])
@@ -228,17 +288,30 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
         try:
             entries = json.loads(manifest.read_text()).get("checkpoints", [])
             candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
             log.warning("%s: unreadable manifest, scanning the directory: %s", manifest, e)
-    if not candidates:
-        found = []
-        for p in checkpoints_in(directory):
-            try:
-                found.append((int(load_checkpoint(p, names)["iteration"]), p))
-            except CheckpointError as e:
-                log.warning("skipping %s", e)
-        candidates = [p for _, p in sorted(found, key=lambda x: (-x[0], str(x[1])))]
+    tried = set()
     for p in candidates:
+        tried.add(p)
+        try:
+            return load_checkpoint(p, names), str(p)
+        except CheckpointError as e:
+            log.warning("skipping %s", e)
+    if candidates:
+        log.warning("%s: none of the checkpoints its manifest lists loads, scanning the directory", manifest)
+    found = []
+    try:
+        listed = checkpoints_in(directory)
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot list the directory: {e.strerror or e}") from None
+    for p in listed:
+        if p in tried:
+            continue
+        try:
+            found.append((int(load_checkpoint(p, names)["iteration"]), p))
+        except CheckpointError as e:
+            log.warning("skipping %s", e)
+    for _, p in sorted(found, key=lambda x: (-x[0], str(x[1]))):
         try:
             return load_checkpoint(p, names), str(p)
         except CheckpointError as e:
@@ -246,7 +319,7 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
     raise CheckpointError(f"{directory}: no checkpoint here loads")
 
 
-def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
+def _check_model(model: torch.nn.Module, ckpt: dict, where: str) -> None:
     state = ckpt["model"]
     own = model.state_dict()
     params = dict(model.named_parameters())
@@ -260,6 +333,13 @@ def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
         if tuple(t.shape) != tuple(own[n].shape) or t.dtype != own[n].dtype:
             raise CheckpointError(f"{where}: {n} is {t.dtype}{list(t.shape)}, the model's is "
                                   f"{own[n].dtype}{list(own[n].shape)}")
+
+
+def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
+    _check_model(model, ckpt, where)
+    state = ckpt["model"]
+    own = model.state_dict()
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for n, t in state.items():
             own[n].copy_(t)  # state_dict tensors share storage with the module's

@@ -32,13 +32,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits
+from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, check_state_tensors, optimizer_params_in
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
 CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are still in cache
-# optimizer state with the parameter's shape (Adam's moments, SGD's momentum, ...); other
-# keys (a step count, a factored second moment) are taken as the header has them
-PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum")
 
 
 def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
@@ -51,6 +48,11 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
         raise CheckpointError(f"{where}: the raw checkpoint header is cut or over {MAX_HEADER} bytes")
     head = decode_header(line, where)
     plan = _destinations(head, model, optimizer, where, all_or_nothing)
+    total = len(line) + sum(e["bytes"] for e in head["tensors"])
+    length = resp.headers.get("Content-Length") if hasattr(resp, "headers") else None
+    if length is not None and length.strip() != str(total):  # before a byte reaches the model
+        raise CheckpointError(f"{where}: Content-Length {' '.join(length.split())[:40]}, but the raw "
+                              f"checkpoint header describes {total} bytes; nothing in the model changed")
     after = "nothing in the model changed" if all_or_nothing else \
         "the model's tensors now hold a partial state: restore again before training"
     # hashing threads check each chunk just read (a tensor's chunks in order, on one
@@ -67,7 +69,6 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
     finally:
         for h in hashers:
             h.shutdown(wait=True, cancel_futures=True)
-    total = len(line) + sum(e["bytes"] for e in head["tensors"])
     own = model.state_dict()
     with torch.no_grad():
         for e, dest in plan:
@@ -90,6 +91,8 @@ def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> lis
     """Each header entry with the tensor its bytes go into, after checking them all."""
     own = model.state_dict()
     params = dict(model.named_parameters())
+    if optimizer is not None:
+        optimizer_params_in(optimizer, model, where)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
     out, sent = [], set()
     for e in head["tensors"]:
@@ -114,12 +117,8 @@ def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> lis
             if p is None or id(p) not in held:
                 raise CheckpointError(f"{where}: optimizer state {rest} is for a parameter the "
                                       f"{'optimizer' if p is not None else 'model'} does not have")
-            have = optimizer.state.get(p, {}).get(key)
-            want = (list(have.shape) if isinstance(have, torch.Tensor)
-                    else list(p.shape) if key in PARAM_SHAPED else shape)
-            if shape != want:
-                raise CheckpointError(f"{where}: optimizer state {rest} is {_str(dtype)}{shape}, the "
-                                      f"parameter's is {_str(p.dtype)}{want}")
+            # shape, dtype and size against the parameter before anything is allocated
+            check_state_tensors(optimizer, model, {pname: {key: (dtype, shape)}}, where)
             e["param"], e["key"] = pname, key
             out.append((e, torch.empty(shape, dtype=dtype)))
         else:

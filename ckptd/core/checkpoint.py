@@ -170,8 +170,22 @@ def load_checkpoint(path: str | Path, names: list[str] | None = None, *, check_c
     try:
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
-        raise CheckpointError(f"{path}: cannot read checkpoint: {e}") from e
+        raise CheckpointError(f"{path}: cannot read checkpoint: {load_failure(e)}") from e
     return as_checkpoint(doc, path, names)
+
+
+def load_failure(e: BaseException) -> str:
+    """Why torch.load refused something, in one short line: its weights_only message is
+    a dozen lines of advice around the reason ("Unsupported operand 60", "Unsupported
+    global: GLOBAL numpy...")."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation of torch.load")[0]
+        text = "not loadable as tensors and plain containers (weights_only): " + text.strip().split(". ")[0]
+    else:
+        text = text.split(". ")[0]
+    text = " ".join(text.split())[:200].rstrip(".")
+    return text or f"the data ends early or is not a torch.save ({type(e).__name__})"
 
 
 def as_checkpoint(doc, where, names: list[str] | None = None) -> dict:
@@ -365,7 +379,7 @@ def named_optimizer_state(sd: dict, names: list[str] | None, where: str) -> dict
     torch.distributed.checkpoint.state_dict writes it) as ckptd's {lr, state: {name: ...}}."""
     if not isinstance(sd, dict) or not isinstance(sd.get("state"), dict):
         raise CheckpointError(f"{where}: 'optimizer' is not an optimizer.state_dict() (no 'state')")
-    groups = sd.get("param_groups") or []
+    groups = param_groups_of(sd, where)
     order: list = [i for g in groups for i in g.get("params", [])]
     given = [n for g in groups for n in g.get("param_names", [])]
     if len(given) == len(order) and given:
@@ -388,6 +402,74 @@ def named_optimizer_state(sd: dict, names: list[str] | None, where: str) -> dict
         state[names[k]] = dict(st)
     lr = groups[0].get("lr") if groups else None
     return {"lr": float(lr) if isinstance(lr, (int, float)) else lr, "state": state}
+
+
+# optimizer state with the parameter's shape and dtype (Adam's moments, SGD's momentum, ...)
+PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum",
+                "acc_delta", "grad_avg", "ax", "prev", "step_size", "exp_inf")
+
+
+def param_groups_of(sd: dict, where) -> list[dict]:
+    """An optimizer.state_dict()'s param_groups, checked: a list of dicts whose "params"
+    (and "param_names", where given) are lists."""
+    groups = sd.get("param_groups")
+    if groups is None:
+        return []
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{where}: optimizer.param_groups is {_short(groups)}, not a list of dicts")
+    for k, g in enumerate(groups):
+        for key in ("params", "param_names"):
+            if key in g and not isinstance(g[key], list):
+                raise CheckpointError(f"{where}: optimizer.param_groups[{k}].{key} is {_short(g[key])}, not a list")
+    return groups
+
+
+def check_state_tensors(optimizer, model, saved: dict[str, dict[str, tuple]], where: str) -> None:
+    """Refuse per-parameter optimizer state that load_state_dict would take without a
+    word and the next step would trip over or silently convert: `saved` is parameter
+    name -> {key: (dtype, shape)} of the checkpoint's tensors. A moment (PARAM_SHAPED)
+    must have its parameter's shape and dtype (torch would cast another dtype on load);
+    a step count one element; another key the shape the optimizer already holds, else
+    no more elements than its parameter (which bounds what a reader allocates)."""
+    params = dict(model.named_parameters())
+    for n, keys in saved.items():
+        p = params.get(n)
+        if p is None:
+            raise CheckpointError(f"{where}: optimizer state for {n}, a parameter the model does not have")
+        have = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key, (dtype, shape) in keys.items():
+            shape, numel = list(shape), 1
+            for s in shape:
+                numel *= s
+            held = have.get(key)
+            if key in PARAM_SHAPED:
+                want, want_dtype = list(p.shape), p.dtype
+            elif isinstance(held, torch.Tensor):
+                want, want_dtype = list(held.shape), None
+            elif key == "step":
+                want, want_dtype = (shape if numel == 1 else []), None
+            else:
+                want, want_dtype = (shape if numel <= max(1, p.numel()) else list(p.shape)), None
+            if shape != want or want_dtype is not None and dtype != want_dtype:
+                shown = _str(want_dtype or dtype)
+                raise CheckpointError(f"{where}: optimizer state {n}.{key} is {_str(dtype)}{shape}, "
+                                      f"the parameter's is {shown}{want}")
+
+
+def _str(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def optimizer_params_in(optimizer, model, where: str) -> None:
+    """Refuse an optimizer holding a tensor that is not one of the model's parameters (its
+    state could not be named, so it would not be restored)."""
+    mine = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for q in group["params"]:
+            if id(q) not in mine:
+                raise CheckpointError(f"{where}: the optimizer's param group {g} holds a "
+                                      f"{_str(q.dtype)}{list(q.shape)} tensor that is not a parameter "
+                                      f"of the model: its state cannot be named")
 
 
 def check_optimizer_fits(optimizer, model, saved_keys: dict[str, set[str]], where: str) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
+import stat
 import re
 import shutil
 import struct
@@ -33,7 +35,9 @@ from pathlib import Path
 import torch
 
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
-                                   fsync_dir, named_optimizer_state, torch_load, torch_optimizer_state)
+                                   fsync_dir, load_failure, named_optimizer_state, param_groups_of, torch_load,
+                                   torch_optimizer_state)
+from ckptd.errors import show
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
 STANDARD_TAG = "ckptd-torch/1"
@@ -48,15 +52,21 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"{path}: a directory without .metadata is not a "
                                   f"torch.distributed.checkpoint checkpoint")
+        for p in path.iterdir():  # DCP opens its shards blind: a FIFO would block it forever
+            try:
+                mode = p.stat().st_mode
+            except OSError as e:
+                raise CheckpointError(f"{p}: cannot read checkpoint: {e.strerror or e}") from None
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(f"{p}: cannot read checkpoint: not a regular file or directory")
         return from_torch_doc(_load_dcp(path), path, names)
     if _is_safetensors(path):
         return _load_safetensors(path)
     try:  # torch.save's legacy (non-zip) serialization
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
-        why = (str(e).split(". ")[0].splitlines() or [""])[0][:120] or type(e).__name__
         raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
-                              f"directory or safetensors file ({why})") from e
+                              f"directory or safetensors file ({load_failure(e)[:120]})") from e
     return as_checkpoint(doc, path, names)
 
 
@@ -74,7 +84,10 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
     if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
         raise CheckpointError(f"{where}: 'model' is not a state_dict of tensors")
     meta = doc.get("ckptd") if isinstance(doc.get("ckptd"), dict) else {}
-    names = meta.get("param_names") or names
+    given = meta.get("param_names")
+    if given is not None and not (isinstance(given, list) and all(isinstance(n, str) for n in given)):
+        raise CheckpointError(f"{where}: ckptd.param_names is {show(given)}, not a list of parameter names")
+    names = given or names
     opt = doc.get("optimizer")
     optimizer = None
     if opt is not None:
@@ -100,7 +113,7 @@ def _parameter_names(model: dict, opt: dict, where: str) -> list[str]:
     per-parameter state tensor has its entry's shape."""
     floats = [n for n, t in model.items() if t.is_floating_point()
               and n.rsplit(".", 1)[-1] not in NORM_BUFFERS]
-    order = [i for g in opt.get("param_groups") or [] for i in g.get("params", [])]
+    order = [i for g in param_groups_of(opt, where) for i in g.get("params", [])] if isinstance(opt, dict) else []
     fits = len(order) == len(floats)
     state = opt.get("state") or {}
     for k, i in enumerate(order if fits else []):
@@ -127,9 +140,16 @@ def _steps(doc: dict, optimizer: dict | None, where: str) -> int:
             break
     taken = None
     if optimizer and optimizer["state"]:
-        first = next(iter(optimizer["state"].values()))
-        if isinstance(first.get("step"), (torch.Tensor, int, float)):
-            taken = int(float(first["step"]))
+        name, first = next(iter(optimizer["state"].items()))
+        step = first.get("step")
+        if isinstance(step, torch.Tensor) and step.numel() != 1:
+            raise CheckpointError(f"{where}: the optimizer step of {name} is a tensor of {step.numel()} "
+                                  f"elements, not a count")
+        if isinstance(step, (torch.Tensor, int, float)) and not isinstance(step, bool):
+            value = float(step)
+            if not math.isfinite(value) or value < 0:
+                raise CheckpointError(f"{where}: the optimizer step of {name} is {value}, not a count")
+            taken = int(value)
     if said is not None and taken is not None and said != taken:
         raise CheckpointError(f"{where}: says {said} steps done but its optimizer state has taken "
                               f"{taken} (step/iteration must count steps done)")

@@ -53,18 +53,42 @@ def encode_header(iteration: int, lr, plan_hash: str | None, names: list[str], h
 def decode_header(line: bytes, where: str) -> dict:
     """The header line, checked for what a reader relies on; CheckpointError otherwise."""
     from ckptd.core.checkpoint import CheckpointError
+    from ckptd.errors import show
     try:
         doc = json.loads(line)
         if doc.get("format") != FORMAT:
             raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
+        it, lr = doc.get("iteration"), doc.get("lr")
+        if not _is_int(it) or it < -1:
+            raise ValueError(f"iteration {show(it)}, not an integer >= -1")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
+            raise ValueError(f"lr {show(lr)}, not a number")
+        if not isinstance(doc.get("optimizer"), bool):
+            raise ValueError(f"optimizer {show(doc.get('optimizer'))}, not true or false")
+        if not isinstance(doc.get("tensors"), list):
+            raise ValueError(f"tensors {show(doc.get('tensors'))}, not a list")
+        seen = set()
         for e in doc["tensors"]:
+            name = e["name"]
+            if not isinstance(name, str):
+                raise ValueError(f"tensor name {show(name)}, not a string")
+            if name in seen:
+                raise ValueError(f"{name} is listed twice")
+            seen.add(name)
             e["dtype"] = dtype_named(e["dtype"])
-            e["shape"] = [int(s) for s in e["shape"]]
-            if e["bytes"] != e["dtype"].itemsize * math.prod(e["shape"]):
-                raise ValueError(f"{e['name']}: {e['bytes']} bytes for {e['dtype']}{e['shape']}")
+            if not isinstance(e["shape"], list) or not all(_is_int(s) and s >= 0 for s in e["shape"]):
+                raise ValueError(f"{name}: shape {show(e['shape'])}, not a list of sizes >= 0")
+            if not _is_int(e["bytes"]) or e["bytes"] != e["dtype"].itemsize * math.prod(e["shape"]):
+                raise ValueError(f"{name}: {show(e['bytes'])} bytes for {e['dtype']}{e['shape']}")
+            if not isinstance(e.get("blake2b"), str):
+                raise ValueError(f"{name}: blake2b {show(e.get('blake2b'))}, not a hex digest")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{where}: bad raw checkpoint header: {err}") from None
+        raise CheckpointError(f"{where}: bad raw checkpoint header: {' '.join(str(err).split())[:300]}") from None
     return doc
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def dtype_named(name: str) -> torch.dtype:

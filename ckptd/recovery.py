@@ -188,6 +188,20 @@ def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) 
         return _torch_body(resp, url, names)
 
 
+class _TokenStaysHome(urllib.request.HTTPRedirectHandler):
+    """Redirects are followed within the daemon's origin only while a token is sent:
+    urllib hands every request header, Authorization included, to whatever host a
+    redirect names, and the daemon itself never redirects elsewhere."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if req.has_header("Authorization") and (old.scheme, old.hostname, old.port) != \
+                (new.scheme, new.hostname, new.port):
+            raise CheckpointError(f"{req.full_url}: redirected ({code}) to {new.scheme}://{new.netloc}, another "
+                                  "origin: not followed, the token would go with it")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 @contextlib.contextmanager
 def _request(url: str, token: str | None, timeout: float, accept: str):
     """(the open response, the URL asked) of GET <url>/checkpoint; HTTP and socket errors,
@@ -197,8 +211,9 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
     headers = {"Accept": accept}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    opener = urllib.request.build_opener(_TokenStaysHome)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+        with opener.open(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
             yield resp, url
     except urllib.error.HTTPError as e:
         try:

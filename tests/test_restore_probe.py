@@ -310,3 +310,33 @@ def test_a_raw_restore_into_an_optimizer_with_a_foreign_tensor_changes_nothing(s
     model, opt = _fresh()
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     _refused(server(_http(_raw_body(*raw), MEDIA_TYPE)), "not a parameter of the model", model, opt)
+
+
+def test_a_redirect_to_another_origin_does_not_take_the_token_along(server):
+    """urllib hands every header, Authorization included, to whatever host a redirect
+    names: with a token, a redirect off the daemon's origin is refused, and the other
+    host never hears from us; within the origin it is followed with the token."""
+    heard = []
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen(4)
+    other.settimeout(5)
+
+    def record():
+        try:
+            c, _ = other.accept()
+        except OSError:
+            return
+        with c:
+            heard.append(c.recv(65536))
+            c.sendall(_http(b"<html>elsewhere</html>", "text/html"))
+    threading.Thread(target=record, daemon=True).start()
+    elsewhere = f"http://localhost:{other.getsockname()[1]}/checkpoint"  # another host name: another origin
+    away = server(f"HTTP/1.1 302 Found\r\nLocation: {elsewhere}\r\nContent-Length: 0\r\n\r\n".encode())
+    try:
+        _refused(away, "another origin: not followed, the token would go with it", token="s3cret")
+        assert heard == []
+        _refused(away, "Content-Type text/html")  # no token: followed, and the page refused
+        assert len(heard) == 1 and b"Authorization" not in heard[0]
+    finally:
+        other.close()

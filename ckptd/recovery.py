@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
-                                   load_checkpoint, load_failure, optimizer_params_in, torch_load)
+                                   load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
 from ckptd.errors import show
 
 log = logging.getLogger("ckptd.recovery")
@@ -382,9 +382,7 @@ def _load_optimizer(model, optimizer, ckpt: dict, where: str, adopt: bool = Fals
                                 for k, v in st.items()}
             index += 1
     sd["state"] = state
-    if named.get("lr") is not None:
-        for g in sd["param_groups"]:
-            g["lr"] = named["lr"]
+    set_group_lrs(sd["param_groups"], named.get("lr"))  # the others in proportion, not all the first's
     optimizer.load_state_dict(sd)
 
 

@@ -340,3 +340,27 @@ def test_a_redirect_to_another_origin_does_not_take_the_token_along(server):
         assert len(heard) == 1 and b"Authorization" not in heard[0]
     finally:
         other.close()
+
+
+def test_param_groups_keep_their_own_lrs(tmp_path):
+    """A checkpoint carries one lr, the first group's: restore scales every group's
+    base lr by the same factor (as torch's schedulers do, and as `ckptd export` does),
+    instead of giving each group the first group's lr."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                               {"params": model[1].parameters(), "lr": 0.01}], momentum=0.9)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = build()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+        sched.step()
+    path = _save(tmp_path / "trainer.pt", {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                            "lr_scheduler": sched.state_dict(), "step": 2})
+    fresh, fresh_opt, fresh_sched = build()
+    ckptd.restore(fresh, fresh_opt, path, scheduler=fresh_sched)
+    assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([0.025, 0.0025])
+    assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([g["lr"] for g in opt.param_groups])

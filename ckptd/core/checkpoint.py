@@ -404,6 +404,18 @@ def named_optimizer_state(sd: dict, names: list[str] | None, where: str) -> dict
     return {"lr": float(lr) if isinstance(lr, (int, float)) else lr, "state": state}
 
 
+def set_group_lrs(groups: list[dict], lr: float | None) -> None:
+    """Each param group's lr from a checkpoint's one lr, the first group's: torch's lr
+    schedulers scale every group's base lr (`initial_lr` once a scheduler is attached,
+    else its lr) by the same factor, so the others follow from the first's."""
+    if lr is None or not groups:
+        return
+    base = groups[0].get("initial_lr", groups[0]["lr"])
+    for g in groups[1:] if base else []:  # (a first group of lr 0 gives no factor)
+        g["lr"] = g.get("initial_lr", g["lr"]) * (lr / base)
+    groups[0]["lr"] = lr
+
+
 # optimizer state with the parameter's shape and dtype (Adam's moments, SGD's momentum, ...)
 PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum",
                 "acc_delta", "grad_avg", "ax", "prev", "step_size", "exp_inf")

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
-                                   fsync_dir, load_failure, named_optimizer_state, param_groups_of, torch_load,
-                                   torch_optimizer_state)
+                                   fsync_dir, load_failure, named_optimizer_state, param_groups_of,
+                                   set_group_lrs, torch_load, torch_optimizer_state)
 from ckptd.errors import show
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
@@ -266,12 +266,7 @@ def optimizer_param_groups(plan, lr: float | None) -> list[dict]:
         return None
     dummies = [(p.name, torch.zeros(0, requires_grad=True)) for p in plan.parameters]
     groups = torch_optimizer(plan.optimizer, dummies).state_dict()["param_groups"]
-    if lr is not None and groups[0]["lr"]:
-        # A checkpoint carries the first group's lr; torch's schedulers scale every group's
-        # base lr by the same factor, so the others follow from it.
-        scale = lr / groups[0]["lr"]
-        for g in groups:
-            g["lr"] = lr if g is groups[0] else g["lr"] * scale
+    set_group_lrs(groups, lr)
     return groups
 
 

@@ -67,6 +67,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         raise TypeError(f"ckptd.restore: optimizer must be a torch.optim.Optimizer or None, "
                         f"not {type(optimizer).__name__}")
     names = [n for n, _ in model.named_parameters()]
+    limit = body_limit(model)
     src = str(source)
     if not src.strip():
         raise CheckpointError("ckptd.restore: source is empty (a checkpoint file, directory or URL)")
@@ -75,9 +76,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     from_daemon = URL.match(src) is not None
     if from_daemon:  # the raw layout is checked whole before a byte reaches the model
         ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, scheduler, src, names, token, timeout,
-                                                     all_or_nothing)
+                                                     all_or_nothing, limit)
     else:
-        ckpt, src, nbytes = load_source(src, names, token, timeout)
+        ckpt, src, nbytes = load_source(src, names, token, timeout, limit)
         _check_fits(model, optimizer, scheduler, ckpt, src)  # before anything changes
         missing_buffers = _load_model(model, ckpt, src)
     if optimizer is not None:
@@ -89,8 +90,16 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
 
 
+def body_limit(model: torch.nn.Module) -> int:
+    """The most bytes a checkpoint of `model` fetched over HTTP may take: its state
+    eight times over (Adam's two moments, amsgrad's third, room to spare) and 256 MiB. A
+    body past it (a lying Content-Length, an endless body) is refused before it fills
+    the trainer's memory."""
+    return 8 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (256 << 20)
+
+
 def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token: str | None, timeout: float,
-                 all_or_nothing: bool) -> tuple[dict, list[str], int]:
+                 all_or_nothing: bool, limit: int | None = None) -> tuple[dict, list[str], int]:
     """(the checkpoint less the model's tensors, which are read in place; buffers not
     restored; bytes read). A daemon that answers in torch.save format (an older one) is
     loaded whole, as fetch() does."""
@@ -98,7 +107,7 @@ def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token:
     from ckptd.restore_raw import read_into_model
     with _request(url, token or os.environ.get("CKPTD_TOKEN"), timeout, MEDIA_TYPE) as (resp, url):
         if resp.headers.get_content_type() != MEDIA_TYPE:
-            ckpt, n = _torch_body(resp, url, names)
+            ckpt, n = _torch_body(resp, url, names, limit)
             _check_fits(model, optimizer, scheduler, ckpt, url)
             return ckpt, _load_model(model, ckpt, url), n
         return read_into_model(resp, model, optimizer, url, all_or_nothing)
@@ -151,11 +160,12 @@ def _check_scheduler(scheduler, optimizer, saved, where: str) -> None:
 
 
 def load_source(src: str, names: list[str] | None, token: str | None = None,
-                timeout: float = 120.0) -> tuple[dict, str, int]:
-    """Any source restore() takes, as (checkpoint, where it came from, bytes fetched)."""
+                timeout: float = 120.0, limit: int | None = None) -> tuple[dict, str, int]:
+    """Any source restore() takes, as (checkpoint, where it came from, bytes fetched);
+    limit: the most bytes an HTTP body may take (body_limit), or None."""
     src = str(src)
     if URL.match(src):
-        ckpt, n = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout)
+        ckpt, n = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout, limit)
         return ckpt, src, n
     if "://" in src:
         ckpt, where = newest_at_url(src)
@@ -182,10 +192,11 @@ def newest_at_url(url: str) -> tuple[dict, str]:
     return got[0], store.where(got[1]["file"])
 
 
-def fetch(url: str, names: list[str] | None, token: str | None, timeout: float) -> tuple[dict, int]:
+def fetch(url: str, names: list[str] | None, token: str | None, timeout: float,
+          limit: int | None = None) -> tuple[dict, int]:
     """The daemon's latest state: GET <url>/checkpoint (a URL naming a path is used as is)."""
     with _request(url, token, timeout, "application/octet-stream") as (resp, url):
-        return _torch_body(resp, url, names)
+        return _torch_body(resp, url, names, limit)
 
 
 class _TokenStaysHome(urllib.request.HTTPRedirectHandler):
@@ -227,9 +238,9 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {reason}") from e
 
 
-def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
+def _torch_body(resp, url: str, names: list[str] | None, limit: int | None = None) -> tuple[dict, int]:
     want = resp.headers.get("X-Ckptd-SHA256")
-    buf = _read_body(resp, url)
+    buf = _read_body(resp, url, limit)
     n = buf.getbuffer().nbytes
     if want is not None and hashlib.sha256(buf.getbuffer()).hexdigest() != want:
         raise CheckpointError(f"{url}: the body's SHA-256 differs from X-Ckptd-SHA256 ({n} bytes)")
@@ -242,14 +253,18 @@ def _torch_body(resp, url: str, names: list[str] | None) -> tuple[dict, int]:
     return as_checkpoint(doc, url, names), n
 
 
-def _read_body(resp, url: str) -> io.RawIOBase:
+def _read_body(resp, url: str, limit: int | None = None) -> io.RawIOBase:
     """The whole body as a seekable file over one buffer, read in place. With a
     Content-Length the buffer is allocated once, uninitialized (zero-filling 4 GB first
     cost 0.2-0.7 s here), and never copied: io.BytesIO copies a bytearray it is given,
-    1.4-1.7 s for 600 MB in this VM, five times the transfer itself."""
+    1.4-1.7 s for 600 MB in this VM, five times the transfer itself. Past `limit` bytes
+    (said or sent) the body is refused."""
     length = resp.headers.get("Content-Length")
     if length is None or not re.fullmatch(r"[0-9]{1,15}", length):
-        return io.BytesIO(resp.read())
+        return io.BytesIO(_read_capped(resp, url, limit))
+    if limit is not None and int(length) > limit:
+        raise CheckpointError(f"{url}: Content-Length {length} is more than a checkpoint of this model "
+                              f"takes ({limit} bytes at most)")
     try:
         data = np.empty(int(length), np.uint8)
     except MemoryError:
@@ -261,6 +276,18 @@ def _read_body(resp, url: str) -> io.RawIOBase:
             break
         got += n
     return _BufferFile(view[:got])
+
+
+def _read_capped(resp, url: str, limit: int | None) -> bytes:
+    """A body without a usable Content-Length, read to its end, refused past `limit`."""
+    parts, got = [], 0
+    while chunk := resp.read(1 << 24):
+        got += len(chunk)
+        if limit is not None and got > limit:
+            raise CheckpointError(f"{url}: the body (no Content-Length) goes on past {limit} bytes, more than "
+                                  "a checkpoint of this model takes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class _BufferFile(io.RawIOBase):

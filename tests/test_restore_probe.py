@@ -218,7 +218,7 @@ def _http(body: bytes, ctype="application/octet-stream", length=None, status="20
 
 @pytest.mark.parametrize("answer, match", [
     (_http(b"<html>sign in</html>", "text/html"), "Content-Type text/html): not loadable"),
-    (_http(b"", length=10 ** 14), "Content-Length 100000000000000: cannot allocate"),
+    (_http(b"", length=10 ** 14), "Content-Length 100000000000000 is more than a checkpoint of this model"),
     (_http(b"oops\nsecond line", status="500 Internal Server Error"), "HTTP 500 Internal Server Error: oops second line"),
     (b"HTTP/1.1 302 Found\r\nLocation: /checkpoint\r\nContent-Length: 0\r\n\r\n", "HTTP 302"),
 ])
@@ -364,3 +364,17 @@ def test_param_groups_keep_their_own_lrs(tmp_path):
     ckptd.restore(fresh, fresh_opt, path, scheduler=fresh_sched)
     assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([0.025, 0.0025])
     assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([g["lr"] for g in opt.param_groups])
+
+
+@pytest.mark.parametrize("answer, match", [
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n" + b"x" * 50_000,
+     "the body (no Content-Length) goes on past 4096 bytes"),
+    (_http(b"x" * 50_000), "Content-Length 50000 is more than a checkpoint of this model takes (4096 bytes"),
+])
+def test_a_body_larger_than_the_model_could_need_is_refused(server, monkeypatch, answer, match):
+    """An HTTP body is bounded by what a checkpoint of the model can take
+    (recovery.body_limit, a few times the model's state): an endless body, or a lying
+    Content-Length, is refused instead of filling the trainer's memory."""
+    import ckptd.recovery
+    monkeypatch.setattr(ckptd.recovery, "body_limit", lambda model: 4096)
+    _refused(server(answer), match)

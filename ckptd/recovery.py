@@ -137,6 +137,8 @@ def _check_scheduler(scheduler, optimizer, saved, where: str) -> None:
     whole) must be this scheduler's kind: LRScheduler.load_state_dict sets every key as
     an attribute, so a StepLR's state loaded into a CosineAnnealingLR leaves a hybrid of
     the two without a word."""
+    if saved is not None and not isinstance(saved, dict):  # not silently rebuilt from the step count
+        raise CheckpointError(f"{where}: lr_scheduler is {show(saved)}, not a scheduler's state_dict")
     if not (isinstance(saved, dict) and "base_lrs" in saved):
         return
     own = scheduler.state_dict()

@@ -140,6 +140,10 @@ def test_the_state_of_another_scheduler_is_refused_before_anything_changes(train
     path = _save(tmp_path / "d.pt", _doc(trained, lr_scheduler={**saved, "base_lrs": [LR, LR]}))
     m, o = _fresh()
     _refused(path, "lr_scheduler.base_lrs is a list of 2 item(s)", m, o, torch.optim.lr_scheduler.StepLR(o, 2))
+    path = _save(tmp_path / "e.pt", _doc(trained, lr_scheduler=[3]))  # was ignored, the state rebuilt from steps
+    m, o = _fresh()
+    _refused(path, "lr_scheduler is a list of 1 item(s), not a scheduler's state_dict", m, o,
+             torch.optim.lr_scheduler.StepLR(o, 2))
 
 
 # -- a directory ---------------------------------------------------------------------------

@@ -128,14 +128,18 @@ def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str]) -> tup
     if kind is None or getattr(torch.optim, cls.__name__, None) is not cls:
         raise TrainerError(f"optimizer {cls.__module__}.{cls.__name__} has no deterministic functional "
                            f"form ckptd reproduces (supported: torch.optim {', '.join(OPTIMIZER_CLASSES.values())})")
-    groups, seen = [], set()
+    groups, seen = [], {}
     for i, g in enumerate(optimizer.param_groups):
         names = []
         for p in g["params"]:
             if id(p) not in names_of:
                 raise TrainerError(f"optimizer group {i} holds a tensor that is not a parameter of the DDP model")
-            names.append(names_of[id(p)])
-        seen.update(names)
+            n = names_of[id(p)]
+            if n in seen or n in names:
+                where = f"group {seen[n]} and group {i}" if n in seen else f"group {i} twice"
+                raise TrainerError(f"parameter {n} is in optimizer {where}: torch would step it twice")
+            names.append(n)
+        seen.update(dict.fromkeys(names, i))
         hyper = {}
         for k, v in g.items():
             if k == "params":
@@ -164,6 +168,12 @@ def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
         raise TrainerError(f"lr scheduler {cls.__module__}.{name} is not a torch.optim.lr_scheduler class")
     if name in UNREPLAYABLE:
         raise TrainerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE[name]}")
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise TrainerError(f"lr scheduler {name} drives another optimizer than the one given to write_plan: "
+                           "its steps would not move this optimizer's lr")
+    if args is not None and not isinstance(args, dict):
+        raise TrainerError(f"scheduler_args must be a dict of {name}'s constructor arguments, "
+                           f"not {type(args).__name__}")
     if scheduler.last_epoch != 0:
         raise TrainerError(f"lr scheduler {name} has stepped {scheduler.last_epoch} times: call "
                            "write_plan before the first step")
@@ -214,7 +224,13 @@ def _lr_per_step(lrs, scheduler, groups) -> tuple:
     return tuple(out)
 
 
-def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
+# Scheduler steps _check_ahead compares: what the scheduler does later (its arguments or a
+# function it was handed that its state does not show: CyclicLR's scale_fn) shows there.
+SCHEDULER_LOOKAHEAD = 1000
+
+
+def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler,
+                  lookahead: int = SCHEDULER_LOOKAHEAD):
     """The replayed scheduler must reproduce the trainer's hyperparameters and internal
     state now; anything a replay gets wrong shows here, before any iteration."""
     from ckptd.core.optim import OptimizerError
@@ -238,6 +254,46 @@ def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler):
             if _jsonable_or_none(a[k]) != _jsonable_or_none(b.get(k)):
                 raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed {k} is "
                                    f"{b.get(k)!r}, the trainer's is {a[k]!r}; pass scheduler_args")
+        _check_ahead(replay, optimizer, scheduler, opt.lr_scheduler["class"], lookahead)
+
+
+def _check_ahead(replay: GroupSchedule, optimizer, scheduler, name: str, steps: int):
+    """The trainer's own scheduler, stepped on a copy that drives a stand-in optimizer
+    (the trainer's hyperparameters, one-element parameters), against the replay for the
+    job's first `steps` steps: a scheduler whose state agrees now but whose steps would not
+    (an argument or a function not read back) is refused here, not found in a checkpoint."""
+    import copy
+    import warnings
+    stand_in = type(replay.dummy)([{**copy.deepcopy({k: v for k, v in g.items() if k != "params"}),
+                                    "params": [torch.zeros(1)]} for g in optimizer.param_groups],
+                                  **{k: v for k, v in optimizer.defaults.items()
+                                     if k in inspect.signature(type(replay.dummy).__init__).parameters})
+    try:
+        twin = copy.deepcopy(scheduler, {id(optimizer): stand_in})
+    except Exception as e:  # noqa: BLE001 -- a scheduler holding what cannot be copied
+        raise TrainerError(f"lr scheduler {name} cannot be checked by stepping a copy of it "
+                           f"({type(e).__name__}: {e}); it is not one ckptd replays") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scheduler.step() with no optimizer.step()
+        for step in range(1, steps):
+            try:
+                twin.step()
+            except Exception:  # noqa: BLE001 -- the trainer's own scheduler fails here too (OneCycleLR past total_steps)
+                return
+            try:
+                mine = replay.at(step)
+            except Exception as e:  # noqa: BLE001 -- said in one line, with the step
+                raise TrainerError(f"lr scheduler {name}: the replay fails at step {step} where the trainer's "
+                                   f"does not ({type(e).__name__}: {e}); pass scheduler_args") from None
+            for i, (g, real) in enumerate(zip(mine, stand_in.param_groups)):
+                for k, v in real.items():
+                    if k in ("params", "initial_lr"):
+                        continue
+                    if _jsonable_or_none(v) != _jsonable_or_none(g.get(k)):
+                        raise TrainerError(f"lr scheduler {name}: at step {step} the replayed group {i} {k} is "
+                                           f"{g.get(k)!r}, the trainer's would be {v!r} (an argument or function "
+                                           "not read back from the scheduler); pass scheduler_args, or use a "
+                                           "scheduler without Python functions")
 
 
 def _jsonable_or_none(v):
@@ -248,6 +304,8 @@ def _jsonable_or_none(v):
 
 
 def _scaler(scaler) -> dict | None:
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TrainerError(f"scaler must be a torch.amp.GradScaler (or None), not {type(scaler).__name__}")
     if scaler is None or not scaler.is_enabled():
         return None
     return {"init_scale": float(scaler._init_scale), "growth_factor": float(scaler._growth_factor),
@@ -300,21 +358,35 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                allreduces_per_step: int = 1) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
+    if iterations is not None and (not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1):
+        raise TrainerError(f"iterations must be an integer >= 1 (or None), not {iterations!r}")
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
+    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
+    if frozen:
+        raise TrainerError(f"parameters {frozen[:3]}{'...' if len(frozen) > 3 else ''} have requires_grad=False "
+                           "(frozen): DDP does not reduce them and ckptd does not shadow a model with frozen "
+                           "parameters yet")
     dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
+    odd = sorted(dtypes - set(DTYPES))
+    if odd:
+        raise TrainerError(f"parameters of dtype {odd[0]}: ckptd decodes {', '.join(DTYPES)}")
     if len(dtypes) > 1:
         raise TrainerError(f"parameters of several dtypes {sorted(dtypes)}: not supported")
-    backend = dist.get_backend(ddp.process_group)
+    try:
+        backend = dist.get_backend(ddp.process_group)
+    except (ValueError, RuntimeError):
+        raise TrainerError("DDP's process group is not initialised (destroyed before write_plan?)") from None
     if backend not in ("gloo", "nccl"):
         raise TrainerError(f"process group backend {backend!r}: ckptd decodes gloo and nccl")
     buffers = _buffers(ddp, backend, without_buffers)
     world = dist.get_world_size(ddp.process_group)
     if addresses is None:
         addresses = exchange_addresses(_local_address(backend), ddp.process_group)
+    _check_addresses(addresses, world)
     kind, groups = _optimizer(optimizer, names_of, names)
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
@@ -322,11 +394,15 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                     lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
                     max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
-    _check_replay(opt, names, optimizer, scheduler)
+    _check_replay(opt, names, optimizer, scheduler,
+                  SCHEDULER_LOOKAHEAD if iterations is None else min(iterations, SCHEDULER_LOOKAHEAD))
     first = _layout(ddp, names_of)
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
+    if world < 2:
+        raise TrainerError(f"the process group has {world} rank: ckptd needs at least 2 ranks (it rebuilds "
+                           "the state from their allreduces; one rank puts none on the wire)")
     ring = _ring(backend, world)
     return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
                       for n, p in zip(names, params)),
@@ -334,6 +410,19 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
                 allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                 collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {})
+
+
+def _check_addresses(addresses, world: int):
+    import ipaddress
+    if isinstance(addresses, (str, bytes)) or not isinstance(addresses, (list, tuple)):
+        raise TrainerError(f"addresses must be a list of each rank's IP address, not {type(addresses).__name__}")
+    if len(addresses) != world:
+        raise TrainerError(f"addresses lists {len(addresses)} addresses for a world of {world} ranks")
+    for r, a in enumerate(addresses):
+        try:
+            ipaddress.ip_address(a)
+        except ValueError:
+            raise TrainerError(f"addresses[{r}] is {a!r}, not an IPv4 or IPv6 address") from None
 
 
 _EXCHANGES: dict[tuple[int, ...], int] = {}  # group's global ranks -> exchanges this process made
@@ -532,16 +621,28 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     of numbers, or of one lr per group). Rank 0 writes the plan to
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
+    path = _out_path(path, "path")
+    init = _out_path(init, "init") if init is not None else path.with_name("init.pt")
+    if init.resolve() == path.resolve():
+        raise TrainerError(f"init and path are the same file ({path}): the plan would overwrite the initial state")
     plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
                       scheduler_args, without_buffers, lr_per_step,
                       allreduces_per_step)
     rank = dist.get_rank(ddp_model.process_group)
-    path = Path(path)
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        for f in (path, init):
+            if f.is_dir():
+                raise TrainerError(f"{f} is a directory: write_plan writes a file there")
         model, opt = initial_state(ddp_model, optimizer, scaler)
-        save_checkpoint(Path(init) if init else path.with_name("init.pt"), -1, model, opt)
-        _save(plan, path)
+        for f, what, write in ((init, "the initial state", lambda: save_checkpoint(init, -1, model, opt)),
+                               (path, "the plan", lambda: _save(plan, path))):
+            try:
+                f.parent.mkdir(parents=True, exist_ok=True)
+                write()
+            except FileExistsError:
+                raise TrainerError(f"cannot write {what} to {f}: {f.parent} is not a directory") from None
+            except OSError as e:
+                raise TrainerError(f"cannot write {what} to {f}: {e.strerror or e}") from None
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
 
@@ -557,6 +658,12 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
 
     handle = ddp_model.register_forward_hook(after_forward)
     return plan
+
+
+def _out_path(path, arg: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(os.fspath(path)).strip():
+        raise TrainerError(f"{arg} must be a file path, not {path!r}")
+    return Path(path)
 
 
 def _save(plan: Plan, path: Path):

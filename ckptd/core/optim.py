@@ -261,10 +261,13 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     except Exception as e:  # noqa: BLE001 -- whatever torch's constructor refuses, said by key
         raise OptimizerError(_refused_hyperparameter(opt, groups) or f"optimizer.groups: {cls.__name__}: {e}") from e
     out = []
-    for g, f in zip(groups, filled):
+    for i, (g, f) in enumerate(zip(groups, filled)):
         h = {k: v for k, v in f.items() if k != "params"}
         if isinstance(h.get("lr"), torch.Tensor):
             raise OptimizerError(f"optimizer {cls.__name__}: a tensor lr is not supported")
+        if h.get("capturable"):  # torch asserts CUDA (or XLA, ...) tensors on its first step
+            raise OptimizerError(f"optimizer.groups[{i}].capturable is true: the shadow steps {cls.__name__} "
+                                 "on the CPU, where torch refuses a capturable step; use capturable=False")
         out.append({**h, "params": list(g["params"])})
     return out
 

@@ -359,10 +359,15 @@ class _FakeWorker:
     def __init__(self):
         self.sentinel, self._w = os.pipe()
         self.pid, self.exitcode = 0, None
+        self.pipe_end = None  # its end of the pipe, closed as a killed process's would be
 
     def end(self, exitcode=0):
         self.exitcode = exitcode
         os.write(self._w, b"x")
+
+    def kill(self):
+        self.pipe_end.close()
+        self.end(-9)
 
     def join(self, timeout=None):
         pass
@@ -381,6 +386,8 @@ def _fake_pool(n: int):
     pipes = [mp.Pipe() for _ in range(n)]
     pool.conns, pool.procs = [p[0] for p in pipes], [_FakeWorker() for _ in range(n)]
     pool.captures = [WorkerCapture(pool, k, f"rx{k}", None) for k in range(n)]
+    for proc, p in zip(pool.procs, pipes):
+        proc.pipe_end = p[1]
     pool.icrc = False
     views = [(np.zeros(64, np.uint8), np.zeros((5, 4), np.int64), np.zeros(4, np.uint8)) for _ in range(SLOTS)]
     pool._views = [views] * n
@@ -390,8 +397,8 @@ def _fake_pool(n: int):
     return pool, [p[1] for p in pipes]
 
 
-def _take(pool, errors=None, on_poll=None):
-    got = [k for k, b in pool.batches(threading.Event(), [] if errors is None else errors, on_poll)
+def _take(pool, errors=None, on_poll=None, stop=None):
+    got = [k for k, b in pool.batches(stop or threading.Event(), [] if errors is None else errors, on_poll)
            if int(b.stream[0]) == k]
     for p in pool.procs:
         p.close()
@@ -448,3 +455,20 @@ def test_a_worker_whose_pipe_closed_before_its_process_ended_is_waited_for_not_s
     assert _take(pool, errors, on_poll=waits.append) == []
     assert len(errors) == 1 and "exit code 1" in errors[0], errors
     assert len(waits) < 100, f"{len(waits)} waits in ~0.3 s: spinning on the hung-up pipe"
+
+
+def test_a_worker_hung_at_the_stop_is_killed_and_what_it_handed_over_is_kept(monkeypatch):
+    """A healthy worker ends within STOP_DRAIN_S of the stop; one still running after
+    STOP_GRACE_S is hung: it is killed (so the daemon stops in bounded time) and said so,
+    and the slots it handed over before are still taken."""
+    import ckptd.live.workers as workers
+    monkeypatch.setattr(workers, "STOP_GRACE_S", 0.2)
+    pool, ends = _fake_pool(2)
+    ends[0].send(("batch", 0, 1, {}))  # then nothing: no "done", the process never ends
+    ends[1].send(("done", {}))
+    stop, errors = threading.Event(), []
+    stop.set()
+    assert _take(pool, errors, stop=stop) == [0]
+    assert len(errors) == 1 and "stream 0 on rx0" in errors[0] and \
+        "did not stop within 0.2 s of the stop and was killed" in errors[0], errors
+    assert pool.captures[1].done and not pool.captures[0].done

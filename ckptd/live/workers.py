@@ -47,6 +47,10 @@ _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in rin
 _META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no; then a byte per
 # frame: 1 where the worker found the frame RoCE with a good ICRC
 STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
+# A worker still running this long after the stop is hung (a healthy one ends within
+# STOP_DRAIN_S): it is killed, so the daemon stops in bounded time. What it handed over
+# stays readable: its pipe's messages and its slots outlive it.
+STOP_GRACE_S = 2 * STOP_DRAIN_S + 2.0
 
 
 def slot_blocks(block_size: int, slot_bytes: int) -> int:
@@ -312,12 +316,16 @@ class CaptureWorkers:
             unregister(self.conns[k].fileno())
             unregister(self.procs[k].sentinel)
 
-        stopping = False
+        stopping, killed = None, set()
         while live:
-            if stop.is_set() and not stopping:
-                stopping = True
+            if stop.is_set() and stopping is None:
+                stopping = time.monotonic()
                 for k in live:
                     self._send(k, ("stop",))
+            if stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
+                for k in live - exited - killed:
+                    killed.add(k)
+                    self.procs[k].kill()
             ready = timed_wait(on_poll, poller.poll, 50)
             for fd, _ in ready:
                 k, sentinel = which.get(fd, (None, False))
@@ -351,9 +359,10 @@ class CaptureWorkers:
                 proc.join(1)
                 cap.exitcode = proc.exitcode
                 retire(k)
-                errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) died "
-                              f"(exit code {proc.exitcode}); {cap.stats()['worker']['lost']} frames lost "
-                              f"with it; the other streams go on")
+                how = (f"did not stop within {STOP_GRACE_S:g} s of the stop and was killed" if k in killed
+                       else f"died (exit code {proc.exitcode})")
+                errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) {how}; "
+                              f"{cap.stats()['worker']['lost']} frames lost with it; the other streams go on")
 
     def _batch(self, k: int, slot: int, n: int) -> Batch:
         data, meta, checked = self._views[k][slot]

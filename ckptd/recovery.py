@@ -80,7 +80,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     else:
         ckpt, src, nbytes = load_source(src, names, token, timeout, limit)
         _check_fits(model, optimizer, scheduler, ckpt, src)  # before anything changes
-        missing_buffers = _load_model(model, ckpt, src)
+        missing_buffers = _load_model(model, ckpt)
     if optimizer is not None:
         _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon)  # read for this call only
     if scheduler is not None:
@@ -109,7 +109,7 @@ def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token:
         if resp.headers.get_content_type() != MEDIA_TYPE:
             ckpt, n = _torch_body(resp, url, names, limit)
             _check_fits(model, optimizer, scheduler, ckpt, url)
-            return ckpt, _load_model(model, ckpt, url), n
+            return ckpt, _load_model(model, ckpt), n
         return read_into_model(resp, model, optimizer, url, all_or_nothing)
 
 
@@ -379,8 +379,9 @@ def _check_model(model: torch.nn.Module, ckpt: dict, where: str) -> None:
                                   f"{own[n].dtype}{list(own[n].shape)}")
 
 
-def _load_model(model: torch.nn.Module, ckpt: dict, where: str) -> list[str]:
-    _check_model(model, ckpt, where)
+def _load_model(model: torch.nn.Module, ckpt: dict) -> list[str]:
+    """ckpt's model entries into the model (checked already: _check_fits); the names of
+    the model's buffers it did not hold."""
     state = ckpt["model"]
     own = model.state_dict()
     params = dict(model.named_parameters())

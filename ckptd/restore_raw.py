@@ -32,7 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, check_state_tensors, optimizer_params_in
+from ckptd.core.checkpoint import (CheckpointError, check_optimizer_fits, check_state_tensors, dtype_name,
+                                   optimizer_params_in)
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
 CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are still in cache
@@ -103,8 +104,8 @@ def _destinations(head: dict, model, optimizer, where: str, staged: bool) -> lis
             if mine is None:
                 raise CheckpointError(f"{where}: {rest} is in the checkpoint, not in the model")
             if list(mine.shape) != shape or mine.dtype != dtype:
-                raise CheckpointError(f"{where}: {rest} is {_str(dtype)}{shape}, the model's is "
-                                      f"{_str(mine.dtype)}{list(mine.shape)}")
+                raise CheckpointError(f"{where}: {rest} is {dtype_name(dtype)}{shape}, the model's is "
+                                      f"{dtype_name(mine.dtype)}{list(mine.shape)}")
             sent.add(rest)
             in_place = not staged and mine.is_contiguous() and mine.device.type == "cpu"
             out.append((e, mine if in_place else torch.empty(shape, dtype=dtype)))
@@ -159,7 +160,3 @@ def _read_tensor(resp, e: dict, dest: torch.Tensor | None, where: str, after: st
         skipped.set_result(e["blake2b"])
         return skipped
     return hasher.submit(h.hexdigest)
-
-
-def _str(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

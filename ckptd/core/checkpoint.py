@@ -463,12 +463,13 @@ def check_state_tensors(optimizer, model, saved: dict[str, dict[str, tuple]], wh
             else:
                 want, want_dtype = (shape if numel <= max(1, p.numel()) else list(p.shape)), None
             if shape != want or want_dtype is not None and dtype != want_dtype:
-                shown = _str(want_dtype or dtype)
-                raise CheckpointError(f"{where}: optimizer state {n}.{key} is {_str(dtype)}{shape}, "
+                shown = dtype_name(want_dtype or dtype)
+                raise CheckpointError(f"{where}: optimizer state {n}.{key} is {dtype_name(dtype)}{shape}, "
                                       f"the parameter's is {shown}{want}")
 
 
-def _str(dtype) -> str:
+def dtype_name(dtype) -> str:
+    """torch.float32 -> 'float32', as messages and the raw layout's header name dtypes."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -480,7 +481,7 @@ def optimizer_params_in(optimizer, model, where: str) -> None:
         for q in group["params"]:
             if id(q) not in mine:
                 raise CheckpointError(f"{where}: the optimizer's param group {g} holds a "
-                                      f"{_str(q.dtype)}{list(q.shape)} tensor that is not a parameter "
+                                      f"{dtype_name(q.dtype)}{list(q.shape)} tensor that is not a parameter "
                                       f"of the model: its state cannot be named")
 
 

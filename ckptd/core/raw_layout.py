@@ -53,6 +53,7 @@ def encode_header(iteration: int, lr, plan_hash: str | None, names: list[str], h
 def decode_header(line: bytes, where: str) -> dict:
     """The header line, checked for what a reader relies on; CheckpointError otherwise."""
     from ckptd.core.checkpoint import CheckpointError
+    from ckptd.core.plan import _is_int
     from ckptd.errors import show
     try:
         doc = json.loads(line)
@@ -85,10 +86,6 @@ def decode_header(line: bytes, where: str) -> dict:
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{where}: bad raw checkpoint header: {' '.join(str(err).split())[:300]}") from None
     return doc
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def dtype_named(name: str) -> torch.dtype:

@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # -- helpers -----------------------------------------------------------------------
 def frame(payload: bytes, seq: int, flags: int = ACK | PSH, sport=40000, dport=50000,
-          src="10.0.0.2", dst="10.0.0.1", options: bytes = b"") -> bytes:
+          src="10.0.0.2", dst="10.0.0.1", options: bytes = b"", ack: int = 1) -> bytes:
     import ipaddress
-    tcp = TCP(options=options, sport=sport, dport=dport, seq=seq % (1 << 32), ack=1, flags=flags,
+    tcp = TCP(options=options, sport=sport, dport=dport, seq=seq % (1 << 32), ack=ack % (1 << 32), flags=flags,
               window=512, checksum=0xBEEF)  # a partial checksum, as veth captures carry
     ip = IPv4(proto=PROTO_TCP, total_len=20 + tcp.hdr_len + len(payload),
               src=int(ipaddress.IPv4Address(src)), dst=int(ipaddress.IPv4Address(dst)))
@@ -138,6 +138,33 @@ def test_reassembly_merges_mirror_streams_and_flags_conflicts():
     bad2[0] ^= 1
     r2.add(seg(bytes(bad2), 151), 1)
     assert r2.conflicts == [(150, 200, 1)]
+
+
+def test_reassembly_sees_a_lost_tail_in_the_other_directions_acknowledgments():
+    """A loss in a direction's last bytes leaves no hole (nothing follows it); the
+    receiver's acknowledgments, or the FIN's place, show whether the bytes seen end
+    where the sender's did."""
+    back = {"sport": 50000, "dport": 40000, "src": "10.0.0.1", "dst": "10.0.0.2"}
+    isn = (1 << 32) - 300  # the acknowledgment numbers wrap too
+
+    def run(acks: list[int], fin_at: int | None = None, sent: int = 1000) -> Direction:
+        r = TcpReassembler()
+        r.feed(seg(b"", isn, flags=SYN), 0)
+        for a in range(0, sent, 250):
+            r.feed(seg(b"x" * 250, isn + 1 + a), 0)
+        if fin_at is not None:
+            r.feed(seg(b"", isn + 1 + fin_at, flags=ACK | 0x01), 0)
+        for a in acks:  # offsets acknowledged, as sequence numbers of the sender
+            r.feed(seg(b"", 7, ack=isn + 1 + a, **back), 0)
+        return r.dirs[seg(b"", 0).key]
+
+    assert run([500, 1000]).tail_seen() and run([500, 1000]).acked == 1000
+    assert not run([500, 1250], sent=1000).tail_seen()  # bytes 1000..1250 were lost
+    assert not run([500]).tail_seen()  # the last acknowledgment was not captured: unknown
+    assert not run([]).tail_seen()
+    assert run([1250, 500], sent=1250).tail_seen()  # a reordered, older ack does not count
+    assert run([], fin_at=1000).tail_seen() and run([1001], fin_at=1000).tail_seen()
+    assert not run([1001], fin_at=1000, sent=750).tail_seen()  # lost just before the FIN
 
 
 # -- ckptd/transports/gloo/framing.py ---------------------------------------------------------------------
@@ -436,7 +463,39 @@ def _extract(plan, frames, drop: set, quiet_ms: float):
     return ex, out + ex.flush()
 
 
-def test_one_lossy_stream_places_only_true_bytes_however_quiet(ddp_capture):
+class _Truth:
+    """What the complete capture places: the allgather bytes of every (iteration, bucket)."""
+
+    def __init__(self, ddp_capture):
+        tmp, pcap, dropped = ddp_capture
+        if dropped and not dropped[0].startswith("0 "):
+            pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+        from ckptd.core.plan import load_plan
+        from parsers.capfile import open_capture
+        self.plan = load_plan(tmp / "run" / "plan.json")
+        self.frames = list(open_capture(pcap))
+        ex, whole = _extract(self.plan, self.frames, set(), float("inf"))
+        self.e = ex.sched[0].buckets[0].dtype.itemsize
+        self.bytes: dict[tuple[int, int], bytearray] = {}
+        for p in whole:
+            buf = self.bytes.setdefault((p.iteration, p.bucket), bytearray())
+            lo = p.start * self.e
+            buf.extend(b"\0" * max(0, lo + len(p.raw) - len(buf)))
+            buf[lo:lo + len(p.raw)] = p.raw
+
+    def check(self, out, *context):
+        for p in out:
+            lo = p.start * self.e
+            assert bytes(self.bytes[(p.iteration, p.bucket)][lo:lo + len(p.raw)]) == p.raw, \
+                (*context, p.iteration, p.bucket, p.start, p.sender, p.ring_step)
+
+
+@pytest.fixture(scope="module")
+def truth(ddp_capture) -> _Truth:
+    return _Truth(ddp_capture)
+
+
+def test_one_lossy_stream_places_only_true_bytes_however_quiet(truth):
     """One mirror stream that lost 12 segments, its capture going quiet at every pause
     longer than 1 ms, 20 ms, 0.6 s, or never: every allgather byte placed is the byte
     the complete capture places there. (Messages after a lost gloo header are indexed
@@ -444,30 +503,38 @@ def test_one_lossy_stream_places_only_true_bytes_however_quiet(ddp_capture):
     direction, numbered at a quiet spell, or while that direction waited for its
     ranks, and the shifted payload then conflicted with another rank's copy, so its
     iteration was never committed.)"""
-    tmp, pcap, dropped = ddp_capture
-    if dropped and not dropped[0].startswith("0 "):
-        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from ckptd.core.plan import load_plan
-    from parsers.capfile import open_capture
-    plan = load_plan(tmp / "run" / "plan.json")
-    frames = list(open_capture(pcap))
-    ex, whole = _extract(plan, frames, set(), float("inf"))
-    e = ex.sched[0].buckets[0].dtype.itemsize
-    truth: dict[tuple[int, int], bytearray] = {}
-    for p in whole:
-        buf = truth.setdefault((p.iteration, p.bucket), bytearray())
-        lo = p.start * e
-        buf.extend(b"\0" * max(0, lo + len(p.raw) - len(buf)))
-        buf[lo:lo + len(p.raw)] = p.raw
     from_end = placed = 0
     for seed in range(8):
-        drop = set(random.Random(seed).sample(range(200, len(frames)), 12))
+        drop = set(random.Random(seed).sample(range(200, len(truth.frames)), 12))
         for quiet_ms in (1, 20, 600, float("inf")):
-            ex, out = _extract(plan, frames, drop, quiet_ms)
-            for p in out:
-                lo = p.start * e
-                assert bytes(truth[(p.iteration, p.bucket)][lo:lo + len(p.raw)]) == p.raw, \
-                    (seed, quiet_ms, p.iteration, p.bucket, p.start, p.sender, p.ring_step)
+            ex, out = _extract(truth.plan, truth.frames, drop, quiet_ms)
+            truth.check(out, seed, quiet_ms)
             from_end += ex.counters["indexed_from_end"]
             placed += len(out)
     assert from_end > 0 and placed > 0  # the lost headers did send messages down that path
+
+
+def test_a_loss_in_a_directions_last_bytes_leaves_no_group_indexed_one_off(truth):
+    """The busiest direction loses its last data segment and one a few messages before:
+    the messages framed after that first loss are indexed from their tag's end only if
+    the direction's last bytes were seen. They were not, and a group one message short
+    would put every payload one message off (the old code placed wrong bytes here for
+    most k). With the last segment kept, the same groups are still placed from the end."""
+    from collections import Counter
+    sizes, data_frames = Counter(), {}
+    for fr in truth.frames:
+        s, _ = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
+        if s is not None and len(s.payload):
+            sizes[s.key] += len(s.payload)
+            data_frames.setdefault(s.key, []).append(fr.index)
+    busiest = data_frames[sizes.most_common(1)[0][0]]
+    from_end = unseen = 0
+    for k in range(2, 15):
+        for drop in ({busiest[-1], busiest[-k]}, {busiest[-k]}):
+            ex, out = _extract(truth.plan, truth.frames, drop, float("inf"))
+            truth.check(out, k, sorted(drop))
+            if busiest[-1] in drop:
+                unseen += ex.counters["tail_unseen"]
+            else:
+                from_end += ex.counters["indexed_from_end"]
+    assert unseen > 0 and from_end > 0

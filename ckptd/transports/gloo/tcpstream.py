@@ -19,6 +19,10 @@ byte is ever invented.
 
 Without the SYN (a capture that starts mid-connection) offset 0 is the first byte seen;
 segments before it are counted (`before_start`) and dropped.
+
+A loss in a direction's last bytes leaves no hole: nothing follows it. The other
+direction's acknowledgments show it: `acked` is the furthest byte the receiver
+acknowledged, and `tail_seen()` says whether the bytes seen reach exactly that far.
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ class Direction:
     by_stream: Counter = field(default_factory=Counter)  # new bytes each stream supplied first
     highest: int = 0  # end of the furthest byte seen
     reach: dict[int, int] = field(default_factory=dict)  # stream -> end of its furthest byte
+    ack_seq: int | None = None  # furthest acknowledgment number the other direction sent
 
     # -- input ---------------------------------------------------------------------
     def add(self, seg: TcpSegment, stream: int) -> list[Piece]:
@@ -167,6 +172,27 @@ class Direction:
         if new and off > self.delivered and self.starts and self.starts[0] > self.delivered:
             self.counts["out_of_order_segments"] += 1
 
+    def acknowledged(self, ack: int):
+        """The other direction acknowledged every byte before sequence number `ack`."""
+        if self.ack_seq is None or seq_diff(ack, self.ack_seq) > 0:
+            self.ack_seq = ack
+
+    @property
+    def acked(self) -> int | None:
+        """Stream offset up to which the receiver acknowledged the bytes (None: unknown)."""
+        if self.ack_seq is None or self.base is None:
+            return None
+        return self.delivered + seq_diff(self.ack_seq, (self.base + self.delivered) % SEQ_MOD)
+
+    def tail_seen(self) -> bool:
+        """Whether the last byte seen is the last byte sent, as far as the capture shows:
+        the FIN follows it, or the receiver acknowledged exactly the bytes up to it. An
+        acknowledgment beyond it means the direction's last bytes were lost; none that
+        reaches it leaves the end unknown."""
+        if self.fin_at is not None:  # (the FIN's acknowledgment is one past it)
+            return self.fin_at == self.highest
+        return self.acked == self.highest
+
     def _in_hole(self, lo: int, hi: int) -> bool:
         return any(s < hi and lo < e for s, e in self.holes[-64:])
 
@@ -224,6 +250,8 @@ class TcpReassembler:
 
     def feed(self, seg: TcpSegment, stream: int = 0) -> list[tuple[tuple, Piece]]:
         key = seg.key
+        if seg.tcp.flags & ACK:
+            self.direction((key[2], key[3], key[0], key[1])).acknowledged(seg.tcp.ack)
         return [(key, p) for p in self.direction(key).add(seg, stream)]
 
     def flush(self) -> list[tuple[tuple, Piece]]:

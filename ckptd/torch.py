@@ -23,6 +23,7 @@ Every import is absolute: inside this module `torch` is the torch package.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import json
@@ -30,6 +31,7 @@ import os
 import socket
 import struct
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -446,6 +448,58 @@ def exchange_addresses(local: str, group=None) -> list[str]:
     return [store.get(prefix + str(r)).decode() for r in ranks]
 
 
+_PLAN_WRITES: dict[tuple[int, ...], int] = {}  # group's global ranks -> write_plan calls this process made
+_READ_GRACE_S = 10  # how long a failed rank 0 waits for the others to read its error
+
+
+class _RankZeroSays:
+    """Rank 0 alone writes the plan; the group's other ranks learn through the job's c10d
+    store whether it did, one key per step of one write_plan call (numbered per process
+    and group as exchange_addresses numbers its keys). Without it a rank 0 that failed
+    raised while the others went on into the first allreduce and hung there until the
+    process group's timeout (by default 30 minutes on gloo, 10 on NCCL)."""
+
+    def __init__(self, group):
+        from torch.distributed import distributed_c10d as c10d
+        self.store = c10d._get_default_store()
+        ranks = tuple(dist.get_process_group_ranks(group))
+        self.others = [r for r in ranks if r != dist.get_rank()]  # global ranks (read only on rank 0)
+        n = _PLAN_WRITES.get(ranks, 0)
+        _PLAN_WRITES[ranks] = n + 1
+        self.prefix = f"ckptd/write_plan/{','.join(map(str, ranks))}/{n}/"
+
+    @contextlib.contextmanager
+    def outcome(self, step: str):
+        """Rank 0: publish how the block went ("" or its error), then let an error go on."""
+        key = self.prefix + step.replace(" ", "_")
+        try:
+            yield
+        except Exception as e:
+            self.store.set(key, (" ".join(str(e).split()) or type(e).__name__).encode())
+            # Where rank 0 hosts the store (tcp://, or env:// outside torchrun) its exit
+            # takes the store along: let the others read the error first, for a while.
+            try:
+                self.store.wait([f"{key}/read/{r}" for r in self.others], timedelta(seconds=_READ_GRACE_S))
+            except RuntimeError:
+                pass  # a rank that does not read (gone, or not in write_plan) ends at its store timeout
+            raise
+        self.store.set(key, b"")
+
+    def wait(self, step: str):
+        """Another rank: wait (up to the store's timeout, the process group's) for rank
+        0's outcome of `step`; raise its error as this rank's."""
+        key = self.prefix + step.replace(" ", "_")
+        try:
+            error = self.store.get(key).decode()
+        except RuntimeError as e:  # the store's timeout (DistStoreError), or its server gone
+            raise TrainerError(f"rank {dist.get_rank()} had no word from rank 0 on whether it could {step} "
+                               f"(c10d store key {key!r}, waited up to {self.store.timeout.total_seconds():.0f} s): "
+                               f"{' '.join(str(e).split())}") from None
+        if error:
+            self.store.set(f"{key}/read/{dist.get_rank()}", b"")
+            raise TrainerError(f"rank 0 could not {step}: {error}")
+
+
 # DistributedDataParallel.broadcast_bucket_size (torch/nn/parallel/distributed.py:1020@2.13):
 # both the constructor's _sync_module_states and the per-forward buffer broadcast use it
 DDP_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
@@ -620,7 +674,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     writes into the param groups before each step when there is no scheduler (a list
     of numbers, or of one lr per group). Rank 0 writes the plan to
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
-    rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout."""
+    rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout.
+    Where rank 0 could not write (or rewrite) the plan, every rank raises TrainerError."""
     path = _out_path(path, "path")
     init = _out_path(init, "init") if init is not None else path.with_name("init.pt")
     if init.resolve() == path.resolve():
@@ -629,20 +684,24 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                       scheduler_args, without_buffers, lr_per_step,
                       allreduces_per_step)
     rank = dist.get_rank(ddp_model.process_group)
+    said = _RankZeroSays(ddp_model.process_group)
     if rank == 0:
-        for f in (path, init):
-            if f.is_dir():
-                raise TrainerError(f"{f} is a directory: write_plan writes a file there")
-        model, opt = initial_state(ddp_model, optimizer, scaler)
-        for f, what, write in ((init, "the initial state", lambda: save_checkpoint(init, -1, model, opt)),
-                               (path, "the plan", lambda: _save(plan, path))):
-            try:
-                f.parent.mkdir(parents=True, exist_ok=True)
-                write()
-            except FileExistsError:
-                raise TrainerError(f"cannot write {what} to {f}: {f.parent} is not a directory") from None
-            except OSError as e:
-                raise TrainerError(f"cannot write {what} to {f}: {e.strerror or e}") from None
+        with said.outcome("write the plan"):
+            for f in (path, init):
+                if f.is_dir():
+                    raise TrainerError(f"{f} is a directory: write_plan writes a file there")
+            model, opt = initial_state(ddp_model, optimizer, scaler)
+            for f, what, write in ((init, "the initial state", lambda: save_checkpoint(init, -1, model, opt)),
+                                   (path, "the plan", lambda: _save(plan, path))):
+                try:
+                    f.parent.mkdir(parents=True, exist_ok=True)
+                    write()
+                except FileExistsError:
+                    raise TrainerError(f"cannot write {what} to {f}: {f.parent} is not a directory") from None
+                except OSError as e:
+                    raise TrainerError(f"cannot write {what} to {f}: {e.strerror or e}") from None
+    else:
+        said.wait("write the plan")
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
 
@@ -650,11 +709,21 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
         if not getattr(module, "_has_rebuilt_buckets", False):
             return
         handle.remove()
-        if rank == 0:
+        # Every rank runs this forward (DDP's rebuild syncs the layout from rank 0 in it),
+        # so the others can wait here for rank 0's rewrite: a rank 0 that failed would
+        # otherwise leave them in the next allreduce until the process group's timeout.
+        if rank != 0:
+            said.wait("rewrite the plan")
+            return
+        with said.outcome("rewrite the plan"):
             rebuilt = _layout(module, names_of)
             object.__setattr__(plan, "buckets_rebuilt", rebuilt)
             object.__setattr__(plan, "rebuilt_learn", False)
-            _save(plan, path)
+            try:
+                _save(plan, path)
+            except OSError as e:
+                raise TrainerError(f"cannot rewrite the plan at {path} with DDP's rebuilt buckets: "
+                                   f"{e.strerror or e}") from None
 
     handle = ddp_model.register_forward_hook(after_forward)
     return plan

@@ -137,3 +137,128 @@ def test_write_plan_paths(world_of_two, tmp_path):
         warnings.simplefilter("ignore")
         ct.write_plan(m, _sgd(m), tmp_path / "ok" / "plan.json", addresses=world_of_two, iterations=3)
     assert load_plan(tmp_path / "ok" / "plan.json").iterations == 3 and (tmp_path / "ok" / "init.pt").exists()
+
+
+_RANK0_FAILS_JOB = r'''
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+import ckptd.torch as ct
+rank, tmp = int(sys.argv[1]), sys.argv[2]
+# rank 0 hosts the store (as with tcp:// or env:// outside torchrun): its exit takes it along
+timeout = datetime.timedelta(seconds=20)  # the old code's other ranks waited in an allreduce for it
+port_file = os.path.join(tmp, "port")
+if rank == 0:
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.rename(port_file + ".tmp", port_file)
+else:
+    for _ in range(400):
+        if os.path.exists(port_file):
+            break
+        time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), 2, False, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+torch.manual_seed(0)
+ddps = [torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+        for _ in range(5)]  # every constructor broadcasts: built up front, on both ranks
+got = {}
+
+
+def call(name, ddp, path, iterations=0, before=None):
+    t = time.monotonic()
+    try:
+        plan = ct.write_plan(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), path,
+                             addresses=["127.0.0.1", "127.0.0.1"], iterations=5)
+        if before:
+            before()
+        for _ in range(iterations):  # DDP rebuilds its buckets in the second forward
+            ddp(torch.randn(3, 4)).sum().backward()
+        got[name] = ["returned", type(plan).__name__]
+    except Exception as e:
+        got[name] = ["raised", type(e).__name__, str(e)]
+    got[name].append(time.monotonic() - t)
+    print(json.dumps({name: got[name]}), flush=True)  # as it goes: a rank may die later
+
+
+def tmp_dir_in_the_way():  # the rewrite's temporary (plan.json.tmp) cannot be written
+    if rank == 0:
+        os.mkdir(os.path.join(tmp, "bad", "plan.json.tmp"))
+
+
+open(os.path.join(tmp, "f"), "w").close()
+os.makedirs(os.path.join(tmp, "d"), exist_ok=True)
+call("under_a_file", ddps[0], os.path.join(tmp, "f", "plan.json"))
+call("a_directory", ddps[0], os.path.join(tmp, "d"))
+call("written", ddps[1], os.path.join(tmp, "ok", "plan.json"), iterations=2)
+call("rewrite_fails", ddps[2], os.path.join(tmp, "bad", "plan.json"), iterations=2, before=tmp_dir_in_the_way)
+# rank 0 slower than the store's timeout: the others give up at it
+default_store = dist.distributed_c10d._get_default_store()
+if rank == 0:
+    initial_state = ct.initial_state
+    ct.initial_state = lambda *a: (time.sleep(4), initial_state(*a))[1]
+else:
+    default_store.set_timeout(datetime.timedelta(seconds=2))
+call("rank0_slow", ddps[3], os.path.join(tmp, "slow", "plan.json"))
+if rank == 0:
+    ct.initial_state = initial_state
+    store.set("job/slow_done", b"")
+else:
+    default_store.set_timeout(timeout)
+    store.wait(["job/slow_done"])
+    time.sleep(1)  # rank 0 fails and exits before rank 1 comes to read: it waits for the read
+call("rank0_exits", ddps[4], os.path.join(tmp, "f", "plan.json"))
+os._exit(0)  # no teardown: see test_trainer.py's _EXCHANGE_JOB
+'''
+
+
+def test_rank0s_failure_to_write_the_plan_is_raised_on_every_rank(tmp_path):
+    """Rank 0 alone writes the plan: when it could not (its path under a regular file, a
+    directory as the path, the rewrite after DDP rebuilt its buckets), every rank raises
+    TrainerError at once, the others naming rank 0's error; they used to return (or go
+    on from the rebuilding forward) and hang in the first allreduce until the process
+    group's timeout. A rank 0 that never answers is waited for up to the store's timeout."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(_RANK0_FAILS_JOB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(__import__("pathlib").Path(ct.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("a rank hung: " + " | ".join(p.communicate()[1][-1000:] for p in procs))
+    got = [{k: v for line in out.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+           for out, _ in outs]
+    for r in range(2):
+        for name in got[r]:
+            assert got[r][name][-1] < 15, (r, name, got[r][name])  # not at the 20 s timeout
+            assert "\n" not in str(got[r][name]), (r, name)
+    f = tmp_path / "f"
+    zero = {"under_a_file": f"cannot write the initial state to {f / 'init.pt'}: {f} is not a directory",
+            "a_directory": f"{tmp_path / 'd'} is a directory: write_plan writes a file there",
+            "rewrite_fails": f"cannot rewrite the plan at {tmp_path / 'bad' / 'plan.json'} with DDP's rebuilt "
+                             "buckets: Is a directory"}
+    for name, msg in zero.items():
+        assert got[0][name][:3] == ["raised", "TrainerError", msg], got[0][name]
+        step = "rewrite" if name == "rewrite_fails" else "write"
+        assert got[1][name][:3] == ["raised", "TrainerError", f"rank 0 could not {step} the plan: {msg}"], got[1][name]
+    assert got[0]["written"][:2] == got[1]["written"][:2] == ["returned", "Plan"]
+    written = load_plan(tmp_path / "ok" / "plan.json")
+    assert not written.rebuilt_learn and written.buckets_rebuilt  # rewritten after the rebuild
+    slow = got[1]["rank0_slow"]
+    assert slow[:2] == ["raised", "TrainerError"], slow  # gave up at its 2 s: rank 0 took 4
+    assert slow[2].startswith("rank 1 had no word from rank 0 on whether it could write the plan (c10d store key "
+                              "'ckptd/write_plan/0,1/4/write_the_plan', waited up to 2 s): "), slow
+    assert got[0]["rank0_slow"][:2] == ["returned", "Plan"]
+    exits = f"cannot write the initial state to {f / 'init.pt'}: {f} is not a directory"
+    assert got[0]["rank0_exits"][:3] == ["raised", "TrainerError", exits]
+    assert got[1]["rank0_exits"][:3] == ["raised", "TrainerError", f"rank 0 could not write the plan: {exits}"]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]

@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import http.client
 import io
-import json
 import logging
 import os
 import re
@@ -326,14 +325,15 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
     """The newest checkpoint of a directory that loads whole: the manifest's order when
     a persisted tier wrote one, else every checkpoint by its iteration, newest first."""
     from ckptd.core.formats import checkpoints_in
-    manifest = directory / "manifest.json"
+    from ckptd.live.persist import MANIFEST, read_manifest
+    manifest = directory / MANIFEST
     candidates: list[Path] = []
     if manifest.is_file():
         try:
-            entries = json.loads(manifest.read_text()).get("checkpoints", [])
+            entries = read_manifest(directory)["checkpoints"]
             candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])]
-        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-            log.warning("%s: unreadable manifest, scanning the directory: %s", manifest, e)
+        except CheckpointError as e:
+            log.warning("%s, scanning the directory", e)
     tried = set()
     for p in candidates:
         tried.add(p)

@@ -57,7 +57,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     """From the daemon's URL the state is read straight into the model's tensors
     (ckptd.restore_raw: if the connection breaks mid-body, the CheckpointError says the
     model now holds a partial state, unless `all_or_nothing`, which stages it in fresh
-    memory first at the cost of one more pass). Other sources are loaded whole first."""
+    memory first at the cost of one more pass). Other sources are loaded whole first.
+    `timeout` bounds an HTTP source's connect and each read, not the whole transfer: a
+    large body on a slow link is not cut off while its bytes flow."""
     import time
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):

@@ -245,6 +245,15 @@ def cmd_replay(a) -> int:
                          "(`ckptd inspect` lists the captures' flows)")
     if any(r.exact is False for r in reps):
         return 4
+    damaged = [p for p in a.pcap if any(e.startswith(f"{p}: ") for e in pipe.errors)]
+    if plan.iterations is None and len(damaged) == len(a.pcap):
+        # where the plan gives no iteration count, only a capture that ends whole shows
+        # where the job ended: cut at an iteration boundary, every iteration seen is
+        # complete and the lost ones do not show at all
+        last = max((r.iteration for r in reps), default=None)
+        print(f"every capture ends at damage (warnings on stderr): what the job did after iteration "
+              f"{last} is not in them")
+        return EXIT_UNRECOVERED
     return EXIT_UNRECOVERED if bad else 0
 
 
@@ -670,7 +679,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "or none). With multi-GPU nodes only the hops between nodes are expected on the wire. "
                        "A capture damaged mid-file (cut inside a frame, a broken record header) is read up "
                        "to the damage, with one warning on stderr naming the file and frame (pcapng: block); "
-                       "exit 0 if the other mirror streams still recover every iteration, else 3 as above.")
+                       "exit 0 if the other mirror streams still recover every iteration, else 3 as above; "
+                       "3 too where every capture is damaged and the plan gives no iteration count "
+                       "(the iterations after the damage may be lost without a trace).")
     r.add_argument("--plan", type=_path, required=True)
     r.add_argument("--init", type=_path, help="initial state (a checkpoint of iteration -1)")
     r.add_argument("--out", type=_path, help="directory for the per-iteration checkpoints")

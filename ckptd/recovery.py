@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import http.client
 import io
-import json
 import logging
 import os
 import re
@@ -58,7 +57,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     """From the daemon's URL the state is read straight into the model's tensors
     (ckptd.restore_raw: if the connection breaks mid-body, the CheckpointError says the
     model now holds a partial state, unless `all_or_nothing`, which stages it in fresh
-    memory first at the cost of one more pass). Other sources are loaded whole first."""
+    memory first at the cost of one more pass). Other sources are loaded whole first.
+    `timeout` bounds an HTTP source's connect and each read, not the whole transfer: a
+    large body on a slow link is not cut off while its bytes flow."""
     import time
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
@@ -326,14 +327,15 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
     """The newest checkpoint of a directory that loads whole: the manifest's order when
     a persisted tier wrote one, else every checkpoint by its iteration, newest first."""
     from ckptd.core.formats import checkpoints_in
-    manifest = directory / "manifest.json"
+    from ckptd.live.persist import MANIFEST, read_manifest
+    manifest = directory / MANIFEST
     candidates: list[Path] = []
     if manifest.is_file():
         try:
-            entries = json.loads(manifest.read_text()).get("checkpoints", [])
+            entries = read_manifest(directory)["checkpoints"]
             candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])]
-        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-            log.warning("%s: unreadable manifest, scanning the directory: %s", manifest, e)
+        except CheckpointError as e:
+            log.warning("%s, scanning the directory", e)
     tried = set()
     for p in candidates:
         tried.add(p)

@@ -81,6 +81,32 @@ def test_interval_and_a_tampered_file_is_named(tmp_path):
         read_manifest(tmp_path)
 
 
+def test_a_manifest_entry_naming_a_file_outside_the_tier_is_refused(tmp_path):
+    """A tier's manifest lists only the files it wrote, by plain name: an entry naming
+    ../x, /x or no file at all makes the manifest unreadable as such (one line naming
+    the entry), so no restore loads, and no keeper deletes, a file outside the tier."""
+    tier = PersistTier(tmp_path / "tier", every=1, interval_s=None, keep_last=None, keep_every=None)
+    assert tier.offer(held(0))
+    tier.close()
+    man = read_manifest(tmp_path / "tier")
+    good = man["checkpoints"][0]
+    (tmp_path / "outside.pt").write_bytes((tmp_path / "tier" / good["file"]).read_bytes())
+    cases = {"../outside.pt": "file '../outside.pt' is not a file name",
+             str(tmp_path / "outside.pt"): "file .* is not a file name", "": "file '' is not",
+             None: "file None is not"}
+    for name, why in cases.items():
+        man["checkpoints"] = [good, dict(good, file=name, iteration=7)]
+        (tmp_path / "tier" / "manifest.json").write_text(json.dumps(man))
+        with pytest.raises(CheckpointError, match=r"manifest\.json: checkpoint entry 1: " + why):
+            newest_verified(tmp_path / "tier")
+    for entry, why in (({}, "iteration None"), (dict(good, iteration=True), "iteration True"),
+                       (dict(good, sha256=5), "sha256 5"), ([1], r"a list of 1")):
+        man["checkpoints"] = [entry]
+        (tmp_path / "tier" / "manifest.json").write_text(json.dumps(man))
+        with pytest.raises(CheckpointError, match=r"checkpoint entry 0: " + why):
+            read_manifest(tmp_path / "tier")
+
+
 # The writers are forked by a helper process that never runs a torch op itself: a child
 # forked from a process whose OpenMP pool has run (pytest's, after other tests) can hang.
 SUPERVISOR = r"""

@@ -156,6 +156,21 @@ def test_a_manifest_that_is_not_a_dict_or_lists_nothing_loadable_falls_back_to_t
         assert ckptd.restore(model, opt, tmp_path).iteration == 0
 
 
+def test_a_manifest_entry_naming_a_file_outside_the_directory_is_not_read(trained, tmp_path):
+    """A newer checkpoint beside the directory, named by its manifest as ../: the
+    manifest is refused and the directory's own files are scanned."""
+    m, o = trainer_checkpoint(*trained, LR)
+    (tmp_path / "ck").mkdir()
+    save_checkpoint(tmp_path / "ck" / "iter_000000.pt", 0, m, o)
+    save_checkpoint(tmp_path / "iter_000005.pt", 5, m, o)
+    digest = "0" * 64
+    for name in ("../iter_000005.pt", str(tmp_path / "iter_000005.pt")):
+        (tmp_path / "ck" / "manifest.json").write_text(json.dumps(
+            {"format": "ckptd-manifest/1", "checkpoints": [{"file": name, "iteration": 5, "sha256": digest}]}))
+        model, opt = _fresh()
+        assert ckptd.restore(model, opt, tmp_path / "ck").iteration == 0
+
+
 def test_a_fifo_in_a_dcp_directory_is_refused_not_waited_on(trained, tmp_path):
     import warnings
 

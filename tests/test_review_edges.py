@@ -147,6 +147,36 @@ def test_data_lost_in_every_mirror_is_exit_3_with_the_warnings_on_stderr(run, tm
         assert line.startswith(f"warning: {mirrors / f'mirror{k}.pcap'}: frame 1001: record truncated")
 
 
+def test_every_mirror_cut_at_an_iteration_boundary_is_exit_3_without_an_iteration_count(
+        run, tmp_path, capsys):
+    """Cut after iteration 1's last frame, every iteration seen is whole; with the plan's
+    iteration count the lost ones are named, and without it the damage on every mirror
+    says the job's end is unknown (exit 0 before)."""
+    import json
+    from parsers.capfile import open_capture
+    frames = list(open_capture(str(run / "mirrors" / "mirror0.pcap")))
+    gaps = sorted((b.ts_ns - a.ts_ns, b.index) for a, b in zip(frames, frames[1:]))
+    boundary = sorted(f for _, f in gaps[-3:])[1]  # the pause before iteration 2's first frame
+    mirrors = tmp_path / "mirrors"
+    shutil.copytree(run / "mirrors", mirrors)
+    for p in mirrors.iterdir():
+        data = p.read_bytes()
+        p.write_bytes(data[:record_offset(data, boundary) + 8])  # a cut record header
+    doc = json.loads((run / "plan.json").read_text())
+    assert doc.pop("iterations") == 4
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    assert replay(run, tmp_path / "out", pcaps(tmp_path)) == 3
+    out = capsys.readouterr().out
+    assert "4 iterations, 2 committed, 2 not recovered (2, 3)" in out
+    assert main(["replay", "--plan", str(tmp_path / "plan.json"), "--init", str(run / "init.pt"),
+                 *pcaps(tmp_path)]) == 3
+    out, err = capsys.readouterr()
+    assert "2 iterations, 2 committed, 0 not recovered" in out
+    assert "every capture ends at damage (warnings on stderr): what the job did after iteration 1 " \
+           "is not in them" in out
+    assert len(err.splitlines()) == 3 and "record header truncated" in err
+
+
 def test_intact_captures_print_nothing_on_stderr(run, tmp_path, capsys):
     assert replay(run, tmp_path / "out", pcaps(run)) == 0
     out, err = capsys.readouterr()

@@ -40,6 +40,7 @@ from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, Checkpoin
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
+from ckptd.errors import show
 from ckptd.threads import Thread, name_os_thread
 
 log = logging.getLogger("ckptd")
@@ -82,7 +83,27 @@ def read_manifest(directory: str | Path | Store) -> dict | None:
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT or \
             not isinstance(doc.get("checkpoints"), list):
         raise CheckpointError(f"{p}: not a ckptd manifest")
+    for i, entry in enumerate(doc["checkpoints"]):
+        why = _bad_entry(entry)
+        if why:
+            raise CheckpointError(f"{p}: checkpoint entry {i}: {why}")
     return doc
+
+
+def _bad_entry(entry) -> str | None:
+    """Why a manifest entry is not one this tier wrote. Its file is a plain name in the
+    tier's own directory: an entry naming ../x or /x would have a restore read (and a
+    keeper delete) a file the tier never wrote."""
+    if not isinstance(entry, dict):
+        return f"{show(entry)} is no object"
+    it, name, digest = entry.get("iteration"), entry.get("file"), entry.get("sha256")
+    if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+        return f"iteration {show(it)} is no iteration number"
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        return f"file {show(name)} is not a file name in the tier's directory"
+    if not isinstance(digest, str) or len(digest) != 64:
+        return f"sha256 {show(digest)} is no SHA-256 digest"
+    return None
 
 
 def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:

@@ -443,7 +443,9 @@ def cmd_plan(a) -> int:
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
-                bucket_limits=limits or None)
+                bucket_limits=limits or None,
+                frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                             for n, p in model.named_parameters() if not p.requires_grad))
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

@@ -203,3 +203,24 @@ def test_a_captured_gloo_job_with_a_frozen_layer_replays_bit_exact(tmp_path):
     assert pipe.shadow.iteration == ITERATIONS - 1
     assert all(torch.equal(mine[n], init["model"][n]) for n in ("fc2.weight", "fc2.bias"))
     assert not {"fc2.weight", "fc2.bias"} & set(pipe.shadow.optimizer_state()["state"])
+
+
+def test_ckptd_plan_offline_records_a_models_frozen_parameters(tmp_path, monkeypatch, capsys):
+    """`ckptd plan --model` (DDP's layouts from a one-rank DDP in process): the frozen
+    parameters are in no bucket and in the plan's `frozen`, not its parameters."""
+    from ckptd.cli import main
+    (tmp_path / "frozenmodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))\n"
+        "    net[0].requires_grad_(False)\n"
+        "    return net\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "frozenmodel:build", "--ranks", "2", "--addr", "127.0.0.1", "--addr",
+                 "127.0.0.1", "--transport", "gloo", "--optimizer", "sgd", "--lr", "0.1", "--out", "plan.json"]) == 0, \
+        capsys.readouterr().err
+    plan = load_plan(tmp_path / "plan.json")
+    assert [p.name for p in plan.frozen] == ["0.weight", "0.bias"]
+    assert [p.name for p in plan.parameters] == ["1.weight", "1.bias", "2.weight", "2.bias"]
+    assert [b.params for b in plan.buckets_first] == [("1.weight", "1.bias", "2.weight", "2.bias")]

@@ -32,6 +32,10 @@ def optimizer(net, kind):
         return torch.optim.SGD([{"params": decay, "weight_decay": 0.5},
                                 {"params": [p for p in everything if all(p is not q for q in decay)]}],
                                lr=0.05, momentum=0.9, weight_decay=0.0)
+    if kind == "frozen_group":  # the frozen layer alone in a second group, with weight decay
+        frozen = list(net[2].parameters())
+        return torch.optim.SGD([{"params": [p for p in everything if all(p is not q for q in frozen)]},
+                                {"params": frozen, "weight_decay": 0.5}], lr=0.05, momentum=0.9)
     if kind == "adagrad":  # state made at construction for every parameter, frozen ones too
         return torch.optim.Adagrad(everything, lr=0.05)
     if kind == "adam_trainable":  # the usual fine-tuning form: only what requires grad

@@ -63,7 +63,7 @@ def _replay(d: Path):
     return plan, shadow
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd", "adagrad", "adam_trainable"])
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "frozen_group", "adagrad", "adam_trainable"])
 def test_a_frozen_layer_replays_bit_for_bit_and_restores(runs, kind, tmp_path):
     d = runs(kind)
     plan, shadow = _replay(d)

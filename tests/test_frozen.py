@@ -9,6 +9,7 @@ ckptd.restore and as an exported torch file."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,11 +24,10 @@ from ckptd.core.checkpoint import CheckpointError, diff_checkpoints, load_checkp
 from ckptd.core.formats import export_checkpoint
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.core.shadow import ShadowModel
+import _frozen_job as job
 from test_trainer import _net, group  # noqa: F401 -- group is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
-import _frozen_job as job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
             d = tmp_path_factory.mktemp(kind)
             r = subprocess.run([sys.executable, str(Path(__file__).with_name("_frozen_job.py")), str(d), kind],
                                capture_output=True, text=True, timeout=300,
-                               env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
             assert r.returncode == 0, r.stderr[-3000:]
             made[kind] = d
         return made[kind]

@@ -184,7 +184,7 @@ def cmd_replay(a) -> int:
     _distinct_captures(a.pcap)
     start = None
     if a.init:
-        start = load_checkpoint(a.init, [p.name for p in plan.parameters])
+        start = load_checkpoint(a.init, plan.state_names)
         plan.check_start(start, a.init)
         require_memory(plan.shadow_bytes(), f"shadowing the plan {a.plan}")
     if a.reference and not Path(a.reference).is_dir():
@@ -196,7 +196,7 @@ def cmd_replay(a) -> int:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
     names = [Path(p).stem for p in a.pcap]
-    resume = _resume_from_url(a.resume, [p.name for p in plan.parameters]) if a.resume and "://" in a.resume \
+    resume = _resume_from_url(a.resume, plan.state_names) if a.resume and "://" in a.resume \
         else a.resume
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=resume, join=a.join or a.join_from is not None, join_from=a.join_from,
@@ -298,7 +298,7 @@ def _plan_names(plan_path) -> list[str] | None:
     if not plan_path:
         return None
     from ckptd.core.plan import load_plan
-    return [p.name for p in load_plan(plan_path).parameters]
+    return load_plan(plan_path).state_names
 
 
 def _verify_source(src: str, names):
@@ -335,7 +335,7 @@ def cmd_export(a) -> int:
     from ckptd.core.formats import export_checkpoint
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan) if a.plan else None
-    ckpt = load_checkpoint(a.checkpoint, [p.name for p in plan.parameters] if plan else None)
+    ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
     out = export_checkpoint(ckpt, a.out, a.format, plan)
@@ -452,7 +452,9 @@ def cmd_plan(a) -> int:
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
-                bucket_limits=limits or None)
+                bucket_limits=limits or None,
+                frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                             for n, p in model.named_parameters() if not p.requires_grad))
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

@@ -226,7 +226,7 @@ class Pipeline:
                  open_assembly: Callable[[int], IterationAssembly] | None = None,
                  close_assembly: Callable[[IterationAssembly], None] | None = None):
         self.plan, self.opts, self.nstreams = plan, opts, nstreams
-        self.param_names = [p.name for p in plan.parameters]  # a trainer's file's optimizer order
+        self.param_names = plan.state_names  # a trainer's file's optimizer order
         # Wire iteration 0 (the first allreduces of this communicator) is the training
         # iteration after the starting state: a job restarted from checkpoint k runs
         # iteration k+1 first. Reports, checkpoints and the lr schedule use that number.
@@ -650,8 +650,7 @@ class Pipeline:
             if ref is not None:
                 mine = {"iteration": it, "model": self.shadow.model_state(copy=False),
                         "optimizer": self.shadow.optimizer_state(copy=False)}
-                diffs = diff_checkpoints(mine, _parameters_only(ref, self.param_names + list(self.shadow.buffers)),
-                                         limit=3)
+                diffs = diff_checkpoints(mine, _parameters_only(ref, list(mine["model"])), limit=3)
                 rep.exact = not diffs
                 if diffs:
                     rep.note = "differs from reference: " + "; ".join(diffs)
@@ -711,7 +710,7 @@ class Pipeline:
 
 def _parameters_only(ckpt: dict, names: list[str]) -> dict:
     """A trainer's checkpoint with only the model entries the shadow holds (its
-    parameters, and the module buffers where the plan captures them)."""
+    parameters, frozen ones too, and the module buffers where the plan captures them)."""
     model = ckpt.get("model") or {}
     return {**ckpt, "model": {n: model[n] for n in names if n in model}}
 

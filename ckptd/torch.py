@@ -100,10 +100,21 @@ def _refuse_ddp_modes(ddp):
 
 
 def _names(ddp) -> tuple[list[str], list[torch.Tensor]]:
-    """DDP's parameters, in its order (the rebuilt-bucket broadcast's indices count these)."""
+    """DDP's parameters, the reducer's, in its order (the rebuilt-bucket broadcast's
+    indices count these): those that require grad."""
     by_id = {id(p): n for n, p in ddp.module.named_parameters()}
-    params = list(ddp._module_parameters)
+    params = _reducer_params(ddp)
     return [by_id[id(p)] for p in params], params
+
+
+def _frozen(ddp) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's other parameters (requires_grad=False, less DDP's parameters_to_ignore),
+    in module order: DDP's reducer leaves them out (no bucket, nothing on the wire) and
+    nothing steps them; DDP's constructor broadcasts them with the rest (_ddp_broadcasts)."""
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    trained = {id(p) for p in _reducer_params(ddp)}
+    named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignore and id(p) not in trained]
+    return [n for n, _ in named], [p for _, p in named]
 
 
 def _layout(ddp, names_of: dict[int, str]) -> tuple[BucketLayout, ...]:
@@ -124,7 +135,12 @@ def _jsonable(v, where: str):
     raise TrainerError(f"{where}: value {v!r} ({type(v).__name__}) cannot be recorded in a plan")
 
 
-def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str]) -> tuple[str, list[dict]]:
+def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str],
+               frozen_of: dict[int, str] | None = None) -> tuple[str, list[dict]]:
+    """The optimizer's kind and param groups by name. A frozen parameter (frozen_of) may be
+    in a group as the trainer built it: torch's step skips a parameter whose grad is None,
+    and a frozen one's always is (DDP does not reduce it), so it is recorded and never
+    stepped; only Adagrad makes state for it, at construction, which init.pt carries."""
     cls = type(optimizer)
     kind = _KIND_OF_CLASS.get(cls.__name__)
     if kind is None or getattr(torch.optim, cls.__name__, None) is not cls:
@@ -134,9 +150,9 @@ def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str]) -> tup
     for i, g in enumerate(optimizer.param_groups):
         names = []
         for p in g["params"]:
-            if id(p) not in names_of:
+            n = names_of.get(id(p)) or (frozen_of or {}).get(id(p))
+            if n is None:
                 raise TrainerError(f"optimizer group {i} holds a tensor that is not a parameter of the DDP model")
-            n = names_of[id(p)]
             if n in seen or n in names:
                 where = f"group {seen[n]} and group {i}" if n in seen else f"group {i} twice"
                 raise TrainerError(f"parameter {n} is in optimizer {where}: torch would step it twice")
@@ -367,15 +383,23 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
-    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
-    if frozen:
-        raise TrainerError(f"parameters {frozen[:3]}{'...' if len(frozen) > 3 else ''} have requires_grad=False "
-                           "(frozen): DDP does not reduce them and ckptd does not shadow a model with frozen "
-                           "parameters yet")
+    frozen, frozen_params = _frozen(ddp)
+    first = _layout(ddp, {id(p): n for n, p in ddp.module.named_parameters()})
+    reduced = {n for b in first for n in b.params}
+    changed = sorted(reduced.symmetric_difference(names))
+    if changed:  # DDP's reducer took its parameters when it was built, by requires_grad then
+        n = changed[0]
+        raise TrainerError(f"parameter {n} changed requires_grad after DDP was built (DDP "
+                           f"{'reduces' if n in reduced else 'does not reduce'} it): set requires_grad "
+                           "before wrapping the model in DistributedDataParallel")
     dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
     odd = sorted(dtypes - set(DTYPES))
     if odd:
         raise TrainerError(f"parameters of dtype {odd[0]}: ckptd decodes {', '.join(DTYPES)}")
+    for n, p in zip(frozen, frozen_params):  # carried, not decoded: any dtype the plan can name
+        if str(p.dtype).removeprefix("torch.") not in DTYPES:
+            raise TrainerError(f"frozen parameter {n} has dtype {str(p.dtype).removeprefix('torch.')}: "
+                               f"ckptd records {', '.join(DTYPES)}")
     if len(dtypes) > 1:
         raise TrainerError(f"parameters of several dtypes {sorted(dtypes)}: not supported")
     try:
@@ -389,7 +413,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if addresses is None:
         addresses = exchange_addresses(_local_address(backend), ddp.process_group)
     _check_addresses(addresses, world)
-    kind, groups = _optimizer(optimizer, names_of, names)
+    kind, groups = _optimizer(optimizer, names_of, names, dict(zip(map(id, frozen_params), frozen)))
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
                            "ckptd reproduces AMP with foreach or for-loop optimizers")
@@ -398,7 +422,6 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
     _check_replay(opt, names, optimizer, scheduler,
                   SCHEDULER_LOOKAHEAD if iterations is None else min(iterations, SCHEDULER_LOOKAHEAD))
-    first = _layout(ddp, names_of)
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
@@ -411,7 +434,9 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                 first, first, ring, opt, tuple(addresses), (), iterations,
                 transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
                 allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
-                collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {})
+                collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
+                frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                             for n, p in zip(frozen, frozen_params)))
 
 
 def _check_addresses(addresses, world: int):
@@ -645,14 +670,15 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
     """(model, optimizer) of the ckptd checkpoint format, by parameter name: the state the
     shadow starts from (and, after a step, the trainer's own state to compare with)."""
     names, params = _names(ddp)
-    names_of = {id(p): n for n, p in zip(names, params)}
+    frozen, frozen_params = _frozen(ddp)
+    names_of = {id(p): n for n, p in zip(names + frozen, params + frozen_params)}
     state = {names_of[id(p)]: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for p, st in optimizer.state.items() if id(p) in names_of}
     opt = {"lr": optimizer.param_groups[0]["lr"], "state": state}
     if scaler is not None and scaler.is_enabled() and scaler._scale is not None:
         opt["grad_scaler"] = {"scale": scaler._scale.detach().clone(),
                               "growth_tracker": scaler._growth_tracker.detach().clone()}
-    model = {n: p.detach().clone() for n, p in zip(names, params)}
+    model = {n: p.detach().clone() for n, p in zip(names + frozen, params + frozen_params)}
     model.update((n, b.detach().clone()) for n, b in _module_buffers(ddp))
     return model, opt
 

@@ -4,7 +4,7 @@
     python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/ \
         [--optimizer sgd --momentum 0.9 --nesterov] [--no-decay-group] \
         [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0] [--amp] \
-        [--hook fp16|bf16] [--accumulate 2] [--batchnorm]
+        [--hook fp16|bf16] [--accumulate 2] [--batchnorm] [--freeze]
 
 starts `--world` processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), trains a small MLP
 with DistributedDataParallel (gloo, find_unused_parameters=False, bucket_cap_mb) and a
@@ -26,7 +26,8 @@ group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
 --growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
 micro-batches per step, the first K-1 under ddp.no_sync(), or with
 --allreduce-every-micro-batch none: DDP allreduces each); --batchnorm (a BatchNorm1d:
-module buffers, which the rank checkpoints hold too).
+module buffers, which the rank checkpoints hold too); --freeze (fc2 frozen, requires_grad=False,
+before DDP: no bucket holds it, the optimizer still does, every checkpoint carries it).
 
 A restarted job: --restore SOURCE (a checkpoint, a directory of them, or the daemon's
 URL, with --token) puts ckptd's state back with `ckptd.restore` on every rank and trains
@@ -123,6 +124,8 @@ def worker(rank: int, args):
 
     out = Path(args.out)
     model = build(args.size, args.seed, args.batchnorm).to(getattr(torch, args.dtype))
+    if args.freeze:  # before DDP: its reducer takes the parameters that require grad then
+        model.fc2.requires_grad_(False)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                               find_unused_parameters=False)
     if args.hook:
@@ -226,6 +229,8 @@ def main(argv=None):
                     help="with --accumulate: no no_sync(), DDP allreduces every micro-batch")
     ap.add_argument("--batchnorm", action="store_true",
                     help="a BatchNorm1d after fc1 (module buffers DDP broadcasts every forward)")
+    ap.add_argument("--freeze", action="store_true",
+                    help="fc2's weight and bias requires_grad=False (fine-tuning); still in the optimizer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="TCPStore port (0: pick a free one)")
     ap.add_argument("--out", required=True)

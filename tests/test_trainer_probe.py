@@ -81,17 +81,6 @@ def test_parameter_in_two_groups_is_refused(group):  # noqa: F811
     _refused(m, opt, "parameter 0.weight is in optimizer group 0 and group 1")
 
 
-def test_frozen_parameters_are_named(group):  # noqa: F811
-    """requires_grad=False: DDP leaves them out of its buckets; the error said the plan's
-    buckets miss them, or (optimizer over the trainable ones) that DDP trains them."""
-    net = _net()
-    net[0].requires_grad_(False)
-    m = torch.nn.parallel.DistributedDataParallel(net)
-    _refused(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]),
-             r"\['0.weight', '0.bias'\] have requires_grad=False")
-    _refused(m, torch.optim.AdamW(m.parameters()), "requires_grad=False")
-
-
 def test_complex_parameters_are_refused_by_dtype(group):  # noqa: F811
     class Cx(torch.nn.Module):
         def __init__(self):

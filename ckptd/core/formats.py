@@ -243,7 +243,7 @@ def torch_doc(ckpt: dict, names: list[str], param_groups: list[dict] | None = No
     steps = int(ckpt["iteration"]) + 1
     doc = {"model": dict(ckpt["model"]), "step": steps, "iteration": steps,
            "ckptd": {"format": STANDARD_TAG, "last_iteration": steps - 1, "param_names": list(names)}}
-    buffers = [n for n in ckpt["model"] if n not in set(names)]
+    buffers = [n for n in ckpt["model"] if n not in set(names)]  # names: every parameter, frozen ones too
     doc["ckptd"]["buffers"] = buffers or BUFFERS_NOTE  # the captured ones (gloo), by name
     if plan_hash:
         doc["ckptd"]["plan_hash"] = plan_hash
@@ -264,7 +264,9 @@ def optimizer_param_groups(plan, lr: float | None) -> list[dict]:
     from ckptd.core.optim import torch_optimizer
     if plan.optimizer is None:
         return None
-    dummies = [(p.name, torch.zeros(0, requires_grad=True)) for p in plan.parameters]
+    held = {n for g in plan.optimizer.groups for n in g["params"]}  # frozen ones the trainer's groups hold
+    dummies = [(p.name, torch.zeros(0, requires_grad=True))
+               for p in plan.parameters + tuple(f for f in plan.frozen if f.name in held)]
     groups = torch_optimizer(plan.optimizer, dummies).state_dict()["param_groups"]
     set_group_lrs(groups, lr)
     return groups
@@ -280,7 +282,7 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
         raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
     if fmt != "dcp" and out.is_dir():
         raise CheckpointError(f"{out}: is a directory; --format {fmt} writes a file")
-    names = [p.name for p in plan.parameters] if plan is not None else list(ckpt["model"])
+    names = plan.state_names if plan is not None else list(ckpt["model"])
     if fmt == "safetensors":
         from safetensors.torch import save
         data = save({n: t.contiguous() for n, t in ckpt["model"].items()},

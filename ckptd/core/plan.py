@@ -313,6 +313,11 @@ class Plan:
     # micro-batches per optimizer step, each allreduced (accumulation without no_sync):
     # the step uses the last one's gradients (docs/TRAINING.md); 1: one allreduce per step
     allreduces_per_step: int = 1
+    # Frozen parameters (requires_grad=False): not DDP's (its reducer leaves them out, so
+    # they are in no bucket, no index and no gradient on the wire) and never stepped; the
+    # checkpoints carry their init values unchanged, so each is a whole state_dict. The
+    # optimizer's groups may name them (torch skips a parameter whose grad is None).
+    frozen: tuple[Parameter, ...] = ()
 
     def __post_init__(self):
         check_plan(self)
@@ -331,6 +336,17 @@ class Plan:
     def _params_by_name(self) -> dict[str, Parameter]:
         # built once: bucket sizes and every bucket step look parameters up by name
         return {p.name: p for p in self.parameters}
+
+    @cached_property
+    def state_names(self) -> list[str]:
+        """The model's parameter names in the trainer's optimizer order, the indices of its
+        optimizer.state_dict() (its groups' parameters in turn, frozen ones where a group
+        holds them; without groups the plan's order), then the frozen parameters no group
+        holds: how a trainer's file that does not name its parameters is read, and how an
+        exported one is written."""
+        groups = self.optimizer.groups if self.optimizer is not None else ()
+        order = [n for g in groups for n in g["params"]] or [p.name for p in self.parameters]
+        return order + [p.name for p in self.frozen if p.name not in set(order)]
 
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
         """The layout of the allreduce a training iteration steps with: its last
@@ -559,7 +575,7 @@ class Plan:
         with amsgrad) moments."""
         params = sum(p.numel * _itemsize(p.dtype) for p in self.parameters)
         moments = 0 if self.optimizer is None else (3 if self.optimizer.amsgrad else 2)
-        return params * (1 + moments)
+        return params * (1 + moments) + sum(p.numel * _itemsize(p.dtype) for p in self.frozen)
 
     def shadow_bytes(self) -> int:
         """About what shadowing this plan holds in memory: the state, and gradient
@@ -602,6 +618,11 @@ class Plan:
             raise CheckpointError(f"{where}: optimizer.state must map parameter names to state")
         adam = self.optimizer is not None and self.optimizer.kind in ("adam", "adamw")
         keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if adam and self.optimizer.amsgrad else ())
+        for p in self.frozen:  # never stepped: torch makes no state for them after construction
+            _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
+            for k, v in ((per_param or {}).get(p.name) or {}).items():
+                if getattr(v, "ndim", 0):  # Adagrad's sum, made when the trainer built its optimizer
+                    _check_tensor(v, p, f"{where}: optimizer.state.{p.name}.{k}")
         for p in self.parameters:
             _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
             if per_param:
@@ -657,6 +678,8 @@ class Plan:
             doc["buffers"] = self.buffers.to_json()
         if self.allreduces_per_step != 1:
             doc["allreduces_per_step"] = self.allreduces_per_step
+        if self.frozen:
+            doc["frozen"] = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.frozen]
         return doc
 
     def buffer(self, name: str) -> Parameter:
@@ -778,25 +801,8 @@ def check_plan(plan: Plan) -> None:
             if op == "broadcast" and root >= plan.ring.nranks:
                 raise PlanError(f"collectives.{when}[{i}].root {root}: the ring has ranks "
                                 f"0..{plan.ring.nranks - 1}")
-    total = 0
-    names = set()
-    for i, p in enumerate(plan.parameters):
-        if not isinstance(p.name, str) or not p.name:
-            raise PlanError(f"parameters[{i}].name must be a non-empty string")
-        if p.name in names:
-            raise PlanError(f"parameters[{i}].name {p.name!r} is not unique")
-        names.add(p.name)
-        if p.dtype not in DTYPES:
-            raise PlanError(f"parameters[{i}] ({p.name}) has dtype {p.dtype!r}; supported: "
-                            f"{', '.join(DTYPES)}")
-        if len(p.shape) > MAX_DIMS or not all(_is_int(x) and x >= 0 for x in p.shape):
-            raise PlanError(f"parameters[{i}].shape {list(p.shape)[:10]} must be at most {MAX_DIMS} "
-                            "non-negative integers")
-        n = math.prod(p.shape)  # Python ints: no overflow before the bound is checked
-        if n > MAX_PARAM_ELEMENTS:
-            raise PlanError(f"parameters[{i}].shape {list(p.shape)} has {n} elements "
-                            f"(at most {MAX_PARAM_ELEMENTS})")
-        total += n
+    names: set[str] = set()
+    total = _check_tensors(plan.parameters, "parameters", names) + _check_tensors(plan.frozen, "frozen", names)
     if total > MAX_PARAM_ELEMENTS:
         raise PlanError(f"parameters hold {total} elements in all (at most {MAX_PARAM_ELEMENTS})")
     if not plan.buckets_first:
@@ -830,6 +836,9 @@ def check_plan(plan: Plan) -> None:
         if not plan.parameters:
             raise PlanError("an optimizer needs parameters")
         check_optimizer(plan.optimizer)
+        if plan.frozen:  # write_plan's groups may name them (a loaded plan's are checked as read)
+            _optimizer_groups(list(plan.optimizer.groups), [p.name for p in plan.parameters],
+                              [p.name for p in plan.frozen])
         steps = plan.optimizer.lr_per_step
         if steps and plan.iterations is not None and len(steps) < plan.iterations:
             raise PlanError(f"optimizer.lr_per_step has {len(steps)} entries for the plan's {plan.iterations} "
@@ -857,11 +866,36 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"allreduces_per_step must be an integer >= 1, not {k!r}")
 
 
+def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) -> int:
+    """parameters or frozen: unique names (across both: `names` collects them), a dtype
+    ckptd names, a shape it sizes; their element count."""
+    total = 0
+    for i, p in enumerate(tensors):
+        if not isinstance(p.name, str) or not p.name:
+            raise PlanError(f"{key}[{i}].name must be a non-empty string")
+        if p.name in names:
+            raise PlanError(f"{key}[{i}].name {p.name!r} is not unique")
+        names.add(p.name)
+        if p.dtype not in DTYPES:
+            raise PlanError(f"{key}[{i}] ({p.name}) has dtype {p.dtype!r}; supported: "
+                            f"{', '.join(DTYPES)}")
+        if len(p.shape) > MAX_DIMS or not all(_is_int(x) and x >= 0 for x in p.shape):
+            raise PlanError(f"{key}[{i}].shape {list(p.shape)[:10]} must be at most {MAX_DIMS} "
+                            "non-negative integers")
+        n = math.prod(p.shape)  # Python ints: no overflow before the bound is checked
+        if n > MAX_PARAM_ELEMENTS:
+            raise PlanError(f"{key}[{i}].shape {list(p.shape)} has {n} elements "
+                            f"(at most {MAX_PARAM_ELEMENTS})")
+        total += n
+    return total
+
+
 def _check_buffers(plan: Plan) -> None:
     bufs = plan.buffers
     seen: dict[str, str] = {}
     for i, t in enumerate(bufs.tensors):
-        if not isinstance(t.name, str) or not t.name or t.name in seen or t.name in plan._params_by_name:
+        if not isinstance(t.name, str) or not t.name or t.name in seen or t.name in plan._params_by_name \
+                or t.name in {f.name for f in plan.frozen}:
             raise PlanError(f"buffers.tensors[{i}].name {t.name!r} must be a new non-empty name")
         if t.dtype not in DTYPES:
             raise PlanError(f"buffers.tensors[{i}] ({t.name}) has dtype {t.dtype!r}; supported: {', '.join(DTYPES)}")
@@ -1120,15 +1154,8 @@ def _plan_from_json(raw) -> Plan:
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan version {_short(doc.get('version'))} is not supported "
                         f"(this ckptd reads version {PLAN_VERSION})")
-    params = []
-    for i, raw_p in enumerate(doc.list("parameters", [])):
-        p = _Doc(raw_p, f"parameters[{i}]")
-        shape = p.list("shape", required=True)
-        if len(shape) > MAX_DIMS:
-            raise PlanError(f"{p.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
-        params.append(Parameter(p.str("name"), tuple(_int(x, f"{p.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
-                                                    for j, x in enumerate(shape)),
-                                p.str("dtype", "float32", DTYPES)))
+    params = _tensors_from_json(doc.list("parameters", []), "parameters")
+    frozen = _tensors_from_json(doc.list("frozen", []), "frozen")  # absent in older plans: none
 
     bk = doc.obj("buckets")
 
@@ -1212,7 +1239,7 @@ def _plan_from_json(raw) -> Plan:
             amsgrad=o.get("amsgrad", False), implementation=o.str("implementation", "foreach"),
             lr_schedule=dict(sched),
             max_grad_norm=None if mgn is None else o.num("max_grad_norm", None),
-            groups=_optimizer_groups(o.list("groups", []), [p.name for p in params]),
+            groups=_optimizer_groups(o.list("groups", []), [p.name for p in params], [p.name for p in frozen]),
             lr_scheduler=o.get("lr_scheduler"), grad_scaler=o.get("grad_scaler"),
             lr_per_step=tuple(o.list("lr_per_step", [])))
 
@@ -1263,7 +1290,21 @@ def _plan_from_json(raw) -> Plan:
                 collectives=_collectives(doc),
                 buffers=_buffers_from_json(doc),
                 allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
-                bucket_limits=limits)
+                bucket_limits=limits, frozen=tuple(frozen))
+
+
+def _tensors_from_json(entries: list, key: str) -> list[Parameter]:
+    """A list of {name, shape, dtype} (parameters, frozen, buffers.tensors)."""
+    out = []
+    for i, raw in enumerate(entries):
+        t = _Doc(raw, f"{key}[{i}]")
+        shape = t.list("shape", required=True)
+        if len(shape) > MAX_DIMS:
+            raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        out.append(Parameter(t.str("name"), tuple(_int(x, f"{t.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
+                                                 for j, x in enumerate(shape)),
+                             t.str("dtype", "float32", DTYPES)))
+    return out
 
 
 def _ports_from_json(doc, addrs: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
@@ -1360,15 +1401,7 @@ def _buffers_from_json(doc) -> ModuleBuffers:
     if doc.get("buffers") is None:
         return ModuleBuffers()
     b = doc.obj("buffers")
-    tensors = []
-    for i, raw in enumerate(b.list("tensors", required=True)):
-        t = _Doc(raw, f"buffers.tensors[{i}]")
-        shape = t.list("shape", required=True)
-        if len(shape) > MAX_DIMS:
-            raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
-        tensors.append(Parameter(t.str("name"), tuple(_int(x, f"{t.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
-                                                     for j, x in enumerate(shape)),
-                                 t.str("dtype", "float32", DTYPES)))
+    tensors = _tensors_from_json(b.list("tensors", required=True), "buffers.tensors")
     groups = []
     for i, g in enumerate(b.list("broadcasts", required=True)):
         if not isinstance(g, list) or not all(isinstance(n, str) for n in g):
@@ -1442,19 +1475,20 @@ def _check_ports(plan: Plan):
                 raise PlanError(f"ranks[{r}].ports: {a} is a port of rank {seen[a]}'s NIC too")
 
 
-def _optimizer_groups(groups: list, names: list[str]) -> tuple:
-    """optimizer.groups: every parameter in exactly one group; hyperparameters are
-    checked by torch itself when the shadow builds them (ckptd.core.optim.full_groups)."""
+def _optimizer_groups(groups: list, names: list[str], frozen: list[str] = ()) -> tuple:
+    """optimizer.groups: every parameter in exactly one group, a frozen one in at most one
+    (torch never steps it: its grad stays None); hyperparameters are checked by torch
+    itself when the shadow builds them (ckptd.core.optim.full_groups)."""
     if not groups:
         return ()
     seen: list[str] = []
     for i, g in enumerate(groups):
         if not isinstance(g, dict) or not isinstance(g.get("params"), list):
             raise PlanError(f"optimizer.groups[{i}] needs a list of parameter names")
-        unknown = [n for n in g["params"] if n not in names]
+        unknown = [n for n in g["params"] if n not in names and n not in frozen]
         if unknown:
             raise PlanError(f"optimizer.groups[{i}] names unknown parameters {unknown[:5]}")
         seen += g["params"]
-    if sorted(seen) != sorted(names):
-        raise PlanError("optimizer.groups must hold every parameter exactly once")
+    if sorted(n for n in seen if n not in frozen) != sorted(names) or len(set(seen)) != len(seen):
+        raise PlanError("optimizer.groups must hold every parameter exactly once (a frozen one at most once)")
     return tuple(dict(g) for g in groups)

@@ -62,6 +62,18 @@ class ShadowModel:
                 raise CheckpointError(f"starting state: {p.name} is {t.dtype}{list(t.shape)}, "
                                       f"plan says {p.dtype}{list(p.shape)}")
             self.params.append(t)
+        # frozen parameters: never stepped (DDP reduces no gradient of theirs and torch's
+        # step skips a parameter whose grad is None), carried into every checkpoint as
+        # the starting state holds them
+        self.frozen: dict[str, torch.Tensor] = {}
+        for p in plan.frozen:
+            t = model.get(p.name)
+            if t is None:
+                raise CheckpointError(f"starting state lacks frozen parameter {p.name}")
+            if tuple(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != p.dtype:
+                raise CheckpointError(f"starting state: frozen {p.name} is {t.dtype}{list(t.shape)}, "
+                                      f"plan says {p.dtype}{list(p.shape)}")
+            self.frozen[p.name] = t.detach()
         self.iteration = int(start.get("iteration", -1))
         try:
             self.groups = full_groups(self.opt, self.names)
@@ -73,9 +85,11 @@ class ShadowModel:
         # per parameter name, torch's optimizer.state[p] (created on its first step)
         self.state: dict[str, dict] = {n: dict(st) for n, st in (opt.get("state") or {}).items()}
         if self.opt.kind in EAGER_STATE and not self.state:
+            # torch's constructor makes it for every parameter of its groups, frozen ones too
             first = self.hyper.at(self.iteration + 1)
-            for i, n in enumerate(self.names):
-                self.state[n] = init_state(self.opt.kind, self.params[i], first[self.group_of[n]])
+            tensors = {**dict(zip(self.names, self.params)), **self.frozen}
+            for n, gi in self.group_of.items():
+                self.state[n] = init_state(self.opt.kind, tensors[n], first[gi])
         # prepare_state: per parameter, the state init_state makes for its first step, made
         # ahead for iteration _prepared_for
         self._prepared: dict[str, dict] = {}
@@ -205,6 +219,7 @@ class ShadowModel:
         out the live tensors (to write or compare them while nothing steps the shadow)."""
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
         out = {n: keep(p) for n, p in zip(self.names, self.params)}
+        out.update((n, keep(t)) for n, t in self.frozen.items())
         out.update((n, keep(b)) for n, b in self.buffers.items())
         return out
 
@@ -223,14 +238,16 @@ class ShadowModel:
                 if self.opt.kind == "sgd" and g.get("momentum"):
                     st = {"momentum_buffer": p}  # the functional makes it on the first step
                 opt["state"][n] = st
-        opt["state"] = {n: opt["state"][n] for n in self.names if n in opt["state"]}
+        opt["state"] = {n: opt["state"][n] for n in self.names + list(self.frozen) if n in opt["state"]}
         return model, opt
 
     def optimizer_state(self, copy: bool = True) -> dict:
         """{"lr": the first group's lr of the last step, "state": {name: torch's per-parameter
         state}}, plus "grad_scaler": {scale, growth_tracker} with AMP."""
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
-        st = {n: {k: keep(v) for k, v in self.state[n].items()} for n in self.names if n in self.state}
+        # a frozen parameter has state only where torch made it at construction (Adagrad)
+        st = {n: {k: keep(v) for k, v in self.state[n].items()} for n in self.names + list(self.frozen)
+              if n in self.state}
         out = {"lr": self.lr, "state": st}
         if self.scaler is not None:
             out["grad_scaler"] = {k: keep(v) for k, v in self.scaler.items()}

@@ -865,7 +865,7 @@ class Daemon:
         ckpt = None
         if self.memory is not None:
             from ckptd.core.formats import optimizer_param_groups
-            names = [p.name for p in self.plan.parameters]
+            names = self.plan.state_names
             plan_hash = self.plan_hash()
 
             def groups_for(lr):  # the lr moves with the schedule: each state its own

@@ -294,27 +294,24 @@ def _distinct_captures(paths: list[str]) -> None:
             raise UsageError(f"{p}: a directory, not a capture file")
 
 
-def _plan_names(plan_path) -> list[str] | None:
-    if not plan_path:
-        return None
-    from ckptd.core.plan import load_plan
-    return load_plan(plan_path).state_names
-
-
-def _verify_source(src: str, names):
-    """A file or directory as before; an fsspec URL (a persistence tier's persist_url): the
-    newest manifest entry there that verifies."""
-    from ckptd.core.checkpoint import load_checkpoint
-    if "://" in src and not src.lower().startswith(("http://", "https://")):
-        from ckptd.recovery import newest_at_url
-        return newest_at_url(src)[0]
-    return load_checkpoint(src, names)
+def _verify_source(src: str, plan):
+    """Any source ckptd.restore takes (recovery.load_source). The daemon's body may take
+    what a checkpoint of the plan's model can (recovery.body_limit_of), or without a
+    plan the memory available: a lying Content-Length or an endless body is refused
+    before it fills memory."""
+    from ckptd.core.memory import available_memory
+    from ckptd.recovery import body_limit_of, load_source
+    names = plan.state_names if plan else None
+    limit = body_limit_of(plan.state_bytes()) if plan else available_memory()
+    return load_source(src, names, limit=limit)[0]
 
 
 def cmd_verify(a) -> int:
     from ckptd.core.checkpoint import diff_checkpoints
-    names = _plan_names(a.plan)
-    first, second = (_verify_source(x, names) for x in (a.a, a.b))
+    from ckptd.core.plan import load_plan
+    plan = load_plan(a.plan, check_optimizer=False) if a.plan else None
+    names = plan.state_names if plan else None
+    first, second = (_verify_source(x, plan) for x in (a.a, a.b))
     if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
         keep = set(names or []) or (set(first["model"]) & set(second["model"]))
         for doc in (first, second):
@@ -745,9 +742,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--parameters-only", action="store_true",
                    help="compare parameters and optimizer state only, not module buffers "
                    "(ckptd's checkpoints carry none: they are not on the wire)")
-    v.epilog = ("A and B may each be a ckptd checkpoint, a trainer's torch.save of "
-                "{model, optimizer, step|iteration}, a torch.distributed.checkpoint directory, "
-                "a safetensors file or a persistence tier's fsspec URL (its newest entry that verifies) (see docs/RECOVERY.md for the iteration numbering).")
+    v.epilog = ("A and B may each be anything ckptd.restore reads: a ckptd checkpoint, a trainer's "
+                "torch.save of {model, optimizer, step|iteration}, a torch.distributed.checkpoint "
+                "directory, a safetensors file, a directory of checkpoints (its newest that loads "
+                "whole), a persistence tier's fsspec URL (its newest entry that verifies) or the "
+                "daemon's http(s) URL (its /checkpoint; the token from $CKPTD_TOKEN). See "
+                "docs/RECOVERY.md for the iteration numbering.")
     v.set_defaults(func=cmd_verify)
 
     ex = sub.add_parser("export", help="write a checkpoint in a standard format: torch "

@@ -92,11 +92,16 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
 
 
 def body_limit(model: torch.nn.Module) -> int:
-    """The most bytes a checkpoint of `model` fetched over HTTP may take: its state
-    eight times over (Adam's two moments, amsgrad's third, room to spare) and 256 MiB. A
-    body past it (a lying Content-Length, an endless body) is refused before it fills
-    the trainer's memory."""
-    return 8 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (256 << 20)
+    """The most bytes a checkpoint of `model` fetched over HTTP may take (body_limit_of)."""
+    return body_limit_of(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+
+
+def body_limit_of(state_bytes: int) -> int:
+    """The most bytes a checkpoint of a model whose state takes `state_bytes` may take
+    over HTTP: that eight times over (Adam's two moments, amsgrad's third, room to
+    spare) and 256 MiB. A body past it (a lying Content-Length, an endless body) is
+    refused before it fills the reader's memory."""
+    return 8 * state_bytes + (256 << 20)
 
 
 def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token: str | None, timeout: float,

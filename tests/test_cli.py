@@ -70,6 +70,46 @@ def test_verify(run, tmp_path, capsys):
     assert main(["verify", str(a), str(tmp_path / "junk.pt")]) == 2
 
 
+def test_verify_reads_what_restore_reads_the_daemons_url_bounded(run, tmp_path, capsys, monkeypatch):
+    """verify takes the daemon's URL (its /checkpoint, $CKPTD_TOKEN sent) and a directory
+    of checkpoints (its newest), as restore does; a body past what a checkpoint of the
+    plan's model can take is one line, not a MemoryError after reading it."""
+    import http.server
+    import threading
+    a = run / "reference" / checkpoint_name(2)
+    body = a.read_bytes()
+    seen = []
+
+    class Daemon(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            endless = self.path.startswith("/endless")
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(10 ** 12 if endless else len(body)))
+            self.end_headers()
+            self.wfile.write(b"\0" * 65536 if endless else body)
+
+        def log_message(self, *args):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Daemon)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        monkeypatch.setenv("CKPTD_TOKEN", "s3cret")
+        assert main(["verify", url, str(a)]) == 0
+        assert seen == [("/checkpoint", "Bearer s3cret")]
+        assert main(["verify", str(run / "reference"), str(a)]) == 0  # the newest: iteration 2
+        assert main(["verify", str(run / "reference"), str(run / "reference" / checkpoint_name(1))]) == 1
+        capsys.readouterr()
+        assert main(["verify", "--plan", str(run / "plan.json"), url + "/endless", str(a)]) == 2
+        err = capsys.readouterr().err
+        assert "Content-Length 1000000000000 is more than a checkpoint of this model" in err, err
+        assert len(err.strip().splitlines()) == 1
+    finally:
+        srv.shutdown()
+
+
 def test_replay_errors_are_clear(run, capsys):
     assert main(["replay", "--plan", str(run / "missing.json"), "x.pcap"]) == 2
     assert "missing.json" in capsys.readouterr().err

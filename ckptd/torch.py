@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
-from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan)
+from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
+                             PlanError)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.errors import CkptdError
 
@@ -417,9 +418,10 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
                            "ckptd reproduces AMP with foreach or for-loop optimizers")
-    opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
-                    lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
-                    max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
+    with _by_argument():
+        opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
+                        lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
+                        max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
     _check_replay(opt, names, optimizer, scheduler,
                   SCHEDULER_LOOKAHEAD if iterations is None else min(iterations, SCHEDULER_LOOKAHEAD))
     transport = "gloo" if backend == "gloo" else "roce"
@@ -429,14 +431,36 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         raise TrainerError(f"the process group has {world} rank: ckptd needs at least 2 ranks (it rebuilds "
                            "the state from their allreduces; one rank puts none on the wire)")
     ring = _ring(backend, world)
-    return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                      for n, p in zip(names, params)),
-                first, first, ring, opt, tuple(addresses), (), iterations,
-                transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
-                allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
-                collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
-                frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                             for n, p in zip(frozen, frozen_params)))
+    with _by_argument():
+        return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                          for n, p in zip(names, params)),
+                    first, first, ring, opt, tuple(addresses), (), iterations,
+                    transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
+                    allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
+                    collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
+                    frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                                 for n, p in zip(frozen, frozen_params)))
+
+
+# A plan's check names the plan's field; the trainer gave write_plan an argument, or built
+# an object, that ended up there: the error names that instead.
+_ARGUMENT_OF_FIELD = (("optimizer.max_grad_norm", "max_grad_norm"), ("optimizer.grad_scaler.", "scaler's "),
+                      ("optimizer.lr_per_step", "lr_per_step"), ("optimizer.lr_scheduler", "scheduler"),
+                      ("bucket_limits", "DDP's bucket_cap_mb (bucket_limits)"), ("optimizer.", "optimizer "))
+
+
+@contextlib.contextmanager
+def _by_argument():
+    """PlanError from building the plan as a TrainerError naming write_plan's argument."""
+    try:
+        yield
+    except PlanError as e:
+        msg = str(e)
+        for field, argument in _ARGUMENT_OF_FIELD:
+            if msg.startswith(field):
+                msg = argument + msg[len(field):]
+                break
+        raise TrainerError(msg) from None
 
 
 def _check_addresses(addresses, world: int):

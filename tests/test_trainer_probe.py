@@ -251,3 +251,20 @@ def test_rank0s_failure_to_write_the_plan_is_raised_on_every_rank(tmp_path):
     assert got[0]["rank0_exits"][:3] == ["raised", "TrainerError", exits]
     assert got[1]["rank0_exits"][:3] == ["raised", "TrainerError", f"rank 0 could not write the plan: {exits}"]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_grad_norm": -1.0}, r"^max_grad_norm must be a finite number > 0 or null, not -1.0$"),
+    ({"max_grad_norm": float("nan")}, r"^max_grad_norm must be a finite number > 0"),
+    ({"scaler": {"init_scale": -1.0}}, r"^scaler's init_scale is -1.0; it must be a finite number > 0"),
+    ({"scaler": {"growth_interval": 0}}, r"^scaler's growth_interval is 0; it must be an integer >= 1$"),
+])
+def test_a_bad_argument_is_named_as_write_plan_takes_it(world_of_two, tmp_path, kw, match):
+    """A value the plan's check refuses is named by write_plan's argument (a TrainerError),
+    not by the plan field it would have gone to (a PlanError, 'optimizer.max_grad_norm')."""
+    m = _ddp()
+    if "scaler" in kw:
+        kw = {"scaler": torch.amp.GradScaler("cpu", **kw["scaler"])}
+    with pytest.raises(ct.TrainerError, match=match):
+        ct.write_plan(m, _sgd(m), tmp_path / "plan.json", addresses=world_of_two, **kw)
+    assert not (tmp_path / "plan.json").exists()

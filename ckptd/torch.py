@@ -180,6 +180,8 @@ _SCHED_SKIP = ("self", "optimizer", "last_epoch", "verbose")
 
 def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
     if scheduler is None:
+        if args:  # meant for a scheduler the call forgot: its lrs would not be replayed
+            raise TrainerError("scheduler_args given without a scheduler: pass the lr scheduler too")
         return None
     cls = type(scheduler)
     name = cls.__name__

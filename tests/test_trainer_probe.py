@@ -268,3 +268,10 @@ def test_a_bad_argument_is_named_as_write_plan_takes_it(world_of_two, tmp_path, 
     with pytest.raises(ct.TrainerError, match=match):
         ct.write_plan(m, _sgd(m), tmp_path / "plan.json", addresses=world_of_two, **kw)
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_scheduler_args_without_a_scheduler_is_refused(world_of_two, tmp_path):
+    """scheduler_args with no scheduler was ignored: the plan replayed a constant lr."""
+    m = _ddp()
+    with pytest.raises(ct.TrainerError, match="^scheduler_args given without a scheduler"):
+        ct.write_plan(m, _sgd(m), tmp_path / "plan.json", addresses=world_of_two, scheduler_args={"step_size": 2})

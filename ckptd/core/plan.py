@@ -1041,9 +1041,11 @@ class _Doc:
         return self.d[k]
 
     def int(self, k, lo: int, hi: int, default=None, required=False):
-        v = self.need(k) if required else self.d.get(k, default)
+        v = self.need(k) if required else self.d.get(k)
         if v is None and not required:
-            return None
+            # `"key": null` takes the default like a missing key (as has() reads it), not
+            # None into a field that is compared as an int later (ring.max_threads)
+            return default
         return _int(v, self.path(k), lo, hi)
 
     def num(self, k, default):

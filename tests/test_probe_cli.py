@@ -67,3 +67,77 @@ def test_a_bad_hyperparameter_of_a_later_group_is_refused_at_load(groups_scenari
     r = _replay(capsys, d, plan, "--out", d / f"out-{key}-{value}")
     _one_line_error(r, str(plan), f"optimizer.groups[1].{key} is {value!r}: torch.optim.SGD refuses it")
     assert not (d / f"out-{key}-{value}").exists()
+
+
+# -- daemon config: YAML alias bombs ------------------------------------------------------------
+def _bomb(levels: int = 6, width: int = 9):
+    """A list nested `levels` deep, every level `width` references to the one below:
+    yaml.safe_dump writes it in a few lines with anchors and aliases."""
+    x = ["lol"] * width
+    for _ in range(levels - 1):
+        x = [x] * width
+    return x
+
+
+BASE_CONFIG = {"plan": "plan.json", "init": "init.pt", "out": "ckpt", "interfaces": [{"ifname": "hdnone0"}]}
+CONFIG_BOMBS = [
+    ("log_level", {}, "'log_level'"),
+    ("keep_last", {}, "'keep_last'"),
+    ("fast", {}, "'fast'"),
+    ("listen", {}, "'listen'"),
+    ("capture_workers", {}, "'capture_workers'"),
+    ("cpus", {}, "'cpus'"),
+    ("huge_pages", {}, "'huge_pages'"),
+    ("notice.webhook", {}, "'notice.webhook'"),
+    ("notice.timeout_s", {"webhook": "http://127.0.0.1:1/x"}, "'notice.timeout_s'"),
+    ("notice.store", {}, "notice.store"),
+    ("interfaces.block_size", {}, "'interfaces[0].block_size'"),
+    ("interfaces.fanout_mode", {}, "'interfaces[0].fanout_mode'"),
+    ("interfaces.cpu", {}, "interfaces[0].cpu"),
+    ("persist_options.a", {}, "'persist_options' holds more than 10000 values"),
+]
+
+
+@pytest.mark.parametrize("key,extra,message", CONFIG_BOMBS, ids=[c[0] for c in CONFIG_BOMBS])
+def test_alias_bomb_in_the_daemon_config_is_a_short_line_at_once(scenario, capsys, key, extra, message):
+    """The checks repr'd the value whole (then cut it to 200 characters, or not at all):
+    9**9 nodes hung `ckptd run` past 60 s at 3 GB; persist_options was walked node by node
+    (and taken). 9**6 nodes here: the old code made multi-megabyte lines or took it."""
+    import time
+
+    import yaml
+    doc = json.loads(json.dumps(BASE_CONFIG))
+    head, _, rest = key.partition(".")
+    if head == "interfaces":
+        doc["interfaces"][0][rest] = _bomb()
+    elif head == "notice":
+        doc["notice"] = {**extra, rest: _bomb()}
+    elif head == "persist_options":
+        doc.update(persist_url="memory://probe", persist_options={rest: _bomb()})
+    else:
+        doc[key] = _bomb()
+    cfg = scenario / f"cfg-bomb-{key}.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    assert cfg.stat().st_size < 10_000
+    t = time.monotonic()
+    r = ckptd_main(capsys, "run", "--config", cfg)
+    _one_line_error(r, str(cfg), message)
+    assert len(r.stderr) < 300 + len(str(cfg)), r.stderr[:400]
+    assert time.monotonic() - t < 5
+
+
+def test_a_bad_cpu_in_the_list_is_named(scenario, capsys):
+    cfg = scenario / "cfg-cpus.yaml"
+    cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\ncapture_workers: true\ncpus: [0, -1]\n"
+                   "interfaces:\n  - ifname: hdnone0\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(cfg), "(-1 is not one)")
+
+
+@pytest.mark.parametrize("key", ["log_level", "listen"])
+def test_a_megabyte_string_in_the_daemon_config_is_shown_short(scenario, capsys, key):
+    cfg = scenario / f"cfg-long-{key}.yaml"
+    cfg.write_text(f"plan: plan.json\ninit: init.pt\nout: ckpt\n{key}: {'a' * 100_000}\n"
+                   "interfaces:\n  - ifname: hdnone0\n")
+    r = ckptd_main(capsys, "run", "--config", cfg)
+    _one_line_error(r, str(cfg), f"'{key}'" if key == "log_level" else "listen")
+    assert "(100000 characters)" in r.stderr and len(r.stderr) < 400 + len(str(cfg))

@@ -307,7 +307,14 @@ def cmd_verify(a) -> int:
     names = _plan_names(a.plan)
     first, second = (_verify_source(x, names) for x in (a.a, a.b))
     if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
-        keep = set(names or []) or (set(first["model"]) & set(second["model"]))
+        # the parameters: the plan's, else the names of the file with fewer (ckptd's, no
+        # buffers). Not the names both hold: two models with none in common were
+        # "identical" (every entry dropped), and a parameter missing from one went unseen.
+        fewer = min((set(first["model"]), set(second["model"])), key=len)
+        keep = set(names or []) or fewer
+        if not keep & (set(first["model"]) | set(second["model"])):
+            why = "neither checkpoint holds a parameter of the plan" if names else "a checkpoint holds no model entry"
+            raise UsageError(f"--parameters-only: {why}: nothing to compare")
         for doc in (first, second):
             doc["model"] = {n: t for n, t in doc["model"].items() if n in keep}
     diffs = diff_checkpoints(first, second, limit=a.limit)

@@ -141,3 +141,69 @@ def test_a_megabyte_string_in_the_daemon_config_is_shown_short(scenario, capsys,
     r = ckptd_main(capsys, "run", "--config", cfg)
     _one_line_error(r, str(cfg), f"'{key}'" if key == "log_level" else "listen")
     assert "(100000 characters)" in r.stderr and len(r.stderr) < 400 + len(str(cfg))
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def _init_with_first_param(d: Path, name: str, make) -> Path:
+    import torch
+    doc = torch.load(d / "init.pt", weights_only=True)
+    k = next(iter(doc["model"]))
+    doc["model"][k] = make(doc["model"][k])
+    p = d / f"init-{name}.pt"
+    torch.save(doc, p)
+    return p
+
+
+def _meta(t):
+    import torch
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+TENSOR_KINDS = [("meta", _meta, "is a meta tensor"),
+                ("sparse", lambda t: t.to_sparse(), "is a sparse_coo tensor")]
+
+
+@pytest.mark.parametrize("kind,make,message", TENSOR_KINDS, ids=[k[0] for k in TENSOR_KINDS])
+@pytest.mark.parametrize("argv", [
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", f, *_pcaps(d)],
+    lambda d, f: ["verify", f, d / "init.pt"],
+    lambda d, f: ["export", f, "--format", "safetensors", "--out", d / "x.safetensors"],
+    lambda d, f: ["export", f, "--format", "torch", "--out", d / "x.torch"],
+], ids=["replay-init", "verify", "export-safetensors", "export-torch"])
+def test_a_tensor_without_plain_data_is_refused_where_the_checkpoint_is_read(scenario, capsys, kind, make,
+                                                                             message, argv):
+    """A model saved from device="meta" (no data) or with a sparse weight: replay raised
+    RuntimeError in torch (Tensor on device cpu is not on the expected device meta;
+    unsupported memory format option Contiguous), verify NotImplementedError in
+    aten::equal, export to safetensors NotImplementedError, and export to torch wrote the
+    meta tensor as it was (exit 0, a checkpoint without weights)."""
+    f = _init_with_first_param(scenario, kind, make)
+    r = ckptd_main(capsys, *argv(scenario, f))
+    _one_line_error(r, str(f), message)
+    assert not (scenario / "x.safetensors").exists() and not (scenario / "x.torch").exists()
+
+
+def test_parameters_only_of_two_different_models_is_not_identical(scenario, capsys, tmp_path):
+    """--parameters-only kept the names both files hold: two models with none in common
+    (every entry dropped) were "identical", exit 0."""
+    import torch
+    other = tmp_path / "other.pt"
+    torch.save({"model": {"a": torch.zeros(2)}, "iteration": 0}, other)
+    r = ckptd_main(capsys, "verify", other, scenario / "init.pt", "--parameters-only")
+    assert r.returncode == 1 and "model.a: only in first" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    empty = tmp_path / "empty.pt"
+    torch.save({"model": {}, "iteration": 0}, empty)
+    _one_line_error(ckptd_main(capsys, "verify", empty, scenario / "init.pt", "--parameters-only"), None,
+                    "--parameters-only: a checkpoint holds no model entry")
+    _one_line_error(ckptd_main(capsys, "verify", other, other, "--parameters-only", "--plan", scenario / "plan.json"),
+                    None, "neither checkpoint holds a parameter of the plan")
+    # a parameter missing from the file with more entries is a difference, not dropped
+    doc = torch.load(scenario / "init.pt", weights_only=True)
+    doc["model"]["bn.running_mean"] = torch.zeros(3)  # a buffer, as a trainer's file has
+    doc["model"].pop(next(iter(doc["model"])))
+    trainer = tmp_path / "trainer.pt"
+    torch.save(doc, trainer)
+    r = ckptd_main(capsys, "verify", scenario / "init.pt", trainer, "--parameters-only")
+    assert r.returncode == 1 and "only in first" in r.stdout, r.stdout
+    r = ckptd_main(capsys, "verify", scenario / "init.pt", scenario / "init.pt", "--parameters-only")
+    assert r.returncode == 0, r.stderr

@@ -207,3 +207,40 @@ def test_parameters_only_of_two_different_models_is_not_identical(scenario, caps
     assert r.returncode == 1 and "only in first" in r.stdout, r.stdout
     r = ckptd_main(capsys, "verify", scenario / "init.pt", scenario / "init.pt", "--parameters-only")
     assert r.returncode == 0, r.stderr
+
+
+# -- captures ---------------------------------------------------------------------------------------
+def _with_linktype(src: Path, dst: Path, linktype: int, big: bool = False) -> Path:
+    """The capture `src` (a little-endian pcap) with another link type in its header, or
+    rewritten big-endian."""
+    import struct
+    raw = src.read_bytes()
+    magic, vmaj, vmin, tz, sig, snap, _ = struct.unpack("<IHHiIII", raw[:24])
+    order = ">" if big else "<"
+    out = bytearray(struct.pack(order + "IHHiIII", magic, vmaj, vmin, tz, sig, snap, linktype))
+    off = 24
+    while off < len(raw):
+        rec = struct.unpack("<IIII", raw[off:off + 16])
+        out += struct.pack(order + "IIII", *rec) + raw[off + 16:off + 16 + rec[2]]
+        off += 16 + rec[2]
+    dst.write_bytes(bytes(out))
+    return dst
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["little-endian", "big-endian"])
+@pytest.mark.parametrize("argv", [
+    lambda d, f: ["inspect", f],
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", f],
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--reference-path", f],
+], ids=["inspect", "replay", "replay-reference-path"])
+def test_a_pcap_of_a_link_type_ckptd_does_not_decode_is_named(scenario, capsys, tmp_path, big, argv):
+    """Link type 147 (USER0): every frame was "other"; inspect exited 0 and replay 3
+    ("not recovered") without saying why."""
+    f = _with_linktype(_pcaps(scenario)[0], tmp_path / "user0.pcap", 147, big)
+    _one_line_error(ckptd_main(capsys, *argv(scenario, f)), str(f), "link type 147 is not one ckptd decodes (1 Ethernet")
+
+
+def test_a_big_endian_pcap_of_ethernet_still_replays(scenario, capsys, tmp_path):
+    f = _with_linktype(_pcaps(scenario)[0], tmp_path / "big.pcap", 1, big=True)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", f)
+    assert r.returncode == 0 and "1 committed" in r.stdout, r.stderr

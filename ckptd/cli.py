@@ -192,6 +192,11 @@ def cmd_replay(a) -> int:
         print(f"error: --reference {a.reference}: {why} (the trainer's checkpoints, one file per iteration)",
               file=sys.stderr)
         return 2
+    if a.out and a.reference and Path(a.out).resolve() == Path(a.reference).resolve():
+        # each commit would overwrite the trainer's file it is then compared with (bit-exact,
+        # always), and the reference is gone
+        raise UsageError(f"--out {a.out} is the --reference directory: the trainer's checkpoints would be "
+                         "overwritten by ckptd's; give --out a directory of its own")
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2

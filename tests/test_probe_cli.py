@@ -244,3 +244,45 @@ def test_a_big_endian_pcap_of_ethernet_still_replays(scenario, capsys, tmp_path)
     f = _with_linktype(_pcaps(scenario)[0], tmp_path / "big.pcap", 1, big=True)
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", f)
     assert r.returncode == 0 and "1 committed" in r.stdout, r.stderr
+
+
+# -- output paths -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_export_onto_a_fifo_or_device_leaves_it_as_it_was(scenario, capsys, tmp_path, fmt):
+    """The temporary was renamed over whatever --out named: `--out /dev/full` as root made
+    the device a regular file (exit 0); a FIFO was replaced the same way."""
+    import os
+    import stat
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    r = ckptd_main(capsys, "export", scenario / "init.pt", "--format", fmt, "--out", fifo)
+    _one_line_error(r, str(fifo), "is a device, FIFO or socket, not a regular file")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and not (tmp_path / "out.fifo.tmp").exists()
+
+
+def test_plan_onto_a_fifo_is_refused_naming_what_it_is(capsys, tmp_path):
+    import os
+    import stat
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--out", fifo)
+    _one_line_error(r, str(fifo), "cannot write plan: is a device, FIFO or socket")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("via_link", [False, True])
+def test_replay_out_the_reference_directory_is_refused(scenario, capsys, tmp_path, via_link):
+    """--out = --reference overwrote the trainer's checkpoints with ckptd's, each compared
+    with the file it had just written: "bit-exact" always, and the reference lost."""
+    import shutil
+    ref = tmp_path / "reference"
+    shutil.copytree(scenario / "reference", ref)
+    before = {p.name: p.read_bytes() for p in ref.iterdir()}
+    out = ref
+    if via_link:
+        out = tmp_path / "link"
+        out.symlink_to(ref)
+    r = _replay(capsys, scenario, scenario / "plan.json", "--out", out, "--reference", ref)
+    _one_line_error(r, str(out), "is the --reference directory")
+    assert {p.name: p.read_bytes() for p in ref.iterdir()} == before

@@ -63,6 +63,16 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
     CheckpointWriteError naming the file and the cause (errno kept)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None  # not there (or unreadable): the open or rename below says why if it matters
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # the rename would replace the node itself: `--out /dev/full` (or /dev/stdout, a
+        # FIFO) turned the device into a regular file, as root, and exited 0
+        kind = "directory" if stat.S_ISDIR(st.st_mode) else "device, FIFO or socket"
+        raise CheckpointWriteError(errno.EEXIST, f"{path}: is a {kind}, not a regular file: "
+                                   "give the path of a file to write")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:

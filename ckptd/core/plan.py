@@ -739,6 +739,8 @@ def _write_atomic(path: Path, text: str) -> None:
         atomic_write(path, lambda f: f.write(text.encode()), mode=0o644)
     except CheckpointWriteError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
+        if str(e).startswith(f"{path}: is a "):  # not a regular file: say what it is
+            why = str(e).removeprefix(f"{path}: ")
         raise PlanWriteError(e.errno, f"{path}: cannot write plan: {why}") from None
 
 

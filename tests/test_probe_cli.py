@@ -286,3 +286,29 @@ def test_replay_out_the_reference_directory_is_refused(scenario, capsys, tmp_pat
     r = _replay(capsys, scenario, scenario / "plan.json", "--out", out, "--reference", ref)
     _one_line_error(r, str(out), "is the --reference directory")
     assert {p.name: p.read_bytes() for p in ref.iterdir()} == before
+
+
+# -- plan files --------------------------------------------------------------------------------------
+def test_a_misspelt_plan_section_is_refused_by_name(scenario, capsys):
+    """"optimiser" for "optimizer": read as a plan without an optimizer, replay --out
+    wrote no checkpoint and exited 0 ("0 committed, 0 not recovered")."""
+    def change(doc):
+        doc["optimiser"] = doc.pop("optimizer")
+    plan = _changed_plan(scenario, "optimiser", change)
+    r = _replay(capsys, scenario, plan, "--out", scenario / "out-optimiser")
+    _one_line_error(r, str(plan), "unknown keys ['optimiser']")
+    assert not (scenario / "out-optimiser").exists()
+
+
+def test_a_key_given_twice_in_a_plan_is_refused(scenario, capsys):
+    """JSON's last value silently won: a hand edit of the first one did nothing."""
+    text = (scenario / "plan.json").read_text()
+    assert '"iterations": 1' in text
+    plan = scenario / "plan-twice.json"
+    plan.write_text(text.replace('"iterations": 1', '"iterations": 1, "iterations": 5'))
+    _one_line_error(_replay(capsys, scenario, plan), str(plan), "key 'iterations' given twice")
+
+
+def test_a_plan_written_by_write_plan_keeps_its_note(scenario, capsys):
+    plan = _changed_plan(scenario, "note", lambda doc: doc.update(written_by="ckptd.torch.write_plan"))
+    assert _replay(capsys, scenario, plan).returncode == 0

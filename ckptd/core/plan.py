@@ -35,7 +35,7 @@ import numpy as np
 from ckptd.core.algorithms import check_allreduce_algorithm
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
@@ -1012,11 +1012,22 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
         if path.stat().st_size > MAX_PLAN_BYTES:
             raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
                             f"(at most {MAX_PLAN_BYTES})")
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
         raise PlanError(f"{path}: cannot read plan: {e}") from None
     return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A JSON object, but a key given twice is an error: json's last one silently winning
+    would hide a hand edit that meant to change the first (as the daemon's YAML does)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {show(k, 40)} given twice in one object")
+        out[k] = v
+    return out
 
 
 class _Doc:
@@ -1116,6 +1127,10 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
         raise PlanError(f"{where}: nested too deeply to be a plan") from None
 
 
+PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
+             "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "written_by")
+
+
 def _plan_from_json(raw) -> Plan:
     doc = _Doc(raw, "")
     if doc.get("format") != PLAN_FORMAT:
@@ -1124,6 +1139,11 @@ def _plan_from_json(raw) -> Plan:
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan version {_short(doc.get('version'))} is not supported "
                         f"(this ckptd reads version {PLAN_VERSION})")
+    # a misspelt section is not there at all: "optimiser" replayed as a plan without an
+    # optimizer (exit 0, no checkpoint written), "colectives" as a job without them
+    unknown = sorted(str(k)[:40] for k in raw if k not in PLAN_KEYS)
+    if unknown:
+        raise PlanError(f"unknown keys {unknown[:5]} (a plan has {', '.join(PLAN_KEYS)})")
     params = []
     for i, raw_p in enumerate(doc.list("parameters", [])):
         p = _Doc(raw_p, f"parameters[{i}]")

@@ -301,7 +301,10 @@ def _verify_source(src: str, names):
     """A file or directory as before; an fsspec URL (a persistence tier's persist_url): the
     newest manifest entry there that verifies."""
     from ckptd.core.checkpoint import load_checkpoint
-    if "://" in src and not src.lower().startswith(("http://", "https://")):
+    if src.lower().startswith(("http://", "https://")):  # was read as the path "http:/host..."
+        raise UsageError(f"{src}: verify reads files, directories and persistence URLs, not the daemon's "
+                         "http(s):// (fetch it first: curl -o x.pt URL/checkpoint)")
+    if "://" in src:
         from ckptd.recovery import newest_at_url
         return newest_at_url(src)[0]
     return load_checkpoint(src, names)

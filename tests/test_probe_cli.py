@@ -312,3 +312,19 @@ def test_a_key_given_twice_in_a_plan_is_refused(scenario, capsys):
 def test_a_plan_written_by_write_plan_keeps_its_note(scenario, capsys):
     plan = _changed_plan(scenario, "note", lambda doc: doc.update(written_by="ckptd.torch.write_plan"))
     assert _replay(capsys, scenario, plan).returncode == 0
+
+
+# -- URLs ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("url,message", [
+    ("http://[::1", "cannot fetch checkpoint: Invalid IPv6 URL"),  # ValueError from urlsplit
+    ("http://" + "a" * 70, "cannot fetch checkpoint: encoding with 'idna' codec failed"),  # UnicodeError
+])
+def test_resume_from_a_url_urllib_cannot_use_is_one_line(scenario, capsys, url, message):
+    r = _replay(capsys, scenario, scenario / "plan.json", "--resume", url)
+    _one_line_error(r, None, message)
+
+
+def test_verify_of_the_daemons_http_url_says_it_takes_none(scenario, capsys):
+    """It was read as the path "http:/127.0.0.1:1" (No such file or directory)."""
+    r = ckptd_main(capsys, "verify", "http://127.0.0.1:1", scenario / "init.pt")
+    _one_line_error(r, "http://127.0.0.1:1", "not the daemon's http(s)://")

@@ -328,3 +328,21 @@ def test_verify_of_the_daemons_http_url_says_it_takes_none(scenario, capsys):
     """It was read as the path "http:/127.0.0.1:1" (No such file or directory)."""
     r = ckptd_main(capsys, "verify", "http://127.0.0.1:1", scenario / "init.pt")
     _one_line_error(r, "http://127.0.0.1:1", "not the daemon's http(s)://")
+
+
+# -- synth options -------------------------------------------------------------------------------------
+_SYNTH = ["synth", "--model", "tiny", "--iterations", "2", "--ranks", "2", "--channels", "1", "--mirrors", "1"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--optim", "sgd:lr=0.1,momentun=0.9"], "--optim sgd: SGD takes no 'momentun'"),
+    (["--optim", "sgd:lr=0.1,lr=0.2"], "'lr' given twice"),
+    (["--amp", "1024", "--inf-at", "5"], "--inf-at 5: the job runs iterations 0..1"),
+], ids=["misspelt-hyperparameter", "key-twice", "inf-at-past-the-end"])
+def test_synth_options_that_would_do_nothing_are_refused_before_out(capsys, tmp_path, extra, message):
+    """Each was taken and had no effect: torch keeps any key in a param group (SGD trained
+    without momentum), the last of two values won, an --inf-at past the last iteration
+    injected nothing."""
+    out = tmp_path / "out"
+    _one_line_error(ckptd_main(capsys, *_SYNTH, *extra, "--out", out), None, message)
+    assert not out.exists()

@@ -346,3 +346,24 @@ def test_synth_options_that_would_do_nothing_are_refused_before_out(capsys, tmp_
     out = tmp_path / "out"
     _one_line_error(ckptd_main(capsys, *_SYNTH, *extra, "--out", out), None, message)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("key,line", [
+    ("keep_last", "keep_last: 0x{hex}\ninterfaces:\n  - ifname: hdnone0\n"),
+    ("interfaces[0].block_size", "interfaces:\n  - {{ifname: hdnone0, block_size: 0x{hex}}}\n"),
+])
+def test_a_yaml_integer_past_4300_digits_is_named_not_a_traceback(scenario, capsys, key, line):
+    """YAML's hex integers are not held to Python's 4300-digit limit when parsed, but the
+    message's str() of one is: ValueError (Exceeds the limit ...)."""
+    cfg = scenario / f"cfg-hex-{key[:4]}.yaml"
+    cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\n" + line.format(hex="f" * 4000))
+    r = ckptd_main(capsys, "run", "--config", cfg)
+    _one_line_error(r, str(cfg), f"'{key}' is an integer of 16000 bits; it must be in")
+
+
+def test_a_size_string_of_5000_digits_is_named_not_a_traceback(scenario, capsys):
+    """'999...9M': int() of the digits raised ValueError (Exceeds the limit ...)."""
+    cfg = scenario / "cfg-size-digits.yaml"
+    cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\ninterfaces:\n"
+                   f"  - {{ifname: hdnone0, block_size: '{'9' * 5000}M'}}\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(cfg), "'interfaces[0].block_size' must be a size")

@@ -127,7 +127,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 _NETNS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _UNIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
-_SIZE = re.compile(r"\s*(\d+)\s*([KMG]i?B?)?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]{1,20})\s*([KMG]i?B?)?\s*", re.IGNORECASE)  # ASCII digits, and few: int() of 5000 raises
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -172,7 +172,7 @@ class _Keys:
         if isinstance(v, bool) or not isinstance(v, int):
             self.fail(key, f"must be {what} in {lo}..{hi}, not {show(v)}")
         if not lo <= v <= hi:
-            self.fail(key, f"is {v}; it must be in {lo}..{hi}")
+            self.fail(key, f"is {show(v)}; it must be in {lo}..{hi}")
         return v
 
     def size(self, key, lo, hi, default):
@@ -183,7 +183,8 @@ class _Keys:
         if isinstance(v, bool) or not isinstance(v, int):
             self.fail(key, f"must be a size in bytes (an integer, or with a unit: 4M, 512K), not {show(v)}")
         if not lo <= v <= hi:
-            self.fail(key, f"is {v} bytes; it must be in {lo}..{hi}")
+            shown = show(v)  # never str() of an int past 4300 digits (0xfff... in YAML): ValueError
+            self.fail(key, f"is {shown}{' bytes' if shown.isdigit() else ''}; it must be in {lo}..{hi}")
         return v
 
     def bool(self, key, default):

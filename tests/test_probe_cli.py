@@ -367,3 +367,20 @@ def test_a_size_string_of_5000_digits_is_named_not_a_traceback(scenario, capsys)
     cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\ninterfaces:\n"
                    f"  - {{ifname: hdnone0, block_size: '{'9' * 5000}M'}}\n")
     _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(cfg), "'interfaces[0].block_size' must be a size")
+
+
+def test_a_long_safetensors_step_is_shown_short(scenario, capsys, tmp_path):
+    """The metadata's 'step' was repr'd whole into the line (5000 characters)."""
+    import struct
+    good = tmp_path / "ok.safetensors"
+    assert ckptd_main(capsys, "export", scenario / "init.pt", "--format", "safetensors", "--out", good).returncode == 0
+    raw = good.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    head["__metadata__"] = {"step": "9" * 5000}
+    hb = json.dumps(head).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+    r = ckptd_main(capsys, "verify", bad, scenario / "init.pt")
+    _one_line_error(r, str(bad), "(5000 characters), not a number")
+    assert len(r.stderr) < 300 + len(str(bad))

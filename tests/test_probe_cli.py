@@ -384,3 +384,63 @@ def test_a_long_safetensors_step_is_shown_short(scenario, capsys, tmp_path):
     r = ckptd_main(capsys, "verify", bad, scenario / "init.pt")
     _one_line_error(r, str(bad), "(5000 characters), not a number")
     assert len(r.stderr) < 300 + len(str(bad))
+
+
+# -- resume states -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gap_scenario(tmp_path_factory) -> Path:
+    """Iteration 0 lost on the only mirror, 1 complete: the shadow resumes from a
+    checkpoint of iteration 0 (this seed's losses; asserted below)."""
+    d = tmp_path_factory.mktemp("probe-gap")
+    synth(d, iterations=3, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16, loss=0.02, seed=3)
+    return d
+
+
+@pytest.mark.parametrize("kind", ["other-model", "wrong-shape", "no-optimizer-state"])
+def test_a_resume_checkpoint_that_does_not_fit_is_waited_past_not_fatal(gap_scenario, capsys, caplog, tmp_path,
+                                                                       kind):
+    """A checkpoint of another model in the --resume directory ended the replay (and a
+    daemon) with "starting state lacks parameters [...]", naming no file; one without
+    the optimizer state (a model-only save) was stepped on with zeroed Adam moments and
+    committed NOT bit-exact. Now each is one warning naming the file, and the shadow
+    waits for a checkpoint that fits."""
+    import torch
+    d = gap_scenario
+    ref = torch.load(d / "reference" / "iter_000000.pt", weights_only=True)
+    if kind == "other-model":
+        ref = {**ref, "model": {"a": torch.zeros(2)}, "optimizer": None}
+    elif kind == "wrong-shape":
+        k = next(iter(ref["model"]))
+        ref = {**ref, "model": {**ref["model"], k: torch.zeros(3)}}
+    else:
+        ref = {**ref, "optimizer": None}
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    torch.save(ref, resume / "iter_000000.pt")
+    with caplog.at_level("WARNING", logger="ckptd"):
+        r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--resume", resume,
+                       "--reference", d / "reference", *_pcaps(d))
+    assert "Traceback" not in r.stderr and r.returncode == 3, (r.returncode, r.stderr)
+    assert "iteration    0: unrecoverable" in r.stdout  # the gap this test needs
+    assert "iteration    1: complete-not-applied" in r.stdout and "NOT bit-exact" not in r.stdout, r.stdout
+    warned = [m.getMessage() for m in caplog.records if m.getMessage().startswith("resume: ")]
+    assert len(warned) == 1 and str(resume) in warned[0], warned
+
+
+def test_a_resume_from_the_trainers_own_checkpoint_still_commits(gap_scenario, capsys, tmp_path):
+    import shutil
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    shutil.copy(gap_scenario / "reference" / "iter_000000.pt", resume)
+    r = ckptd_main(capsys, "replay", "--plan", gap_scenario / "plan.json", "--init", gap_scenario / "init.pt",
+                   "--resume", resume, "--reference", gap_scenario / "reference", *_pcaps(gap_scenario))
+    assert "iteration    1: committed" in r.stdout and "bit-exact" in r.stdout, r.stdout
+
+
+def test_an_init_after_a_step_without_optimizer_state_is_refused(gap_scenario, capsys, tmp_path):
+    import torch
+    doc = torch.load(gap_scenario / "reference" / "iter_000000.pt", weights_only=True)
+    init = tmp_path / "model-only.pt"
+    torch.save({**doc, "optimizer": None}, init)
+    r = ckptd_main(capsys, "replay", "--plan", gap_scenario / "plan.json", "--init", init, *_pcaps(gap_scenario))
+    _one_line_error(r, str(init), "holds iteration 0 without optimizer state, which the plan's adamw keeps")

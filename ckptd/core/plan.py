@@ -585,8 +585,29 @@ class Plan:
         if self.iterations is not None and it >= self.iterations - 1:
             raise CheckpointError(f"{where}: holds iteration {it}; the plan's job has only "
                                   f"{self.iterations} iterations (0..{self.iterations - 1})")
-        if self.optimizer is not None:
-            self.check_state(state, where)
+        self.check_resume(state, where)
+
+    def check_resume(self, state: dict, where: str) -> None:
+        """A state the shadow (re)starts from fits this plan: check_state, and after a step
+        (iteration >= 0) the optimizer state an optimizer that keeps one has by then. A
+        checkpoint without it was stepped on with zeroed moments: every commit after it
+        wrong, without a word (a resume from a trainer's model-only save)."""
+        from ckptd.core.checkpoint import CheckpointError
+        if self.optimizer is None:
+            return
+        self.check_state(state, where)
+        it = state.get("iteration")
+        if _is_int(it) and it >= 0 and state.get("optimizer") is None and self._optimizer_keeps_state():
+            raise CheckpointError(f"{where}: holds iteration {it} without optimizer state, which the plan's "
+                                  f"{self.optimizer.kind} keeps from its first step: give a checkpoint with it")
+
+    def _optimizer_keeps_state(self) -> bool:
+        """Whether the optimizer holds per-parameter state after a step: all of torch's but
+        SGD without momentum."""
+        opt = self.optimizer
+        if opt.kind != "sgd":
+            return True
+        return any(g.get("momentum", 0) for g in opt.groups) if opt.groups else False
 
     def check_state(self, state: dict, where: str) -> None:
         """Every parameter of this plan is in the state with the plan's shape and dtype,

@@ -444,3 +444,29 @@ def test_an_init_after_a_step_without_optimizer_state_is_refused(gap_scenario, c
     torch.save({**doc, "optimizer": None}, init)
     r = ckptd_main(capsys, "replay", "--plan", gap_scenario / "plan.json", "--init", init, *_pcaps(gap_scenario))
     _one_line_error(r, str(init), "holds iteration 0 without optimizer state, which the plan's adamw keeps")
+
+
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("probe-two")
+    synth(d, iterations=2, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16)
+    return d
+
+
+@pytest.mark.parametrize("step,message", [
+    ("vector", "step is float32[2]; torch's adamw keeps one float step"),
+    ("int64", "step is int64[]; torch's adamw keeps one float step"),
+])
+def test_an_init_whose_adam_step_is_not_one_float_is_refused(two_iterations, capsys, tmp_path, step, message):
+    """A step of two elements raised RuntimeError (a Tensor with 2 elements cannot be
+    converted to Scalar), an int64 one RuntimeError from the foreach step's dtype check,
+    both at the first iteration applied."""
+    import torch
+    d = two_iterations
+    doc = torch.load(d / "reference" / "iter_000000.pt", weights_only=True)
+    k = next(iter(doc["optimizer"]["state"]))
+    doc["optimizer"]["state"][k]["step"] = torch.tensor([1.0, 2.0]) if step == "vector" else torch.tensor(1)
+    init = tmp_path / f"init-{step}.pt"
+    torch.save(doc, init)
+    r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", init, *_pcaps(d))
+    _one_line_error(r, str(init), f"optimizer.state.{k}.{message}")

@@ -633,8 +633,15 @@ class Plan:
                 # the parameter's shape and dtype
                 for k in keys if adam else [k for k, v in st.items() if getattr(v, "ndim", 0)]:
                     if k == "step":
-                        if not hasattr(st.get(k), "dtype"):
+                        step = st.get(k)
+                        if not hasattr(step, "dtype"):
                             raise CheckpointError(f"{where}: optimizer.state.{p.name}.step is not a tensor")
+                        # torch's Adam keeps one float step: two elements raised "cannot be
+                        # converted to Scalar", an int64 one the foreach step's dtype check
+                        if step.numel() != 1 or not step.dtype.is_floating_point:
+                            raise CheckpointError(
+                                f"{where}: optimizer.state.{p.name}.step is {str(step.dtype).removeprefix('torch.')}"
+                                f"{list(step.shape)}; torch's {self.optimizer.kind} keeps one float step")
                     else:
                         _check_tensor(st.get(k), p, f"{where}: optimizer.state.{p.name}.{k}")
 

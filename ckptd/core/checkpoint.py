@@ -235,9 +235,7 @@ def check_checkpoint(doc: dict, where) -> dict:
         raise CheckpointError(f"{where}: optimizer.state is {_short(state)}, not a dict of parameter "
                               f"name -> its state")
     lr = opt.get("lr")
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor))
-                           or isinstance(lr, torch.Tensor) and lr.numel() != 1):
-        # a tensor of several elements went into an export's param_groups as the lr
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor))):
         raise CheckpointError(f"{where}: optimizer.lr is {_short(lr)}, not a number")
     for n, st in state.items():
         if not isinstance(n, str):

@@ -483,3 +483,13 @@ def test_an_lr_tensor_of_several_elements_is_not_exported_as_the_lr(two_iteratio
                    "--out", tmp_path / "x.pt")
     _one_line_error(r, str(f), "optimizer.lr is a tensor of 5 elements, not one lr")
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_mirror_risk_ring_against_the_plans_is_refused(scenario, capsys):
+    """--ring was dropped for the plan's rank count without a word (while --packets and
+    --nodes override the plan's)."""
+    r = ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "4", "--mirrors", "2",
+                   "--loss", "0.1")
+    _one_line_error(r, str(scenario / "plan.json"), "--ring 4 disagrees with the plan")
+    assert ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "2", "--mirrors", "2",
+                      "--loss", "0.1").returncode == 0

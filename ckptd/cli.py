@@ -423,6 +423,8 @@ def cmd_plan(a) -> int:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--model {a.model!r} returned {type(model).__name__}, not a torch.nn.Module")
     batch = _call_named(a.sample, "--sample") if a.sample else None
+    if a.sample and batch is None:  # else "--transport nccl needs --sample", which was given
+        raise UsageError(f"--sample {a.sample!r} returned None, not an input batch")
     limits: dict = {}
     try:
         first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)

@@ -493,3 +493,11 @@ def test_mirror_risk_ring_against_the_plans_is_refused(scenario, capsys):
     _one_line_error(r, str(scenario / "plan.json"), "--ring 4 disagrees with the plan")
     assert ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "2", "--mirrors", "2",
                       "--loss", "0.1").returncode == 0
+
+
+def test_a_sample_that_returns_none_is_named(capsys, tmp_path):
+    """It said "--transport nccl needs --sample", which had been given (gc.enable returns None)."""
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "gc:enable", "--ranks", "2",
+                   "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
+    _one_line_error(r, None, "--sample 'gc:enable' returned None, not an input batch")
+    assert not (tmp_path / "p.json").exists()

@@ -192,6 +192,11 @@ def cmd_replay(a) -> int:
         print(f"error: --reference {a.reference}: {why} (the trainer's checkpoints, one file per iteration)",
               file=sys.stderr)
         return 2
+    if a.out and a.reference and Path(a.out).resolve() == Path(a.reference).resolve():
+        # each commit would overwrite the trainer's file it is then compared with (bit-exact,
+        # always), and the reference is gone
+        raise UsageError(f"--out {a.out} is the --reference directory: the trainer's checkpoints would be "
+                         "overwritten by ckptd's; give --out a directory of its own")
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
@@ -313,7 +318,14 @@ def cmd_verify(a) -> int:
     names = plan.state_names if plan else None
     first, second = (_verify_source(x, plan) for x in (a.a, a.b))
     if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
-        keep = set(names or []) or (set(first["model"]) & set(second["model"]))
+        # the parameters: the plan's, else the names of the file with fewer (ckptd's, no
+        # buffers). Not the names both hold: two models with none in common were
+        # "identical" (every entry dropped), and a parameter missing from one went unseen.
+        fewer = min((set(first["model"]), set(second["model"])), key=len)
+        keep = set(names or []) or fewer
+        if not keep & (set(first["model"]) | set(second["model"])):
+            why = "neither checkpoint holds a parameter of the plan" if names else "a checkpoint holds no model entry"
+            raise UsageError(f"--parameters-only: {why}: nothing to compare")
         for doc in (first, second):
             doc["model"] = {n: t for n, t in doc["model"].items() if n in keep}
     diffs = diff_checkpoints(first, second, limit=a.limit)
@@ -335,6 +347,9 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
+        lr = (ckpt.get("optimizer") or {}).get("lr")
+        if hasattr(lr, "numel") and lr.numel() != 1:  # it went into param_groups as the lr
+            raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
     return 0
@@ -411,6 +426,8 @@ def cmd_plan(a) -> int:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--model {a.model!r} returned {type(model).__name__}, not a torch.nn.Module")
     batch = _call_named(a.sample, "--sample") if a.sample else None
+    if a.sample and batch is None:  # else "--transport nccl needs --sample", which was given
+        raise UsageError(f"--sample {a.sample!r} returned None, not an input batch")
     limits: dict = {}
     try:
         first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)

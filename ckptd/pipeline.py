@@ -663,8 +663,14 @@ class Pipeline:
             try:
                 if src in self.resume_iterations:
                     if self.resume_iterations[src] == iteration:
-                        return load_checkpoint(src, self.param_names), src
+                        doc = load_checkpoint(src, self.param_names)
+                        self.plan.check_resume(doc, src)
+                        return doc, src
                 elif (doc := find_checkpoint(src, iteration, self.param_names)) is not None:
+                    # another model's file (or one without its optimizer state) is no state
+                    # to go on from: it ended the replay (the daemon) with a line naming no
+                    # file, or was stepped on with zeroed moments
+                    self.plan.check_resume(doc, f"{src} (its checkpoint of iteration {iteration})")
                     return doc, src
             except CheckpointError as e:
                 # a trainer's file half written, or replaced by something else: not there

@@ -225,7 +225,11 @@ class _TokenStaysHome(urllib.request.HTTPRedirectHandler):
 def _request(url: str, token: str | None, timeout: float, accept: str):
     """(the open response, the URL asked) of GET <url>/checkpoint; HTTP and socket errors,
     here or while the body is read, as one-line CheckpointErrors naming the URL."""
-    if urllib.parse.urlsplit(url).path in ("", "/"):
+    try:
+        path = urllib.parse.urlsplit(url).path
+    except ValueError as e:  # "http://[::1": Invalid IPv6 URL
+        raise CheckpointError(f"{url}: cannot fetch checkpoint: {e}") from None
+    if path in ("", "/"):
         url = url.rstrip("/") + "/checkpoint"
     headers = {"Accept": accept}
     if token:
@@ -241,7 +245,9 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
             detail = ""
         line = " ".join(f"HTTP {e.code} {e.reason}: {detail}".split()).rstrip(":")
         raise CheckpointError(f"{url}: {line}") from e
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
+        # ValueError: a URL urllib cannot use (a host label over 63 characters is
+        # UnicodeError from the idna codec, "Invalid IPv6 URL")
         reason = " ".join(str(getattr(e, "reason", e)).split())
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {reason}") from e
 

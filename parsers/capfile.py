@@ -5,19 +5,31 @@ from typing import Iterator
 
 from .frame import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
                        LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame)
-from .pcap import is_pcap, iter_pcap
+from .pcap import _MAGICS, is_pcap, iter_pcap
 from .pcapng import is_pcapng, iter_pcapng
+
+
+DECODED_LINKTYPES = {LINKTYPE_ETHERNET: "Ethernet", LINKTYPE_RAW: "raw IP", LINKTYPE_LINUX_SLL: "Linux SLL",
+                     LINKTYPE_IPV4: "IPv4", LINKTYPE_IPV6: "IPv6", LINKTYPE_LINUX_SLL2: "Linux SLL2"}
 
 
 def capture_format(path) -> str:
     """'pcap' or 'pcapng'; CaptureError for anything else."""
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(24)
     if is_pcap(head):
+        # the file's one link type: one no decoder takes made every frame "other", and
+        # replay ended "not recovered" (exit 3) without a word on why
+        if len(head) == 24:
+            order = _MAGICS[head[:4]][0]
+            linktype = int.from_bytes(head[20:24], "little" if order == "<" else "big") & 0xFFFF
+            if linktype not in DECODED_LINKTYPES:
+                raise CaptureError(f"{path}: link type {linktype} is not one ckptd decodes "
+                                   f"({', '.join(f'{t} {n}' for t, n in DECODED_LINKTYPES.items())})")
         return "pcap"
     if is_pcapng(head):
         return "pcapng"
-    raise CaptureError(f"{path}: neither pcap nor pcapng (first bytes {head.hex() or 'none'})")
+    raise CaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
 
 
 def open_capture(path) -> Iterator[CapturedFrame]:

@@ -63,6 +63,16 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
     CheckpointWriteError naming the file and the cause (errno kept)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None  # not there (or unreadable): the open or rename below says why if it matters
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        # the rename would replace the node itself: `--out /dev/full` (or /dev/stdout, a
+        # FIFO) turned the device into a regular file, as root, and exited 0
+        kind = "directory" if stat.S_ISDIR(st.st_mode) else "device, FIFO or socket"
+        raise CheckpointWriteError(errno.EEXIST, f"{path}: is a {kind}, not a regular file: "
+                                   "give the path of a file to write")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         try:
@@ -214,6 +224,7 @@ def check_checkpoint(doc: dict, where) -> dict:
             raise CheckpointError(f"{where}: model key {_short(k)} is not a parameter name (a str)")
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{where}: model.{k} is {_short(t)}, not a tensor")
+        _check_dense(t, f"model.{k}", where)
     opt = doc.get("optimizer")
     if opt is None:
         return doc
@@ -248,6 +259,20 @@ def _check_values(d: dict, key: str, where) -> None:
             raise CheckpointError(f"{where}: {key} key {_short(k)} is not a str")
         if v is not None and not isinstance(v, (torch.Tensor, int, float)):
             raise CheckpointError(f"{where}: {key}.{k} is {_short(v)}, not a tensor")
+        if isinstance(v, torch.Tensor):
+            _check_dense(v, f"{key}.{k}", where)
+
+
+def _check_dense(t: torch.Tensor, key: str, where) -> None:
+    """A tensor with its elements on the CPU, as the shadow, verify and export read them: a
+    meta tensor (saved from a model built on device="meta") has no data and a sparse or
+    quantized one no plain layout; each raised from torch deep inside a replay, verify or
+    export (or was exported as it was, without its data)."""
+    if t.is_meta or t.layout != torch.strided or t.is_quantized or t.device.type != "cpu":
+        kind = "meta" if t.is_meta else "quantized" if t.is_quantized else \
+            str(t.layout).removeprefix("torch.") if t.layout != torch.strided else t.device.type
+        raise CheckpointError(f"{where}: {key} is a {kind} tensor {str(t.dtype).removeprefix('torch.')}"
+                              f"{list(t.shape)}, not a dense tensor with its data")
 
 
 def _short(v, width: int = 60) -> str:

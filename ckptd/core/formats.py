@@ -230,7 +230,7 @@ def _load_safetensors(path: Path) -> dict:
         raise CheckpointError(f"{path}: cannot read safetensors: {e}") from e
     step = meta.get("step", "0")
     if not isinstance(step, str) or not re.fullmatch(r"[0-9]{1,18}", step):
-        raise CheckpointError(f"{path}: safetensors metadata 'step' is {step!r}, not a number")
+        raise CheckpointError(f"{path}: safetensors metadata 'step' is {show(step)}, not a number")
     return {"format": CHECKPOINT_FORMAT, "iteration": int(step) - 1, "model": model, "optimizer": None}
 
 

@@ -255,6 +255,10 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     groups = opt.groups or ({"params": list(names), **opt.legacy_hyperparameters()},)
     cls = optimizer_class(opt.kind)
     dummy = [torch.zeros(1) for _ in groups]
+    # torch's constructor checks only its defaults (here the first group's values): a later
+    # group's bad value ("momentum": "x") would pass and raise at the first step it is used
+    if any(_construct_error(opt.kind, _hyper_for_torch(g)) for g in groups[1:]):
+        raise OptimizerError(_refused_hyperparameter(opt, groups) or f"optimizer.groups: {cls.__name__} refuses them")
     try:
         filled = construct(opt.kind, [{**_hyper_for_torch(g), "params": [d]}
                                       for g, d in zip(groups, dummy)], stand_in=True).param_groups

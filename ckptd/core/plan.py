@@ -35,7 +35,7 @@ import numpy as np
 from ckptd.core.algorithms import check_allreduce_algorithm
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
@@ -601,8 +601,29 @@ class Plan:
         if self.iterations is not None and it >= self.iterations - 1:
             raise CheckpointError(f"{where}: holds iteration {it}; the plan's job has only "
                                   f"{self.iterations} iterations (0..{self.iterations - 1})")
-        if self.optimizer is not None:
-            self.check_state(state, where)
+        self.check_resume(state, where)
+
+    def check_resume(self, state: dict, where: str) -> None:
+        """A state the shadow (re)starts from fits this plan: check_state, and after a step
+        (iteration >= 0) the optimizer state an optimizer that keeps one has by then. A
+        checkpoint without it was stepped on with zeroed moments: every commit after it
+        wrong, without a word (a resume from a trainer's model-only save)."""
+        from ckptd.core.checkpoint import CheckpointError
+        if self.optimizer is None:
+            return
+        self.check_state(state, where)
+        it = state.get("iteration")
+        if _is_int(it) and it >= 0 and state.get("optimizer") is None and self._optimizer_keeps_state():
+            raise CheckpointError(f"{where}: holds iteration {it} without optimizer state, which the plan's "
+                                  f"{self.optimizer.kind} keeps from its first step: give a checkpoint with it")
+
+    def _optimizer_keeps_state(self) -> bool:
+        """Whether the optimizer holds per-parameter state after a step: all of torch's but
+        SGD without momentum."""
+        opt = self.optimizer
+        if opt.kind != "sgd":
+            return True
+        return any(g.get("momentum", 0) for g in opt.groups) if opt.groups else False
 
     def check_state(self, state: dict, where: str) -> None:
         """Every parameter of this plan is in the state with the plan's shape and dtype,
@@ -633,8 +654,15 @@ class Plan:
                 # the parameter's shape and dtype
                 for k in keys if adam else [k for k, v in st.items() if getattr(v, "ndim", 0)]:
                     if k == "step":
-                        if not hasattr(st.get(k), "dtype"):
+                        step = st.get(k)
+                        if not hasattr(step, "dtype"):
                             raise CheckpointError(f"{where}: optimizer.state.{p.name}.step is not a tensor")
+                        # torch's Adam keeps one float step: two elements raised "cannot be
+                        # converted to Scalar", an int64 one the foreach step's dtype check
+                        if step.numel() != 1 or not step.dtype.is_floating_point:
+                            raise CheckpointError(
+                                f"{where}: optimizer.state.{p.name}.step is {str(step.dtype).removeprefix('torch.')}"
+                                f"{list(step.shape)}; torch's {self.optimizer.kind} keeps one float step")
                     else:
                         _check_tensor(st.get(k), p, f"{where}: optimizer.state.{p.name}.{k}")
 
@@ -762,6 +790,8 @@ def _write_atomic(path: Path, text: str) -> None:
         atomic_write(path, lambda f: f.write(text.encode()), mode=0o644)
     except CheckpointWriteError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
+        if str(e).startswith(f"{path}: is a "):  # not a regular file: say what it is
+            why = str(e).removeprefix(f"{path}: ")
         raise PlanWriteError(e.errno, f"{path}: cannot write plan: {why}") from None
 
 
@@ -1044,11 +1074,22 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
         if path.stat().st_size > MAX_PLAN_BYTES:
             raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
                             f"(at most {MAX_PLAN_BYTES})")
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
         raise PlanError(f"{path}: cannot read plan: {e}") from None
     return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """A JSON object, but a key given twice is an error: json's last one silently winning
+    would hide a hand edit that meant to change the first (as the daemon's YAML does)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {show(k, 40)} given twice in one object")
+        out[k] = v
+    return out
 
 
 class _Doc:
@@ -1075,9 +1116,11 @@ class _Doc:
         return self.d[k]
 
     def int(self, k, lo: int, hi: int, default=None, required=False):
-        v = self.need(k) if required else self.d.get(k, default)
+        v = self.need(k) if required else self.d.get(k)
         if v is None and not required:
-            return None
+            # `"key": null` takes the default like a missing key (as has() reads it), not
+            # None into a field that is compared as an int later (ring.max_threads)
+            return default
         return _int(v, self.path(k), lo, hi)
 
     def num(self, k, default):
@@ -1146,6 +1189,11 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
         raise PlanError(f"{where}: nested too deeply to be a plan") from None
 
 
+PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
+             "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "frozen",
+             "written_by")
+
+
 def _plan_from_json(raw) -> Plan:
     doc = _Doc(raw, "")
     if doc.get("format") != PLAN_FORMAT:
@@ -1154,6 +1202,11 @@ def _plan_from_json(raw) -> Plan:
     if doc.get("version") != PLAN_VERSION:
         raise PlanError(f"plan version {_short(doc.get('version'))} is not supported "
                         f"(this ckptd reads version {PLAN_VERSION})")
+    # a misspelt section is not there at all: "optimiser" replayed as a plan without an
+    # optimizer (exit 0, no checkpoint written), "colectives" as a job without them
+    unknown = sorted(str(k)[:40] for k in raw if k not in PLAN_KEYS)
+    if unknown:
+        raise PlanError(f"unknown keys {unknown[:5]} (a plan has {', '.join(PLAN_KEYS)})")
     params = _tensors_from_json(doc.list("parameters", []), "parameters")
     frozen = _tensors_from_json(doc.list("frozen", []), "frozen")  # absent in older plans: none
 

@@ -45,7 +45,7 @@ from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
 from ckptd.live.status import LoopClock, Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one at each report)
@@ -127,13 +127,15 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
 _NETNS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _UNIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
-_SIZE = re.compile(r"\s*(\d+)\s*([KMG]i?B?)?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]{1,20})\s*([KMG]i?B?)?\s*", re.IGNORECASE)  # ASCII digits, and few: int() of 5000 raises
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
 class _Keys:
     """Typed reads of one config mapping: a wrong type or value is a ConfigError naming
-    the file and the key (interfaces[1].block_size), never a TypeError later."""
+    the file and the key (interfaces[1].block_size), never a TypeError later. A value is
+    shown with errors.show, never repr'd whole: a YAML alias bomb of a few lines is
+    billions of nodes to walk (it hung `ckptd run` at 3 GB)."""
 
     def __init__(self, path, doc: dict, prefix: str = ""):
         self.path, self.doc, self.prefix = path, doc, prefix
@@ -156,7 +158,7 @@ class _Keys:
         if v is None and not required:
             return default
         if not isinstance(v, str) or not v:
-            self.fail(key, f"must be a non-empty string, not {v!r}"[:200])
+            self.fail(key, f"must be a non-empty string, not {show(v)}")
         if "\0" in v:
             self.fail(key, "holds a NUL byte")
         if pattern is not None and (not pattern.fullmatch(v) or v in (".", "..")):
@@ -168,9 +170,9 @@ class _Keys:
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int):
-            self.fail(key, f"must be {what} in {lo}..{hi}, not {v!r}"[:200])
+            self.fail(key, f"must be {what} in {lo}..{hi}, not {show(v)}")
         if not lo <= v <= hi:
-            self.fail(key, f"is {v}; it must be in {lo}..{hi}")
+            self.fail(key, f"is {show(v)}; it must be in {lo}..{hi}")
         return v
 
     def size(self, key, lo, hi, default):
@@ -179,15 +181,16 @@ class _Keys:
         if isinstance(v, str) and (m := _SIZE.fullmatch(v)):
             v = int(m.group(1)) * _SIZE_UNITS[(m.group(2) or "")[:1].lower()]
         if isinstance(v, bool) or not isinstance(v, int):
-            self.fail(key, f"must be a size in bytes (an integer, or with a unit: 4M, 512K), not {v!r}"[:200])
+            self.fail(key, f"must be a size in bytes (an integer, or with a unit: 4M, 512K), not {show(v)}")
         if not lo <= v <= hi:
-            self.fail(key, f"is {v} bytes; it must be in {lo}..{hi}")
+            shown = show(v)  # never str() of an int past 4300 digits (0xfff... in YAML): ValueError
+            self.fail(key, f"is {shown}{' bytes' if shown.isdigit() else ''}; it must be in {lo}..{hi}")
         return v
 
     def bool(self, key, default):
         v = self._get(key, default)
         if not isinstance(v, bool) and v is not None:
-            self.fail(key, f"must be true or false, not {v!r}"[:200])
+            self.fail(key, f"must be true or false, not {show(v)}")
         return v
 
 
@@ -195,15 +198,16 @@ def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
     """HOST:PORT with HOST an IPv4 address, [IPv6] in brackets, or a host name; port
     0..65535 (0: any free port). ConfigError naming `where` for anything else."""
     if not isinstance(text, str):
-        raise ConfigError(f"{where} must be HOST:PORT, not {text!r}")
+        raise ConfigError(f"{where} must be HOST:PORT, not {show(text)}")
+    shown = show(text)  # a megabyte string is still a short line
     host, sep, port = text.rpartition(":")
     if not sep or not re.fullmatch(r"[0-9]{1,5}", port) or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{where} {text!r} is not HOST:PORT with a port in 0..65535")
+        raise ConfigError(f"{where} {shown} is not HOST:PORT with a port in 0..65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise ConfigError(f"{where} {text!r}: {host[1:-1]!r} is not an IPv6 address") from None
+            raise ConfigError(f"{where} {shown}: {show(host[1:-1])} is not an IPv6 address") from None
         return host[1:-1], int(port)
     try:
         ipaddress.IPv4Address(host)
@@ -211,11 +215,11 @@ def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
     except ValueError:
         pass
     if ":" in host:
-        raise ConfigError(f"{where} {text!r}: put an IPv6 address in brackets, [::1]:9187")
+        raise ConfigError(f"{where} {shown}: put an IPv6 address in brackets, [::1]:9187")
     if re.fullmatch(r"[0-9.]+", host):
-        raise ConfigError(f"{where} {text!r}: {host!r} is not an IPv4 address (four numbers 0-255)")
+        raise ConfigError(f"{where} {shown}: {show(host)} is not an IPv4 address (four numbers 0-255)")
     if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})", host):
-        raise ConfigError(f"{where} {text!r}: {host!r} is not an address or host name")
+        raise ConfigError(f"{where} {shown}: {show(host)} is not an address or host name")
     return host, int(port)
 
 
@@ -238,7 +242,7 @@ def _interface(path, i: int, x) -> InterfaceConfig:
                f"least frame_size ({frame_size})")
     mode = k.str("fanout_mode", "hash")
     if mode not in FANOUT_MODES:
-        k.fail("fanout_mode", f"{mode!r} is not one of {', '.join(FANOUT_MODES)}")
+        k.fail("fanout_mode", f"{show(mode)} is not one of {', '.join(FANOUT_MODES)}")
     return InterfaceConfig(
         name=k.str("name", ifname, pattern=_NETNS, what="a stream name (A-Z a-z 0-9 _ . -)"),
         ifname=ifname,
@@ -342,7 +346,7 @@ def load_config(path: str | Path) -> DaemonConfig:
         read_token(token_file, f"{path}: token_file")
     log_level = k.str("log_level", "warning")
     if log_level not in LOG_LEVELS:
-        k.fail("log_level", f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        k.fail("log_level", f"{show(log_level)} is not one of {', '.join(LOG_LEVELS)}")
     fast, join = k.bool("fast", None), k.bool("join", False)
     join_from = k.int("join_from", 0, 1 << 31, what="an iteration number")
     user, group = (k.str(key, None, _UNIX_NAME, "a user or group name") for key in ("user", "group"))
@@ -397,6 +401,9 @@ def _persist_url(k: _Keys) -> str | None:
     return url
 
 
+MAX_PERSIST_OPTION_VALUES = 10_000
+
+
 def _persist_options(k: _Keys, url: str | None) -> dict | None:
     """fsspec storage options for persist_url: a mapping of names to YAML scalars, lists
     and mappings, passed to the filesystem as they are (s3fs: key, secret, token,
@@ -409,7 +416,12 @@ def _persist_options(k: _Keys, url: str | None) -> dict | None:
     if not isinstance(opts, dict):
         k.fail("persist_options", f"must be a mapping of storage options, not a {type(opts).__name__}")
 
+    seen = [0]  # values walked: YAML aliases can make a few lines billions of them (it hung)
+
     def check(v, where):
+        seen[0] += 1
+        if seen[0] > MAX_PERSIST_OPTION_VALUES:
+            k.fail("persist_options", f"holds more than {MAX_PERSIST_OPTION_VALUES} values (YAML aliases?)")
         if isinstance(v, dict):
             for name, x in v.items():
                 if not isinstance(name, str) or not name:
@@ -467,7 +479,7 @@ def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
     for key in ("capture_workers", "busy_poll"):
         v = doc.get(key, False)
         if not isinstance(v, bool):
-            raise ConfigError(f"{path}: {key!r} must be true or false, not {v!r}")
+            raise ConfigError(f"{path}: {key!r} must be true or false, not {show(v)}")
         out[key] = v
     ncpu = os.cpu_count() or 1
 
@@ -475,11 +487,13 @@ def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
         return isinstance(c, int) and not isinstance(c, bool) and 0 <= c < ncpu
     cpus = doc.get("cpus")
     if cpus is not None and (not isinstance(cpus, list) or not cpus or not all(map(cpu_ok, cpus))):
-        raise ConfigError(f"{path}: 'cpus' must be a list of CPU numbers 0..{ncpu - 1}, not {cpus!r}")
+        bad = next((c for c in cpus if not cpu_ok(c)), cpus) if isinstance(cpus, list) and cpus else cpus
+        raise ConfigError(f"{path}: 'cpus' must be a list of CPU numbers 0..{ncpu - 1}, not {show(cpus)}"
+                          + (f" ({show(bad)} is not one)" if bad is not cpus else ""))
     out["cpus"] = cpus
     for k, i in enumerate(ifs):
         if i.cpu is not None and not cpu_ok(i.cpu):
-            raise ConfigError(f"{path}: interfaces[{k}].cpu must be a CPU number 0..{ncpu - 1}, not {i.cpu!r}")
+            raise ConfigError(f"{path}: interfaces[{k}].cpu must be a CPU number 0..{ncpu - 1}, not {show(i.cpu)}")
         if i.cpu is not None and not out["capture_workers"]:
             raise ConfigError(f"{path}: interfaces[{k}].cpu pins a capture worker: set capture_workers: true")
     if out["busy_poll"] and not out["capture_workers"]:
@@ -488,7 +502,7 @@ def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
     hp = doc.get("huge_pages", "auto")
     hp = {True: "on", False: "off"}.get(hp, hp) if isinstance(hp, bool) else hp  # YAML reads on/off as booleans
     if hp not in HUGE_PAGES:
-        raise ConfigError(f"{path}: 'huge_pages' must be one of {', '.join(HUGE_PAGES)}, not {doc['huge_pages']!r}")
+        raise ConfigError(f"{path}: 'huge_pages' must be one of {', '.join(HUGE_PAGES)}, not {show(doc['huge_pages'])}")
     if hp == "on" and not out["capture_workers"]:
         raise ConfigError(f"{path}: huge_pages applies to capture workers' shared memory: set capture_workers: true")
     out["huge_pages"] = hp

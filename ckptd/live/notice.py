@@ -28,7 +28,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, show
 from ckptd.threads import Thread
 
 log = logging.getLogger("ckptd.notice")
@@ -65,7 +65,7 @@ def notice_config(where: str, doc) -> NoticeConfig | None:
         raise ConfigError(f"{where}: 'notice' has unknown keys {sorted(map(str, unknown))}")
     hook = doc.get("webhook")
     if hook is not None and (not isinstance(hook, str) or not _URL.fullmatch(hook)):
-        raise ConfigError(f"{where}: 'notice.webhook' must be an http:// or https:// URL, not {hook!r}"[:200])
+        raise ConfigError(f"{where}: 'notice.webhook' must be an http:// or https:// URL, not {show(hook)}")
     token = doc.get("webhook_token")
     if token is not None and (not isinstance(token, str) or not token or any(c in token for c in "\r\n")):
         raise ConfigError(f"{where}: 'notice.webhook_token' must be a one-line string")
@@ -76,7 +76,7 @@ def notice_config(where: str, doc) -> NoticeConfig | None:
             raise ConfigError(f"{where}: 'notice.store' needs the TCPStore's port (MASTER_PORT), not 0")
     t = doc.get("timeout_s", 5.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.1 <= t <= 300:
-        raise ConfigError(f"{where}: 'notice.timeout_s' must be a number of seconds in 0.1..300, not {t!r}")
+        raise ConfigError(f"{where}: 'notice.timeout_s' must be a number of seconds in 0.1..300, not {show(t)}")
     if hook is None and store is None:
         raise ConfigError(f"{where}: 'notice' names neither a webhook nor a store")
     return NoticeConfig(webhook=hook, webhook_token=token, store=store, timeout_s=float(t))

@@ -241,6 +241,10 @@ def run(a) -> int:
         except ValueError as e:
             print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line
             return 2
+        if a.ring is not None and a.ring != n:  # it was dropped for the plan's, without a word
+            print(f"error: --ring {a.ring} disagrees with the plan {a.plan} ({n} ranks): give one of them",
+                  file=sys.stderr)
+            return 2
         k = k if k is not None else k_plan
         nodes = nodes if nodes is not None else h_plan
         ports = ports if ports is not None else p_plan

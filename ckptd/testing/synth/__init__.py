@@ -149,6 +149,8 @@ def parse_spec(text: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"{text!r}: {item!r} is not key=value")
+        if key.strip() in args:  # the last one silently winning hides a typo
+            raise ValueError(f"{text!r}: {key.strip()!r} given twice")
         args[key.strip()] = _spec_value(value.strip())
     return name.strip(), args
 
@@ -283,6 +285,9 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     if opts.inf_at and opts.amp_init_scale is None:
         raise SynthOptionError("--inf-at needs --amp: an inf gradient without a GradScaler (amp_init_scale) "
                                "would be stepped: the job would train on NaNs")
+    late = [i for i in opts.inf_at if i >= opts.iterations]
+    if late:  # never reached: the run had no overflow at all, silently
+        raise SynthOptionError(f"--inf-at {late[0]}: the job runs iterations 0..{opts.iterations - 1}")
     if opts.opt_kind != "adamw" or opts.opt_hyper or opts.no_decay_group or opts.lr_scheduler \
             or opts.amp_init_scale or opts.lr_per_step:
         hyper = {"lr": 3e-3, "weight_decay": 0.1, "foreach": opts.optimizer == "foreach",
@@ -683,6 +688,14 @@ def check_options(opts: SynthOptions) -> None:
         raise SynthOptionError(f"--optim {opts.opt_kind!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
     if "params" in opts.opt_hyper:
         raise SynthOptionError("--optim: params is not a hyperparameter")
+    # torch keeps any key in a param group: a misspelt one (momentun=0.9) trained without it
+    import inspect
+    cls = getattr(torch.optim, OPTIMIZER_CLASSES[opts.opt_kind])
+    takes = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params")]
+    unknown = [k for k in opts.opt_hyper if k not in takes]
+    if unknown:
+        raise SynthOptionError(f"--optim {opts.opt_kind}: {cls.__name__} takes no {unknown[0]!r} "
+                               f"(it takes {', '.join(takes)})")
     _check_collectives(opts)
 
 

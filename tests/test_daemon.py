@@ -320,10 +320,13 @@ def test_status_says_how_long_the_loop_waited_for_the_gil(run, tmp_path):
     for loop in (alone, hogged):
         assert loop["idle_s"] == 0 and loop["cpu_s"] > 0, loop
         assert loop["cpu_s"] + loop["waiting_s"] == pytest.approx(loop["wall_s"], abs=2e-6), loop
+
+    def gil(loop):  # waiting less the run queue (where the kernel keeps it): a loaded machine
+        return loop["waiting_s"] - (loop["runqueue_s"] or 0)  # adds run-queue time to both runs
     assert hogged["waiting_s"] > 0.3 * hogged["wall_s"], hogged
-    assert hogged["waiting_s"] > 3 * alone["waiting_s"], (alone, hogged)
+    assert gil(hogged) > 3 * gil(alone), (alone, hogged)
     if hogged["runqueue_s"] is not None:  # the GIL is not a CPU: that wait is not in the run queue
-        assert hogged["runqueue_s"] < 0.5 * hogged["waiting_s"], hogged
+        assert gil(hogged) > 0.2 * hogged["wall_s"], hogged
 
 
 @pytest.mark.skipif(run_delay() is None, reason="this kernel keeps no run delay (/proc/thread-self/schedstat)")

@@ -126,6 +126,16 @@ def test_alias_bomb_in_the_daemon_config_is_a_short_line_at_once(scenario, capsy
     assert time.monotonic() - t < 5
 
 
+@pytest.mark.parametrize("key", ["resume", "init", "out"])
+def test_a_url_where_the_daemon_config_takes_a_path_is_named(scenario, capsys, key):
+    """`resume: http://host:9187` was read as the relative path <config dir>/http:/host:9187."""
+    cfg = scenario / f"cfg-url-{key}.yaml"
+    keys = {"plan": "plan.json", "init": "init.pt", "out": "ckpt", key: "http://127.0.0.1:9187"}
+    cfg.write_text("".join(f"{k}: {v}\n" for k, v in keys.items()) + "interfaces:\n  - ifname: hdnone0\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), str(cfg),
+                    f"'{key}' 'http://127.0.0.1:9187' is a URL: {key} takes a local file or directory")
+
+
 def test_a_bad_cpu_in_the_list_is_named(scenario, capsys):
     cfg = scenario / "cfg-cpus.yaml"
     cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\ncapture_workers: true\ncpus: [0, -1]\n"

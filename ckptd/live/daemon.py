@@ -310,6 +310,9 @@ def load_config(path: str | Path) -> DaemonConfig:
 
     def rel(key, required=False):
         p = k.str(key, required=required)
+        if p is not None and "://" in p:  # it was read as the relative path "<config dir>/http:/..."
+            k.fail(key, f"{show(p)} is a URL: {key} takes a local file or directory (the daemon restarts "
+                   "from its own persisted state, `persist_url`, by itself)")
         return None if p is None else str((base / p) if not Path(p).is_absolute() else Path(p))
 
     raw_ifs = doc.get("interfaces")

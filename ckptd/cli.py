@@ -585,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     d.add_argument("--loss", type=_ranged(float, 0, 1), default=1e-3, help="packet loss on every mirror link")
     d.add_argument("--model", default="default", help="synthetic model size: tiny, small, default")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0)
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "

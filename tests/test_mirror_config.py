@@ -236,6 +236,11 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
     assert run_cli(["--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_span.json",
                     "--out", out, "--dry-run"]) == 0
     assert not out.exists() and "dry run" in capsys.readouterr().out
+    # --dry-run needs no --out (argparse required it); without either, one line says so
+    assert run_cli(["--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_span.json", "--dry-run"]) == 0
+    assert "dry run" in capsys.readouterr().out
+    assert run_cli(["--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_span.json"]) == 2
+    assert "--out is required" in capsys.readouterr().err
 
 
 def test_linux_rules_and_backend_interface():

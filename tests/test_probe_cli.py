@@ -513,3 +513,11 @@ def test_a_sample_that_returns_none_is_named(capsys, tmp_path):
                    "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
     _one_line_error(r, None, "--sample 'gc:enable' returned None, not an input batch")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_demo_names_its_own_seed_option(capsys):
+    """demo --seed -1 was refused by the synth parser it hands the seed to ("ckptd synth:
+    argument --seed"), naming a command the user did not run."""
+    r = ckptd_main(capsys, "demo", "--seed", "-1")
+    assert r.returncode == 2 and "ckptd demo: argument --seed: -1 is not in 0..4294967295" in r.stderr \
+        and "synth" not in r.stderr

@@ -58,13 +58,17 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vendor", default="auto",
                    help="'auto' (each switch in its own os's syntax), 'all', or a comma list of "
                         "sonic,eos,nxos,comware,linux")
-    p.add_argument("--out", required=True, help="directory to write the configuration files into")
+    p.add_argument("--out", help="directory to write the configuration files into (required unless --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="print the selection, write nothing")
     p.set_defaults(func=run)
     return p
 
 
 def run(a) -> int:
+    if a.out is None and not a.dry_run:
+        print("error: --out is required (the directory to write into), or --dry-run to write nothing",
+              file=sys.stderr)
+        return EXIT_INPUT
     from ckptd.core.plan import PlanError, load_plan
     from switch_config.cabling import CablingError, load_cabling
     from switch_config.common import RenderError

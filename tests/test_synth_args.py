@@ -35,6 +35,8 @@ CASES = [
     ("seed-huge", ["--seed", str(10 ** 26)], ["--seed"]),
     ("seed-negative", ["--seed", "-3"], ["--seed"]),
     ("lr-per-step-short", ["--lr-per-step", "0.1"], ["--lr-per-step"]),
+    ("gpus-per-node-no-nodes", ["--gpus-per-node", "4"], ["--gpus-per-node needs --nodes"]),  # did nothing
+    ("nics-per-node-no-nodes", ["--nics-per-node", "2"], ["--nics-per-node needs --nodes"]),
 ]
 
 

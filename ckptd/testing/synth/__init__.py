@@ -671,6 +671,10 @@ def check_options(opts: SynthOptions) -> None:
             raise SynthOptionError(f"--nodes {opts.nodes!r} is not a number of nodes (0: one GPU per host)")
         if not _is_int(opts.gpus_per_node) or opts.gpus_per_node < 1:
             raise SynthOptionError(f"--gpus-per-node {opts.gpus_per_node!r} must be at least 1")
+    if not opts.nodes and (opts.gpus_per_node != 1 or opts.nics_per_node):
+        # without nodes every rank is a host of its own: the option changed nothing
+        raise SynthOptionError(f"--{'gpus' if opts.gpus_per_node != 1 else 'nics'}-per-node needs --nodes "
+                               "(without it every rank is a host of its own)")
     if opts.nodes:
         n = opts.nodes * opts.gpus_per_node
         if not lo <= n <= hi:

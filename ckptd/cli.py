@@ -419,8 +419,16 @@ def cmd_plan(a) -> int:
         if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:
             raise UsageError(f"--nccl-log gives the ranks ({len(topo.addresses)}) and their NICs: leave out "
                              "--ranks and --addr, or make --ranks agree")
+        given = [o for o, v in (("--channels", a.channels), ("--protocol", a.protocol),
+                                ("--nccl-version", a.nccl_version)) if v is not None]
+        if given:  # the log's value was used and the option silently dropped
+            raise UsageError(f"--nccl-log gives the rings, the protocol and the NCCL version: leave out {given[0]}")
     elif a.ranks is None:
         raise UsageError("give --ranks and --addr, or --nccl-log")
+    else:  # the defaults, where no log gives them
+        a.channels = 2 if a.channels is None else a.channels
+        a.protocol = a.protocol or "simple"
+        a.nccl_version = a.nccl_version or "2.19"
     sys.path.insert(0, os.getcwd())  # `--model mymodel:build` from the current directory
     model = _call_named(a.model, "--model")
     if not isinstance(model, torch.nn.Module):
@@ -802,9 +810,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")
     pl.add_argument("--addr", action="append", type=_ip_address,
                     help="NIC address (IPv4 or IPv6) of rank 0, 1, ... (repeat)")
-    pl.add_argument("--channels", type=_ranged(int, 1, 64), default=2)
-    pl.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
-    pl.add_argument("--nccl-version", default="2.19", help="the job's NCCL, MAJOR.MINOR (2.14..2.32)")
+    pl.add_argument("--channels", type=_ranged(int, 1, 64),
+                    help="rings (default 2; without --nccl-log, which gives them)")
+    pl.add_argument("--protocol", choices=["simple", "ll", "ll128"],
+                    help="NCCL protocol (default simple; without --nccl-log, which gives it)")
+    pl.add_argument("--nccl-version", help="the job's NCCL, MAJOR.MINOR (2.14..2.32; default 2.19; without "
+                    "--nccl-log, which gives it)")
     pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
     pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)
     pl.add_argument("--transport", choices=["nccl", "gloo"], default="nccl",

@@ -206,3 +206,9 @@ def test_a_job_split_over_several_logs_reads_as_one_and_errors_name_their_file(t
     assert main(args + ["--nccl-log", str(tmp_path / "absent.log"), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: --nccl-log {tmp_path / 'absent.log'}: No such file or directory", err
+    # the log gives the rings, protocol and version: an option that says otherwise was dropped
+    for opt in (["--channels", "8"], ["--protocol", "ll"], ["--nccl-version", "2.27"]):
+        assert main(args + ["--nccl-log", str(LOGS / "nccl-2.19-2x4.log"), *opt, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --nccl-log gives the rings, the protocol and the NCCL version: leave out {opt[0]}"
+        assert not out.exists()

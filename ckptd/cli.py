@@ -142,7 +142,7 @@ def cmd_synth(a) -> int:
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
         collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
-        startup_broadcast=a.startup_broadcast, **_synth_training(a))
+        startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), **_synth_training(a))
     t0 = time.time()
     try:
         plan = synthesize(opts, progress=_progress("synth"))
@@ -688,6 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "collectives: the allgather of the parameter count and broadcast of "
                         "their shapes (verify_params_across_processes), then the broadcast of the "
                         "parameters and buffers from rank 0 (_sync_module_states, 250 MiB buckets)")
+    s.add_argument("--freeze", action="append", default=[], metavar="PREFIX",
+                   help="freeze (requires_grad=False) every parameter whose name starts with PREFIX, e.g. "
+                        "blocks.0. or tok: DDP reduces no gradient of theirs (no bucket), the plan lists "
+                        "them in its frozen section and its optimizer groups (the optimizer is built over "
+                        "model.parameters(), so torch holds and skips them); repeatable. A PREFIX matching "
+                        "no parameter, or freezing them all, is refused")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

@@ -37,6 +37,11 @@ CASES = [
     ("lr-per-step-short", ["--lr-per-step", "0.1"], ["--lr-per-step"]),
     ("gpus-per-node-no-nodes", ["--gpus-per-node", "4"], ["--gpus-per-node needs --nodes"]),  # did nothing
     ("nics-per-node-no-nodes", ["--nics-per-node", "2"], ["--nics-per-node needs --nodes"]),
+    # a typo would have trained the whole model; freezing all of it, DDP refuses
+    ("freeze-no-match", ["--freeze", "block.0."], ["--freeze 'block.0.' matches no parameter", "blocks.0"]),
+    ("freeze-empty", ["--freeze", ""], ["--freeze ''"]),
+    ("freeze-everything", ["--freeze", "tok", "--freeze", "pos", "--freeze", "blocks", "--freeze", "ln",
+                           "--freeze", "head"], ["freezes every parameter"]),
 ]
 
 

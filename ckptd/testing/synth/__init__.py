@@ -130,6 +130,11 @@ class SynthOptions:
     # (1 int64) and broadcast of the shapes and strides (int64), then _sync_module_states'
     # broadcast of the parameters and buffers from rank 0 (250 MiB buckets)
     startup_broadcast: bool = False
+    # name prefixes of parameters the trainer freezes (requires_grad=False, as fine-tuning
+    # does) before wrapping the model in DDP: the reducer leaves them out (no bucket, no
+    # gradient on the wire), the plan records them in `frozen`, and the optimizer, built over
+    # model.parameters(), holds them in its group and skips them (their grad stays None)
+    freeze: tuple = ()
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -256,7 +261,11 @@ def port_address(addr: str, k: int) -> str:
 
 
 def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
-    named = list(model.named_parameters())
+    every = list(model.named_parameters())
+    # DDP's reducer takes only the parameters that require grad: its buckets (first and
+    # rebuilt) and the plan's parameters are those; the frozen ones go to Plan.frozen
+    named = [(n, p) for n, p in every if p.requires_grad]
+    frozen = [(n, p) for n, p in every if not p.requires_grad]
     params = [p for _, p in named]
     names = [n for n, _ in named]
     cap = opts.bucket_cap_kb * 1024
@@ -288,12 +297,16 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     late = [i for i in opts.inf_at if i >= opts.iterations]
     if late:  # never reached: the run had no overflow at all, silently
         raise SynthOptionError(f"--inf-at {late[0]}: the job runs iterations 0..{opts.iterations - 1}")
+    # with frozen parameters the plan names the groups as torch holds them (build_plan's
+    # record of an optimizer over model.parameters()): the frozen ones in them, in the
+    # model's order; without groups the shadow's one group would be the trainable ones only
     if opts.opt_kind != "adamw" or opts.opt_hyper or opts.no_decay_group or opts.lr_scheduler \
-            or opts.amp_init_scale or opts.lr_per_step:
+            or opts.amp_init_scale or opts.lr_per_step or frozen:
         hyper = {"lr": 3e-3, "weight_decay": 0.1, "foreach": opts.optimizer == "foreach",
                  **({"fused": True} if opts.optimizer == "fused" else {}), **opts.opt_hyper}
-        no_decay = [n for n in names if opts.no_decay_group and (n.endswith("bias") or "ln" in n or "norm" in n)]
-        groups = [{"params": [n for n in names if n not in no_decay], **hyper}]
+        held = [n for n, _ in every]  # the optimizer's: model.parameters(), frozen ones included
+        no_decay = [n for n in held if opts.no_decay_group and (n.endswith("bias") or "ln" in n or "norm" in n)]
+        groups = [{"params": [n for n in held if n not in no_decay], **hyper}]
         if no_decay:
             groups.append({"params": no_decay, **hyper, "weight_decay": 0.0})
         scaler = None if opts.amp_init_scale is None else {
@@ -325,7 +338,39 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, ports=ports, comm_hook=opts.comm_hook,
         collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
-        allreduces_per_step=opts.allreduces_per_step)
+        allreduces_per_step=opts.allreduces_per_step,
+        frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in frozen))
+
+
+def freeze_parameters(model, prefixes) -> list[str]:
+    """--freeze: requires_grad_(False) on every parameter whose name starts with one of
+    `prefixes` (a plain string prefix: "blocks.0." freezes the first block, "tok" the token
+    embedding), before DDP would wrap the model. Returns their names. A prefix that
+    matches nothing (a typo would train the whole model) and a freeze of every parameter
+    (DDP refuses a model with none that requires grad) are refused."""
+    names = [n for n, _ in model.named_parameters()]
+    for prefix in prefixes:
+        if not isinstance(prefix, str) or not prefix:
+            raise SynthOptionError(f"--freeze {prefix!r}: give a parameter name prefix, e.g. blocks.0.")
+        if not any(n.startswith(prefix) for n in names):
+            tops = dict.fromkeys(_top_module(n) for n in names)
+            raise SynthOptionError(f"--freeze {prefix!r} matches no parameter of the model (its parameters' "
+                                   f"names start with {', '.join(tops)})")
+    frozen = [n for n in names if any(n.startswith(x) for x in prefixes)]
+    if len(frozen) == len(names):
+        raise SynthOptionError(f"--freeze {' '.join(prefixes)} freezes every parameter of the model: nothing "
+                               "would train (DDP refuses a model with no parameter that requires grad)")
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    return frozen
+
+
+def _top_module(name: str) -> str:
+    """The model's top module of a parameter, with a ModuleList's index: blocks.0.ln1.weight
+    -> blocks.0, tok.weight -> tok (what --freeze's refusal lists)."""
+    parts = name.split(".")
+    return ".".join(parts[:2] if len(parts) > 2 and parts[1].isdigit() else parts[:1])
 
 
 def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
@@ -348,7 +393,10 @@ def _plan_collectives(opts: SynthOptions, model) -> dict:
         from ckptd.torch import verify_collectives
         params = [p.detach() for p in model.parameters()]
         tensors = params + [b.detach() for b in model.buffers()]
-        out["start"] = verify_collectives(params) + coalesced_broadcasts(tensors) + out.get("start", ())
+        # the shape check is over the reducer's parameters (trainable), the broadcast over
+        # every parameter and buffer (_sync_module_states), as ckptd.torch records them
+        reducer = [p.detach() for p in model.parameters() if p.requires_grad]
+        out["start"] = verify_collectives(reducer) + coalesced_broadcasts(tensors) + out.get("start", ())
     bufs = [b.detach() for b in model.buffers()]
     if bufs:  # DDP's buffer broadcast at the start of every forward (broadcast_buffers)
         out["before"] = coalesced_broadcasts(bufs) + out.get("before", ())
@@ -733,13 +781,14 @@ def _check_training(opts: SynthOptions, plan: Plan, model) -> None:
     stand-in parameters (one element each): what torch refuses only when constructing or
     stepping them is refused here, before --out is touched."""
     dtype = getattr(torch, opts.param_dtype)
-    dummy = [(n, torch.zeros(1, dtype=dtype, requires_grad=True)) for n, _ in model.named_parameters()]
+    dummy = [(n, torch.zeros(1, dtype=dtype, requires_grad=p.requires_grad)) for n, p in model.named_parameters()]
     which = (f"--optim {opts.opt_kind}" if opts.opt_kind != "adamw" or opts.opt_hyper
              else f"--optimizer {opts.optimizer}")
     try:
         optimizer = torch_optimizer(plan.optimizer, dummy)
         for _, p in dummy:
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # a frozen one's grad stays None: the step skips it
+                p.grad = torch.zeros_like(p)
         optimizer.step()
     except (CkptdError, ValueError, TypeError, RuntimeError, KeyError) as e:
         raise SynthOptionError(f"{which}: {e}") from None
@@ -809,6 +858,8 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     rng = random.Random(opts.seed)
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, opts.seed).to(getattr(torch, opts.param_dtype))
+    if opts.freeze:
+        freeze_parameters(model, (opts.freeze,) if isinstance(opts.freeze, str) else tuple(opts.freeze))
     plan = make_plan(opts, model, rng)
     _check_training(opts, plan, model)
     buffers = dict(model.named_buffers())  # the model's own (rank 0's after each forward)
@@ -873,7 +924,8 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                         after0 = {n: b.detach().clone() for n, b in buffers.items()}
                     (scaler.scale(loss) if scaler else loss).backward()
                     if r == 0 and t in opts.inf_at and j == K - 1:  # an overflow in one element
-                        next(iter(params.values())).grad.view(-1)[0] = float("inf")
+                        first = next(p for p in params.values() if p.requires_grad)  # a frozen one has no grad
+                        first.grad.view(-1)[0] = float("inf")
                     local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
                                            plan.comm_hook, plan.nranks) for b in layout])
                 # each rank's values for the other allreduces (a loss, a metric): not gradients

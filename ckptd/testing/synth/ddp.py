@@ -20,8 +20,9 @@ def first_buckets(params: list[torch.Tensor], cap_bytes: int, first_bytes: int =
 
 
 def grad_ready_order(model: torch.nn.Module, batch: torch.Tensor) -> list[int]:
-    """Parameter indices in the order their gradients are accumulated by one backward."""
-    params = list(model.parameters())
+    """Indices into the trainable parameters (the reducer's: requires_grad) in the order
+    their gradients are accumulated by one backward. A frozen one gets no gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]
     order: list[int] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: order.append(i))
              for i, p in enumerate(params)]

@@ -470,13 +470,12 @@ def cmd_plan(a) -> int:
         ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(1 if gloo else a.channels)),
                           a.protocol, (major, minor), mtu=a.mtu)
         nodes, nics = (), ()
-    plan = Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
+    plan = Plan(Parameter.each_of(named),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
                 bucket_limits=limits or None,
-                frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                             for n, p in model.named_parameters() if not p.requires_grad))
+                frozen=Parameter.each_of((n, p) for n, p in model.named_parameters() if not p.requires_grad))
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

@@ -108,12 +108,13 @@ def _names(ddp) -> tuple[list[str], list[torch.Tensor]]:
     return [by_id[id(p)] for p in params], params
 
 
-def _frozen(ddp) -> tuple[list[str], list[torch.Tensor]]:
-    """The model's other parameters (requires_grad=False, less DDP's parameters_to_ignore),
-    in module order: DDP's reducer leaves them out (no bucket, nothing on the wire) and
-    nothing steps them; DDP's constructor broadcasts them with the rest (_ddp_broadcasts)."""
+def _frozen(ddp, params: list[torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's parameters other than `params` (_names': the reducer's), less DDP's
+    parameters_to_ignore, in module order: requires_grad=False, so DDP's reducer leaves
+    them out (no bucket, nothing on the wire) and nothing steps them; DDP's constructor
+    broadcasts them with the rest (_ddp_broadcasts)."""
     ignore = set(getattr(ddp, "parameters_to_ignore", ()))
-    trained = {id(p) for p in _reducer_params(ddp)}
+    trained = {id(p) for p in params}
     named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignore and id(p) not in trained]
     return [n for n, _ in named], [p for _, p in named]
 
@@ -386,7 +387,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
-    frozen, frozen_params = _frozen(ddp)
+    frozen, frozen_params = _frozen(ddp, params)
     first = _layout(ddp, {id(p): n for n, p in ddp.module.named_parameters()})
     reduced = {n for b in first for n in b.params}
     changed = sorted(reduced.symmetric_difference(names))
@@ -434,14 +435,12 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                            "the state from their allreduces; one rank puts none on the wire)")
     ring = _ring(backend, world)
     with _by_argument():
-        return Plan(tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                          for n, p in zip(names, params)),
+        return Plan(Parameter.each_of(zip(names, params)),
                     first, first, ring, opt, tuple(addresses), (), iterations,
                     transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                     collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
-                    frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                                 for n, p in zip(frozen, frozen_params)))
+                    frozen=Parameter.each_of(zip(frozen, frozen_params)))
 
 
 # A plan's check names the plan's field; the trainer gave write_plan an argument, or built
@@ -677,7 +676,7 @@ def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     if hasattr(ddp, "buffer_hook"):
         raise TrainerError("a DDP buffer comm hook (register_buffer_comm_hook) changes how buffers "
                            "are synced; ckptd decodes DDP's default broadcast only")
-    tensors = tuple(Parameter(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in named)
+    tensors = Parameter.each_of(named)
     if not ddp.forward_sync_buffers:
         captured = False  # each rank keeps its own: rank 0's are never on the wire
         why = "DDP was built with broadcast_buffers=False (forward_sync_buffers=False): rank 0's buffers are never on the wire"
@@ -696,7 +695,7 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
     """(model, optimizer) of the ckptd checkpoint format, by parameter name: the state the
     shadow starts from (and, after a step, the trainer's own state to compare with)."""
     names, params = _names(ddp)
-    frozen, frozen_params = _frozen(ddp)
+    frozen, frozen_params = _frozen(ddp, params)
     names_of = {id(p): n for n, p in zip(names + frozen, params + frozen_params)}
     state = {names_of[id(p)]: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for p, st in optimizer.state.items() if id(p) in names_of}

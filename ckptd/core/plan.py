@@ -79,6 +79,11 @@ class Parameter:
     def numel(self) -> int:
         return math.prod(self.shape)  # not np.prod: 10x faster on a short tuple, asked per parameter per layout
 
+    @classmethod
+    def each_of(cls, named) -> tuple["Parameter", ...]:
+        """The entries of (name, tensor) pairs (a module's parameters or buffers)."""
+        return tuple(cls(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named)
+
 
 @dataclass(frozen=True)
 class BucketLayout:

@@ -332,14 +332,14 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     ports = () if opts.merged_nics == 1 else tuple(
         tuple(port_address(a, k) for k in range(opts.merged_nics)) for a in addrs)
     return Plan(
-        parameters=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named),
+        parameters=Parameter.each_of(named),
         buckets_first=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in first),
         buckets_rebuilt=tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in rebuilt),
         ring=ring, optimizer=optimizer, addresses=addrs, mirrors=mirrors,
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, ports=ports, comm_hook=opts.comm_hook,
         collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
         allreduces_per_step=opts.allreduces_per_step,
-        frozen=tuple(Parameter(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in frozen))
+        frozen=Parameter.each_of(frozen))
 
 
 def freeze_parameters(model, prefixes) -> list[str]:
@@ -382,7 +382,7 @@ def _module_buffers(opts: SynthOptions, model) -> ModuleBuffers:
     from ckptd.torch import DDP_BROADCAST_BUCKET_BYTES
     groups, _ = torch.distributed._compute_bucket_assignment_by_size([b for _, b in named],
                                                                       [DDP_BROADCAST_BUCKET_BYTES])
-    return ModuleBuffers(tuple(Parameter(n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in named),
+    return ModuleBuffers(Parameter.each_of(named),
                          tuple(tuple(named[i][0] for i in g) for g in groups), True)
 
 

@@ -32,8 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ckptd.core.checkpoint import (CheckpointError, check_optimizer_fits, check_state_tensors, dtype_name,
-                                   optimizer_params_in)
+from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, check_state_tensors, optimizer_params_in
+from ckptd.core.plan import dtype_name
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
 CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are still in cache

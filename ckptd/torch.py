@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
-from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
+from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
                              PlanError)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.errors import CkptdError
@@ -396,13 +396,13 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         raise TrainerError(f"parameter {n} changed requires_grad after DDP was built (DDP "
                            f"{'reduces' if n in reduced else 'does not reduce'} it): set requires_grad "
                            "before wrapping the model in DistributedDataParallel")
-    dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
+    dtypes = {dtype_name(p.dtype) for p in params}
     odd = sorted(dtypes - set(DTYPES))
     if odd:
         raise TrainerError(f"parameters of dtype {odd[0]}: ckptd decodes {', '.join(DTYPES)}")
     for n, p in zip(frozen, frozen_params):  # carried, not decoded: any dtype the plan can name
-        if str(p.dtype).removeprefix("torch.") not in DTYPES:
-            raise TrainerError(f"frozen parameter {n} has dtype {str(p.dtype).removeprefix('torch.')}: "
+        if dtype_name(p.dtype) not in DTYPES:
+            raise TrainerError(f"frozen parameter {n} has dtype {dtype_name(p.dtype)}: "
                                f"ckptd records {', '.join(DTYPES)}")
     if len(dtypes) > 1:
         raise TrainerError(f"parameters of several dtypes {sorted(dtypes)}: not supported")
@@ -567,7 +567,7 @@ def coalesced_broadcasts(tensors, bucket_bytes: int = DDP_BROADCAST_BUCKET_BYTES
     groups, _ = dist._compute_bucket_assignment_by_size(tensors, [bucket_bytes])
     out = []
     for g in groups:
-        dtype = str(tensors[g[0]].dtype).removeprefix("torch.")
+        dtype = dtype_name(tensors[g[0]].dtype)
         count = sum(tensors[i].numel() for i in g)
         if dtype not in DTYPES:
             count, dtype = count * tensors[g[0]].element_size(), "uint8"

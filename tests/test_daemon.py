@@ -27,7 +27,7 @@ def run(tmp_path_factory):
 
 def _config(d, tmp_path, **extra):
     cfg = tmp_path / "ckptd.yaml"
-    lines = [f"plan: {d / 'plan.json'}", f"init: {d / 'init.pt'}", f"out: {tmp_path / 'ck'}",
+    lines = [f"plan: {d / 'plan.json'}", f"init: {extra.pop('init', d / 'init.pt')}", f"out: {tmp_path / 'ck'}",
              "listen: 127.0.0.1:0", "interfaces:",
              "  - {name: mirror0, ifname: m0}", "  - {name: mirror1, ifname: m1}"]
     lines += [f"{k}: {v}" for k, v in extra.items()]
@@ -382,3 +382,32 @@ def test_status_has_every_frame_once_the_capture_goes_quiet(run, tmp_path):
     doc = seen["doc"]
     assert sum(s["frames"] for s in doc["streams"]) == cut, (cut, doc["streams"])
     assert doc["last_committed"] < 3  # the cut left iterations to come
+
+
+def test_a_trainers_init_file_is_read_in_the_plans_optimizer_order(tmp_path):
+    """A trainer's file that does not name its parameters has its optimizer state
+    indexed in param-group order (here weights, then biases: a no-decay group), not the
+    model's: the daemon reads its `init` with the plan's state_names, as replay does."""
+    import torch
+
+    from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+    from ckptd.core.plan import load_plan
+    d = tmp_path / "job"
+    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=3, mirrors=2, no_decay_group=True)
+    plan = load_plan(d / "plan.json")
+    order = plan.state_names
+    assert order != [p.name for p in plan.parameters]  # the groups reorder them
+    ref = load_checkpoint(d / "reference" / checkpoint_name(0))
+    state = {k: ref["optimizer"]["state"][n] for k, n in enumerate(order)}
+    groups, k = [], 0
+    for g in plan.optimizer.groups:
+        groups.append({**{h: v for h, v in g.items() if h != "params"}, "params": list(range(k, k + len(g["params"])))})
+        k += len(g["params"])
+    trainer = tmp_path / "trainer.pt"
+    torch.save({"model": ref["model"], "optimizer": {"state": state, "param_groups": groups}, "step": 1}, trainer)
+    daemon = Daemon(load_config(_config(d, tmp_path, init=trainer)))
+    got = daemon.start_state["optimizer"]["state"]
+    assert sorted(got) == sorted(order)
+    for n in order:
+        for key, t in ref["optimizer"]["state"][n].items():
+            assert torch.equal(got[n][key], t), (n, key)

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from ckptd.core.plan import dtype_name
 from ckptd.errors import CkptdError, show
 
 CHECKPOINT_FORMAT = "ckptd-checkpoint/1"
@@ -271,7 +272,7 @@ def _check_dense(t: torch.Tensor, key: str, where) -> None:
     if t.is_meta or t.layout != torch.strided or t.is_quantized or t.device.type != "cpu":
         kind = "meta" if t.is_meta else "quantized" if t.is_quantized else \
             str(t.layout).removeprefix("torch.") if t.layout != torch.strided else t.device.type
-        raise CheckpointError(f"{where}: {key} is a {kind} tensor {str(t.dtype).removeprefix('torch.')}"
+        raise CheckpointError(f"{where}: {key} is a {kind} tensor {dtype_name(t.dtype)}"
                               f"{list(t.shape)}, not a dense tensor with its data")
 
 
@@ -281,7 +282,7 @@ def _short(v, width: int = 60) -> str:
     (never its elements; errors.py does not import torch), and a number or string with
     its type, as what is wrong in a structure is the type ("model.w is an int 1")."""
     if isinstance(v, torch.Tensor):
-        return f"a tensor {str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        return f"a tensor {dtype_name(v.dtype)}{list(v.shape)}"
     text = show(v, width)
     if isinstance(v, (bool, float, str)) or isinstance(v, int) and v.bit_length() <= 64:
         kind = type(v).__name__
@@ -491,11 +492,6 @@ def check_state_tensors(optimizer, model, saved: dict[str, dict[str, tuple]], wh
                 shown = dtype_name(want_dtype or dtype)
                 raise CheckpointError(f"{where}: optimizer state {n}.{key} is {dtype_name(dtype)}{shape}, "
                                       f"the parameter's is {shown}{want}")
-
-
-def dtype_name(dtype) -> str:
-    """torch.float32 -> 'float32', as messages and the raw layout's header name dtypes."""
-    return str(dtype).removeprefix("torch.")
 
 
 def optimizer_params_in(optimizer, model, where: str) -> None:

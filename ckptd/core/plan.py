@@ -40,6 +40,11 @@ from ckptd.errors import CkptdError, show
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8")
+
+
+def dtype_name(dtype) -> str:
+    """torch.float32 -> 'float32': how plans, messages and the raw layout's header name dtypes."""
+    return str(dtype).removeprefix("torch.")
 # plan optimizer kind -> the torch.optim class the trainer steps (each has a functional form
 # that its step() calls; ckptd.core.optim.STEPS calls the same)
 OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad",
@@ -82,7 +87,7 @@ class Parameter:
     @classmethod
     def each_of(cls, named) -> tuple["Parameter", ...]:
         """The entries of (name, tensor) pairs (a module's parameters or buffers)."""
-        return tuple(cls(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named)
+        return tuple(cls(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in named)
 
 
 @dataclass(frozen=True)
@@ -666,7 +671,7 @@ class Plan:
                         # converted to Scalar", an int64 one the foreach step's dtype check
                         if step.numel() != 1 or not step.dtype.is_floating_point:
                             raise CheckpointError(
-                                f"{where}: optimizer.state.{p.name}.step is {str(step.dtype).removeprefix('torch.')}"
+                                f"{where}: optimizer.state.{p.name}.step is {dtype_name(step.dtype)}"
                                 f"{list(step.shape)}; torch's {self.optimizer.kind} keeps one float step")
                     else:
                         _check_tensor(st.get(k), p, f"{where}: optimizer.state.{p.name}.{k}")
@@ -817,7 +822,7 @@ def _check_tensor(t, p: Parameter, key: str) -> None:
     from ckptd.core.checkpoint import CheckpointError
     if not hasattr(t, "shape") or not hasattr(t, "dtype"):
         raise CheckpointError(f"{key} is missing or not a tensor")
-    dtype = str(t.dtype).removeprefix("torch.")
+    dtype = dtype_name(t.dtype)
     if tuple(t.shape) != p.shape or dtype != p.dtype:
         raise CheckpointError(f"{key} is {dtype}{list(t.shape)}; the plan says {p.dtype}{list(p.shape)}")
 

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from ckptd.core.plan import dtype_name
+
 MEDIA_TYPE = "application/x-ckptd-raw"
 FORMAT = "ckptd-raw/1"
 MAX_HEADER = 64 << 20
@@ -43,7 +45,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 
 def encode_header(iteration: int, lr, plan_hash: str | None, names: list[str], has_optimizer: bool,
                   tensors: list[tuple[str, torch.Tensor]], digests: dict[str, str]) -> bytes:
-    entries = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+    entries = [{"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                 "bytes": t.numel() * t.element_size(), "blake2b": digests[n]} for n, t in tensors]
     doc = {"format": FORMAT, "iteration": iteration, "lr": lr, "plan_hash": plan_hash,
            "param_names": list(names), "optimizer": has_optimizer, "tensors": entries}

@@ -19,7 +19,7 @@ from ckptd.core.checkpoint import CheckpointError
 from ckptd.core.optim import (EAGER_STATE, GroupSchedule, OptimizerError, clip_grad_norm, full_groups, init_state,
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
-from ckptd.core.plan import COMM_HOOKS, Plan
+from ckptd.core.plan import COMM_HOOKS, Plan, dtype_name
 
 
 def bucket_step_threads() -> int:
@@ -58,7 +58,7 @@ class ShadowModel:
         self.params = []
         for p in plan.parameters:
             t = model[p.name].detach().contiguous()
-            if tuple(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != p.dtype:
+            if tuple(t.shape) != p.shape or dtype_name(t.dtype) != p.dtype:
                 raise CheckpointError(f"starting state: {p.name} is {t.dtype}{list(t.shape)}, "
                                       f"plan says {p.dtype}{list(p.shape)}")
             self.params.append(t)
@@ -70,7 +70,7 @@ class ShadowModel:
             t = model.get(p.name)
             if t is None:
                 raise CheckpointError(f"starting state lacks frozen parameter {p.name}")
-            if tuple(t.shape) != p.shape or str(t.dtype).removeprefix("torch.") != p.dtype:
+            if tuple(t.shape) != p.shape or dtype_name(t.dtype) != p.dtype:
                 raise CheckpointError(f"starting state: frozen {p.name} is {t.dtype}{list(t.shape)}, "
                                       f"plan says {p.dtype}{list(p.shape)}")
             self.frozen[p.name] = t.detach()

@@ -543,7 +543,8 @@ class Daemon:
         if cfg.user is not None:  # an unknown user is refused before anything is opened
             from ckptd.live.privilege import resolve
             resolve(cfg.user, cfg.group)
-        self.start_state = load_checkpoint(cfg.init)
+        # a trainer's file that does not name its parameters is indexed in its optimizer's order
+        self.start_state = load_checkpoint(cfg.init, self.plan.state_names)
         self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()

@@ -540,51 +540,10 @@ def ring_source(captures: list[RingCapture], stop_event: threading.Event,
     nothing yields (-1, None), as ring_batches does. on_poll gets the seconds each
     poll(2) slept (the loop's idle time, for /status).
     """
-    live = list(range(len(captures)))
-    poller = select.poll()
-    for k in live:
-        poller.register(captures[k].fileno(), select.POLLIN | select.POLLERR)
-
-    def fail(k, e):
-        errors.append(f"capture stream {k} on {captures[k]._where}: {e}")
-        live.remove(k)
-        try:
-            poller.unregister(captures[k].fileno())
-        except (KeyError, ValueError, OSError):
-            pass
-
-    def sweep():
-        got = False
-        for k in list(live):
-            try:
-                block = captures[k].read_block(0)
-            except (OSError, ValueError) as e:
-                fail(k, e)
-                continue
-            if block:
-                got = True
-                for fr in block:
-                    yield k, fr
-        return got
-
-    by_fd = {captures[k].fileno(): k for k in live}
-    while live and not stop_event.is_set():
-        got = yield from sweep()
-        if not got:
-            events = timed_wait(on_poll, poller.poll, int(poll_s * 1000))
-            if idle and not events:
-                yield -1, None
-            for fd, ev in events:
-                if ev & select.POLLERR and by_fd.get(fd) in live:
-                    msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
-                    if msg:
-                        errors.append(f"capture stream {by_fd[fd]}: {msg}")
-    # Stop: hand over the blocks already retired, so nothing captured is silently lost.
-    deadline = time.monotonic() + 1.0
-    while live and time.monotonic() < deadline:
-        got = yield from sweep()
-        if not got:
-            break
+    def frames(k, cap):
+        block = cap.read_block(0)
+        return [(k, fr) for fr in block] if block else None
+    return _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, frames)
 
 
 def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
@@ -606,6 +565,16 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     With idle=True a poll that found nothing yields (-1, None): the consumer's clock
     can move on while the mirror ports are quiet (the agreement window). on_poll gets
     the seconds each poll(2) slept."""
+    def batch(k, cap):
+        b = cap.read_batch(k, max(1, turn // cap.block_size))
+        return None if b is None else [(k, b)]
+    return _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, batch, release=True)
+
+
+def _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, read, release: bool = False):
+    """The loop of ring_source and ring_batches: `read(k, capture)` gives the items one
+    ring has ready (None: nothing); with `release` the ring's blocks go back to the
+    kernel once its items have been consumed."""
     live = list(range(len(captures)))
     poller = select.poll()
     for k in live:
@@ -625,16 +594,17 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
         for k in list(live):
             cap = captures[k]
             try:
-                batch = cap.read_batch(k, max(1, turn // cap.block_size))
+                items = read(k, cap)
             except (OSError, ValueError) as e:
                 fail(k, e)
                 continue
-            if batch is not None:
+            if items:
                 got = True
                 try:
-                    yield k, batch
+                    yield from items
                 finally:
-                    cap.release()
+                    if release:
+                        cap.release()
         return got
 
     while live and not stop_event.is_set():
@@ -648,6 +618,7 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
                         errors.append(f"capture stream {by_fd[fd]}: {msg}")
             if idle and not ready:
                 yield -1, None
+    # Stop: hand over the blocks already retired, so nothing captured is silently lost.
     deadline = time.monotonic() + 1.0
     while live and time.monotonic() < deadline:
         got = yield from sweep()

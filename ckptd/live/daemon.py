@@ -543,7 +543,7 @@ class Daemon:
         if cfg.user is not None:  # an unknown user is refused before anything is opened
             from ckptd.live.privilege import resolve
             resolve(cfg.user, cfg.group)
-        self.start_state = load_checkpoint(cfg.init)
+        self.start_state = load_checkpoint(cfg.init, self.plan.state_names)  # as `ckptd replay --init` reads it
         self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
         self.stop = threading.Event()

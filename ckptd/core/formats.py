@@ -124,7 +124,7 @@ def _unprefixed_optimizer(opt, names: list[str], where: str):
     prefix = wrapper_prefix(keyed + given, names, where, "the optimizer's parameter names")
     if not prefix:
         return opt
-    cut = len(prefix)
+    cut, keyed = len(prefix), set(keyed)
     return {**opt, "state": {(k[cut:] if k in keyed else k): v for k, v in opt["state"].items()},
             "param_groups": [{**g, "param_names": [n[cut:] for n in g["param_names"]]} if "param_names" in g else g
                              for g in groups]}

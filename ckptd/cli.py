@@ -401,6 +401,7 @@ def cmd_plan(a) -> int:
 
     from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.schedule import RingConfig
+    from ckptd.core.wrappers import unwrap
     from ckptd.torch import ddp_layouts
     topo = None
     if a.nccl_log:
@@ -446,6 +447,7 @@ def cmd_plan(a) -> int:
     if rebuilt is None and a.transport == "nccl":
         raise UsageError("--transport nccl needs --sample: the layout DDP rebuilds after "
                          "iteration 0 follows the order gradients become ready")
+    model = unwrap(model)[0]  # a compiled model's names carry _orig_mod.: the plan's are the plain model's
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = [n for n, _ in named]
     if a.optimizer in ("adam", "adamw"):

@@ -9,7 +9,9 @@ directory of checkpoints (the newest one that loads whole: a persisted tier's ma
 first, else by iteration), the daemon's URL (its in-memory latest state, streamed), or
 the fsspec URL a persistence tier writes to (`persist_url`: memory://, s3://bucket/prefix,
 ...; the manifest's newest entry that verifies against its digests).
-Call it on every rank, before or after wrapping the model in DDP, before the first step.
+Call it on every rank, before or after wrapping the model in DDP or torch.compile (a
+wrapper is unwrapped: the state goes into the plain model's tensors, which the wrapper
+holds), before the first step.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
                                    load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
+from ckptd.core.wrappers import unwrap
 from ckptd.errors import show
 
 log = logging.getLogger("ckptd.recovery")
@@ -67,6 +70,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"ckptd.restore: optimizer must be a torch.optim.Optimizer or None, "
                         f"not {type(optimizer).__name__}")
+    # a checkpoint names tensors as the plain model does; DDP's and torch.compile's
+    # wrappers hold that model's very tensors under prefixed names
+    model, _ = unwrap(model)
     names = [n for n, _ in model.named_parameters()]
     limit = body_limit(model)
     src = str(source)

@@ -42,6 +42,7 @@ from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
                              PlanError)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
+from ckptd.core.wrappers import unwrap
 from ckptd.errors import CkptdError
 
 PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
@@ -100,10 +101,20 @@ def _refuse_ddp_modes(ddp):
                            "first forward, so the first iteration's layout is still DDP's")
 
 
+def _named_parameters(ddp) -> list[tuple[str, torch.Tensor]]:
+    """DDP's module's named_parameters() less its parameters_to_ignore, named as the plain
+    model names them: DDP(torch.compile(m)) holds m under torch.compile's wrapper, whose
+    names carry `_orig_mod.`, as do DDP's own (parameters_to_ignore, named_module_buffers);
+    the plan, init.pt and every checkpoint use m's (ckptd.core.wrappers)."""
+    plain, prefix = unwrap(ddp.module)
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    return [(n, p) for n, p in plain.named_parameters() if prefix + n not in ignore]
+
+
 def _names(ddp) -> tuple[list[str], list[torch.Tensor]]:
     """DDP's parameters, the reducer's, in its order (the rebuilt-bucket broadcast's
     indices count these): those that require grad."""
-    by_id = {id(p): n for n, p in ddp.module.named_parameters()}
+    by_id = {id(p): n for n, p in _named_parameters(ddp)}
     params = _reducer_params(ddp)
     return [by_id[id(p)] for p in params], params
 
@@ -113,9 +124,8 @@ def _frozen(ddp, params: list[torch.Tensor]) -> tuple[list[str], list[torch.Tens
     parameters_to_ignore, in module order: requires_grad=False, so DDP's reducer leaves
     them out (no bucket, nothing on the wire) and nothing steps them; DDP's constructor
     broadcasts them with the rest (_ddp_broadcasts)."""
-    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
     trained = {id(p) for p in params}
-    named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignore and id(p) not in trained]
+    named = [(n, p) for n, p in _named_parameters(ddp) if id(p) not in trained]
     return [n for n, _ in named], [p for _, p in named]
 
 
@@ -388,7 +398,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
     frozen, frozen_params = _frozen(ddp, params)
-    first = _layout(ddp, {id(p): n for n, p in ddp.module.named_parameters()})
+    first = _layout(ddp, {id(p): n for n, p in _named_parameters(ddp)})
     reduced = {n for b in first for n in b.params}
     changed = sorted(reduced.symmetric_difference(names))
     if changed:  # DDP's reducer took its parameters when it was built, by requires_grad then
@@ -601,8 +611,7 @@ def _reducer_params(ddp) -> list:
     try:
         return list(ddp._build_params_for_reducer()[0])
     except AttributeError:
-        ignore = set(getattr(ddp, "parameters_to_ignore", ()))
-        return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignore]
+        return [p for _, p in _named_parameters(ddp) if p.requires_grad]
 
 
 def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
@@ -632,8 +641,7 @@ def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:
     once an iteration before its allreduces. The constructor syncs buffers when
     init_sync_buffers, which DDP does not keep: taken as forward_sync_buffers (they differ only
     where forward_sync_buffers=False was passed explicitly)."""
-    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
-    params = [p.detach() for n, p in ddp.module.named_parameters() if n not in ignore]
+    params = [p.detach() for _, p in _named_parameters(ddp)]
     bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
     out = {}
     start = coalesced_broadcasts(params + bufs, ddp.broadcast_bucket_size)
@@ -659,8 +667,10 @@ def _ddp_limits(ddp) -> dict | None:
 
 def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
     """DDP's module buffers in the order it broadcasts them (its named_module_buffers:
-    module.named_buffers() less the ignored, a dict in that order)."""
-    return list(getattr(ddp, "named_module_buffers", {}).items())
+    module.named_buffers() less the ignored, a dict in that order), named as the plain
+    model names them (_named_parameters)."""
+    cut = len(unwrap(ddp.module)[1])
+    return [(n[cut:], b) for n, b in getattr(ddp, "named_module_buffers", {}).items()]
 
 
 def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
@@ -833,7 +843,7 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits
                                                         bucket_cap_mb=bucket_cap_mb,
                                                         find_unused_parameters=False)
         _LAST_DDP[:] = [ddp]  # the one before goes now (see _LAST_DDP)
-        names_of = {id(p): n for n, p in model.named_parameters()}
+        names_of = {id(p): n for n, p in unwrap(model)[0].named_parameters()}
         first = _layout(ddp, names_of)
         if limits_out is not None:
             limits_out.update(_ddp_limits(ddp) or {})

@@ -12,6 +12,10 @@ so a trainer's file with step n is ckptd's iteration n-1, and an exported file o
 iteration t says step = iteration = t+1. Where the file has an Adam-style per-parameter
 "step" the two must agree; a file with neither is the initial state (iteration -1).
 
+Wrapped models: a trainer's file saved from DDP's or torch.compile's wrapper has every key
+prefixed (`module.`, `_orig_mod.`); it is read as the plain model's names, which ckptd
+uses everywhere (ckptd.core.wrappers.wrapper_prefix: only a prefix every key carries).
+
 Buffers (BatchNorm running statistics, ...): the shadow holds parameters, plus the module
 buffers a gloo plan captures from DDP's broadcasts (exported files list them under
 "ckptd"; else say they have none); a trainer's file that has buffers keeps them when
@@ -37,6 +41,7 @@ import torch
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
                                    fsync_dir, load_failure, named_optimizer_state, param_groups_of,
                                    set_group_lrs, torch_load, torch_optimizer_state)
+from ckptd.core.wrappers import wrapper_prefix
 from ckptd.errors import show
 
 EXPORT_FORMATS = ("torch", "dcp", "safetensors")
@@ -61,7 +66,7 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
                 raise CheckpointError(f"{p}: cannot read checkpoint: not a regular file or directory")
         return from_torch_doc(_load_dcp(path), path, names)
     if _is_safetensors(path):
-        return _load_safetensors(path)
+        return _load_safetensors(path, names)
     try:  # torch.save's legacy (non-zip) serialization
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
@@ -88,19 +93,41 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
     if given is not None and not (isinstance(given, list) and all(isinstance(n, str) for n in given)):
         raise CheckpointError(f"{where}: ckptd.param_names is {show(given)}, not a list of parameter names")
     names = given or names
+    prefix = wrapper_prefix(model, names, where)  # saved from ddp.state_dict(): read as the plain model's
+    model = {k[len(prefix):]: t for k, t in model.items()}
     opt = doc.get("optimizer")
     optimizer = None
     if opt is not None:
+        opt = _unprefixed_optimizer(opt, names or list(model), where)
         if names is None:
             names = _parameter_names(model, opt, where)
         optimizer = named_optimizer_state(opt, names, where)
     steps = _steps(doc, optimizer, where)
-    out = {"format": CHECKPOINT_FORMAT, "iteration": steps - 1, "model": dict(model),
+    out = {"format": CHECKPOINT_FORMAT, "iteration": steps - 1, "model": model,
            "optimizer": optimizer}
     for key in ("lr_scheduler", "scaler"):
         if doc.get(key) is not None:
             out[key] = doc[key]
     return out
+
+
+def _unprefixed_optimizer(opt, names: list[str], where: str):
+    """torch's optimizer.state_dict() with a wrapper's prefix taken off the parameter names
+    it holds (param_groups' param_names, state keyed by name as DCP's get_state_dict
+    writes it), decided apart from the model's keys: an optimizer built over
+    ddp.named_parameters() names them so even where the plain model's state_dict was saved."""
+    if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict):
+        return opt  # named_optimizer_state says what is wrong
+    groups = param_groups_of(opt, where)
+    keyed = [k for k in opt["state"] if isinstance(k, str) and not k.isdigit()]
+    given = [n for g in groups for n in g.get("param_names", [])]
+    prefix = wrapper_prefix(keyed + given, names, where, "the optimizer's parameter names")
+    if not prefix:
+        return opt
+    cut, keyed = len(prefix), set(keyed)
+    return {**opt, "state": {(k[cut:] if k in keyed else k): v for k, v in opt["state"].items()},
+            "param_groups": [{**g, "param_names": [n[cut:] for n in g["param_names"]]} if "param_names" in g else g
+                             for g in groups]}
 
 
 NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # torch's _NormBase
@@ -218,7 +245,7 @@ def _is_safetensors(path: Path) -> bool:
     return len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < (1 << 27)
 
 
-def _load_safetensors(path: Path) -> dict:
+def _load_safetensors(path: Path, names: list[str] | None) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
@@ -231,7 +258,9 @@ def _load_safetensors(path: Path) -> dict:
     step = meta.get("step", "0")
     if not isinstance(step, str) or not re.fullmatch(r"[0-9]{1,18}", step):
         raise CheckpointError(f"{path}: safetensors metadata 'step' is {show(step)}, not a number")
-    return {"format": CHECKPOINT_FORMAT, "iteration": int(step) - 1, "model": model, "optimizer": None}
+    prefix = wrapper_prefix(model, names, path)  # saved from a wrapper's state_dict, as from_torch_doc reads it
+    return {"format": CHECKPOINT_FORMAT, "iteration": int(step) - 1,
+            "model": {k[len(prefix):]: t for k, t in model.items()}, "optimizer": None}
 
 
 # -- writing -------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def _synth_training(a) -> dict:
 
 
 def cmd_synth(a) -> int:
-    from ckptd.testing.synth import SynthOptions, synthesize
+    from ckptd.testing.synth import SynthOptions, check_options, mirror_ports, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
@@ -145,6 +145,13 @@ def cmd_synth(a) -> int:
         startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), **_synth_training(a))
     t0 = time.time()
     try:
+        check_options(opts)
+        if opts.mirrors > mirror_ports(opts):  # mirror k past them was a second copy of port k - limit
+            where = (f"--nodes {a.nodes} x {a.nics_per_node or a.gpus_per_node} NIC(s) a node" if a.nodes
+                     else f"--ranks {a.ranks}")
+            raise UsageError(f"--mirrors {a.mirrors}: the job has {mirror_ports(opts)} switch port(s) to mirror "
+                             f"({where}{f' x --merged-nics {a.merged_nics}' if a.merged_nics > 1 else ''}); "
+                             f"give at most {mirror_ports(opts)}")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None
@@ -602,7 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
-    s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1)")
+    s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1; at most one per port: --ranks, "
+                   "with --nodes their NICs, times --merged-nics)")
     s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both")
     s.add_argument("--loss", type=_ranged(float, 0, 1), default=0.0, help="loss probability per frame per mirror link")
     s.add_argument("--duplicate", type=_ranged(float, 0, 1), default=0.0)

@@ -4,6 +4,7 @@ traceback, two lines for one cause, or a silently wrong result."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,93 @@ def test_synth_mirrors_up_to_the_ports_are_each_a_port_of_their_own(capsys, tmp_
     assert r.returncode == 0, r.stderr
     doc = json.loads((out / "plan.json").read_text())
     assert [(m["rank"], m.get("port", 0)) for m in doc["mirrors"]] == mirrors
+
+
+# -- pcapng interfaces of a link type ckptd does not decode ---------------------------------------
+def _pcap_frames(path: Path) -> list[tuple[int, bytes]]:
+    """(time in us, data) of every record of a little-endian microsecond pcap."""
+    raw = path.read_bytes()
+    out, off = [], 24
+    while off < len(raw):
+        sec, usec, caplen, _ = struct.unpack("<IIII", raw[off:off + 16])
+        out.append((sec * 1_000_000 + usec, raw[off + 16:off + 16 + caplen]))
+        off += 16 + caplen
+    return out
+
+
+def _block(btype: int, body: bytes) -> bytes:
+    body += b"\0" * (-len(body) % 4)
+    return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
+
+
+def _pcapng(frames, linktypes: list[int], on=lambda k: 0, extra=()) -> bytes:
+    """A pcapng file: one section, an interface per link type (microseconds), frame k
+    on interface on(k); `extra` (interface, time, data) frames after them."""
+    blocks = [_block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1))]
+    blocks += [_block(1, struct.pack("<HHI", lt, 0, 0)) for lt in linktypes]
+    for k, (t, data) in enumerate(frames):
+        blocks.append(_block(6, struct.pack("<IIIII", on(k), t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
+    for iface, t, data in extra:
+        blocks.append(_block(6, struct.pack("<IIIII", iface, t >> 32, t & 0xFFFFFFFF, len(data), len(data)) + data))
+    return b"".join(blocks)
+
+
+REPLAY_PATHS = [[], ["--reference-path"]]
+
+
+@pytest.mark.parametrize("argv", [
+    lambda d, f: ["inspect", f],
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", f],
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--reference-path", f],
+], ids=["inspect", "replay", "replay-reference-path"])
+@pytest.mark.parametrize("linktypes", [[147], [147, 148]], ids=["one-interface", "two-interfaces"])
+def test_a_pcapng_of_interfaces_ckptd_does_not_decode_is_named(scenario, capsys, tmp_path, argv, linktypes):
+    """Every frame on an interface of link type 147 (USER0) was "other": inspect exited 0
+    and replay 2 with "hold no iteration of the job" (fast path and reference path
+    alike), naming neither the interface nor its link type, as a classic pcap of link
+    type 147 is (tests/test_probe_cli.py)."""
+    f = tmp_path / "user0.pcapng"
+    f.write_bytes(_pcapng(_pcap_frames(_pcaps(scenario)[0]), linktypes, on=lambda k: k % len(linktypes)))
+    _one_line_error(ckptd_main(capsys, *argv(scenario, f)), str(f),
+                    "interface 0 (block 2): link type 147 is not one ckptd decodes (1 Ethernet")
+
+
+def test_a_pcapng_of_only_undecoded_interfaces_and_no_packet_is_refused(scenario, capsys, tmp_path):
+    f = tmp_path / "empty.pcapng"
+    f.write_bytes(_pcapng([], [147]))
+    _one_line_error(ckptd_main(capsys, "inspect", f), str(f), "no interface in the file is of one")
+
+
+@pytest.mark.parametrize("path", REPLAY_PATHS, ids=["fast", "reference-path"])
+def test_a_pcapng_mixing_interfaces_replays_with_one_warning_per_other_one(scenario, capsys, caplog, tmp_path,
+                                                                         path):
+    """One file may hold interfaces of several link types (dumpcap -i eth0 -i nflog):
+    the Ethernet one's frames replay, and each other one is named once in a warning
+    (its frames were "other" without a word)."""
+    frames = _pcap_frames(_pcaps(scenario)[0])
+    t = frames[-1][0]
+    f = tmp_path / "mixed.pcapng"
+    f.write_bytes(_pcapng(frames, [1, 147, 1, 148], extra=[(1, t, b"x" * 60), (1, t, b"y" * 60),
+                                                          (3, t, b"z" * 60)]))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", *path, f)
+    assert r.returncode == 0 and "2 committed" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    warned = [m.getMessage() for m in caplog.records]
+    assert warned == [f"{f}: interface 1 (block 3): link type 147 is not one ckptd decodes (1 Ethernet, 101 raw IP, "
+                      "113 Linux SLL, 228 IPv4, 229 IPv6, 276 Linux SLL2): its frames are read as other traffic",
+                      f"{f}: interface 3 (block 5): link type 148 is not one ckptd decodes (1 Ethernet, 101 raw IP, "
+                      "113 Linux SLL, 228 IPv4, 229 IPv6, 276 Linux SLL2): its frames are read as other traffic"]
+
+
+def test_the_pcapng_reader_warns_once_per_interface_of_each_section(tmp_path):
+    from parsers.capfile import open_capture
+    from parsers.pcapng import iter_pcapng
+    one = _pcapng([(1, b"a" * 60), (2, b"b" * 60), (3, b"c" * 60)], [1, 147], on=lambda k: min(k, 1))
+    f = tmp_path / "two-sections.pcapng"
+    f.write_bytes(one + one)
+    said: list[str] = []
+    with open(f, "rb") as fh:
+        frames = list(iter_pcapng(fh, str(f), warn=said.append))
+    assert [(fr.interface_id, fr.linktype) for fr in frames] == [(0, 1), (1, 147), (1, 147)] * 2
+    assert len(said) == 2 and "interface 1 (block 3)" in said[0] and "interface 1 (block 9, section 2)" in said[1]
+    assert len(list(open_capture(f))) == 6

@@ -184,7 +184,7 @@ def _resume_from_url(url: str, names: list[str]) -> str:
 
 def cmd_replay(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
-    from ckptd.pipeline import ReplayOptions, replay
+    from ckptd.pipeline import NOTHING_JOINED, ReplayOptions, replay
     from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
@@ -234,15 +234,18 @@ def cmd_replay(a) -> int:
           + "".join(f", {k}={v}" for k, v in getattr(pipe, "read_waits", {}).items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
-    for e in pipe.extract.diagnostics():
+    diagnostics = pipe.extract.diagnostics()
+    for e in diagnostics:
         print(f"  {e}")
     if plan.buffers.tensors and not plan.buffers.captured:
         print(f"  module buffers ({len(plan.buffers.tensors)}, e.g. {plan.buffers.tensors[0].name}) are not "
               "captured on this transport: the checkpoints hold parameters and optimizer state only")
     # a capture damaged mid-file ends its stream there: a diagnostic, so on stderr and one
     # line each (the reader names the file and frame); what it cost shows in the iterations
+    nothing_joined = NOTHING_JOINED in pipe.errors  # the error line below, not a warning too
     for e in pipe.errors:
-        print("warning: " + " ".join(e.split()), file=sys.stderr)
+        if e != NOTHING_JOINED:
+            print("warning: " + " ".join(e.split()), file=sys.stderr)
     if pipe.joined is not None:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
               f"{pipe.before_join} packets before it dropped)")
@@ -250,8 +253,16 @@ def cmd_replay(a) -> int:
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
+    frames = sum(cls.get("frames", 0) for cls in pipe.classes)
+    if nothing_joined:  # it was a warning ("no iteration joined") and the error below, two lines
+        option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
+        wrong = (f", or {a.join_from} is not an iteration the job had reached when the capture began (the "
+                 "packets are placed by their PSNs from it)") if a.join_from is not None else ""
+        listed = any(e.startswith("unmatched flow") for e in diagnostics)
+        raise UsageError(f"{option}: no flow of the job in {a.plan} was recognised in the captures "
+                         f"({frames} frames), so no iteration was joined: captures of another job, a plan with "
+                         f"other addresses or QPs{wrong}{'; the flows left unmatched are listed above' * listed}")
     if not pipe.reports:  # not one packet of the plan's job: wrong captures or wrong plan
-        frames = sum(cls.get("frames", 0) for cls in pipe.classes)
         raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
                          "captures of another job, or a plan with other addresses or QPs "
                          "(`ckptd inspect` lists the captures' flows)")

@@ -70,6 +70,8 @@ def _save_npy(path: Path, array: np.ndarray):
     atomic_write(path, lambda f: f.write(buf.getbuffer()), mode=0o644)
 
 FINALIZE_LAG = 2
+# Pipeline.errors' entry when joining found nothing to join (`ckptd replay` makes it its one error line)
+NOTHING_JOINED = "joining: no flow of the job was recognised, no iteration joined"
 SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer holds commits
 
 
@@ -331,7 +333,7 @@ class Pipeline:
         if self.joining:
             self._try_join(force=True)
         if self.joining:  # no flow of the job was ever bound: nothing to join
-            self.errors.append("joining: no flow of the job was recognised, no iteration joined")
+            self.errors.append(NOTHING_JOINED)
             self._close_applier()
             return self.reports
         if abandon:

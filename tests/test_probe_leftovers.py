@@ -151,3 +151,20 @@ def test_the_pcapng_reader_warns_once_per_interface_of_each_section(tmp_path):
     assert [(fr.interface_id, fr.linktype) for fr in frames] == [(0, 1), (1, 147), (1, 147)] * 2
     assert len(said) == 2 and "interface 1 (block 3)" in said[0] and "interface 1 (block 9, section 2)" in said[1]
     assert len(list(open_capture(f))) == 6
+
+
+# -- replay --join-from where nothing joins -------------------------------------------------------
+@pytest.mark.parametrize("path", REPLAY_PATHS, ids=["fast", "reference-path"])
+def test_a_join_that_joins_nothing_is_one_error_line(scenario, capsys, path):
+    """stderr had two lines for one cause: "warning: joining: no flow of the job was
+    recognised, no iteration joined", then "error: the captures ... hold no iteration
+    of the job"."""
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--join-from", "5", *path, *_pcaps(scenario))
+    _one_line_error(r, str(scenario / "plan.json"),
+                    "--join-from 5: no flow of the job in ")
+    assert "so no iteration was joined" in r.stderr and "5 is not an iteration the job had reached" in r.stderr
+    assert "the flows left unmatched are listed above" in r.stderr and "unmatched flow: " in r.stdout
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--join-from", "0", *path, *_pcaps(scenario))
+    assert r.returncode == 0 and r.stderr == "" and "joined at iteration 0" in r.stdout, r.stderr

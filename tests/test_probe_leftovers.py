@@ -168,3 +168,39 @@ def test_a_join_that_joins_nothing_is_one_error_line(scenario, capsys, path):
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
                    "--join-from", "0", *path, *_pcaps(scenario))
     assert r.returncode == 0 and r.stderr == "" and "joined at iteration 0" in r.stdout, r.stderr
+
+
+# -- checkpoints whose lr is not a finite number >= 0 -------------------------------------------------
+@pytest.mark.parametrize("lr,shown", [
+    (float("nan"), "nan"), (float("inf"), "inf"), (-1.0, "-1.0"), (10 ** 400, "an integer of 1329 bits"),
+    ("tensor-nan", "nan"),
+], ids=["nan", "inf", "negative", "huge-int", "nan-tensor"])
+@pytest.mark.parametrize("argv", [
+    lambda d, f: ["export", f, "--format", "torch", "--plan", d / "plan.json", "--out", d / "x.pt"],
+    lambda d, f: ["export", f, "--format", "torch", "--out", d / "x.pt"],
+    lambda d, f: ["export", f, "--format", "safetensors", "--out", d / "x.safetensors"],
+    lambda d, f: ["verify", f, d / "init.pt"],
+    lambda d, f: ["replay", "--plan", d / "plan.json", "--init", f, *_pcaps(d)],
+], ids=["export-torch-plan", "export-torch", "export-safetensors", "verify", "replay-init"])
+def test_a_checkpoint_whose_lr_is_not_finite_is_refused_naming_the_file(scenario, capsys, tmp_path, lr, shown, argv):
+    """export wrote the NaN (or inf, or -1) into torch's param_groups and exited 0; the
+    plan checks its own lr (finite, >= 0), a checkpoint's was taken as it was."""
+    import torch
+    doc = torch.load(scenario / "reference" / "iter_000000.pt", weights_only=True)
+    doc["optimizer"]["lr"] = torch.tensor(float("nan")) if lr == "tensor-nan" else lr
+    f = tmp_path / "lr.pt"
+    torch.save(doc, f)
+    _one_line_error(ckptd_main(capsys, *argv(scenario, f)), str(f),
+                    f"optimizer.lr is {shown}, not a finite lr >= 0: a damaged checkpoint")
+    assert not (scenario / "x.pt").exists() and not (scenario / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("lr", ["NaN", "Infinity", "-1"])
+def test_a_raw_checkpoint_header_whose_lr_is_not_finite_is_refused(lr):
+    """JSON takes NaN and Infinity: restore from the daemon put them in param_groups."""
+    from ckptd.core.checkpoint import CheckpointError
+    from ckptd.core.raw_layout import decode_header
+    line = ('{"format": "ckptd-raw/1", "iteration": 0, "lr": %s, "optimizer": true, "tensors": []}' % lr).encode()
+    with pytest.raises(CheckpointError, match="not a finite lr >= 0"):
+        decode_header(line, "http://x/checkpoint")
+    assert decode_header(line.replace(lr.encode(), b"0.001"), "u")["lr"] == 0.001

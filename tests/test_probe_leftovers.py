@@ -204,3 +204,65 @@ def test_a_raw_checkpoint_header_whose_lr_is_not_finite_is_refused(lr):
     with pytest.raises(CheckpointError, match="not a finite lr >= 0"):
         decode_header(line, "http://x/checkpoint")
     assert decode_header(line.replace(lr.encode(), b"0.001"), "u")["lr"] == 0.001
+
+
+# -- mirror-risk with uneven nodes ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def five(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("risk5")
+    synth(d, iterations=1, ranks=5, channels=2, mirrors=1)
+    return d
+
+
+def _with_nodes(d: Path, nodes: str, name: str, rings=None) -> Path:
+    doc = json.loads((d / "plan.json").read_text())
+    for r, n in zip(doc["ranks"], nodes):
+        r["node"] = n
+    assert doc["ring"]["rings"] == [list(range(5))] * 2
+    if rings:
+        doc["ring"]["rings"] = rings
+    p = d / f"plan-{name}.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def _risk(capsys, *argv):
+    r = ckptd_main(capsys, "mirror-risk", "--mirrors", "8", "--loss", "0.01", "--json", *argv)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_mirror_risk_of_uneven_nodes_is_that_of_any_split(five, capsys):
+    """5 ranks on 2 nodes: the copies of each chunk depend only on the mirrored links
+    being distinct, so the nodes of 3+2 (--ring 5 --nodes 2), of 1+4 and of 3+2 in a
+    plan give one P_fail."""
+    by_hand = _risk(capsys, "--ring", "5", "--nodes", "2", "--packets", "56")
+    assert by_hand["nodes"] == 2 and by_hand["mirrored_links"] == 2
+    for nodes in ("aaabb", "abbbb"):
+        res = _risk(capsys, "--plan", _with_nodes(five, nodes, nodes), "--packets", "56")
+        assert res["nodes"] == 2 and res["mirrorable_links"] == 2
+        assert res["chunks_by_copies"] == by_hand["chunks_by_copies"] == {"1": 2, "2": 3}
+        assert res["p_fail"] == by_hand["p_fail"]
+
+
+def test_mirror_risk_names_a_plans_nodes_not_its_hops(five, capsys):
+    """Nodes a, b, a, b, a: the ring crosses between them 4 times. It said "ring of 5
+    ranks on 4 nodes" (JSON nodes 4), the hops taken for the nodes."""
+    plan = _with_nodes(five, "ababa", "interleaved")
+    r = ckptd_main(capsys, "mirror-risk", "--plan", plan, "--mirrors", "8", "--loss", "0.01")
+    assert r.returncode == 0 and "ring of 5 ranks on 2 nodes (4 hops between nodes can be mirrored)" in r.stdout, \
+        r.stdout
+    res = _risk(capsys, "--plan", plan)
+    assert (res["nodes"], res["mirrorable_links"]) == (2, 4)
+
+
+def test_mirror_risk_refuses_rings_of_different_hops_and_a_plan_on_one_node(five, capsys):
+    """Channel 0's ring 0>1>2>3>4 crosses nodes aabbb twice, channel 1's 0>2>1>3>4 four
+    times: the mean was taken (a model of neither); one node: ZeroDivisionError."""
+    plan = _with_nodes(five, "aabbb", "two-rings", rings=[[0, 1, 2, 3, 4], [0, 2, 1, 3, 4]])
+    _one_line_error(ckptd_main(capsys, "mirror-risk", "--plan", plan, "--mirrors", "2", "--loss", "0.01"),
+                    str(plan), "the rings cross between nodes different numbers of times, 2 (channel 0), "
+                               "4 (channel 1)")
+    plan = _with_nodes(five, "aaaaa", "one")
+    _one_line_error(ckptd_main(capsys, "mirror-risk", "--plan", plan, "--mirrors", "2", "--loss", "0.01"),
+                    str(plan), "every rank is on node 'a': no hop of the ring crosses the network")

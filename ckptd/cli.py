@@ -364,7 +364,10 @@ def cmd_export(a) -> int:
     plan = load_plan(a.plan) if a.plan else None
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
-        plan.check_state(ckpt, a.checkpoint)  # (its lr, one finite number, is load_checkpoint's check)
+        plan.check_state(ckpt, a.checkpoint)
+        lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
+        if hasattr(lr, "numel") and lr.numel() != 1:  # it went into param_groups as the lr
+            raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
     return 0

@@ -76,13 +76,14 @@ SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer ho
 
 
 # -- source --------------------------------------------------------------------------
-def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, CapturedFrame]]:
+def file_source(paths: list[str], errors: list[str], warn=None) -> Iterator[tuple[int, CapturedFrame]]:
     """(stream index, frame) of every file, merged by timestamp; one file, one stream.
 
-    A file whose structure breaks mid-way ends its stream there, reported in errors."""
+    A file whose structure breaks mid-way ends its stream there, reported in errors.
+    `warn`: open_capture's (a pcapng interface of a link type not decoded)."""
     def one(k, path):
         try:
-            for fr in open_capture(path):
+            for fr in open_capture(path, warn):
                 yield (fr.ts_ns or 0, k, fr.index), (k, fr)
         except (CaptureError, OSError) as e:
             errors.append(str(e))

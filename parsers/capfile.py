@@ -43,8 +43,9 @@ def capture_format(path) -> str:
     raise CaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
 
 
-def open_capture(path) -> Iterator[CapturedFrame]:
-    """Yield every frame of a pcap or pcapng file, in file order.
+def open_capture(path, warn=None) -> Iterator[CapturedFrame]:
+    """Yield every frame of a pcap or pcapng file, in file order. `warn`: as
+    pcapng.iter_pcapng takes it (the line for each interface of a link type not decoded).
 
     Structural damage raises CaptureError naming the file and frame/block number; it
     is raised when reached, after the good frames before it have been yielded.
@@ -54,7 +55,7 @@ def open_capture(path) -> Iterator[CapturedFrame]:
         if fmt == "pcap":
             yield from iter_pcap(f, str(path))
         else:
-            yield from iter_pcapng(f, str(path))
+            yield from iter_pcapng(f, str(path), warn)
 
 
 __all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame", "UndecodedLinkTypeError",

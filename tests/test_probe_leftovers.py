@@ -139,6 +139,19 @@ def test_a_pcapng_mixing_interfaces_replays_with_one_warning_per_other_one(scena
                       "113 Linux SLL, 228 IPv4, 229 IPv6, 276 Linux SLL2): its frames are read as other traffic"]
 
 
+def test_inspect_of_a_mixed_pcapng_warns_once(scenario, capsys, caplog, tmp_path):
+    """inspect reads the files twice where they hold frames other than RoCE (its TCP
+    pass): the interface was warned of twice."""
+    frames = _pcap_frames(_pcaps(scenario)[0])
+    f = tmp_path / "mixed.pcapng"
+    f.write_bytes(_pcapng(frames, [1, 147], extra=[(1, frames[-1][0], b"x" * 60)]))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        r = ckptd_main(capsys, "inspect", f)
+    assert r.returncode == 0, r.stderr
+    warned = [m.getMessage() for m in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith(f"{f}: interface 1 (block 3): link type 147"), warned
+
+
 def test_the_pcapng_reader_warns_once_per_interface_of_each_section(tmp_path):
     from parsers.capfile import open_capture
     from parsers.pcapng import iter_pcapng

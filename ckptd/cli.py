@@ -129,7 +129,7 @@ def _synth_training(a) -> dict:
 
 
 def cmd_synth(a) -> int:
-    from ckptd.testing.synth import SynthOptions, synthesize
+    from ckptd.testing.synth import SynthOptions, check_options, mirror_ports, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
@@ -145,6 +145,13 @@ def cmd_synth(a) -> int:
         startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), **_synth_training(a))
     t0 = time.time()
     try:
+        check_options(opts)
+        if opts.mirrors > mirror_ports(opts):  # mirror k past them was a second copy of port k - limit
+            where = (f"--nodes {a.nodes} x {a.nics_per_node or a.gpus_per_node} NIC(s) a node" if a.nodes
+                     else f"--ranks {a.ranks}")
+            raise UsageError(f"--mirrors {a.mirrors}: the job has {mirror_ports(opts)} switch port(s) to mirror "
+                             f"({where}{f' x --merged-nics {a.merged_nics}' if a.merged_nics > 1 else ''}); "
+                             f"give at most {mirror_ports(opts)}")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None
@@ -177,7 +184,7 @@ def _resume_from_url(url: str, names: list[str]) -> str:
 
 def cmd_replay(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
-    from ckptd.pipeline import ReplayOptions, replay
+    from ckptd.pipeline import NOTHING_JOINED, ReplayOptions, replay
     from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
@@ -227,15 +234,18 @@ def cmd_replay(a) -> int:
           + "".join(f", {k}={v}" for k, v in getattr(pipe, "read_waits", {}).items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
-    for e in pipe.extract.diagnostics():
+    diagnostics = pipe.extract.diagnostics()
+    for e in diagnostics:
         print(f"  {e}")
     if plan.buffers.tensors and not plan.buffers.captured:
         print(f"  module buffers ({len(plan.buffers.tensors)}, e.g. {plan.buffers.tensors[0].name}) are not "
               "captured on this transport: the checkpoints hold parameters and optimizer state only")
     # a capture damaged mid-file ends its stream there: a diagnostic, so on stderr and one
     # line each (the reader names the file and frame); what it cost shows in the iterations
+    nothing_joined = NOTHING_JOINED in pipe.errors  # the error line below, not a warning too
     for e in pipe.errors:
-        print("warning: " + " ".join(e.split()), file=sys.stderr)
+        if e != NOTHING_JOINED:
+            print("warning: " + " ".join(e.split()), file=sys.stderr)
     if pipe.joined is not None:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
               f"{pipe.before_join} packets before it dropped)")
@@ -243,8 +253,16 @@ def cmd_replay(a) -> int:
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
+    frames = sum(cls.get("frames", 0) for cls in pipe.classes)
+    if nothing_joined:  # it was a warning ("no iteration joined") and the error below, two lines
+        option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
+        wrong = (f", or {a.join_from} is not an iteration the job had reached when the capture began (the "
+                 "packets are placed by their PSNs from it)") if a.join_from is not None else ""
+        listed = any(e.startswith("unmatched flow") for e in diagnostics)
+        raise UsageError(f"{option}: no flow of the job in {a.plan} was recognised in the captures "
+                         f"({frames} frames), so no iteration was joined: captures of another job, a plan with "
+                         f"other addresses or QPs{wrong}{'; the flows left unmatched are listed above' * listed}")
     if not pipe.reports:  # not one packet of the plan's job: wrong captures or wrong plan
-        frames = sum(cls.get("frames", 0) for cls in pipe.classes)
         raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
                          "captures of another job, or a plan with other addresses or QPs "
                          "(`ckptd inspect` lists the captures' flows)")
@@ -347,7 +365,7 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
-        lr = (ckpt.get("optimizer") or {}).get("lr")
+        lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
         if hasattr(lr, "numel") and lr.numel() != 1:  # it went into param_groups as the lr
             raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
@@ -604,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
-    s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1)")
+    s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1; at most one per port: --ranks, "
+                   "with --nodes their NICs, times --merged-nics)")
     s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both")
     s.add_argument("--loss", type=_ranged(float, 0, 1), default=0.0, help="loss probability per frame per mirror link")
     s.add_argument("--duplicate", type=_ranged(float, 0, 1), default=0.0)

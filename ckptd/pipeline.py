@@ -70,17 +70,20 @@ def _save_npy(path: Path, array: np.ndarray):
     atomic_write(path, lambda f: f.write(buf.getbuffer()), mode=0o644)
 
 FINALIZE_LAG = 2
+# Pipeline.errors' entry when joining found nothing to join (`ckptd replay` makes it its one error line)
+NOTHING_JOINED = "joining: no flow of the job was recognised, no iteration joined"
 SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer holds commits
 
 
 # -- source --------------------------------------------------------------------------
-def file_source(paths: list[str], errors: list[str]) -> Iterator[tuple[int, CapturedFrame]]:
+def file_source(paths: list[str], errors: list[str], warn=None) -> Iterator[tuple[int, CapturedFrame]]:
     """(stream index, frame) of every file, merged by timestamp; one file, one stream.
 
-    A file whose structure breaks mid-way ends its stream there, reported in errors."""
+    A file whose structure breaks mid-way ends its stream there, reported in errors.
+    `warn`: open_capture's (a pcapng interface of a link type not decoded)."""
     def one(k, path):
         try:
-            for fr in open_capture(path):
+            for fr in open_capture(path, warn):
                 yield (fr.ts_ns or 0, k, fr.index), (k, fr)
         except (CaptureError, OSError) as e:
             errors.append(str(e))
@@ -331,7 +334,7 @@ class Pipeline:
         if self.joining:
             self._try_join(force=True)
         if self.joining:  # no flow of the job was ever bound: nothing to join
-            self.errors.append("joining: no flow of the job was recognised, no iteration joined")
+            self.errors.append(NOTHING_JOINED)
             self._close_applier()
             return self.reports
         if abandon:

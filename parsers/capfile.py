@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .frame import (LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
-                       LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame)
+import os
+import stat
+
+from .frame import (DECODED_LINKTYPES, LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
+                    LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame, UndecodedLinkTypeError,
+                    undecoded_linktype)
 from .pcap import _MAGICS, is_pcap, iter_pcap
 from .pcapng import is_pcapng, iter_pcapng
-
-
-DECODED_LINKTYPES = {LINKTYPE_ETHERNET: "Ethernet", LINKTYPE_RAW: "raw IP", LINKTYPE_LINUX_SLL: "Linux SLL",
-                     LINKTYPE_IPV4: "IPv4", LINKTYPE_IPV6: "IPv6", LINKTYPE_LINUX_SLL2: "Linux SLL2"}
 
 
 def capture_format(path) -> str:
@@ -24,16 +24,28 @@ def capture_format(path) -> str:
             order = _MAGICS[head[:4]][0]
             linktype = int.from_bytes(head[20:24], "little" if order == "<" else "big") & 0xFFFF
             if linktype not in DECODED_LINKTYPES:
-                raise CaptureError(f"{path}: link type {linktype} is not one ckptd decodes "
-                                   f"({', '.join(f'{t} {n}' for t, n in DECODED_LINKTYPES.items())})")
+                raise UndecodedLinkTypeError(f"{path}: {undecoded_linktype(linktype)}")
         return "pcap"
     if is_pcapng(head):
+        # each interface has its own link type: the reader refuses a file whose interfaces
+        # before the first packet are none it decodes when it reaches that packet, which
+        # for a replay is after the other streams began; here it is refused up front
+        # (a regular file only: a FIFO's bytes, once read, are gone)
+        if stat.S_ISREG(os.stat(path).st_mode):
+            with open(path, "rb") as f:
+                try:
+                    next(iter_pcapng(f, str(path), warn=lambda msg: None), None)
+                except UndecodedLinkTypeError:
+                    raise
+                except CaptureError:
+                    pass  # damage: reported where the reader reaches it, after the frames before it
         return "pcapng"
     raise CaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
 
 
-def open_capture(path) -> Iterator[CapturedFrame]:
-    """Yield every frame of a pcap or pcapng file, in file order.
+def open_capture(path, warn=None) -> Iterator[CapturedFrame]:
+    """Yield every frame of a pcap or pcapng file, in file order. `warn`: as
+    pcapng.iter_pcapng takes it (the line for each interface of a link type not decoded).
 
     Structural damage raises CaptureError naming the file and frame/block number; it
     is raised when reached, after the good frames before it have been yielded.
@@ -43,9 +55,10 @@ def open_capture(path) -> Iterator[CapturedFrame]:
         if fmt == "pcap":
             yield from iter_pcap(f, str(path))
         else:
-            yield from iter_pcapng(f, str(path))
+            yield from iter_pcapng(f, str(path), warn)
 
 
-__all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame",
+__all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame", "UndecodedLinkTypeError",
+           "DECODED_LINKTYPES",
            "LINKTYPE_ETHERNET", "LINKTYPE_RAW", "LINKTYPE_LINUX_SLL", "LINKTYPE_IPV4",
            "LINKTYPE_IPV6", "LINKTYPE_LINUX_SLL2"]

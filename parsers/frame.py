@@ -14,6 +14,18 @@ LINKTYPE_LINUX_SLL = 113
 LINKTYPE_IPV4 = 228
 LINKTYPE_IPV6 = 229
 LINKTYPE_LINUX_SLL2 = 276
+# The link types parsers.roce decodes (a frame of any other is FrameClass.OTHER): a capture
+# of none of them is refused by name (capfile.capture_format, pcapng.iter_pcapng)
+DECODED_LINKTYPES = {LINKTYPE_ETHERNET: "Ethernet", LINKTYPE_RAW: "raw IP", LINKTYPE_LINUX_SLL: "Linux SLL",
+                     LINKTYPE_IPV4: "IPv4", LINKTYPE_IPV6: "IPv6", LINKTYPE_LINUX_SLL2: "Linux SLL2"}
+
+
+def undecoded_linktype(linktype: int) -> str:
+    """The words for a link type parsers.roce does not decode."""
+    return (f"link type {linktype} is not one ckptd decodes "
+            f"({', '.join(f'{t} {n}' for t, n in DECODED_LINKTYPES.items())})")
+
+
 # The largest record a capture may hold: tcpdump's and Wireshark's maximum snaplen. A
 # record claiming more is a broken or hostile header (not a packet), refused before its
 # length sizes any read or buffer.
@@ -27,6 +39,12 @@ class CaptureError(CkptdError):
     spot with another tool.  Packets that merely fail to decode are not this: they get
     a FrameClass from parsers.roce.decode_frame.
     """
+
+
+class UndecodedLinkTypeError(CaptureError):
+    """No frame of the capture can be decoded: its link type (every pcapng interface's
+    before the first packet) is none parsers.roce decodes. Raised before any frame is
+    yielded, so that a reader can refuse the file up front (capfile.capture_format)."""
 
 
 @dataclass(slots=True)

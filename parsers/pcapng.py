@@ -7,14 +7,25 @@ declare interfaces in order (id 0, 1, ...), each with its own link type and time
 resolution (option if_tsresol, default microseconds); packets come in Enhanced Packet
 Blocks (EPB), Simple Packet Blocks (SPB, interface 0, no timestamp) or the obsolete
 Packet Block (PB).  Blocks of any other type are skipped, as the format asks.
+
+One file may mix interfaces of several link types (dumpcap -i eth0 -i nflog): a frame
+on an interface whose link type parsers.roce does not decode is yielded as it is (it
+decodes as "other"), with one warning per such interface. A file whose interfaces
+declared before its first packet (or before its end) are none of a decoded type is
+refused (UndecodedLinkTypeError): every frame of it would be "other", as a classic pcap
+of such a link type is refused (capfile.capture_format).
 """
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
-from .frame import MAX_SNAPLEN, CaptureError, CapturedFrame
+from .frame import (DECODED_LINKTYPES, MAX_SNAPLEN, CaptureError, CapturedFrame, UndecodedLinkTypeError,
+                    undecoded_linktype)
+
+log = logging.getLogger("ckptd.parsers")
 
 BT_SHB = 0x0A0D0D0A      # reads the same in both byte orders, on purpose
 BT_IDB = 0x00000001
@@ -63,12 +74,40 @@ def _options(body: bytes, order: str) -> Iterator[tuple[int, bytes]]:
         pos += 4 + ((length + 3) & ~3)
 
 
-def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
-    """Frames of an open pcapng file; `name` goes into error messages."""
+def iter_pcapng(f: BinaryIO, name: str = "<pcapng>",
+                warn: Callable[[str], None] | None = None) -> Iterator[CapturedFrame]:
+    """Frames of an open pcapng file; `name` goes into error messages. `warn` takes the
+    one line for each interface of a link type that is not decoded whose frames are
+    yielded (default: a warning on the "ckptd.parsers" logger)."""
     order = None
     interfaces: list[Interface] = []
     block_no = 0
     frame_no = 0
+    section = 0
+    idb_blocks: list[int] = []  # this section's interfaces' block numbers
+    decoded = False  # an interface of a decoded link type declared so far
+    undecoded: tuple[int, int, int, int] | None = None  # (interface, block, section, link type) of the first other
+    warned: set[int] = set()  # this section's interfaces warned of
+    warn = warn or log.warning
+
+    def where(if_id: int, blk: int, sec: int) -> str:
+        return f"interface {if_id} (block {blk}{f', section {sec}' if sec > 1 else ''})"
+
+    def refuse(before: str):
+        if_id, blk, sec, lt = undecoded
+        raise UndecodedLinkTypeError(f"{name}: {where(if_id, blk, sec)}: {undecoded_linktype(lt)}, and no "
+                                     f"interface {before} is of one: every frame would be other traffic")
+
+    def check_link(if_id: int, iface: Interface) -> None:
+        """Before a frame on interface if_id is yielded."""
+        if iface.linktype in DECODED_LINKTYPES:
+            return
+        if frame_no == 0 and not decoded:
+            refuse("before the first packet")
+        if if_id not in warned:
+            warned.add(if_id)
+            warn(f"{name}: {where(if_id, idb_blocks[if_id], section)}: {undecoded_linktype(iface.linktype)}: "
+                 "its frames are read as other traffic")
 
     btype = None
 
@@ -81,6 +120,8 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
     while True:
         head = f.read(12)   # type, length, and (for an SHB) the byte-order magic
         if not head:
+            if undecoded is not None and not decoded and frame_no == 0:
+                refuse("in the file")  # and no packet: refused as a classic pcap's header is
             return
         block_no += 1
         btype = None
@@ -96,6 +137,8 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
             else:
                 fail(f"bad byte-order magic {head[8:12].hex()}")
             interfaces = []            # interface ids restart in every section
+            idb_blocks, warned = [], set()
+            section += 1
         elif order is None:
             raise CaptureError(f"{name}: not a pcapng file (first block type "
                                f"{head[:4].hex()}, expected a section header 0a0d0d0a)")
@@ -122,6 +165,11 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
                 elif code == OPT_IF_TSOFFSET and len(value) == 8:
                     iface.tsoffset = struct.unpack(order + "q", value)[0]
             interfaces.append(iface)
+            idb_blocks.append(block_no)
+            if linktype in DECODED_LINKTYPES:
+                decoded = True
+            elif undecoded is None:
+                undecoded = (len(interfaces) - 1, block_no, section, linktype)
         elif btype in (BT_EPB, BT_PB):
             if btype == BT_EPB:
                 if len(body) < 20:
@@ -144,6 +192,7 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
             if not 0 <= ts <= MAX_TS_NS:
                 fail(f"timestamp {ticks} ticks of interface {if_id} is {ts} ns since 1970, outside "
                      f"0..2**63-1 (if_tsresol {iface.tsresol:#04x}, if_tsoffset {iface.tsoffset} s)")
+            check_link(if_id, iface)
             frame_no += 1
             yield CapturedFrame(frame_no, ts, iface.linktype,
                                 caplen, origlen, bytes(body[20:20 + caplen]), if_id)
@@ -152,6 +201,7 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>") -> Iterator[CapturedFrame]:
                 fail("simple packet block before any interface")
             if len(body) < 4:
                 fail("simple packet block too short")
+            check_link(0, interfaces[0])
             frame_no += 1
             (origlen,) = struct.unpack_from(order + "I", body)
             iface = interfaces[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import io
+import math
 import os
 import stat
 import warnings
@@ -235,9 +236,7 @@ def check_checkpoint(doc: dict, where) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: optimizer.state is {_short(state)}, not a dict of parameter "
                               f"name -> its state")
-    lr = opt.get("lr")
-    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor))):
-        raise CheckpointError(f"{where}: optimizer.lr is {_short(lr)}, not a number")
+    _check_lr(opt.get("lr"), where)
     for n, st in state.items():
         if not isinstance(n, str):
             raise CheckpointError(f"{where}: optimizer.state key {_short(n)} is not a parameter name (a str)")
@@ -251,6 +250,30 @@ def check_checkpoint(doc: dict, where) -> dict:
             raise CheckpointError(f"{where}: optimizer.grad_scaler is {_short(scaler)}, not a dict")
         _check_values(scaler, "optimizer.grad_scaler", where)
     return doc
+
+
+def _check_lr(lr, where) -> None:
+    """A checkpoint's lr (None, or what goes into torch's param_groups on export and
+    restore): one finite number >= 0. NaN, an infinity or a negative lr is a damaged
+    checkpoint (no torch optimizer is built with one; the plan's lr is held to the same)
+    and was exported and restored as it was."""
+    if lr is None:
+        return
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
+        raise CheckpointError(f"{where}: optimizer.lr is {_short(lr)}, not a number")
+    if isinstance(lr, torch.Tensor):
+        _check_dense(lr, "optimizer.lr", where)
+        if lr.numel() != 1:  # verify compares it as it is; export (with a plan) refuses it
+            return
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise CheckpointError(f"{where}: optimizer.lr is {_short(lr)}, not a number")
+    try:
+        value, shown = float(lr), None
+    except OverflowError:  # an int past float's range
+        value, shown = math.inf, _short(lr)
+    if not math.isfinite(value) or value < 0:
+        raise CheckpointError(f"{where}: optimizer.lr is {shown or repr(value)}, not a finite lr >= 0: "
+                              "a damaged checkpoint")
 
 
 def _check_values(d: dict, key: str, where) -> None:

@@ -66,6 +66,9 @@ def decode_header(line: bytes, where: str) -> dict:
             raise ValueError(f"iteration {show(it)}, not an integer >= -1")
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))):
             raise ValueError(f"lr {show(lr)}, not a number")
+        if lr is not None and not (0 <= lr < 1 << 1000 if isinstance(lr, int) else math.isfinite(lr) and lr >= 0):
+            # JSON takes NaN and Infinity: it went into the optimizer's param_groups as the lr
+            raise ValueError(f"lr {show(lr)}, not a finite lr >= 0")
         if not isinstance(doc.get("optimizer"), bool):
             raise ValueError(f"optimizer {show(doc.get('optimizer'))}, not true or false")
         if not isinstance(doc.get("tensors"), list):

@@ -231,7 +231,8 @@ def inspect_captures(paths) -> dict:
     tcp = _Conversations()
     if tcp_frames:  # the files as mirror copies of one another, merged in capture-time order
         from ckptd.pipeline import file_source
-        for k, fr in file_source([str(p) for p in paths], []):
+        # the second pass over the files: their interfaces were warned of in the first
+        for k, fr in file_source([str(p) for p in paths], [], warn=lambda msg: None):
             tcp.add(fr.data, fr.linktype, fr.origlen, k)
     classes = _empty_classes()
     for fi in files:

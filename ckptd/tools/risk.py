@@ -52,7 +52,10 @@ nodes reach a switch; the others run over NVLink/PCIe. M is then capped at H, an
 copies are counted over those H links: the same rule (a chunk misses the link into
 its owner) gives M-1 copies to the M chunks owned by receiving ends and M to the
 other N-M chunks, so mirroring all H links leaves H chunks with H-1 copies, however
-many GPUs a node has.
+many GPUs a node has: nodes of different sizes (N not a multiple of H) give the same
+result as even ones (--ring/--nodes takes node r*H//N for rank r). A plan whose ring
+enters a node more than once has more hops than nodes: H is then its hops; one whose
+rings differ in their number of hops is refused.
 
 Merged NICs (--ports P, or a plan whose ranks list ports): NCCL stripes each
 connection's QPs over the P ports (QP q on port q % P at both ends), so a link is P
@@ -175,16 +178,38 @@ def packets_from_plan(path: str) -> tuple[int, float, int | None, int]:
     mirroring a rank's port RX sees); H the hops between nodes per ring (None on
     one-GPU hosts); P the ports of each merged NIC (ring.ndevs). Empty Simple slices (0-byte writes) count as packets; they carry
     no gradient, so K is a slight overestimate for Simple."""
+    t = plan_topology(path)
+    return t["ranks"], t["packets"], t["hops"], t["ports"]
+
+
+def plan_topology(path: str) -> dict:
+    """packets_from_plan's N, K, H and P as ranks, packets, hops and ports, and the
+    plan's nodes (None on one-GPU hosts). H is each ring's hops between nodes, which
+    is the number of nodes where every node's ranks are consecutive in the ring, and
+    more where a ring enters a node twice. Rings that cross between nodes different
+    numbers of times, or never, are refused (ValueError naming the plan): the model
+    takes one ring of H hops."""
     from ckptd.core.plan import load_plan
     from ckptd.core.schedule import AG
     plan = load_plan(path, check_optimizer=False)  # the ring and buckets only: no torch
     wire = plan.network_connections
+    per_ring = [sum(1 for (_, _, c) in wire if c == ch) for ch in range(plan.ring.channels)]
+    names = plan.node_names
+    if not wire:
+        raise ValueError(f"{path}: every rank is on node {names[0]!r}: no hop of the ring crosses the network, "
+                         "so nothing can be mirrored")
+    if len(set(per_ring)) > 1:
+        counts = ", ".join(f"{h} (channel {c})" for c, h in enumerate(per_ring))
+        raise ValueError(f"{path}: the rings cross between nodes different numbers of times, {counts}: the model "
+                         "takes rings of one number of hops; give --ring, --nodes and --packets instead")
     total = 0
     for (s, d, c, _q), flow in plan.schedule(1).flows.items():
         if (s, d, c) in wire:
             total += sum(msg.npkts for msg in flow.messages if msg.send.phase == AG)
-    hops = len(wire) / plan.ring.channels
-    return plan.nranks, total / hops, (round(hops) if not plan.one_host_per_rank else None), plan.ring.ndevs
+    hops = per_ring[0]
+    one_host = plan.one_host_per_rank
+    return {"ranks": plan.nranks, "packets": total / hops, "hops": None if one_host else hops,
+            "ports": plan.ring.ndevs, "nodes": None if one_host else len(set(names))}
 
 
 # -- command ---------------------------------------------------------------------------
@@ -235,9 +260,11 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
 
 def run(a) -> int:
     n, k, nodes, ports = a.ring, a.packets, a.nodes, a.ports
+    node_count = nodes  # --nodes H: H nodes of consecutive ranks, H hops
     if a.plan:
         try:
-            n, k_plan, h_plan, p_plan = packets_from_plan(a.plan)
+            t = plan_topology(a.plan)
+            n, k_plan, h_plan, p_plan = t["ranks"], t["packets"], t["hops"], t["ports"]
         except ValueError as e:
             print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line
             return 2
@@ -246,7 +273,8 @@ def run(a) -> int:
                   file=sys.stderr)
             return 2
         k = k if k is not None else k_plan
-        nodes = nodes if nodes is not None else h_plan
+        if nodes is None:  # the plan's: its hops between nodes, and (to show) its nodes
+            nodes, node_count = h_plan, t["nodes"]
         ports = ports if ports is not None else p_plan
     ports = 1 if ports is None else ports
     problems = []
@@ -284,7 +312,7 @@ def run(a) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
-    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes, ports)
+    res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes, ports, node_count)
     if a.simulate:
         res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed, nodes)
     print(json.dumps(res, indent=1) if a.json else format_result(res))
@@ -292,12 +320,14 @@ def run(a) -> int:
 
 
 def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None = None,
-             nodes: int | None = None, ports: int = 1) -> dict:
+             nodes: int | None = None, ports: int = 1, node_count: int | None = None) -> dict:
+    """`nodes`: the ring's hops between nodes (H); `node_count`: the nodes, where a plan's
+    ring enters a node more than once (default H)."""
     mirrorable = len(mirrorable_links(n, nodes))
     m_eff = min(m, mirrorable)
     copies = chunk_copies(n, m, nodes)
     pf = failure_probability(n, m, p, k, nodes)
-    res = {"ranks": n, "nodes": nodes, "mirrorable_links": mirrorable, "mirrors": m, "mirrored_links": m_eff,
+    res = {"ranks": n, "nodes": node_count if node_count is not None else nodes, "mirrorable_links": mirrorable, "mirrors": m, "mirrored_links": m_eff,
            "ports_per_nic": ports, "mirror_ports": m_eff * ports, "loss": p, "packets_per_link": k,
            "packets_per_chunk": k / (n - 1),
            "chunks_by_copies": {str(c): copies.count(c) for c in sorted(set(copies))},

@@ -249,6 +249,17 @@ def _node_mirrors(opts: SynthOptions, own: tuple[str, ...]) -> tuple[Mirror, ...
     return tuple(out)
 
 
+def mirror_ports(opts: SynthOptions) -> int:
+    """How many distinct switch ports the job's mirrors can be on: every rank's NIC (with
+    --nodes, every NIC of every node), each of its --merged-nics ports. Mirror k past
+    them wraps to the port of mirror k - mirror_ports: a second session of the same
+    port (make_plan, _node_mirrors), an independent lossy copy the tests use on purpose;
+    `ckptd synth` refuses it (a user asking for more mirrors expects more ports)."""
+    if opts.nodes:
+        return opts.nodes * (opts.nics_per_node or opts.gpus_per_node) * opts.merged_nics
+    return opts.ranks * opts.merged_nics
+
+
 def port_address(addr: str, k: int) -> str:
     """Port k of the merged NIC whose first port is addr (10.77.x.y -> 10.(77+k).x.y,
     fd00:77:: -> fd00:(77+k)::)."""
@@ -731,6 +742,11 @@ def check_options(opts: SynthOptions) -> None:
     else:
         _in_range("--ranks", opts.ranks, lo, hi)
     _in_range("--nics-per-node", opts.nics_per_node, *SYNTH_NICS_PER_NODE, " (0: one NIC per GPU)")
+    if opts.nodes and opts.nics_per_node > opts.gpus_per_node:
+        # NIC k serves GPUs k*g/K ..: past g NICs some serve no GPU, which no plan can name
+        # (the plan check refused it naming ranks[0].nics[1], no option)
+        raise SynthOptionError(f"--nics-per-node {opts.nics_per_node} is more than --gpus-per-node "
+                               f"{opts.gpus_per_node}: every NIC serves at least one GPU of its node")
     _in_range("--channels", opts.channels, *SYNTH_CHANNELS)
     _in_range("--mirrors", opts.mirrors, *SYNTH_MIRRORS)
     _in_range("--iterations", opts.iterations, 1, MAX_ITERATIONS_SYNTH)

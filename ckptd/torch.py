@@ -24,12 +24,14 @@ Every import is absolute: inside this module `torch` is the torch package.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import math
 import json
 import os
 import socket
 import struct
+import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -509,24 +511,154 @@ def exchange_addresses(local: str, group=None) -> list[str]:
 
 
 _PLAN_WRITES: dict[tuple[int, ...], int] = {}  # group's global ranks -> write_plan calls this process made
-_READ_GRACE_S = 10  # how long a failed rank 0 waits for the others to read its error
+# group's global ranks -> the counts of write_plan calls after which this process ran a
+# forward of a model it wrote the plan of (it went on to train)
+_TRAINED_AFTER: dict[tuple[int, ...], set[int]] = {}
+_READ_GRACE_S = 10  # how long a failed rank waits for the others to read its error
+_POLL_MAX_S = 1.0  # the longest pause between two looks at the store while polling
 
 
-class _RankZeroSays:
-    """Rank 0 alone writes the plan; the group's other ranks learn through the job's c10d
-    store whether it did, one key per step of one write_plan call (numbered per process
-    and group as exchange_addresses numbers its keys). Without it a rank 0 that failed
-    raised while the others went on into the first allreduce and hung there until the
-    process group's timeout (by default 30 minutes on gloo, 10 on NCCL)."""
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+class _PlanCall:
+    """One write_plan call's agreement between the group's ranks, through the job's c10d
+    store (never the communicator: nothing on the wire the plan would have to model),
+    one key prefix per call (numbered per process and group as exchange_addresses numbers
+    its keys, so every rank calls write_plan equally often, as with a collective).
+
+    Every rank's outcome counts: each rank publishes its own (ok with a value, or its
+    one-line error) and waits for every other's (`agree`), so a rank that failed alone
+    no longer leaves the others to go on into the first allreduce and hang there until
+    the process group's timeout (by default 30 minutes on gloo, 10 on NCCL). Then rank
+    0 alone writes, and the others learn through `outcome` / `wait` whether it could."""
 
     def __init__(self, group):
         from torch.distributed import distributed_c10d as c10d
+        self.ranks = tuple(dist.get_process_group_ranks(group))  # global ranks, by group rank
         self.store = c10d._get_default_store()
-        ranks = tuple(dist.get_process_group_ranks(group))
-        self.others = [r for r in ranks if r != dist.get_rank()]  # global ranks (read only on rank 0)
-        n = _PLAN_WRITES.get(ranks, 0)
-        _PLAN_WRITES[ranks] = n + 1
-        self.prefix = f"ckptd/write_plan/{','.join(map(str, ranks))}/{n}/"
+        self.rank = dist.get_rank()
+        self.others = [r for r in self.ranks if r != self.rank]
+        self.group_key = f"ckptd/write_plan/{','.join(map(str, self.ranks))}/"
+        self.n = _PLAN_WRITES.get(self.ranks, 0)  # this call's number: the calls made before it
+        _PLAN_WRITES[self.ranks] = self.n + 1
+        self.prefix = f"{self.group_key}{self.n}/"
+
+    @classmethod
+    def of(cls, ddp_model) -> _PlanCall | None:
+        """The call's agreement, or None where there is nobody to agree with (no DDP
+        model, no live process group): build_plan's checks then raise on this rank."""
+        group = getattr(ddp_model, "process_group", None)
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel) or group is None:
+            return None
+        try:
+            return cls(group)
+        except (ValueError, RuntimeError):
+            return None
+
+    def agree(self, step: str, work):
+        """Every rank: run work() -> (value, payload: str); publish "ok" and the payload,
+        or this rank's error, under `step`'s key; wait for every other rank's. Return
+        (value, every rank's payload by group rank). Where any rank failed every rank
+        raises: the failed rank its own error, the others a TrainerError naming the
+        failed ranks and the first one's error."""
+        key = f"{self.prefix}{step.replace(' ', '_')}/"
+        try:
+            value, payload = work()
+            mine, failure = {"ok": payload}, None
+        except Exception as e:
+            mine, failure = {"error": _one_line(e)}, e
+        self.store.set(key + str(self.rank), json.dumps(mine).encode())
+        if failure is not None:
+            # Its own error is what this rank raises; it does not wait for the others'
+            # outcomes (one may never come), only, for a while, for them to read its own.
+            self._let_them_read(key)
+            raise failure
+        records = self._gather(key, step)
+        failed = [(r, rec["error"]) for r, rec in zip(self.ranks, records) if "error" in rec]
+        if failed:
+            self._let_them_read(key)
+            (first, error), more = failed[0], len(failed) > 1
+            raise TrainerError(f"write_plan failed on {_ranks_text(r for r, _ in failed)}"
+                               + (f" (rank {first}: {error})" if more else f": {error}"))
+        return value, [rec["ok"] for rec in records]
+
+    def _let_them_read(self, key: str):
+        """Before raising: say this rank read the round's outcomes, and wait (a while)
+        for the others to have read them too. Where this rank hosts the store (rank 0
+        with tcp://, or env:// outside torchrun) its exit takes the store along."""
+        try:
+            self.store.set(f"{key}read/{self.rank}", b"")
+            if self.others:
+                self.store.wait([f"{key}read/{r}" for r in self.others], timedelta(seconds=_READ_GRACE_S))
+        except RuntimeError:
+            pass  # a rank that does not read (gone, or not in write_plan) ends at its store timeout
+
+    def _gather(self, key: str, step: str) -> list[dict]:
+        """Every rank's record under `key`, by group rank: wait up to the store's timeout
+        (the process group's); a rank that went on to train after fewer write_plan calls
+        than this one is told apart at once."""
+        keys = [key + str(r) for r in self.ranks]
+        timeout = self.store.timeout
+        try:
+            if self.n and self.n not in _TRAINED_AFTER.get(self.ranks, ()):
+                self._poll(keys, timeout)  # a call right after another: another rank may have made only one
+            else:
+                self.store.wait(keys, timeout)
+            return [json.loads(v) for v in self.store.multi_get(keys)]
+        except RuntimeError as e:  # the store's timeout (DistStoreError), or its server gone
+            try:
+                missing = [r for r, k in zip(self.ranks, keys) if not self.store.check([k])]
+            except RuntimeError:
+                missing = []
+            where = (f"c10d store key {keys[self.ranks.index(missing[0])]!r}" if len(missing) == 1 else
+                     f"c10d store keys {key + '<rank>'!r}")
+            raise TrainerError(f"rank {self.rank} had no word from {_ranks_text(missing) if missing else 'the others'}"
+                               f" on whether they could {step} ({where}, waited up to "
+                               f"{timeout.total_seconds():.0f} s; every rank calls write_plan, equally often): "
+                               f"{_one_line(e)}") from None
+
+    def _poll(self, keys: list[str], timeout: timedelta):
+        """Wait for `keys`, looking between whiles whether a rank went on to train after
+        this process's previous call (self.n calls) while this one is its next: it will
+        not come (its call count is not this rank's), and this rank would wait out the
+        timeout. (A rank that never calls write_plan at all cannot be told apart from a
+        slow one: that is waited for up to the timeout.)"""
+        trained = f"{self.group_key}trained_after/{self.n}"
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.01
+        while not self.store.check(keys):
+            if self.store.check([trained]):
+                went = [r for r in self.others if self.store.check([f"{trained}/{r}"])]
+                raise TrainerError(f"{_ranks_text(went)} went on to train after {self.n} write_plan "
+                                   f"call{'s' if self.n > 1 else ''}, while rank {self.rank} made call "
+                                   f"{self.n + 1} without training in between: every rank calls write_plan "
+                                   "equally often, at the same points (as with a collective)")
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds():.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+
+    def trains(self):
+        """This rank's first forward after its write_plan calls: say after how many
+        calls it went on to train (best effort), for _poll on a rank that made more."""
+        k = _PLAN_WRITES[self.ranks]
+        done = _TRAINED_AFTER.setdefault(self.ranks, set())
+        if k in done:
+            return
+        done.add(k)
+        try:
+            self.store.set(f"{self.group_key}trained_after/{k}/{self.rank}", b"")
+            self.store.set(f"{self.group_key}trained_after/{k}", b"")
+        except RuntimeError:
+            pass
 
     @contextlib.contextmanager
     def outcome(self, step: str):
@@ -535,7 +667,7 @@ class _RankZeroSays:
         try:
             yield
         except Exception as e:
-            self.store.set(key, (" ".join(str(e).split()) or type(e).__name__).encode())
+            self.store.set(key, _one_line(e).encode())
             # Where rank 0 hosts the store (tcp://, or env:// outside torchrun) its exit
             # takes the store along: let the others read the error first, for a while.
             try:
@@ -554,10 +686,45 @@ class _RankZeroSays:
         except RuntimeError as e:  # the store's timeout (DistStoreError), or its server gone
             raise TrainerError(f"rank {dist.get_rank()} had no word from rank 0 on whether it could {step} "
                                f"(c10d store key {key!r}, waited up to {self.store.timeout.total_seconds():.0f} s): "
-                               f"{' '.join(str(e).split())}") from None
+                               f"{_one_line(e)}") from None
         if error:
             self.store.set(f"{key}/read/{dist.get_rank()}", b"")
             raise TrainerError(f"rank 0 could not {step}: {error}")
+
+
+def _digests(plan: Plan) -> dict[str, str]:
+    """A digest of each of the plan's top-level fields: what every rank must describe
+    alike (parameters, buckets, optimizer, ring, addresses, ...). No field is one rank's
+    own (the plan names no rank of its own; the addresses are every rank's, exchanged)."""
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+            for k, v in plan.to_json().items()}
+
+
+_FIELD_WORDS = {"ranks": "addresses"}  # a plan field as the mismatch message names it
+
+
+def _refuse_different_jobs(call: _PlanCall, digests: list[str]):
+    """Every rank described its job alike (`digests`, by group rank), or every rank
+    raises the same TrainerError naming the ranks whose description is not rank 0's,
+    and the fields that differ: rank 0's plan would not describe what they do."""
+    differ = [(r, d) for r, d in zip(call.ranks, digests) if d != digests[0]]
+    if not differ:
+        return
+    shown = differ[:3]
+    try:
+        ref, *theirs = (json.loads(v) for v in call.store.multi_get(
+            [f"{call.prefix}fields/{r}" for r in (call.ranks[0], *(r for r, _ in shown))]))
+        fields = [" in its " + ", ".join(_FIELD_WORDS.get(k, k) for k in sorted(set(ref) | set(f))
+                                          if ref.get(k) != f.get(k)) for f in theirs]
+    except RuntimeError:
+        fields = [""] * len(shown)
+    parts = [f"rank {r}{f' differs from rank {call.ranks[0]}' if not i else ''}{f}"
+             for i, ((r, _), f) in enumerate(zip(shown, fields))]
+    more = f" (and {len(differ) - len(shown)} more ranks)" if len(differ) > len(shown) else ""
+    call._let_them_read(f"{call.prefix}check_the_plan/")
+    raise TrainerError(f"the ranks describe different jobs: {'; '.join(parts)}{more} (the plan would be "
+                       f"rank {call.ranks[0]}'s: every rank builds the same "
+                       "model, optimizer and scheduler and passes write_plan the same arguments)")
 
 
 # DistributedDataParallel.broadcast_bucket_size (torch/nn/parallel/distributed.py:1020@2.13):
@@ -736,18 +903,49 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     of numbers, or of one lr per group). Rank 0 writes the plan to
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout.
-    Where rank 0 could not write (or rewrite) the plan, every rank raises TrainerError."""
-    path = _out_path(path, "path")
-    init = _out_path(init, "init") if init is not None else path.with_name("init.pt")
-    if init.resolve() == path.resolve():
-        raise TrainerError(f"init and path are the same file ({path}): the plan would overwrite the initial state")
-    plan = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses, iterations,
-                      scheduler_args, without_buffers, lr_per_step,
-                      allreduces_per_step)
+    Where any rank fails in write_plan (its arguments, its model or optimizer), where
+    the ranks describe different jobs, or where rank 0 could not write (or rewrite) the
+    plan, every rank raises TrainerError, and no plan is written that the ranks did not
+    agree on."""
+    call = _PlanCall.of(ddp_model)
+    if call is None:  # no DDP model, or its group is gone: nobody to agree with; build_plan's checks say why
+        build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses or [], iterations)
+        raise TrainerError("write_plan needs the DistributedDataParallel model of a live process group")
+
+    # Every rank's own checks count: rank 0 writes only after every rank said it could
+    # describe the job and all described the same one. Writing only after the agreement
+    # (rather than writing first and removing the file where another rank failed) is what
+    # keeps it atomic: no reader ever sees a plan the job did not agree on, and a rank 0
+    # that dies or is killed in between leaves none behind.
+    def where_to():  # 1: the arguments every rank checks alike, and this rank's address
+        plan_path = _out_path(path, "path")
+        init_path = _out_path(init, "init") if init is not None else plan_path.with_name("init.pt")
+        if init_path.resolve() == plan_path.resolve():
+            raise TrainerError(f"init and path are the same file ({plan_path}): the plan would overwrite "
+                               "the initial state")
+        try:
+            backend = dist.get_backend(ddp_model.process_group)
+        except (ValueError, RuntimeError):
+            raise TrainerError("DDP's process group is not initialised (destroyed before write_plan?)") from None
+        return (plan_path, init_path), (_local_address(backend) if addresses is None else "")
+    (path, init), exchanged = call.agree("exchange addresses", where_to)
+
+    def describe():  # 2: the plan as this rank sees its job
+        if addresses is None and "" in exchanged:
+            raise TrainerError(f"{_ranks_text(r for r, a in zip(call.ranks, exchanged) if not a)} passed "
+                               f"write_plan addresses and rank {call.rank} did not: pass them on every rank or none")
+        built = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm,
+                           list(exchanged) if addresses is None else addresses, iterations,
+                           scheduler_args, without_buffers, lr_per_step, allreduces_per_step)
+        fields = _digests(built)  # read by the others only where the ranks' digests differ
+        call.store.set(f"{call.prefix}fields/{call.rank}", json.dumps(fields).encode())
+        return built, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    plan, digests = call.agree("check the plan", describe)
+    _refuse_different_jobs(call, digests)
+
     rank = dist.get_rank(ddp_model.process_group)
-    said = _RankZeroSays(ddp_model.process_group)
-    if rank == 0:
-        with said.outcome("write the plan"):
+    if rank == 0:  # 3: rank 0 writes; the others learn whether it could
+        with call.outcome("write the plan"):
             for f in (path, init):
                 if f.is_dir():
                     raise TrainerError(f"{f} is a directory: write_plan writes a file there")
@@ -762,11 +960,12 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                 except OSError as e:
                     raise TrainerError(f"cannot write {what} to {f}: {e.strerror or e}") from None
     else:
-        said.wait("write the plan")
+        call.wait("write the plan")
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
 
     def after_forward(module, inputs, output):
+        call.trains()  # once: a rank that made more write_plan calls learns this one went on
         if not getattr(module, "_has_rebuilt_buckets", False):
             return
         handle.remove()
@@ -774,9 +973,9 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
         # so the others can wait here for rank 0's rewrite: a rank 0 that failed would
         # otherwise leave them in the next allreduce until the process group's timeout.
         if rank != 0:
-            said.wait("rewrite the plan")
+            call.wait("rewrite the plan")
             return
-        with said.outcome("rewrite the plan"):
+        with call.outcome("rewrite the plan"):
             rebuilt = _layout(module, names_of)
             object.__setattr__(plan, "buckets_rebuilt", rebuilt)
             object.__setattr__(plan, "rebuilt_learn", False)

@@ -275,3 +275,152 @@ def test_scheduler_args_without_a_scheduler_is_refused(world_of_two, tmp_path):
     m = _ddp()
     with pytest.raises(ct.TrainerError, match="^scheduler_args given without a scheduler"):
         ct.write_plan(m, _sgd(m), tmp_path / "plan.json", addresses=world_of_two, scheduler_args={"step_size": 2})
+
+
+_JOB_HEAD = r'''
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+import ckptd.torch as ct
+rank, world, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+timeout = datetime.timedelta(seconds=60)  # what the old code's ranks waited out (in an allreduce, or the store)
+port_file = os.path.join(tmp, "port")
+if rank == 0:  # rank 0 hosts the store (tcp://, env:// outside torchrun): its exit takes it along
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.rename(port_file + ".tmp", port_file)
+else:
+    for _ in range(400):
+        if os.path.exists(port_file):
+            break
+        time.sleep(0.05)
+    store = dist.TCPStore("127.0.0.1", int(open(port_file).read()), world, False, timeout=timeout)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def ddp():
+    torch.manual_seed(0)
+    return torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+
+
+def call(name, model, path, lr=0.1, train=0, **kw):
+    t = time.monotonic()
+    try:
+        plan = ct.write_plan(model, torch.optim.SGD(model.parameters(), lr=lr), path,
+                             addresses=kw.pop("addresses", ["127.0.0.1"] * world), **kw)
+        got = ["returned", type(plan).__name__]
+    except Exception as e:
+        got = ["raised", type(e).__name__, str(e)]
+    got.append(time.monotonic() - t)
+    print(json.dumps({name: got}), flush=True)  # as it goes: a rank may hang later
+    for _ in range(train):  # DDP rebuilds its buckets in the second forward
+        model(torch.randn(3, 4)).sum().backward()
+'''
+
+
+def _run_job(tmp_path, script: str, world: int) -> list[dict]:
+    """A real `world`-rank gloo job on this host: each rank's {case: outcome} lines."""
+    import json
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "job.py").write_text(_JOB_HEAD + script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(__import__("pathlib").Path(ct.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]),
+           "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "job.py"), str(r), str(world), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs = [p.communicate() for p in procs]
+        pytest.fail("a rank hung: " + " | ".join(o[:1500] + e[-1500:] for o, e in outs))
+    assert all(p.returncode == 0 for p in procs), [o[-1000:] + e[-2000:] for o, e in outs]
+    got = [{k: v for line in out.splitlines() if line.startswith("{") for k, v in json.loads(line).items()}
+           for out, _ in outs]
+    for r in range(world):
+        for name, outcome in got[r].items():
+            assert outcome[-1] < 30, (r, name, outcome)  # seconds (a loaded machine), not the 60 s timeout
+    return got
+
+
+_ANY_RANK_FAILS_JOB = r'''
+models = [ddp() for _ in range(5)]  # every constructor broadcasts: built up front, on every rank
+call("rank1_bad_argument", models[0], os.path.join(tmp, "a", "plan.json"),
+     max_grad_norm=-1.0 if rank == 1 else None)
+call("ranks12_fail", models[1], os.path.join(tmp, "b", "plan.json"), iterations=0 if rank else 5)
+call("rank2_no_path", models[2], "" if rank == 2 else os.path.join(tmp, "c", "plan.json"))
+call("rank1_other_lr", models[3], os.path.join(tmp, "d", "plan.json"), lr=0.2 if rank == 1 else 0.1)
+call("all_ok", models[4], os.path.join(tmp, "ok", "plan.json"), train=2)
+dist.barrier()
+os._exit(0)  # no teardown: see test_trainer.py's _EXCHANGE_JOB
+'''
+
+
+def test_any_ranks_failure_in_write_plan_is_raised_on_every_rank_and_no_plan_is_written(tmp_path):
+    """Every rank's outcome counts: where a rank other than 0 fails alone in write_plan
+    (its own arguments, its own checks) or the ranks describe different jobs (rank 1's
+    optimizer has another lr), every rank raises TrainerError in seconds naming the
+    rank(s) and the first error, and rank 0 writes no plan. The old code's rank 0 wrote
+    the plan and went on (into the first allreduce, until the process group's timeout),
+    the job then training with a plan that did not describe every rank."""
+    got = _run_job(tmp_path, _ANY_RANK_FAILS_JOB, 3)
+    bad_norm = "max_grad_norm must be a finite number > 0 or null, not -1.0"
+    assert got[1]["rank1_bad_argument"][:3] == ["raised", "TrainerError", bad_norm]
+    for r in (0, 2):
+        assert got[r]["rank1_bad_argument"][:3] == ["raised", "TrainerError", f"write_plan failed on rank 1: {bad_norm}"]
+    bad_it = "iterations must be an integer >= 1 (or None), not 0"
+    assert got[1]["ranks12_fail"][:3] == got[2]["ranks12_fail"][:3] == ["raised", "TrainerError", bad_it]
+    assert got[0]["ranks12_fail"][:3] == ["raised", "TrainerError", f"write_plan failed on ranks 1, 2 (rank 1: {bad_it})"]
+    no_path = "path must be a file path, not ''"
+    assert got[2]["rank2_no_path"][:3] == ["raised", "TrainerError", no_path]
+    for r in (0, 1):
+        assert got[r]["rank2_no_path"][:3] == ["raised", "TrainerError", f"write_plan failed on rank 2: {no_path}"]
+    differ = ("the ranks describe different jobs: rank 1 differs from rank 0 in its optimizer (the plan would be "
+              "rank 0's: every rank builds the same model, optimizer and scheduler and passes write_plan the same "
+              "arguments)")
+    for r in range(3):
+        assert got[r]["rank1_other_lr"][:3] == ["raised", "TrainerError", differ], (r, got[r]["rank1_other_lr"])
+        assert got[r]["all_ok"][:2] == ["returned", "Plan"], (r, got[r]["all_ok"])
+    for d in "abcd":
+        assert not (tmp_path / d).exists(), d  # neither the plan nor the initial state: nothing agreed on
+    written = load_plan(tmp_path / "ok" / "plan.json")
+    assert (tmp_path / "ok" / "init.pt").exists() and not written.rebuilt_learn and written.buckets_rebuilt
+    assert written.optimizer.groups[0]["lr"] == 0.1
+
+
+_CALL_COUNTS_JOB = r'''
+a, b = ddp(), ddp()
+call("together", a, os.path.join(tmp, "a", "plan.json"))
+if rank == 0:  # a second call the other rank does not make: it goes on to train
+    call("rank0_again", b, os.path.join(tmp, "b", "plan.json"))
+a(torch.randn(3, 4)).sum().backward()  # rank 1 waited for rank 0 here: in step again
+if rank == 0:  # now rank 0 alone calls: rank 1 never comes (told from a slow rank only by the timeout)
+    dist.distributed_c10d._get_default_store().set_timeout(datetime.timedelta(seconds=2))
+    call("rank0_alone", b, os.path.join(tmp, "c", "plan.json"))
+dist.barrier()
+os._exit(0)  # no teardown: see test_trainer.py's _EXCHANGE_JOB
+'''
+
+
+def test_unequal_write_plan_call_counts_fail_with_a_clear_error(tmp_path):
+    """Keys are per call, so every rank calls write_plan equally often. A rank that makes
+    a call the others do not, after they went on to train, raises at once saying so
+    (the old code's rank 0 wrote the plan and returned); a rank whose call the others
+    never make waits up to the store's timeout and names whom it waited for and the key
+    (the old code raised the store's bare DistStoreError)."""
+    got = _run_job(tmp_path, _CALL_COUNTS_JOB, 2)
+    assert got[0]["together"][:2] == got[1]["together"][:2] == ["returned", "Plan"]
+    assert got[0]["rank0_again"][:3] == [
+        "raised", "TrainerError", "rank 1 went on to train after 1 write_plan call, while rank 0 made call 2 without "
+        "training in between: every rank calls write_plan equally often, at the same points (as with a collective)"]
+    alone = got[0]["rank0_alone"]
+    assert alone[:2] == ["raised", "TrainerError"], alone
+    assert alone[2].startswith("rank 0 had no word from rank 1 on whether they could exchange addresses (c10d store "
+                               "key 'ckptd/write_plan/0,1/2/exchange_addresses/1', waited up to 2 s; every rank calls "
+                               "write_plan, equally often): "), alone
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    assert "rank0_again" not in got[1] and "rank0_alone" not in got[1]

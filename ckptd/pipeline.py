@@ -52,6 +52,7 @@ from ckptd.core.buffers import unflatten_buffers
 from ckptd.core.checkpoint import CheckpointError, atomic_write, diff_checkpoints, load_checkpoint
 from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
+from ckptd.core.optim import NoLrForStep
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import Plan
 from ckptd.core.schedule import RS
@@ -608,12 +609,19 @@ class Pipeline:
                 rep.note = f"shadow stopped at iteration {self.stopped_after}" + \
                     (f"; no checkpoint of iteration {it - 1} in {self.opts.resume}" if self.opts.resume else "")
                 return
-        if self._bucketwise():
-            self._apply_ready_buckets(asm)  # whatever the last packets completed
-            self.applier.drain()
-            self.shadow.finish_iteration(it)
-        else:
-            self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
+        try:
+            if self._bucketwise():
+                self._apply_ready_buckets(asm)  # whatever the last packets completed
+                self.applier.drain()
+                self.shadow.finish_iteration(it)
+            else:
+                self.shadow.apply(it, asm.gradients(), layout_iteration=asm.iteration)
+        except NoLrForStep as e:  # past the plan's lr_per_step: stepped before any change
+            self.next_bucket = 0
+            self.stopped_after = it - 1
+            rep.status = "complete-not-applied"
+            rep.note = f"{e}; the shadow stops at iteration {it - 1}"
+            return
         self.next_bucket = 0
         if self.plan.buffers.captured:
             clash = self._buffers_conflict(asm.iteration)

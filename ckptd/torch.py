@@ -8,7 +8,9 @@ built and before the first forward. Everything is read from the live objects, no
 re-derived: DDP's bucket layout from its reducer (the first one now; the rebuilt one
 when DDP rebuilds it in iteration 1's forward: a forward hook then rewrites the plan),
 the communication hook, the wire dtype, the optimizer's class and param groups as torch
-filled them in, the scheduler's class and arguments (checked by replaying it), the
+filled them in, the scheduler's class and arguments (checked by replaying it; a
+scheduler of Python code or nesting others, LambdaLR, SequentialLR, ..., as the lrs it
+sets over the job's iterations: lr_per_step), the
 GradScaler's settings, the backend (gloo or nccl) and the NCCL settings of the
 environment. Rank 0 writes the plan and the initial state (`init.pt` beside the plan,
 a ckptd checkpoint of iteration -1); `ckptd replay --plan plan.json --init init.pt` and
@@ -40,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
-from ckptd.core.optim import UNREPLAYABLE, GroupSchedule, full_groups
+from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
                              PlanError)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
@@ -258,6 +260,139 @@ def _lr_per_step(lrs, scheduler, groups) -> tuple:
     return tuple(out)
 
 
+def _stepped_for_lrs(scheduler) -> bool:
+    """Whether the scheduler records its lrs by being stepped (lr_per_step) rather than
+    being rebuilt by class and arguments: torch's classes that nest schedulers or call
+    Python code (UNREPLAYABLE but for the loss-driven one) and any LRScheduler class of
+    the trainer's own (its step may be anything, but a function of the step count)."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return False
+    cls = type(scheduler)
+    if getattr(torch.optim.lr_scheduler, cls.__name__, None) is not cls:
+        return True
+    return cls.__name__ in UNREPLAYABLE and cls.__name__ not in LOSS_DRIVEN
+
+
+def _has_stepped(scheduler) -> bool:
+    if not hasattr(scheduler, "last_epoch"):  # ChainedScheduler: its schedulers count
+        return any(_has_stepped(s) for s in getattr(scheduler, "_schedulers", ()))
+    return scheduler.last_epoch != 0
+
+
+def _scheduler_lrs(scheduler, optimizer, iterations, args, lr_per_step) -> tuple | None:
+    """The lr of each step 0..iterations-1 of a scheduler that is not rebuilt by class
+    and arguments (_stepped_for_lrs), as lr_per_step: the trainer's own scheduler object
+    stepped through the job, so the floats are torch's; the values as of now (a lambda
+    that reads outside state is read now). None for any other scheduler."""
+    cls = type(scheduler)
+    name = cls.__name__ if getattr(torch.optim.lr_scheduler, cls.__name__, None) is cls \
+        else f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # a subclass too
+        raise TrainerError(f"lr scheduler {name} cannot be replayed: {UNREPLAYABLE['ReduceLROnPlateau']}")
+    if not _stepped_for_lrs(scheduler):
+        return None
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise TrainerError(f"lr scheduler {name} drives another optimizer than the one given to write_plan: "
+                           "its steps would not move this optimizer's lr")
+    if lr_per_step is not None:
+        raise TrainerError("lr_per_step and a scheduler both set the lr: give one")
+    if args is not None:
+        raise TrainerError(f"scheduler_args given for lr scheduler {name}: its lrs are recorded by stepping "
+                           "it (lr_per_step), not rebuilt from arguments; leave scheduler_args out")
+    if iterations is None:
+        raise TrainerError(f"lr scheduler {name} is recorded as the lr of every step: pass "
+                           "iterations=<the number of optimizer steps the job takes> to write_plan")
+    if _has_stepped(scheduler):
+        raise TrainerError(f"lr scheduler {name} has stepped already: call write_plan before the first step")
+    return tuple(_step_through(scheduler, optimizer, iterations, name))
+
+
+# scheduler.step() before any optimizer.step(): what stepping through the lrs is
+_STEP_ORDER_WARNING = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+def _step_through(scheduler, optimizer, iterations: int, name: str) -> list:
+    """Steps the trainer's scheduler iterations-1 times, reading the lr of every group
+    before each step as the optimizer would use it, then puts the scheduler (its
+    state_dict, nested schedulers' included) and the param groups back as they were,
+    and checks that they are."""
+    import copy
+    import warnings
+    groups = optimizer.param_groups
+    kept = [[(k, v if k == "params" else copy.deepcopy(v)) for k, v in g.items()] for g in groups]
+    try:
+        keep = copy.deepcopy(scheduler.state_dict(), {id(optimizer): optimizer})
+        before = copy.deepcopy(scheduler.state_dict(), {id(optimizer): optimizer})
+    except Exception as e:  # noqa: BLE001 -- a scheduler holding what cannot be copied
+        raise TrainerError(f"lr scheduler {name}: its state_dict cannot be copied to put it back after "
+                           f"stepping it for its lrs ({type(e).__name__}: {e})") from None
+    lrs, why = [], None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_STEP_ORDER_WARNING)
+            for step in range(iterations):
+                if step:
+                    scheduler.step()
+                now = []
+                for i, (g, was) in enumerate(zip(groups, kept)):
+                    lr = g["lr"]
+                    if isinstance(lr, torch.Tensor) or not isinstance(lr, int | float) \
+                            or not math.isfinite(lr) or lr < 0:
+                        why = f"sets group {i}'s lr to {lr!r} at step {step}: ckptd records finite lrs >= 0"
+                        break
+                    moved = [k for k, v in was if k not in ("params", "lr", "initial_lr")
+                             and _jsonable_or_none(g.get(k)) != _jsonable_or_none(v)]
+                    if moved:
+                        why = (f"moves group {i}'s {moved[0]} at step {step}: only the lr of a scheduler that "
+                               "is not rebuilt by class is recorded (lr_per_step)")
+                        break
+                    now.append(float(lr))
+                if why:
+                    break
+                lrs.append(now[0] if len(set(now)) == 1 else now)
+    except Exception as e:  # noqa: BLE001 -- the scheduler's own code: said in one line, with the step
+        why = f"fails at step {len(lrs)} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    finally:
+        scheduler.load_state_dict(keep)
+        for g, was in zip(groups, kept):
+            g.clear()
+            g.update(was)
+    if not _same(scheduler.state_dict(), before):
+        raise TrainerError(f"lr scheduler {name}: its state after stepping it for its lrs could not be put back "
+                           "as it was (its state_dict differs)")
+    if why:
+        raise TrainerError(f"lr scheduler {name} {why}")
+    return lrs
+
+
+def _same(a, b) -> bool:
+    """Deep equality, floats bit for bit, objects without an __eq__ of their own by their
+    attributes (the copies a state_dict is put back from)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(_bits(a), _bits(b))
+    if a is b:
+        return True
+    if type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return _same(vars(a), vars(b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- an __eq__ that cannot answer: not the same
+        return False
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 # Scheduler steps _check_ahead compares: what the scheduler does later (its arguments or a
 # function it was handed that its state does not show: CyclicLR's scale_fn) shows there.
 SCHEDULER_LOOKAHEAD = 1000
@@ -433,6 +568,9 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
                            "ckptd reproduces AMP with foreach or for-loop optimizers")
+    stepped = _scheduler_lrs(scheduler, optimizer, iterations, scheduler_args, lr_per_step)
+    if stepped is not None:  # its lrs, as data: the plan has no scheduler then
+        scheduler, lr_per_step = None, stepped
     with _by_argument():
         opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                         lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
@@ -900,7 +1038,10 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
     model.parameters() (after scaler.unscale_ with AMP). `lr_per_step`: the lr the loop
     writes into the param groups before each step when there is no scheduler (a list
-    of numbers, or of one lr per group). Rank 0 writes the plan to
+    of numbers, or of one lr per group). A scheduler not rebuilt by class and arguments
+    (LambdaLR, MultiplicativeLR, SequentialLR, ChainedScheduler, a class of your own) is
+    stepped here through `iterations` steps (required then) and recorded as those lrs;
+    it is left as it was. Rank 0 writes the plan to
     `path` and the initial state to `init` (default: init.pt beside the plan); when DDP
     rebuilds its buckets (iteration 1's forward) the plan is rewritten with that layout.
     Where any rank fails in write_plan (its arguments, its model or optimizer), where

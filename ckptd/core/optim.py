@@ -309,7 +309,9 @@ def _refused_hyperparameter(opt: Optimizer, groups) -> str | None:
 
 def scheduler_class(name) -> type:
     if name in UNREPLAYABLE:
-        raise OptimizerError(f"optimizer.lr_scheduler.class {name} cannot be replayed: {UNREPLAYABLE[name]}")
+        how = "" if name in LOSS_DRIVEN else \
+            " (ckptd.torch.write_plan records the lrs it sets as optimizer.lr_per_step)"
+        raise OptimizerError(f"optimizer.lr_scheduler.class {name} cannot be replayed: {UNREPLAYABLE[name]}{how}")
     cls = getattr(torch.optim.lr_scheduler, name, None) if isinstance(name, str) and not name.startswith("_") else None
     if not isinstance(cls, type) or not issubclass(cls, torch.optim.lr_scheduler.LRScheduler):
         raise OptimizerError(f"optimizer.lr_scheduler.class {_short(name)} is not a torch.optim.lr_scheduler class")
@@ -430,6 +432,11 @@ def check_replayable(opt: Optimizer, iterations: int | None = None) -> None:
                     f"fails when built and stepped ({why})")
 
 
+# torch.optim.lr_scheduler classes the shadow cannot build from class and arguments.
+# All but the loss-driven ones set an lr that is a function of the step count alone:
+# ckptd.torch.write_plan steps the trainer's own scheduler object through the job's
+# iterations and records the lrs it sets as `lr_per_step` (so does it for a scheduler
+# class of the trainer's own); a plan naming one of these classes is refused.
 UNREPLAYABLE = {
     "LambdaLR": "its lr_lambda is Python code",
     "MultiplicativeLR": "its lr_lambda is Python code",
@@ -437,6 +444,7 @@ UNREPLAYABLE = {
     "SequentialLR": "it nests other schedulers",
     "ChainedScheduler": "it nests other schedulers",
 }
+LOSS_DRIVEN = frozenset({"ReduceLROnPlateau"})
 
 
 class GroupSchedule:
@@ -487,12 +495,19 @@ class GroupSchedule:
                 for g, d in zip(self.groups, self.dummy.param_groups)]
 
 
+class NoLrForStep(OptimizerError):
+    """A step past the plan's `lr_per_step`: its lr is not known, so the shadow stops
+    there (the pipeline reports the iteration not applied, with this message)."""
+
+
 def lrs_set_by_hand(lr_per_step: tuple, step: int, groups: list[dict]) -> list[dict]:
     """The groups with the lr the trainer wrote into them before step `step` (the plan's
     list: one lr for every group or one per group). A step past the list has no known lr,
     so it is refused rather than stepped with a guess."""
     if step >= len(lr_per_step):
-        raise OptimizerError(f"optimizer.lr_per_step has {len(lr_per_step)} entries: no lr for step {step}")
+        raise NoLrForStep(f"optimizer.lr_per_step has {len(lr_per_step)} entries: no lr for step {step} (the "
+                          f"plan holds the lrs of steps 0-{len(lr_per_step) - 1}: write_plan's lr_per_step, or "
+                          "its iterations for a scheduler it stepped through them)")
     x = lr_per_step[step]
     lrs = list(x) if isinstance(x, (list, tuple)) else [x] * len(groups)
     return [{**g, "lr": float(lr)} for g, lr in zip(groups, lrs)]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
-from ckptd.core.optim import (EAGER_STATE, GroupSchedule, OptimizerError, clip_grad_norm, full_groups, init_state,
+from ckptd.core.optim import (EAGER_STATE, GroupSchedule, NoLrForStep, OptimizerError, clip_grad_norm, full_groups, init_state,
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
 from ckptd.core.plan import COMM_HOOKS, Plan, dtype_name
@@ -116,7 +116,11 @@ class ShadowModel:
         the live daemon's first iteration. The state only appears when that step runs, so
         checkpoints are as before; a parameter that first steps later makes its own."""
         self._prepared_for = self.iteration + 1
-        hyper = self.hyper.at(self._prepared_for)
+        try:
+            hyper = self.hyper.at(self._prepared_for)
+        except NoLrForStep:  # past the plan's lr_per_step: no step comes to take it
+            self._prepared = {}
+            return
         self._prepared = {n: init_state(self.opt.kind, self.params[i], hyper[self.group_of[n]])
                           for i, n in enumerate(self.names) if n not in self.state}
 
@@ -229,7 +233,10 @@ class ShadowModel:
         not made yet. For laying out memory ahead (ckptd.live.memory_tier.reserve)."""
         model = self.model_state(copy=False)
         opt = self.optimizer_state(copy=False)
-        hyper = self.hyper.at(self.iteration + 1)
+        try:
+            hyper = self.hyper.at(self.iteration + 1)
+        except NoLrForStep:  # no later step: the groups' own hyperparameters shape the state alike
+            hyper = self.groups
         for i, n in enumerate(self.names):
             if n not in self.state:
                 p = self.params[i].to("meta")

@@ -556,11 +556,16 @@ class Pipeline:
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")
         elif self.shadow is not None and self.plan.find_unused_parameters:
+            clash = getattr(self.extract, "used_map_conflict", lambda w: None)(wire)
             try:
                 self.shadow.used_of(wire, asm.gradients())
             except ValueError as e:
                 rep.status = "unrecoverable"
                 rep.note = f"{e}: plan or capture is wrong"
+            if clash:  # never resolved by which copy came first
+                rep.status = "conflict"
+                rep.note = (f"{USED_MAP}: mirror copies of it disagree (first: {clash}): "
+                            "plan or capture is wrong")
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:

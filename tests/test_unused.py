@@ -231,3 +231,51 @@ def test_an_iteration_whose_map_was_lost_is_not_committed(captured, tmp_path):
     assert not any("committed" in lines[i] for i in lines if i > 2), r.stdout
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir() if p.name.startswith("iter")) == \
         ["iter_000000.pt", "iter_000001.pt"]
+
+
+def _map_copies(pcap: Path, out: Path, tag: int, corrupt: int | None) -> list[Path]:
+    """Two mirror copies of a capture; in copy `corrupt` (None: neither) one byte of the
+    last data message of allreduce `tag` (an allgather send: final values) flipped."""
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    from parsers.tcp import decode_tcp_frame
+    frames = list(open_capture(pcap))
+    last = None
+    for k, fr in enumerate(frames):
+        seg, _ = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
+        payload = bytes(seg.payload) if seg is not None else b""
+        at = payload.rfind(_map_slot(tag))
+        if at >= 16 and struct.unpack_from("<Q", payload, at - 8)[0] == 1:
+            last = (k, len(fr.data) - len(payload) + at - 16 + 48)  # the message's first payload byte
+    assert last is not None
+    paths = [out / "copy0.pcap", out / "copy1.pcap"]
+    for c, p in enumerate(paths):
+        with open(p, "wb") as f:
+            w = PcapWriter(f)
+            for k, fr in enumerate(frames):
+                data = bytearray(fr.data)
+                if c == corrupt and k == last[0]:
+                    data[last[1]] ^= 0x01
+                w.write(bytes(data), fr.ts_ns, fr.origlen)
+    return paths
+
+
+@pytest.mark.parametrize("corrupt", [None, 0, 1])
+def test_mirror_copies_of_the_map_that_disagree_are_a_conflict(captured, tmp_path, corrupt):
+    """Two mirror streams: identical copies commit every iteration bit-exact; where one
+    copy of iteration 2's map differs by a bit, whichever stream delivered first, that
+    iteration is a conflict (exit 3), not committed with either copy."""
+    d, pcap = captured
+    per = len(load_plan(d / "plan.json").buckets(0))
+    copies = _map_copies(pcap, tmp_path, 3 + 3 * per - 1, corrupt)
+    r = _replay_cli(d, copies, tmp_path / "ckpts")
+    lines = {int(ln.split()[1].rstrip(":")): ln for ln in r.stdout.splitlines() if ln.startswith("iteration ")}
+    n = job.ITERATIONS
+    if corrupt is None:
+        assert r.returncode == 0 and f"{n} iterations, {n} committed" in r.stdout, r.stdout[-2000:] + r.stderr
+        assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout
+        return
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    assert all("committed" in lines[i] and "bit-exact" in lines[i] for i in (0, 1)), r.stdout
+    assert "conflict" in lines[2] and USED_MAP in lines[2] and "disagree" in lines[2], lines[2]
+    assert not any("committed" in lines[i] for i in lines if i > 2), r.stdout

@@ -196,6 +196,9 @@ class GlooExtractor:
         # payloads of that size seen, by tag (dropped once taken)
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
         self.buffer_payloads: dict[int, bytes] = {}
+        # find_unused_parameters: where each iteration's used-map payloads lay on the wire,
+        # (direction, first byte, end), so copies of them that disagree are found
+        self.map_spans: dict[int, list[tuple]] = defaultdict(list)
 
     # -- input ---------------------------------------------------------------------
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
@@ -397,6 +400,17 @@ class GlooExtractor:
             self.counters["buffers_not_seen"] += 1
         return got
 
+    def used_map_conflict(self, iteration: int) -> str | None:
+        """Where mirror copies of DDP's used-parameter map of `iteration` disagreed (the
+        reassembler compares every copy of a byte; the first delivered is what was
+        placed, so the map is not known): a description, else None. Forgets the
+        iteration's spans."""
+        for key, lo, hi in self.map_spans.pop(iteration, ()):
+            for s, e, stream in self.reasm.dirs[key].conflicts:
+                if s < hi and lo < e:
+                    return f"stream {stream}, {key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
+        return None
+
     def _resolve_rebuilt(self):
         for t in sorted(self.bcast):
             if self.bcast.get(t + 1) is None or len(self.bcast[t]) != 4 * (self.nparams + 1):
@@ -551,6 +565,8 @@ class GlooExtractor:
         if it is None:
             self.counters["earlier_micro_batch_messages"] += 1
             return
+        if self.plan.find_unused_parameters and b == self.nb[lay] - 1:
+            self.map_spans[it].append((d.key, d.msg.offset, d.msg.offset + 48 + len(d.msg.payload)))
         e = sched.buckets[b].dtype.itemsize
         for lo, hi, stream in _whole_elements(d.msg.have, e):
             self.supplied[(stream, it)] += hi - lo

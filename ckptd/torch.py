@@ -445,10 +445,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
 
 
 def _check_find_unused(transport: str, allreduces_per_step: int):
-    """find_unused_parameters=True: decoded on gloo, one allreduce per step (docs/TRAINING.md)."""
-    if transport != "gloo":
-        raise TrainerError("find_unused_parameters=True on NCCL: the used-parameter map's allreduce is not "
-                           "modelled on RoCE yet; run without it (or on gloo)")
+    """find_unused_parameters=True: one allreduce per step (docs/TRAINING.md)."""
     if allreduces_per_step != 1:
         raise TrainerError("find_unused_parameters=True with allreduces_per_step > 1 is not supported: a "
                            "parameter unused in the last micro-batch keeps an earlier one's reduced gradient")

@@ -942,9 +942,6 @@ def _check_find_unused(plan: Plan) -> None:
     """find_unused_parameters: what ckptd decodes of it (docs/TRAINING.md)."""
     if plan.find_unused_parameters is not True:
         raise PlanError(f"find_unused_parameters must be true or absent, not {_short(plan.find_unused_parameters)}")
-    if plan.transport != "gloo":
-        raise PlanError("find_unused_parameters: decoded on gloo only; on NCCL/RoCE the used-parameter "
-                        "map's allreduce is not modelled yet (run the job without it, or on gloo)")
     if not plan.parameters:
         raise PlanError("find_unused_parameters needs parameters (it is DDP's map of them)")
     if plan.rebuilt_learn or plan.buckets_rebuilt != plan.buckets_first:

@@ -427,12 +427,12 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
+    unused = bool(ddp.find_unused_parameters)
+    if unused:
+        _check_find_unused(allreduces_per_step)
     if world < 2:
         raise TrainerError(f"the process group has {world} rank: ckptd needs at least 2 ranks (it rebuilds "
                            "the state from their allreduces; one rank puts none on the wire)")
-    unused = bool(ddp.find_unused_parameters)
-    if unused:
-        _check_find_unused(transport, allreduces_per_step)
     ring = _ring(backend, world)
     with _by_argument():
         # find_unused_parameters: DDP never rebuilds its buckets (Reducer::should_rebuild_buckets)
@@ -444,7 +444,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
 
 
-def _check_find_unused(transport: str, allreduces_per_step: int):
+def _check_find_unused(allreduces_per_step: int):
     """find_unused_parameters=True: one allreduce per step (docs/TRAINING.md)."""
     if allreduces_per_step != 1:
         raise TrainerError("find_unused_parameters=True with allreduces_per_step > 1 is not supported: a "

@@ -183,7 +183,9 @@ class Direction:
         """A copy of bytes already handed out: where they are still retained, a
         disagreement is a conflict (recorded; the first copy stays what was delivered)."""
         end = off + len(data)
-        for s, old in self.recent:
+        for s, old in reversed(self.recent):  # newest first: a mirror's copy lags little
+            if s + len(old) <= off:
+                break
             lo, hi = max(off, s), min(end, s + len(old))
             if lo < hi and old[lo - s:hi - s] != data[lo - off:hi - off]:
                 self.conflicts.append((lo, hi, stream))

@@ -142,7 +142,8 @@ def cmd_synth(a) -> int:
         max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
         collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
-        startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), **_synth_training(a))
+        startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), unused=tuple(a.unused),
+        **_synth_training(a))
     t0 = time.time()
     try:
         check_options(opts)
@@ -714,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "them in its frozen section and its optimizer groups (the optimizer is built over "
                         "model.parameters(), so torch holds and skips them); repeatable. A PREFIX matching "
                         "no parameter, or freezing them all, is refused")
+    s.add_argument("--unused", action="append", default=[], metavar="PREFIX",
+                   help="DDP with find_unused_parameters=True: the parameters whose name starts with PREFIX "
+                        "are left unused by the forward on every rank at iterations 0, 3, 6, ... and on "
+                        "rank 0 only at 1, 4, 7, ...; every round ends with DDP's used-map allreduce (int32, "
+                        "one element a parameter) and the trainer steps only what some rank used; repeatable")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

@@ -54,7 +54,7 @@ from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.optim import NoLrForStep
 from ckptd.transports import Placement, Transport, transport_for
-from ckptd.core.plan import Plan
+from ckptd.core.plan import USED_MAP, Plan
 from ckptd.core.schedule import RS
 from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threads
 from ckptd.threads import Thread
@@ -550,11 +550,26 @@ class Pipeline:
         if asm.conflicts:
             s, b, lo, hi = asm.conflicts[0]
             rep.status = "conflict"
+            what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
             rep.note = (f"{len(asm.conflicts)} packets disagree with another stream's intact copy "
-                        f"(first: stream {s}, bucket {b}, elements [{lo}, {hi})): plan or capture is wrong")
+                        f"(first: stream {s}, {what}, elements [{lo}, {hi})): plan or capture is wrong")
         elif not asm.complete:
             rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
+            if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):
+                rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
+                            "(those some rank used) is not known")
+        elif self.shadow is not None and self.plan.find_unused_parameters:
+            clash = getattr(self.extract, "used_map_conflict", lambda w: None)(wire)
+            try:
+                self.shadow.used_of(wire, asm.gradients())
+            except ValueError as e:
+                rep.status = "unrecoverable"
+                rep.note = f"{e}: plan or capture is wrong"
+            if clash:  # never resolved by which copy came first
+                rep.status = "conflict"
+                rep.note = (f"{USED_MAP}: mirror copies of it disagree (first: {clash}): "
+                            "plan or capture is wrong")
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:

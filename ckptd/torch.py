@@ -92,9 +92,6 @@ def _comm_hook(ddp) -> str:
 
 
 def _refuse_ddp_modes(ddp):
-    if ddp.find_unused_parameters:
-        raise TrainerError("find_unused_parameters=True: DDP then allreduces its unused-parameter "
-                           "map every iteration, which ckptd does not decode")
     if getattr(ddp, "static_graph", False):
         raise TrainerError("static_graph=True changes when DDP rebuilds its buckets; not supported")
     if getattr(ddp, "mixed_precision", None) is not None:
@@ -580,17 +577,51 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
+    unused = bool(ddp.find_unused_parameters)
+    if unused:
+        _check_find_unused(allreduces_per_step)
     if world < 2:
         raise TrainerError(f"the process group has {world} rank: ckptd needs at least 2 ranks (it rebuilds "
                            "the state from their allreduces; one rank puts none on the wire)")
     ring = _ring(backend, world)
     with _by_argument():
+        # find_unused_parameters: DDP never rebuilds its buckets (Reducer::should_rebuild_buckets)
         return Plan(Parameter.each_of(zip(names, params)),
                     first, first, ring, opt, tuple(addresses), (), iterations,
-                    transport, rebuilt_learn=transport == "gloo", comm_hook=hook, buffers=buffers,
+                    transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                     collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
-                    frozen=Parameter.each_of(zip(frozen, frozen_params)))
+                    frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
+
+
+def _check_find_unused(allreduces_per_step: int):
+    """find_unused_parameters=True: one allreduce per step (docs/TRAINING.md)."""
+    if allreduces_per_step != 1:
+        raise TrainerError("find_unused_parameters=True with allreduces_per_step > 1 is not supported: a "
+                           "parameter unused in the last micro-batch keeps an earlier one's reduced gradient")
+
+
+def _check_unused_grads(ddp, names: list[str], params: list[torch.Tensor]):
+    """An optimizer step pre-hook (find_unused_parameters): a parameter no rank used this
+    iteration keeps its .grad untouched (Reducer::finalize_bucket_dense). After the usual
+    zero_grad() (set_to_none=True) that is None and torch's step skips it, as the shadow
+    does; after zero_grad(set_to_none=False) it is a zero tensor, which torch's step does
+    step (moments decay, weight decay, the step count grows), and the wire cannot tell the
+    two apart. So that case is refused here, at the first step it would change anything,
+    on every rank alike (the map is the reduced one, every rank's grads the same)."""
+    def check(optimizer, args, kwargs):
+        try:
+            used = ddp.reducer._get_local_used_map()
+        except (AttributeError, RuntimeError):
+            return
+        if used.numel() != len(params):
+            return
+        for n, p, u in zip(names, params, used.tolist()):
+            if u == 0 and p.grad is not None:
+                raise TrainerError(f"parameter {n} was used on no rank this iteration but has a gradient tensor "
+                                   "(zero_grad(set_to_none=False)?): torch steps it with that gradient, which is "
+                                   "not on the wire; call zero_grad() with set_to_none=True (the default)")
+    return check
 
 
 # A plan's check names the plan's field; the trainer gave write_plan an argument, or built
@@ -1104,6 +1135,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
         call.wait("write the plan")
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
+    if plan.find_unused_parameters:
+        optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
     def after_forward(module, inputs, output):
         call.trains()  # once: a rank that made more write_plan calls learns this one went on

@@ -52,6 +52,12 @@ OPTIMIZER_CLASSES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adagrad": 
                      "asgd": "ASGD", "adadelta": "Adadelta", "rprop": "Rprop"}
 # DDP communication hooks ckptd decodes: hook -> the dtype its allreduce puts on the wire
 COMM_HOOKS = {"allreduce": None, "fp16_compress": "float16", "bf16_compress": "bfloat16"}
+# DDP with find_unused_parameters=True: after each round's last bucket the reducer allreduces
+# its local_used_map, one int32 per reducer parameter (1 where this rank used it), so the
+# reduced map says on how many ranks each parameter was used; 0: globally unused, its grad
+# left untouched (None after zero_grad(), so torch's step skips it). The plan's wire layouts
+# carry it as one more allreduce (Plan.layout_buckets), named so in reports.
+USED_MAP = "(DDP's used-parameter map)"
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
@@ -328,6 +334,10 @@ class Plan:
     # checkpoints carry their init values unchanged, so each is a whole state_dict. The
     # optimizer's groups may name them (torch skips a parameter whose grad is None).
     frozen: tuple[Parameter, ...] = ()
+    # DDP's find_unused_parameters=True: every wire round ends with the allreduce of its
+    # used-parameter map (USED_MAP, one int32 per parameter), DDP never rebuilds its
+    # buckets, and the shadow steps only the parameters some rank used (docs/TRAINING.md)
+    find_unused_parameters: bool = False
 
     def __post_init__(self):
         check_plan(self)
@@ -394,8 +404,21 @@ class Plan:
         hit = cache.get(id(layout))
         if hit is None or hit[0] is not layout:
             hit = cache[id(layout)] = (layout, tuple(
-                Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout))
+                Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout)
+                + ((self.used_map_bucket,) if self.find_unused_parameters else ()))
         return list(hit[1])
+
+    @cached_property
+    def used_map_bucket(self) -> Bucket:
+        """DDP's used-parameter map allreduce (find_unused_parameters): one int32 per
+        parameter, the plan's order (the reducer's variable index); the last allreduce of
+        every wire round, after the gradient buckets (Reducer::mark_variable_ready ->
+        all_reduce_local_used_map once the last bucket is launched)."""
+        return Bucket(len(self.parameters), np.dtype("<i4"))
+
+    def is_used_map(self, iteration: int, b: int) -> bool:
+        """Whether bucket b of an iteration's assembly is DDP's used-parameter map."""
+        return self.find_unused_parameters and b == len(self.layout(iteration))
 
     def learn_rebuilt(self, layout) -> None:
         """Set the rebuilt layout learned from the wire (a plan with "rebuilt": "learn";
@@ -572,7 +595,10 @@ class Plan:
             self.nic(r, c) == a for r, a in enumerate(self.addresses) for c in range(self.ring.channels))
 
     def param_ranges(self, iteration: int, b: int) -> list[tuple[str, int, int]]:
-        """(name, start, end) element ranges of each parameter inside bucket b."""
+        """(name, start, end) element ranges of each parameter inside bucket b (the
+        used-parameter map: one range named USED_MAP)."""
+        if self.is_used_map(iteration, b):
+            return [(USED_MAP, 0, len(self.parameters))]
         out, off = [], 0
         for name in self.layout(iteration)[b].params:
             n = self.param(name).numel
@@ -658,6 +684,8 @@ class Plan:
             _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
             if per_param:
                 st = per_param.get(p.name)
+                if st is None and self.find_unused_parameters:
+                    continue  # unused on every rank so far: torch made no state for it yet
                 if not isinstance(st, dict):
                     raise CheckpointError(f"{where}: optimizer.state lacks {p.name!r}")
                 # other optimizers: every per-element buffer (not a scalar like step) has
@@ -718,6 +746,8 @@ class Plan:
             doc["allreduces_per_step"] = self.allreduces_per_step
         if self.frozen:
             doc["frozen"] = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.frozen]
+        if self.find_unused_parameters:
+            doc["find_unused_parameters"] = True
         return doc
 
     def buffer(self, name: str) -> Parameter:
@@ -847,6 +877,8 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"parameters hold {total} elements in all (at most {MAX_PARAM_ELEMENTS})")
     if not plan.buckets_first:
         raise PlanError("buckets.first lists no allreduce")
+    if plan.find_unused_parameters:
+        _check_find_unused(plan)
     _check_layout(plan, "first", plan.buckets_first)
     if not plan.rebuilt_learn:
         _check_layout(plan, "rebuilt", plan.buckets_rebuilt)
@@ -904,6 +936,20 @@ def check_plan(plan: Plan) -> None:
     k = plan.allreduces_per_step
     if not _is_int(k) or not 1 <= k <= MAX_ITERATIONS:
         raise PlanError(f"allreduces_per_step must be an integer >= 1, not {k!r}")
+
+
+def _check_find_unused(plan: Plan) -> None:
+    """find_unused_parameters: what ckptd decodes of it (docs/TRAINING.md)."""
+    if plan.find_unused_parameters is not True:
+        raise PlanError(f"find_unused_parameters must be true or absent, not {_short(plan.find_unused_parameters)}")
+    if not plan.parameters:
+        raise PlanError("find_unused_parameters needs parameters (it is DDP's map of them)")
+    if plan.rebuilt_learn or plan.buckets_rebuilt != plan.buckets_first:
+        raise PlanError("find_unused_parameters: DDP never rebuilds its buckets then, so buckets.rebuilt "
+                        "must be absent or equal buckets.first")
+    if plan.allreduces_per_step != 1:
+        raise PlanError("find_unused_parameters with allreduces_per_step > 1 is not supported (a parameter "
+                        "unused in the last micro-batch keeps an earlier one's reduced gradient)")
 
 
 def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) -> int:
@@ -1201,7 +1247,7 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
 
 PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
              "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "frozen",
-             "written_by")
+             "find_unused_parameters", "written_by")
 
 
 def _plan_from_json(raw) -> Plan:
@@ -1353,7 +1399,8 @@ def _plan_from_json(raw) -> Plan:
                 collectives=_collectives(doc),
                 buffers=_buffers_from_json(doc),
                 allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
-                bucket_limits=limits, frozen=tuple(frozen))
+                bucket_limits=limits, frozen=tuple(frozen),
+                find_unused_parameters=doc.get("find_unused_parameters", False))
 
 
 def _tensors_from_json(entries: list, key: str) -> list[Parameter]:

@@ -106,8 +106,10 @@ class ShadowModel:
     @property
     def bucketwise(self) -> bool:
         """Whether buckets can be stepped one by one as they complete: not when the step
-        needs every gradient first (clipping's total norm, the scaler's inf check)."""
-        return self.opt.max_grad_norm is None and self.scaler is None
+        needs every gradient first (clipping's total norm, the scaler's inf check), nor
+        with find_unused_parameters (which parameters step is known from DDP's used map,
+        allreduced after the last bucket)."""
+        return self.opt.max_grad_norm is None and self.scaler is None and not self.plan.find_unused_parameters
 
     def prepare_state(self):
         """Makes now the optimizer state the next iteration's step would create (as
@@ -183,9 +185,25 @@ class ShadowModel:
             t = t.view(torch.bfloat16)  # carried as raw 16-bit words (numpy has no bfloat16)
         return t.to(getattr(torch, self.plan.parameters[0].dtype))
 
+    def used_of(self, iteration: int, buffers: list[np.ndarray]) -> list[bool] | None:
+        """find_unused_parameters: per parameter, whether some rank used it (DDP's reduced
+        used map, the assembly's last buffer: a count of ranks, 0 = used on none); None
+        without. ValueError for a map no reduction of 0/1 flags gives."""
+        if not self.plan.find_unused_parameters:
+            return None
+        counts = np.asarray(buffers[len(self.plan.layout(iteration))], dtype=np.int64)
+        bad = np.flatnonzero((counts < 0) | (counts > self.plan.nranks))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"DDP's used-parameter map says {self.names[i]} was used on {int(counts[i])} ranks "
+                             f"of {self.plan.nranks}")
+        return [bool(c) for c in counts]
+
     def grads_from_buckets(self, iteration: int, buffers: list[np.ndarray]) -> list[torch.Tensor]:
         """Per-parameter gradient views of the reduced bucket buffers (DDP's grad views)."""
         by_name = {}
+        if self.plan.find_unused_parameters:
+            buffers = buffers[:len(self.plan.layout(iteration))]  # the used map is no gradient
         for b, buf in enumerate(buffers):
             t = self._wire_to_param_dtype(buf)
             for name, start, end in self.plan.param_ranges(iteration, b):
@@ -197,11 +215,20 @@ class ShadowModel:
         iteration (it drives the lr schedule); `layout_iteration` says which bucket
         layout the buffers follow (0: DDP's first layout), default the same.
         The trainer's order: scaler.unscale_, clip_grad_norm_, scaler.step (skipped on
-        inf/nan), scaler.update."""
+        inf/nan), scaler.update. With find_unused_parameters only the parameters some rank
+        used take part in any of them: DDP leaves a globally unused one's grad None, and
+        unscale_, clip_grad_norm_ and the step all skip None grads."""
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
-        grads = self.grads_from_buckets(iteration if layout_iteration is None else layout_iteration,
-                                        buffers)
+        lay = iteration if layout_iteration is None else layout_iteration
+        used = self.used_of(lay, buffers)
+        grads = self.grads_from_buckets(lay, buffers)
+        idx = list(range(len(self.names)))
+        params = self.params
+        if used is not None:
+            idx = [i for i in idx if used[i]]
+            grads = [grads[i] for i in idx]
+            params = [self.params[i] for i in idx]
         self.skipped = False
         if self.scaler is not None:
             grads = [g.clone() for g in grads]  # unscaled in place; the assembly keeps the wire's
@@ -209,11 +236,11 @@ class ShadowModel:
         if self.opt.max_grad_norm is not None:
             if self.scaler is None:  # clipping scales in place: not the assembly's buffers
                 grads = [g.clone() for g in grads]
-            clip_grad_norm(self.params, grads, self.opt.max_grad_norm)
+            clip_grad_norm(params, grads, self.opt.max_grad_norm)
         if self.skipped:
             self.lr = self.hyper.at(iteration)[0]["lr"]
         else:
-            self._step(iteration, list(range(len(self.names))), grads)
+            self._step(iteration, idx, grads)
         if self.scaler is not None:
             scaler_update(self.scaler, self.opt.grad_scaler)
         self.iteration = iteration

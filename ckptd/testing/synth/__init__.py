@@ -135,6 +135,10 @@ class SynthOptions:
     # gradient on the wire), the plan records them in `frozen`, and the optimizer, built over
     # model.parameters(), holds them in its group and skips them (their grad stays None)
     freeze: tuple = ()
+    # name prefixes of parameters the forward leaves unused (DDP's find_unused_parameters=True,
+    # unused_on): on every rank at iterations 0, 3, 6, ..., on rank 0 only at 1, 4, 7, ...
+    # The plan says find_unused_parameters; every round ends with DDP's used-map allreduce
+    unused: tuple = ()
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -280,9 +284,11 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     params = [p for _, p in named]
     names = [n for n, _ in named]
     cap = opts.bucket_cap_kb * 1024
-    first = first_buckets(params, cap, first_bytes=cap // 4)
+    # find_unused_parameters: DDP's first layout uses the cap (compute_bucket_size_limits)
+    # and is never rebuilt
+    first = first_buckets(params, cap, first_bytes=cap if opts.unused else cap // 4)
     order = grad_ready_order(model, shard_batches(model, 0, 0, opts.seed))
-    rebuilt = rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
+    rebuilt = first if opts.unused else rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
     major, minor = _nccl_version(opts.nccl_version)
     if opts.nodes and opts.shuffle_rings:
         raise SynthOptionError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
@@ -350,7 +356,26 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, ports=ports, comm_hook=opts.comm_hook,
         collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
         allreduces_per_step=opts.allreduces_per_step,
-        frozen=Parameter.each_of(frozen))
+        frozen=Parameter.each_of(frozen), find_unused_parameters=bool(opts.unused))
+
+
+def unused_on(iteration: int, rank: int) -> bool:
+    """--unused: whether the forward leaves the parameters named by the prefixes unused on
+    `rank` at `iteration`: on every rank (globally unused) at iterations divisible by 3,
+    on rank 0 only at the next ones."""
+    return iteration % 3 == 0 or (iteration % 3 == 1 and rank == 0)
+
+
+def _unused_names(model, prefixes) -> set[str]:
+    """The trainable parameters --unused PREFIX names; a PREFIX matching none is refused."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    out = set()
+    for prefix in prefixes:
+        hit = [n for n in names if prefix and n.startswith(prefix)]
+        if not hit:
+            raise SynthOptionError(f"--unused {prefix!r} matches no trainable parameter of the model")
+        out.update(hit)
+    return out
 
 
 def freeze_parameters(model, prefixes) -> list[str]:
@@ -876,6 +901,10 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     model = build_model(opts.model, opts.seed).to(getattr(torch, opts.param_dtype))
     if opts.freeze:
         freeze_parameters(model, (opts.freeze,) if isinstance(opts.freeze, str) else tuple(opts.freeze))
+    if opts.unused:
+        if opts.allreduces_per_step != 1:
+            raise SynthOptionError("--unused with --allreduces-per-step > 1: not supported (find_unused_parameters)")
+        opts.unused_names = _unused_names(model, (opts.unused,) if isinstance(opts.unused, str) else opts.unused)
     plan = make_plan(opts, model, rng)
     _check_training(opts, plan, model)
     buffers = dict(model.named_buffers())  # the model's own (rank 0's after each forward)
@@ -939,11 +968,19 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                     if r == 0:
                         after0 = {n: b.detach().clone() for n, b in buffers.items()}
                     (scaler.scale(loss) if scaler else loss).backward()
+                    if plan.find_unused_parameters and unused_on(t, r):
+                        for n in opts.unused_names:  # autograd never reached them on this rank
+                            params[n].grad = None
                     if r == 0 and t in opts.inf_at and j == K - 1:  # an overflow in one element
                         first = next(p for p in params.values() if p.requires_grad)  # a frozen one has no grad
                         first.grad.view(-1)[0] = float("inf")
-                    local.append([_to_wire(torch.cat([params[n].grad.reshape(-1) for n in b.params]),
+                    # a parameter this rank did not use: zeros in its bucket (mark_variable_ready)
+                    local.append([_to_wire(torch.cat([(params[n].grad if params[n].grad is not None else
+                                                       torch.zeros_like(params[n])).reshape(-1) for n in b.params]),
                                            plan.comm_hook, plan.nranks) for b in layout])
+                    if plan.find_unused_parameters:  # DDP's local_used_map, allreduced after the buckets
+                        local[-1].append(np.array([params[p.name].grad is not None for p in plan.parameters],
+                                                  dtype="<i4"))
                 # each rank's values for the other allreduces (a loss, a metric): not gradients
                 others = [[np.random.default_rng((opts.seed, w, r, k)).standard_normal(b.count).astype(b.dtype)
                            for k, b in enumerate(sched.others)] for r in range(plan.nranks)]
@@ -951,13 +988,17 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                 for n, b in buffers.items():
                     b.copy_(after0[n])
                 final, payloads = reduce_iteration(sched, local, others)
-                for b, buf in enumerate(final):  # finalize_bucket_dense: param.grad = the reduced bucket
+                for b, buf in enumerate(final[:len(layout)]):  # finalize_bucket_dense: param.grad = the reduced bucket
                     flat = _from_wire(buf, getattr(torch, opts.param_dtype))
                     off = 0
                     for name in layout[b].params:
                         n = params[name].numel()
                         params[name].grad = flat[off:off + n].view(params[name].shape).clone()
                         off += n
+                if plan.find_unused_parameters:  # used on no rank: its grad left untouched (None)
+                    for p, count in zip(plan.parameters, final[len(layout)]):
+                        if not count:
+                            params[p.name].grad = None
                 if j < K - 1:
                     ts = _write_round(wire, sched, payloads, hosts, writers, plan, opts, rng, stats, ts)
             if plan.optimizer.lr_per_step:  # the loop writes each step's lr by hand

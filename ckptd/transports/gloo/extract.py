@@ -28,10 +28,16 @@ two gloo broadcasts of int32s, the flattened parameter indices plus the bucket c
 then the bucket sizes. The first pair of broadcast tags that decodes as a layout of
 the plan's parameters is it. Allreduce number len(plan.buckets(0)) (iteration 1's
 first bucket) is not numbered until that layout is known (or REBUILD_WAIT tags later,
-or at flush). With `"rebuilt": "learn"` the plan takes the wire's layout
+or at flush; with find_unused_parameters DDP never rebuilds: not waited for). With
+`"rebuilt": "learn"` the plan takes the wire's layout
 (Plan.learn_rebuilt); with a rebuilt layout in the plan the two are compared, and on a
 mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
 (`rebuilt_mismatch_dropped`), so nothing after iteration 0 is committed.
+
+find_unused_parameters. Every round of bucket allreduces ends with one more allreduce,
+DDP's used-parameter map (int32, one element per parameter): Plan.layout_buckets lists it
+as the round's last bucket, so it is numbered, checked against gloo's ring and placed
+like a bucket (its reduced payload into the iteration's assembly, copies compared).
 
 Module buffers (a plan with buffers.captured). DDP broadcasts rank 0's buffers at the
 start of each forward after a synced backward (ckptd.core.buffers): the buffers after
@@ -178,16 +184,21 @@ class GlooExtractor:
                                 if s.phase == AG) for sc in self.sched]
         self.nparams = len(plan.parameters)
         self.bcast: dict[int, bytes] = {}  # broadcast tag -> payload (small complete ones)
-        self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen
+        self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen | never
         self.rebuilt_tag: int | None = None  # the indices broadcast's tag
         self.wire_rebuilt: tuple[BucketLayout, ...] | None = None
         if self.nparams == 0 or self.nranks < 2:
             self.rebuilt = "not_seen"  # a bare collective: no DDP, nothing broadcast
+        elif plan.find_unused_parameters:
+            self.rebuilt = "never"  # DDP does not rebuild (nor broadcast) its buckets then
         self.number_tag: dict[int, int] = {}  # allreduce number -> its tag
         # module buffers: the payload size of each of DDP's broadcasts, and the complete
         # payloads of that size seen, by tag (dropped once taken)
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
         self.buffer_payloads: dict[int, bytes] = {}
+        # find_unused_parameters: where each iteration's used-map payloads lay on the wire,
+        # (direction, first byte, end), so copies of them that disagree are found
+        self.map_spans: dict[int, list[tuple]] = defaultdict(list)
 
     # -- input ---------------------------------------------------------------------
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
@@ -389,6 +400,17 @@ class GlooExtractor:
             self.counters["buffers_not_seen"] += 1
         return got
 
+    def used_map_conflict(self, iteration: int) -> str | None:
+        """Where mirror copies of DDP's used-parameter map of `iteration` disagreed (the
+        reassembler compares every copy of a byte; the first delivered is what was
+        placed, so the map is not known): a description, else None. Forgets the
+        iteration's spans."""
+        for key, lo, hi in self.map_spans.pop(iteration, ()):
+            for s, e, stream in self.reasm.dirs[key].conflicts:
+                if s < hi and lo < e:
+                    return f"stream {stream}, {key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
+        return None
+
     def _resolve_rebuilt(self):
         for t in sorted(self.bcast):
             if self.bcast.get(t + 1) is None or len(self.bcast[t]) != 4 * (self.nparams + 1):
@@ -543,6 +565,8 @@ class GlooExtractor:
         if it is None:
             self.counters["earlier_micro_batch_messages"] += 1
             return
+        if self.plan.find_unused_parameters and b == self.nb[lay] - 1:
+            self.map_spans[it].append((d.key, d.msg.offset, d.msg.offset + 48 + len(d.msg.payload)))
         e = sched.buckets[b].dtype.itemsize
         for lo, hi, stream in _whole_elements(d.msg.have, e):
             self.supplied[(stream, it)] += hi - lo

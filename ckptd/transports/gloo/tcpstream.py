@@ -4,7 +4,9 @@ Every segment is placed at its stream offset (sequence number minus the initial 
 unwrapped modulo 2^32 around the delivery frontier), so reordering, retransmissions
 with new segment boundaries and duplicates (the same segment seen by several mirrors)
 all land on the same bytes. Bytes that arrive twice must agree: a disagreement is a
-conflict, recorded with its exact range, and the first copy is kept.
+conflict, recorded with its exact range, and the first copy is kept. A copy arriving
+after its bytes were delivered is compared too, against the last `RETAIN` bytes handed
+out (older ones are counted as duplicates unseen).
 
 Delivery is in order: the bytes contiguous at the frontier are handed out at once as
 `Piece(offset, data, stream)`. A hole (bytes no stream has delivered) holds back what
@@ -27,7 +29,7 @@ acknowledged, and `tail_seen()` says whether the bytes seen reach exactly that f
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from parsers.tcp import ACK, FIN, RST, SYN, TcpSegment
@@ -35,6 +37,7 @@ from parsers.tcp import ACK, FIN, RST, SYN, TcpSegment
 SEQ_MOD = 1 << 32
 HOLE_WINDOW = 8 << 20  # bytes waiting beyond a hole before it is given up
 REORDER_WINDOW = 256 << 10  # every stream this far past a hole: no stream will fill it
+RETAIN = 1 << 20  # delivered bytes kept per direction, to compare later mirror copies with
 
 
 def seq_diff(a: int, b: int) -> int:
@@ -81,6 +84,8 @@ class Direction:
     highest: int = 0  # end of the furthest byte seen
     reach: dict[int, int] = field(default_factory=dict)  # stream -> end of its furthest byte
     ack_seq: int | None = None  # furthest acknowledgment number the other direction sent
+    recent: deque = field(default_factory=deque)  # (offset, bytes) delivered last, RETAIN in all
+    recent_bytes: int = 0
 
     # -- input ---------------------------------------------------------------------
     def add(self, seg: TcpSegment, stream: int) -> list[Piece]:
@@ -127,6 +132,8 @@ class Direction:
 
     def _insert(self, off: int, data: bytes, stream: int):
         end = off + len(data)
+        if off < self.delivered and off >= 0 and not self._in_hole(off, min(end, self.delivered)):
+            self._compare_delivered(off, data[:self.delivered - off], stream)
         if end <= self.delivered:
             self.counts["duplicate_bytes" if off >= 0 and not self._in_hole(off, end) else
                         "late_bytes"] += len(data)
@@ -171,6 +178,18 @@ class Direction:
             self.by_stream[stream] += len(b)
         if new and off > self.delivered and self.starts and self.starts[0] > self.delivered:
             self.counts["out_of_order_segments"] += 1
+
+    def _compare_delivered(self, off: int, data: bytes, stream: int):
+        """A copy of bytes already handed out: where they are still retained, a
+        disagreement is a conflict (recorded; the first copy stays what was delivered)."""
+        end = off + len(data)
+        for s, old in reversed(self.recent):  # newest first: a mirror's copy lags little
+            if s + len(old) <= off:
+                break
+            lo, hi = max(off, s), min(end, s + len(old))
+            if lo < hi and old[lo - s:hi - s] != data[lo - off:hi - off]:
+                self.conflicts.append((lo, hi, stream))
+                self.counts["conflict_bytes"] += hi - lo
 
     def acknowledged(self, ack: int):
         """The other direction acknowledged every byte before sequence number `ack`."""
@@ -219,6 +238,10 @@ class Direction:
             else:
                 out.append(Piece(s, data, stream))
             self.delivered = s + len(data)
+            self.recent.append((s, data))
+            self.recent_bytes += len(data)
+            while self.recent_bytes - len(self.recent[0][1]) >= RETAIN:
+                self.recent_bytes -= len(self.recent.popleft()[1])
         return out
 
     def flush(self) -> list[Piece]:

@@ -80,7 +80,10 @@ def wire_protocol(payload) -> str:
     """Which NCCL protocol's lines a data packet of 128 bytes or more carries: LL puts the
     step's flag in words 1 and 3 of every 16-byte line (prims_ll.h:132 storeLL@v2.19.4-1),
     LL128 in word 15 of every 128-byte line (ckptd.core.ll128); a flag is the connection's
-    step + 1, never 0 before 2**32 steps, so zeros, and data, read as Simple."""
+    step + 1, never 0 before 2**32 steps, so zeros, and data, read as Simple. An LL128 flag
+    word's upper half is 0 (a step below 2**32); LL's lines put a flag there, so LL lines
+    whose data repeat at the LL128 flag's place (DDP's int32 used map: one count again
+    and again) do not read as LL128."""
     n = len(payload)
     if n < LL128_LINE or n % LL_LINE:
         return "simple"
@@ -89,7 +92,7 @@ def wire_protocol(payload) -> str:
         return "simple"  # one value repeated reads as any protocol: data
     if n % LL128_LINE == 0:
         flags = np.frombuffer(payload, "<u8")[ll128.FLAG_WORD::ll128.LINE_WORDS]
-        if flags[0] and (flags == flags[0]).all():
+        if flags[0] and not flags[0] >> 32 and (flags == flags[0]).all():
             return "ll128"
     words = words.reshape(-1, 4)
     if words[0, 1] and (words[:, 1] == words[0, 1]).all() and (words[:, 3] == words[0, 1]).all():

@@ -547,6 +547,8 @@ class Pipeline:
         rep = IterationReport(it, "", asm.packets, asm.bytes)
         if self.opts.dump_gradients:
             self._dump(asm)
+        # gloo: mirror copies of one TCP byte are compared in the reassembler, before framing
+        clash = getattr(self.extract, "copies_conflict", lambda w: None)(wire)
         if asm.conflicts:
             s, b, lo, hi = asm.conflicts[0]
             rep.status = "conflict"
@@ -559,17 +561,17 @@ class Pipeline:
             if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")
+        elif clash:  # never resolved by which copy came first
+            b, where = clash
+            what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
+            rep.status = "conflict"
+            rep.note = f"mirror copies of {what} disagree (first: {where}): plan or capture is wrong"
         elif self.shadow is not None and self.plan.find_unused_parameters:
-            clash = getattr(self.extract, "used_map_conflict", lambda w: None)(wire)
             try:
                 self.shadow.used_of(wire, asm.gradients())
             except ValueError as e:
                 rep.status = "unrecoverable"
                 rep.note = f"{e}: plan or capture is wrong"
-            if clash:  # never resolved by which copy came first
-                rep.status = "conflict"
-                rep.note = (f"{USED_MAP}: mirror copies of it disagree (first: {clash}): "
-                            "plan or capture is wrong")
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:

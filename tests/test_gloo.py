@@ -130,7 +130,8 @@ def test_reassembly_merges_mirror_streams_and_flags_conflicts():
     bad = bytearray(data[2500:2600])
     bad[10] ^= 1
     d.add(seg(data[2600:2700], 2601), 2)
-    d.add(seg(bytes(bad), 2501), 2)  # already delivered: a late duplicate, not re-checked
+    d.add(seg(bytes(bad), 2501), 2)  # already delivered: a late copy, compared all the same
+    assert d.conflicts == [(2500, 2600, 2)]
     r2 = Direction(("k2",))
     r2.add(seg(b"", 0, flags=SYN), 0)
     r2.add(seg(data[100:200], 101), 0)
@@ -138,6 +139,22 @@ def test_reassembly_merges_mirror_streams_and_flags_conflicts():
     bad2[0] ^= 1
     r2.add(seg(bytes(bad2), 151), 1)
     assert r2.conflicts == [(150, 200, 1)]
+
+
+def test_a_mirror_copy_lagging_past_what_is_retained_is_counted_unchecked():
+    """A copy of bytes delivered more than RETAIN ago cannot be compared any more: the
+    first copy stands, and the bytes are counted (a diagnostic), never silently passed."""
+    from ckptd.transports.gloo.tcpstream import RETAIN
+    d = Direction(("k",))
+    d.add(seg(b"", 0, flags=SYN), 0)
+    chunk = bytes(range(256)) * 128  # 32 KiB
+    n = RETAIN // len(chunk) + 2
+    for k in range(n):
+        d.add(seg(chunk, 1 + k * len(chunk)), 0)
+    d.add(seg(b"x" * 100, 1), 1)  # the first bytes again, on another mirror, differing
+    assert d.counts["unchecked_copy_bytes"] == 100 and not d.conflicts
+    d.add(seg(b"x" * 100, 1 + (n - 1) * len(chunk)), 1)  # recent ones are still compared
+    assert d.conflicts == [((n - 1) * len(chunk), (n - 1) * len(chunk) + 100, 1)]
 
 
 def test_reassembly_sees_a_lost_tail_in_the_other_directions_acknowledgments():

@@ -255,14 +255,18 @@ def _map_copies(pcap: Path, out: Path, tag: int, corrupt: int | None) -> list[Pa
     return paths
 
 
-@pytest.mark.parametrize("corrupt", [None, 0, 1])
-def test_mirror_copies_of_the_map_that_disagree_are_a_conflict(captured, tmp_path, corrupt):
+@pytest.mark.parametrize("what,corrupt", [("map", None), ("map", 0), ("map", 1), ("gradient", 0), ("gradient", 1)])
+def test_mirror_copies_that_disagree_are_a_conflict(captured, tmp_path, what, corrupt):
     """Two mirror streams: identical copies commit every iteration bit-exact; where one
-    copy of iteration 2's map differs by a bit, whichever stream delivered first, that
-    iteration is a conflict (exit 3), not committed with either copy."""
+    copy of iteration 2's map, or of its first gradient bucket's final values, differs by
+    a bit, whichever stream delivered first, that iteration is a conflict (exit 3), not
+    committed with either copy. (With 2 ranks each final value crosses the wire once: the
+    mirror copies are its only copies. The reassembler keeps the first copy of a byte;
+    before, the first one delivered was committed.)"""
     d, pcap = captured
     per = len(load_plan(d / "plan.json").buckets(0))
-    copies = _map_copies(pcap, tmp_path, 3 + 3 * per - 1, corrupt)
+    tag = 3 + 3 * per - 1 if what == "map" else 3 + 2 * per  # iteration 2's map; its first bucket
+    copies = _map_copies(pcap, tmp_path, tag, corrupt)
     r = _replay_cli(d, copies, tmp_path / "ckpts")
     lines = {int(ln.split()[1].rstrip(":")): ln for ln in r.stdout.splitlines() if ln.startswith("iteration ")}
     n = job.ITERATIONS
@@ -272,5 +276,6 @@ def test_mirror_copies_of_the_map_that_disagree_are_a_conflict(captured, tmp_pat
         return
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     assert all("committed" in lines[i] and "bit-exact" in lines[i] for i in (0, 1)), r.stdout
-    assert "conflict" in lines[2] and USED_MAP in lines[2] and "disagree" in lines[2], lines[2]
+    assert "conflict" in lines[2] and "disagree" in lines[2], lines[2]
+    assert (USED_MAP in lines[2]) == (what == "map"), lines[2]
     assert not any("committed" in lines[i] for i in lines if i > 2), r.stdout

@@ -196,9 +196,10 @@ class GlooExtractor:
         # payloads of that size seen, by tag (dropped once taken)
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
         self.buffer_payloads: dict[int, bytes] = {}
-        # find_unused_parameters: where each iteration's used-map payloads lay on the wire,
-        # (direction, first byte, end), so copies of them that disagree are found
-        self.map_spans: dict[int, list[tuple]] = defaultdict(list)
+        # where each iteration's allgather messages (final values, the used map) lay on
+        # the wire, (direction, first byte, end, bucket): the reassembler keeps the first copy of a
+        # byte, so mirror copies that disagree there are found by range (copies_conflict)
+        self.spans: dict[int, list[tuple]] = defaultdict(list)
 
     # -- input ---------------------------------------------------------------------
     def feed_frame(self, stream: int, fr: CapturedFrame, classes: Counter) -> list[Placement]:
@@ -400,15 +401,15 @@ class GlooExtractor:
             self.counters["buffers_not_seen"] += 1
         return got
 
-    def used_map_conflict(self, iteration: int) -> str | None:
-        """Where mirror copies of DDP's used-parameter map of `iteration` disagreed (the
-        reassembler compares every copy of a byte; the first delivered is what was
-        placed, so the map is not known): a description, else None. Forgets the
-        iteration's spans."""
-        for key, lo, hi in self.map_spans.pop(iteration, ()):
+    def copies_conflict(self, iteration: int) -> tuple[int, str] | None:
+        """Where mirror copies of the bytes of `iteration`'s allgather messages disagreed
+        (the reassembler compares every copy of a byte and places the first one
+        delivered, so which is right is not known; the pipeline never commits it): (the
+        bucket, where), else None. Forgets the iteration's spans."""
+        for key, lo, hi, b in self.spans.pop(iteration, ()):
             for s, e, stream in self.reasm.dirs[key].conflicts:
                 if s < hi and lo < e:
-                    return f"stream {stream}, {key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
+                    return b, f"stream {stream}, {key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
         return None
 
     def _resolve_rebuilt(self):
@@ -565,8 +566,7 @@ class GlooExtractor:
         if it is None:
             self.counters["earlier_micro_batch_messages"] += 1
             return
-        if self.plan.find_unused_parameters and b == self.nb[lay] - 1:
-            self.map_spans[it].append((d.key, d.msg.offset, d.msg.offset + 48 + len(d.msg.payload)))
+        self.spans[it].append((d.key, d.msg.offset, d.msg.offset + 48 + len(d.msg.payload), b))
         e = sched.buckets[b].dtype.itemsize
         for lo, hi, stream in _whole_elements(d.msg.have, e):
             self.supplied[(stream, it)] += hi - lo
@@ -596,6 +596,10 @@ class GlooExtractor:
             out.append("rebuilt buckets: the order DDP broadcast differs from the plan's")
         for (sa, sp, da, dp), holes in self.holes().items():
             out.append(f"connection {sa}:{sp} -> {da}:{dp}: {len(holes)} byte range(s) no stream delivered")
+        for (sa, sp, da, dp), d in self.reasm.dirs.items():
+            if d.counts["unchecked_copy_bytes"]:  # the first copy stands unverified by it
+                out.append(f"connection {sa}:{sp} -> {da}:{dp}: {d.counts['unchecked_copy_bytes']} bytes of a mirror "
+                           "copy came too late to be compared with the copy delivered")
         return out
 
     def join_iteration(self, force: bool = False) -> int | None:

@@ -6,7 +6,7 @@ with new segment boundaries and duplicates (the same segment seen by several mir
 all land on the same bytes. Bytes that arrive twice must agree: a disagreement is a
 conflict, recorded with its exact range, and the first copy is kept. A copy arriving
 after its bytes were delivered is compared too, against the last `RETAIN` bytes handed
-out (older ones are counted as duplicates unseen).
+out (older ones are counted, `unchecked_copy_bytes`).
 
 Delivery is in order: the bytes contiguous at the frontier are handed out at once as
 `Piece(offset, data, stream)`. A hole (bytes no stream has delivered) holds back what
@@ -37,7 +37,9 @@ from parsers.tcp import ACK, FIN, RST, SYN, TcpSegment
 SEQ_MOD = 1 << 32
 HOLE_WINDOW = 8 << 20  # bytes waiting beyond a hole before it is given up
 REORDER_WINDOW = 256 << 10  # every stream this far past a hole: no stream will fill it
-RETAIN = 1 << 20  # delivered bytes kept per direction, to compare later mirror copies with
+# delivered bytes kept per direction, to compare later mirror copies with: as far as a
+# hole waits for another stream (a mirror copy lagging further is counted, unchecked)
+RETAIN = HOLE_WINDOW
 
 
 def seq_diff(a: int, b: int) -> int:
@@ -183,6 +185,9 @@ class Direction:
         """A copy of bytes already handed out: where they are still retained, a
         disagreement is a conflict (recorded; the first copy stays what was delivered)."""
         end = off + len(data)
+        kept = self.recent[0][0] if self.recent else self.delivered
+        if off < kept:  # handed out before what is retained: no longer comparable
+            self.counts["unchecked_copy_bytes"] += min(end, kept) - off
         for s, old in reversed(self.recent):  # newest first: a mirror's copy lags little
             if s + len(old) <= off:
                 break

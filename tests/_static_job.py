@@ -1,5 +1,6 @@
 """A 2-rank gloo DDP job with static_graph=True that writes its plan (tests/test_static.py);
-run as a script: OUT KIND [CLIP] [FIND_UNUSED]. The same parameters are used every
+run as a script: OUT KIND [CLIP] [FLAGS] (FLAGS: a comma list of find_unused, bn: a
+BatchNorm1d after fc1, whose buffers DDP broadcasts every forward). The same parameters are used every
 iteration (a static graph), layer a under activation checkpointing:
 
     a     used on every rank (torch.utils.checkpoint)
@@ -26,25 +27,27 @@ USED = {"fc1": 2, "a": 2, "b": 1, "dead": 0, "head": 2}  # on how many ranks eac
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, bn=False):
         super().__init__()
         self.fc1 = torch.nn.Linear(6, 16)
+        self.bn = torch.nn.BatchNorm1d(16) if bn else None
         self.a = torch.nn.Linear(16, 16)
         self.b = torch.nn.Linear(16, 16)
         self.dead = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, 3)
 
     def forward(self, x, rank):
-        h = F.relu(self.fc1(x))
+        h = self.fc1(x)
+        h = F.relu(self.bn(h) if self.bn is not None else h)
         h = h + checkpoint(self.a, h, use_reentrant=False)
         if rank == 0:
             h = h + self.b(h)
         return self.head(h)
 
 
-def build():
+def build(bn=False):
     torch.manual_seed(0)
-    return Net()
+    return Net(bn)
 
 
 def optimizer(net, kind):
@@ -55,12 +58,12 @@ def optimizer(net, kind):
     raise SystemExit(f"unknown optimizer {kind}")
 
 
-def main(rank, out, kind, clip, find_unused, store_path):
+def main(rank, out, kind, clip, flags, store_path):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     torch.set_num_threads(1)
-    net = build()
+    net = build("bn" in flags)
     ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.002, static_graph=True,
-                                                    find_unused_parameters=find_unused)
+                                                    find_unused_parameters="find_unused" in flags)
     opt = optimizer(net, kind)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     ct.write_plan(ddp, opt, os.path.join(out, "plan.json"), scheduler=sched, max_grad_norm=clip,
@@ -91,6 +94,6 @@ def main(rank, out, kind, clip, find_unused, store_path):
 
 if __name__ == "__main__":
     clip = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
-    find_unused = len(sys.argv) > 4 and sys.argv[4] == "find_unused"
+    flags = sys.argv[4].split(",") if len(sys.argv) > 4 else []
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(main, args=(sys.argv[1], sys.argv[2], clip, find_unused, os.path.join(sys.argv[1], "store")), nprocs=2)
+    mp.spawn(main, args=(sys.argv[1], sys.argv[2], clip, flags, os.path.join(sys.argv[1], "store")), nprocs=2)

@@ -151,6 +151,34 @@ def test_a_captured_job_replays_bit_exact(captured, tmp_path):
     assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout
 
 
+def test_a_captured_job_replays_bit_exact_learning_the_rebuilt_layout(captured, tmp_path):
+    """The plan's rebuilt layout "learn" (write_plan's before DDP rebuilt, iteration 2's
+    forward): the extractor takes it from the broadcast after iteration 1."""
+    d, pcap = captured
+    doc = json.loads((d / "plan.json").read_text())
+    doc["buckets"]["rebuilt"] = "learn"
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(tmp_path / "plan.json"),
+                        "--init", str(d / "init.pt"), "--out", str(tmp_path / "ckpts"), "--reference",
+                        str(d / "rank0"), str(pcap)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    n = job.ITERATIONS
+    assert r.returncode == 0 and f"{n} iterations, {n} committed" in r.stdout, r.stdout[-2000:] + r.stderr
+    assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout and "rebuilt_learned" in r.stdout
+
+
+def test_a_captured_job_with_buffers_replays_bit_exact(tmp_path_factory, tmp_path):
+    """A BatchNorm's buffers, broadcast by DDP at every forward: after iteration 1 they
+    follow DDP's rebuilt-layout broadcasts (a static graph rebuilds there, not after 0)."""
+    d = tmp_path_factory.mktemp("captured_bn")
+    pcap = _captured(d, "adamw", None, JOB, ("bn",))
+    assert load_plan(d / "plan.json").buffers.captured
+    r = _replay_cli(d, [pcap], tmp_path / "ckpts")
+    n = job.ITERATIONS  # the last one's buffers are never broadcast (no forward follows)
+    assert f"{n} iterations, {n - 1} committed, 1 not recovered ({n - 1})" in r.stdout, r.stdout[-2000:] + r.stderr
+    assert r.stdout.count("bit-exact") == n - 1 and "NOT bit-exact" not in r.stdout
+    assert "module buffers after iteration 4 not seen whole" in r.stdout
+
+
 def test_a_lost_map_of_iteration_0_commits_nothing(captured, tmp_path):
     """Every segment carrying a data message of the map allreduce (tag 3, the first after
     DDP's start-up allgather and broadcasts) dropped: iteration 0 is unrecoverable naming

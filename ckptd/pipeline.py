@@ -56,7 +56,7 @@ from ckptd.core.optim import NoLrForStep
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import USED_MAP, Plan
 from ckptd.core.schedule import RS
-from ckptd.core.shadow import ShadowModel, bucket_step_threads, limit_step_threads
+from ckptd.core.shadow import MapNotSeen, ShadowModel, bucket_step_threads, limit_step_threads
 from ckptd.threads import Thread
 
 log = logging.getLogger("ckptd")
@@ -566,12 +566,12 @@ class Pipeline:
             what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
             rep.status = "conflict"
             rep.note = f"mirror copies of {what} disagree (first: {where}): plan or capture is wrong"
-        elif self.shadow is not None and self.plan.find_unused_parameters:
+        elif self.shadow is not None and (self.plan.find_unused_parameters or self.plan.static_graph):
             try:
                 self.shadow.used_of(wire, asm.gradients())
             except ValueError as e:
                 rep.status = "unrecoverable"
-                rep.note = f"{e}: plan or capture is wrong"
+                rep.note = str(e) if isinstance(e, MapNotSeen) else f"{e}: plan or capture is wrong"
         if self.shadow is None:
             rep.status = rep.status or "complete"
         elif rep.status:

@@ -92,14 +92,15 @@ def _comm_hook(ddp) -> str:
 
 
 def _refuse_ddp_modes(ddp):
-    if getattr(ddp, "static_graph", False):
-        raise TrainerError("static_graph=True changes when DDP rebuilds its buckets; not supported")
     if getattr(ddp, "mixed_precision", None) is not None:
         raise TrainerError("DDP's own mixed_precision keeps low-precision parameter copies; use "
                            "torch.autocast with a GradScaler or a compression hook instead")
     if getattr(ddp, "_has_rebuilt_buckets", False):
         raise TrainerError("DDP has already rebuilt its buckets: call write_plan before the "
                            "first forward, so the first iteration's layout is still DDP's")
+    if getattr(ddp, "static_graph", False) and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False):
+        raise TrainerError("DDP (static_graph=True) has already run a backward: call write_plan before the "
+                           "first forward, so iteration 0's used-parameter map is on the wire ckptd reads")
 
 
 def _named_parameters(ddp) -> list[tuple[str, torch.Tensor]]:
@@ -577,7 +578,12 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     transport = "gloo" if backend == "gloo" else "roce"
     if not isinstance(allreduces_per_step, int) or allreduces_per_step < 1:
         raise TrainerError(f"allreduces_per_step must be an integer >= 1, not {allreduces_per_step!r}")
-    unused = bool(ddp.find_unused_parameters)
+    # static_graph: DDP's reducer goes by it, find_unused_parameters or not (its wire is the
+    # same either way, as checked: docs/TRAINING.md), so the plan says static_graph only
+    static = bool(getattr(ddp, "static_graph", False))
+    unused = bool(ddp.find_unused_parameters) and not static
+    if static:
+        _check_static_graph(backend, allreduces_per_step)
     if unused:
         _check_find_unused(allreduces_per_step)
     if world < 2:
@@ -589,6 +595,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         return Plan(Parameter.each_of(zip(names, params)),
                     first, first, ring, opt, tuple(addresses), (), iterations,
                     transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
+                    static_graph=static,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                     collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
@@ -599,6 +606,14 @@ def _check_find_unused(allreduces_per_step: int):
     if allreduces_per_step != 1:
         raise TrainerError("find_unused_parameters=True with allreduces_per_step > 1 is not supported: a "
                            "parameter unused in the last micro-batch keeps an earlier one's reduced gradient")
+
+
+def _check_static_graph(backend: str, allreduces_per_step: int):
+    """static_graph=True: gloo, one allreduce per step (docs/TRAINING.md)."""
+    if backend != "gloo":
+        raise TrainerError("static_graph=True is supported on gloo only (ckptd does not decode it on NCCL/RoCE)")
+    if allreduces_per_step != 1:
+        raise TrainerError("static_graph=True with allreduces_per_step > 1 is not supported")
 
 
 def _check_unused_grads(ddp, names: list[str], params: list[torch.Tensor]):
@@ -1135,7 +1150,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
         call.wait("write the plan")
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
-    if plan.find_unused_parameters:
+    if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
     def after_forward(module, inputs, output):

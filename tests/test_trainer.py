@@ -52,6 +52,11 @@ def test_unknown_comm_hooks_and_ddp_modes_are_refused(group):
     m = _ddp(find_unused_parameters=True)  # decoded (tests/test_unused.py), but not with an allreduce a micro-batch
     _refused(m, torch.optim.SGD(m.parameters(), lr=0.1),
              r"^find_unused_parameters=True with allreduces_per_step > 1 is not supported", allreduces_per_step=2)
+    m = _ddp(static_graph=True)  # decoded on gloo (tests/test_static.py), one allreduce a step
+    _refused(m, torch.optim.SGD(m.parameters(), lr=0.1),
+             r"^static_graph=True with allreduces_per_step > 1 is not supported", allreduces_per_step=2)
+    m(torch.randn(3, 4)).sum().backward()  # iteration 0's map went by: too late
+    _refused(m, torch.optim.SGD(m.parameters(), lr=0.1), r"^DDP \(static_graph=True\) has already run a backward")
 
 
 def _bn_ddp(**kw):

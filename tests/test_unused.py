@@ -150,14 +150,14 @@ def test_a_map_no_reduction_gives_is_not_stepped(runs):
 
 
 # -- a captured job ----------------------------------------------------------------------
-def _captured(out: Path, kind: str, clip: float | None) -> Path:
+def _captured(out: Path, kind: str, clip: float | None, script: Path = JOB, extra: tuple = ()) -> Path:
     from test_ddp_jobs import _q, _why_not
     why = _why_not()
     if why:
         pytest.skip(f"real DDP jobs skipped: {why}")
     out.mkdir(parents=True, exist_ok=True)
     pcap, err = out / "lo.pcap", out / "tcpdump.err"
-    train = [sys.executable, str(JOB), str(out), kind, "-" if clip is None else str(clip)]
+    train = [sys.executable, str(script), str(out), kind, "-" if clip is None else str(clip), *extra]
     script = (f"ip link set lo up; tcpdump -i lo -s 0 -B 262144 -U -w {pcap} tcp 2>{err} & T=$!; "
               f"sleep 1; PYTHONPATH={_q(str(REPO))} {' '.join(_q(a) for a in train)}; rc=$?; sleep 0.5; "
               "kill -INT $T; wait $T; exit $rc")

@@ -57,6 +57,8 @@ COMM_HOOKS = {"allreduce": None, "fp16_compress": "float16", "bf16_compress": "b
 # reduced map says on how many ranks each parameter was used; 0: globally unused, its grad
 # left untouched (None after zero_grad(), so torch's step skips it). The plan's wire layouts
 # carry it as one more allreduce (Plan.layout_buckets), named so in reports.
+# DDP with static_graph=True allreduces that map once, at iteration 0 FIRST (before its buckets,
+# Reducer::delay_all_reduce), and keeps it: a parameter no rank used then is never stepped.
 USED_MAP = "(DDP's used-parameter map)"
 GRAD_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
@@ -338,6 +340,11 @@ class Plan:
     # used-parameter map (USED_MAP, one int32 per parameter), DDP never rebuilds its
     # buckets, and the shadow steps only the parameters some rank used (docs/TRAINING.md)
     find_unused_parameters: bool = False
+    # DDP's static_graph=True (gloo; docs/TRAINING.md): iteration 0's round opens with the
+    # used-map allreduce, later rounds carry none; the first layout serves wire rounds 0
+    # and 1 (DDP rebuilds after iteration 1); the shadow steps only the parameters some
+    # rank used at iteration 0, in every iteration
+    static_graph: bool = False
 
     def __post_init__(self):
         check_plan(self)
@@ -371,7 +378,7 @@ class Plan:
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
         """The layout of the allreduce a training iteration steps with: its last
         micro-batch's, which is DDP's first layout only for the job's very first allreduce."""
-        return self.buckets_first if self.last_wire_iteration(iteration) == 0 else self.buckets_rebuilt
+        return self.buckets_first if self.last_wire_iteration(iteration) < self.rebuild_round else self.buckets_rebuilt
 
     def last_wire_iteration(self, iteration: int) -> int:
         """The wire iteration (the n-th round of bucket allreduces of the communicator)
@@ -381,8 +388,21 @@ class Plan:
     def wire_layout(self, round_: int) -> tuple[BucketLayout, ...]:
         """The layout of wire round `round_` (the n-th round of bucket allreduces of the
         communicator): DDP's first for round 0 only (it rebuilds after the first
-        backward's allreduce), the rebuilt one for every later round."""
-        return self.buckets_first if round_ == 0 else self.buckets_rebuilt
+        backward's allreduce; with static_graph after the second's), the rebuilt one for
+        every later round."""
+        return self.buckets_first if round_ < self.rebuild_round else self.buckets_rebuilt
+
+    @property
+    def rebuild_round(self) -> int:
+        """The first wire round on DDP's rebuilt layout: 1, or 2 with static_graph (its
+        first backward only counts hook calls, so the order is recorded in the second)."""
+        return 2 if self.static_graph else 1
+
+    def has_map(self, iteration: int) -> bool:
+        """Whether an iteration's allreduces include DDP's used-parameter map: every one
+        with find_unused_parameters, iteration 0's with static_graph (where it is the
+        first allreduce on the wire; the assembly lists it last all the same)."""
+        return self.find_unused_parameters or (self.static_graph and iteration == 0)
 
     def step_of_round(self, round_: int) -> int | None:
         """The training iteration wire round `round_` is the last micro-batch of, whose
@@ -396,16 +416,18 @@ class Plan:
         micro-batch), or None (a broadcast after an earlier micro-batch)."""
         return None if round_ < 1 else self.step_of_round(round_ - 1)
 
-    def layout_buckets(self, layout: tuple[BucketLayout, ...]) -> list[Bucket]:
+    def layout_buckets(self, layout: tuple[BucketLayout, ...], used_map: bool | None = None) -> list[Bucket]:
         # made once per layout (a bucket's count sums its parameters' sizes): asked per
         # iteration opened, finalized and scheduled; keyed by the layout tuple itself,
         # which the cache keeps alive, so its id is never another's
+        # (used_map: whether the map follows the buckets, by default find_unused_parameters)
+        used_map = self.find_unused_parameters if used_map is None else used_map
         cache = self.__dict__.setdefault("_layout_buckets", {})
-        hit = cache.get(id(layout))
+        hit = cache.get((id(layout), used_map))
         if hit is None or hit[0] is not layout:
-            hit = cache[id(layout)] = (layout, tuple(
+            hit = cache[(id(layout), used_map)] = (layout, tuple(
                 Bucket(self.bucket_count(b), np.dtype(_np_dtype(self.bucket_dtype(b)))) for b in layout)
-                + ((self.used_map_bucket,) if self.find_unused_parameters else ()))
+                + ((self.used_map_bucket,) if used_map else ()))
         return list(hit[1])
 
     @cached_property
@@ -418,7 +440,7 @@ class Plan:
 
     def is_used_map(self, iteration: int, b: int) -> bool:
         """Whether bucket b of an iteration's assembly is DDP's used-parameter map."""
-        return self.find_unused_parameters and b == len(self.layout(iteration))
+        return self.has_map(iteration) and b == len(self.layout(iteration))
 
     def learn_rebuilt(self, layout) -> None:
         """Set the rebuilt layout learned from the wire (a plan with "rebuilt": "learn";
@@ -431,7 +453,7 @@ class Plan:
         object.__setattr__(self, "buckets_rebuilt", layout)
 
     def buckets(self, iteration: int) -> list[Bucket]:
-        return self.layout_buckets(self.layout(iteration))
+        return self.layout_buckets(self.layout(iteration), self.has_map(iteration))
 
     def bucket_count(self, b: BucketLayout) -> int:
         if b.params:
@@ -684,7 +706,7 @@ class Plan:
             _check_tensor(model.get(p.name), p, f"{where}: model.{p.name}")
             if per_param:
                 st = per_param.get(p.name)
-                if st is None and self.find_unused_parameters:
+                if st is None and (self.find_unused_parameters or self.static_graph):
                     continue  # unused on every rank so far: torch made no state for it yet
                 if not isinstance(st, dict):
                     raise CheckpointError(f"{where}: optimizer.state lacks {p.name!r}")
@@ -748,6 +770,8 @@ class Plan:
             doc["frozen"] = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.frozen]
         if self.find_unused_parameters:
             doc["find_unused_parameters"] = True
+        if self.static_graph:
+            doc["static_graph"] = True
         return doc
 
     def buffer(self, name: str) -> Parameter:
@@ -879,6 +903,8 @@ def check_plan(plan: Plan) -> None:
         raise PlanError("buckets.first lists no allreduce")
     if plan.find_unused_parameters:
         _check_find_unused(plan)
+    if plan.static_graph:
+        _check_static_graph(plan)
     _check_layout(plan, "first", plan.buckets_first)
     if not plan.rebuilt_learn:
         _check_layout(plan, "rebuilt", plan.buckets_rebuilt)
@@ -950,6 +976,21 @@ def _check_find_unused(plan: Plan) -> None:
     if plan.allreduces_per_step != 1:
         raise PlanError("find_unused_parameters with allreduces_per_step > 1 is not supported (a parameter "
                         "unused in the last micro-batch keeps an earlier one's reduced gradient)")
+
+
+def _check_static_graph(plan: Plan) -> None:
+    """static_graph: what ckptd decodes of it (docs/TRAINING.md)."""
+    if plan.static_graph is not True:
+        raise PlanError(f"static_graph must be true or absent, not {_short(plan.static_graph)}")
+    if plan.transport != "gloo":
+        raise PlanError("static_graph is decoded on gloo only (not on NCCL/RoCE)")
+    if not plan.parameters:
+        raise PlanError("static_graph needs parameters (DDP's used map is of them)")
+    if plan.find_unused_parameters:
+        raise PlanError("static_graph with find_unused_parameters: DDP's wire is static_graph's then; "
+                        "the plan says static_graph only")
+    if plan.allreduces_per_step != 1:
+        raise PlanError("static_graph with allreduces_per_step > 1 is not supported")
 
 
 def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) -> int:
@@ -1247,7 +1288,7 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
 
 PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
              "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "frozen",
-             "find_unused_parameters", "written_by")
+             "find_unused_parameters", "static_graph", "written_by")
 
 
 def _plan_from_json(raw) -> Plan:
@@ -1400,7 +1441,8 @@ def _plan_from_json(raw) -> Plan:
                 buffers=_buffers_from_json(doc),
                 allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
                 bucket_limits=limits, frozen=tuple(frozen),
-                find_unused_parameters=doc.get("find_unused_parameters", False))
+                find_unused_parameters=doc.get("find_unused_parameters", False),
+                static_graph=doc.get("static_graph", False))
 
 
 def _tensors_from_json(entries: list, key: str) -> list[Parameter]:

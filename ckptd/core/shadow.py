@@ -19,7 +19,7 @@ from ckptd.core.checkpoint import CheckpointError
 from ckptd.core.optim import (EAGER_STATE, GroupSchedule, NoLrForStep, OptimizerError, clip_grad_norm, full_groups, init_state,
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
-from ckptd.core.plan import COMM_HOOKS, Plan, dtype_name
+from ckptd.core.plan import COMM_HOOKS, USED_MAP, Plan, dtype_name
 
 
 def bucket_step_threads() -> int:
@@ -41,6 +41,10 @@ def limit_step_threads(n: int):
     restore = threading.Thread(target=torch.set_num_threads, args=(default,))
     restore.start()
     restore.join()
+
+
+class MapNotSeen(ValueError):
+    """static_graph: DDP's used map of iteration 0 was not seen by this shadow."""
 
 
 class ShadowModel:
@@ -101,6 +105,8 @@ class ShadowModel:
         # pipeline before each commit; empty unless the plan captures them
         self.buffers: dict[str, torch.Tensor] = {}
         self.lr = None
+        # static_graph: DDP's used map of iteration 0, per parameter (used_of)
+        self.static_used: list[bool] | None = None
         self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
 
     @property
@@ -109,7 +115,8 @@ class ShadowModel:
         needs every gradient first (clipping's total norm, the scaler's inf check), nor
         with find_unused_parameters (which parameters step is known from DDP's used map,
         allreduced after the last bucket)."""
-        return self.opt.max_grad_norm is None and self.scaler is None and not self.plan.find_unused_parameters
+        return (self.opt.max_grad_norm is None and self.scaler is None and not self.plan.find_unused_parameters
+                and not self.plan.static_graph)
 
     def prepare_state(self):
         """Makes now the optimizer state the next iteration's step would create (as
@@ -188,21 +195,32 @@ class ShadowModel:
     def used_of(self, iteration: int, buffers: list[np.ndarray]) -> list[bool] | None:
         """find_unused_parameters: per parameter, whether some rank used it (DDP's reduced
         used map, the assembly's last buffer: a count of ranks, 0 = used on none); None
-        without. ValueError for a map no reduction of 0/1 flags gives."""
-        if not self.plan.find_unused_parameters:
+        without. ValueError for a map no reduction of 0/1 flags gives. static_graph: DDP
+        reduces the map once, at iteration 0, and keeps it; later iterations take that one
+        (ValueError if this shadow did not see it: then which parameters step is unknown)."""
+        if not (self.plan.find_unused_parameters or self.plan.static_graph):
             return None
+        if not self.plan.has_map(iteration):
+            if self.static_used is None:
+                raise MapNotSeen(f"{USED_MAP} of iteration 0 (static_graph: DDP keeps it for every later "
+                                 "iteration) was not seen by this shadow: which parameters the trainer steps "
+                                 "is not known")
+            return self.static_used
         counts = np.asarray(buffers[len(self.plan.layout(iteration))], dtype=np.int64)
         bad = np.flatnonzero((counts < 0) | (counts > self.plan.nranks))
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"DDP's used-parameter map says {self.names[i]} was used on {int(counts[i])} ranks "
                              f"of {self.plan.nranks}")
-        return [bool(c) for c in counts]
+        used = [bool(c) for c in counts]
+        if self.plan.static_graph:
+            self.static_used = used
+        return used
 
     def grads_from_buckets(self, iteration: int, buffers: list[np.ndarray]) -> list[torch.Tensor]:
         """Per-parameter gradient views of the reduced bucket buffers (DDP's grad views)."""
         by_name = {}
-        if self.plan.find_unused_parameters:
+        if self.plan.has_map(iteration):
             buffers = buffers[:len(self.plan.layout(iteration))]  # the used map is no gradient
         for b, buf in enumerate(buffers):
             t = self._wire_to_param_dtype(buf)

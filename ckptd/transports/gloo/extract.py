@@ -151,12 +151,14 @@ class GlooExtractor:
     def __init__(self, plan: Plan, hole_window: int = HOLE_WINDOW, map_lag: int = MAP_LAG):
         self.plan = plan
         self.nranks = plan.nranks
-        # by wire layout: 0 DDP's first (the job's first allreduce round), 1 the rebuilt
-        self.sched = [GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first)),
-                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_rebuilt))]
+        # by wire layout: 0 DDP's first (the job's first allreduce round), 1 the rebuilt,
+        # 2 the first without the used map (static_graph's round 1; _lay)
+        self.sched = [GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first, plan.has_map(0))),
+                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_rebuilt)),
+                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first, plan.has_map(1)))]
         self.per_step = plan.allreduces_per_step
         self.nb = [len(s.buckets) for s in self.sched]
-        self.lengths = self.sched[0].lengths() | self.sched[1].lengths()
+        self.lengths = self.sched[0].lengths() | self.sched[1].lengths() | self.sched[2].lengths()
         self.reasm = TcpReassembler(hole_window)
         self.ranks = RankMap(plan)
         self.framers: dict[tuple, GlooFramer] = {}
@@ -227,6 +229,9 @@ class GlooExtractor:
         self._map(out, final=True)
         for key in list(self.tail):  # every direction has ended: its tail groups are whole
             self._from_the_end(key, out, final=True)
+        # by iteration (stable): a later iteration's placement handed over first finalizes
+        # the ones FINALIZE_LAG behind it, and their tail groups placed after it were late
+        out.sort(key=lambda p: p.iteration)
         return out
 
     def idle(self) -> list[Placement]:
@@ -372,12 +377,11 @@ class GlooExtractor:
         """The tags of DDP's buffer broadcasts at the forward after training iteration
         `iteration`, once its last allreduce is numbered."""
         w = self.plan.last_wire_iteration(iteration)
-        last = self.nb[0] - 1 if w == 0 else self.nb[0] + w * self.nb[1] - 1
-        t = self.number_tag.get(last)
+        t = self.number_tag.get(self._round_start(w + 1) - 1)
         if t is None:
             return None
         start = t + 1
-        if w == 0 and self.rebuilt_tag == start:
+        if w == self.plan.rebuild_round - 1 and self.rebuilt_tag == start:
             start += 2  # the rebuilt layout's two broadcasts come first (Reducer::rebuild_buckets)
         return range(start, start + len(self.buffer_sizes))
 
@@ -454,7 +458,7 @@ class GlooExtractor:
             t = self.tags[self.map_pos]
             if not (final or quiet) and t + self.map_lag > top:
                 break
-            if self.next_number == self.nb[0] and self.rebuilt == "pending":
+            if self.next_number == self._round_start(self.plan.rebuild_round) and self.rebuilt == "pending":
                 if not final and t + REBUILD_WAIT > top:
                     break  # iteration 1's layout is not known yet
                 self.rebuilt = "not_seen"
@@ -476,15 +480,34 @@ class GlooExtractor:
         placed: DDP hands each micro-batch param.grad (the previous reduced value plus
         this backward's), so the last round carries exactly the gradient the step uses.
         None: nothing of it is placed (count messages dropped)."""
-        w, b = (0, n) if n < self.nb[0] else (1 + (n - self.nb[0]) // self.nb[1],
-                                              (n - self.nb[0]) % self.nb[1])
-        if w >= 1 and (self.rebuilt == "mismatch"
-                       or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
+        rr = self.plan.rebuild_round
+        start = self._round_start(rr)
+        if n < self.nb[0]:
+            w, b = 0, n
+            if self.plan.static_graph:  # the used map first on the wire, last in the assembly
+                b = self.nb[0] - 1 if n == 0 else n - 1
+        elif n < start:  # static_graph's round 1: the first layout again
+            w, b = 1, n - self.nb[0]
+        else:
+            w, b = rr + (n - start) // self.nb[1], (n - start) % self.nb[1]
+        if w >= rr and (self.rebuilt == "mismatch"
+                        or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
             self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
                           else "rebuilt_unknown_dropped"] += count
             return None
         it = w // self.per_step if w % self.per_step == self.per_step - 1 else None
-        return it, min(w, 1), b
+        return it, self._lay(w), b
+
+    def _lay(self, w: int) -> int:
+        """The schedule (self.sched) of wire round w."""
+        return 0 if w == 0 else 2 if w < self.plan.rebuild_round else 1
+
+    def _round_start(self, w: int) -> int:
+        """The number of wire round w's first allreduce."""
+        rr = self.plan.rebuild_round
+        if w < rr:
+            return sum(self.nb[self._lay(v)] for v in range(w))
+        return sum(self.nb[self._lay(v)] for v in range(rr)) + (w - rr) * self.nb[1]
 
     def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
         """Place the data messages of allreduce number n (tag t), and the groups held
@@ -588,7 +611,7 @@ class GlooExtractor:
         got = self.supplied.pop((stream, iteration), 0)
         if not got:
             return None
-        return 1.0 - got / self.expected_ag[min(self.plan.last_wire_iteration(iteration), 1)]
+        return 1.0 - got / self.expected_ag[self._lay(self.plan.last_wire_iteration(iteration))]
 
     def diagnostics(self) -> list[str]:
         out = []

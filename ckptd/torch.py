@@ -1168,6 +1168,9 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
             rebuilt = _layout(module, names_of)
             object.__setattr__(plan, "buckets_rebuilt", rebuilt)
             object.__setattr__(plan, "rebuilt_learn", False)
+            used = _static_used_map(module) if plan.static_graph else None
+            if used is not None and len(used) == len(plan.parameters):  # DDP's kept map: a resumed shadow needs it
+                object.__setattr__(plan, "static_used_map", used)
             try:
                 _save(plan, path)
             except OSError as e:
@@ -1176,6 +1179,18 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
 
     handle = ddp_model.register_forward_hook(after_forward)
     return plan
+
+
+def _static_used_map(ddp) -> tuple[int, ...] | None:
+    """static_graph, after iteration 0: per parameter, 1 where some rank used it. The
+    reducer's host copy of the map is the reduced one where this rank left a parameter
+    unused (finalize_bucket_dense copies it over then), else still this rank's own (all
+    used here, so used somewhere): either way nonzero means used by some rank."""
+    try:
+        used = ddp.reducer._get_local_used_map()
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(int(bool(x)) for x in used.tolist())
 
 
 def _out_path(path, arg: str) -> Path:

@@ -61,8 +61,10 @@ def _buffers(plan, it: int, ref: dict, used=None) -> list[np.ndarray]:
     return out
 
 
-def _replay(d: Path, used=None) -> list[tuple[int, list[str]]]:
+def _replay(d: Path, used=None, recorded: bool = True) -> list[tuple[int, list[str]]]:
     plan = load_plan(d / "plan.json")
+    if not recorded:  # as a plan write_plan did not rewrite: the map only from the wire
+        plan = dataclasses.replace(plan, static_used_map=None)
     shadow = ShadowModel(plan, load_checkpoint(d / "init.pt", plan.state_names))
     out = []
     for it in range(job.ITERATIONS):
@@ -97,7 +99,8 @@ def test_a_shadow_ignoring_the_map_differs(runs):
     """Every parameter marked used at iteration 0 (dead stepped with its zero slot, as a
     shadow ignoring the map would): rank 0 differs from iteration 0 on."""
     d = runs("sgd", 0.5)
-    bad = [(it, diffs) for it, diffs in _replay(d, used=lambda ref: np.maximum(ref["used"].numpy(), 1)) if diffs]
+    bad = [(it, diffs) for it, diffs in _replay(d, used=lambda ref: np.maximum(ref["used"].numpy(), 1), recorded=False)
+           if diffs]
     assert bad and bad[0][0] == 0 and any("dead" in x for x in bad[0][1])
 
 
@@ -126,13 +129,32 @@ def test_the_plan_says_so_and_what_is_not_decoded_is_refused(runs):
     with pytest.raises(ct.TrainerError, match=r"static_graph=True is supported on gloo only") as e:
         ct._check_static_graph("nccl", 1)
     assert "\n" not in str(e.value)
+    with pytest.raises(PlanError, match=r"static_used_map must be one 0 or 1 per parameter"):
+        plan_from_json({**doc, "static_used_map": [1, 0]})
+    with pytest.raises(PlanError, match=r"static_used_map without static_graph"):
+        plan_from_json({k: v for k, v in doc.items() if k != "static_graph"})
     # a resumed shadow: never-used parameters have no optimizer state, and that is fine;
-    # but it did not see iteration 0's map, so it cannot step
+    # write_plan's rewrite after DDP's rebuild recorded the map DDP keeps from iteration
+    # 0, so the shadow steps every later iteration bit for bit without seeing it
+    names = [p.name for p in plan.parameters]
+    assert plan.static_used_map == tuple(int(job.USED[n.split(".")[0]] > 0) for n in names)
     ckpt = load_checkpoint(d / "rank0" / "iter_000001.pt", plan.state_names)
     plan.check_resume(ckpt, "ckpt")
     shadow = ShadowModel(plan, ckpt)
+    for it in range(2, job.ITERATIONS):
+        ref = torch.load(d / f"iter{it}.pt", weights_only=True)
+        shadow.apply(it, _buffers(plan, it, ref))
+        assert diff_checkpoints({"iteration": it, "model": shadow.model_state(),
+                                 "optimizer": shadow.optimizer_state()}, {"iteration": it, **ref}) == [], it
+    # a plan without it (not rewritten): the shadow did not see iteration 0's map, so it cannot step
+    shadow = ShadowModel(dataclasses.replace(plan, static_used_map=None), ckpt)
     with pytest.raises(ValueError, match=r"of iteration 0 \(static_graph"):
         shadow.apply(2, _buffers(plan, 2, torch.load(d / "iter2.pt", weights_only=True)))
+    # a plan's map the wire contradicts at iteration 0 is refused, never stepped
+    flipped = dataclasses.replace(plan, static_used_map=tuple(1 - x for x in plan.static_used_map))
+    shadow = ShadowModel(flipped, load_checkpoint(d / "init.pt", plan.state_names))
+    with pytest.raises(ValueError, match=r"the plan's static_used_map the opposite"):
+        shadow.apply(0, _buffers(plan, 0, torch.load(d / "iter0.pt", weights_only=True)))
 
 
 # -- a captured job ----------------------------------------------------------------------
@@ -179,10 +201,13 @@ def test_a_captured_job_with_buffers_replays_bit_exact(tmp_path_factory, tmp_pat
     assert "module buffers after iteration 4 not seen whole" in r.stdout
 
 
-def test_a_lost_map_of_iteration_0_commits_nothing(captured, tmp_path):
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_lost_map_of_iteration_0_commits_nothing(captured, tmp_path, recorded):
     """Every segment carrying a data message of the map allreduce (tag 3, the first after
     DDP's start-up allgather and broadcasts) dropped: iteration 0 is unrecoverable naming
-    the map, and so is every later one (DDP keeps that map): nothing is committed."""
+    the map, and nothing later is committed: the shadow stopped there (with the map the
+    plan recorded), or every later iteration is unrecoverable too (a plan without it:
+    DDP keeps that map, and this shadow never saw it)."""
     from parsers.capfile import open_capture
     from parsers.pcap import PcapWriter
     from parsers.tcp import decode_tcp_frame
@@ -199,10 +224,23 @@ def test_a_lost_map_of_iteration_0_commits_nothing(captured, tmp_path):
                 continue
             w.write(fr.data, fr.ts_ns, fr.origlen)
     assert dropped
+    if not recorded:  # the plan as write_plan wrote it before DDP's rebuild
+        doc = json.loads((d / "plan.json").read_text())
+        assert doc.pop("static_used_map")
+        d2 = tmp_path / "unrecorded"
+        d2.mkdir()
+        (d2 / "plan.json").write_text(json.dumps(doc))
+        for name in ("init.pt", "rank0"):
+            (d2 / name).symlink_to(d / name)
+        d = d2
     r = _replay_cli(d, [lossy], tmp_path / "ckpts")
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     lines = {int(ln.split()[1].rstrip(":")): ln for ln in r.stdout.splitlines() if ln.startswith("iteration ")}
     assert "unrecoverable" in lines[0] and USED_MAP in lines[0], lines[0]
-    assert all("unrecoverable" in lines[i] and "static_graph" in lines[i] for i in range(1, job.ITERATIONS)), r.stdout
+    later = [lines[i] for i in range(1, job.ITERATIONS)]
+    if recorded:
+        assert all("complete-not-applied" in ln and "shadow stopped at iteration -1" in ln for ln in later), r.stdout
+    else:
+        assert all("unrecoverable" in ln and "static_graph" in ln for ln in later), r.stdout
     assert not any("committed" in ln for ln in lines.values()), r.stdout
     assert not any(p.name.startswith("iter") for p in (tmp_path / "ckpts").iterdir())

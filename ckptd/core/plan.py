@@ -345,6 +345,11 @@ class Plan:
     # and 1 (DDP rebuilds after iteration 1); the shadow steps only the parameters some
     # rank used at iteration 0, in every iteration
     static_graph: bool = False
+    # static_graph: per parameter, whether some rank used it at iteration 0 (1/0), as
+    # write_plan's rewrite after DDP's rebuild reads the reducer's kept map; so a shadow
+    # resumed past iteration 0 knows which parameters step. None: not recorded (it must
+    # then see iteration 0's map on the wire)
+    static_used_map: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_plan(self)
@@ -772,6 +777,8 @@ class Plan:
             doc["find_unused_parameters"] = True
         if self.static_graph:
             doc["static_graph"] = True
+        if self.static_used_map is not None:
+            doc["static_used_map"] = list(self.static_used_map)
         return doc
 
     def buffer(self, name: str) -> Parameter:
@@ -905,6 +912,8 @@ def check_plan(plan: Plan) -> None:
         _check_find_unused(plan)
     if plan.static_graph:
         _check_static_graph(plan)
+    elif plan.static_used_map is not None:
+        raise PlanError("static_used_map without static_graph")
     _check_layout(plan, "first", plan.buckets_first)
     if not plan.rebuilt_learn:
         _check_layout(plan, "rebuilt", plan.buckets_rebuilt)
@@ -991,6 +1000,11 @@ def _check_static_graph(plan: Plan) -> None:
                         "the plan says static_graph only")
     if plan.allreduces_per_step != 1:
         raise PlanError("static_graph with allreduces_per_step > 1 is not supported")
+    m = plan.static_used_map
+    if m is not None and (not isinstance(m, tuple) or len(m) != len(plan.parameters)
+                          or any(x not in (0, 1) or isinstance(x, bool) for x in m)):
+        raise PlanError(f"static_used_map must be one 0 or 1 per parameter ({len(plan.parameters)}), "
+                        f"not {_short(m)}")
 
 
 def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) -> int:
@@ -1288,7 +1302,7 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
 
 PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
              "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "frozen",
-             "find_unused_parameters", "static_graph", "written_by")
+             "find_unused_parameters", "static_graph", "static_used_map", "written_by")
 
 
 def _plan_from_json(raw) -> Plan:
@@ -1442,7 +1456,13 @@ def _plan_from_json(raw) -> Plan:
                 allreduces_per_step=doc.int("allreduces_per_step", 1, MAX_ITERATIONS, 1),
                 bucket_limits=limits, frozen=tuple(frozen),
                 find_unused_parameters=doc.get("find_unused_parameters", False),
-                static_graph=doc.get("static_graph", False))
+                static_graph=doc.get("static_graph", False),
+                static_used_map=_static_used_map(doc.get("static_used_map")))
+
+
+def _static_used_map(raw) -> tuple | None:
+    # a list as JSON has it; _check_static_graph says what is wrong with its values
+    return tuple(raw) if isinstance(raw, list) else raw
 
 
 def _tensors_from_json(entries: list, key: str) -> list[Parameter]:

@@ -106,7 +106,8 @@ class ShadowModel:
         self.buffers: dict[str, torch.Tensor] = {}
         self.lr = None
         # static_graph: DDP's used map of iteration 0, per parameter (used_of)
-        self.static_used: list[bool] | None = None
+        self.static_used: list[bool] | None = None if plan.static_used_map is None else \
+            [bool(x) for x in plan.static_used_map]
         self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
 
     @property
@@ -214,6 +215,10 @@ class ShadowModel:
                              f"of {self.plan.nranks}")
         used = [bool(c) for c in counts]
         if self.plan.static_graph:
+            if self.plan.static_used_map is not None and used != self.static_used:
+                i = next(k for k, (a, b) in enumerate(zip(used, self.static_used)) if a != b)
+                raise ValueError(f"{USED_MAP} of iteration 0 says {self.names[i]} was "
+                                 f"{'used' if used[i] else 'unused'}, the plan's static_used_map the opposite")
             self.static_used = used
         return used
 

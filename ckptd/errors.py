@@ -7,6 +7,11 @@ class CkptdError(Exception):
     """Bad input or an impossible request, said in words a user can act on."""
 
 
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (its type's name where it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def show(v, limit: int = 60) -> str:
     """A value from a user's file, for an error message: short whatever it is.
 

@@ -47,7 +47,7 @@ from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout
                              PlanError)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.core.wrappers import unwrap
-from ckptd.errors import CkptdError
+from ckptd.errors import CkptdError, one_line
 
 PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
 _KIND_OF_CLASS = {v: k for k, v in OPTIMIZER_CLASSES.items()}
@@ -349,7 +349,7 @@ def _step_through(scheduler, optimizer, iterations: int, name: str) -> list:
                     break
                 lrs.append(now[0] if len(set(now)) == 1 else now)
     except Exception as e:  # noqa: BLE001 -- the scheduler's own code: said in one line, with the step
-        why = f"fails at step {len(lrs)} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        why = f"fails at step {len(lrs)} ({type(e).__name__}: {one_line(e)[:200]})"
     finally:
         scheduler.load_state_dict(keep)
         for g, was in zip(groups, kept):
@@ -702,10 +702,6 @@ _READ_GRACE_S = 10  # how long a failed rank waits for the others to read its er
 _POLL_MAX_S = 1.0  # the longest pause between two looks at the store while polling
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def _ranks_text(ranks) -> str:
     ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
@@ -758,7 +754,7 @@ class _PlanCall:
             value, payload = work()
             mine, failure = {"ok": payload}, None
         except Exception as e:
-            mine, failure = {"error": _one_line(e)}, e
+            mine, failure = {"error": one_line(e)}, e
         self.store.set(key + str(self.rank), json.dumps(mine).encode())
         if failure is not None:
             # Its own error is what this rank raises; it does not wait for the others'
@@ -807,7 +803,7 @@ class _PlanCall:
             raise TrainerError(f"rank {self.rank} had no word from {_ranks_text(missing) if missing else 'the others'}"
                                f" on whether they could {step} ({where}, waited up to "
                                f"{timeout.total_seconds():.0f} s; every rank calls write_plan, equally often): "
-                               f"{_one_line(e)}") from None
+                               f"{one_line(e)}") from None
 
     def _poll(self, keys: list[str], timeout: timedelta):
         """Wait for `keys`, looking between whiles whether a rank went on to train after
@@ -851,7 +847,7 @@ class _PlanCall:
         try:
             yield
         except Exception as e:
-            self.store.set(key, _one_line(e).encode())
+            self.store.set(key, one_line(e).encode())
             # Where rank 0 hosts the store (tcp://, or env:// outside torchrun) its exit
             # takes the store along: let the others read the error first, for a while.
             try:
@@ -870,7 +866,7 @@ class _PlanCall:
         except RuntimeError as e:  # the store's timeout (DistStoreError), or its server gone
             raise TrainerError(f"rank {dist.get_rank()} had no word from rank 0 on whether it could {step} "
                                f"(c10d store key {key!r}, waited up to {self.store.timeout.total_seconds():.0f} s): "
-                               f"{_one_line(e)}") from None
+                               f"{one_line(e)}") from None
         if error:
             self.store.set(f"{key}/read/{dist.get_rank()}", b"")
             raise TrainerError(f"rank 0 could not {step}: {error}")

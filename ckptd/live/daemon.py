@@ -45,7 +45,7 @@ from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
 from ckptd.live.status import LoopClock, Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
-from ckptd.errors import CkptdError, show
+from ckptd.errors import CkptdError, one_line, show
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one at each report)
@@ -293,7 +293,7 @@ def load_config(path: str | Path) -> DaemonConfig:
         else:
             doc = _yaml_load(text)
     except Exception as e:
-        raise ConfigError(f"{path}: cannot read config: {_one_line(e)}") from e
+        raise ConfigError(f"{path}: cannot read config: {one_line(e)}") from e
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: the config must be a mapping")
     base = path.parent
@@ -400,7 +400,7 @@ def _persist_url(k: _Keys) -> str | None:
     try:
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as e:
-        k.fail("persist_url", f"{redact(url)}: {redact(_one_line(e))}")
+        k.fail("persist_url", f"{redact(url)}: {redact(one_line(e))}")
     return url
 
 
@@ -470,10 +470,6 @@ def http_server(cfg: DaemonConfig, routes: dict):
     except OSError as e:
         raise ConfigError(f"listen {cfg.listen}: cannot serve /status there: "
                           f"{e.strerror or e}") from None
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
 
 
 def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
@@ -637,7 +633,7 @@ class Daemon:
                 save_checkpoint(path, doc["iteration"], doc["model"], doc.get("optimizer"))
         except (CheckpointError, OSError, ValueError) as e:
             log.warning("cannot restart from the persisted state",
-                        extra={"fields": {"error": redact(_one_line(e), credentials_in(self.cfg.persist_options))}})
+                        extra={"fields": {"error": redact(one_line(e), credentials_in(self.cfg.persist_options))}})
             return None
         log.info("restarting from the persisted state", extra={"fields": {
             "iteration": entry["iteration"], "from": store.where(entry["file"])}})

@@ -29,7 +29,7 @@ acknowledged, and `tail_seen()` says whether the bytes seen reach exactly that f
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from parsers.tcp import ACK, FIN, RST, SYN, TcpSegment
@@ -86,7 +86,11 @@ class Direction:
     highest: int = 0  # end of the furthest byte seen
     reach: dict[int, int] = field(default_factory=dict)  # stream -> end of its furthest byte
     ack_seq: int | None = None  # furthest acknowledgment number the other direction sent
-    recent: deque = field(default_factory=deque)  # (offset, bytes) delivered last, RETAIN in all
+    # the pieces delivered last, RETAIN bytes in all, from index recent_head on (older
+    # entries wait to be cut off in bulk): their offsets ascending, for bisect
+    recent_starts: list = field(default_factory=list)
+    recent: list = field(default_factory=list)
+    recent_head: int = 0
     recent_bytes: int = 0
 
     # -- input ---------------------------------------------------------------------
@@ -185,16 +189,18 @@ class Direction:
         """A copy of bytes already handed out: where they are still retained, a
         disagreement is a conflict (recorded; the first copy stays what was delivered)."""
         end = off + len(data)
-        kept = self.recent[0][0] if self.recent else self.delivered
+        head = self.recent_head
+        kept = self.recent_starts[head] if head < len(self.recent) else self.delivered
         if off < kept:  # handed out before what is retained: no longer comparable
             self.counts["unchecked_copy_bytes"] += min(end, kept) - off
-        for s, old in reversed(self.recent):  # newest first: a mirror's copy lags little
-            if s + len(old) <= off:
-                break
+        i = max(bisect_right(self.recent_starts, off, head) - 1, head)  # the piece holding `off`
+        while i < len(self.recent) and self.recent_starts[i] < end:
+            s, old = self.recent_starts[i], self.recent[i]
             lo, hi = max(off, s), min(end, s + len(old))
             if lo < hi and old[lo - s:hi - s] != data[lo - off:hi - off]:
                 self.conflicts.append((lo, hi, stream))
                 self.counts["conflict_bytes"] += hi - lo
+            i += 1
 
     def acknowledged(self, ack: int):
         """The other direction acknowledged every byte before sequence number `ack`."""
@@ -243,10 +249,15 @@ class Direction:
             else:
                 out.append(Piece(s, data, stream))
             self.delivered = s + len(data)
-            self.recent.append((s, data))
+            self.recent_starts.append(s)
+            self.recent.append(data)
             self.recent_bytes += len(data)
-            while self.recent_bytes - len(self.recent[0][1]) >= RETAIN:
-                self.recent_bytes -= len(self.recent.popleft()[1])
+            while self.recent_bytes - len(self.recent[self.recent_head]) >= RETAIN:
+                self.recent_bytes -= len(self.recent[self.recent_head])
+                self.recent_head += 1
+            if self.recent_head > len(self.recent) // 2:  # cut the dropped ones off in bulk
+                del self.recent_starts[:self.recent_head], self.recent[:self.recent_head]
+                self.recent_head = 0
         return out
 
     def flush(self) -> list[Piece]:

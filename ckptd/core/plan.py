@@ -1457,11 +1457,11 @@ def _plan_from_json(raw) -> Plan:
                 bucket_limits=limits, frozen=tuple(frozen),
                 find_unused_parameters=doc.get("find_unused_parameters", False),
                 static_graph=doc.get("static_graph", False),
-                static_used_map=_static_used_map(doc.get("static_used_map")))
+                static_used_map=_tuple_if_list(doc.get("static_used_map")))
 
 
-def _static_used_map(raw) -> tuple | None:
-    # a list as JSON has it; _check_static_graph says what is wrong with its values
+def _tuple_if_list(raw):
+    # a list as JSON has it, as the frozen Plan holds it; its checks say what else is wrong
     return tuple(raw) if isinstance(raw, list) else raw
 
 

@@ -91,6 +91,7 @@ class Workload:
     frames: list          # per mirror port: [(ts_ns, bytes)]
     cut: list             # per port: index where iteration t starts, len iterations + 1
     iterations: int
+    tag: str = ""         # in the names of the pcaps written (wrapped frames differ)
 
     def frames_for(self, n: int) -> int:
         return sum(c[n] for c in self.cut)
@@ -107,25 +108,29 @@ class Workload:
         from parsers.pcap import write_pcap
         paths = []
         for k, (fr, c) in enumerate(zip(self.frames, self.cut)):
-            p = where / f"mirror{k}-i{n}.pcap"
+            p = where / f"mirror{k}-i{n}{self.tag}.pcap"
             if not p.exists():
                 write_pcap(p, fr[:c[n]])
             paths.append(p)
         return paths
 
 
-def load_workload(run: Path) -> Workload:
+def load_workload(run: Path, erspan: bool = False) -> Workload:
     """The mirror captures split at iteration boundaries (the synthesizer leaves 5 ms
-    between iterations and stamps frames 100 ns apart within one)."""
+    between iterations and stamps frames 100 ns apart within one); with `erspan` every
+    frame wrapped as a remote mirror session sends it (ERSPAN II, session = the port)."""
     from parsers.pcap import read_pcap
-    frames = [[(f.ts_ns, f.data) for f in read_pcap(p)] for p in sorted((run / "mirrors").glob("*.pcap"))]
+
+    from ckptd.testing.tunnel import erspan2
+    frames = [[(f.ts_ns, erspan2(bytes(f.data), k, i) if erspan else f.data) for i, f in enumerate(read_pcap(p))]
+              for k, p in enumerate(sorted((run / "mirrors").glob("*.pcap")))]
     stamps = sorted({ts for fr in frames for ts, _ in fr})
     starts = [stamps[0]] + [b for a_, b in zip(stamps, stamps[1:]) if b - a_ > 1_000_000]
     cut = []
     for fr in frames:
         its = [bisect.bisect_right(starts, ts) - 1 for ts, _ in fr]
         cut.append([bisect.bisect_left(its, t) for t in range(len(starts) + 1)])
-    return Workload(run, frames, cut, len(starts))
+    return Workload(run, frames, cut, len(starts), "-erspan" if erspan else "")
 
 
 # -- the test network: one veth pair per mirror port --------------------------------------
@@ -708,6 +713,8 @@ def main(argv=None):
     ap.add_argument("--workers", action="store_true",
                     help="the daemon with capture_workers: true (a capture process per interface)")
     ap.add_argument("--tcpdump-filter", default=TCPDUMP_FILTER)
+    ap.add_argument("--erspan", action="store_true",
+                    help="every frame wrapped in IPv4/GRE/ERSPAN II, as a remote mirror session sends it")
     ap.add_argument("--only", choices=("daemon", "tcpdump"), help="measure one capturer only")
     ap.add_argument("--verify", choices=("chain", "every"), default="chain",
                     help="chain (default): the daemon persists as configured by default (every 10th commit, "
@@ -744,9 +751,9 @@ def main(argv=None):
     t_start = time.time()
     print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}; daemon capture_workers: "
           f"{a.workers}; sender {', '.join(senders)}", flush=True)
-    probe = load_workload(ensure_synth(a, 4))
+    probe = load_workload(ensure_synth(a, 4), a.erspan)
     need = math.ceil(a.pool_pps * a.duration / probe.per_iteration()) + 1
-    wl = load_workload(ensure_synth(a, need))
+    wl = load_workload(ensure_synth(a, need), a.erspan)
     nbytes = wl.bytes_for(wl.iterations)
     print(f"workload: {a.model} model, {wl.iterations} iterations, {wl.per_iteration():.0f} frames per "
           f"iteration per port, mean frame {nbytes / wl.frames_for(wl.iterations):.0f} B; rings "

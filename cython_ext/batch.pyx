@@ -63,7 +63,9 @@ WIRE = dict(
     LT_ETHERNET=LT_ETHERNET, LT_RAW=LT_RAW, LT_LINUX_SLL=LT_LINUX_SLL, LT_IPV4=LT_IPV4,
     LT_IPV6=LT_IPV6, LT_LINUX_SLL2=LT_LINUX_SLL2, ETH_TYPE_IPV4=ETH_TYPE_IPV4,
     ETH_TYPE_IPV6=ETH_TYPE_IPV6, TPIDS=(TPID_8021Q, TPID_8021AD, TPID_9100), PROTO_UDP=PROTO_UDP,
-    PROTO_GRE=PROTO_GRE, ROCEV2_PORT=ROCEV2_PORT, UDP_LEN=UDP_LEN, BTH_LEN=BTH_LEN,
+    PROTO_GRE=PROTO_GRE, GRE_PROTO_ERSPAN=GRE_PROTO_ERSPAN, GRE_PROTO_ERSPAN3=GRE_PROTO_ERSPAN3,
+    GRE_PROTO_TEB=GRE_PROTO_TEB, ERSPAN2_LEN=ERSPAN2_LEN, ERSPAN3_LEN=ERSPAN3_LEN,
+    ERSPAN3_PLATFORM_LEN=ERSPAN3_PLATFORM_LEN, ROCEV2_PORT=ROCEV2_PORT, UDP_LEN=UDP_LEN, BTH_LEN=BTH_LEN,
     ICRC_LEN=ICRC_LEN, WRITE_FIRST=WRITE_FIRST, WRITE_MIDDLE=WRITE_MIDDLE, WRITE_LAST=WRITE_LAST,
     WRITE_LAST_IMM=WRITE_LAST_IMM, WRITE_ONLY=WRITE_ONLY, WRITE_ONLY_IMM=WRITE_ONLY_IMM,
     ACKNOWLEDGE=ACKNOWLEDGE, PSN_MASK=PSN_MASK, PSN_MOD=PSN_MOD, LL_LINE=LL_LINE,
@@ -83,7 +85,7 @@ cdef enum:
     K_MALFORMED = 7
     K_OTHER_ROCE = 8
     NCLASSES = 9
-    K_ENCAPSULATED = -1  # GRE (ERSPAN): the reference decapsulates it
+    K_ENCAPSULATED = -1  # GRE (ERSPAN) the kernel does not unwrap: the reference decapsulates it
 CLASS_NAMES = ("frames", "roce_data", "roce_ack", "other", "truncated", "bad_icrc",
                "unknown_opcode", "malformed", "other_roce")
 
@@ -115,7 +117,7 @@ cdef enum:
     STOP_RANGE = 6  # placement past the bucket's end: the reference raises
     STOP_CONFLICTS_FULL = 7  # conflict buffer full: drain and resume at this frame
     STOP_ACK = 8  # an ACK the FlowBinder still learns from (its hop is not bound yet)
-    STOP_ENCAPSULATED = 9  # GRE/ERSPAN-wrapped frame: parsers.roce unwraps it
+    STOP_ENCAPSULATED = 9  # GRE/ERSPAN-wrapped frame the kernel does not unwrap: parsers.roce does
     STOP_COMPLETE = 10  # AFTER the frame: it completed a bucket (the pipeline may step or commit)
     STOP_SCATTERED = 11  # LL128 packet not made of whole half blocks: its data is not one run
     STOP_BUFFER = 12  # DDP's module-buffer broadcast whose iteration is not finalized: the reference keeps it
@@ -1051,10 +1053,8 @@ cdef class BatchKernel:
 
     cdef int _decode(self, const uint8_t *d, int64_t n, int linktype, bint complete,
                      Frame *f, bint checked) noexcept nogil:
-        cdef int64_t off = 0, hdr_len, total_len, pos, size, ip_end, udp_off, udp_end, bth_off
-        cdef int64_t icrc_off, payload_off, payload_len
-        cdef uint32_t ethertype, version, want, b0, ihl, proto, word, nxt, ulen, op, padcnt
-        cdef bint fragment
+        cdef int64_t off = 0
+        cdef uint32_t ethertype, version, want
         # _link: Ethernet [+ tags] | raw IP | Linux SLL/SLL2
         if linktype == LT_ETHERNET:
             if n < 14:
@@ -1092,7 +1092,16 @@ cdef class BatchKernel:
                 off += 4
         else:
             return K_OTHER                  # link type not decoded
+        return self._network(d, n, off, ethertype, complete, f, checked, False)
 
+    cdef int _network(self, const uint8_t *d, int64_t n, int64_t off, uint32_t ethertype,
+                      bint complete, Frame *f, bint checked, bint inner) noexcept nogil:
+        """parsers/roce.py _network: IP and everything above it, at `off`; `inner` once a
+        mirror tunnel has been taken off (n is then where the outer IP packet ends)."""
+        cdef int64_t hdr_len, total_len, pos, size, ip_end, udp_off, udp_end, bth_off
+        cdef int64_t icrc_off, payload_off, payload_len
+        cdef uint32_t b0, ihl, proto, word, nxt, ulen, op, padcnt
+        cdef bint fragment
         # IPv4 | IPv6
         if ethertype == ETH_TYPE_IPV4:
             if off + 20 > n:
@@ -1142,7 +1151,9 @@ cdef class BatchKernel:
             return K_OTHER                  # not IP
         f.ip_off = off
         if proto == PROTO_GRE:
-            return K_ENCAPSULATED           # a mirror tunnel: the reference unwraps it
+            if inner or fragment or not complete:
+                return K_ENCAPSULATED       # the reference says what it is
+            return self._tunnel(d, n, off + total_len, off + hdr_len, f, checked)
         if proto != PROTO_UDP:
             return K_OTHER
         if fragment:
@@ -1191,6 +1202,64 @@ cdef class BatchKernel:
         if self.op_is_ack[op]:
             return K_ROCE_ACK
         return K_ROCE_DATA
+
+    cdef int _tunnel(self, const uint8_t *d, int64_t n, int64_t outer_end, int64_t g, Frame *f,
+                     bint checked) noexcept nogil:
+        """A remotely mirrored frame (parsers/roce.py _decapsulate, parsers/erspan.py):
+        GRE version 0 without routing, holding ERSPAN I, II or III or transparent Ethernet
+        bridging, around a frame whose bytes all lie in the outer packet. That is every
+        frame of a healthy mirror session, and the kernel decodes it (RoCE or not) in
+        place (offsets into the outer bytes, the ICRC the inner packet's). Anything else
+        (routing, another tunnel, GRE in GRE, an inner frame truncated or malformed, a
+        frame cut short) stays K_ENCAPSULATED: the reference decides what it is and why."""
+        cdef uint32_t flags, proto, ethertype, word
+        cdef int64_t p
+        if outer_end > n or g + 4 > outer_end:
+            return K_ENCAPSULATED
+        flags = be16(d + g)
+        proto = be16(d + g + 2)
+        if flags & (GRE_R | GRE_VERSION):
+            return K_ENCAPSULATED
+        # (the reference computes a GRE checksum but classes the frame by the inner ICRC)
+        p = g + 4 + (4 if flags & GRE_C else 0) + (4 if flags & GRE_K else 0) + (4 if flags & GRE_S else 0)
+        if proto == GRE_PROTO_ERSPAN and flags & GRE_S:      # type II
+            if p + ERSPAN2_LEN > outer_end or d[p] >> 4 != 1:
+                return K_ENCAPSULATED
+            p += ERSPAN2_LEN
+        elif proto == GRE_PROTO_ERSPAN3:
+            if p + ERSPAN3_LEN > outer_end or d[p] >> 4 != 2:
+                return K_ENCAPSULATED
+            word = be16(d + p + 10)         # P(1) FT(5) HwID(6) D(1) Gra(2) O(1)
+            p += ERSPAN3_LEN + (ERSPAN3_PLATFORM_LEN if word & 1 else 0)
+            if (word >> 10) & 0x1F == 2:    # FT 2: the IP packet, no Ethernet header
+                if p >= outer_end:
+                    return K_ENCAPSULATED
+                ethertype = ETH_TYPE_IPV4 if d[p] >> 4 == 4 else (ETH_TYPE_IPV6 if d[p] >> 4 == 6 else 0)
+                if ethertype == 0:
+                    return K_ENCAPSULATED
+                return self._inner(d, outer_end, p, ethertype, f, checked)
+            if (word >> 10) & 0x1F != 0:
+                return K_ENCAPSULATED
+        elif proto != GRE_PROTO_ERSPAN and proto != GRE_PROTO_TEB:   # (type I: the frame follows)
+            return K_ENCAPSULATED
+        if p + 14 > outer_end:
+            return K_ENCAPSULATED
+        ethertype = be16(d + p + 12)
+        p += 14
+        while is_tpid(ethertype):
+            if p + 4 > outer_end:
+                return K_ENCAPSULATED
+            ethertype = be16(d + p + 2)
+            p += 4
+        return self._inner(d, outer_end, p, ethertype, f, checked)
+
+    cdef inline int _inner(self, const uint8_t *d, int64_t outer_end, int64_t off, uint32_t ethertype,
+                           Frame *f, bint checked) noexcept nogil:
+        # the mirrored frame ends where the outer packet does (an Ethernet trailer is not its)
+        # A frame the reference would call truncated or malformed says why in terms of
+        # the tunnel (the ERSPAN T bit, a header past the outer packet): its decision.
+        cdef int cls = self._network(d, outer_end, off, ethertype, True, f, checked, True)
+        return K_ENCAPSULATED if cls == K_TRUNCATED or cls == K_MALFORMED else cls
 
     cdef bint icrc_ok(self, const uint8_t *d, Frame *f) noexcept nogil:
         """parsers/icrc.py verify: CRC-32 over 8 x 0xFF, the IP/UDP/BTH headers with the

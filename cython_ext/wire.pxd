@@ -30,6 +30,20 @@ cdef enum:
     BTH_LEN = 12
     ICRC_LEN = 4
 
+# GRE and the mirror tunnels inside it (parsers/gre.py, parsers/erspan.py)
+cdef enum:
+    GRE_C = 0x8000          # checksum (and offset) word present
+    GRE_R = 0x4000          # routing present (RFC 1701)
+    GRE_K = 0x2000          # key word present
+    GRE_S = 0x1000          # sequence number word present
+    GRE_VERSION = 0x0007
+    GRE_PROTO_ERSPAN = 0x88BE   # types I (no S) and II (S)
+    GRE_PROTO_ERSPAN3 = 0x22EB
+    GRE_PROTO_TEB = 0x6558
+    ERSPAN2_LEN = 8
+    ERSPAN3_LEN = 12
+    ERSPAN3_PLATFORM_LEN = 8
+
 # RC opcodes NCCL's data QPs use (ckptd/transports/roce/flows.py WRITE_*, ACK); every
 # other opcode's properties come from parsers/opcodes.py as tables (opcode_tables)
 cdef enum:

@@ -188,6 +188,11 @@ def test_kernel_constants_equal_the_references():
     assert (w["PSN_MASK"], w["PSN_MOD"]) == (psn.PSN_MASK, psn.PSN_MOD)
     assert (w["LL_LINE"], w["LL_DATA_PER_LINE"]) == (schedule.LL_LINE, schedule.LL_DATA_PER_LINE)
     assert (w["UDP_LEN"], w["BTH_LEN"]) == (udp.UDP.LEN, bth.BTH.LEN)
+    from parsers import erspan
+    assert (w["GRE_PROTO_ERSPAN"], w["GRE_PROTO_ERSPAN3"], w["GRE_PROTO_TEB"]) == (
+        erspan.GRE_PROTO_ERSPAN, erspan.GRE_PROTO_ERSPAN3, erspan.GRE_PROTO_TEB)
+    assert (w["ERSPAN2_LEN"], w["ERSPAN3_LEN"], w["ERSPAN3_PLATFORM_LEN"]) == (
+        erspan.ERSPAN2.LEN, erspan.ERSPAN3.LEN, erspan.ERSPAN3Platform.LEN)
 
 
 def test_stream_newest_is_each_streams_latest_time_and_refuses_a_foreign_stream():
@@ -276,7 +281,18 @@ def _variants(frame: bytes, rng: random.Random):
         pos = rng.randrange(12, min(len(frame), 80))
         bad[pos] ^= 1 << rng.randrange(8)
         out.append((1, bytes(bad), len(bad)))
-    # GRE (the reference unwraps it)
+    # mirror tunnels, whole, cut and with header bits flipped (the kernel unwraps the
+    # healthy ones and leaves the rest to the reference)
+    fr = CapturedFrame(1, 0, 1, len(frame), len(frame), frame)
+    for wrapped in (_erspan(fr, 3), _erspan3(fr, 5), _erspan3(fr, 6), _gretap(fr, 1), _gretap(fr, 3)):
+        data = wrapped.data
+        out.append((1, data, len(data)))
+        cut = rng.randrange(14, len(data))
+        out.append((1, data[:cut], len(data)))
+        bad = bytearray(data)
+        bad[rng.randrange(14, min(len(data), 140))] ^= 1 << rng.randrange(8)
+        out.append((1, bytes(bad), len(bad)))
+    # GRE whose IP length ends inside the tunnel (the reference says why)
     if ip[0] >> 4 == 4:
         gre = bytearray(frame[:14] + frame[14:34])
         gre[14 + 9] = 47
@@ -749,20 +765,47 @@ def _tagged(fr: CapturedFrame, k: int) -> CapturedFrame:
     return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
 
 
-def _erspan(fr: CapturedFrame, k: int) -> CapturedFrame:
-    # IPv4 / GRE (S, 0x88BE) / ERSPAN II / the mirrored frame
-    inner = fr.data
-    gre = struct.pack(">HHI", 0x1000, 0x88BE, k) + struct.pack(">II", 0x10000000 | (k % 1024) << 0, 0)
-    ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(gre) + len(inner), 0, 0x4000, 64, 47, 0,
-                     bytes([192, 0, 2, 1]), bytes([192, 0, 2, 2]))
-    data = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x08\x00" + ip + gre + inner
+def _tunnel(fr: CapturedFrame, gre_flags: int, proto: int, header: bytes, inner: bytes,
+            outer_v: int = 4) -> CapturedFrame:
+    """Ethernet / IPv4 or IPv6 / GRE (flags, proto, the optional words they announce) /
+    header / inner, ended by 4 bytes of Ethernet trailer (the outer IP length rules)."""
+    words = b"".join(w for bit, w in ((0x8000, b"\xab\xcd\0\0"), (0x2000, b"\0\0\x12\x34"),
+                                      (0x1000, struct.pack(">I", fr.index))) if gre_flags & bit)
+    body = struct.pack(">HH", gre_flags, proto) + words + header + inner
+    if outer_v == 4:
+        ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 47, 0,
+                         bytes([192, 0, 2, 1]), bytes([192, 0, 2, 2]))
+        eth = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x08\x00"
+    else:
+        ip = struct.pack(">IHBB16s16s", 6 << 28, len(body), 47, 64, b"\xfd" + b"\0" * 14 + b"\x01",
+                         b"\xfd" + b"\0" * 14 + b"\x02")
+        eth = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x86\xdd"
+    data = eth + ip + body + b"\0" * 4
     return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
 
 
-@pytest.mark.parametrize("wrap", [_tagged, _erspan])
+def _erspan(fr: CapturedFrame, k: int) -> CapturedFrame:
+    # IPv4 / GRE (S) / ERSPAN II / the mirrored frame
+    return _tunnel(fr, 0x1000, 0x88BE, struct.pack(">II", 0x10000000 | k % 1024, 0), fr.data)
+
+
+def _erspan3(fr: CapturedFrame, k: int) -> CapturedFrame:
+    # IPv6 / GRE (K, S) / ERSPAN III with the platform sub-header (O) / the mirrored IP
+    # packet, its Ethernet header taken off (frame type 2); every 5th a whole frame (type 0)
+    ft = 0 if k % 5 == 0 else 2
+    hdr = struct.pack(">HHIHH", 2 << 12, k % 1024, k, 0, ft << 10 | 1) + b"\x11" * 8
+    return _tunnel(fr, 0x3000, 0x22EB, hdr, fr.data if ft == 0 else fr.data[14:], outer_v=6)
+
+
+def _gretap(fr: CapturedFrame, k: int) -> CapturedFrame:
+    # IPv4 / GRE (C, K) / transparent Ethernet bridging; every 3rd ERSPAN type I
+    return _tunnel(fr, 0xA000, 0x6558 if k % 3 else 0x88BE, b"", fr.data)
+
+
+@pytest.mark.parametrize("wrap", [_tagged, _erspan, _erspan3, _gretap])
 def test_tagged_and_mirror_tunnelled_frames(tmp_path, wrap):
-    """VLAN/QinQ tags are decoded by the kernel; GRE/ERSPAN frames take the reference's
-    decapsulation, frame by frame, with the same results."""
+    """VLAN/QinQ tags, and the mirror tunnels (GRE with ERSPAN I, II, III or transparent
+    Ethernet), are decoded by the kernel with the reference's results."""
     synth(tmp_path, ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=2, loss=1e-3, iterations=2)
     plan = load_plan(tmp_path / "plan.json")
     paths = pcaps(tmp_path)
@@ -772,10 +815,32 @@ def test_tagged_and_mirror_tunnelled_frames(tmp_path, wrap):
     ref, fast = run_both(plan, paths, frames=frames)
     assert_same(ref, fast)
     assert ref.extract.counters["ag_packets"] > 0
-    if wrap is _tagged:
-        assert fast.kernel_frames > 0.9 * sum(c["frames"] for c in fast.classes)
-    else:
-        assert fast.stops["encapsulated"] == sum(c["frames"] for c in fast.classes)
+    assert fast.kernel_frames > 0.9 * sum(c["frames"] for c in fast.classes)
+    assert fast.stops["encapsulated"] == 0
+
+
+def test_tunnels_the_kernel_leaves_to_the_reference(tmp_path):
+    """GRE with routing, version 1, another protocol, GRE in GRE, and tunnelled frames
+    cut short or truncated inside are decapsulated (or refused) by the reference, frame
+    by frame; the results are the same."""
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=1024, mirrors=1, iterations=1)
+    plan = load_plan(tmp_path / "plan.json")
+    paths = pcaps(tmp_path)
+    odd = [
+        lambda fr: _tunnel(fr, 0x4000, 0x6558, b"\0\0\0\0", fr.data),            # routing: a null SRE
+        lambda fr: _tunnel(fr, 0x0001, 0x88BE, b"", fr.data),                      # version 1
+        lambda fr: _tunnel(fr, 0x0000, 0x0800, b"", fr.data[14:]),                 # IP in GRE
+        lambda fr: _tunnel(fr, 0x0000, 0x6558, b"", _erspan(fr, 1).data),          # GRE in GRE
+        lambda fr: _tunnel(fr, 0x1000, 0x88BE, struct.pack(">II", 0x20000000, 0), fr.data),  # II, version 2
+        lambda fr: _tunnel(fr, 0x0000, 0x6558, b"", fr.data[:60]),                 # inner cut short
+    ]
+
+    def frames():
+        for k, (s, fr) in enumerate(file_source(paths, [])):
+            yield s, odd[k % len(odd)](fr)
+    ref, fast = run_both(plan, paths, frames=frames)
+    assert_same(ref, fast)
+    assert fast.stops["encapsulated"] == sum(c["frames"] for c in fast.classes)
 
 
 def test_abandon_and_the_frame_iterator_api(tmp_path):

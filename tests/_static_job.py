@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ckptd.torch as ct
 from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
+from _unused_job import optimizer  # the same AdamW and SGD
 
 ITERATIONS = 5
 USED = {"fc1": 2, "a": 2, "b": 1, "dead": 0, "head": 2}  # on how many ranks each layer is used
@@ -48,14 +49,6 @@ class Net(torch.nn.Module):
 def build(bn=False):
     torch.manual_seed(0)
     return Net(bn)
-
-
-def optimizer(net, kind):
-    if kind == "adamw":
-        return torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
-    if kind == "sgd":  # momentum and weight decay: a zero-gradient step would still move them
-        return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-    raise SystemExit(f"unknown optimizer {kind}")
 
 
 def main(rank, out, kind, clip, flags, store_path):

@@ -1,6 +1,9 @@
-"""Shared by the tests: synthesize a scenario and replay it."""
+"""Shared by the tests: synthesize a scenario and replay it; run a real DDP job script."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +29,28 @@ def run_replay(tmp: Path, paths=None, **kw):
     plan = load_plan(tmp / "plan.json")
     opts = ReplayOptions(out=str(tmp / "out"), reference=str(tmp / "reference"), **kw)
     return replay(plan, paths or pcaps(tmp), load_checkpoint(tmp / "init.pt"), opts)
+
+
+def run_job(script: str, out: Path, *args) -> Path:
+    """tests/<script> OUT ARGS...: a real DDP job (the script spawns its ranks) with the
+    repository importable. Returns OUT; a failed job fails the test with its stderr."""
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name(script)), str(out), *map(str, args)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def job_runs(tmp_path_factory, script: str):
+    """For a module-scoped fixture: get(*args) runs the job script once per distinct
+    arguments, each in a fresh folder, and returns that folder."""
+    made = {}
+
+    def get(*args):
+        if args not in made:
+            made[args] = run_job(script, tmp_path_factory.mktemp(Path(script).stem.strip("_")), *args)
+        return made[args]
+    return get
 
 
 def busy(seconds: float):

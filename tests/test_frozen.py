@@ -9,9 +9,6 @@ ckptd.restore and as an exported torch file."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,25 +22,14 @@ from ckptd.core.formats import export_checkpoint
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.core.shadow import ShadowModel
 import _frozen_job as job
+from helpers import job_runs
 from test_trainer import _net, group  # noqa: F401 -- group is a fixture
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            d = tmp_path_factory.mktemp(kind)
-            r = subprocess.run([sys.executable, str(Path(__file__).with_name("_frozen_job.py")), str(d), kind],
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            assert r.returncode == 0, r.stderr[-3000:]
-            made[kind] = d
-        return made[kind]
-    return get
+    return job_runs(tmp_path_factory, "_frozen_job.py")
 
 
 def _replay(d: Path):

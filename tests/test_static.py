@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -25,30 +24,18 @@ from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
 from ckptd.core.plan import USED_MAP, PlanError, load_plan, plan_from_json
 from ckptd.core.shadow import ShadowModel
 import _static_job as job
+from helpers import job_runs
 from test_unused import _captured, _map_slot, _replay_cli
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_static_job.py")
 
 
-def _run(d: Path, kind: str, clip: float | None, find_unused: bool = False):
-    r = subprocess.run([sys.executable, str(JOB), str(d), kind, "-" if clip is None else str(clip)]
-                       + (["find_unused"] if find_unused else []),
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return d
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    made = {}
-
-    def get(kind, clip, find_unused=False):
-        key = (kind, clip, find_unused)
-        if key not in made:
-            made[key] = _run(tmp_path_factory.mktemp(f"{kind}{clip}{find_unused}"), *key)
-        return made[key]
-    return get
+    get = job_runs(tmp_path_factory, JOB.name)
+    return lambda kind, clip, find_unused=False: get(kind, "-" if clip is None else clip,
+                                                     *(["find_unused"] if find_unused else []))
 
 
 def _buffers(plan, it: int, ref: dict, used=None) -> list[np.ndarray]:

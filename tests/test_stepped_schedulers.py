@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,26 +20,15 @@ from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
 from ckptd.core.plan import load_plan
 from ckptd.core.shadow import ShadowModel
 import _sched_job as job
+from helpers import job_runs
 from test_trainer import _net, group  # noqa: F401 -- group is a fixture
 
-REPO = Path(__file__).resolve().parents[1]
 S = torch.optim.lr_scheduler
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            d = tmp_path_factory.mktemp(kind)
-            r = subprocess.run([sys.executable, str(Path(__file__).with_name("_sched_job.py")), str(d), kind],
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            assert r.returncode == 0, r.stderr[-3000:]
-            made[kind] = d
-        return made[kind]
-    return get
+    return job_runs(tmp_path_factory, "_sched_job.py")
 
 
 def _bitwise(a, b) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from ckptd.core.checkpoint import diff_checkpoints, load_checkpoint
 from ckptd.core.plan import USED_MAP, PlanError, load_plan, plan_from_json
 from ckptd.core.shadow import ShadowModel
 import _unused_job as job
+from helpers import job_runs, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_unused_job.py")
@@ -31,21 +31,13 @@ LAYERS = ("fc1", "a", "b", "c", "dead", "head")
 
 
 def _run(d: Path, kind: str, clip: float | None, zero_grad: str = "none"):
-    r = subprocess.run([sys.executable, str(JOB), str(d), kind, "-" if clip is None else str(clip), zero_grad],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return d
+    return run_job(JOB.name, d, kind, "-" if clip is None else clip, zero_grad)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    made = {}
-
-    def get(kind, clip):
-        if (kind, clip) not in made:
-            made[(kind, clip)] = _run(tmp_path_factory.mktemp(f"{kind}{clip}"), kind, clip)
-        return made[(kind, clip)]
-    return get
+    get = job_runs(tmp_path_factory, JOB.name)
+    return lambda kind, clip: get(kind, "-" if clip is None else clip)
 
 
 def _buffers(plan, it: int, ref: dict, used=None) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.errors import CkptdError
+from ckptd.errors import CaptureDamage, CkptdError
 
 EXIT_UNRECOVERED = 3
 
@@ -259,7 +259,7 @@ def cmd_replay(a) -> int:
         option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
         wrong = (f", or {a.join_from} is not an iteration the job had reached when the capture began (the "
                  "packets are placed by their PSNs from it)") if a.join_from is not None else ""
-        listed = any(e.startswith("unmatched flow") for e in diagnostics)
+        listed = bool(pipe.extract.unmatched_flows())
         raise UsageError(f"{option}: no flow of the job in {a.plan} was recognised in the captures "
                          f"({frames} frames), so no iteration was joined: captures of another job, a plan with "
                          f"other addresses or QPs{wrong}{'; the flows left unmatched are listed above' * listed}")
@@ -269,8 +269,8 @@ def cmd_replay(a) -> int:
                          "(`ckptd inspect` lists the captures' flows)")
     if any(r.exact is False for r in reps):
         return 4
-    damaged = [p for p in a.pcap if any(e.startswith(f"{p}: ") for e in pipe.errors)]
-    if plan.iterations is None and len(damaged) == len(a.pcap):
+    damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
+    if plan.iterations is None and set(a.pcap) <= damaged:
         # where the plan gives no iteration count, only a capture that ends whole shows
         # where the job ended: cut at an iteration boundary, every iteration seen is
         # complete and the lost ones do not show at all

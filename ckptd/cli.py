@@ -129,7 +129,7 @@ def _synth_training(a) -> dict:
 
 
 def cmd_synth(a) -> int:
-    from ckptd.testing.synth import SynthOptions, check_options, mirror_ports, synthesize
+    from ckptd.testing.synth import SynthOptions, check_options, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
@@ -147,12 +147,6 @@ def cmd_synth(a) -> int:
     t0 = time.time()
     try:
         check_options(opts)
-        if opts.mirrors > mirror_ports(opts):  # mirror k past them was a second copy of port k - limit
-            where = (f"--nodes {a.nodes} x {a.nics_per_node or a.gpus_per_node} NIC(s) a node" if a.nodes
-                     else f"--ranks {a.ranks}")
-            raise UsageError(f"--mirrors {a.mirrors}: the job has {mirror_ports(opts)} switch port(s) to mirror "
-                             f"({where}{f' x --merged-nics {a.merged_nics}' if a.merged_nics > 1 else ''}); "
-                             f"give at most {mirror_ports(opts)}")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None

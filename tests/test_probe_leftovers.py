@@ -49,6 +49,22 @@ def test_synth_mirrors_past_the_switch_ports_are_refused(capsys, tmp_path, extra
     assert not out.exists()
 
 
+def test_the_python_api_refuses_mirrors_past_the_ports_as_the_command_does(tmp_path):
+    """synthesize(SynthOptions(...)) wrapped mirror 2 of 2 ranks onto rank 0's port (only
+    `ckptd synth` refused it); now the one check is check_options', and wrap_mirrors asks
+    for the second copy on purpose."""
+    from ckptd.testing.synth import SynthOptionError, SynthOptions, synthesize
+    out = tmp_path / "out"
+    opts = dict(model="tiny", iterations=1, channels=1, ranks=2, mirrors=3)
+    with pytest.raises(SynthOptionError) as e:
+        synthesize(SynthOptions(out=str(out), **opts))
+    assert str(e.value) == "--mirrors 3: the job has 2 switch port(s) to mirror (--ranks 2); give at most 2"
+    assert not out.exists()
+    synthesize(SynthOptions(out=str(out), wrap_mirrors=True, **opts))
+    doc = json.loads((out / "plan.json").read_text())
+    assert [(m["name"], m["rank"]) for m in doc["mirrors"]] == [("mirror0", 0), ("mirror1", 1), ("mirror2", 0)]
+
+
 @pytest.mark.parametrize("extra,mirrors", [
     (["--ranks", "2", "--mirrors", "2"], [(0, 0), (1, 0)]),
     (["--nodes", "2", "--gpus-per-node", "2", "--mirrors", "4"], [(0, 0), (1, 0), (2, 0), (3, 0)]),

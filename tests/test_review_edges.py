@@ -87,7 +87,7 @@ def test_a_bare_cr_in_the_head_is_400_at_once(server):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("damaged")
-    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=4, mirrors=3)
+    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=4, mirrors=3, wrap_mirrors=True)
     return d
 
 

@@ -360,9 +360,12 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
-        lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
-        if hasattr(lr, "numel") and lr.numel() != 1:  # it went into param_groups as the lr
-            raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr")
+    lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
+    if hasattr(lr, "numel") and lr.numel() != 1:
+        # it would be the exported param_groups' lr (the plan's groups follow the first's,
+        # without a plan the one group is the first), and a scheduler's _last_lr
+        raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr "
+                         "(param group 0's lr in the export)")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
     return 0

@@ -500,8 +500,8 @@ def test_an_lr_tensor_of_several_elements_is_not_exported_as_the_lr(two_iteratio
 
 
 def test_mirror_risk_ring_against_the_plans_is_refused(scenario, capsys):
-    """--ring was dropped for the plan's rank count without a word (while --packets and
-    --nodes override the plan's)."""
+    """--ring was dropped for the plan's rank count without a word (while --packets
+    overrides the plan's)."""
     r = ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "4", "--mirrors", "2",
                    "--loss", "0.1")
     _one_line_error(r, str(scenario / "plan.json"), "--ring 4 disagrees with the plan")

@@ -285,6 +285,23 @@ def test_mirror_risk_names_a_plans_nodes_not_its_hops(five, capsys):
     assert (res["nodes"], res["mirrorable_links"]) == (2, 4)
 
 
+def test_mirror_risk_nodes_against_the_plans_are_refused(five, capsys):
+    """--nodes replaced the plan's hops without a word: nodes a,b,a,b,a (4 hops) with
+    --nodes 3 was taken as 3 hops, and --nodes 2 (the plan's own count) as 2, not 4."""
+    plan = _with_nodes(five, "ababa", "interleaved-nodes")
+    r = ckptd_main(capsys, "mirror-risk", "--plan", plan, "--nodes", "3", "--mirrors", "8", "--loss", "0.01")
+    _one_line_error(r, str(plan), "--nodes 3 disagrees with the plan")
+    assert r.stderr.rstrip().endswith("(2 nodes): give one of them"), r.stderr
+    res = _risk(capsys, "--plan", plan, "--nodes", "2")  # agreeing: the plan's hops stand
+    assert (res["nodes"], res["mirrorable_links"]) == (2, 4) and res == _risk(capsys, "--plan", plan)
+    # one-GPU hosts: the plan's 5 ranks are 5 nodes
+    r = ckptd_main(capsys, "mirror-risk", "--plan", five / "plan.json", "--nodes", "2", "--mirrors", "8",
+                   "--loss", "0.01")
+    _one_line_error(r, str(five / "plan.json"), "--nodes 2 disagrees with the plan")
+    assert r.stderr.rstrip().endswith("(5 ranks, each its own host): give one of them"), r.stderr
+    assert _risk(capsys, "--plan", five / "plan.json", "--nodes", "5")["mirrorable_links"] == 5
+
+
 def test_mirror_risk_refuses_rings_of_different_hops_and_a_plan_on_one_node(five, capsys):
     """Channel 0's ring 0>1>2>3>4 crosses nodes aabbb twice, channel 1's 0>2>1>3>4 four
     times: the mean was taken (a model of neither); one node: ZeroDivisionError."""

@@ -31,7 +31,7 @@ def capture(protocol: str, mtu: int, model: str = "default", iterations: int = 3
         t = time.perf_counter()
         print(f"synthesizing {d} ...", flush=True)
         synthesize(SynthOptions(out=str(d), model=model, ranks=2, channels=1, protocol=protocol,
-                                mtu=mtu, mirrors=3, loss=1e-3, iterations=iterations, seed=1))
+                                mtu=mtu, mirrors=3, wrap_mirrors=True, loss=1e-3, iterations=iterations, seed=1))
         print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
     return d
 

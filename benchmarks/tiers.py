@@ -153,7 +153,8 @@ def restore_times(million: float, torch_save_http: bool = True) -> dict:
 def persisted_restore_times(million: float, urls: list[str]) -> dict:
     from ckptd.core.store import redact
     from ckptd.live.memory_tier import HeldState
-    from ckptd.live.persist import PersistTier, read_manifest
+    from ckptd.core.manifest import read_manifest
+    from ckptd.live.persist import PersistTier
     from ckptd.testing.synth import trainer_checkpoint
 
     model, opt = trained(million)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.errors import CkptdError
+from ckptd.errors import CaptureDamage, CkptdError
 
 EXIT_UNRECOVERED = 3
 
@@ -129,7 +129,7 @@ def _synth_training(a) -> dict:
 
 
 def cmd_synth(a) -> int:
-    from ckptd.testing.synth import SynthOptions, check_options, mirror_ports, synthesize
+    from ckptd.testing.synth import SynthOptions, check_options, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
         out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
@@ -147,12 +147,6 @@ def cmd_synth(a) -> int:
     t0 = time.time()
     try:
         check_options(opts)
-        if opts.mirrors > mirror_ports(opts):  # mirror k past them was a second copy of port k - limit
-            where = (f"--nodes {a.nodes} x {a.nics_per_node or a.gpus_per_node} NIC(s) a node" if a.nodes
-                     else f"--ranks {a.ranks}")
-            raise UsageError(f"--mirrors {a.mirrors}: the job has {mirror_ports(opts)} switch port(s) to mirror "
-                             f"({where}{f' x --merged-nics {a.merged_nics}' if a.merged_nics > 1 else ''}); "
-                             f"give at most {mirror_ports(opts)}")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None
@@ -259,7 +253,7 @@ def cmd_replay(a) -> int:
         option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
         wrong = (f", or {a.join_from} is not an iteration the job had reached when the capture began (the "
                  "packets are placed by their PSNs from it)") if a.join_from is not None else ""
-        listed = any(e.startswith("unmatched flow") for e in diagnostics)
+        listed = bool(pipe.extract.unmatched_flows())
         raise UsageError(f"{option}: no flow of the job in {a.plan} was recognised in the captures "
                          f"({frames} frames), so no iteration was joined: captures of another job, a plan with "
                          f"other addresses or QPs{wrong}{'; the flows left unmatched are listed above' * listed}")
@@ -269,8 +263,8 @@ def cmd_replay(a) -> int:
                          "(`ckptd inspect` lists the captures' flows)")
     if any(r.exact is False for r in reps):
         return 4
-    damaged = [p for p in a.pcap if any(e.startswith(f"{p}: ") for e in pipe.errors)]
-    if plan.iterations is None and len(damaged) == len(a.pcap):
+    damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
+    if plan.iterations is None and set(a.pcap) <= damaged:
         # where the plan gives no iteration count, only a capture that ends whole shows
         # where the job ended: cut at an iteration boundary, every iteration seen is
         # complete and the lost ones do not show at all
@@ -366,9 +360,12 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
-        lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
-        if hasattr(lr, "numel") and lr.numel() != 1:  # it went into param_groups as the lr
-            raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr")
+    lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
+    if hasattr(lr, "numel") and lr.numel() != 1:
+        # it would be the exported param_groups' lr (the plan's groups follow the first's,
+        # without a plan the one group is the first), and a scheduler's _last_lr
+        raise UsageError(f"{a.checkpoint}: optimizer.lr is a tensor of {lr.numel()} elements, not one lr "
+                         "(param group 0's lr in the export)")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
     return 0

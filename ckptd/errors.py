@@ -7,6 +7,19 @@ class CkptdError(Exception):
     """Bad input or an impossible request, said in words a user can act on."""
 
 
+class CaptureDamage(str):
+    """An entry of a pipeline's errors list: capture file `path` could not be read to its
+    end (not a capture, cut short, a read error). The text is the reader's, for people;
+    `path` is what `ckptd replay` decides its exit status by, so rewording a message
+    cannot change it. A str, so whatever prints or logs the errors reads it as any other."""
+    path: str
+
+    def __new__(cls, path, message):
+        self = super().__new__(cls, str(message))
+        self.path = str(path)
+        return self
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (its type's name where it has none)."""
     return " ".join(str(e).split()) or type(e).__name__

@@ -56,6 +56,7 @@ from ckptd.core.optim import NoLrForStep
 from ckptd.transports import Placement, Transport, transport_for
 from ckptd.core.plan import USED_MAP, Plan
 from ckptd.core.schedule import RS
+from ckptd.errors import CaptureDamage
 from ckptd.core.shadow import MapNotSeen, ShadowModel, bucket_step_threads, limit_step_threads
 from ckptd.threads import Thread
 
@@ -87,7 +88,7 @@ def file_source(paths: list[str], errors: list[str], warn=None) -> Iterator[tupl
             for fr in open_capture(path, warn):
                 yield (fr.ts_ns or 0, k, fr.index), (k, fr)
         except (CaptureError, OSError) as e:
-            errors.append(str(e))
+            errors.append(CaptureDamage(path, e))
     for _, item in heapq.merge(*(one(k, p) for k, p in enumerate(paths)), key=lambda x: x[0]):
         yield item
 

@@ -194,7 +194,7 @@ def newest_at_url(url: str) -> tuple[dict, str]:
     """The newest checkpoint a persistence tier's manifest at an fsspec URL lists that
     verifies (file SHA-256, every tensor's digest); messages never show credentials."""
     from ckptd.core.store import open_store, redact
-    from ckptd.live.persist import newest_verified
+    from ckptd.core.manifest import newest_verified
     try:
         store = open_store(url)
         store.check_bucket()  # a missing bucket named as such, not as "no manifest"
@@ -344,7 +344,7 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
     """The newest checkpoint of a directory that loads whole: the manifest's order when
     a persisted tier wrote one, else every checkpoint by its iteration, newest first."""
     from ckptd.core.formats import checkpoints_in
-    from ckptd.live.persist import MANIFEST, read_manifest
+    from ckptd.core.manifest import MANIFEST, read_manifest
     manifest = directory / MANIFEST
     candidates: list[Path] = []
     if manifest.is_file():

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
-from ckptd.live.persist import newest_verified, read_manifest, verify_checkpoint
+from ckptd.core.manifest import newest_verified, read_manifest, verify_checkpoint
 
 from helpers import synth
 

@@ -669,6 +669,7 @@ SCENARIOS = {
                                                      mirrors=2, loss=1e-3, psn_wrap=True,
                                                      retransmit=0.02, corrupt=1e-3),
     "ll-1024-1ch-2ranks-3streams-wrap": dict(ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=3,
+                                             wrap_mirrors=True,
                                              loss=1e-3, psn_wrap=True, reorder=1e-3),
     "ll-4096-1ch-4ranks-1stream": dict(ranks=4, channels=1, protocol="ll", mtu=4096, mirrors=1),
     "simple-4096-nccl2.20-2qps-ipv6-fused": dict(ranks=4, channels=3, protocol="simple", mtu=4096,

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
+from ckptd.core.manifest import newest_verified, read_manifest, verify_checkpoint
 from ckptd.live.memory_tier import HeldState
-from ckptd.live.persist import PersistTier, newest_verified, read_manifest, verify_checkpoint
+from ckptd.live.persist import PersistTier
 
 
 def held(it: int, n: int = 1000) -> HeldState:
@@ -53,6 +54,26 @@ def test_every_n_iterations_manifest_and_retention(tmp_path):
         assert set(e["tensors"]) == {"model.w", "model.b", "optimizer.w.step", "optimizer.w.exp_avg"}
         assert e["write_s"] >= 0 and e["persisted_at"] >= e["committed_at"]
     assert newest_verified(tmp_path)[1]["iteration"] == 10
+
+
+def test_offline_recovery_reads_a_tiers_manifest_without_the_live_package(tmp_path):
+    """`ckptd resume` on a machine that only recovers: the manifest is read through
+    ckptd.core.manifest, never by importing the daemon's package."""
+    tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=None, keep_every=None)
+    for it in range(3):
+        tier.offer(held(it))
+        drain(tier)
+    tier.close(held(2))
+    code = ("import sys, pathlib\n"
+            "from ckptd.recovery import newest_at_url, newest_in\n"
+            "d = pathlib.Path(sys.argv[1])\n"
+            "ckpt, where = newest_in(d, None)\n"
+            "assert ckpt['iteration'] == 2 and where.endswith('iter_000002.pt'), where\n"
+            "assert newest_at_url(d.as_uri())[0]['iteration'] == 2\n"
+            "print(sorted(m for m in sys.modules if m.startswith('ckptd.live')))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_interval_and_a_tampered_file_is_named(tmp_path):

@@ -21,7 +21,8 @@ from ckptd.core.keep import BACKOFF_FIRST_S
 from ckptd.core.store import Store, redact
 from ckptd.live.daemon import ConfigError, JsonFormatter, load_config
 from ckptd.live.memory_tier import HeldState, copy_state
-from ckptd.live.persist import MANIFEST, PersistTier, newest_verified, read_manifest, verify_checkpoint
+from ckptd.core.manifest import MANIFEST, newest_verified, read_manifest, verify_checkpoint
+from ckptd.live.persist import PersistTier
 from ckptd.recovery import newest_at_url
 
 

@@ -115,6 +115,40 @@ def test_allreduces_per_step_round_trips_on_both_transports(plan_doc):
     assert plan.layout(0) == plan.buckets_first
 
 
+def test_every_key_to_json_writes_is_read_back_equal(plan_doc):
+    """Plans that together set every optional field (no one plan can: static_graph is gloo's
+    and excludes find_unused_parameters and allreduces_per_step > 1; lr_per_step excludes
+    lr_scheduler): each is read, written, and read again unchanged, and between them they
+    write every key the plan format declares, so none is written and then refused."""
+    from ckptd.core.plan import PLAN_FIELDS, PLAN_KEYS
+    names = [p["name"] for p in plan_doc["parameters"]]
+    nccl = json.loads(json.dumps(plan_doc))
+    nccl["buckets"]["rebuilt"] = nccl["buckets"]["first"]  # find_unused_parameters: DDP never rebuilds
+    hyper = {k: nccl["optimizer"][k] for k in ("betas", "eps", "weight_decay", "amsgrad")}
+    nccl["optimizer"].update(
+        groups=[{"params": names[:3], "lr": 0.01, **hyper}, {"params": names[3:], "lr": 0.003, **hyper}],
+        lr_per_step=[0.01, [0.02, 0.03]], max_grad_norm=1.0,
+        grad_scaler={"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100})
+    nccl.update(start_iteration=0, comm_hook="fp16_compress", find_unused_parameters=True,
+                collectives={"before": [{"op": "allreduce", "count": 1, "dtype": "float32"}]},
+                frozen=[{"name": "head.frozen", "shape": [4], "dtype": "float32"}])
+    nccl = _with_buffers(nccl)
+    gloo = json.loads(json.dumps(plan_doc))
+    gloo.update(transport="gloo", static_graph=True, static_used_map=[1] * (len(names) - 1) + [0])
+    micro = json.loads(json.dumps(plan_doc))
+    micro["allreduces_per_step"] = 2
+    micro["optimizer"]["lr_scheduler"] = {"class": "StepLR", "args": {"step_size": 2}}
+    written = []
+    for doc in (nccl, gloo, micro):
+        out = plan_from_json(doc).to_json()
+        assert out == doc
+        assert plan_from_json(json.loads(json.dumps(out))).to_json() == out
+        written.append(set(out))
+    assert set().union(*written) == set(PLAN_FIELDS)
+    assert set(PLAN_KEYS) == set(PLAN_FIELDS) | {"written_by"}  # the reader's, and write_plan's note
+    assert set(nccl["optimizer"]) >= {"groups", "lr_per_step", "max_grad_norm", "grad_scaler"}
+
+
 # -- DDP's bucketing rule (buckets.limits, ckptd.core.ddp_buckets) -------------------
 import copy  # noqa: E402
 import random  # noqa: E402

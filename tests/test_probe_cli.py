@@ -484,22 +484,24 @@ def test_an_init_whose_adam_step_is_not_one_float_is_refused(two_iterations, cap
     _one_line_error(r, str(init), f"optimizer.state.{k}.{message}")
 
 
-def test_an_lr_tensor_of_several_elements_is_not_exported_as_the_lr(two_iterations, capsys, tmp_path):
-    """With --plan it went into torch's param_groups as the lr (exit 0)."""
+@pytest.mark.parametrize("plan", [True, False], ids=["plan", "no-plan"])
+def test_an_lr_tensor_of_several_elements_is_not_exported_as_the_lr(two_iterations, capsys, tmp_path, plan):
+    """It went into torch's param_groups as the lr (exit 0): with --plan into every group's,
+    without it into the one group's, and into the scheduler's _last_lr either way."""
     import torch
     doc = torch.load(two_iterations / "reference" / "iter_000000.pt", weights_only=True)
     doc["optimizer"]["lr"] = torch.zeros(5)
     f = tmp_path / "lr.pt"
     torch.save(doc, f)
-    r = ckptd_main(capsys, "export", f, "--format", "torch", "--plan", two_iterations / "plan.json",
-                   "--out", tmp_path / "x.pt")
-    _one_line_error(r, str(f), "optimizer.lr is a tensor of 5 elements, not one lr")
+    r = ckptd_main(capsys, "export", f, "--format", "torch", "--out", tmp_path / "x.pt",
+                   *(["--plan", two_iterations / "plan.json"] if plan else []))
+    _one_line_error(r, str(f), "optimizer.lr is a tensor of 5 elements, not one lr (param group 0's lr in the export)")
     assert not (tmp_path / "x.pt").exists()
 
 
 def test_mirror_risk_ring_against_the_plans_is_refused(scenario, capsys):
-    """--ring was dropped for the plan's rank count without a word (while --packets and
-    --nodes override the plan's)."""
+    """--ring was dropped for the plan's rank count without a word (while --packets
+    overrides the plan's)."""
     r = ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "4", "--mirrors", "2",
                    "--loss", "0.1")
     _one_line_error(r, str(scenario / "plan.json"), "--ring 4 disagrees with the plan")

@@ -49,6 +49,22 @@ def test_synth_mirrors_past_the_switch_ports_are_refused(capsys, tmp_path, extra
     assert not out.exists()
 
 
+def test_the_python_api_refuses_mirrors_past_the_ports_as_the_command_does(tmp_path):
+    """synthesize(SynthOptions(...)) wrapped mirror 2 of 2 ranks onto rank 0's port (only
+    `ckptd synth` refused it); now the one check is check_options', and wrap_mirrors asks
+    for the second copy on purpose."""
+    from ckptd.testing.synth import SynthOptionError, SynthOptions, synthesize
+    out = tmp_path / "out"
+    opts = dict(model="tiny", iterations=1, channels=1, ranks=2, mirrors=3)
+    with pytest.raises(SynthOptionError) as e:
+        synthesize(SynthOptions(out=str(out), **opts))
+    assert str(e.value) == "--mirrors 3: the job has 2 switch port(s) to mirror (--ranks 2); give at most 2"
+    assert not out.exists()
+    synthesize(SynthOptions(out=str(out), wrap_mirrors=True, **opts))
+    doc = json.loads((out / "plan.json").read_text())
+    assert [(m["name"], m["rank"]) for m in doc["mirrors"]] == [("mirror0", 0), ("mirror1", 1), ("mirror2", 0)]
+
+
 @pytest.mark.parametrize("extra,mirrors", [
     (["--ranks", "2", "--mirrors", "2"], [(0, 0), (1, 0)]),
     (["--nodes", "2", "--gpus-per-node", "2", "--mirrors", "4"], [(0, 0), (1, 0), (2, 0), (3, 0)]),
@@ -267,6 +283,23 @@ def test_mirror_risk_names_a_plans_nodes_not_its_hops(five, capsys):
         r.stdout
     res = _risk(capsys, "--plan", plan)
     assert (res["nodes"], res["mirrorable_links"]) == (2, 4)
+
+
+def test_mirror_risk_nodes_against_the_plans_are_refused(five, capsys):
+    """--nodes replaced the plan's hops without a word: nodes a,b,a,b,a (4 hops) with
+    --nodes 3 was taken as 3 hops, and --nodes 2 (the plan's own count) as 2, not 4."""
+    plan = _with_nodes(five, "ababa", "interleaved-nodes")
+    r = ckptd_main(capsys, "mirror-risk", "--plan", plan, "--nodes", "3", "--mirrors", "8", "--loss", "0.01")
+    _one_line_error(r, str(plan), "--nodes 3 disagrees with the plan")
+    assert r.stderr.rstrip().endswith("(2 nodes): give one of them"), r.stderr
+    res = _risk(capsys, "--plan", plan, "--nodes", "2")  # agreeing: the plan's hops stand
+    assert (res["nodes"], res["mirrorable_links"]) == (2, 4) and res == _risk(capsys, "--plan", plan)
+    # one-GPU hosts: the plan's 5 ranks are 5 nodes
+    r = ckptd_main(capsys, "mirror-risk", "--plan", five / "plan.json", "--nodes", "2", "--mirrors", "8",
+                   "--loss", "0.01")
+    _one_line_error(r, str(five / "plan.json"), "--nodes 2 disagrees with the plan")
+    assert r.stderr.rstrip().endswith("(5 ranks, each its own host): give one of them"), r.stderr
+    assert _risk(capsys, "--plan", five / "plan.json", "--nodes", "5")["mirrorable_links"] == 5
 
 
 def test_mirror_risk_refuses_rings_of_different_hops_and_a_plan_on_one_node(five, capsys):

@@ -18,7 +18,7 @@ SCENARIOS = {
     "simple-3ch-8ranks-2mirrors-wrap-retx-corrupt": dict(
         ranks=8, channels=3, protocol="simple", mtu=1024, mirrors=2, loss=1e-3, psn_wrap=True,
         retransmit=0.02, corrupt=1e-3),
-    "ll-1ch-2ranks-3mirrors-wrap": dict(ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=3,
+    "ll-1ch-2ranks-3mirrors-wrap": dict(ranks=2, channels=1, protocol="ll", mtu=1024, mirrors=3, wrap_mirrors=True,
                                         loss=1e-3, psn_wrap=True, reorder=1e-3),
     "nccl2.20-2qps-shuffled-rings-fused-ipv6": dict(
         ranks=4, channels=3, protocol="simple", mtu=4096, mirrors=3, loss=1e-3,

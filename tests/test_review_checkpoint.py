@@ -20,8 +20,8 @@ import ckptd.core.checkpoint as checkpoint
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, atomic_write,
                                    checkpoint_name, load_checkpoint, save_checkpoint)
 from ckptd.core.store import Store
-from ckptd.live.persist import (MANIFEST, MANIFEST_FORMAT, file_digest, newest_verified, tensor_digests,
-                                verify_checkpoint)
+from ckptd.core.manifest import (MANIFEST, MANIFEST_FORMAT, file_digest, newest_verified, tensor_digests,
+                                 verify_checkpoint)
 from ckptd.live.serve import HttpServer, Response
 from ckptd.recovery import fetch
 from tests.test_checkpoint_files import flip_byte, main, member_data_offset, one_line_error, small_doc, tensor_member

@@ -87,7 +87,7 @@ def test_a_bare_cr_in_the_head_is_400_at_once(server):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("damaged")
-    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=4, mirrors=3)
+    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=4, mirrors=3, wrap_mirrors=True)
     return d
 
 
@@ -109,6 +109,24 @@ def break_length(path: Path, frame: int):
     data = bytearray(path.read_bytes())
     struct.pack_into("<I", data, record_offset(data, frame) + 8, 0x7FFFFFFF)
     path.write_bytes(bytes(data))
+
+
+def cut_every_mirror_after_iteration_1(run, tmp_path):
+    """tmp_path/mirrors: every mirror cut inside the record header after iteration 1's
+    last frame; tmp_path/plan.json: the plan without its iteration count."""
+    import json
+    from parsers.capfile import open_capture
+    frames = list(open_capture(str(run / "mirrors" / "mirror0.pcap")))
+    gaps = sorted((b.ts_ns - a.ts_ns, b.index) for a, b in zip(frames, frames[1:]))
+    boundary = sorted(f for _, f in gaps[-3:])[1]  # the pause before iteration 2's first frame
+    mirrors = tmp_path / "mirrors"
+    shutil.copytree(run / "mirrors", mirrors)
+    for p in mirrors.iterdir():
+        data = p.read_bytes()
+        p.write_bytes(data[:record_offset(data, boundary) + 8])  # a cut record header
+    doc = json.loads((run / "plan.json").read_text())
+    assert doc.pop("iterations") == 4
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
 
 
 def replay(run, out: Path, paths: list[str], *extra: str) -> int:
@@ -152,19 +170,7 @@ def test_every_mirror_cut_at_an_iteration_boundary_is_exit_3_without_an_iteratio
     """Cut after iteration 1's last frame, every iteration seen is whole; with the plan's
     iteration count the lost ones are named, and without it the damage on every mirror
     says the job's end is unknown (exit 0 before)."""
-    import json
-    from parsers.capfile import open_capture
-    frames = list(open_capture(str(run / "mirrors" / "mirror0.pcap")))
-    gaps = sorted((b.ts_ns - a.ts_ns, b.index) for a, b in zip(frames, frames[1:]))
-    boundary = sorted(f for _, f in gaps[-3:])[1]  # the pause before iteration 2's first frame
-    mirrors = tmp_path / "mirrors"
-    shutil.copytree(run / "mirrors", mirrors)
-    for p in mirrors.iterdir():
-        data = p.read_bytes()
-        p.write_bytes(data[:record_offset(data, boundary) + 8])  # a cut record header
-    doc = json.loads((run / "plan.json").read_text())
-    assert doc.pop("iterations") == 4
-    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    cut_every_mirror_after_iteration_1(run, tmp_path)
     assert replay(run, tmp_path / "out", pcaps(tmp_path)) == 3
     out = capsys.readouterr().out
     assert "4 iterations, 2 committed, 2 not recovered (2, 3)" in out
@@ -175,6 +181,32 @@ def test_every_mirror_cut_at_an_iteration_boundary_is_exit_3_without_an_iteratio
     assert "every capture ends at damage (warnings on stderr): what the job did after iteration 1 " \
            "is not in them" in out
     assert len(err.splitlines()) == 3 and "record header truncated" in err
+
+
+@pytest.mark.parametrize("path", [[], ["--reference-path"]])
+def test_the_damage_verdict_does_not_depend_on_how_the_reader_words_it(run, tmp_path, capsys, monkeypatch, path):
+    """The reader's messages reworded (here: no longer led by the file's path), replay's
+    exit status and summary for captures that all end at damage are the same: it knew
+    which files were damaged by matching "<path>: " at the start of each message."""
+    import ckptd.fast.batches
+    import ckptd.pipeline
+    from parsers.capfile import CaptureError, open_capture
+
+    def reworded(path, warn=None):
+        try:
+            yield from open_capture(path, warn)
+        except CaptureError as e:
+            raise CaptureError(f"damaged capture ({str(e).split(': ', 1)[1]}) in {path}") from None
+    monkeypatch.setattr(ckptd.pipeline, "open_capture", reworded)
+    monkeypatch.setattr(ckptd.fast.batches, "open_capture", reworded)
+    cut_every_mirror_after_iteration_1(run, tmp_path)
+    assert main(["replay", "--plan", str(tmp_path / "plan.json"), "--init", str(run / "init.pt"),
+                 *path, *pcaps(tmp_path)]) == 3
+    out, err = capsys.readouterr()
+    assert "2 iterations, 2 committed, 0 not recovered" in out
+    assert "every capture ends at damage (warnings on stderr): what the job did after iteration 1 " \
+           "is not in them" in out
+    assert len(err.splitlines()) == 3 and err.count("warning: damaged capture (frame ") == 3, err
 
 
 def test_intact_captures_print_nothing_on_stderr(run, tmp_path, capsys):

@@ -733,53 +733,9 @@ class Plan:
 
     # -- (de)serialisation -------------------------------------------------------
     def to_json(self) -> dict:
-        r = self.ring
-        doc = {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "parameters": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
-                           for p in self.parameters],
-            "buckets": {"first": [_bucket_json(b) for b in self.buckets_first],
-                        "rebuilt": "learn" if self.rebuilt_learn else
-                        [_bucket_json(b) for b in self.buckets_rebuilt]},
-            "ring": {
-                "nranks": r.nranks, "rings": [list(x) for x in r.rings], "protocol": r.protocol,
-                "nccl_version": f"{r.nccl_version[0]}.{r.nccl_version[1]}",
-                "max_threads": r.max_threads, "buffsize": r.buffsize,
-                "qps_per_connection": r.qps_per_connection,
-                "split_data_on_qps": r.split_data_on_qps, "mtu": r.mtu,
-                "adaptive_routing": r.adaptive_routing, "ar_threshold": r.ar_threshold,
-            },
-            "optimizer": None if self.optimizer is None else self.optimizer.to_json(),
-            "ranks": [self._rank_json(r) for r in range(self.nranks)],
-            "mirrors": [{"name": m.name, "rank": m.rank, "direction": m.direction, **({"port": m.port} if m.port else {})}
-                        for m in self.mirrors],
-        }
-        if self.bucket_limits is not None:
-            doc["buckets"]["limits"] = {k: list(v) for k, v in self.bucket_limits.items()}
-        if self.iterations is not None:
-            doc["iterations"] = self.iterations
-        if self.start_iteration is not None:
-            doc["start_iteration"] = self.start_iteration
-        if self.transport != "roce":
-            doc["transport"] = self.transport
-        if self.comm_hook != "allreduce":
-            doc["comm_hook"] = self.comm_hook
-        if self.collectives:
-            doc["collectives"] = {k: [_collective_json(e) for e in v] for k, v in self.collectives.items()}
-        if self.buffers.tensors:
-            doc["buffers"] = self.buffers.to_json()
-        if self.allreduces_per_step != 1:
-            doc["allreduces_per_step"] = self.allreduces_per_step
-        if self.frozen:
-            doc["frozen"] = [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.frozen]
-        if self.find_unused_parameters:
-            doc["find_unused_parameters"] = True
-        if self.static_graph:
-            doc["static_graph"] = True
-        if self.static_used_map is not None:
-            doc["static_used_map"] = list(self.static_used_map)
-        return doc
+        # every key from PLAN_FIELDS, the one list the reader also takes its keys from
+        doc = {key: write(self) for key, write in PLAN_FIELDS.items()}
+        return {key: v for key, v in doc.items() if v is not UNSET}
 
     def buffer(self, name: str) -> Parameter:
         return {t.name: t for t in self.buffers.tensors}[name]
@@ -1300,9 +1256,58 @@ def plan_from_json(doc, where: str = "plan", *, check_optimizer: bool = True) ->
         raise PlanError(f"{where}: nested too deeply to be a plan") from None
 
 
-PLAN_KEYS = ("format", "version", "parameters", "buckets", "ring", "optimizer", "ranks", "mirrors", "iterations",
-             "start_iteration", "transport", "comm_hook", "collectives", "buffers", "allreduces_per_step", "frozen",
-             "find_unused_parameters", "static_graph", "static_used_map", "written_by")
+def _buckets_json(p: Plan) -> dict:
+    doc = {"first": [_bucket_json(b) for b in p.buckets_first],
+           "rebuilt": "learn" if p.rebuilt_learn else [_bucket_json(b) for b in p.buckets_rebuilt]}
+    if p.bucket_limits is not None:
+        doc["limits"] = {k: list(v) for k, v in p.bucket_limits.items()}
+    return doc
+
+
+def _ring_json(p: Plan) -> dict:
+    r = p.ring
+    return {"nranks": r.nranks, "rings": [list(x) for x in r.rings], "protocol": r.protocol,
+            "nccl_version": f"{r.nccl_version[0]}.{r.nccl_version[1]}",
+            "max_threads": r.max_threads, "buffsize": r.buffsize,
+            "qps_per_connection": r.qps_per_connection,
+            "split_data_on_qps": r.split_data_on_qps, "mtu": r.mtu,
+            "adaptive_routing": r.adaptive_routing, "ar_threshold": r.ar_threshold}
+
+
+def _tensors_json(tensors) -> list[dict]:
+    return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in tensors]
+
+
+UNSET = object()  # a PLAN_FIELDS writer's answer for a key the plan leaves out (its default)
+
+# Every top-level key of a plan document and how Plan.to_json writes it, in its order.
+# The reader accepts exactly these keys (PLAN_KEYS), so a key added here is both written
+# and read: two hand-kept lists let a new field be written and then refused as unknown.
+PLAN_FIELDS = {
+    "format": lambda p: PLAN_FORMAT,
+    "version": lambda p: PLAN_VERSION,
+    "parameters": lambda p: _tensors_json(p.parameters),
+    "buckets": _buckets_json,
+    "ring": _ring_json,
+    "optimizer": lambda p: None if p.optimizer is None else p.optimizer.to_json(),
+    "ranks": lambda p: [p._rank_json(r) for r in range(p.nranks)],
+    "mirrors": lambda p: [{"name": m.name, "rank": m.rank, "direction": m.direction,
+                           **({"port": m.port} if m.port else {})} for m in p.mirrors],
+    "iterations": lambda p: UNSET if p.iterations is None else p.iterations,
+    "start_iteration": lambda p: UNSET if p.start_iteration is None else p.start_iteration,
+    "transport": lambda p: UNSET if p.transport == "roce" else p.transport,
+    "comm_hook": lambda p: UNSET if p.comm_hook == "allreduce" else p.comm_hook,
+    "collectives": lambda p: {k: [_collective_json(e) for e in v] for k, v in p.collectives.items()}
+    if p.collectives else UNSET,
+    "buffers": lambda p: p.buffers.to_json() if p.buffers.tensors else UNSET,
+    "allreduces_per_step": lambda p: UNSET if p.allreduces_per_step == 1 else p.allreduces_per_step,
+    "frozen": lambda p: _tensors_json(p.frozen) if p.frozen else UNSET,
+    "find_unused_parameters": lambda p: True if p.find_unused_parameters else UNSET,
+    "static_graph": lambda p: True if p.static_graph else UNSET,
+    "static_used_map": lambda p: UNSET if p.static_used_map is None else list(p.static_used_map),
+}
+# and the note ckptd.torch.write_plan adds (which ckptd wrote it), kept by no Plan
+PLAN_KEYS = (*PLAN_FIELDS, "written_by")
 
 
 def _plan_from_json(raw) -> Plan:

@@ -7,7 +7,7 @@ straight into the model's own tensors (GET /checkpoint with `Accept: application
 Header: {"format": "ckptd-raw/1", "iteration", "lr", "plan_hash", "param_names",
 "optimizer" (false: weights only), "tensors": [{"name", "dtype", "shape", "bytes", "blake2b"}]}. Names are the persistence
 manifest's: "model.NAME" and "optimizer.NAME.KEY"; "blake2b" is the same BLAKE2b-128 the
-manifest lists (ckptd.live.persist.tensor_digest). Unlike a torch.save body, nothing needs
+manifest lists (ckptd.core.manifest.tensor_digest). Unlike a torch.save body, nothing needs
 unpickling or a second buffer: a reader knows every tensor's place before its first byte.
 """
 from __future__ import annotations

@@ -28,6 +28,7 @@ from cython_ext.filemap import MappedFiles, mappable
 from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_capture
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
+from ckptd.errors import CaptureDamage
 from ckptd.threads import Thread
 
 # Bytes of a file stream_batches indexes at a time: the grain of a merged Batch, so of
@@ -172,7 +173,7 @@ def _reference_chunks(path, stream: int, errors: list[str]) -> Iterator[Batch]:
                 yield batch_from_frames(frames)
                 frames = []
     except (CaptureError, OSError) as e:
-        errors.append(str(e))
+        errors.append(CaptureDamage(path, e))
     if frames:
         yield batch_from_frames(frames)
 
@@ -205,7 +206,7 @@ def _pcap_chunks(path, stream: int, files: MappedFiles, buf: np.ndarray, k: int,
                         None if checked is None else checked[:n].copy())
             numbered += n
         if not clean:
-            errors.append(_reference_error(path) or f"{path}: capture ends inside a record")
+            errors.append(CaptureDamage(path, _reference_error(path) or f"{path}: capture ends inside a record"))
             return
         pos = end
 
@@ -220,7 +221,8 @@ def _mapped_merge(paths: list[str], buf: np.ndarray | None, specs: list, chunk_b
     while True:
         arrays = merge.next_batch()
         for s in merge.cut_short():
-            errors.append(_reference_error(paths[s]) or f"{paths[s]}: capture ends inside a record")
+            errors.append(CaptureDamage(paths[s], _reference_error(paths[s])
+                                        or f"{paths[s]}: capture ends inside a record"))
         if arrays is None:
             return
         yield Batch(buf, *arrays)
@@ -288,7 +290,7 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
             fmt = capture_format(p)
             formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
         except (CaptureError, OSError) as e:
-            errors.append(str(e))
+            errors.append(CaptureDamage(p, e))
             formats.append(None)
     mapped = [p for p, f in zip(paths, formats) if f == "mapped"]
     files = MappedFiles(mapped) if mapped else None

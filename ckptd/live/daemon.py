@@ -619,7 +619,7 @@ class Daemon:
         a URL is written to `out` (restart-iter_NNNNNN.pt) for the pipeline to resume from."""
         from ckptd.core.checkpoint import CheckpointError, checkpoint_name, save_checkpoint
         from ckptd.core.store import credentials_in, open_store, redact
-        from ckptd.live.persist import newest_verified
+        from ckptd.core.manifest import newest_verified
         try:
             store = open_store(self.persist_target, self.cfg.persist_options)
             got = newest_verified(store)

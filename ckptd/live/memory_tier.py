@@ -58,7 +58,7 @@ class HeldState:
         """'model.NAME' / 'optimizer.NAME.KEY' -> BLAKE2b-128, computed once."""
         with self._lock:
             if self._digests is None:
-                from ckptd.live.persist import tensor_digests
+                from ckptd.core.manifest import tensor_digests
                 self._digests = tensor_digests(self.model, self.optimizer)
             return self._digests
 

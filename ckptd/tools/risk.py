@@ -55,7 +55,9 @@ other N-M chunks, so mirroring all H links leaves H chunks with H-1 copies, howe
 many GPUs a node has: nodes of different sizes (N not a multiple of H) give the same
 result as even ones (--ring/--nodes takes node r*H//N for rank r). A plan whose ring
 enters a node more than once has more hops than nodes: H is then its hops; one whose
-rings differ in their number of hops is refused.
+rings differ in their number of hops is refused. --nodes with --plan must name the
+plan's nodes (on one-GPU hosts, its ranks): the plan says where every rank runs, so a
+different count is a mistake in one of them, refused rather than one silently winning.
 
 Merged NICs (--ports P, or a plan whose ranks list ports): NCCL stripes each
 connection's QPs over the P ports (QP q on port q % P at both ends), so a link is P
@@ -239,7 +241,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
                    help="K: allgather packets one link carries per iteration, all channels (or --plan)")
     p.add_argument("--nodes", type=int,
                    help="H: multi-GPU nodes of consecutive ranks; only the ring's H hops between nodes can be "
-                        "mirrored, so M is capped at H (default: every rank its own host)")
+                        "mirrored, so M is capped at H (default: every rank its own host; or --plan, "
+                        "and with it only the plan's node count)")
     p.add_argument("--plan", help="take N, K (and H, if the plan has multi-GPU nodes) from a plan's schedule "
                                   "(K: mean over the links that can be mirrored)")
     p.add_argument("--ports", type=int,
@@ -272,9 +275,14 @@ def run(a) -> int:
             print(f"error: --ring {a.ring} disagrees with the plan {a.plan} ({n} ranks): give one of them",
                   file=sys.stderr)
             return 2
+        plan_nodes = t["nodes"] or n  # one-GPU hosts: every rank a node of its own
+        if nodes is not None and nodes != plan_nodes:  # it replaced the plan's hops without a word
+            where = f"{plan_nodes} nodes" if t["nodes"] else f"{n} ranks, each its own host"
+            print(f"error: --nodes {nodes} disagrees with the plan {a.plan} ({where}): give one of them",
+                  file=sys.stderr)
+            return 2
         k = k if k is not None else k_plan
-        if nodes is None:  # the plan's: its hops between nodes, and (to show) its nodes
-            nodes, node_count = h_plan, t["nodes"]
+        nodes, node_count = h_plan, t["nodes"]  # the plan's hops between nodes, and (to show) its nodes
         ports = ports if ports is not None else p_plan
     ports = 1 if ports is None else ports
     problems = []

@@ -56,6 +56,10 @@ class Transport(Protocol):
     def diagnostics(self) -> list[str]:
         """One line each for flows or connections the transport could not explain."""
 
+    def unmatched_flows(self) -> list[str]:
+        """The flows (one line each, among the diagnostics) that no connection of the plan
+        explains."""
+
     def join_iteration(self, force: bool = False) -> int | None:
         """Joining a running job: the first wire iteration every flow shows whole, once
         known (force: with the flows bound so far). Transports that cannot join refuse

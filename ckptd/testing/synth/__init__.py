@@ -83,6 +83,10 @@ class SynthOptions:
     # ports of every rank's merged NIC (NCCL_IB_MERGE_NICS, 2.20+): port k's address is
     # port_address(addr, k); mirror m is port m % K of the NIC _mirror_nics gives it
     merged_nics: int = 1
+    # mirrors past the job's switch ports (mirror_ports): mirror k a second session of the
+    # port of mirror k - ports, an independent lossy copy of it, which tests ask for on
+    # purpose; otherwise refused (a user asking for more mirrors expects more ports)
+    wrap_mirrors: bool = False
     split_data_on_qps: bool | None = None  # NCCL_IB_SPLIT_DATA_ON_QPS (None: the version's default)
     adaptive_routing: bool | None = None  # NCCL_IB_ADAPTIVE_ROUTING (RingConfig.ar_writes)
     buffsize: int | None = None  # NCCL_<PROTO>_BUFFSIZE: a small one makes many ring loops
@@ -257,8 +261,7 @@ def mirror_ports(opts: SynthOptions) -> int:
     """How many distinct switch ports the job's mirrors can be on: every rank's NIC (with
     --nodes, every NIC of every node), each of its --merged-nics ports. Mirror k past
     them wraps to the port of mirror k - mirror_ports: a second session of the same
-    port (make_plan, _node_mirrors), an independent lossy copy the tests use on purpose;
-    `ckptd synth` refuses it (a user asking for more mirrors expects more ports)."""
+    port (make_plan, _node_mirrors), refused by check_options unless wrap_mirrors."""
     if opts.nodes:
         return opts.nodes * (opts.nics_per_node or opts.gpus_per_node) * opts.merged_nics
     return opts.ranks * opts.merged_nics
@@ -790,6 +793,12 @@ def check_options(opts: SynthOptions) -> None:
         raise SynthOptionError(f"--optim {opts.opt_kind}: {cls.__name__} takes no {unknown[0]!r} "
                                f"(it takes {', '.join(takes)})")
     _check_collectives(opts)
+    if opts.mirrors > mirror_ports(opts) and not opts.wrap_mirrors:
+        where = (f"--nodes {opts.nodes} x {opts.nics_per_node or opts.gpus_per_node} NIC(s) a node" if opts.nodes
+                 else f"--ranks {opts.ranks}")
+        merged = f" x --merged-nics {opts.merged_nics}" if opts.merged_nics > 1 else ""
+        raise SynthOptionError(f"--mirrors {opts.mirrors}: the job has {mirror_ports(opts)} switch port(s) to "
+                               f"mirror ({where}{merged}); give at most {mirror_ports(opts)}")
 
 
 def _check_collectives(opts: SynthOptions) -> None:

@@ -625,6 +625,9 @@ class GlooExtractor:
                            "copy came too late to be compared with the copy delivered")
         return out
 
+    def unmatched_flows(self) -> list[str]:
+        return []  # a connection is the plan's by its addresses and ports: none is bound by guesswork
+
     def join_iteration(self, force: bool = False) -> int | None:
         return None  # refused at construction (transport_for): TCP gives no positions to join by
 

@@ -40,8 +40,11 @@ class RoceTransport(Extractor):
         return self.feed(pkt) if pkt is not None else []
 
     def diagnostics(self) -> list[str]:
-        return ([f"unmatched flow: {e}" for e in self.binder.errors]
+        return ([f"unmatched flow: {e}" for e in self.unmatched_flows()]
                 + [f"unseen port: {e}" for e in self.binder.unseen_ports()])
+
+    def unmatched_flows(self) -> list[str]:
+        return list(self.binder.errors)
 
     def join_iteration(self, force: bool = False) -> int | None:
         """The first training iteration every flow was seen from its start: the first

@@ -54,6 +54,20 @@ def mirrors(d: Path) -> list[str]:
     return sorted(str(p) for p in (d / "mirrors").glob("*.pcap"))
 
 
+def erspan_mirrors(d: Path) -> list[str]:
+    """d's mirror captures as remote mirror sessions deliver them (ckptd.testing.tunnel:
+    IPv4/GRE/ERSPAN II around every frame, session = the stream), written once beside."""
+    from ckptd.testing.tunnel import erspan2
+    from parsers.pcap import read_pcap, write_pcap
+    out = d / "mirrors-erspan"
+    paths = [out / Path(p).name for p in mirrors(d)]
+    if not all(p.exists() for p in paths):
+        out.mkdir(exist_ok=True)
+        for k, (src, dst) in enumerate(zip(mirrors(d), paths)):
+            write_pcap(dst, [(f.ts_ns or 0, erspan2(bytes(f.data), k, i)) for i, f in enumerate(read_pcap(src))])
+    return [str(p) for p in paths]
+
+
 if __name__ == "__main__":
     for protocol, mtu in CONFIGS:
         d = capture(protocol, mtu)

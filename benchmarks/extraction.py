@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.captures import CONFIGS, capture, mirrors, replay_scenario
+from benchmarks.captures import CONFIGS, capture, erspan_mirrors, mirrors, replay_scenario
 from benchmarks.minimal_extractors import extract_dpkt, extract_scapy
 from ckptd.fast.batches import load_captures
 from ckptd.core.checkpoint import load_checkpoint
@@ -177,61 +177,73 @@ def bench_config(protocol: str, mtu: int, nstreams: int, reps: int, scapy_frames
     return out
 
 
-def bench_replay(reps: int, from_disk: bool = False) -> list[str]:
+def bench_replay(reps: int, from_disk: bool = False, erspan: bool = False) -> list[str]:
     """fast_replay of the replay scenario against a memcpy of the same bytes, interleaved;
     best of reps. from_disk: the files are dropped from the page cache and read back by
     one untimed replay first, as a replay of captures not in memory leaves them: through
     the mapping, in 2 MiB page-cache pages where the kernel and file system allow it
     (cython_ext/filemap.pyx), which a replay then maps with one entry per 2 MiB. Files
     still in the page cache from being written are held in whatever pages the writes
-    made (small ones for small writes), and map a 4 KiB page at a time."""
+    made (small ones for small writes), and map a 4 KiB page at a time. erspan: the same
+    captures wrapped as remote mirror sessions deliver them, a second row, interleaved."""
     d = replay_scenario()
-    paths = mirrors(d)
+    variants = {"bare": mirrors(d)}
+    if erspan:
+        variants["ERSPAN II"] = erspan_mirrors(d)
     if from_disk:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        fast_replay(load_plan(d / "plan.json"), paths, load_checkpoint(d / "init.pt"), ReplayOptions())
-    buf = np.concatenate([np.fromfile(p, np.uint8) for p in paths])
-    dst = np.empty_like(buf)
-    np.copyto(dst, buf)
+        for paths in variants.values():
+            for p in paths:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            fast_replay(load_plan(d / "plan.json"), paths, load_checkpoint(d / "init.pt"), ReplayOptions())
+    bufs = {v: np.concatenate([np.fromfile(p, np.uint8) for p in paths]) for v, paths in variants.items()}
+    dsts = {v: np.empty_like(b) for v, b in bufs.items()}
+    for v in bufs:
+        np.copyto(dsts[v], bufs[v])
     chunk = 64 << 20
 
-    def chunked():
+    def chunked(buf, dst):
         for lo in range(0, len(buf), chunk):
             np.copyto(dst[lo:lo + chunk], buf[lo:lo + chunk])
 
-    times: dict[str, list[float]] = {}
-    statuses = None
+    times: dict[tuple, list[float]] = {}
+    statuses = {}
     for _ in range(reps):
-        times.setdefault("memcpy", []).append(_timed(lambda: np.copyto(dst, buf)))
-        times.setdefault("memcpy64", []).append(_timed(chunked))
-        plan, start = load_plan(d / "plan.json"), load_checkpoint(d / "init.pt")
-        pipe = None
-        gc.collect()  # the last rep's garbage is not this replay's (a `ckptd replay` starts clean)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t = time.perf_counter()
-        pipe = fast_replay(plan, paths, start, ReplayOptions())
-        times.setdefault("replay", []).append(time.perf_counter() - t)
-        # minor faults, mostly mapping the captures: how the page cache holds them
-        # (~220 where it has 2 MiB folios, ~7k in 4 KiB pages; see the docstring)
-        times.setdefault("faults", []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        times.setdefault("kernel", []).append(pipe.kernel_seconds)
-        statuses = [r.status for r in pipe.reports]
-    best = {k: min(v) for k, v in times.items()}
-    n = len(buf)
-    mc, mc64, e2e = n / best["memcpy"], n / best["memcpy64"], n / best["replay"]
-    return ["| scenario | MB | memcpy GB/s: one call (64 MiB calls) | replay s (median) | replay GB/s | "
-            "x memcpy one call (x 64 MiB) | kernel s | minor faults (fewest) | iterations |",
-            "|---|---|---|---|---|---|---|---|---|",
-            f"| 8 ranks, 3 streams, 4 iterations | {n / 1e6:.0f} | {mc / 1e9:.1f} ({mc64 / 1e9:.1f}) | "
-            f"{best['replay']:.3f} ({sorted(times['replay'])[len(times['replay']) // 2]:.3f}) | "
-            f"{e2e / 1e9:.2f} | **{e2e / mc:.3f}** ({e2e / mc64:.3f}) | {best['kernel']:.3f} | "
-            f"{min(times['faults'])} | "
-            f"{statuses.count('committed')}/{len(statuses)} committed |"]
+        for v, paths in variants.items():
+            buf, dst = bufs[v], dsts[v]
+            times.setdefault((v, "memcpy"), []).append(_timed(lambda: np.copyto(dst, buf)))
+            times.setdefault((v, "memcpy64"), []).append(_timed(lambda: chunked(buf, dst)))
+            plan, start = load_plan(d / "plan.json"), load_checkpoint(d / "init.pt")
+            pipe = None
+            gc.collect()  # the last rep's garbage is not this replay's (a `ckptd replay` starts clean)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = time.perf_counter()
+            pipe = fast_replay(plan, paths, start, ReplayOptions())
+            times.setdefault((v, "replay"), []).append(time.perf_counter() - t)
+            # minor faults, mostly mapping the captures: how the page cache holds them
+            # (~220 where it has 2 MiB folios, ~7k in 4 KiB pages; see the docstring)
+            times.setdefault((v, "faults"), []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            times.setdefault((v, "kernel"), []).append(pipe.kernel_seconds)
+            statuses[v] = ([r.status for r in pipe.reports], pipe.stops["encapsulated"],
+                           sum(c["frames"] for c in pipe.classes))
+    rows = ["| scenario | frames | MB | memcpy GB/s: one call (64 MiB calls) | replay s (median) | replay GB/s | "
+            "x memcpy one call (x 64 MiB) | kernel s | minor faults (fewest) | iterations | "
+            "frames decapsulated by the reference |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        best = {k: min(t) for (w, k), t in times.items() if w == v}
+        n = len(bufs[v])
+        mc, mc64, e2e = n / best["memcpy"], n / best["memcpy64"], n / best["replay"]
+        reps_v = sorted(times[(v, "replay")])
+        st, encapsulated, frames = statuses[v]
+        rows.append(f"| 8 ranks, 3 streams, 4 iterations, {v} | {frames} | {n / 1e6:.0f} | {mc / 1e9:.1f} ({mc64 / 1e9:.1f}) | "
+                    f"{best['replay']:.3f} ({reps_v[len(reps_v) // 2]:.3f}) | "
+                    f"{e2e / 1e9:.2f} | **{e2e / mc:.3f}** ({e2e / mc64:.3f}) | {best['kernel']:.3f} | "
+                    f"{min(times[(v, 'faults')])} | {st.count('committed')}/{len(st)} committed | {encapsulated} |")
+    return rows
 
 
 def main():
@@ -241,6 +253,8 @@ def main():
     ap.add_argument("--from-disk", action="store_true",
                     help="with --replay: drop the captures from the page cache and let one untimed replay "
                          "read them back first (the page cache as a replay of files on disk leaves it)")
+    ap.add_argument("--erspan", action="store_true",
+                    help="with --replay: also the same captures wrapped in IPv4/GRE/ERSPAN II (a remote mirror)")
     ap.add_argument("--scapy-frames", type=int, default=1500, help="frames per file for scapy (0: skip)")
     ap.add_argument("--configs", default=",".join(f"{p}-{m}" for p, m in CONFIGS))
     ap.add_argument("--streams", default="1,3")
@@ -248,7 +262,7 @@ def main():
     if a.replay:
         cache = "read from disk by a replay first" if a.from_disk else "as found"
         print(f"machine: {machine()}; not pinned; captures in the page cache {cache}\n")
-        for line in bench_replay(a.reps, a.from_disk):
+        for line in bench_replay(a.reps, a.from_disk, a.erspan):
             print(line)
         return
     cpu = pin_one_core()

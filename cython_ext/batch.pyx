@@ -1255,9 +1255,9 @@ cdef class BatchKernel:
 
     cdef inline int _inner(self, const uint8_t *d, int64_t outer_end, int64_t off, uint32_t ethertype,
                            Frame *f, bint checked) noexcept nogil:
-        # the mirrored frame ends where the outer packet does (an Ethernet trailer is not its)
-        # A frame the reference would call truncated or malformed says why in terms of
-        # the tunnel (the ERSPAN T bit, a header past the outer packet): its decision.
+        # The mirrored frame ends where the outer packet does (an Ethernet trailer is not
+        # its). One the reference would call truncated or malformed, it explains in terms
+        # of the tunnel (the ERSPAN T bit, a header past the outer packet): its decision.
         cdef int cls = self._network(d, outer_end, off, ethertype, True, f, checked, True)
         return K_ENCAPSULATED if cls == K_TRUNCATED or cls == K_MALFORMED else cls
 

@@ -415,6 +415,82 @@ def test_fanout_shares_one_interface(link):
     assert 150 < len(ga) < 250   # round robin
 
 
+def _roce_flow_frame(src: int, dst: int, sport: int, n: int, v6: bool) -> bytes:
+    """A RoCEv2 frame from host src to host dst (UDP source port sport) carrying n."""
+    body = struct.pack("!HHHH", sport, ROCE, 8 + 36, 0) + struct.pack("!I", n) + b"\xab" * 32
+    if v6:
+        a, b = (b"\xfd" + b"\0" * 14 + bytes([h]) for h in (src, dst))
+        return eth(struct.pack("!IHBB16s16s", 6 << 28, len(body), 17, 64, a, b) + body, 0x86DD)
+    return eth(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 1, 0, 64, 17, 0,
+                           bytes([10, 0, 0, src]), bytes([10, 0, 0, dst])) + body, 0x0800)
+
+
+def _wrapped(frame: bytes, how: str, i: int) -> bytes:
+    """frame as a remote mirror delivers it: bare, ERSPAN II, ERSPAN III with the platform
+    sub-header and frame type 2 (the IP packet alone), or gretap with C and K around the
+    frame given an 802.1Q and an 802.1ad tag."""
+    from ckptd.testing.tunnel import erspan2
+    if how == "bare":
+        return frame
+    if how == "erspan2":
+        return erspan2(frame, 7, i)
+    if how == "erspan3":
+        gre, inner = struct.pack("!HHI", 0x1000, 0x22EB, i), struct.pack("!HHIHH", 2 << 12, 7, i, 0, 2 << 10 | 1) \
+            + b"\x11" * 8 + frame[14:]
+    else:
+        tags = struct.pack("!HHHH", 0x88A8, 5, 0x8100, 9)
+        gre, inner = struct.pack("!HHII", 0xA000, 0x6558, 0, 0x1234), frame[:12] + tags + frame[12:]
+    body = gre + inner
+    return eth(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 47, 0,
+                           bytes([10, 200, 0, 1]), bytes([10, 200, 0, 9])) + body, 0x0800)
+
+
+def test_flow_fanout_keeps_a_flow_on_one_member_index_on_every_port_and_in_every_tunnel(link):
+    """fanout_mode "flow" (roce_flow_program): three ports, each a fanout group of three
+    members joined in the same order; 16 flows (IPv4 and IPv6), each in both directions,
+    bare on port 0, in ERSPAN II on port 1, in ERSPAN III or gretap on port 2. Every copy
+    of a flow, either way, reaches the same member index, and the flows spread over the
+    members. (The kernel's own "hash" hashes a tunnel's outer header: every ERSPAN frame
+    of a port to one member.)"""
+    from pyroute2 import IPRoute
+    from parsers.roce import decode_frame
+    for k in (1, 2):  # two more links beside the fixture's
+        with IPRoute(netns=link[0], flags=0) as ipr:
+            ipr.link("add", ifname=f"tx{k}", kind="veth", peer={"ifname": f"rx{k}", "net_ns_fd": link[1]})
+            ipr.link("set", index=ipr.link_lookup(ifname=f"tx{k}")[0], mtu=9000, state="up")
+        with IPRoute(netns=link[1], flags=0) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname=f"rx{k}")[0], mtu=9000, state="up")
+    ports = [("rx", "tx", ["bare"]), ("rx1", "tx1", ["erspan2"]), ("rx2", "tx2", ["erspan3", "gretap"])]
+    flows = [(1 + f % 4, 5 + f // 4, 49152 + 97 * f, f % 2 == 1) for f in range(16)]
+    frames = []
+    for f, (a, b, sport, v6) in enumerate(flows):
+        for i in range(6):  # data one way, its ACKs the other, the same UDP source port
+            frames.append(((a, b, sport, v6), _roce_flow_frame(a, b, sport, 100 * f + i, v6)))
+            frames.append(((a, b, sport, v6), _roce_flow_frame(b, a, sport, 100 * f + i, v6)))
+    kw = dict(netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10)
+    members = [[RingCapture(rx, fanout=(0x4700 + k, "flow"), **kw) for k, (rx, _, _) in enumerate(ports)]
+               for _ in range(3)]
+    try:
+        for rx, tx, ways in ports:
+            send_frames([_wrapped(fr, ways[i % len(ways)], i) for i, (_, fr) in enumerate(frames)], tx, link[0])
+        where: dict[tuple, set] = {}
+        got = 0
+        for m, caps in enumerate(members):
+            for k, cap in enumerate(caps):
+                for fr in cap.drain(0.1):
+                    d = decode_frame(fr.data)  # (the ICRCs are not made: decoded for the addresses)
+                    key = (min(d.src, d.dst), max(d.src, d.dst), d.sport)
+                    where.setdefault(key, set()).add(m)
+                    got += 1
+    finally:
+        for caps in members:
+            for cap in caps:
+                cap.close()
+    assert got == 3 * len(frames)
+    assert len(where) == len(flows) and all(len(m) == 1 for m in where.values()), where
+    assert len({m for ms in where.values() for m in ms}) >= 2  # spread, not all on one member
+
+
 def test_read_block_times_out_and_blocks_stop(link):
     with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap:
         t = time.monotonic()

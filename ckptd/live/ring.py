@@ -49,6 +49,7 @@ PACKET_RX_RING = 5
 PACKET_STATISTICS = 6
 PACKET_VERSION = 10
 PACKET_FANOUT = 18
+PACKET_FANOUT_DATA = 22
 PACKET_IGNORE_OUTGOING = 23
 TPACKET_V3 = 2
 SO_ATTACH_FILTER = 26
@@ -59,7 +60,9 @@ TP_STATUS_USER = 1
 TP_STATUS_VLAN_VALID = 0x10
 TP_STATUS_VLAN_TPID_VALID = 0x40
 
-FANOUT_MODES = {"hash": 0, "lb": 1, "cpu": 2, "qm": 5}
+# "flow" is ours: PACKET_FANOUT_CBPF (6) with roce_flow_program, the RoCE flow inside a
+# mirror tunnel too (the kernel's "hash" hashes the tunnel's outer header)
+FANOUT_MODES = {"hash": 0, "lb": 1, "cpu": 2, "qm": 5, "flow": 6}
 
 ROCE_PORT = 4791
 IPPROTO_UDP, IPPROTO_GRE = 17, 47
@@ -231,12 +234,123 @@ def roce_filter(snaplen: int = _ACCEPT_ALL) -> list[tuple[int, int, int, int]]:
     ])
 
 
-def attach_filter(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
-    """SO_ATTACH_FILTER with struct sock_fprog {u16 len; struct sock_filter *filter}."""
+def _fprog(program: list[tuple[int, int, int, int]]) -> tuple[bytes, ctypes.Array]:
+    """struct sock_fprog {u16 len; struct sock_filter *filter} and the array it points to
+    (which must live until the setsockopt has copied it)."""
     insns = b"".join(struct.pack("=HBBI", *ins) for ins in program)
     buf = ctypes.create_string_buffer(insns, len(insns))
-    fprog = struct.pack("@HP", len(program), ctypes.addressof(buf))
+    return struct.pack("@HP", len(program), ctypes.addressof(buf)), buf
+
+
+def attach_filter(sock: socket.socket, program: list[tuple[int, int, int, int]]) -> None:
+    """SO_ATTACH_FILTER: the socket's filter."""
+    fprog, _buf = _fprog(program)
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+
+
+# -- the flow fanout -------------------------------------------------------------------
+# More classic BPF: loads at X + k, the scratch memory M[], the accumulator's ALU.
+_LDW_IND, _LDB_IND = 0x40, 0x50
+_LD_MEM, _LDX_MEM, _LDX_IMM, _ST, _STX = 0x60, 0x61, 0x01, 0x02, 0x03
+_ADD, _AND, _LSH, _RSH, _MUL, _XOR_X, _ADD_X = 0x04, 0x54, 0x64, 0x74, 0x24, 0xAC, 0x0C
+_TAX, _TXA, _RET_A = 0x07, 0x87, 0x16
+_TPIDS = (0x8100, 0x88A8, 0x9100)
+# M[] slots: the IP header's offset, the key being built, the GRE header's offset, its
+# flags, the offset of what follows, a scratch EtherType / ERSPAN III word
+_M_IP, _M_KEY, _M_GRE, _M_FLAGS, _M_P, _M_W = range(6)
+
+
+def _goto(label: str) -> tuple:
+    return (_JEQ, 0, label, label)  # both ways to `label`: a forward jump (_assemble's labels)
+
+
+def _flow_key(version: int) -> list:
+    """X holds the offset of an IPv4 or IPv6 header: return a hash of (source address ^
+    destination address ^ UDP source port) for RoCEv2 (UDP 4791), else 0. Symmetric, so a
+    QP's data and its ACKs (which carry the same UDP source port) share a member; the
+    product's high half, since the kernel takes the answer modulo the member count."""
+    out = [(_STX, _M_IP)]
+    if version == 4:
+        out += [(_LDB_IND, 9), (_JEQ, IPPROTO_UDP, None, "ret0"),
+                (_LDW_IND, 12), (_ST, _M_KEY), (_LDW_IND, 16), (_LDX_MEM, _M_KEY), (_XOR_X, 0), (_ST, _M_KEY),
+                (_LDX_MEM, _M_IP), (_LDB_IND, 0), (_AND, 0x0F), (_LSH, 2), (_ADD_X, 0), (_TAX, 0)]
+    else:  # RoCEv2 puts UDP right after the IPv6 header (no extension headers: roce_filter)
+        out += [(_LDB_IND, 6), (_JEQ, IPPROTO_UDP, None, "ret0"), (_LDW_IND, 8), (_ST, _M_KEY)]
+        for off in range(12, 40, 4):
+            out += [(_LDW_IND, off), (_LDX_MEM, _M_KEY), (_XOR_X, 0), (_ST, _M_KEY), (_LDX_MEM, _M_IP)]
+        out += [(_TXA, 0), (_ADD, 40), (_TAX, 0)]
+    return out + [(_LDH_IND, 2), (_JEQ, ROCE_PORT, None, "ret0"),
+                  (_LDH_IND, 0), (_LDX_MEM, _M_KEY), (_XOR_X, 0), (_MUL, 0x9E3779B1), (_RSH, 16), (_RET_A, 0)]
+
+
+def _add_if(bit: int, n: int, tag: str) -> list:
+    """M[P] += n where the GRE flags have `bit`."""
+    return [(_LD_MEM, _M_FLAGS), (_JSET, bit, None, f"no{tag}"),
+            (_LD_MEM, _M_P), (_ADD, n), (_ST, _M_P), f"no{tag}"]
+
+
+def roce_flow_program() -> list[tuple[int, int, int, int]]:
+    """The PACKET_FANOUT_CBPF program of fanout_mode "flow": the member (the answer modulo
+    the member count) of a RoCEv2 frame, by its flow, the same whether the frame came
+    bare or inside a mirror tunnel (GRE with ERSPAN I, II, III or transparent Ethernet,
+    as cython_ext/batch.pyx _tunnel unwraps them; up to two inner VLAN tags). Members
+    joined in the same order on several ports then get every copy of a flow, on every
+    port and in either wrapping, at the same index. Anything else goes to member 0.
+    A fanout program sees the packet from its network header on (the link header has
+    been pulled by then; checked on veth pairs, tests/test_capture.py)."""
+    return _assemble([
+        (_LDB_ABS, 0), (_RSH, 4), (_JEQ, 4, "o4", None), (_JEQ, 6, "o6", "ret0"),
+        "o4",
+        (_LDB_ABS, 9), (_JEQ, IPPROTO_GRE, "o4gre", None),
+        (_LDX_IMM, 0), *_flow_key(4),
+        "o4gre",
+        (_LDB_ABS, 0), (_AND, 0x0F), (_LSH, 2), (_TAX, 0), _goto("gre"),
+        "o6",
+        (_LDB_ABS, 6), (_JEQ, IPPROTO_GRE, "o6gre", None),
+        (_LDX_IMM, 0), *_flow_key(6),
+        "o6gre",
+        (_LDX_IMM, 40),
+        "gre",  # X: the GRE header
+        (_STX, _M_GRE), (_LDH_IND, 0), (_ST, _M_FLAGS), (_JSET, 0x4007, "ret0", None),  # routing, version
+        (_TXA, 0), (_ADD, 4), (_ST, _M_P),
+        *_add_if(0x8000, 4, "c"), *_add_if(0x2000, 4, "k"), *_add_if(0x1000, 4, "s"),
+        (_LDX_MEM, _M_GRE), (_LDH_IND, 2),
+        (_JEQ, 0x6558, "eth", None), (_JEQ, 0x22EB, "erspan3", None), (_JEQ, 0x88BE, None, "ret0"),
+        (_LD_MEM, _M_FLAGS), (_JSET, 0x1000, None, "eth"),  # without S: type I, the frame follows
+        (_LD_MEM, _M_P), (_ADD, 8), (_ST, _M_P), _goto("eth"),  # type II
+        "erspan3",
+        (_LDX_MEM, _M_P), (_LDH_IND, 10), (_ST, _M_W),  # P FT(5) HwID D Gra O
+        (_LD_MEM, _M_P), (_ADD, 12), (_ST, _M_P),
+        (_LD_MEM, _M_W), (_JSET, 1, None, "noplatform"),
+        (_LD_MEM, _M_P), (_ADD, 8), (_ST, _M_P),
+        "noplatform",
+        (_LD_MEM, _M_W), (_RSH, 10), (_AND, 0x1F), (_JEQ, 0, "eth", None), (_JEQ, 2, None, "ret0"),
+        (_LDX_MEM, _M_P), (_LDB_IND, 0), (_RSH, 4), (_JEQ, 4, "i4", None), (_JEQ, 6, "i6", "ret0"),
+        "eth",  # M[P]: the mirrored Ethernet frame
+        (_LDX_MEM, _M_P), (_LDH_IND, 12), (_ST, _M_W), (_TXA, 0), (_ADD, 14), (_ST, _M_P),
+        *[ins for k in range(2) for ins in (
+            (_LD_MEM, _M_W), (_JEQ, _TPIDS[0], f"tag{k}", None), (_JEQ, _TPIDS[1], f"tag{k}", None),
+            (_JEQ, _TPIDS[2], f"tag{k}", "ethertype"),
+            f"tag{k}",
+            (_LDX_MEM, _M_P), (_LDH_IND, 2), (_ST, _M_W), (_TXA, 0), (_ADD, 4), (_ST, _M_P))],
+        "ethertype",
+        (_LD_MEM, _M_W), (_JEQ, 0x0800, "i4", None), (_JEQ, 0x86DD, "i6", "ret0"),
+        "i4",
+        (_LDX_MEM, _M_P), *_flow_key(4),
+        "i6",
+        (_LDX_MEM, _M_P), *_flow_key(6),
+        "ret0",
+        (_RET, 0),
+    ])
+
+
+def join_fanout(sock: socket.socket, group: int, mode: str) -> None:
+    """PACKET_FANOUT: this socket joins `group` in `mode` (FANOUT_MODES); "flow" also sets
+    the group's program (every member sets the same one: the last one set is used)."""
+    sock.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
+    if mode == "flow":
+        fprog, _buf = _fprog(roce_flow_program())
+        sock.setsockopt(SOL_PACKET, PACKET_FANOUT_DATA, fprog)
 
 
 # -- the ring -------------------------------------------------------------------------
@@ -322,8 +436,7 @@ class RingCapture:
             s.setsockopt(SOL_PACKET, PACKET_RX_RING, req)
             s.bind((self.ifname, ETH_P_ALL))
             if fanout is not None:
-                group, mode = fanout
-                s.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
+                join_fanout(s, *fanout)
             return s
         except BaseException:
             s.close()

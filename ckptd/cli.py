@@ -143,6 +143,7 @@ def cmd_synth(a) -> int:
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
         collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
         startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), unused=tuple(a.unused),
+        static_graph=a.static_graph,
         **_synth_training(a))
     t0 = time.time()
     try:
@@ -717,6 +718,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "are left unused by the forward on every rank at iterations 0, 3, 6, ... and on "
                         "rank 0 only at 1, 4, 7, ...; every round ends with DDP's used-map allreduce (int32, "
                         "one element a parameter) and the trainer steps only what some rank used; repeatable")
+    s.add_argument("--static-graph", action="store_true",
+                   help="DDP with static_graph=True: the first layout is one bucket; iteration 0 allreduces "
+                        "DDP's used map (int32, one element a parameter) FIRST, then the bucket; iteration 1 "
+                        "the first layout again; the rebuilt layout from iteration 2 on, no map. With "
+                        "--unused PREFIX those parameters are unused on every rank at every iteration (the "
+                        "graph is static): zeros on the wire, never stepped. Refused with "
+                        "--allreduces-per-step > 1")
     s.set_defaults(func=cmd_synth)
 
     r = sub.add_parser("replay", help="rebuild the model from recorded mirror captures, one "

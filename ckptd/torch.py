@@ -609,9 +609,7 @@ def _check_find_unused(allreduces_per_step: int):
 
 
 def _check_static_graph(backend: str, allreduces_per_step: int):
-    """static_graph=True: gloo, one allreduce per step (docs/TRAINING.md)."""
-    if backend != "gloo":
-        raise TrainerError("static_graph=True is supported on gloo only (ckptd does not decode it on NCCL/RoCE)")
+    """static_graph=True: one allreduce per step (docs/TRAINING.md), on gloo and NCCL alike."""
     if allreduces_per_step != 1:
         raise TrainerError("static_graph=True with allreduces_per_step > 1 is not supported")
 

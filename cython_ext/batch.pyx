@@ -585,14 +585,15 @@ cdef class BatchKernel:
     # compiled schedule (ckptd/fast/pipeline.py CompiledSchedule)
     cdef int64_t[::1] tl_conn                 # timeline -> connection index
     cdef int64_t[:, ::1] tl_npkts             # [layout, timeline]
-    cdef int64_t[::1] tl_cycle                # [timeline] packets of layouts 1.. (one QP-rotation period)
-    cdef readonly int64_t nlayouts            # 1 + the rotation period (Plan.timeline_schedules)
+    cdef int64_t[::1] tl_cycle                # [timeline] packets of layouts nprefix.. (one QP-rotation period)
+    cdef readonly int64_t nlayouts            # nprefix + the rotation period (Plan.timeline_schedules)
+    cdef readonly int64_t nprefix             # the opening layouts (Plan.timeline_prefix: 1, 2 with static_graph)
     cdef public int64_t per_step              # wire rounds per training iteration (Plan.allreduces_per_step)
     cdef int64_t cts_bytes                    # RDMA WRITE (no imm) carries data unless this long; -1: never
     cdef int64_t[:, ::1] tl_mlo, tl_mhi       # [layout, timeline] message index range
     cdef int64_t[:, ::1] tl_recv_off          # [layout, timeline] offset in a received map
     cdef int64_t[::1] recv_total              # [layout] packets of all timelines
-    cdef int64_t[:, ::1] conn_steps           # [layout, connection] sends per iteration
+    cdef int64_t[:, ::1] conn_steps           # [opening round 0 .. nprefix-1, then a rebuilt round, connection] sends
     cdef int64_t[::1] m_start, m_npkts, m_wire_len, m_wire_offset, m_bucket, m_offset
     cdef int64_t[::1] m_nelem, m_phase, m_step, m_ring_step
     cdef uint32_t[::1] m_imm                  # the immediate's 4 wire bytes, read LE
@@ -678,6 +679,10 @@ cdef class BatchKernel:
         self.m_imm, self.m_has_imm = m_imm, m_has_imm
         self.m_keep = m_keep if m_keep is not None else np.zeros(len(m_start), np.int64)
         self.tl_cycle, self.nlayouts, self.cts_bytes = tl_cycle, tl_npkts.shape[0], cts_bytes
+        self.nprefix = conn_steps.shape[0] - 1
+        if not 1 <= self.nprefix < self.nlayouts:
+            raise ValueError(f"conn_steps has {conn_steps.shape[0]} rows for {self.nlayouts} layouts: "
+                             "the opening rounds' and a rebuilt round's")
         if per_step < 1:
             raise ValueError(f"per_step {per_step}: at least 1")
         self.per_step = per_step
@@ -716,9 +721,18 @@ cdef class BatchKernel:
 
     def layout_of(self, int64_t iteration):
         """The layout an iteration's packets follow: that of its step's last wire round
-        (0 for iteration 0, then the QP rotation's 1 .. nlayouts - 1)."""
-        cdef int64_t w = (iteration + 1) * self.per_step - 1
-        return 0 if w == 0 else 1 + (w - 1) % (self.nlayouts - 1)
+        (the opening rounds' 0 .. nprefix - 1, then the QP rotation's nprefix .. nlayouts - 1)."""
+        cdef int64_t w = (iteration + 1) * self.per_step - 1, p = self.nprefix
+        return w if w < p else p + (w - p) % (self.nlayouts - p)
+
+    cdef inline int64_t sends_before(self, int64_t conn, int64_t it) noexcept nogil:
+        """Plan.sends_before: the connection's sends before wire round `it`."""
+        cdef int64_t k, n = 0, p = self.nprefix
+        for k in range(it if it < p else p):
+            n += self.conn_steps[k, conn]
+        if it > p:
+            n += (it - p) * self.conn_steps[p, conn]
+        return n
 
     def _new_recv(self, int64_t layout):
         return np.zeros((self.nstreams, max(self.recv_total[layout], 1)), np.uint8)
@@ -815,13 +829,14 @@ cdef class BatchKernel:
     def close_iteration(self, int64_t iteration):
         """Stop tracking an iteration the pipeline is done with: its received map and
         buffers go back to the kernel for reuse (whoever held them must not use them
-        again). Layout 0's are let go instead: only iteration 0 has it, and a daemon
-        would otherwise hold a gradient-sized buffer it never uses again."""
+        again). The opening layouts' (0 .. nprefix - 1) are let go instead: only
+        iteration 0 (with static_graph, 0 and 1) has each, and a daemon would otherwise
+        hold a gradient-sized buffer it never uses again."""
         cdef int64_t slot = self.slot_of(iteration), layout
         if slot < 0:
             raise KeyError(f"iteration {iteration} is not tracked")
         layout = self.slot_layout[slot]
-        if layout != 0:
+        if layout >= self.nprefix:
             self.free_recv[layout].append(self.recv_maps[slot])
             if self.buffers[slot] is not None:
                 self.free_buffers[layout].append(self.buffers[slot])
@@ -1412,19 +1427,25 @@ cdef class BatchKernel:
         u = psn_unwrap(be24(bth + 9), self.fe_last[e])
         pos = u - self.fe_base[e]
         npk0 = self.tl_npkts[0, tl]
+        for layout in range(1, self.nprefix):  # the opening layouts' packets
+            npk0 += self.tl_npkts[layout, tl]
         cycle = self.tl_cycle[tl]
         if pos < 0 or (pos >= npk0 and cycle == 0):
             return self._reject(e, u, NULL, C_BEFORE_START)
-        if pos < npk0:
-            it, layout, local = 0, 0, pos
-        else:  # FlowTimeline.locate: whole turns of the QP-rotation cycle, then its layouts
-            q = (pos - npk0) // cycle
-            local = pos - npk0 - q * cycle
-            layout = 1
+        if pos < npk0:  # FlowTimeline.locate: an opening iteration's
+            local, layout = pos, 0
             while local >= self.tl_npkts[layout, tl]:
                 local -= self.tl_npkts[layout, tl]
                 layout += 1
-            it = 1 + q * (self.nlayouts - 1) + layout - 1
+            it = layout
+        else:  # FlowTimeline.locate: whole turns of the QP-rotation cycle, then its layouts
+            q = (pos - npk0) // cycle
+            local = pos - npk0 - q * cycle
+            layout = self.nprefix
+            while local >= self.tl_npkts[layout, tl]:
+                local -= self.tl_npkts[layout, tl]
+                layout += 1
+            it = self.nprefix + q * (self.nlayouts - self.nprefix) + layout - self.nprefix
         m = self.find_message(e, layout, tl, local)
         i = local - self.m_start[m]
         if not self.check(m, i, d, f):
@@ -1457,8 +1478,7 @@ cdef class BatchKernel:
                 conn = self.tl_conn[tl]
                 if not self.fb_known[conn]:
                     return STOP_FLAG_BASE
-                gstep = (0 if it == 0 else self.conn_steps[0, conn] + (it - 1) * self.conn_steps[1, conn]) \
-                    + self.m_step[m]
+                gstep = self.sends_before(conn, it) + self.m_step[m]
                 expected = <uint32_t>(self.fb_value[conn] + gstep + 1)  # modulo 2**32
                 if not ckptd_ll_unpack(d + f.payload_off, f.payload_len // LL_LINE, expected,
                                        <uint8_t *>lldata if phase == 1 else <uint8_t *>NULL):
@@ -1475,8 +1495,7 @@ cdef class BatchKernel:
                 conn = self.tl_conn[tl]
                 if not self.fb_known[conn]:
                     return STOP_FLAG_BASE
-                gstep = (0 if it == 0 else self.conn_steps[0, conn] + (it - 1) * self.conn_steps[1, conn]) \
-                    + self.m_step[m]
+                gstep = self.sends_before(conn, it) + self.m_step[m]
                 expected128 = <uint64_t>self.fb_value[conn] + <uint64_t>gstep + 1  # modulo 2**64
                 if not ckptd_ll128_unpack(d + f.payload_off, f.payload_len // LL128_HALF, expected128,
                                           <uint8_t *>lldata if phase == 1 else <uint8_t *>NULL):

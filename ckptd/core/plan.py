@@ -340,7 +340,7 @@ class Plan:
     # used-parameter map (USED_MAP, one int32 per parameter), DDP never rebuilds its
     # buckets, and the shadow steps only the parameters some rank used (docs/TRAINING.md)
     find_unused_parameters: bool = False
-    # DDP's static_graph=True (gloo; docs/TRAINING.md): iteration 0's round opens with the
+    # DDP's static_graph=True (docs/TRAINING.md): iteration 0's round opens with the
     # used-map allreduce, later rounds carry none; the first layout serves wire rounds 0
     # and 1 (DDP rebuilds after iteration 1); the shadow steps only the parameters some
     # rank used at iteration 0, in every iteration
@@ -402,6 +402,24 @@ class Plan:
         """The first wire round on DDP's rebuilt layout: 1, or 2 with static_graph (its
         first backward only counts hook calls, so the order is recorded in the second)."""
         return 2 if self.static_graph else 1
+
+    @property
+    def timeline_prefix(self) -> int:
+        """How many wire rounds open the job with a schedule of their own before the
+        rebuilt rounds cycle (timeline_schedules): rebuild_round (round 0; with
+        static_graph rounds 0, with the map, and 1, the first layout again)."""
+        return self.rebuild_round
+
+    def wire_order(self, round_: int) -> tuple[int, ...]:
+        """The assembly's bucket indices (buckets(), the used map last) in the order wire
+        round `round_` allreduces them: the assembly's own, but for static_graph's round 0,
+        which allreduces the used map FIRST (Reducer::delay_all_reduce). Every transport
+        numbers its allreduces by this (RingSchedule's order, the gloo extractor's)."""
+        buckets = self.layout_buckets(self.wire_layout(round_), self.has_map(round_))
+        n = len(buckets)
+        if self.static_graph and round_ == 0:
+            return (n - 1,) + tuple(range(n - 1))
+        return tuple(range(n))
 
     def has_map(self, iteration: int) -> bool:
         """Whether an iteration's allreduces include DDP's used-parameter map: every one
@@ -500,24 +518,49 @@ class Plan:
         return before, buckets("after")
 
     def _ring_schedule(self, iteration: int, send_base: tuple) -> RingSchedule:
-        buckets = self.layout_buckets(self.wire_layout(iteration))
+        buckets = self.layout_buckets(self.wire_layout(iteration), self.has_map(iteration))
+        order = self.wire_order(iteration)
         before, after = self.other_collectives(iteration)
 
         def sig(bs):
             return tuple((type(b).__name__, b.count, b.dtype.str, getattr(b, "root", None)) for b in bs)
-        key = (self.ring, sig(buckets), sig(before), sig(after), send_base)
+        key = (self.ring, sig(buckets), order, sig(before), sig(after), send_base)
         cache = self.__dict__.setdefault("_schedules", {})
         sched = cache.get(key)
         if sched is None:
             # the layouts share their allreduces' cut: most bucket sizes are in both
             cells = self.__dict__.setdefault("_allreduce_cells", {}).setdefault(self.ring, {})
-            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after, cells)
+            sched = cache[key] = RingSchedule(self.ring, buckets, dict(send_base), before, after, cells, order)
         return sched
 
     def _sends_per_iteration(self, iteration: int) -> dict:
         """Sends each connection makes in an iteration (they do not depend on the QPs)."""
-        sched = self._ring_schedule(min(iteration, 1), ())
+        sched = self._ring_schedule(min(iteration, self.timeline_prefix), ())
         return {c: sched.steps(c) for c in sched.conns}
+
+    def opening_sends(self) -> dict:
+        """{connection: (sends of each opening round 0 .. P-1, P = timeline_prefix, then of
+        a rebuilt round)}: what sends_before counts with."""
+        # keyed by the rebuilt layout itself (a learned one makes new counts), kept alive
+        # by the cache so its id is never another's
+        hit = self.__dict__.get("_opening_sends")
+        if hit is None or hit[0] is not self.buckets_rebuilt:
+            per = [self._sends_per_iteration(k) for k in range(self.timeline_prefix + 1)]
+            hit = self.__dict__["_opening_sends"] = (self.buckets_rebuilt, {c: tuple(x[c] for x in per)
+                                                                            for c in per[0]})
+        return hit[1]
+
+    def sends_before(self, iteration: int, conn=None):
+        """Sends each connection made before wire round `iteration` (one connection's, with
+        conn): the opening rounds' (timeline_prefix), then the rebuilt rounds'."""
+        p = self.timeline_prefix
+        per = self.opening_sends()
+
+        def before(n):
+            return sum(n[:iteration]) if iteration < p else sum(n[:p]) + (iteration - p) * n[p]
+        if conn is not None:
+            return before(per[conn])
+        return {c: before(n) for c, n in per.items()}
 
     def _send_base(self, iteration: int) -> tuple:
         """(connection, sends before this iteration modulo RingConfig.rotation_modulus),
@@ -526,26 +569,28 @@ class Plan:
         nq = self.ring.rotation_modulus
         if nq == 1 or iteration == 0:
             return ()  # a missing connection starts at 0: iteration 0 shares the counting schedule
-        first, rebuilt = self._sends_per_iteration(0), self._sends_per_iteration(1)
-        return tuple((c, (first[c] + (iteration - 1) * rebuilt[c]) % nq) for c in sorted(first))
+        return tuple((c, n % nq) for c, n in sorted(self.sends_before(iteration).items()))
 
     def rotation_period(self) -> int:
-        """The smallest p >= 1 with schedule(i + p) == schedule(i) for every i >= 1: the
-        rebuilt iterations cycle through p QP rotations (1 with one QP)."""
+        """The smallest p >= 1 with schedule(i + p) == schedule(i) for every i >=
+        timeline_prefix: the rebuilt iterations cycle through p QP rotations (1 with one QP)."""
         nq = self.ring.rotation_modulus
-        rebuilt = self._sends_per_iteration(1)
+        rebuilt = self._sends_per_iteration(self.timeline_prefix)
         p = 1
         while any(p * n % nq for n in rebuilt.values()):
             p += 1
         return p
 
     def timeline_schedules(self) -> list[RingSchedule]:
-        """schedule(0), then one period of rebuilt iterations: schedule(1 .. rotation_period())."""
-        return [self.schedule(i) for i in range(self.rotation_period() + 1)]
+        """The opening rounds' schedules (schedule(0 .. P-1), P = timeline_prefix: 1, or 2
+        with static_graph), then one period of rebuilt iterations: schedule(P .. P +
+        rotation_period() - 1)."""
+        return [self.schedule(i) for i in range(self.timeline_prefix + self.rotation_period())]
 
     def layout_index(self, iteration: int) -> int:
         """Which of timeline_schedules() an iteration uses."""
-        return 0 if iteration == 0 else 1 + (iteration - 1) % self.rotation_period()
+        p = self.timeline_prefix
+        return iteration if iteration < p else p + (iteration - p) % self.rotation_period()
 
     def rank_of(self, addr: str) -> int | None:
         """The rank whose own NIC has this address (any of its ports): the lowest one
@@ -947,8 +992,6 @@ def _check_static_graph(plan: Plan) -> None:
     """static_graph: what ckptd decodes of it (docs/TRAINING.md)."""
     if plan.static_graph is not True:
         raise PlanError(f"static_graph must be true or absent, not {_short(plan.static_graph)}")
-    if plan.transport != "gloo":
-        raise PlanError("static_graph is decoded on gloo only (not on NCCL/RoCE)")
     if not plan.parameters:
         raise PlanError("static_graph needs parameters (DDP's used map is of them)")
     if plan.find_unused_parameters:

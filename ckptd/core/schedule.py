@@ -880,7 +880,8 @@ class RingSchedule:
     """
 
     def __init__(self, cfg: RingConfig, buckets: list[Bucket], send_base: dict | None = None,
-                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = (), cells: dict | None = None):
+                 before: Sequence[Bucket] = (), after: Sequence[Bucket] = (), cells: dict | None = None,
+                 order: Sequence[int] | None = None):
         """send_base[conn]: sends the connection made before this iteration (earlier
         iterations and other collectives on the communicator), which is where NCCL's QP
         rotation stands (RingConfig.qp_of_part); only its value modulo the QP count matters.
@@ -888,7 +889,10 @@ class RingSchedule:
         buckets (allreduces of a loss or metric, Broadcast entries for DDP's broadcasts:
         Plan.collectives); their sends are on the wire and advance every counter of the
         connection, and carry no gradient (bucket < 0). cells: _allreduce_cells' cache, to
-        share with other schedules of the same cfg (Plan.schedule's layouts)."""
+        share with other schedules of the same cfg (Plan.schedule's layouts). order: the
+        buckets' indices in the order they are allreduced (Plan.wire_order: static_graph's
+        iteration 0 allreduces the used map, the last bucket, first); by default their own.
+        A send's bucket is always its index in `buckets`."""
         self._start(cfg, buckets, list(before) + list(after), send_base)
         self._cells = {} if cells is None else cells
         for c in range(cfg.channels):
@@ -897,8 +901,10 @@ class RingSchedule:
                 self._add_connection((src, cfg.next_rank(c, src), c))
         for k, other in enumerate(before):
             self._add_other(-1 - k, other)
-        for b, bucket in enumerate(self.buckets):
-            self._add_allreduce(b, bucket)
+        if order is not None and sorted(order) != list(range(len(self.buckets))):
+            raise ScheduleError(f"bucket order {list(order)} is not a permutation of the {len(self.buckets)} buckets")
+        for b in range(len(self.buckets)) if order is None else order:
+            self._add_allreduce(b, self.buckets[b])
         for k, other in enumerate(after):
             self._add_other(-1 - len(before) - k, other)
 

@@ -81,8 +81,9 @@ BATCH_FRAMES = 1 << 16  # frames per batch when frames come one by one (Pipeline
 @dataclass
 class CompiledSchedule:
     """FlowTimeline/FlowSchedule as flat arrays: per timeline (one QP of one connection)
-    and layout (Plan.timeline_schedules: 0 iteration 0, then each QP rotation of the
-    rebuilt iterations, 1 ... period), its messages in order."""
+    and layout (Plan.timeline_schedules: 0 .. P-1 the opening iterations, P =
+    Plan.timeline_prefix, 1 or 2 with static_graph; then each QP rotation of the rebuilt
+    iterations, P ... P + period - 1), its messages in order."""
 
     keys: list  # timeline index -> (src, dst, channel, qp)
     conns: list  # connection index -> (src, dst, channel)
@@ -95,7 +96,8 @@ class CompiledSchedule:
 
 def compile_schedule(plan: Plan) -> CompiledSchedule:
     layouts = plan.timeline_schedules()
-    s0, s1 = layouts[0], layouts[1]
+    p = plan.timeline_prefix
+    s0 = layouts[0]
     keys = sorted(s0.flows)
     conns = sorted(s0.conns)
     conn_ix = {c: i for i, c in enumerate(conns)}
@@ -109,7 +111,7 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     keep_parts: list[np.ndarray] = []  # DDP's buffer broadcasts (other collectives -1-bucket): the reference keeps them
     nmsgs = 0
     for layout, sched in enumerate(layouts):
-        kept = list(plan.buffer_others(min(layout, 1)))
+        kept = list(plan.buffer_others(min(layout, p)))
         for t, key in enumerate(keys):
             fs = sched.flows[key]
             cols = fs.columns()
@@ -131,7 +133,7 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     if plan.ring.imm_big_endian:  # the kernel reads the immediate's 4 wire bytes little-endian
         arrays["m_imm"] = arrays["m_imm"].byteswap()
     arrays["m_keep"] = (np.concatenate(keep_parts) if keep_parts else np.zeros(0, bool)).astype(np.int64)
-    nb = max(len(s0.buckets), len(s1.buckets), 1)
+    nb = max(max(len(s.buckets) for s in layouts), 1)
     b_itemsize = np.ones((L, nb), np.int64)
     b_count = np.zeros((L, nb), np.int64)
     for layout, sched in enumerate(layouts):
@@ -141,9 +143,10 @@ def compile_schedule(plan: Plan) -> CompiledSchedule:
     arrays.update(
         tl_conn=np.array([conn_ix[k[:3]] for k in keys], np.int64), tl_npkts=tl_npkts,
         tl_mlo=tl_mlo, tl_mhi=tl_mhi, tl_recv_off=tl_recv_off, recv_total=recv_total,
-        conn_steps=np.array([[s0.steps(c) for c in conns], [s1.steps(c) for c in conns]],
-                            np.int64).reshape(2, len(conns)),
-        tl_cycle=tl_npkts[1:].sum(axis=0), b_itemsize=b_itemsize, b_count=b_count,
+        # [opening round 0 .. P-1, then a rebuilt round, connection]: sends (Plan.opening_sends)
+        conn_steps=np.array([[plan.opening_sends()[c][k] for c in conns] for k in range(p + 1)],
+                            np.int64).reshape(p + 1, len(conns)),
+        tl_cycle=tl_npkts[p:].sum(axis=0), b_itemsize=b_itemsize, b_count=b_count,
         b_nbuckets=np.array([len(s.buckets) for s in layouts], np.int64))
     return CompiledSchedule(keys, conns, {k: i for i, k in enumerate(keys)}, arrays)
 
@@ -494,15 +497,15 @@ class FastPipeline:
         """Makes the kernel's buffers for the iterations a run starts with, every page
         written, before any frame arrives; bytes the kernel now keeps. Enough for
         `at_once` consecutive iterations open together anywhere in the layouts' rotation
-        (iteration 0 has a layout of its own): what a steady run allocates anyway, now
+        (the opening iterations have layouts of their own: Plan.timeline_prefix): what a steady run allocates anyway, now
         instead of while its first iterations' frames wait in the capture rings: fresh
         pages cost a fault each, 13-24 us on a VM that hands freed memory back to its host
         (docs/DAEMON.md), and a 2.6M-parameter model's buffers took ~8.6k of them."""
         k, pipe = self.kernel, self.pipeline
         first = pipe.join_wire if pipe.opts.join else 0
-        period = k.nlayouts - 1
+        period = k.nlayouts - k.nprefix
         need: Counter = Counter()
-        for s in range(first, first + period + 2):
+        for s in range(first, first + period + k.nprefix + 1):
             for layout, n in Counter(k.layout_of(it) for it in range(s, s + at_once)).items():
                 need[layout] = max(need[layout], n)
         for layout, n in sorted(need.items()):

@@ -14,6 +14,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,6 +144,12 @@ class SynthOptions:
     # unused_on): on every rank at iterations 0, 3, 6, ..., on rank 0 only at 1, 4, 7, ...
     # The plan says find_unused_parameters; every round ends with DDP's used-map allreduce
     unused: tuple = ()
+    # DDP's static_graph=True (docs/TRAINING.md): the first layout one bucket, iteration 0's
+    # round opens with DDP's used-map allreduce (Reducer::delay_all_reduce), iteration 1
+    # allreduces the first layout again, the rebuilt layout from iteration 2 on. With
+    # --unused its parameters are unused on every rank at every iteration (the graph is
+    # static): zeros in their bucket slots, never stepped (the map of iteration 0 is kept)
+    static_graph: bool = False
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -288,10 +295,15 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     names = [n for n, _ in named]
     cap = opts.bucket_cap_kb * 1024
     # find_unused_parameters: DDP's first layout uses the cap (compute_bucket_size_limits)
-    # and is never rebuilt
-    first = first_buckets(params, cap, first_bytes=cap if opts.unused else cap // 4)
+    # and is never rebuilt; static_graph: the first layout is one bucket (sys.maxsize), rebuilt
+    # as a plain job's
+    find_unused = bool(opts.unused) and not opts.static_graph
+    if opts.static_graph:
+        first = first_buckets(params, sys.maxsize, first_bytes=sys.maxsize)
+    else:
+        first = first_buckets(params, cap, first_bytes=cap if find_unused else cap // 4)
     order = grad_ready_order(model, shard_batches(model, 0, 0, opts.seed))
-    rebuilt = first if opts.unused else rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
+    rebuilt = first if find_unused else rebuilt_buckets(params, order, cap, first_bytes=cap // 4)
     major, minor = _nccl_version(opts.nccl_version)
     if opts.nodes and opts.shuffle_rings:
         raise SynthOptionError("--shuffle-rings makes one-GPU-per-host rings; with --nodes the rings are NCCL's")
@@ -359,14 +371,14 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
         iterations=opts.iterations, nodes=nodes, channel_nics=nics, ports=ports, comm_hook=opts.comm_hook,
         collectives=_plan_collectives(opts, model), buffers=_module_buffers(opts, model),
         allreduces_per_step=opts.allreduces_per_step,
-        frozen=Parameter.each_of(frozen), find_unused_parameters=bool(opts.unused))
+        frozen=Parameter.each_of(frozen), find_unused_parameters=find_unused, static_graph=opts.static_graph)
 
 
-def unused_on(iteration: int, rank: int) -> bool:
+def unused_on(iteration: int, rank: int, static_graph: bool = False) -> bool:
     """--unused: whether the forward leaves the parameters named by the prefixes unused on
     `rank` at `iteration`: on every rank (globally unused) at iterations divisible by 3,
-    on rank 0 only at the next ones."""
-    return iteration % 3 == 0 or (iteration % 3 == 1 and rank == 0)
+    on rank 0 only at the next ones; with static_graph always (the graph is static)."""
+    return static_graph or iteration % 3 == 0 or (iteration % 3 == 1 and rank == 0)
 
 
 def _unused_names(model, prefixes) -> set[str]:
@@ -779,6 +791,9 @@ def check_options(opts: SynthOptions) -> None:
     _in_range("--mirrors", opts.mirrors, *SYNTH_MIRRORS)
     _in_range("--iterations", opts.iterations, 1, MAX_ITERATIONS_SYNTH)
     _in_range("--allreduces-per-step", opts.allreduces_per_step, 1, 64)
+    if opts.static_graph and opts.allreduces_per_step != 1:
+        raise SynthOptionError("--static-graph with --allreduces-per-step > 1: not supported (ckptd decodes "
+                               "DDP's static_graph with one allreduce per step)")
     _in_range("--bucket-cap-kb", opts.bucket_cap_kb, 1, 1 << 20)
     if opts.opt_kind not in OPTIMIZER_CLASSES:
         raise SynthOptionError(f"--optim {opts.opt_kind!r}: one of {', '.join(OPTIMIZER_CLASSES)}")
@@ -911,7 +926,7 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
     if opts.freeze:
         freeze_parameters(model, (opts.freeze,) if isinstance(opts.freeze, str) else tuple(opts.freeze))
     if opts.unused:
-        if opts.allreduces_per_step != 1:
+        if opts.allreduces_per_step != 1 and not opts.static_graph:
             raise SynthOptionError("--unused with --allreduces-per-step > 1: not supported (find_unused_parameters)")
         opts.unused_names = _unused_names(model, (opts.unused,) if isinstance(opts.unused, str) else opts.unused)
     plan = make_plan(opts, model, rng)
@@ -946,6 +961,7 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
              for m in plan.mirrors}
     ts = 1_700_000_000 * 10**9
     params = dict(model.named_parameters())
+    kept_map = None  # static_graph: iteration 0's reduced used map, which DDP keeps for good
     try:
         for m in plan.mirrors:
             files.append(ChunkedFile(created.file(out / "mirrors" / f"{m.name}.pcap")))
@@ -977,7 +993,7 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                     if r == 0:
                         after0 = {n: b.detach().clone() for n, b in buffers.items()}
                     (scaler.scale(loss) if scaler else loss).backward()
-                    if plan.find_unused_parameters and unused_on(t, r):
+                    if opts.unused and unused_on(t, r, plan.static_graph):
                         for n in opts.unused_names:  # autograd never reached them on this rank
                             params[n].grad = None
                     if r == 0 and t in opts.inf_at and j == K - 1:  # an overflow in one element
@@ -987,7 +1003,7 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                     local.append([_to_wire(torch.cat([(params[n].grad if params[n].grad is not None else
                                                        torch.zeros_like(params[n])).reshape(-1) for n in b.params]),
                                            plan.comm_hook, plan.nranks) for b in layout])
-                    if plan.find_unused_parameters:  # DDP's local_used_map, allreduced after the buckets
+                    if plan.has_map(w):  # DDP's local_used_map (static_graph: allreduced first on the wire)
                         local[-1].append(np.array([params[p.name].grad is not None for p in plan.parameters],
                                                   dtype="<i4"))
                 # each rank's values for the other allreduces (a loss, a metric): not gradients
@@ -1004,8 +1020,10 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
                         n = params[name].numel()
                         params[name].grad = flat[off:off + n].view(params[name].shape).clone()
                         off += n
-                if plan.find_unused_parameters:  # used on no rank: its grad left untouched (None)
-                    for p, count in zip(plan.parameters, final[len(layout)]):
+                if plan.static_graph and w == 0:
+                    kept_map = final[len(layout)].copy()
+                if plan.find_unused_parameters or plan.static_graph:  # used on no rank: grad left None
+                    for p, count in zip(plan.parameters, final[len(layout)] if plan.has_map(w) else kept_map):
                         if not count:
                             params[p.name].grad = None
                 if j < K - 1:

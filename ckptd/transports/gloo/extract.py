@@ -482,10 +482,8 @@ class GlooExtractor:
         None: nothing of it is placed (count messages dropped)."""
         rr = self.plan.rebuild_round
         start = self._round_start(rr)
-        if n < self.nb[0]:
-            w, b = 0, n
-            if self.plan.static_graph:  # the used map first on the wire, last in the assembly
-                b = self.nb[0] - 1 if n == 0 else n - 1
+        if n < self.nb[0]:  # (static_graph: the used map first on the wire, last in the assembly)
+            w, b = 0, self.plan.wire_order(0)[n]
         elif n < start:  # static_graph's round 1: the first layout again
             w, b = 1, n - self.nb[0]
         else:

@@ -49,10 +49,11 @@ class Extractor:
         # i*K .. i*K+K-1, and only the last is placed (Plan.step_of_round)
         self.per_step = plan.allreduces_per_step
         self.binder = FlowBinder(plan, None if join_from is None else join_from * self.per_step)
-        s0, s1 = plan.schedule(0), plan.schedule(1)
-        self.steps = {c: (s0.steps(c), s1.steps(c)) for c in s0.conns}
-        self.itemsize = {0: [b.dtype.itemsize for b in s0.buckets],
-                         1: [b.dtype.itemsize for b in s1.buckets]}
+        # wire rounds 0 .. P-1 open the job (Plan.timeline_prefix: 2 with static_graph),
+        # P on are the rebuilt layout's; per kind (min(round, P)): itemsizes, buffer broadcasts
+        self.prefix = p = plan.timeline_prefix
+        scheds = [plan.schedule(k) for k in range(p + 1)]
+        self.itemsize = {k: [b.dtype.itemsize for b in s.buckets] for k, s in enumerate(scheds)}
         self.flag_base: dict[tuple[int, int, int], int] = {}
         self.counters: Counter = Counter()
         self.examples: list[str] = []
@@ -63,7 +64,7 @@ class Extractor:
         # DDP's buffer broadcasts: {layout 0 | 1: {others index: group}}, each group's
         # payload bytes and itemsize; per iteration whose buffers they carry, each
         # group's (bytes, which bytes are known), and the first disagreement
-        self.buffer_of = {0: plan.buffer_others(0), 1: plan.buffer_others(1)}
+        self.buffer_of = {k: plan.buffer_others(k) for k in range(p + 1)}
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
         self.buffer_itemsize = [np.dtype(_np_dtype(d)).itemsize for _, d in plan.buffer_broadcast_entries()]
         self.buffer_data: dict[int, list] = {}
@@ -114,8 +115,7 @@ class Extractor:
         return out
 
     def _global_step(self, conn, iteration: int, step: int) -> int:
-        first, rebuilt = self.steps[conn]
-        return (0 if iteration == 0 else first + (iteration - 1) * rebuilt) + step
+        return self.plan.sends_before(iteration, conn) + step
 
     def _place(self, b: FlowBinding, pkt: Packet) -> list[Placement]:
         loc = self.binder.locate(b, pkt.psn)
@@ -170,12 +170,12 @@ class Extractor:
             runs = [(woff, bytes(payload))]
         if send.bucket < 0:  # another collective on the communicator (Plan.collectives): no gradient
             self.counters["other_collective_packets"] += 1
-            g = self.buffer_of[min(loc.iteration, 1)].get(-1 - send.bucket)
+            g = self.buffer_of[min(loc.iteration, self.prefix)].get(-1 - send.bucket)
             k = self.plan.buffers_step_of_round(loc.iteration)
             if g is not None and k is not None and k > self.done:
                 self._keep_buffer(k, g, send, runs, pkt)
             return []
-        itemsize = self.itemsize[min(loc.iteration, 1)][send.bucket]
+        itemsize = self.itemsize[min(loc.iteration, self.prefix)][send.bucket]
         total = send.nelem * itemsize  # LL and LL128 pad the last line or block: drop what is not data
         runs = [(doff, data[:max(0, total - doff)]) for doff, data in runs]
         if any(doff % itemsize or len(data) % itemsize for doff, data in runs):

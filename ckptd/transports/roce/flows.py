@@ -144,43 +144,64 @@ class Location:
 
 
 class FlowTimeline:
-    """A QP's message sequence over all iterations: iteration 0's layout, then the
-    rebuilt iterations, which cycle through `cycle` (one schedule per QP rotation,
-    Plan.timeline_schedules; a single one with one QP)."""
+    """A QP's message sequence over all iterations: the opening iterations' layouts
+    (`opening`: iteration 0's, and with static_graph iteration 1's, the first layout
+    again: Plan.timeline_prefix), then the rebuilt iterations, which cycle through
+    `cycle` (one schedule per QP rotation, Plan.timeline_schedules; a single one with
+    one QP). `opening` may be one FlowSchedule (iteration 0's)."""
 
-    def __init__(self, first: FlowSchedule, cycle: list[FlowSchedule]):
-        self.first, self.cycle = first, list(cycle)
+    def __init__(self, opening, cycle: list[FlowSchedule]):
+        self.opening = [opening] if isinstance(opening, FlowSchedule) else list(opening)
+        self.cycle = list(cycle)
         self.cycle_npkts = sum(fs.npkts for fs in self.cycle)
+        self.opening_npkts = sum(fs.npkts for fs in self.opening)
+
+    @property
+    def first(self) -> FlowSchedule:
+        """Iteration 0's schedule."""
+        return self.opening[0]
+
+    @property
+    def npkts_any(self) -> int:
+        """Packets of the opening iterations and of one cycle: 0 for a QP that never carries any."""
+        return self.opening_npkts + self.cycle_npkts
 
     @property
     def layouts(self) -> list[FlowSchedule]:
-        return [self.first] + self.cycle
+        return self.opening + self.cycle
 
     def schedule_of(self, iteration: int) -> FlowSchedule:
-        return self.first if iteration == 0 else self.cycle[(iteration - 1) % len(self.cycle)]
+        p = len(self.opening)
+        return self.opening[iteration] if iteration < p else self.cycle[(iteration - p) % len(self.cycle)]
 
     def locate(self, pos: int) -> tuple[int, FlowSchedule, int, int] | None:
         """(iteration, schedule, message index, packet index) at flow position pos."""
         if pos < 0:
             return None
-        if pos < self.first.npkts:
-            m, i = self.first.locate(pos)
-            return 0, self.first, m, i
+        if pos < self.opening_npkts:
+            local = pos
+            for it, fs in enumerate(self.opening):
+                if local < fs.npkts:
+                    m, i = fs.locate(local)
+                    return it, fs, m, i
+                local -= fs.npkts
         if self.cycle_npkts == 0:
             return None
-        turns, local = divmod(pos - self.first.npkts, self.cycle_npkts)
+        p = len(self.opening)
+        turns, local = divmod(pos - self.opening_npkts, self.cycle_npkts)
         for k, fs in enumerate(self.cycle):
             if local < fs.npkts:
                 m, i = fs.locate(local)
-                return 1 + turns * len(self.cycle) + k, fs, m, i
+                return p + turns * len(self.cycle) + k, fs, m, i
             local -= fs.npkts
         raise AssertionError("unreachable: local < cycle_npkts")
 
     def iteration_start(self, iteration: int) -> int:
-        if iteration == 0:
-            return 0
-        turns, k = divmod(iteration - 1, len(self.cycle))
-        return self.first.npkts + turns * self.cycle_npkts + sum(fs.npkts for fs in self.cycle[:k])
+        p = len(self.opening)
+        if iteration < p:
+            return sum(fs.npkts for fs in self.opening[:iteration])
+        turns, k = divmod(iteration - p, len(self.cycle))
+        return self.opening_npkts + turns * self.cycle_npkts + sum(fs.npkts for fs in self.cycle[:k])
 
     def head_at(self, pos: int) -> Message | None:
         """The message starting exactly at pos, if one does."""
@@ -248,16 +269,17 @@ class FlowBinder:
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.join_from = join_from  # None: the capture starts before the job's first message
-        first, *cycle = plan.timeline_schedules()
+        layouts, p = plan.timeline_schedules(), plan.timeline_prefix
+        opening, cycle = layouts[:p], layouts[p:]
         self.imm_big_endian = plan.ring.imm_big_endian
         wire = plan.network_connections
-        self.timelines = {k: FlowTimeline(first.flows[k], [s.flows[k] for s in cycle]) for k in first.flows
-                          if k[:3] in wire}
+        self.timelines = {k: FlowTimeline([s.flows[k] for s in opening], [s.flows[k] for s in cycle])
+                          for k in opening[0].flows if k[:3] in wire}
         # Only QPs of network hops that carry at least one message can ever be seen;
         # slots in channel order, then QP (the order NCCL connects them in).
         self.expected: dict[tuple[tuple[int, int], tuple[int, int]], list[tuple[int, int, int, int]]] = {}
         for (s, d, c, q), tl in sorted(self.timelines.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][:2])):
-            if tl.first.npkts or tl.cycle_npkts:
+            if tl.npkts_any:
                 self.expected.setdefault(plan.qp_link((s, d, c), q), []).append((s, d, c, q))
         self.bound: dict[tuple, FlowBinding] = {}
         self.unrelated: set[tuple] = set()
@@ -386,7 +408,7 @@ class FlowBinder:
 
     def _rs_timeline(self, slot) -> FlowTimeline:
         tl = self.timelines[slot]
-        return FlowTimeline(reduce_scatter_only(tl.first), [reduce_scatter_only(fs) for fs in tl.cycle])
+        return FlowTimeline([reduce_scatter_only(fs) for fs in tl.opening], [reduce_scatter_only(fs) for fs in tl.cycle])
 
     def _refuse_reduce_scatter(self, hop):
         raise CollectiveRefused(
@@ -408,9 +430,10 @@ class FlowBinder:
             sent.update({conn: t.steps(conn) for conn in t.conns})
             trees.append(t)
         out: dict[tuple[tuple[int, int], tuple[int, int]], list[FlowTimeline]] = {}
+        p = plan.timeline_prefix
         for key in trees[0].flows:
-            tl = FlowTimeline(trees[0].flows[key], [t.flows[key] for t in trees[1:]])
-            if tl.first.npkts or tl.cycle_npkts:
+            tl = FlowTimeline([t.flows[key] for t in trees[:p]], [t.flows[key] for t in trees[p:]])
+            if tl.npkts_any:
                 out.setdefault(plan.qp_link(key[:3], key[3]), []).append(tl)
         return out
 

@@ -263,6 +263,34 @@ def test_a_remote_mirror_session_is_unwrapped_by_the_kernel(run, links, tmp_path
     assert daemon.pipe.kernel_frames > 0.9 * frames
 
 
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    """DDP with static_graph=True on NCCL (synthesized): iteration 0 allreduces the used map
+    first, iteration 1 the first layout again, the rebuilt layout from 2 on; the head is
+    never used, so never stepped."""
+    d = tmp_path_factory.mktemp("static")
+    synth(d, ranks=2, channels=1, protocol="simple", mtu=1024, iterations=6, mirrors=2,
+          static_graph=True, unused=("head",), bucket_cap_kb=16)
+    return d
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+def test_a_static_graph_job_commits_every_iteration_live(static_run, links, tmp_path, workers):
+    """The daemon on static_graph's wire: its two opening layouts (the map-first round and
+    the first layout again) and then the rebuilt one, through the rings, every iteration
+    committed bit-exact."""
+    cfg = daemon_config(static_run, tmp_path / "ck", links[1], workers, block_size=1 << 16, block_nr=64,
+                        retire_ms=10)
+    daemon = Daemon(cfg)
+    assert daemon.plan.static_graph and daemon.plan.timeline_prefix == 2
+    rc = run_until_done(daemon, static_run, links[0])
+    assert sum(c.stats()["drops"] for c in daemon.captures) == 0
+    assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)], \
+        [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
+    assert rc == 0 and daemon.pipe.errors == []
+    assert_committed_are_exact(static_run, daemon, tmp_path / "ck")
+
+
 def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, links, tmp_path):
     """Stream 1's worker is killed a third of the way in. The daemon names it, stream 0
     keeps being captured, and since stream 0 alone carries every element here (2 ranks,

@@ -24,12 +24,12 @@ from ckptd.core.shadow import ShadowModel
 from ckptd.fast.batches import load_captures
 from ckptd.fast.pipeline import FastPipeline, fast_replay
 from ckptd.pipeline import ReplayOptions, replay
-from ckptd.testing.synth.model import build_model
 from parsers.capfile import open_capture
 from parsers.pcap import write_pcap
 from parsers.roce import FrameClass, decode_frame
 
 from helpers import pcaps
+from test_unused_roce import scenario_runs, unused_in
 
 ITERATIONS = 5  # rounds 0 (map + first layout), 1 (first layout), 2.. (rebuilt, QP rotation)
 SCENARIOS = {
@@ -48,23 +48,11 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def synthesized(tmp_path_factory):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            d = tmp_path_factory.mktemp(name)
-            assert main(["synth", "--out", str(d), "--model", "tiny", "--iterations", str(ITERATIONS),
-                         "--channels", "2", "--mirrors", "2", "--bucket-cap-kb", "16", "--seed", "3",
-                         "--static-graph", *SCENARIOS[name]]) == 0
-            made[name] = d
-        return made[name]
-    return get
+    return scenario_runs(tmp_path_factory, SCENARIOS, "--static-graph", iterations=ITERATIONS)
 
 
 def _unused(name):
-    args = SCENARIOS[name]
-    prefixes = tuple(args[i + 1] for i, a in enumerate(args) if a == "--unused")
-    return {n for n, _ in build_model("tiny", 3).named_parameters() if n.startswith(prefixes)}
+    return unused_in(SCENARIOS[name])
 
 
 def _replay(plan, d, paths=None, path="reference", **kw):

@@ -36,25 +36,35 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def synthesized(tmp_path_factory):
+def scenario_runs(tmp_path_factory, scenarios: dict, *extra: str, iterations: int = ITERATIONS):
+    """For a module fixture: get(name) synthesizes scenario `name` (its `ckptd synth`
+    arguments, then `extra`) once, on the tiny model, and returns its folder."""
     made = {}
 
     def get(name):
         if name not in made:
             d = tmp_path_factory.mktemp(name)
-            assert main(["synth", "--out", str(d), "--model", "tiny", "--iterations", str(ITERATIONS),
+            assert main(["synth", "--out", str(d), "--model", "tiny", "--iterations", str(iterations),
                          "--channels", "2", "--mirrors", "2", "--bucket-cap-kb", "16", "--seed", "3",
-                         *SCENARIOS[name]]) == 0
+                         *extra, *scenarios[name]]) == 0
             made[name] = d
         return made[name]
     return get
 
 
-def _unused(name):
-    args = SCENARIOS[name]
+def unused_in(args: list[str]) -> set[str]:
+    """The tiny model's parameters the --unused prefixes in `args` name."""
     prefixes = tuple(args[i + 1] for i, a in enumerate(args) if a == "--unused")
     return {n for n, _ in build_model("tiny", 3).named_parameters() if n.startswith(prefixes)}
+
+
+@pytest.fixture(scope="module")
+def synthesized(tmp_path_factory):
+    return scenario_runs(tmp_path_factory, SCENARIOS)
+
+
+def _unused(name):
+    return unused_in(SCENARIOS[name])
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -491,6 +491,39 @@ def test_flow_fanout_keeps_a_flow_on_one_member_index_on_every_port_and_in_every
     assert len({m for ms in where.values() for m in ms}) >= 2  # spread, not all on one member
 
 
+def test_erspan_session_filters_split_one_interface_into_its_sessions(link):
+    """Two rings on one interface, one per ERSPAN session (erspan_session_filter): each
+    gets exactly its session's frames, type II and III, over IPv4 and IPv6, with GRE
+    keys and checksums; bare RoCE, ERSPAN type I (no session) and other sessions reach
+    neither."""
+    from ckptd.testing.tunnel import erspan2
+
+    def erspan3_v6(frame: bytes, session: int, seq: int) -> bytes:
+        body = struct.pack("!HHIII", 0xB000, 0x22EB, 0xABCD0000, 0x1234, seq) \
+            + struct.pack("!HHIHH", 2 << 12, session, seq, 0, 0) + frame
+        return eth(ipv6(47, body), 0x86DD)
+
+    def erspan1(frame: bytes, seq: int) -> bytes:
+        return eth(ipv4(47, struct.pack("!HH", 0, 0x88BE) + frame), 0x0800)
+    mine = {5: [], 9: []}
+    frames = []
+    for i in range(60):
+        inner = roce_v4(i)
+        session = (5, 9, 17)[i % 3]
+        wrapped = erspan2(inner, session, i) if i % 2 else erspan3_v6(inner, session, i)
+        frames.append(wrapped)
+        if session in mine:
+            mine[session].append(wrapped)
+        frames += [inner, erspan1(inner, i)]
+    kw = dict(netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10)
+    with RingCapture("rx", erspan_session=5, **kw) as a, RingCapture("rx", erspan_session=9, **kw) as b:
+        send_frames(frames, "tx", link[0])
+        got = {5: [f.data for f in a.drain(0.1)], 9: [f.data for f in b.drain(0.05)]}
+    assert got == mine and len(mine[5]) == len(mine[9]) == 20
+    with pytest.raises(ValueError, match="1024"):
+        RingCapture("rx", erspan_session=1024, **kw)
+
+
 def test_read_block_times_out_and_blocks_stop(link):
     with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=4, retire_ms=10) as cap:
         t = time.monotonic()

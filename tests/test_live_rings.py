@@ -60,10 +60,10 @@ def daemon_config(run, out, ns, workers=False, **ring) -> DaemonConfig:
                         interfaces=[InterfaceConfig(f"mirror{k}", f"rx{k}", ns, **ring) for k in range(2)])
 
 
-def send_streams(run, ns, pps, midway=None, wrap=None):
-    """Every mirror capture into its own link, concurrently, paced at pps each;
-    midway() is called when a third of the frames are out; wrap(frame, k, i) replaces
-    frame i of stream k."""
+def send_streams(run, ns, pps, midway=None, wrap=None, link_of=lambda k: k):
+    """Every mirror capture into its own link (stream k into tx<link_of(k)>),
+    concurrently, paced at pps each; midway() is called when a third of the frames are
+    out; wrap(frame, k, i) replaces frame i of stream k."""
     threads = []
     streams = [[f.data for f in read_pcap(p)] for p in pcaps(run)]
     if wrap is not None:
@@ -71,7 +71,7 @@ def send_streams(run, ns, pps, midway=None, wrap=None):
     third = len(streams[0]) // 3
     for part in ((0, third), (third, None)):
         for k, frames in enumerate(streams):
-            threads.append(threading.Thread(target=send_frames, args=(frames[slice(*part)], f"tx{k}", ns),
+            threads.append(threading.Thread(target=send_frames, args=(frames[slice(*part)], f"tx{link_of(k)}", ns),
                                             kwargs=dict(timing="rate", pps=pps)))
             threads[-1].start()
         for t in threads:
@@ -80,7 +80,7 @@ def send_streams(run, ns, pps, midway=None, wrap=None):
             midway()
 
 
-def run_until_done(daemon, run, ns, pps=4000, midway=None, wrap=None) -> int:
+def run_until_done(daemon, run, ns, pps=4000, midway=None, wrap=None, link_of=lambda k: k) -> int:
     """The daemon on its own thread while the streams are sent; stopped once iteration 5
     is reported (or 30 s after the last frame). Returns its exit status."""
     result = {}
@@ -90,7 +90,7 @@ def run_until_done(daemon, run, ns, pps=4000, midway=None, wrap=None) -> int:
         deadline = time.time() + 30
         while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
             time.sleep(0.05)
-        send_streams(run, ns, pps, midway, wrap)
+        send_streams(run, ns, pps, midway, wrap, link_of)
         deadline = time.time() + 30
         while time.time() < deadline and not any(r.iteration == 5 for r in daemon.pipe.reports):
             time.sleep(0.1)
@@ -261,6 +261,26 @@ def test_a_remote_mirror_session_is_unwrapped_by_the_kernel(run, links, tmp_path
     # (the reference still sees what it always does: a new flow's first packets, ...)
     assert daemon.pipe.stops["encapsulated"] == 0, daemon.pipe.stops
     assert daemon.pipe.kernel_frames > 0.9 * frames
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+def test_two_erspan_sessions_on_one_interface_are_two_streams(run, links, tmp_path, workers):
+    """Both mirror streams arrive at one collector interface as ERSPAN sessions 100 and
+    101; the config lists the interface once per session (erspan_session). Each ring gets
+    its own session's frames only, and every iteration commits bit-exact."""
+    from ckptd.testing.tunnel import erspan2
+    cfg = daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16, block_nr=64, retire_ms=10)
+    for k, i in enumerate(cfg.interfaces):
+        i.ifname, i.erspan_session = "rx0", 100 + k
+    daemon = Daemon(cfg)
+    rc = run_until_done(daemon, run, links[0], wrap=lambda d, k, i: erspan2(d, 100 + k, i), link_of=lambda k: 0)
+    caps = [c.stats() for c in daemon.captures]
+    assert sum(c["drops"] for c in caps) == 0
+    assert [(r.iteration, r.status) for r in daemon.pipe.reports] == [(i, "committed") for i in range(6)]
+    assert rc == 0 and daemon.pipe.errors == []
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+    sent = [sum(1 for _ in read_pcap(p)) for p in pcaps(run)]
+    assert [cls["frames"] for cls in daemon.pipe.classes] == [c["delivered"] for c in caps] == sent
 
 
 @pytest.fixture(scope="module")

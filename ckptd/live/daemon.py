@@ -77,6 +77,9 @@ class InterfaceConfig:
     fanout_group: int | None = None  # several interfaces' rings can share one fanout group
     fanout_mode: str = "hash"
     cpu: int | None = None  # capture_workers: the CPU this interface's worker is pinned to
+    # only this ERSPAN II/III session (0-1023): several sessions reaching one collector
+    # interface are captured as streams of their own (ckptd.live.ring.erspan_session_filter)
+    erspan_session: int | None = None
 
 
 @dataclass
@@ -252,6 +255,7 @@ def _interface(path, i: int, x) -> InterfaceConfig:
         frame_size=frame_size, retire_ms=k.int("retire_ms", 1, 60_000, 20),
         snaplen=k.int("snaplen", 64, MAX_SNAPLEN, 65535),
         fanout_group=k.int("fanout_group", 0, 0xFFFF), fanout_mode=mode,
+        erspan_session=k.int("erspan_session", 0, 0x3FF),
         cpu=x.get("cpu"))  # checked with the other capture-worker keys (_capture_config)
 
 
@@ -319,15 +323,18 @@ def load_config(path: str | Path) -> DaemonConfig:
     if not isinstance(raw_ifs, list) or not raw_ifs:
         raise ConfigError(f"{path}: 'interfaces' lists no mirror port to capture")
     ifs = [_interface(path, i, x) for i, x in enumerate(raw_ifs)]
-    seen: dict[tuple, int] = {}
     for i, x in enumerate(ifs):
-        where = (x.netns, x.ifname)
-        if where in seen and (x.fanout_group is None or ifs[seen[where]].fanout_group != x.fanout_group):
+        # one interface more than once: in one fanout group (each frame to one ring), or
+        # each entry one ERSPAN session of its own (each frame to the ring of its session)
+        again = [j for j in range(i) if (ifs[j].netns, ifs[j].ifname) == (x.netns, x.ifname)]
+        clash = next((j for j in again if None in (ifs[j].erspan_session, x.erspan_session)
+                      or ifs[j].erspan_session == x.erspan_session), None)
+        if clash is not None and (x.fanout_group is None or ifs[clash].fanout_group != x.fanout_group):
             raise ConfigError(f"{path}: interfaces[{i}] captures {x.ifname}"
                               + (f" in netns {x.netns}" if x.netns else "")
-                              + f" again (as interfaces[{seen[where]}]): every frame would be counted "
-                              "twice; share it with one fanout_group instead")
-        seen.setdefault(where, i)
+                              + (f" (erspan_session {x.erspan_session})" if x.erspan_session is not None else "")
+                              + f" again (as interfaces[{clash}]): every frame would be counted twice; share "
+                              "it with one fanout_group instead, or give each entry its own erspan_session")
     names = [x.name for x in ifs]
     if len(set(names)) != len(names):
         raise ConfigError(f"{path}: interface names {names} are not unique")
@@ -992,7 +999,7 @@ class Daemon:
                 self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
                                                  block_nr=i.block_nr, frame_size=i.frame_size,
                                                  retire_ms=i.retire_ms, snaplen=i.snaplen,
-                                                 fanout=fanout,
+                                                 fanout=fanout, erspan_session=i.erspan_session,
                                                  # the kernel filter passes RoCEv2 and GRE only
                                                  bpf=self.plan.transport == "roce"))
             except CaptureSetupError as e:  # which config entry: the message names the interface

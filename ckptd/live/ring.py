@@ -248,7 +248,7 @@ def attach_filter(sock: socket.socket, program: list[tuple[int, int, int, int]])
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
 
 
-# -- the flow fanout -------------------------------------------------------------------
+# -- the flow fanout and the session filter ----------------------------------------
 # More classic BPF: loads at X + k, the scratch memory M[], the accumulator's ALU.
 _LDW_IND, _LDB_IND = 0x40, 0x50
 _LD_MEM, _LDX_MEM, _LDX_IMM, _ST, _STX = 0x60, 0x61, 0x01, 0x02, 0x03
@@ -344,6 +344,49 @@ def roce_flow_program() -> list[tuple[int, int, int, int]]:
     ])
 
 
+def erspan_session_filter(session: int, snaplen: int = _ACCEPT_ALL) -> list[tuple[int, int, int, int]]:
+    """The socket filter of a ring that captures one remote mirror session: accept an
+    IPv4 or IPv6 GRE packet carrying ERSPAN type II (GRE 0x88BE with a sequence number) or
+    III (0x22EB) whose session ID is `session` (0-1023: the low 10 bits of the ERSPAN
+    header's first word in both types), keeping `snaplen` bytes; drop everything else,
+    bare frames included. So several sessions arriving at one collector interface are
+    captured as streams of their own (interfaces[].erspan_session); type I and gretap carry
+    no session ID. A socket filter sees the frame from its Ethernet header on."""
+    if not 0 <= session <= 0x3FF:
+        raise ValueError(f"ERSPAN session {session} is not in 0..1023")
+
+    def ip(base: int, tag: str) -> list:
+        v4, v6 = f"v4{tag}", f"v6{tag}"
+        return [
+            (_JEQ, 0x0800, v4, None), (_JEQ, 0x86DD, v6, "drop"),
+            v4,
+            (_LDB_ABS, base + 9), (_JEQ, IPPROTO_GRE, None, "drop"),
+            (_LDH_ABS, base + 6), (_JSET, 0x1FFF, "drop", None),    # a later fragment
+            (_LDXB_MSH, base), (_TXA, 0), (_ADD, base), (_TAX, 0), _goto("gre"),
+            v6,
+            (_LDB_ABS, base + 6), (_JEQ, IPPROTO_GRE, None, "drop"),
+            (_LDX_IMM, base + 40), _goto("gre"),
+        ]
+    return _assemble([
+        (_LDH_ABS, 12), (_JEQ, 0x8100, "tagged", None),
+        *ip(14, "u"),
+        "tagged",
+        (_LDH_ABS, 16), *ip(18, "t"),
+        "gre",  # X: the GRE header
+        (_LDH_IND, 0), (_ST, _M_FLAGS), (_JSET, 0x4007, "drop", None),   # routing, not version 0
+        (_TXA, 0), (_ADD, 4), (_ST, _M_P),
+        *_add_if(0x8000, 4, "c"), *_add_if(0x2000, 4, "k"), *_add_if(0x1000, 4, "s"),
+        (_LDH_IND, 2), (_JEQ, 0x22EB, "session", None), (_JEQ, 0x88BE, None, "drop"),
+        (_LD_MEM, _M_FLAGS), (_JSET, 0x1000, "session", "drop"),  # type II; type I has no session
+        "session",
+        (_LDX_MEM, _M_P), (_LDW_IND, 0), (_AND, 0x3FF), (_JEQ, session, "accept", "drop"),
+        "accept",
+        (_RET, snaplen),
+        "drop",
+        (_RET, 0),
+    ])
+
+
 def join_fanout(sock: socket.socket, group: int, mode: str) -> None:
     """PACKET_FANOUT: this socket joins `group` in `mode` (FANOUT_MODES); "flow" also sets
     the group's program (every member sets the same one: the last one set is used)."""
@@ -371,7 +414,7 @@ class RingCapture:
     def __init__(self, ifname: str, netns: str | None = None, *, block_size: int = 1 << 20,
                  block_nr: int = 64, frame_size: int = 16384, retire_ms: int = 20,
                  snaplen: int = 65535, fanout: tuple[int, str] | None = None,
-                 bpf: bool = True, outgoing: bool = False):
+                 bpf: bool = True, outgoing: bool = False, erspan_session: int | None = None):
         page = mmap.PAGESIZE
         if block_size % page or block_size < frame_size or frame_size % 16 or frame_size < _TPACKET3_HDRLEN:
             raise ValueError(f"{ifname}: block_size must be a multiple of {page} and >= "
@@ -395,7 +438,7 @@ class RingCapture:
         self._lock = threading.Lock()  # stats() may be called from another thread
         try:
             self.sock = in_netns(netns, self._open, block_size, block_nr, frame_size,
-                                 retire_ms, fanout, bpf, outgoing)
+                                 retire_ms, fanout, bpf, outgoing, erspan_session)
         except OSError as e:
             raise CaptureSetupError(e.errno, f"capture on {self._where}: {e.strerror or e}") from e
         try:
@@ -416,7 +459,7 @@ class RingCapture:
         self._poll = select.poll()
         self._poll.register(self.sock.fileno(), select.POLLIN | select.POLLERR)
 
-    def _open(self, block_size, block_nr, frame_size, retire_ms, fanout, bpf, outgoing):
+    def _open(self, block_size, block_nr, frame_size, retire_ms, fanout, bpf, outgoing, erspan_session):
         # Protocol 0: the socket receives nothing until bind(), so the filter and the
         # ring are in place before the first packet can arrive.
         try:
@@ -426,7 +469,9 @@ class RingCapture:
         s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
         try:
             s.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
-            if bpf:
+            if erspan_session is not None:  # one remote mirror session, whatever it carries
+                attach_filter(s, erspan_session_filter(erspan_session, self.snaplen))
+            elif bpf:
                 attach_filter(s, roce_filter(self.snaplen))
             if not outgoing:
                 s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)

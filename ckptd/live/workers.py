@@ -252,7 +252,8 @@ class CaptureWorkers:
         for k, i in enumerate(interfaces):
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
-                    "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)}
+                    "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode),
+                    "erspan_session": getattr(i, "erspan_session", None)}
             shm = SharedArea(SLOTS * _layout(i.block_size, slot_bytes)[2] + SLOTS, huge_pages)
             self.shms.append(shm)
             self._views.append([_slot_views(shm, s, i.block_size, slot_bytes) for s in range(SLOTS)])

@@ -393,6 +393,8 @@ CONFIG_CASES = [
     ("same-erspan-session", IF + "    erspan_session: 5\n  - {ifname: hdnone0, name: b, erspan_session: 5}\n",
      "(erspan_session 5) again"),
     ("session-and-everything", IF + "    erspan_session: 5\n  - {ifname: hdnone0, name: b}\n", "again"),
+    ("sessions-in-one-fanout", IF + "    erspan_session: 5\n    fanout_group: 3\n"
+     "  - {ifname: hdnone0, name: b, erspan_session: 9, fanout_group: 3}\n", "share fanout_group 3"),
     ("unknown-if-key", IF + "    colour: red\n", "unknown keys"),
     ("no-interfaces", "interfaces: []\n", "interfaces"),
     ("listen-port", IF + "listen: 127.0.0.1:99999\n", "listen"),

@@ -329,6 +329,15 @@ def load_config(path: str | Path) -> DaemonConfig:
         again = [j for j in range(i) if (ifs[j].netns, ifs[j].ifname) == (x.netns, x.ifname)]
         clash = next((j for j in again if None in (ifs[j].erspan_session, x.erspan_session)
                       or ifs[j].erspan_session == x.erspan_session), None)
+        # a fanout group hands each frame to one member before that member's filter runs:
+        # members that filter on different sessions would drop each other's frames
+        mixed = next((j for j in again if x.fanout_group is not None and ifs[j].fanout_group == x.fanout_group
+                      and ifs[j].erspan_session != x.erspan_session), None)
+        if mixed is not None:
+            raise ConfigError(f"{path}: interfaces[{i}] and interfaces[{mixed}] share fanout_group "
+                              f"{x.fanout_group} on {x.ifname} but not erspan_session ({x.erspan_session} and "
+                              f"{ifs[mixed].erspan_session}): the group would hand a frame to a ring whose "
+                              "filter drops it; give each session its own group")
         if clash is not None and (x.fanout_group is None or ifs[clash].fanout_group != x.fanout_group):
             raise ConfigError(f"{path}: interfaces[{i}] captures {x.ifname}"
                               + (f" in netns {x.netns}" if x.netns else "")

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ckptd.torch as ct
-from ckptd.core.checkpoint import checkpoint_name, save_checkpoint
-from _unused_job import optimizer  # the same AdamW and SGD
+from _unused_job import optimizer, record  # the same AdamW and SGD, the same records
 
 ITERATIONS = 5
 USED = {"fc1": 2, "a": 2, "b": 1, "dead": 0, "head": 2}  # on how many ranks each layer is used
@@ -74,11 +73,7 @@ def main(rank, out, kind, clip, flags, store_path):
             torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         if rank == 0:  # with the lr this step used
-            model, state = ct.initial_state(ddp, opt)
-            torch.save({"grads": grads, "used": used_map, "model": model, "optimizer": state,
-                        "rebuilt": ddp._has_rebuilt_buckets, "layout": layout},
-                       os.path.join(out, f"iter{it}.pt"))
-            save_checkpoint(os.path.join(out, "rank0", checkpoint_name(it)), it, model, state)
+            record(out, it, ddp, opt, grads, used_map, layout)
         sched.step()
     dist.barrier()
     # No teardown: torch 2.13's gloo teardown races between the ranks (see _frozen_job.py)

@@ -66,6 +66,15 @@ def optimizer(net, kind):
     raise SystemExit(f"unknown optimizer {kind}")
 
 
+def record(out, it, ddp, opt, grads, used_map, layout):
+    """Rank 0, after iteration it's step: the reduced gradients, DDP's reduced used map,
+    the state (iter<it>.pt), and the same state as ckptd's checkpoint under rank0/."""
+    model, state = ct.initial_state(ddp, opt)
+    torch.save({"grads": grads, "used": used_map, "model": model, "optimizer": state,
+                "rebuilt": ddp._has_rebuilt_buckets, "layout": layout}, os.path.join(out, f"iter{it}.pt"))
+    save_checkpoint(os.path.join(out, "rank0", checkpoint_name(it)), it, model, state)
+
+
 def main(rank, out, kind, clip, zero_grad, store_path):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     torch.set_num_threads(1)
@@ -95,11 +104,7 @@ def main(rank, out, kind, clip, zero_grad, store_path):
                     f.write(f"{it}: {e}")
             break
         if rank == 0:  # with the lr this step used
-            model, state = ct.initial_state(ddp, opt)
-            torch.save({"grads": grads, "used": used_map, "model": model, "optimizer": state,
-                        "rebuilt": ddp._has_rebuilt_buckets, "layout": layouts[-1]},
-                       os.path.join(out, f"iter{it}.pt"))
-            save_checkpoint(os.path.join(out, "rank0", checkpoint_name(it)), it, model, state)
+            record(out, it, ddp, opt, grads, used_map, layouts[-1])
         sched.step()
     dist.barrier()
     # No teardown: torch 2.13's gloo teardown races between the ranks (see _frozen_job.py)

@@ -18,6 +18,7 @@ from ckptd.live.ring import (CaptureSetupError, RingCapture, in_netns, ring_batc
                              roce_filter)
 from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
 from ckptd.testing.sender import send_frames
+from ckptd.testing.tunnel import erspan2, gre_tunnel
 
 ROCE = 4791
 
@@ -428,21 +429,16 @@ def _roce_flow_frame(src: int, dst: int, sport: int, n: int, v6: bool) -> bytes:
 def _wrapped(frame: bytes, how: str, i: int) -> bytes:
     """frame as a remote mirror delivers it: bare, ERSPAN II, ERSPAN III with the platform
     sub-header and frame type 2 (the IP packet alone), or gretap with C and K around the
-    frame given an 802.1Q and an 802.1ad tag."""
-    from ckptd.testing.tunnel import erspan2
+    frame given an 802.1ad and an 802.1Q tag."""
     if how == "bare":
         return frame
     if how == "erspan2":
         return erspan2(frame, 7, i)
     if how == "erspan3":
-        gre, inner = struct.pack("!HHI", 0x1000, 0x22EB, i), struct.pack("!HHIHH", 2 << 12, 7, i, 0, 2 << 10 | 1) \
-            + b"\x11" * 8 + frame[14:]
-    else:
-        tags = struct.pack("!HHHH", 0x88A8, 5, 0x8100, 9)
-        gre, inner = struct.pack("!HHII", 0xA000, 0x6558, 0, 0x1234), frame[:12] + tags + frame[12:]
-    body = gre + inner
-    return eth(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 47, 0,
-                           bytes([10, 200, 0, 1]), bytes([10, 200, 0, 9])) + body, 0x0800)
+        hdr = struct.pack("!HHIHH", 2 << 12, 7, i, 0, 2 << 10 | 1) + b"\x11" * 8
+        return gre_tunnel(frame[14:], 0x22EB, hdr, seq=i)
+    tags = struct.pack("!HHHH", 0x88A8, 5, 0x8100, 9)
+    return gre_tunnel(frame[:12] + tags + frame[12:], 0x6558, flags=0xA000)
 
 
 def test_flow_fanout_keeps_a_flow_on_one_member_index_on_every_port_and_in_every_tunnel(link):
@@ -496,15 +492,12 @@ def test_erspan_session_filters_split_one_interface_into_its_sessions(link):
     gets exactly its session's frames, type II and III, over IPv4 and IPv6, with GRE
     keys and checksums; bare RoCE, ERSPAN type I (no session) and other sessions reach
     neither."""
-    from ckptd.testing.tunnel import erspan2
-
     def erspan3_v6(frame: bytes, session: int, seq: int) -> bytes:
-        body = struct.pack("!HHIII", 0xB000, 0x22EB, 0xABCD0000, 0x1234, seq) \
-            + struct.pack("!HHIHH", 2 << 12, session, seq, 0, 0) + frame
-        return eth(ipv6(47, body), 0x86DD)
+        hdr = struct.pack("!HHIHH", 2 << 12, session, seq, 0, 0)
+        return gre_tunnel(frame, 0x22EB, hdr, flags=0xB000, seq=seq, outer_v=6)
 
     def erspan1(frame: bytes, seq: int) -> bytes:
-        return eth(ipv4(47, struct.pack("!HH", 0, 0x88BE) + frame), 0x0800)
+        return gre_tunnel(frame, 0x88BE, flags=0)
     mine = {5: [], 9: []}
     frames = []
     for i in range(60):

@@ -20,6 +20,7 @@ from scapy.layers.inet6 import IPv6  # noqa: E402
 from scapy.layers.l2 import GRE as S_GRE, Dot1Q, Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 
+from ckptd.testing.tunnel import erspan2, gre_tunnel  # noqa: E402
 from parsers import icrc  # noqa: E402
 from parsers.erspan import ERSPAN2, ERSPAN3  # noqa: E402
 from parsers.gre import GRE  # noqa: E402
@@ -301,20 +302,13 @@ def test_random_corruption_never_raises():
 # --------------------------------------------------------------------------- end to end
 
 def _wrap(frame: bytes, etype: int, session: int, seq: int) -> bytes:
-    """Ether/IPv4/GRE/ERSPAN around a captured frame, with struct (scapy is checked
-    against our decoder above; this only has to be fast)."""
+    """Ether/IPv4/GRE/ERSPAN around a captured frame, with struct (ckptd.testing.tunnel;
+    scapy is checked against our decoder above, this only has to be fast)."""
     if etype == 1:
-        gre, hdr = struct.pack(">HH", 0x0000, 0x88BE), b""
-    elif etype == 2:
-        gre = struct.pack(">HHI", 0x1000, 0x88BE, seq)
-        hdr = struct.pack(">HHI", (1 << 12) | 0, session & 0x3FF, seq & 0xFFFFF)
-    else:
-        gre = struct.pack(">HHI", 0x1000, 0x22EB, seq)
-        hdr = struct.pack(">HHIHH", (2 << 12), session & 0x3FF, seq, 0, 0)
-    body = gre + hdr + frame
-    ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 47, 0,
-                     bytes([10, 200, 0, 1]), bytes([10, 200, 0, 9]))
-    return bytes.fromhex("020000000102" "020000000101" "0800") + ip + body
+        return gre_tunnel(frame, 0x88BE, flags=0)
+    if etype == 2:
+        return erspan2(frame, session, seq)
+    return gre_tunnel(frame, 0x22EB, struct.pack(">HHIHH", 2 << 12, session & 0x3FF, seq, 0, 0), seq=seq)
 
 
 def test_replay_through_erspan_is_bit_exact(tmp_path):

@@ -26,6 +26,7 @@ from ckptd.fast.batches import (ReaderStage, _merged, _pcap_chunks, batch_from_f
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.transports.roce.extract import ll_unpack
 from ckptd.fast.icrc import crc_choices, fold_constants, icrc_checker, reduction_constants
+from ckptd.testing.tunnel import gre_tunnel
 from ckptd.fast.pipeline import FastExtractor, FastPipeline, fast_replay, trusted_frame
 from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.core.plan import load_plan
@@ -768,20 +769,9 @@ def _tagged(fr: CapturedFrame, k: int) -> CapturedFrame:
 
 def _tunnel(fr: CapturedFrame, gre_flags: int, proto: int, header: bytes, inner: bytes,
             outer_v: int = 4) -> CapturedFrame:
-    """Ethernet / IPv4 or IPv6 / GRE (flags, proto, the optional words they announce) /
-    header / inner, ended by 4 bytes of Ethernet trailer (the outer IP length rules)."""
-    words = b"".join(w for bit, w in ((0x8000, b"\xab\xcd\0\0"), (0x2000, b"\0\0\x12\x34"),
-                                      (0x1000, struct.pack(">I", fr.index))) if gre_flags & bit)
-    body = struct.pack(">HH", gre_flags, proto) + words + header + inner
-    if outer_v == 4:
-        ip = struct.pack(">BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 0, 0x4000, 64, 47, 0,
-                         bytes([192, 0, 2, 1]), bytes([192, 0, 2, 2]))
-        eth = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x08\x00"
-    else:
-        ip = struct.pack(">IHBB16s16s", 6 << 28, len(body), 47, 64, b"\xfd" + b"\0" * 14 + b"\x01",
-                         b"\xfd" + b"\0" * 14 + b"\x02")
-        eth = b"\x02\0\0\0\0\x01\x02\0\0\0\0\x02\x86\xdd"
-    data = eth + ip + body + b"\0" * 4
+    """fr's frame as a mirror tunnel delivers it (ckptd.testing.tunnel.gre_tunnel), ended by
+    4 bytes of Ethernet trailer (the outer IP length rules)."""
+    data = gre_tunnel(inner, proto, header, flags=gre_flags, seq=fr.index, outer_v=outer_v, trailer=b"\0" * 4)
     return CapturedFrame(fr.index, fr.ts_ns, fr.linktype, len(data), len(data), data)
 
 

@@ -25,7 +25,7 @@ from ckptd.core.plan import USED_MAP, PlanError, load_plan, plan_from_json
 from ckptd.core.shadow import ShadowModel
 import _static_job as job
 from helpers import job_runs
-from test_unused import _captured, _map_slot, _replay_cli
+from test_unused import _buffers, _captured, _map_slot, _replay_cli, _replay as _replay_unused
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_static_job.py")
@@ -38,28 +38,11 @@ def runs(tmp_path_factory):
                                                      *(["find_unused"] if find_unused else []))
 
 
-def _buffers(plan, it: int, ref: dict, used=None) -> list[np.ndarray]:
-    """The reduced buckets as the wire carries them (zeros where no rank used a
-    parameter), then, at iteration 0 only, the used map (the assembly lists it last)."""
-    out = [np.concatenate([(ref["grads"][n] if n in ref["grads"] else torch.zeros(plan.param(n).shape))
-                           .reshape(-1).numpy() for n in b.params]) for b in plan.layout(it)]
-    if plan.has_map(it):
-        out.append(np.asarray(ref["used"] if used is None else used, dtype="<i4"))
-    return out
-
-
 def _replay(d: Path, used=None, recorded: bool = True) -> list[tuple[int, list[str]]]:
     plan = load_plan(d / "plan.json")
     if not recorded:  # as a plan write_plan did not rewrite: the map only from the wire
         plan = dataclasses.replace(plan, static_used_map=None)
-    shadow = ShadowModel(plan, load_checkpoint(d / "init.pt", plan.state_names))
-    out = []
-    for it in range(job.ITERATIONS):
-        ref = torch.load(d / f"iter{it}.pt", weights_only=True)
-        shadow.apply(it, _buffers(plan, it, ref, None if used is None else used(ref)))
-        mine = {"iteration": it, "model": shadow.model_state(), "optimizer": shadow.optimizer_state()}
-        out.append((it, diff_checkpoints(mine, {"iteration": it, **ref})))
-    return out
+    return _replay_unused(d, used, plan, job.ITERATIONS)
 
 
 @pytest.mark.parametrize("kind,clip,find_unused", [("adamw", 0.5, False), ("adamw", None, False),

@@ -42,19 +42,23 @@ def runs(tmp_path_factory):
 
 def _buffers(plan, it: int, ref: dict, used=None) -> list[np.ndarray]:
     """The reduced buckets as the wire carries them (rank 0's param.grad after DDP; zeros
-    where no rank used a parameter, as its bucket slot), then the used map."""
+    where no rank used a parameter, as its bucket slot), then the used map where the
+    iteration has one (every iteration with find_unused_parameters, iteration 0 with
+    static_graph: the assembly lists it last)."""
     out = [np.concatenate([(ref["grads"][n] if n in ref["grads"] else torch.zeros(plan.param(n).shape))
                            .reshape(-1).numpy() for n in b.params]) for b in plan.layout(it)]
-    return out + [np.asarray(ref["used"] if used is None else used, dtype="<i4")]
+    if plan.has_map(it):
+        out.append(np.asarray(ref["used"] if used is None else used, dtype="<i4"))
+    return out
 
 
-def _replay(d: Path, used=None) -> list[tuple[int, list[str]]]:
+def _replay(d: Path, used=None, plan=None, iterations: int = job.ITERATIONS) -> list[tuple[int, list[str]]]:
     """Step the shadow with each iteration's reduced gradients and map; its differences
-    from rank 0's state, per iteration."""
-    plan = load_plan(d / "plan.json")
+    from rank 0's state, per iteration. plan: in place of the run's own."""
+    plan = plan or load_plan(d / "plan.json")
     shadow = ShadowModel(plan, load_checkpoint(d / "init.pt", plan.state_names))
     out = []
-    for it in range(job.ITERATIONS):
+    for it in range(iterations):
         ref = torch.load(d / f"iter{it}.pt", weights_only=True)
         shadow.apply(it, _buffers(plan, it, ref, None if used is None else used(ref)))
         mine = {"iteration": it, "model": shadow.model_state(), "optimizer": shadow.optimizer_state()}

@@ -253,7 +253,7 @@ class CaptureWorkers:
             spec = {"ifname": i.ifname, "netns": i.netns, "block_size": i.block_size, "block_nr": i.block_nr,
                     "frame_size": i.frame_size, "retire_ms": i.retire_ms, "snaplen": i.snaplen, "bpf": bpf,
                     "fanout": None if i.fanout_group is None else (i.fanout_group, i.fanout_mode),
-                    "erspan_session": getattr(i, "erspan_session", None)}
+                    "erspan_session": i.erspan_session}
             shm = SharedArea(SLOTS * _layout(i.block_size, slot_bytes)[2] + SLOTS, huge_pages)
             self.shms.append(shm)
             self._views.append([_slot_views(shm, s, i.block_size, slot_bytes) for s in range(SLOTS)])

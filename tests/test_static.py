@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from ckptd.core.plan import USED_MAP, PlanError, load_plan, plan_from_json
 from ckptd.core.shadow import ShadowModel
 import _static_job as job
 from helpers import job_runs
-from test_unused import _buffers, _captured, _map_slot, _replay_cli, _replay as _replay_unused
+from test_unused import assert_replay_exact, _buffers, _without_map, _captured, _replay_cli, _replay as _replay_unused
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).with_name("_static_job.py")
@@ -136,10 +135,7 @@ def captured(tmp_path_factory):
 def test_a_captured_job_replays_bit_exact(captured, tmp_path):
     d, pcap = captured
     r = _replay_cli(d, [pcap], tmp_path / "ckpts")
-    n = job.ITERATIONS
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"{n} iterations, {n} committed, 0 not recovered" in r.stdout
-    assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout
+    assert_replay_exact(r, job.ITERATIONS)
 
 
 def test_a_captured_job_replays_bit_exact_learning_the_rebuilt_layout(captured, tmp_path):
@@ -177,22 +173,8 @@ def test_a_lost_map_of_iteration_0_commits_nothing(captured, tmp_path, recorded)
     the map, and nothing later is committed: the shadow stopped there (with the map the
     plan recorded), or every later iteration is unrecoverable too (a plan without it:
     DDP keeps that map, and this shadow never saw it)."""
-    from parsers.capfile import open_capture
-    from parsers.pcap import PcapWriter
-    from parsers.tcp import decode_tcp_frame
     d, pcap = captured
-    lossy, dropped = tmp_path / "lossy.pcap", 0
-    with open(lossy, "wb") as f:
-        w = PcapWriter(f)
-        for fr in open_capture(pcap):
-            seg, _ = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
-            payload = bytes(seg.payload) if seg is not None else b""
-            at = payload.find(_map_slot(3))
-            if at >= 16 and struct.unpack_from("<Q", payload, at - 8)[0] == 1:  # SEND_UNBOUND_BUFFER: data
-                dropped += 1
-                continue
-            w.write(fr.data, fr.ts_ns, fr.origlen)
-    assert dropped
+    lossy = _without_map(pcap, 3, tmp_path / "lossy.pcap")
     if not recorded:  # the plan as write_plan wrote it before DDP's rebuild
         doc = json.loads((d / "plan.json").read_text())
         assert doc.pop("static_used_map")

@@ -171,6 +171,13 @@ def _replay_cli(d: Path, pcaps: list[Path], out: Path):
                            *map(str, pcaps)], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+def assert_replay_exact(r, n: int):
+    """`ckptd replay` exited 0 with all n iterations committed bit-exact."""
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"{n} iterations, {n} committed, 0 not recovered" in r.stdout
+    assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout
+
+
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     d = tmp_path_factory.mktemp("captured")
@@ -180,30 +187,18 @@ def captured(tmp_path_factory):
 def test_a_captured_job_replays_bit_exact(captured, tmp_path):
     d, pcap = captured
     r = _replay_cli(d, [pcap], tmp_path / "ckpts")
-    n = job.ITERATIONS
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert f"{n} iterations, {n} committed, 0 not recovered" in r.stdout
-    assert r.stdout.count("bit-exact") == n and "NOT bit-exact" not in r.stdout
+    assert_replay_exact(r, job.ITERATIONS)
     assert "rebuilt_not_seen" not in r.stdout  # no rebuild was waited for
 
 
-def _map_slot(tag: int) -> bytes:
-    return struct.pack("<Q", (0x04 << 56) | (tag << 24))
-
-
-def test_an_iteration_whose_map_was_lost_is_not_committed(captured, tmp_path):
-    """Every segment carrying a data message of iteration 2's map allreduce dropped: that
-    iteration is reported unrecoverable naming the map, never committed (nor any after it);
-    the ones before commit bit-exact."""
+def _without_map(pcap, tag: int, out):
+    """pcap without the data segments of gloo tag `tag` (a used map) on any connection:
+    every mirror copy of it lost. Returns out."""
     from parsers.capfile import open_capture
     from parsers.pcap import PcapWriter
     from parsers.tcp import decode_tcp_frame
-    d, pcap = captured
-    plan = load_plan(d / "plan.json")
-    per = len(plan.buckets(0))  # allreduces a round, the map last
-    tag = 3 + 3 * per - 1  # tags 0-2: DDP's start-up allgather and broadcasts; iteration 2's map
-    lossy, dropped = tmp_path / "lossy.pcap", 0
-    with open(lossy, "wb") as f:
+    dropped = 0
+    with open(out, "wb") as f:
         w = PcapWriter(f)
         for fr in open_capture(pcap):
             seg, _ = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
@@ -214,6 +209,22 @@ def test_an_iteration_whose_map_was_lost_is_not_committed(captured, tmp_path):
                 continue
             w.write(fr.data, fr.ts_ns, fr.origlen)
     assert dropped
+    return out
+
+
+def _map_slot(tag: int) -> bytes:
+    return struct.pack("<Q", (0x04 << 56) | (tag << 24))
+
+
+def test_an_iteration_whose_map_was_lost_is_not_committed(captured, tmp_path):
+    """Every segment carrying a data message of iteration 2's map allreduce dropped: that
+    iteration is reported unrecoverable naming the map, never committed (nor any after it);
+    the ones before commit bit-exact."""
+    d, pcap = captured
+    plan = load_plan(d / "plan.json")
+    per = len(plan.buckets(0))  # allreduces a round, the map last
+    tag = 3 + 3 * per - 1  # tags 0-2: DDP's start-up allgather and broadcasts; iteration 2's map
+    lossy = _without_map(pcap, tag, tmp_path / "lossy.pcap")
     r = _replay_cli(d, [lossy], tmp_path / "ckpts")
     assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
     lines = {int(ln.split()[1].rstrip(":")): ln for ln in r.stdout.splitlines() if ln.startswith("iteration ")}

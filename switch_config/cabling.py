@@ -10,12 +10,15 @@ Three lists:
     collectors  the checkpoint hosts' capture NICs: name, switch + port (where a SPAN
                 destination is), ip (where an ERSPAN tunnel ends), capacity (how many
                 mirrored link directions the port can take without dropping: a port
-                as fast as a rank's takes 1, because a ring link runs at line rate)
+                as fast as a rank's takes 1, because a ring link runs at line rate),
+                and optionally ifname (+ netns): the interface the checkpoint host
+                sees it as, for the daemon's interfaces that mirror-config writes
     ranks       rank -> switch + port of its NIC (+ `ports`: every port of a merged NIC,
                 NCCL's device order, the first = port; all on that switch)
 
 Everything is checked here, once, so that the selection and the renderers can trust
-what they get; each error names the entry and the field.
+what they get; each error names the entry and the field, and a key the format does not
+have is an error, not ignored.
 """
 from __future__ import annotations
 
@@ -73,6 +76,10 @@ class Collector:
     port: str | None = None
     ip: str | None = None
     capacity: int = 1
+    # where the checkpoint host sees this NIC: the daemon's interfaces[].ifname and .netns
+    # (mirror-config writes the daemon's interfaces for the collectors that give ifname)
+    ifname: str | None = None
+    netns: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
     if not isinstance(doc, dict) or doc.get("format") != CABLING_FORMAT:
         got = show(doc.get("format")) if isinstance(doc, dict) else show(doc)
         raise CablingError(f"{where}: not a ckptd cabling file (format is {got}, expected {CABLING_FORMAT!r})")
+    _known(doc, TOP_KEYS, where)
     version = doc.get("version")
     if isinstance(version, bool) or version != CABLING_VERSION:
         raise CablingError(f"{where}: cabling version {show(version)} is not supported "
@@ -153,6 +161,7 @@ def _switch(d, ctx) -> Switch:
     d = _dict(d, ctx)
     name = _name(d, "name", ctx)
     ctx = f"{ctx} ({name})"
+    _known(d, SWITCH_KEYS, ctx)
     os_ = _choice(d, "os", OSES, ctx)
     mode = _choice(d, "mode", MODES, ctx, default="span" if os_ == "linux" else None)
     if os_ == "linux" and mode != "span":
@@ -185,6 +194,7 @@ def _switch(d, ctx) -> Switch:
 
 
 def _erspan(d, ctx) -> Erspan:
+    _known(d, ERSPAN_KEYS, ctx)
     src = _ip(d, "src_ip", ctx, required=True)
     raw = d.get("gre_type", 0x88BE)
     decodes = "ckptd decodes " + ", ".join(f"{g:#06x}" for g in GRE_TYPES)
@@ -212,6 +222,7 @@ def _collector(d, ctx, switches) -> Collector:
     d = _dict(d, ctx)
     name = _name(d, "name", ctx)
     ctx = f"{ctx} ({name})"
+    _known(d, COLLECTOR_KEYS, ctx)
     sw = d.get("switch")
     if sw is not None and (not isinstance(sw, str) or sw not in [s.name for s in switches]):
         raise CablingError(f"{ctx}: switch {show(sw)} is not in switches")
@@ -221,11 +232,17 @@ def _collector(d, ctx, switches) -> Collector:
     ip = _ip(d, "ip", ctx, required=False)
     if sw is None and ip is None:
         raise CablingError(f"{ctx}: needs switch+port (a SPAN destination) or ip (an ERSPAN destination)")
-    return Collector(name, sw, None if port is None else str(port), ip, _int(d, "capacity", ctx, 1, 64, default=1))
+    ifname = _name(d, "ifname", ctx, IFNAME, required=False)
+    netns = _name(d, "netns", ctx, required=False)
+    if netns is not None and ifname is None:
+        raise CablingError(f"{ctx}: netns without ifname: give the interface the host sees this NIC as")
+    return Collector(name, sw, None if port is None else str(port), ip, _int(d, "capacity", ctx, 1, 64, default=1),
+                     ifname, netns)
 
 
 def _rank(d, ctx, switch_names) -> RankPort:
     d = _dict(d, ctx)
+    _known(d, RANK_KEYS, ctx)
     rank = _int(d, "rank", ctx, 0, 1 << 20)
     sw = _str(d, "switch", ctx)
     if sw not in switch_names:
@@ -273,6 +290,21 @@ def _str(d, key, ctx):
 # split into two words. Each vendor's renderer checks its own, narrower set too.
 SWITCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:@-]{0,63}")
+IFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}")   # a kernel interface name (IFNAMSIZ)
+
+# Every key each mapping may hold: any other is refused, as the daemon's config does, so
+# a misspelt optional key (`ifnmae`, `max_source_port`) is never silently a default.
+TOP_KEYS = ("format", "version", "switches", "collectors", "ranks")
+SWITCH_KEYS = ("name", "os", "mode", "max_sessions", "max_source_ports", "directions", "erspan", "netns")
+ERSPAN_KEYS = ("src_ip", "gre_type", "dscp", "ttl", "queue", "vrf", "egress_port")
+COLLECTOR_KEYS = ("name", "switch", "port", "ip", "capacity", "ifname", "netns")
+RANK_KEYS = ("rank", "switch", "port", "ports")
+
+
+def _known(d: dict, keys, ctx) -> None:
+    for k in d:
+        if k not in keys:
+            raise CablingError(f"{ctx}: unknown key {show(k, 40)} (known: {', '.join(keys)})")
 
 
 def _name(d, key, ctx, pattern=SWITCH_NAME, required=True):

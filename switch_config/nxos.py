@@ -2,7 +2,8 @@
 
 SPAN destinations must be in `switchport monitor` mode.  ERSPAN takes its origin
 address globally (`monitor erspan origin ip-address ... global`); the session carries
-erspan-id (we use the session number), vrf, destination ip, `ip ttl`, `ip dscp`, and
+erspan-id (numbered over every switch of the selection, so that the daemon can tell
+apart the sessions that reach one collector: Session.erspan_id), vrf, destination ip, `ip ttl`, `ip dscp`, and
 `header-type 3` for ERSPAN type III.  The GRE protocol itself cannot be chosen.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from .common import RenderError, header
 from .select import Selection
 
 MAX_SESSION = 32       # monitor session 1..32
+MAX_ERSPAN_ID = 1023   # erspan-id 1..1023
 GRE_HEADER = {0x88BE: None, 0x22EB: 3}   # type II is the default header
 
 
@@ -18,6 +20,9 @@ def render(sel: Selection, switch) -> dict[str, str]:
     sessions = sel.sessions_on(switch.name)
     if any(s.index > MAX_SESSION for s in sessions):
         raise RenderError(f"{switch.name}: NX-OS numbers sessions 1..{MAX_SESSION}, {len(sessions)} needed")
+    if any(s.erspan_id is not None and s.erspan_id > MAX_ERSPAN_ID for s in sessions):
+        raise RenderError(f"{switch.name}: NX-OS erspan-ids are 1..{MAX_ERSPAN_ID}, and the selection has "
+                          f"{max(s.erspan_id for s in sessions)} ERSPAN sessions")
     lines = header(sel, switch, "!", "Cisco NX-OS")
     if switch.mode == "erspan":
         e = switch.erspan
@@ -34,7 +39,7 @@ def render(sel: Selection, switch) -> dict[str, str]:
             lines += [f"monitor session {s.index} type erspan-source", f"  description {s.name}"]
             if GRE_HEADER[e.gre_type]:
                 lines.append(f"  header-type {GRE_HEADER[e.gre_type]}")
-            lines += [f"  erspan-id {s.index}", f"  vrf {e.vrf or 'default'}",
+            lines += [f"  erspan-id {s.erspan_id}", f"  vrf {e.vrf or 'default'}",
                       f"  destination ip {s.collector.ip}", f"  ip ttl {e.ttl}", f"  ip dscp {e.dscp}"]
             lines += [f"  source interface {p} {s.direction}" for p in s.ports]
         else:

@@ -107,6 +107,9 @@ class Session:
     ports: list[str]
     ranks: list[int]
     index: int                  # 1-based on its switch: NX-OS session id, Comware group id
+    # ERSPAN sessions: 1-based over the whole selection, so that the sessions reaching one
+    # collector from several switches differ (NX-OS erspan-id; the daemon's erspan_session)
+    erspan_id: int | None = None
 
 
 @dataclass
@@ -243,6 +246,8 @@ def build_sessions(cabling: Cabling, chosen) -> list[Session]:
                     index += 1
                     sessions.append(Session(_session_name(col.name, d, i // step), sw, col, d,
                                             [p for p, _ in part], [r for _, r in part], index))
+    for n, s in enumerate((s for s in sessions if s.switch.mode == "erspan"), 1):
+        s.erspan_id = n
     return sessions
 
 

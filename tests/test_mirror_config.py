@@ -289,3 +289,109 @@ def test_sonic_validator_catches_model_violations():
     assert validate_config_db({"MIRROR_SESSION": {"s": dict(good, policer="p1")},
                                "POLICER": {"p1": {}}}, ports={"Ethernet0"}) == []
     assert validate_config_db({"MIRROR_SESSION": {"s": dict(good, gre_type="35006")}}) == []
+
+
+# --------------------------------------------------------------------------- the daemon's interfaces
+
+def _nxos_erspan_ids(text: str) -> dict:
+    """{session name: erspan-id} as an NX-OS rendering says them."""
+    ids, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("  description "):
+            name = line.split()[-1]
+        elif line.startswith("  erspan-id "):
+            ids[name] = int(line.split()[-1])
+    return ids
+
+
+def _daemon_config(tmp_path, fragment: str):
+    """The written fragment as the daemon reads it, inside a config of its own."""
+    from ckptd.live.daemon import load_config
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text("plan: plan.json\ninit: init.pt\nout: out\n" + fragment)
+    return load_config(cfg)
+
+
+def test_daemon_interfaces_split_sessions_only_where_the_switch_sets_their_id(tmp_path, capsys):
+    """Several ERSPAN sessions reaching one collector from NX-OS switches (which take the
+    erspan-id we give) are one daemon stream each, filtered by the id the switch config
+    sends, unique over both switches; from EOS (which picks its own id) they stay one
+    stream, and the note says why. A collector without ifname gets a note, no entry."""
+    plan, opts = GOLDEN / "plan.json", ["--links", "4", "--min-streams", "1"]
+    # one source port per session, and c0 taking most links: c0 gets sessions of both switches
+    d = cabling(8, collectors=2, mode="erspan", switches=2, capacity=8, ports=1)
+    d["collectors"][1]["capacity"] = 1
+    for s in d["switches"]:
+        s["os"] = "nxos"
+    d["collectors"][0].update(ifname="ens1f0", netns="capture")
+    d["collectors"][1].update(ifname="ens1f1")
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    out = tmp_path / "nxos"
+    assert run_cli(["--plan", plan, "--cabling", tmp_path / "c.json", "--out", out, *opts]) == 0
+    printed = capsys.readouterr().out
+    ids = {}
+    for sw in ("sw0", "sw1"):
+        for name, i in _nxos_erspan_ids((out / f"{sw}.nxos.cfg").read_text()).items():
+            ids[(sw, name)] = i
+    assert len(ids) >= 3 and sorted(ids.values()) == list(range(1, len(ids) + 1)), ids
+    sessions = json.loads((out / "selection.json").read_text())["sessions"]
+    per_collector, switches = {}, {}
+    for s in sessions:
+        per_collector.setdefault(s["collector"], []).append(ids[(s["switch"], s["name"])])
+        switches.setdefault(s["collector"], set()).add(s["switch"])
+    assert switches["c0"] == {"sw0", "sw1"}, sessions   # the case under test
+    config = _daemon_config(tmp_path, (out / "daemon-interfaces.yaml").read_text())
+    got = {}
+    for i in config.interfaces:
+        got.setdefault((i.ifname, i.netns), []).append(i.erspan_session)
+    ifnames = {"c0": ("ens1f0", "capture"), "c1": ("ens1f1", None)}
+    want = {ifnames[c]: sorted(v) if len(v) > 1 else [None] for c, v in per_collector.items()}
+    assert {k: sorted(v, key=str) for k, v in got.items()} == want
+    assert len({i.name for i in config.interfaces}) == len(config.interfaces)
+    assert "note:" not in printed
+
+    # the same cabling on EOS: the ids are the switch's, so one stream per collector
+    for s in d["switches"]:
+        s["os"] = "eos"
+    del d["collectors"][1]["ifname"]
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    out = tmp_path / "eos"
+    assert run_cli(["--plan", plan, "--cabling", tmp_path / "c.json", "--out", out, *opts]) == 0
+    printed = capsys.readouterr().out
+    config = _daemon_config(tmp_path, (out / "daemon-interfaces.yaml").read_text())
+    assert [(i.name, i.ifname, i.netns, i.erspan_session) for i in config.interfaces] == [
+        ("c0", "ens1f0", "capture", None)]
+    assert "note: collector c1 has no ifname" in printed
+    assert "note: collector c0 receives 3 mirror sessions" in printed
+    assert "eos choose the ERSPAN session ID themselves" in printed
+
+    # no collector with an ifname: no file, and a note for each
+    for c in d["collectors"]:
+        c.pop("ifname", None), c.pop("netns", None)
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    out = tmp_path / "none"
+    assert run_cli(["--plan", plan, "--cabling", tmp_path / "c.json", "--out", out, *opts]) == 0
+    assert not (out / "daemon-interfaces.yaml").exists()
+    assert capsys.readouterr().out.count("has no ifname") == 2
+
+
+@pytest.mark.parametrize("where,change,message", [
+    ("top", {"collector": []}, "unknown key 'collector'"),
+    ("switch", {"max_source_port": 4}, "switches[0] (sw0): unknown key 'max_source_port'"),
+    ("erspan", {"tll": 64}, "switches[0] (sw0): erspan: unknown key 'tll'"),
+    ("collector", {"ifnmae": "eth1"}, "collectors[0] (c0): unknown key 'ifnmae'"),
+    ("rank", {"prot": "x"}, "ranks[0]: unknown key 'prot'"),
+    ("collector", {"ifname": "a very long name"}, "collectors[0] (c0): ifname 'a very long name' is not a safe name"),
+    ("collector", {"netns": "lab"}, "collectors[0] (c0): netns without ifname"),
+])
+def test_cabling_keys_are_checked(tmp_path, capsys, where, change, message):
+    """A key the cabling format does not have is refused in one line naming the entry, as
+    the daemon's config is: a misspelt optional key must not silently be its default."""
+    d = cabling(4, mode="erspan")
+    {"top": d, "switch": d["switches"][0], "erspan": d["switches"][0]["erspan"],
+     "collector": d["collectors"][0], "rank": d["ranks"][0]}[where].update(change)
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    assert run_cli(["--plan", GOLDEN / "plan.json", "--cabling", tmp_path / "c.json", "--out", tmp_path / "o"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()

@@ -33,9 +33,12 @@ the same speed).
 Writes into --out: <switch>.config_db.json (SONiC CONFIG_DB MIRROR_SESSION table,
 checked against sonic-mirror-session.yang), <switch>.eos.cfg (Arista EOS),
 <switch>.nxos.cfg (Cisco NX-OS), <switch>.comware.cfg (H3C Comware),
-<switch>.tc.sh and <switch>.tc.json (Linux bridge: tc mirred rules), and
+<switch>.tc.sh and <switch>.tc.json (Linux bridge: tc mirred rules),
 selection.json (sessions, links and streams per chunk per channel, and the plan's
-`mirrors` entries). The cabling file format is in docs/MIRRORS.md.
+`mirrors` entries), and daemon-interfaces.yaml (the `interfaces` of `ckptd run`'s
+config for every collector that gives its `ifname`: one stream per collector, or per
+ERSPAN session where several reach one collector and each carries an ID we set, as
+NX-OS's erspan-id). The cabling file format is in docs/MIRRORS.md.
 
 Exit status: 0 written; 2 the plan or cabling file is wrong; 3 the request cannot be
 met (the message names each channel's uncovered chunks and what blocked every
@@ -72,6 +75,7 @@ def run(a) -> int:
     from ckptd.core.plan import PlanError, load_plan
     from switch_config.cabling import CablingError, load_cabling
     from switch_config.common import RenderError
+    from switch_config.daemon_interfaces import daemon_interfaces
     from switch_config.render import RENDERERS, render_all
     from switch_config.select import SelectionError, network_links, select_mirrors
 
@@ -108,7 +112,12 @@ def run(a) -> int:
         return EXIT_UNMET
     summary = sel.to_json()
     files["selection.json"] = compact_json(summary)
+    daemon, notes = daemon_interfaces(sel)
+    if daemon is not None:
+        files["daemon-interfaces.yaml"] = daemon
     print(format_summary(summary))
+    for n in notes:
+        print(f"note: {n}")
     if a.dry_run:
         print("dry run: nothing written")
         return 0

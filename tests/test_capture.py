@@ -449,7 +449,6 @@ def test_flow_fanout_keeps_a_flow_on_one_member_index_on_every_port_and_in_every
     members. (The kernel's own "hash" hashes a tunnel's outer header: every ERSPAN frame
     of a port to one member.)"""
     from pyroute2 import IPRoute
-    from parsers.roce import decode_frame
     for k in (1, 2):  # two more links beside the fixture's
         with IPRoute(netns=link[0], flags=0) as ipr:
             ipr.link("add", ifname=f"tx{k}", kind="veth", peer={"ifname": f"rx{k}", "net_ns_fd": link[1]})
@@ -457,34 +456,70 @@ def test_flow_fanout_keeps_a_flow_on_one_member_index_on_every_port_and_in_every
         with IPRoute(netns=link[1], flags=0) as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname=f"rx{k}")[0], mtu=9000, state="up")
     ports = [("rx", "tx", ["bare"]), ("rx1", "tx1", ["erspan2"]), ("rx2", "tx2", ["erspan3", "gretap"])]
-    flows = [(1 + f % 4, 5 + f // 4, 49152 + 97 * f, f % 2 == 1) for f in range(16)]
-    frames = []
-    for f, (a, b, sport, v6) in enumerate(flows):
-        for i in range(6):  # data one way, its ACKs the other, the same UDP source port
-            frames.append(((a, b, sport, v6), _roce_flow_frame(a, b, sport, 100 * f + i, v6)))
-            frames.append(((a, b, sport, v6), _roce_flow_frame(b, a, sport, 100 * f + i, v6)))
+    flows, frames = _flow_frames()
     kw = dict(netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10)
     members = [[RingCapture(rx, fanout=(0x4700 + k, "flow"), **kw) for k, (rx, _, _) in enumerate(ports)]
                for _ in range(3)]
     try:
         for rx, tx, ways in ports:
             send_frames([_wrapped(fr, ways[i % len(ways)], i) for i, (_, fr) in enumerate(frames)], tx, link[0])
-        where: dict[tuple, set] = {}
-        got = 0
-        for m, caps in enumerate(members):
-            for k, cap in enumerate(caps):
-                for fr in cap.drain(0.1):
-                    d = decode_frame(fr.data)  # (the ICRCs are not made: decoded for the addresses)
-                    key = (min(d.src, d.dst), max(d.src, d.dst), d.sport)
-                    where.setdefault(key, set()).add(m)
-                    got += 1
+        got, where = _members_of_flows(members)
     finally:
         for caps in members:
             for cap in caps:
                 cap.close()
-    assert got == 3 * len(frames)
+    assert len(got) == 3 * len(frames)
     assert len(where) == len(flows) and all(len(m) == 1 for m in where.values()), where
     assert len({m for ms in where.values() for m in ms}) >= 2  # spread, not all on one member
+
+
+def _flow_frames():
+    """16 RoCE flows (IPv4 and IPv6), and 6 frames of each both ways: data one way, its
+    ACKs the other, the same UDP source port."""
+    flows = [(1 + f % 4, 5 + f // 4, 49152 + 97 * f, f % 2 == 1) for f in range(16)]
+    frames = []
+    for f, (a, b, sport, v6) in enumerate(flows):
+        for i in range(6):
+            frames.append(((a, b, sport, v6), _roce_flow_frame(a, b, sport, 100 * f + i, v6)))
+            frames.append(((a, b, sport, v6), _roce_flow_frame(b, a, sport, 100 * f + i, v6)))
+    return flows, frames
+
+
+def _members_of_flows(members) -> tuple[list, dict]:
+    """Drain members[m][port]: (the frames received, {flow: the member indices it reached})."""
+    from parsers.roce import decode_frame
+    where: dict[tuple, set] = {}
+    got = []
+    for m, caps in enumerate(members):
+        for cap in caps:
+            for fr in cap.drain(0.1):
+                d = decode_frame(fr.data)  # (the ICRCs are not made: decoded for the addresses)
+                where.setdefault((min(d.src, d.dst), max(d.src, d.dst), d.sport), set()).add(m)
+                got.append(fr.data)
+    return got, where
+
+
+def test_flow_fanout_spreads_one_erspan_session(link):
+    """Several workers for one session: three members of one `flow` fanout group, each
+    filtering on ERSPAN session 5. The group picks a member by the RoCE flow inside the
+    tunnel, then that member's filter runs: every frame of session 5 reaches exactly one
+    member, every flow stays on one, the flows spread; session 9's frames and bare ones
+    reach none."""
+    flows, frames = _flow_frames()
+    kw = dict(netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10)
+    members = [[RingCapture("rx", fanout=(0x4710, "flow"), erspan_session=5, **kw)] for _ in range(3)]
+    try:
+        mine = [erspan2(fr, 5, i) for i, (_, fr) in enumerate(frames)]
+        others = [w for i, (_, fr) in enumerate(frames) for w in (erspan2(fr, 9, i), fr)]
+        send_frames([f for pair in zip(mine, others[::2], others[1::2]) for f in pair], "tx", link[0])
+        got, where = _members_of_flows(members)
+    finally:
+        for caps in members:
+            for cap in caps:
+                cap.close()
+    assert sorted(got) == sorted(mine)
+    assert len(where) == len(flows) and all(len(m) == 1 for m in where.values()), where
+    assert len({m for ms in where.values() for m in ms}) >= 2
 
 
 def test_erspan_session_filters_split_one_interface_into_its_sessions(link):

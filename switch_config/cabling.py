@@ -149,6 +149,10 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
                        for i, c in enumerate(_list(doc, "collectors", where)))
     _unique([c.name for c in collectors], f"{where}: collector names")
     _unique_ips(collectors, where)
+    # the daemon's interfaces (mirror-config writes them for one checkpoint host): one
+    # interface is one NIC, so one collector; the daemon would refuse it listed twice
+    _unique([(c.ifname, c.netns) for c in collectors if c.ifname],
+            f"{where}: collectors' (ifname, netns) pairs (one interface of the checkpoint host is one collector)")
     ranks = tuple(_rank(r, f"{where}: ranks[{i}]", names) for i, r in enumerate(_list(doc, "ranks", where)))
     _unique([r.rank for r in ranks], f"{where}: ranks")
     _unique([(r.switch, p) for r in ranks for p in r.switch_ports] + [(c.switch, c.port) for c in collectors if c.port],

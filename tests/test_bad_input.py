@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import struct
 import subprocess
 import sys
@@ -621,3 +622,37 @@ def test_dump_gradients_on_a_full_disk_is_one_line_and_leaves_whole_files(scenar
             np.load(p)  # each one whole
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_plan_from_a_pipe_is_read_and_one_nobody_writes_into_is_an_error(scenario, tmp_path, monkeypatch):
+    """A pipe as the plan (`--plan <(...)`, a FIFO) is read once something is written into
+    it; a FIFO nobody writes into is one error after the wait, not a hang; a device that
+    never ends is too large, not a full memory."""
+    import threading
+    from ckptd.core import plan as plan_mod
+    text = (scenario / "plan.json").read_bytes()
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+
+    def write_later():
+        time.sleep(0.3)   # the reader is already waiting for its first byte
+        with open(fifo, "wb") as f:
+            f.write(text)
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    try:
+        got = plan_mod.load_plan(fifo, check_optimizer=False)
+        assert got.to_json() == plan_mod.load_plan(scenario / "plan.json", check_optimizer=False).to_json()
+    finally:
+        writer.join(10)
+        if writer.is_alive():   # the plan was never opened: let the writer's open return
+            open(fifo, "rb").close()
+            writer.join()
+    monkeypatch.setattr(plan_mod, "PLAN_PIPE_WAIT_S", 0.2)
+    t = time.monotonic()
+    with pytest.raises(plan_mod.PlanError, match="^[^:]*plan.fifo: a pipe nothing was written into in 0.2 s"):
+        plan_mod.load_plan(fifo)
+    assert time.monotonic() - t < 5
+    monkeypatch.setattr(plan_mod, "MAX_PLAN_BYTES", 1 << 20)
+    with pytest.raises(plan_mod.PlanError, match="^/dev/zero: more than 1048576 bytes is too large for a plan"):
+        plan_mod.load_plan("/dev/zero")

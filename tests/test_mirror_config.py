@@ -383,13 +383,16 @@ def test_daemon_interfaces_split_sessions_only_where_the_switch_sets_their_id(tm
     ("rank", {"prot": "x"}, "ranks[0]: unknown key 'prot'"),
     ("collector", {"ifname": "a very long name"}, "collectors[0] (c0): ifname 'a very long name' is not a safe name"),
     ("collector", {"netns": "lab"}, "collectors[0] (c0): netns without ifname"),
+    ("collectors", {"ifname": "eth1"}, "collectors' (ifname, netns) pairs (one interface of the checkpoint host "
+                                       "is one collector) must be unique; ('eth1', None) appears twice"),
 ])
 def test_cabling_keys_are_checked(tmp_path, capsys, where, change, message):
     """A key the cabling format does not have is refused in one line naming the entry, as
     the daemon's config is: a misspelt optional key must not silently be its default."""
     d = cabling(4, mode="erspan")
-    {"top": d, "switch": d["switches"][0], "erspan": d["switches"][0]["erspan"],
-     "collector": d["collectors"][0], "rank": d["ranks"][0]}[where].update(change)
+    for entry in {"top": [d], "switch": d["switches"][:1], "erspan": [d["switches"][0]["erspan"]],
+                  "collector": d["collectors"][:1], "rank": d["ranks"][:1], "collectors": d["collectors"]}[where]:
+        entry.update(change)
     (tmp_path / "c.json").write_text(json.dumps(d))
     assert run_cli(["--plan", GOLDEN / "plan.json", "--cabling", tmp_path / "c.json", "--out", tmp_path / "o"]) == 2
     err = capsys.readouterr().err

@@ -25,6 +25,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
+import select
+import stat as stat_
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -1181,14 +1184,45 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     """The plan in the file at `path`; check_optimizer as in plan_from_json."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_PLAN_BYTES:
-            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
-                            f"(at most {MAX_PLAN_BYTES})")
-        doc = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
+        data = _read_plan_bytes(path)
+        if len(data) > MAX_PLAN_BYTES:
+            raise PlanError(f"{path}: more than {MAX_PLAN_BYTES} bytes is too large for a plan")
+        doc = json.loads(data.decode(), object_pairs_hook=_no_duplicate_keys)
+    except PlanError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
         raise PlanError(f"{path}: cannot read plan: {e}") from None
     return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
+
+
+PLAN_PIPE_WAIT_S = 30.0  # a pipe as the plan (`--plan <(...)`, a FIFO): how long to wait for its first byte
+
+
+def _read_plan_bytes(path: Path) -> bytes:
+    """At most MAX_PLAN_BYTES + 1 bytes of the plan: a pipe or a device that never ends
+    (/dev/zero) cannot fill the memory. A pipe (process substitution, a FIFO) is read
+    once something is written into it; a FIFO nobody writes into is an error after
+    PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
+    try:
+        if stat_.S_ISFIFO(os.fstat(fd).st_mode):
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)
+            if not poll.poll(int(PLAN_PIPE_WAIT_S * 1000)):
+                raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
+                                "give the plan file itself")
+        os.set_blocking(fd, True)
+        chunks, left = [], MAX_PLAN_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _no_duplicate_keys(pairs: list) -> dict:

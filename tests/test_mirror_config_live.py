@@ -1,8 +1,8 @@
 """mirror-config's Linux output, applied for real: the rules it chooses for a job are
 installed on a network-namespace bridge (switch_config.linux through pyroute2), every
 host sends its synthesized frames, and each collector port captures exactly the
-traffic of the ports and directions the selection says, enough to rebuild every
-iteration bit-exact."""
+traffic of the ports and directions the selection says (on the interfaces the daemon
+config mirror-config writes names), enough to rebuild every iteration bit-exact."""
 import json
 from collections import Counter
 
@@ -13,9 +13,12 @@ from ckptd.testing.netlab import NetLab
 from ckptd.pipeline import ReplayOptions, replay
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.core.plan import Mirror, load_plan
+from ckptd.live.daemon import load_config
+from ckptd.live.ring import RingCapture
 from parsers.pcap import read_pcap, write_pcap
 from switch_config import linux, linux_render
 from switch_config.cabling import load_cabling
+from switch_config.daemon_interfaces import daemon_interfaces
 from switch_config.select import select_mirrors
 
 from helpers import synth
@@ -43,7 +46,8 @@ def test_selected_rules_mirror_what_the_plan_needs(tmp_path):
                 "format": "ckptd-cabling", "version": 1,
                 "switches": [{"name": "leaf", "os": "linux", "mode": "span", "max_sessions": 8,
                               "max_source_ports": 8, "netns": lab.switch_ns}],
-                "collectors": [{"name": f"c{k}", "switch": "leaf", "port": m.port}
+                "collectors": [{"name": f"c{k}", "switch": "leaf", "port": m.port,
+                                "ifname": m.capture_ifname, "netns": lab.ckpt_ns}
                                for k, m in enumerate(lab.mirrors)],
                 "ranks": [{"rank": r, "switch": "leaf", "port": h.port} for r, h in enumerate(lab.hosts)],
             }
@@ -54,10 +58,22 @@ def test_selected_rules_mirror_what_the_plan_needs(tmp_path):
             linux_render.apply(rules, linux.add_mirror, netns=lab.switch_ns)
             installed = linux.list_mirrors(netns=lab.switch_ns)
             assert len(installed) >= len(rules)
-            caps = lab.capture(**RING)
-            lab.send(frames, timing="original")
-            got = [c.drain(0.2) for c in caps]
-            assert all(c.stats()["drops"] == 0 for c in caps)
+            # capture where the daemon's interfaces that mirror-config writes say
+            text, notes = daemon_interfaces(sel)
+            assert notes == []
+            cfg = tmp_path / "ckptd.yaml"
+            cfg.write_text("plan: plan.json\ninit: init.pt\nout: out\n" + text)
+            ifs = {i.name: i for i in load_config(cfg).interfaces}
+            assert sorted(ifs) == [f"c{k}" for k in range(len(lab.mirrors))]
+            caps = [RingCapture(ifs[f"c{k}"].ifname, netns=ifs[f"c{k}"].netns, **RING)
+                    for k in range(len(lab.mirrors))]
+            try:
+                lab.send(frames, timing="original")
+                got = [c.drain(0.2) for c in caps]
+                assert all(c.stats()["drops"] == 0 for c in caps)
+            finally:
+                for c in caps:
+                    c.close()
     finally:
         assert not netlab.down(prefix, exact=True)
     port_rank = {h.port: r for r, h in enumerate(lab.hosts)}

@@ -393,6 +393,37 @@ def cmd_demo(a) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+RUN_DESCRIPTION = """\
+The daemon: capture the job's mirrored RoCEv2 (or gloo/TCP) traffic on every configured
+interface (an AF_PACKET TPACKET_V3 ring each), pick the reduced gradients out of the
+allreduce, merge the mirror streams, step a shadow copy of the model and keep a
+checkpoint of every iteration: in memory (served at /checkpoint), and written to `out`
+(or `persist_url`) every `persist_every`-th commit or `persist_interval_s` seconds
+(`persist_sync: true`: every commit). /status and /metrics say per iteration what was
+committed, and which iterations could not be recovered and why.
+
+A minimal config (YAML; every key is in docs/DAEMON.md, deploy/ckptd.yaml is a sample):
+
+    plan: /etc/ckptd/plan.json       # the job's plan (ckptd.torch.write_plan, ckptd plan)
+    init: /etc/ckptd/init.pt         # the state before the first iteration it will see
+    out: /var/lib/ckptd              # checkpoints and manifest.json
+    interfaces:                      # one per mirror stream; `ckptd mirror-config` writes these
+      - {name: mirror0, ifname: ens1f0}
+      - {name: mirror1, ifname: ens1f1}
+
+Every value is checked before anything is opened; a bad one is one line naming the file
+and the key, exit 2. `--check` goes on through everything a start does before its first
+frame and stops there.
+
+SIGINT/SIGTERM stop (the iteration in flight is abandoned and reported); SIGHUP is
+ignored (the config is read at start).
+
+Exit status: 0 every iteration seen was committed (or was in flight at the stop);
+2 bad config, plan, init or interface; 3 an iteration could not be recovered; 4 kernel
+ring drops cost an iteration (rings too small or the host too slow: docs/DAEMON.md,
+"Sizing the rings"); 5 the newest committed checkpoint could not be written."""
+
+
 def cmd_run(a) -> int:
     from ckptd.live.daemon import ConfigError, Daemon, load_config, parse_listen, setup_logging
     try:
@@ -401,6 +432,16 @@ def cmd_run(a) -> int:
             parse_listen(a.listen, "--listen")
             cfg.listen = a.listen
         setup_logging(a.log_level or cfg.log_level)
+        if a.check:
+            daemon = Daemon(cfg)
+            daemon.check()
+            plan = daemon.plan
+            print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
+                  f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
+                  f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
+                  f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
+                  f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to {daemon.persist_target}")
+            return 0
         return Daemon(cfg).run()
     except ConfigError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
@@ -781,8 +822,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
                         "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
                         "kernel ring drops cost one, 5 if the newest committed checkpoint could not be "
-                        "written (see docs/DAEMON.md)")
+                        "written (see docs/DAEMON.md)",
+                        description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
+    rn.add_argument("--check", action="store_true",
+                    help="do what a start does before its first frame (check the config, plan and init, "
+                         "reserve the shadow, open and close every interface's ring, drop privileges, "
+                         "probe the checkpoint directory), print one line and exit 0; nothing is captured")
     rn.add_argument("--listen", help="override the config's status address: HOST:PORT, [IPv6]:PORT "
                     "(default 127.0.0.1:9187)")
     rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],

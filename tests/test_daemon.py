@@ -27,9 +27,12 @@ def run(tmp_path_factory):
 
 def _config(d, tmp_path, **extra):
     cfg = tmp_path / "ckptd.yaml"
+    ns = extra.pop("interfaces_netns", None)
+    where = f", netns: {ns}" if ns else ""
     lines = [f"plan: {d / 'plan.json'}", f"init: {extra.pop('init', d / 'init.pt')}", f"out: {tmp_path / 'ck'}",
-             "listen: 127.0.0.1:0", "interfaces:",
-             "  - {name: mirror0, ifname: m0}", "  - {name: mirror1, ifname: m1}"]
+             f"listen: {extra.pop('listen', '127.0.0.1:0')}", "interfaces:",
+             f"  - {{name: mirror0, ifname: m0{where}}}",
+             f"  - {{name: mirror1, ifname: {extra.pop('second', 'm1')}{where}}}"]
     lines += [f"{k}: {v}" for k, v in extra.items()]
     cfg.write_text("\n".join(lines) + "\n")
     return cfg
@@ -418,3 +421,48 @@ def test_a_trainers_init_file_is_read_in_the_plans_optimizer_order(tmp_path):
     for n in order:
         for key, t in ref["optimizer"]["state"][n].items():
             assert torch.equal(got[n][key], t), (n, key)
+
+
+def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
+    """`ckptd run --check` (as users run it): a config whose interfaces exist is one line,
+    exit 0, no checkpoint written and nothing left listening; a missing interface, an
+    address in use and an `out` that is a file are each one line naming it, exit 2."""
+    import socket
+    from ckptd.testing.netlab import lab_unavailable, remove_namespaces, unique_prefix
+    reason = lab_unavailable()
+    if reason:
+        pytest.skip(f"needs network namespaces: {reason}")
+    from pyroute2 import IPRoute, netns
+    ns = f"{unique_prefix()}-chk"
+    netns.create(ns)
+    try:
+        with IPRoute(netns=ns, flags=0) as ipr:
+            for name in ("m0", "m1"):
+                ipr.link("add", ifname=name, kind="veth", peer={"ifname": f"{name}p"})
+                ipr.link("set", index=ipr.link_lookup(ifname=name)[0], state="up")
+
+        def check(cfg):
+            r = subprocess.run([sys.executable, "-m", "ckptd", "run", "--config", str(cfg), "--check"],
+                               capture_output=True, text=True, timeout=300)
+            return r.returncode, r.stdout + r.stderr
+
+        rc, out = check(_config(run, tmp_path, interfaces_netns=ns))
+        assert rc == 0 and out.count("\n") == 1, out
+        assert "ckptd.yaml: ok: 2 interface(s) opened (mirror0=m0, mirror1=m1)" in out and "2 ranks" in out
+        assert not list((tmp_path / "ck").glob("iter_*"))
+        (tmp_path / "b").mkdir()
+        rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))
+        assert rc == 2 and out.count("\n") == 1 and out.startswith("error: interfaces[1]:") and "nosuch" in out, out
+        with socket.socket() as busy_port:
+            busy_port.bind(("127.0.0.1", 0))
+            busy_port.listen()
+            port = busy_port.getsockname()[1]
+            (tmp_path / "c").mkdir()
+            rc, out = check(_config(run, tmp_path / "c", interfaces_netns=ns, listen=f"127.0.0.1:{port}"))
+        assert rc == 2 and out.count("\n") == 1 and f"127.0.0.1:{port}" in out, out
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "ck").write_text("a file")
+        rc, out = check(_config(run, tmp_path / "d", interfaces_netns=ns))
+        assert rc == 2 and out.count("\n") == 1 and "d/ck: cannot create the checkpoint directory" in out, out
+    finally:
+        remove_namespaces([ns])

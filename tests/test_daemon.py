@@ -450,6 +450,9 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         assert rc == 0 and out.count("\n") == 1, out
         assert "ckptd.yaml: ok: 2 interface(s) opened (mirror0=m0, mirror1=m1)" in out and "2 ranks" in out
         assert not list((tmp_path / "ck").glob("iter_*"))
+        (tmp_path / "w").mkdir()   # the capture workers start, open their rings and stop
+        rc, out = check(_config(run, tmp_path / "w", interfaces_netns=ns, capture_workers="true"))
+        assert rc == 0 and out.count("\n") == 1 and "path, capture workers;" in out, out
         (tmp_path / "b").mkdir()
         rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))
         assert rc == 2 and out.count("\n") == 1 and out.startswith("error: interfaces[1]:") and "nosuch" in out, out

@@ -1001,43 +1001,38 @@ class Daemon:
         if self.cfg.capture_workers:
             self._open_workers()
             return
-        self._open_rings(self.captures)
-
-    def _open_rings(self, rings: list):
-        """A ring on every interface, appended to `rings` as each opens (so that the
-        caller closes those opened before one that failed)."""
         from ckptd.live.ring import CaptureSetupError, RingCapture
         for k, i in enumerate(self.cfg.interfaces):
             fanout = None if i.fanout_group is None else (i.fanout_group, i.fanout_mode)
             try:
-                rings.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
-                                         block_nr=i.block_nr, frame_size=i.frame_size,
-                                         retire_ms=i.retire_ms, snaplen=i.snaplen,
-                                         fanout=fanout, erspan_session=i.erspan_session,
-                                         # the kernel filter passes RoCEv2 and GRE only
-                                         bpf=self.plan.transport == "roce"))
+                self.captures.append(RingCapture(i.ifname, i.netns, block_size=i.block_size,
+                                                 block_nr=i.block_nr, frame_size=i.frame_size,
+                                                 retire_ms=i.retire_ms, snaplen=i.snaplen,
+                                                 fanout=fanout, erspan_session=i.erspan_session,
+                                                 # the kernel filter passes RoCEv2 and GRE only
+                                                 bpf=self.plan.transport == "roce"))
             except CaptureSetupError as e:  # which config entry: the message names the interface
                 raise CaptureSetupError(e.errno, f"interfaces[{k}]: {e}") from e
 
     def check(self) -> None:
         """`ckptd run --check`: what a start does before its first frame, then stop. The
         constructor has loaded and checked the config, the plan and init, and reserved the
-        shadow; here the status server binds its address, every interface's ring is opened (the interface, its namespace, the
-        ring memory, the fanout group and the filter; a capture worker opens the same
-        ring) and closed again, the privileges are dropped as configured, and the
+        shadow; here the status server binds its address, the captures open as in `run`
+        (every interface's ring: the interface, its namespace, the ring memory, the fanout
+        group, the filter; with capture_workers the worker processes and their shared
+        memory) and close again, the privileges are dropped as configured, and the
         directories the daemon writes must take a file. Nothing is captured, served or
         written but that probe (and `out` made, as a start makes it)."""
         http_server(self.cfg, self.routes()).stop()   # the address is free, the token readable
-        rings: list = []
         try:
-            self._open_rings(rings)
+            self.open_captures()
+            self.drop_privileges()
+            self._check_writable()
         finally:
-            for r in rings:
-                r.close()
-        self.drop_privileges()
-        self._check_writable()
-        if self.persist is not None:
-            self.persist.close()
+            for c in self.captures:
+                c.close()
+            if self.persist is not None:
+                self.persist.close()
 
     # -- capture workers (ckptd.live.workers) ----------------------------------------
     def _open_workers(self):

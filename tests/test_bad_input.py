@@ -656,3 +656,8 @@ def test_a_plan_from_a_pipe_is_read_and_one_nobody_writes_into_is_an_error(scena
     monkeypatch.setattr(plan_mod, "MAX_PLAN_BYTES", 1 << 20)
     with pytest.raises(plan_mod.PlanError, match="^/dev/zero: more than 1048576 bytes is too large for a plan"):
         plan_mod.load_plan("/dev/zero")
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate((1 << 20) + 1)   # sparse: refused by its size, not read
+    with pytest.raises(plan_mod.PlanError, match="big.json: 1048577 bytes is too large for a plan"):
+        plan_mod.load_plan(big)

@@ -1206,7 +1206,10 @@ def _read_plan_bytes(path: Path) -> bytes:
     PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
     try:
-        if stat_.S_ISFIFO(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat_.S_ISREG(st.st_mode) and st.st_size > MAX_PLAN_BYTES:   # said without reading it
+            raise PlanError(f"{path}: {st.st_size} bytes is too large for a plan (at most {MAX_PLAN_BYTES})")
+        if stat_.S_ISFIFO(st.st_mode):
             poll = select.poll()
             poll.register(fd, select.POLLIN)
             if not poll.poll(int(PLAN_PIPE_WAIT_S * 1000)):

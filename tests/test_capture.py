@@ -648,3 +648,43 @@ def test_link_down_is_reported_and_capture_resumes(link):
     assert [struct.unpack_from("!I", f.data, 42)[0] for _, f in got] == list(range(20))
     assert len(errors) == 1 and "ENETDOWN" in errors[0] and "rx" in errors[0]
     assert cap.stats()["errors"] == {"ENETDOWN": 1}
+
+
+def test_interface_counters_see_what_the_interface_dropped_before_the_ring(link):
+    """Frames over the receiving veth's MTU are dropped by the interface itself
+    (rx_dropped), before any capture ring: the ring counts none of them, the interface's
+    counters (read through /proc/net/dev in its namespace, after the opening thread is
+    gone) count them, and the frames it passed."""
+    from pyroute2 import IPRoute
+    from ckptd.live.nic import InterfaceCounters, parse_proc_net_dev
+    with IPRoute(netns=link[1], flags=0) as ipr:
+        ipr.link("set", index=ipr.link_lookup(ifname="rx")[0], mtu=1500)
+    nic = InterfaceCounters("rx", link[1])
+    try:
+        with RingCapture("rx", netns=link[1], block_size=1 << 16, block_nr=8, retire_ms=10) as cap:
+            s = in_netns(link[0], lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0))
+            s.bind(("tx", 0))
+            try:
+                for i in range(3):   # one try each (send_frames would retry the ENOBUFS)
+                    try:
+                        s.send(roce_v4(i, size=3000))
+                    except OSError:
+                        pass
+            finally:
+                s.close()
+            res = send_frames([roce_v4(i) for i in range(20)], "tx", link[0])
+            got = cap.drain(0.1)
+            ring = cap.stats()
+        st = nic.stats()
+    finally:
+        nic.close()
+    assert res.sent == 20 and len(got) == 20 and ring["drops"] == 0
+    assert st["dropped"] >= 3, st
+    assert st["packets"] >= 20 and st["fifo"] == 0
+    assert nic.stats() is None  # closed
+    text = ("Inter-|   Receive\n face |bytes packets errs drop fifo frame compressed multicast|bytes\n"
+            "    lo:  0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n"
+            "eth1.100: 9000 7 1 2 3 0 0 0 0 0 0 0 0 0 0 0\n")
+    assert parse_proc_net_dev(text, "eth1.100") == {"bytes": 9000, "packets": 7, "errors": 1, "dropped": 2,
+                                                      "fifo": 3, "frame": 0, "compressed": 0, "multicast": 0}
+    assert parse_proc_net_dev(text, "eth1") is None

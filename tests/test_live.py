@@ -96,6 +96,13 @@ def live_daemon(run, tmp_path, *, join=False, daemon_after=0.0, sender_after=0.0
     fill = {m[1]: float(m[2]) for m in re.finditer(r'^ckptd_ring_peak_fill_ratio\{interface="([^"]+)"\} (\S+)$',
                                                    metrics, re.M)}
     assert set(fill) == set(status["capture"]) and all(0 < v < 1 for v in fill.values()), fill
+    # the interfaces themselves: every frame a ring saw passed its interface, none lost there
+    # (the injected loss is on the switch's side of the link, before the interface)
+    assert all(st["interface"]["packets"] >= st["packets"] > 0 and st["interface"]["dropped"] == 0
+               for st in status["capture"].values()), status["capture"]
+    lost = {m[1]: float(m[2]) for m in re.finditer(r'^ckptd_interface_dropped_total\{interface="([^"]+)"\} (\S+)$',
+                                                   metrics, re.M)}
+    assert lost == {name: 0.0 for name in status["capture"]}, lost
     assert status["pipeline"]["fast"] and status["pipeline"]["kernel_frames"] > 0, status["pipeline"]
     return daemon, status
 

@@ -562,6 +562,8 @@ class Daemon:
         self.stop = threading.Event()
         self.snapshot = Snapshot()
         self.captures: list = []  # RingCapture, or WorkerCapture with capture_workers
+        # what each interface lost before any ring saw it, by (ifname, netns) (ckptd.live.nic)
+        self.nic_counters: dict[tuple, object] = {}
         self.workers = None  # ckptd.live.workers.CaptureWorkers with capture_workers
         self.frames = 0
         self.by_status: dict[str, int] = {}
@@ -881,7 +883,8 @@ class Daemon:
                      if self.cfg.join else None),
             "streams": streams,
             "capture": {c.ifname: {**{k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st},
-                                   "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")}}
+                                   "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")},
+                                   "interface": self._interface_stats(c)}
                         for c, st in ((c, c.stats()) for c in self.captures)},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
@@ -997,7 +1000,16 @@ class Daemon:
                          shadow.optimizer_state(copy=False), force=True)
 
     # -- running ---------------------------------------------------------------------
+    def _interface_stats(self, capture) -> dict | None:
+        counters = self.nic_counters.get((capture.ifname, getattr(capture, "netns", None)))
+        return counters.stats() if counters is not None else None
+
     def open_captures(self):
+        from ckptd.live.nic import open_counters
+        for i in self.cfg.interfaces:  # in the namespace, while the daemon may still enter it
+            key = (i.ifname, i.netns)
+            if key not in self.nic_counters:
+                self.nic_counters[key] = open_counters(i.ifname, i.netns)
         if self.cfg.capture_workers:
             self._open_workers()
             return
@@ -1031,8 +1043,22 @@ class Daemon:
         finally:
             for c in self.captures:
                 c.close()
+            self._close_interfaces(warn=False)
             if self.persist is not None:
                 self.persist.close()
+
+    def _close_interfaces(self, warn: bool):
+        """Close the interfaces' counters; with `warn`, first log each interface that lost
+        frames before any capture ring saw them (the NIC's ring or FIFO, the driver, the
+        stack): those frames are missing from the streams, whatever the rings say."""
+        for (ifname, netns), counters in self.nic_counters.items():
+            if counters is None:
+                continue
+            st = counters.stats() if warn else None
+            if st and (st["dropped"] or st["fifo"]):
+                log.warning("the interface dropped frames before any capture ring saw them", extra={"fields": {
+                    "ifname": ifname, "netns": netns, **st}})
+            counters.close()
 
     # -- capture workers (ckptd.live.workers) ----------------------------------------
     def _open_workers(self):
@@ -1106,6 +1132,7 @@ class Daemon:
                 if st["drops"]:
                     log.warning("kernel dropped frames", extra={"fields": st})
                 c.close()
+            self._close_interfaces(warn=True)
             server.stop()
             if self.notifier is not None:
                 self.notifier.close()

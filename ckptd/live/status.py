@@ -122,15 +122,22 @@ class _Collector:
         pkts = CounterMetricFamily("ckptd_capture_packets", "Kernel ring packets", labels=["interface"])
         fill = GaugeMetricFamily("ckptd_ring_peak_fill_ratio", "The most of a capture ring ever found filled "
                                  "and waiting for the daemon (1: full, frames were dropped)", labels=["interface"])
+        lost = CounterMetricFamily("ckptd_interface_dropped", "Frames the interface lost before any capture "
+                                   "ring saw them (rx_dropped + rx_missed_errors + rx_fifo_errors, /proc/net/dev) "
+                                   "since the daemon started", labels=["interface"])
         for name, st in doc.get("capture", {}).items():
             drops.add_metric([name], st.get("drops", 0))
             pkts.add_metric([name], st.get("packets", 0))
             ring = st.get("ring") or {}
             if ring.get("blocks"):
                 fill.add_metric([name], ring["ready_peak"] / ring["blocks"])
+            nic = st.get("interface")
+            if nic:
+                lost.add_metric([name], nic["dropped"] + nic["fifo"])
         yield drops
         yield pkts
         yield fill
+        yield lost
         loop = doc.get("loop")
         if loop:  # /status `loop` (LoopClock): rate(...) of a part is its share of a second
             parts = CounterMetricFamily("ckptd_loop_seconds", "The capture loop's time since it started: cpu, idle "

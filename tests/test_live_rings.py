@@ -282,6 +282,9 @@ def test_two_erspan_sessions_on_one_interface_are_two_streams(run, links, tmp_pa
     assert_every_iteration_exact(run, daemon, tmp_path / "ck", rc)
     sent = [sum(1 for _ in read_pcap(p)) for p in pcaps(run)]
     assert [cls["frames"] for cls in daemon.pipe.classes] == [c["delivered"] for c in caps] == sent
+    # /status keeps both rings of the one interface apart, each named by its stream
+    status = daemon.snapshot.get()["capture"]
+    assert {k: v["delivered"] for k, v in status.items()} == {"rx0:mirror0": sent[0], "rx0:mirror1": sent[1]}
 
 
 @pytest.fixture(scope="module")

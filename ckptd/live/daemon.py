@@ -20,6 +20,7 @@ abandoned (with how much of it was missing), and the last exact checkpoint stays
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import hashlib
@@ -559,6 +560,10 @@ class Daemon:
         self.start_state = load_checkpoint(cfg.init, self.plan.state_names)
         self.plan.check_start(self.start_state, cfg.init)
         self.names = [i.name for i in cfg.interfaces]
+        # /status `capture` and the metrics' `interface` label: the interface's name, or, for
+        # the rings that share one (a fanout group, ERSPAN sessions), `<ifname>:<stream>`
+        shared = collections.Counter(i.ifname for i in cfg.interfaces)
+        self.capture_keys = [i.ifname if shared[i.ifname] == 1 else f"{i.ifname}:{i.name}" for i in cfg.interfaces]
         self.stop = threading.Event()
         self.snapshot = Snapshot()
         self.captures: list = []  # RingCapture, or WorkerCapture with capture_workers
@@ -882,10 +887,10 @@ class Daemon:
                       "restarted_from": self.restarted_from[0] if self.restarted_from else None}
                      if self.cfg.join else None),
             "streams": streams,
-            "capture": {c.ifname: {**{k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st},
-                                   "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")},
-                                   "interface": self._interface_stats(c)}
-                        for c, st in ((c, c.stats()) for c in self.captures)},
+            "capture": {key: {**{k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st},
+                              "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")},
+                              "interface": self._interface_stats(c)}
+                        for key, c, st in ((key, c, c.stats()) for key, c in zip(self.capture_keys, self.captures))},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
             "loop": self.loop.sample(),

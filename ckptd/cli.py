@@ -419,9 +419,10 @@ SIGINT/SIGTERM stop (the iteration in flight is abandoned and reported); SIGHUP 
 ignored (the config is read at start).
 
 Exit status: 0 every iteration seen was committed (or was in flight at the stop);
-2 bad config, plan, init or interface; 3 an iteration could not be recovered; 4 kernel
-ring drops cost an iteration (rings too small or the host too slow: docs/DAEMON.md,
-"Sizing the rings"); 5 the newest committed checkpoint could not be written."""
+2 bad config, plan, init or interface; 3 an iteration could not be recovered; 4 frames
+dropped on this host cost an iteration (by a capture ring: rings too small or the host
+too slow, docs/DAEMON.md "Sizing the rings"; or by the interface before any ring: the
+NIC's own ring); 5 the newest committed checkpoint could not be written."""
 
 
 def cmd_run(a) -> int:
@@ -821,7 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
                         "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
                         "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
-                        "kernel ring drops cost one, 5 if the newest committed checkpoint could not be "
+                        "frames dropped on this host (a ring, the interface) cost one, 5 if the newest committed checkpoint could not be "
                         "written (see docs/DAEMON.md)",
                         description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     rn.add_argument("--config", required=True, help="YAML or TOML daemon config")

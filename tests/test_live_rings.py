@@ -199,6 +199,33 @@ def test_kernel_drops_are_reported_and_set_the_exit_status(run, links, tmp_path,
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
+def test_frames_the_interfaces_drop_are_reported_as_dropped(run, links, tmp_path, monkeypatch):
+    """A third of the way in, both receiving veths' MTU falls below the data frames' size:
+    from then on the interfaces drop every data frame themselves, before any ring. The
+    rings drop nothing; the iteration in flight ends `dropped`, its note naming the
+    interfaces' drops (before, it was abandoned, exit 0); the exit status is 4; /status
+    has the interfaces' counts; what committed is exact."""
+    from pyroute2 import IPRoute
+    from ckptd.testing import sender
+    monkeypatch.setattr(sender, "_MAX_RETRIES", 1)  # a frame the veth drops answers ENOBUFS: no retries
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], block_size=1 << 16, block_nr=64, retire_ms=10))
+
+    def shrink():
+        with IPRoute(netns=links[1], flags=0) as ipr:
+            for k in range(2):
+                ipr.link("set", index=ipr.link_lookup(ifname=f"rx{k}")[0], mtu=600)
+    rc = run_until_done(daemon, run, links[0], midway=shrink)
+    assert sum(c.stats()["drops"] for c in daemon.captures) == 0
+    reports = [(r.iteration, r.status, r.note) for r in daemon.pipe.reports]
+    dropped = [note for _, status, note in reports if status == "dropped"]
+    assert dropped and all(status in ("committed", "dropped") for _, status, _ in reports), reports
+    assert all("dropped by the interface before any ring" in note for note in dropped), dropped
+    assert rc == 4
+    nic = {k: v["interface"] for k, v in daemon.snapshot.get()["capture"].items()}
+    assert set(nic) == {"rx0", "rx1"} and all(v["dropped"] > 0 for v in nic.values()), nic
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
 @pytest.fixture
 def huge_page_pool():
     """16 more 2 MiB pages in the hugetlb pool while the test runs."""

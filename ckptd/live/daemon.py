@@ -53,6 +53,7 @@ SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
 DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
+NIC_LOOK_S = 0.5  # the interfaces' (ckptd.live.nic) at most this often
 # A ring found this full (blocks handed over and waiting, of all its blocks) is logged once,
 # ahead of the drops that come when it is full: the loop fell behind for a while
 RING_WARN_FILL = 0.75
@@ -581,6 +582,7 @@ class Daemon:
         self._join_logged = False
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen: list[int] = []  # kernel drops per ring at the last look
+        self._nic_drops: dict[tuple, tuple[float, int]] = {}  # (ifname, netns): (read at, frames lost)
         # per ring that dropped: the wall clock (ns) of the look that saw it; open until the
         # ring's stream has placed frames from after it (see _watch_drops)
         self._drop_gaps: dict[int, int] = {}
@@ -735,7 +737,8 @@ class Daemon:
 
     # -- kernel ring drops -------------------------------------------------------------
     def _watch_drops(self, force: bool = False):
-        """Look at the rings' kernel drop counters (PACKET_STATISTICS). Frames a ring
+        """Look at the rings' kernel drop counters (PACKET_STATISTICS) and their
+        interfaces' (frames lost before any ring: ckptd.live.nic). Frames a ring
         dropped since the last look may belong to any iteration in flight since then or
         to later ones that no frame of has been read yet (a long stall loses whole
         iterations; the ring still holds frames from before the gap). So after a ring
@@ -751,7 +754,8 @@ class Daemon:
             return
         self._drops_looked = now
         stats = [c.stats() for c in self.captures]
-        per_ring = [st["drops"] for st in stats]
+        # a ring's losses: its own drops, and its interface's (frames lost before any ring)
+        per_ring = [st["drops"] + self._interface_drops(c, now, force) for c, st in zip(self.captures, stats)]
         self._warn_full_rings(stats)
         seen = self._drops_seen or [0] * len(per_ring)
         for k, (d, before) in enumerate(zip(per_ring, seen)):
@@ -766,6 +770,18 @@ class Daemon:
             self._drop_gaps = {k: t for k, t in self._drop_gaps.items()
                                if (clock[k] if per_stream else min(clock)) < t}
         self._drops_done = self.pipe.done
+
+    def _interface_drops(self, capture, now: float, force: bool = False) -> int:
+        """Frames the capture's interface lost before any ring saw them (ckptd.live.nic),
+        read at most every NIC_LOOK_S unless forced (a host's /proc/net/dev can be long)."""
+        key = (capture.ifname, getattr(capture, "netns", None))
+        last = self._nic_drops.get(key)
+        if last is not None and not force and now - last[0] < NIC_LOOK_S:
+            return last[1]
+        st = self._interface_stats(capture)
+        lost = (st["dropped"] + st["fifo"]) if st else 0
+        self._nic_drops[key] = (now, lost)
+        return lost
 
     def _warn_full_rings(self, stats: list[dict]):
         """Log a ring the first time its high-water mark (RingCapture.stats ready_peak)
@@ -782,16 +798,21 @@ class Daemon:
                             "(block_nr; docs/DAEMON.md, sizing)"}})
 
     def _mark_kernel_drops(self, rep: IterationReport):
-        """An iteration that did not commit and was in flight while a ring dropped frames
-        lost data to the kernel: status `dropped` (exit status 4), whatever else it
-        would have been called (a stop mid-iteration calls it abandoned). The counters
+        """An iteration that did not commit and was in flight while a ring (or its
+        interface) dropped frames lost data to the kernel: status `dropped` (exit
+        status 4), whatever else it would have been called (a stop mid-iteration calls it abandoned). The counters
         are read again first: the drops may have happened in the batch that ends it."""
         if rep.status in ("abandoned", "unrecoverable"):
             self._watch_drops(force=True)
         if rep.status in ("abandoned", "unrecoverable") and rep.iteration in self.drop_iterations:
-            drops = {c.ifname: c.stats()["drops"] for c in self.captures if c.stats()["drops"]}
+            drops = {key: c.stats()["drops"] for key, c in zip(self.capture_keys, self.captures)
+                     if c.stats()["drops"]}
+            nic = {key: lost for key, c in zip(self.capture_keys, self.captures)
+                   if (lost := self._interface_drops(c, time.monotonic()))}
+            where = ", ".join(([f"ring drops so far: {drops}"] if drops else [])
+                              + ([f"dropped by the interface before any ring: {nic}"] if nic else []))
             rep.note = (f"{rep.status}: the kernel dropped frames while it was in flight "
-                        f"(ring drops so far: {drops}); {rep.note.strip()}")
+                        f"({where}); {rep.note.strip()}")
             rep.status = "dropped"
 
     def _frame_batches(self, source):
@@ -1169,7 +1190,8 @@ class Daemon:
         """0: every iteration seen committed or was merely in flight at the stop;
         3: an iteration could not be recovered (the capture had no copy of some of its
         data); 4: an iteration lost data to kernel ring drops (rings too small, or the
-        daemon too slow for the link: docs/DAEMON.md, sizing); 5: the newest committed
+        daemon too slow for the link: docs/DAEMON.md, sizing) or to its interface's
+        (ckptd.live.nic); 5: the newest committed
         checkpoint could not be written. 4 and 5 win over 3: they name what the operator
         can fix."""
         statuses = {u["status"] for u in self.unrecovered}

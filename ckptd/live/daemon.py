@@ -800,8 +800,9 @@ class Daemon:
     def _mark_kernel_drops(self, rep: IterationReport):
         """An iteration that did not commit and was in flight while a ring (or its
         interface) dropped frames lost data to the kernel: status `dropped` (exit
-        status 4), whatever else it would have been called (a stop mid-iteration calls it abandoned). The counters
-        are read again first: the drops may have happened in the batch that ends it."""
+        status 4), whatever else it would have been called (a stop mid-iteration calls
+        it abandoned). The counters are read again first: the drops may have happened
+        in the batch that ends it."""
         if rep.status in ("abandoned", "unrecoverable"):
             self._watch_drops(force=True)
         if rep.status in ("abandoned", "unrecoverable") and rep.iteration in self.drop_iterations:
@@ -1191,9 +1192,8 @@ class Daemon:
         3: an iteration could not be recovered (the capture had no copy of some of its
         data); 4: an iteration lost data to kernel ring drops (rings too small, or the
         daemon too slow for the link: docs/DAEMON.md, sizing) or to its interface's
-        (ckptd.live.nic); 5: the newest committed
-        checkpoint could not be written. 4 and 5 win over 3: they name what the operator
-        can fix."""
+        (ckptd.live.nic); 5: the newest committed checkpoint could not be written. 4 and
+        5 win over 3: they name what the operator can fix."""
         statuses = {u["status"] for u in self.unrecovered}
         if "dropped" in statuses:
             return 4

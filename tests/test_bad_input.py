@@ -339,6 +339,10 @@ ARG_CASES = [
                                      d / "plan.json", _pcap0(d)], "cannot create the checkpoint directory: a file is in the way"),
     ("replay-out-proc", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                    "/proc/ckptd-out", _pcap0(d)], "/proc/ckptd-out: cannot create the checkpoint directory"),
+    # it was the bare "[Errno 17] File exists", after --out had been made
+    ("dump-gradients-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
+                                         d / "o-dump", "--dump-gradients", d / "plan.json", _pcap0(d)],
+     "plan.json: cannot create the gradient dump directory: a file is in the way"),
     ("verify-missing", lambda d: ["verify", d / "nope.pt", d / "init.pt"], "nope.pt"),
     ("verify-garbage", lambda d: ["verify", _capture(d, "garbage"), d / "init.pt"], "cannot read checkpoint"),
     ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),
@@ -603,6 +607,15 @@ def test_an_unreadable_file_in_the_resume_directory_is_waited_past(scenario, tmp
         assert pipe._resume_state(2) is None and pipe._resume_state(2) is None
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
     assert len(warned) == 1 and checkpoint_name(2) in warned[0], warned
+
+
+def test_dump_gradients_in_the_way_leaves_no_checkpoint_directory(scenario, capsys):
+    """--dump-gradients that cannot be made is refused before --out is made."""
+    out = scenario / "o-dump-first"
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--out", out, "--dump-gradients", scenario / "init.pt", _pcap0(scenario))
+    _one_line_error(r, str(scenario / "init.pt"), "cannot create the gradient dump directory")
+    assert not out.exists()
 
 
 def test_dump_gradients_on_a_full_disk_is_one_line_and_leaves_whole_files(scenario, capsys, tmp_path):

@@ -315,3 +315,20 @@ def test_risk_closed_form_copies_match_the_schedule(monkeypatch, n, m, nodes):
     read = risk.chunk_copies(n, m, nodes), risk.carried_chunks(n, risk.mirrored_links(n, m, nodes))
     monkeypatch.setattr(risk, "MAX_SCHEDULE_READ", 0)
     assert (risk.chunk_copies(n, m, nodes), risk.carried_chunks(n, risk.mirrored_links(n, m, nodes))) == read
+
+
+# -- 5. empty paths ------------------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["--out", "--plan", "--cabling"])
+def test_mirror_config_empty_path_is_refused_and_writes_nothing(tmp_path, capsys, monkeypatch, option):
+    """An empty --out wrote every file into the current directory (exit 0); an empty
+    --plan or --cabling was read as '.' ("Is a directory")."""
+    monkeypatch.chdir(tmp_path)
+    argv = {"--plan": str(GOLDEN / "plan.json"), "--cabling": str(GOLDEN / "cabling_erspan.yaml"),
+            "--out": str(tmp_path / "out")}
+    argv[option] = ""
+    with pytest.raises(SystemExit) as e:   # argparse's own exit
+        main(["mirror-config", *[x for kv in argv.items() for x in kv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert f"argument {option}: an empty path" in err
+    assert list(tmp_path.iterdir()) == []

@@ -749,7 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reference", type=_path, help="trainer checkpoints to compare each commit with")
     r.add_argument("--dump-gradients", type=_path, metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
-    r.add_argument("--resume", metavar="CKPT|DIR|URL",
+    r.add_argument("--resume", type=_path, metavar="CKPT|DIR|URL",
                    help="after a gap (or when joining), restart the shadow from this checkpoint, or "
                         "from the checkpoint of the iteration needed in this directory (iter_NNNNNN.pt), "
                         "or from a URL: the daemon's (http://host:port) or a persistence tier's "
@@ -774,7 +774,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing that arrives later)")
     r.add_argument("--trust-icrc", action="store_true",
                    help="skip ICRC checks (the NIC/switch already verified them); fast path only")
-    r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")
+    r.add_argument("pcap", nargs="+", type=_path, help="one capture (pcap or pcapng) per mirror stream")
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
@@ -782,7 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
                         "kernel ring drops cost one, 5 if the newest committed checkpoint could not be "
                         "written (see docs/DAEMON.md)")
-    rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
+    rn.add_argument("--config", type=_path, required=True, help="YAML or TOML daemon config")
     rn.add_argument("--listen", help="override the config's status address: HOST:PORT, [IPv6]:PORT "
                     "(default 127.0.0.1:9187)")
     rn.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
@@ -792,14 +792,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
                        "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
     i.add_argument("--json", action="store_true")
-    i.add_argument("pcap", nargs="+")
+    i.add_argument("pcap", nargs="+", type=_path)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")
-    v.add_argument("a")
-    v.add_argument("b")
+    v.add_argument("a", type=_path)
+    v.add_argument("b", type=_path)
     v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list")
-    v.add_argument("--plan", help="the plan: names the parameters of a trainer's file that "
+    v.add_argument("--plan", type=_path, help="the plan: names the parameters of a trainer's file that "
                    "does not say which model entries they are")
     v.add_argument("--parameters-only", action="store_true",
                    help="compare parameters and optimizer state only, not module buffers "
@@ -815,10 +815,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a checkpoint in a standard format: torch "
                         "(torch.save of {model, optimizer, step, lr_scheduler}), dcp "
                         "(torch.distributed.checkpoint directory) or safetensors (weights)")
-    ex.add_argument("checkpoint", help="any checkpoint ckptd reads")
+    ex.add_argument("checkpoint", type=_path, help="any checkpoint ckptd reads")
     ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True)
     ex.add_argument("--out", type=_path, required=True, help="file (torch, safetensors) or directory (dcp)")
-    ex.add_argument("--plan", help="the plan: puts torch's own optimizer param_groups (every "
+    ex.add_argument("--plan", type=_path, help="the plan: puts torch's own optimizer param_groups (every "
                     "hyperparameter) in the file, so optimizer.load_state_dict takes it as is")
     ex.set_defaults(func=cmd_export)
 
@@ -837,11 +837,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, help="module:function returning the nn.Module")
     pl.add_argument("--sample", help="module:function returning one input batch (for the "
                     "gradient-ready order DDP rebuilds buckets in)")
-    pl.add_argument("--nccl-log", action="append", metavar="FILE",
+    pl.add_argument("--nccl-log", action="append", type=_path, metavar="FILE",
                     help="the job's NCCL_DEBUG=INFO output (repeat for per-rank files): fills the ring, ranks, "
                          "nodes and NICs; rank 0's 'Channel NN/NN :' lines and every network hop's "
                          "'[send]/[receive] via NET' lines must be in it")
-    pl.add_argument("--nic-addrs", metavar="FILE",
+    pl.add_argument("--nic-addrs", type=_path, metavar="FILE",
                     help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
                          "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
     pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")

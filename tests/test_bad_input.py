@@ -609,6 +609,29 @@ def test_an_unreadable_file_in_the_resume_directory_is_waited_past(scenario, tmp
     assert len(warned) == 1 and checkpoint_name(2) in warned[0], warned
 
 
+EMPTY_PATHS = [  # before: an empty --plan/--resume was taken as none given (exit 0), the others read '.'
+    ("export-plan", lambda d: ["export", d / "init.pt", "--format", "torch", "--out", d / "x-empty.pt", "--plan", ""],
+     "--plan"),
+    ("verify-plan", lambda d: ["verify", d / "init.pt", d / "init.pt", "--plan", ""], "--plan"),
+    ("replay-resume", lambda d: ["replay", "--plan", d / "plan.json", "--resume", "", _pcap0(d)], "--resume"),
+    ("replay-capture", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), ""], "pcap"),
+    ("inspect", lambda d: ["inspect", ""], "pcap"),
+    ("verify-a", lambda d: ["verify", "", d / "init.pt"], "a"),
+    ("export-checkpoint", lambda d: ["export", "", "--format", "torch", "--out", d / "x-empty.pt"], "checkpoint"),
+    ("run-config", lambda d: ["run", "--config", ""], "--config"),
+    ("plan-nic-addrs", lambda d: ["plan", "--model", "x:y", "--nccl-log", d / "plan.json", "--nic-addrs", "",
+                                  "--out", d / "p-empty.json"], "--nic-addrs"),
+    ("risk-plan", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--plan", ""], "--plan"),
+]
+
+
+@pytest.mark.parametrize("name,argv,option", EMPTY_PATHS, ids=[c[0] for c in EMPTY_PATHS])
+def test_an_empty_path_argument_is_refused(scenario, capsys, name, argv, option):
+    r = ckptd_main(capsys, *argv(scenario))
+    _one_line_error(r, None, f"argument {option}: an empty path")
+    assert not (scenario / "x-empty.pt").exists()
+
+
 def test_dump_gradients_in_the_way_leaves_no_checkpoint_directory(scenario, capsys):
     """--dump-gradients that cannot be made is refused before --out is made."""
     out = scenario / "o-dump-first"

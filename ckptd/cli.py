@@ -357,6 +357,12 @@ def cmd_export(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.core.formats import export_checkpoint
     from ckptd.core.plan import load_plan
+    import os
+    if os.path.isfile(a.out) and os.path.exists(a.checkpoint) and os.path.samefile(a.out, a.checkpoint):
+        # the export would replace its own source (another format, the iteration now a
+        # step count): the checkpoint is gone, with exit 0
+        raise UsageError(f"--out {a.out} is the checkpoint being exported ({a.checkpoint}): it would be "
+                         "overwritten; give --out a path of its own")
     plan = load_plan(a.plan) if a.plan else None
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it

@@ -312,6 +312,8 @@ ARG_CASES = [
      "cap-empty.pcap: neither pcap nor pcapng"),
     ("export-plan-of-another-model", lambda d: ["export", d / "init.pt", "--format", "torch", "--out", d / "x.torch",
                                                 "--plan", _plan(d, _bigger_first, "bigger")], "the plan says"),
+    ("export-over-itself", lambda d: ["export", _init(d, "copy", lambda doc: None), "--format", "torch", "--out",
+                                      d / "init-copy.pt"], "is the checkpoint being exported"),  # it was replaced, exit 0
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",

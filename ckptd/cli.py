@@ -132,7 +132,7 @@ def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, check_options, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
-        out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
+        out=a.out, ranks=4 if a.ranks is None else a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
         allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
         merged_nics=a.merged_nics, adaptive_routing=a.adaptive_routing,
@@ -148,6 +148,11 @@ def cmd_synth(a) -> int:
     t0 = time.time()
     try:
         check_options(opts)
+        if a.nodes and a.ranks is not None and a.ranks != a.nodes * a.gpus_per_node:
+            # with --nodes the ranks are NODES x --gpus-per-node: a --ranks of another count
+            # was dropped without a word (the job synthesized had other ranks than asked for)
+            raise UsageError(f"--ranks {a.ranks} with --nodes {a.nodes} x --gpus-per-node {a.gpus_per_node} "
+                             f"({a.nodes * a.gpus_per_node} ranks): leave out --ranks, --nodes sets it")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None
@@ -623,7 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "
                        "RoCEv2 traffic, the plan, the initial state and reference checkpoints")
     s.add_argument("--out", type=_path, required=True, help="output directory")
-    s.add_argument("--ranks", type=_ranged(int, 2, 64), default=4)
+    s.add_argument("--ranks", type=_ranged(int, 2, 64), default=None,
+                   help="ranks, one GPU per host (default 4; with --nodes they are NODES x --gpus-per-node)")
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])

@@ -325,6 +325,8 @@ ARG_CASES = [
     ("synth-model", lambda d: ["synth", "--out", d / "s-model", "--model", "huge"], "not a synthetic model size"),
     ("demo-model", lambda d: ["demo", "--out", d / "d-model", "--model", "huge"], "not a synthetic model size"),
     ("synth-optim", lambda d: ["synth", "--out", d / "s-optim", "--optim", "lamb"], "--optim 'lamb'"),
+    ("synth-ranks-and-nodes", lambda d: ["synth", "--out", d / "s-nodes", "--ranks", "4", "--nodes", "3"],
+     "--ranks 4 with --nodes 3 x --gpus-per-node 1 (3 ranks)"),  # it made 3 ranks, exit 0
     ("synth-ranks", lambda d: ["synth", "--out", d / "s", "--ranks", "1"], "--ranks"),
     ("plan-model", lambda d: ["plan", "--model", "no_such_module:f", "--ranks", "2", "--out", d / "p.json"], "cannot import"),
     ("plan-model-attr", lambda d: ["plan", "--model", "json:no_such_fn", "--ranks", "2", "--out", d / "p.json"], "has no 'no_such_fn'"),

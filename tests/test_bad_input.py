@@ -144,6 +144,11 @@ PLAN_CASES = [
     ("transport", _set("transport", "carrier-pigeon"), "transport"),
     ("format", _set("format", "other"), "not a ckptd plan"),
     ("start-iteration", _set("start_iteration", 5), "start_iteration 5 is not below iterations"),
+    # a misspelt key took its default (no weight decay, no warmup, float32): every commit wrong, exit 0
+    ("opt-key-typo", _set("optimizer.weight_decy", 0.1), "optimizer: unknown keys ['weight_decy']"),
+    ("schedule-key-typo", _schedule("cosine", warmup_step=1, total_steps=4),
+     "optimizer.lr_schedule: unknown keys ['warmup_step']"),
+    ("param-key-typo", _set("parameters.0.dtpye", "bfloat16"), "parameters[0]: unknown keys ['dtpye']"),
     ("not-json", "{nope", "cannot read plan"),
     ("a-list", "[1, 2]", "must be an object"),
     ("deep", "[" * 100000 + "]" * 100000, "plan"),

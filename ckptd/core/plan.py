@@ -176,6 +176,11 @@ class Optimizer:
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULE_KEYS = ("kind", "warmup_steps", "total_steps", "min_factor")  # what lr_factor reads
+# an optimizer section's keys: Optimizer's fields, as to_json writes them
+OPTIMIZER_KEYS = ("kind", "lr", "betas", "eps", "weight_decay", "amsgrad", "implementation", "lr_schedule",
+                  "max_grad_norm", "groups", "lr_scheduler", "grad_scaler", "lr_per_step")
+TENSOR_KEYS = ("name", "shape", "dtype")  # an entry of parameters, frozen, buffers.tensors
 
 
 def check_optimizer(opt: Optimizer) -> None:
@@ -1248,6 +1253,14 @@ class _Doc:
     def path(self, k) -> str:
         return f"{self.key}.{k}" if self.key else str(k)
 
+    def only(self, known) -> None:
+        """Refuse keys this object does not have: a misspelt one is not there at all and
+        its default is taken without a word ("weight_decy": the moments stepped with no
+        weight decay; "warmup_step": no warmup; "dtpye": float32), every commit wrong."""
+        unknown = sorted(str(k)[:40] for k in self.d if k not in known)
+        if unknown:
+            raise PlanError(f"{self.key}: unknown keys {unknown[:5]} (it has {', '.join(known)})")
+
     def has(self, k) -> bool:
         return self.d.get(k) is not None
 
@@ -1471,12 +1484,14 @@ def _plan_from_json(raw) -> Plan:
     optimizer = None
     if doc.get("optimizer") is not None:
         o = doc.obj("optimizer")
+        o.only(OPTIMIZER_KEYS)
         betas = o.list("betas", [0.9, 0.999])
         if len(betas) != 2:
             raise PlanError(f"optimizer.betas must be two numbers, not {len(betas)}")
         sched = o.get("lr_schedule") or {"kind": "constant"}
         if not isinstance(sched, dict):
             raise PlanError(f"optimizer.lr_schedule must be an object, not {_kind(sched)}")
+        _Doc(sched, "optimizer.lr_schedule").only(LR_SCHEDULE_KEYS)
         mgn = o.get("max_grad_norm")
         optimizer = Optimizer(
             kind=o.str("kind", "adamw"), lr=o.num("lr", 1e-3),
@@ -1552,6 +1567,7 @@ def _tensors_from_json(entries: list, key: str) -> list[Parameter]:
     out = []
     for i, raw in enumerate(entries):
         t = _Doc(raw, f"{key}[{i}]")
+        t.only(TENSOR_KEYS)
         shape = t.list("shape", required=True)
         if len(shape) > MAX_DIMS:
             raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")

@@ -291,6 +291,13 @@ def _fifo(d):
     return p
 
 
+def _dangling(d):
+    p = d / "dangling-link"
+    if not p.is_symlink():
+        p.symlink_to(d / "no-such-target")
+    return p
+
+
 def _bigger_first(doc):
     doc["parameters"][0]["shape"] = [n + 1 for n in doc["parameters"][0]["shape"]]
 
@@ -346,6 +353,9 @@ ARG_CASES = [
                              "--addr", "10.0.0.2", "--out", d / "p.json"], "'999.1.1.1' is not an IPv4 or IPv6 address"),
     ("replay-out-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                      d / "plan.json", _pcap0(d)], "cannot create the checkpoint directory: a file is in the way"),
+    ("replay-out-dangling-link", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
+                                            _dangling(d), _pcap0(d)],
+     "cannot create the checkpoint directory: a broken symbolic link is in the way"),  # it said "File exists"
     ("replay-out-proc", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                    "/proc/ckptd-out", _pcap0(d)], "/proc/ckptd-out: cannot create the checkpoint directory"),
     # it was the bare "[Errno 17] File exists", after --out had been made

@@ -711,3 +711,22 @@ def test_a_plan_from_a_pipe_is_read_and_one_nobody_writes_into_is_an_error(scena
     monkeypatch.setattr(plan_mod, "MAX_PLAN_BYTES", 1 << 20)
     with pytest.raises(plan_mod.PlanError, match="^/dev/zero: more than 1048576 bytes is too large for a plan"):
         plan_mod.load_plan("/dev/zero")
+
+
+def test_a_config_or_token_fifo_nobody_writes_into_is_an_error_not_a_hang(scenario, tmp_path, capsys, monkeypatch):
+    """`run --config FIFO` (and a FIFO as token_file) read it with read_text(): with no
+    writer the daemon hung for ever before a line of log; /dev/zero filled the memory."""
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    r = ckptd_main(capsys, "run", "--config", fifo)
+    _one_line_error(r, str(fifo), "cannot read config: a pipe nothing was written into in 0.2 s")
+    assert time.monotonic() - t < 10
+    tok = tmp_path / "token.fifo"
+    os.mkfifo(tok)
+    cfg = _config(scenario, "token-fifo", IF + f"token_file: {tok}\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), f"token_file: cannot read {tok}",
+                    "a pipe nothing was written into")
+    _one_line_error(ckptd_main(capsys, "run", "--config", "/dev/zero"), "/dev/zero", "too large for a config")

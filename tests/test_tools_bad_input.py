@@ -332,3 +332,16 @@ def test_mirror_config_empty_path_is_refused_and_writes_nothing(tmp_path, capsys
     assert e.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert f"argument {option}: an empty path" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cabling_fifo_nobody_writes_into_is_an_error_not_a_hang(tmp_path, capsys, monkeypatch):
+    """--cabling FIFO was read with read_text(): with no writer mirror-config hung for ever."""
+    import os
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    fifo = tmp_path / "cabling.fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    msg = _error(capsys, ["mirror-config", "--plan", GOLDEN / "plan.json", "--cabling", fifo, "--out", tmp_path / "out"])
+    assert "cannot read cabling file: a pipe nothing was written into in 0.2 s" in msg
+    assert time.monotonic() - t < 10 and not (tmp_path / "out").exists()

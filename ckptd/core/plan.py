@@ -25,9 +25,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-import os
-import select
-import stat as stat_
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
+from ckptd.core.readfile import read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
 from ckptd.errors import CkptdError, show
@@ -1205,29 +1203,14 @@ PLAN_PIPE_WAIT_S = 30.0  # a pipe as the plan (`--plan <(...)`, a FIFO): how lon
 
 
 def _read_plan_bytes(path: Path) -> bytes:
-    """At most MAX_PLAN_BYTES + 1 bytes of the plan: a pipe or a device that never ends
-    (/dev/zero) cannot fill the memory. A pipe (process substitution, a FIFO) is read
-    once something is written into it; a FIFO nobody writes into is an error after
-    PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
+    """At most MAX_PLAN_BYTES + 1 bytes of the plan (ckptd.core.readfile.read_bounded: a
+    device that never ends cannot fill the memory); a FIFO nobody writes into is an
+    error after PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
     try:
-        if stat_.S_ISFIFO(os.fstat(fd).st_mode):
-            poll = select.poll()
-            poll.register(fd, select.POLLIN)
-            if not poll.poll(int(PLAN_PIPE_WAIT_S * 1000)):
-                raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
-                                "give the plan file itself")
-        os.set_blocking(fd, True)
-        chunks, left = [], MAX_PLAN_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return read_bounded(path, MAX_PLAN_BYTES, PLAN_PIPE_WAIT_S)
+    except TimeoutError:
+        raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
+                        "give the plan file itself") from None
 
 
 def _no_duplicate_keys(pairs: list) -> dict:

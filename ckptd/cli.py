@@ -439,10 +439,18 @@ def cmd_plan(a) -> int:
                              "the log names NET/IB devices, not their addresses)")
         job = None
         for f in a.nccl_log:
+            from ckptd.core.readfile import read_bounded
+            from ckptd.tools.nccl_log import MAX_NCCL_LOG_BYTES
             try:
-                text = Path(f).read_text(errors="replace")
+                # bounded, and a FIFO nobody writes into is an error after a wait:
+                # read_text() hung on the FIFO and filled the memory from /dev/zero
+                data = read_bounded(f, MAX_NCCL_LOG_BYTES)
             except OSError as e:
                 raise UsageError(f"--nccl-log {f}: {e.strerror or e}") from None
+            if len(data) > MAX_NCCL_LOG_BYTES:
+                raise UsageError(f"--nccl-log {f}: more than {MAX_NCCL_LOG_BYTES} bytes is too large for an "
+                                 "NCCL log (the lines of the communicator's set-up are enough)")
+            text = data.decode(errors="replace")
             job = parse_nccl_log(text, f, job)
         topo = ring_topology(job, load_nic_addrs(a.nic_addrs), " + ".join(a.nccl_log))
         if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:

@@ -345,3 +345,27 @@ def test_cabling_fifo_nobody_writes_into_is_an_error_not_a_hang(tmp_path, capsys
     msg = _error(capsys, ["mirror-config", "--plan", GOLDEN / "plan.json", "--cabling", fifo, "--out", tmp_path / "out"])
     assert "cannot read cabling file: a pipe nothing was written into in 0.2 s" in msg
     assert time.monotonic() - t < 10 and not (tmp_path / "out").exists()
+
+
+def test_nccl_log_and_nic_addrs_fifo_or_endless_are_errors_not_hangs(tmp_path, capsys, monkeypatch):
+    """--nccl-log and --nic-addrs were read with read_text(): a FIFO nobody writes into hung
+    `ckptd plan` for ever, /dev/zero as --nccl-log filled the memory until the kernel
+    killed it."""
+    import os
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    monkeypatch.setattr(nccl_log, "MAX_NCCL_LOG_BYTES", 1 << 20)
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    log = tmp_path / "nccl.log"
+    log.write_text("")
+    t = time.monotonic()
+    assert "cannot read NIC addresses: a pipe nothing was written into in 0.2 s" in _plan_error(tmp_path, capsys, fifo)
+    msg = _error(capsys, ["plan", "--model", "no_such_module:f", "--nccl-log", fifo, "--nic-addrs", log,
+                          "--out", tmp_path / "p.json"])
+    assert f"--nccl-log {fifo}: a pipe nothing was written into" in msg
+    msg = _error(capsys, ["plan", "--model", "no_such_module:f", "--nccl-log", "/dev/zero", "--nic-addrs", log,
+                          "--out", tmp_path / "p.json"])
+    assert "--nccl-log /dev/zero: more than 1048576 bytes is too large" in msg
+    assert "/dev/zero: more than" in _plan_error(tmp_path, capsys, Path("/dev/zero"))
+    assert time.monotonic() - t < 20

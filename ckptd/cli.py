@@ -251,6 +251,12 @@ def cmd_replay(a) -> int:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
               f"{pipe.before_join} packets before it dropped)")
     committed = sum(r.ok for r in reps)
+    if a.reference and committed and all(r.exact is None for r in reps):
+        # a --reference that holds none of the committed iterations compared nothing: without
+        # a word the run read as checked (exit 0, as a bit-exact one), e.g. for a wrong directory
+        shown = ", ".join(str(r.iteration) for r in [r for r in reps if r.ok][:5])
+        print(f"warning: --reference {a.reference}: no checkpoint there is of a committed iteration "
+              f"({shown}{', ...' if committed > 5 else ''}): nothing was compared", file=sys.stderr)
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")

@@ -730,3 +730,16 @@ def test_a_config_or_token_fifo_nobody_writes_into_is_an_error_not_a_hang(scenar
     _one_line_error(ckptd_main(capsys, "run", "--config", cfg), f"token_file: cannot read {tok}",
                     "a pipe nothing was written into")
     _one_line_error(ckptd_main(capsys, "run", "--config", "/dev/zero"), "/dev/zero", "too large for a config")
+
+
+def test_a_reference_directory_without_the_iterations_says_nothing_was_compared(scenario, tmp_path, capsys):
+    """--reference of a directory that holds none of the committed iterations compared
+    nothing, without a word: exit 0 as a bit-exact run (a wrong directory read as checked)."""
+    empty = tmp_path / "ref-empty"
+    empty.mkdir()
+    argv = ["replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", _pcap0(scenario)]
+    r = ckptd_main(capsys, *argv[:1], "--reference", empty, *argv[1:])
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert f"warning: --reference {empty}: no checkpoint there is of a committed iteration (0)" in r.stderr
+    r = ckptd_main(capsys, *argv[:1], "--reference", scenario / "reference", *argv[1:])
+    assert r.returncode == 0 and "bit-exact" in r.stdout and "--reference" not in r.stderr, r.stderr

@@ -273,6 +273,17 @@ def cmd_replay(a) -> int:
         raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
                          "captures of another job, or a plan with other addresses or QPs "
                          "(`ckptd inspect` lists the captures' flows)")
+    past = [r.iteration for r in reps if plan.iterations is not None and r.iteration >= plan.iterations]
+    if past:
+        # the captures held more allreduce rounds than the job has iterations after the
+        # start state: the rounds were numbered (and stepped) from the init's iteration + 1,
+        # so an init of a later iteration than where the capture began committed every
+        # iteration wrong, and numbered some past the job's end, with exit 0
+        start = int(start["iteration"]) if start is not None else -1
+        raise UsageError(f"the captures hold iterations up to {max(past)} counted from "
+                         f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start}), past the "
+                         f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): the init is not the "
+                         "state where the capture began, or the plan's iterations is wrong; every commit is suspect")
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}

@@ -743,3 +743,19 @@ def test_a_reference_directory_without_the_iterations_says_nothing_was_compared(
     assert f"warning: --reference {empty}: no checkpoint there is of a committed iteration (0)" in r.stderr
     r = ckptd_main(capsys, *argv[:1], "--reference", scenario / "reference", *argv[1:])
     assert r.returncode == 0 and "bit-exact" in r.stdout and "--reference" not in r.stderr, r.stderr
+
+
+def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, capsys):
+    """The captures' rounds are numbered from --init's iteration + 1: a trainer's checkpoint
+    of iteration 0 as the init of captures from the job's start committed iterations 1..3
+    of a 3-iteration job (each stepped from the wrong state), exit 0. The rounds past the
+    plan's iterations show it."""
+    d = tmp_path / "s"
+    synth(d, iterations=3, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16)
+    argv = ["replay", "--plan", d / "plan.json", "--out", tmp_path / "out", *sorted((d / "mirrors").glob("*.pcap"))]
+    r = ckptd_main(capsys, *argv, "--init", d / "reference" / "iter_000000.pt")
+    _one_line_error(r, str(d / "reference" / "iter_000000.pt"),
+                    "the captures hold iterations up to 3 counted from --init")
+    assert "past the 3 of the plan" in r.stderr
+    ok = ckptd_main(capsys, *argv, "--init", d / "init.pt")
+    assert ok.returncode == 0, ok.stderr

@@ -480,6 +480,12 @@ def cmd_plan(a) -> int:
     elif a.ranks is None:
         raise UsageError("give --ranks and --addr, or --nccl-log")
     else:  # the defaults, where no log gives them
+        given = [o for o, v in (("--channels", a.channels), ("--protocol", a.protocol),
+                                ("--nccl-version", a.nccl_version)) if v is not None]
+        if a.transport == "gloo" and given:
+            # gloo's TCP ring has one channel and no NCCL protocol or version: the option
+            # was dropped without a word (--channels 4 wrote a plan of one channel)
+            raise UsageError(f"--transport gloo has no NCCL channels, protocol or version: leave out {given[0]}")
         a.channels = 2 if a.channels is None else a.channels
         a.protocol = a.protocol or "simple"
         a.nccl_version = a.nccl_version or "2.19"

@@ -351,6 +351,9 @@ ARG_CASES = [
                                      "--out", d / "p.json"], "--sample 'os:getcwd': a training step of --model"),
     ("plan-addr", lambda d: ["plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "999.1.1.1",
                              "--addr", "10.0.0.2", "--out", d / "p.json"], "'999.1.1.1' is not an IPv4 or IPv6 address"),
+    ("plan-gloo-channels", lambda d: ["plan", "--model", "test_cli:build_model", *_TWO_RANKS, "--transport", "gloo",
+                                      "--channels", "4", "--out", d / "p-gloo.json"],
+     "--transport gloo has no NCCL channels, protocol or version: leave out --channels"),  # a 1-channel plan, exit 0
     ("replay-out-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                      d / "plan.json", _pcap0(d)], "cannot create the checkpoint directory: a file is in the way"),
     ("replay-out-dangling-link", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",

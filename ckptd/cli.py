@@ -448,6 +448,14 @@ def cmd_plan(a) -> int:
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
     from ckptd.torch import ddp_layouts
+    # an option the chosen optimizer does not take was dropped without a word (--optimizer
+    # nadam --beta1 0.5 wrote torch's default betas, adamw --momentum 0.9 none)
+    takes = {"--beta1": ("adam", "adamw"), "--beta2": ("adam", "adamw"), "--eps": ("adam", "adamw"),
+             "--momentum": ("sgd", "rmsprop")}
+    for option, kinds in takes.items():
+        if getattr(a, option[2:]) is not None and a.optimizer not in kinds:
+            raise UsageError(f"{option} is for --optimizer {' or '.join(kinds)}, not {a.optimizer} "
+                             "(its other hyperparameters are torch's defaults)")
     topo = None
     if a.nccl_log:
         from ckptd.tools.nccl_log import load_nic_addrs, parse_nccl_log, ring_topology
@@ -510,12 +518,14 @@ def cmd_plan(a) -> int:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = [n for n, _ in named]
     if a.optimizer in ("adam", "adamw"):
-        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(0.9 if a.beta1 is None else a.beta1,
+                                                          0.999 if a.beta2 is None else a.beta2),
+                        eps=1e-8 if a.eps is None else a.eps,
                         weight_decay=a.weight_decay, implementation=a.implementation)
     else:
         hyper = {"lr": a.lr, "weight_decay": a.weight_decay, "foreach": a.implementation == "foreach"}
         if a.optimizer in ("sgd", "rmsprop"):
-            hyper["momentum"] = a.momentum
+            hyper["momentum"] = a.momentum or 0.0
         opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
     gloo = a.transport == "gloo"
     if topo is not None:
@@ -902,12 +912,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the process group's backend: nccl (RoCEv2) or gloo (TCP; without "
                     "--sample the rebuilt layout is learned from DDP's broadcast)")
     pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw")
-    pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=0.0, help="sgd, rmsprop")
+    pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=None, help="sgd, rmsprop (default 0)")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
     pl.add_argument("--lr", type=float, default=1e-3)
-    pl.add_argument("--beta1", type=float, default=0.9)
-    pl.add_argument("--beta2", type=float, default=0.999)
-    pl.add_argument("--eps", type=float, default=1e-8)
+    pl.add_argument("--beta1", type=float, default=None, help="adam, adamw (default 0.9)")
+    pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
+    pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
     pl.add_argument("--weight-decay", type=float, default=0.01)
     pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
                     help="the iteration the job (re)starts at: replay and the daemon then refuse an "

@@ -354,6 +354,12 @@ ARG_CASES = [
     ("plan-gloo-channels", lambda d: ["plan", "--model", "test_cli:build_model", *_TWO_RANKS, "--transport", "gloo",
                                       "--channels", "4", "--out", d / "p-gloo.json"],
      "--transport gloo has no NCCL channels, protocol or version: leave out --channels"),  # a 1-channel plan, exit 0
+    ("plan-betas-of-sgd", lambda d: ["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                                     *_TWO_RANKS, "--optimizer", "nadam", "--beta1", "0.5", "--out", d / "p-nadam.json"],
+     "--beta1 is for --optimizer adam or adamw, not nadam"),  # torch's default betas were written, exit 0
+    ("plan-momentum-of-adamw", lambda d: ["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                                          *_TWO_RANKS, "--momentum", "0.9", "--out", d / "p-adamw.json"],
+     "--momentum is for --optimizer sgd or rmsprop, not adamw"),
     ("replay-out-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                      d / "plan.json", _pcap0(d)], "cannot create the checkpoint directory: a file is in the way"),
     ("replay-out-dangling-link", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",

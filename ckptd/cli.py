@@ -132,7 +132,7 @@ def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, check_options, synthesize
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
-        out=a.out, ranks=a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
+        out=a.out, ranks=4 if a.ranks is None else a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
         mirrors=a.mirrors, iterations=a.iterations, seed=a.seed, model=a.model,
         allreduces_per_step=a.allreduces_per_step, nccl_version=a.nccl_version, qps=a.qps, bucket_cap_kb=a.bucket_cap_kb,
         merged_nics=a.merged_nics, adaptive_routing=a.adaptive_routing,
@@ -148,6 +148,11 @@ def cmd_synth(a) -> int:
     t0 = time.time()
     try:
         check_options(opts)
+        if a.nodes and a.ranks is not None and a.ranks != a.nodes * a.gpus_per_node:
+            # with --nodes the ranks are NODES x --gpus-per-node: a --ranks of another count
+            # was dropped without a word (the job synthesized had other ranks than asked for)
+            raise UsageError(f"--ranks {a.ranks} with --nodes {a.nodes} x --gpus-per-node {a.gpus_per_node} "
+                             f"({a.nodes * a.gpus_per_node} ranks): leave out --ranks, --nodes sets it")
         plan = synthesize(opts, progress=_progress("synth"))
     except ValueError as e:  # options that do not make a job (synthesize says which)
         raise UsageError(str(e)) from None
@@ -246,6 +251,12 @@ def cmd_replay(a) -> int:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
               f"{pipe.before_join} packets before it dropped)")
     committed = sum(r.ok for r in reps)
+    if a.reference and committed and all(r.exact is None for r in reps):
+        # a --reference that holds none of the committed iterations compared nothing: without
+        # a word the run read as checked (exit 0, as a bit-exact one), e.g. for a wrong directory
+        shown = ", ".join(str(r.iteration) for r in [r for r in reps if r.ok][:5])
+        print(f"warning: --reference {a.reference}: no checkpoint there is of a committed iteration "
+              f"({shown}{', ...' if committed > 5 else ''}): nothing was compared", file=sys.stderr)
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
@@ -262,6 +273,17 @@ def cmd_replay(a) -> int:
         raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
                          "captures of another job, or a plan with other addresses or QPs "
                          "(`ckptd inspect` lists the captures' flows)")
+    past = [r.iteration for r in reps if plan.iterations is not None and r.iteration >= plan.iterations]
+    if past:
+        # the captures held more allreduce rounds than the job has iterations after the
+        # start state: the rounds were numbered (and stepped) from the init's iteration + 1,
+        # so an init of a later iteration than where the capture began committed every
+        # iteration wrong, and numbered some past the job's end, with exit 0
+        start = int(start["iteration"]) if start is not None else -1
+        raise UsageError(f"the captures hold iterations up to {max(past)} counted from "
+                         f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start}), past the "
+                         f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): the init is not the "
+                         "state where the capture began, or the plan's iterations is wrong; every commit is suspect")
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
@@ -357,6 +379,12 @@ def cmd_export(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
     from ckptd.core.formats import export_checkpoint
     from ckptd.core.plan import load_plan
+    import os
+    if os.path.isfile(a.out) and os.path.exists(a.checkpoint) and os.path.samefile(a.out, a.checkpoint):
+        # the export would replace its own source (another format, the iteration now a
+        # step count): the checkpoint is gone, with exit 0
+        raise UsageError(f"--out {a.out} is the checkpoint being exported ({a.checkpoint}): it would be "
+                         "overwritten; give --out a path of its own")
     plan = load_plan(a.plan) if a.plan else None
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
@@ -462,6 +490,14 @@ def cmd_plan(a) -> int:
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
     from ckptd.torch import ddp_layouts
+    # an option the chosen optimizer does not take was dropped without a word (--optimizer
+    # nadam --beta1 0.5 wrote torch's default betas, adamw --momentum 0.9 none)
+    takes = {"--beta1": ("adam", "adamw"), "--beta2": ("adam", "adamw"), "--eps": ("adam", "adamw"),
+             "--momentum": ("sgd", "rmsprop")}
+    for option, kinds in takes.items():
+        if getattr(a, option[2:]) is not None and a.optimizer not in kinds:
+            raise UsageError(f"{option} is for --optimizer {' or '.join(kinds)}, not {a.optimizer} "
+                             "(its other hyperparameters are torch's defaults)")
     topo = None
     if a.nccl_log:
         from ckptd.tools.nccl_log import load_nic_addrs, parse_nccl_log, ring_topology
@@ -470,10 +506,18 @@ def cmd_plan(a) -> int:
                              "the log names NET/IB devices, not their addresses)")
         job = None
         for f in a.nccl_log:
+            from ckptd.core.readfile import read_bounded
+            from ckptd.tools.nccl_log import MAX_NCCL_LOG_BYTES
             try:
-                text = Path(f).read_text(errors="replace")
+                # bounded, and a FIFO nobody writes into is an error after a wait:
+                # read_text() hung on the FIFO and filled the memory from /dev/zero
+                data = read_bounded(f, MAX_NCCL_LOG_BYTES)
             except OSError as e:
                 raise UsageError(f"--nccl-log {f}: {e.strerror or e}") from None
+            if len(data) > MAX_NCCL_LOG_BYTES:
+                raise UsageError(f"--nccl-log {f}: more than {MAX_NCCL_LOG_BYTES} bytes is too large for an "
+                                 "NCCL log (the lines of the communicator's set-up are enough)")
+            text = data.decode(errors="replace")
             job = parse_nccl_log(text, f, job)
         topo = ring_topology(job, load_nic_addrs(a.nic_addrs), " + ".join(a.nccl_log))
         if a.ranks is not None and a.ranks != len(topo.addresses) or a.addr:
@@ -486,6 +530,12 @@ def cmd_plan(a) -> int:
     elif a.ranks is None:
         raise UsageError("give --ranks and --addr, or --nccl-log")
     else:  # the defaults, where no log gives them
+        given = [o for o, v in (("--channels", a.channels), ("--protocol", a.protocol),
+                                ("--nccl-version", a.nccl_version)) if v is not None]
+        if a.transport == "gloo" and given:
+            # gloo's TCP ring has one channel and no NCCL protocol or version: the option
+            # was dropped without a word (--channels 4 wrote a plan of one channel)
+            raise UsageError(f"--transport gloo has no NCCL channels, protocol or version: leave out {given[0]}")
         a.channels = 2 if a.channels is None else a.channels
         a.protocol = a.protocol or "simple"
         a.nccl_version = a.nccl_version or "2.19"
@@ -510,12 +560,14 @@ def cmd_plan(a) -> int:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = [n for n, _ in named]
     if a.optimizer in ("adam", "adamw"):
-        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
+        opt = Optimizer(kind=a.optimizer, lr=a.lr, betas=(0.9 if a.beta1 is None else a.beta1,
+                                                          0.999 if a.beta2 is None else a.beta2),
+                        eps=1e-8 if a.eps is None else a.eps,
                         weight_decay=a.weight_decay, implementation=a.implementation)
     else:
         hyper = {"lr": a.lr, "weight_decay": a.weight_decay, "foreach": a.implementation == "foreach"}
         if a.optimizer in ("sgd", "rmsprop"):
-            hyper["momentum"] = a.momentum
+            hyper["momentum"] = a.momentum or 0.0
         opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
     gloo = a.transport == "gloo"
     if topo is not None:
@@ -659,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "
                        "RoCEv2 traffic, the plan, the initial state and reference checkpoints")
     s.add_argument("--out", type=_path, required=True, help="output directory")
-    s.add_argument("--ranks", type=_ranged(int, 2, 64), default=4)
+    s.add_argument("--ranks", type=_ranged(int, 2, 64), default=None,
+                   help="ranks, one GPU per host (default 4; with --nodes they are NODES x --gpus-per-node)")
     s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
     s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
     s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
@@ -791,7 +844,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reference", type=_path, help="trainer checkpoints to compare each commit with")
     r.add_argument("--dump-gradients", type=_path, metavar="DIR",
                    help="write every allreduce's reduced buckets (and coverage) as .npy")
-    r.add_argument("--resume", metavar="CKPT|DIR|URL",
+    r.add_argument("--resume", type=_path, metavar="CKPT|DIR|URL",
                    help="after a gap (or when joining), restart the shadow from this checkpoint, or "
                         "from the checkpoint of the iteration needed in this directory (iter_NNNNNN.pt), "
                         "or from a URL: the daemon's (http://host:port) or a persistence tier's "
@@ -816,7 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing that arrives later)")
     r.add_argument("--trust-icrc", action="store_true",
                    help="skip ICRC checks (the NIC/switch already verified them); fast path only")
-    r.add_argument("pcap", nargs="+", help="one capture (pcap or pcapng) per mirror stream")
+    r.add_argument("pcap", nargs="+", type=_path, help="one capture (pcap or pcapng) per mirror stream")
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
@@ -825,7 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "frames dropped on this host (a ring, the interface) cost one, 5 if the newest committed checkpoint could not be "
                         "written (see docs/DAEMON.md)",
                         description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rn.add_argument("--config", required=True, help="YAML or TOML daemon config")
+    rn.add_argument("--config", type=_path, required=True, help="YAML or TOML daemon config")
     rn.add_argument("--check", action="store_true",
                     help="do what a start does before its first frame (check the config, plan and init, "
                          "reserve the shadow, open and close every interface's ring, drop privileges, "
@@ -839,14 +892,14 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
                        "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
     i.add_argument("--json", action="store_true")
-    i.add_argument("pcap", nargs="+")
+    i.add_argument("pcap", nargs="+", type=_path)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")
-    v.add_argument("a")
-    v.add_argument("b")
+    v.add_argument("a", type=_path)
+    v.add_argument("b", type=_path)
     v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list")
-    v.add_argument("--plan", help="the plan: names the parameters of a trainer's file that "
+    v.add_argument("--plan", type=_path, help="the plan: names the parameters of a trainer's file that "
                    "does not say which model entries they are")
     v.add_argument("--parameters-only", action="store_true",
                    help="compare parameters and optimizer state only, not module buffers "
@@ -862,10 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write a checkpoint in a standard format: torch "
                         "(torch.save of {model, optimizer, step, lr_scheduler}), dcp "
                         "(torch.distributed.checkpoint directory) or safetensors (weights)")
-    ex.add_argument("checkpoint", help="any checkpoint ckptd reads")
+    ex.add_argument("checkpoint", type=_path, help="any checkpoint ckptd reads")
     ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True)
     ex.add_argument("--out", type=_path, required=True, help="file (torch, safetensors) or directory (dcp)")
-    ex.add_argument("--plan", help="the plan: puts torch's own optimizer param_groups (every "
+    ex.add_argument("--plan", type=_path, help="the plan: puts torch's own optimizer param_groups (every "
                     "hyperparameter) in the file, so optimizer.load_state_dict takes it as is")
     ex.set_defaults(func=cmd_export)
 
@@ -884,11 +937,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", required=True, help="module:function returning the nn.Module")
     pl.add_argument("--sample", help="module:function returning one input batch (for the "
                     "gradient-ready order DDP rebuilds buckets in)")
-    pl.add_argument("--nccl-log", action="append", metavar="FILE",
+    pl.add_argument("--nccl-log", action="append", type=_path, metavar="FILE",
                     help="the job's NCCL_DEBUG=INFO output (repeat for per-rank files): fills the ring, ranks, "
                          "nodes and NICs; rank 0's 'Channel NN/NN :' lines and every network hop's "
                          "'[send]/[receive] via NET' lines must be in it")
-    pl.add_argument("--nic-addrs", metavar="FILE",
+    pl.add_argument("--nic-addrs", type=_path, metavar="FILE",
                     help="with --nccl-log: JSON or YAML map host -> its NICs' RoCE addresses in NCCL device "
                          "order (NET/IB/k is the k-th; the order of the log's 'NET/IB : Using [0]... [1]...')")
     pl.add_argument("--ranks", type=_ranged(int, 2, 1 << 16), help="data-parallel world size (without --nccl-log)")
@@ -906,12 +959,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the process group's backend: nccl (RoCEv2) or gloo (TCP; without "
                     "--sample the rebuilt layout is learned from DDP's broadcast)")
     pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw")
-    pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=0.0, help="sgd, rmsprop")
+    pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=None, help="sgd, rmsprop (default 0)")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
     pl.add_argument("--lr", type=float, default=1e-3)
-    pl.add_argument("--beta1", type=float, default=0.9)
-    pl.add_argument("--beta2", type=float, default=0.999)
-    pl.add_argument("--eps", type=float, default=1e-8)
+    pl.add_argument("--beta1", type=float, default=None, help="adam, adamw (default 0.9)")
+    pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
+    pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
     pl.add_argument("--weight-decay", type=float, default=0.01)
     pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
                     help="the iteration the job (re)starts at: replay and the daemon then refuse an "

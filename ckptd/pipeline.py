@@ -49,7 +49,8 @@ from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import AGREE_WINDOW_MS, IterationAssembly, Missing
 from ckptd.core.buffers import unflatten_buffers
-from ckptd.core.checkpoint import CheckpointError, atomic_write, diff_checkpoints, load_checkpoint
+from ckptd.core.checkpoint import (CheckpointError, CheckpointWriteError, atomic_write, diff_checkpoints,
+                                   load_checkpoint)
 from ckptd.core.formats import find_checkpoint
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.optim import NoLrForStep
@@ -214,6 +215,19 @@ class ReplayOptions:
     agree_window_ms: float = AGREE_WINDOW_MS
 
 
+def _make_dump_dir(path: str) -> None:
+    """The gradient dump directory, made if missing. A file (or a link loop) in the way
+    was the bare `[Errno 17] File exists: ...`, which reads as if a directory were wanted
+    gone: one error naming the path and why, as the checkpoint directory's."""
+    try:
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or e
+        if os.path.lexists(path) and not os.path.isdir(path):
+            why = "a file is in the way" if os.path.exists(path) else "a broken symbolic link is in the way"
+        raise CheckpointWriteError(e.errno, f"{path}: cannot create the gradient dump directory: {why}") from None
+
+
 class Pipeline:
     """Wires the stages; `run` drives every frame through and reports each iteration.
 
@@ -287,10 +301,10 @@ class Pipeline:
         # it again (the daemon's memory tier): (iteration, model, optimizer); called on the
         # optimizer's thread when the shadow steps there (see _apply)
         self.on_commit: list[Callable[[int, dict, dict | None], None]] = []
+        if opts.dump_gradients:  # before the keeper makes --out: a failure here leaves nothing behind
+            _make_dump_dir(opts.dump_gradients)
         self.keeper = (CheckpointKeeper(opts.out, opts.keep_last, opts.keep_every, opts.retry_writes)
                        if opts.out else None)
-        if opts.dump_gradients:
-            Path(opts.dump_gradients).mkdir(mode=0o700, parents=True, exist_ok=True)
 
     # -- driving -------------------------------------------------------------------
     def run(self, frames: Iterable[tuple[int, CapturedFrame]], abandon: bool = False) -> list[IterationReport]:

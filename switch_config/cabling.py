@@ -116,10 +116,18 @@ class Cabling:
                    if s.name == switch and s.erspan and s.erspan.egress_port})
 
 
+MAX_CABLING_BYTES = 16 << 20  # a cabling file larger than this is not one
+
+
 def load_cabling(path: str | Path) -> Cabling:
+    from ckptd.core.readfile import read_bounded
     path = Path(path)
     try:
-        text = path.read_text()
+        # bounded, and a FIFO nobody writes into is an error after a wait (read_text() hung)
+        data = read_bounded(path, MAX_CABLING_BYTES)
+        if len(data) > MAX_CABLING_BYTES:
+            raise CablingError(f"{path}: more than {MAX_CABLING_BYTES} bytes is too large for a cabling file")
+        text = data.decode()
     except (OSError, UnicodeDecodeError) as e:   # a binary file is no cabling file either
         raise CablingError(f"{path}: cannot read cabling file: {e}") from e
     try:

@@ -144,6 +144,11 @@ PLAN_CASES = [
     ("transport", _set("transport", "carrier-pigeon"), "transport"),
     ("format", _set("format", "other"), "not a ckptd plan"),
     ("start-iteration", _set("start_iteration", 5), "start_iteration 5 is not below iterations"),
+    # a misspelt key took its default (no weight decay, no warmup, float32): every commit wrong, exit 0
+    ("opt-key-typo", _set("optimizer.weight_decy", 0.1), "optimizer: unknown keys ['weight_decy']"),
+    ("schedule-key-typo", _schedule("cosine", warmup_step=1, total_steps=4),
+     "optimizer.lr_schedule: unknown keys ['warmup_step']"),
+    ("param-key-typo", _set("parameters.0.dtpye", "bfloat16"), "parameters[0]: unknown keys ['dtpye']"),
     ("not-json", "{nope", "cannot read plan"),
     ("a-list", "[1, 2]", "must be an object"),
     ("deep", "[" * 100000 + "]" * 100000, "plan"),
@@ -286,6 +291,13 @@ def _fifo(d):
     return p
 
 
+def _dangling(d):
+    p = d / "dangling-link"
+    if not p.is_symlink():
+        p.symlink_to(d / "no-such-target")
+    return p
+
+
 def _bigger_first(doc):
     doc["parameters"][0]["shape"] = [n + 1 for n in doc["parameters"][0]["shape"]]
 
@@ -312,6 +324,8 @@ ARG_CASES = [
      "cap-empty.pcap: neither pcap nor pcapng"),
     ("export-plan-of-another-model", lambda d: ["export", d / "init.pt", "--format", "torch", "--out", d / "x.torch",
                                                 "--plan", _plan(d, _bigger_first, "bigger")], "the plan says"),
+    ("export-over-itself", lambda d: ["export", _init(d, "copy", lambda doc: None), "--format", "torch", "--out",
+                                      d / "init-copy.pt"], "is the checkpoint being exported"),  # it was replaced, exit 0
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",
@@ -323,6 +337,8 @@ ARG_CASES = [
     ("synth-model", lambda d: ["synth", "--out", d / "s-model", "--model", "huge"], "not a synthetic model size"),
     ("demo-model", lambda d: ["demo", "--out", d / "d-model", "--model", "huge"], "not a synthetic model size"),
     ("synth-optim", lambda d: ["synth", "--out", d / "s-optim", "--optim", "lamb"], "--optim 'lamb'"),
+    ("synth-ranks-and-nodes", lambda d: ["synth", "--out", d / "s-nodes", "--ranks", "4", "--nodes", "3"],
+     "--ranks 4 with --nodes 3 x --gpus-per-node 1 (3 ranks)"),  # it made 3 ranks, exit 0
     ("synth-ranks", lambda d: ["synth", "--out", d / "s", "--ranks", "1"], "--ranks"),
     ("plan-model", lambda d: ["plan", "--model", "no_such_module:f", "--ranks", "2", "--out", d / "p.json"], "cannot import"),
     ("plan-model-attr", lambda d: ["plan", "--model", "json:no_such_fn", "--ranks", "2", "--out", d / "p.json"], "has no 'no_such_fn'"),
@@ -335,10 +351,26 @@ ARG_CASES = [
                                      "--out", d / "p.json"], "--sample 'os:getcwd': a training step of --model"),
     ("plan-addr", lambda d: ["plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "999.1.1.1",
                              "--addr", "10.0.0.2", "--out", d / "p.json"], "'999.1.1.1' is not an IPv4 or IPv6 address"),
+    ("plan-gloo-channels", lambda d: ["plan", "--model", "test_cli:build_model", *_TWO_RANKS, "--transport", "gloo",
+                                      "--channels", "4", "--out", d / "p-gloo.json"],
+     "--transport gloo has no NCCL channels, protocol or version: leave out --channels"),  # a 1-channel plan, exit 0
+    ("plan-betas-of-sgd", lambda d: ["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                                     *_TWO_RANKS, "--optimizer", "nadam", "--beta1", "0.5", "--out", d / "p-nadam.json"],
+     "--beta1 is for --optimizer adam or adamw, not nadam"),  # torch's default betas were written, exit 0
+    ("plan-momentum-of-adamw", lambda d: ["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                                          *_TWO_RANKS, "--momentum", "0.9", "--out", d / "p-adamw.json"],
+     "--momentum is for --optimizer sgd or rmsprop, not adamw"),
     ("replay-out-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                      d / "plan.json", _pcap0(d)], "cannot create the checkpoint directory: a file is in the way"),
+    ("replay-out-dangling-link", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
+                                            _dangling(d), _pcap0(d)],
+     "cannot create the checkpoint directory: a broken symbolic link is in the way"),  # it said "File exists"
     ("replay-out-proc", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                    "/proc/ckptd-out", _pcap0(d)], "/proc/ckptd-out: cannot create the checkpoint directory"),
+    # it was the bare "[Errno 17] File exists", after --out had been made
+    ("dump-gradients-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
+                                         d / "o-dump", "--dump-gradients", d / "plan.json", _pcap0(d)],
+     "plan.json: cannot create the gradient dump directory: a file is in the way"),
     ("verify-missing", lambda d: ["verify", d / "nope.pt", d / "init.pt"], "nope.pt"),
     ("verify-garbage", lambda d: ["verify", _capture(d, "garbage"), d / "init.pt"], "cannot read checkpoint"),
     ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),
@@ -605,6 +637,38 @@ def test_an_unreadable_file_in_the_resume_directory_is_waited_past(scenario, tmp
     assert len(warned) == 1 and checkpoint_name(2) in warned[0], warned
 
 
+EMPTY_PATHS = [  # before: an empty --plan/--resume was taken as none given (exit 0), the others read '.'
+    ("export-plan", lambda d: ["export", d / "init.pt", "--format", "torch", "--out", d / "x-empty.pt", "--plan", ""],
+     "--plan"),
+    ("verify-plan", lambda d: ["verify", d / "init.pt", d / "init.pt", "--plan", ""], "--plan"),
+    ("replay-resume", lambda d: ["replay", "--plan", d / "plan.json", "--resume", "", _pcap0(d)], "--resume"),
+    ("replay-capture", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), ""], "pcap"),
+    ("inspect", lambda d: ["inspect", ""], "pcap"),
+    ("verify-a", lambda d: ["verify", "", d / "init.pt"], "a"),
+    ("export-checkpoint", lambda d: ["export", "", "--format", "torch", "--out", d / "x-empty.pt"], "checkpoint"),
+    ("run-config", lambda d: ["run", "--config", ""], "--config"),
+    ("plan-nic-addrs", lambda d: ["plan", "--model", "x:y", "--nccl-log", d / "plan.json", "--nic-addrs", "",
+                                  "--out", d / "p-empty.json"], "--nic-addrs"),
+    ("risk-plan", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--plan", ""], "--plan"),
+]
+
+
+@pytest.mark.parametrize("name,argv,option", EMPTY_PATHS, ids=[c[0] for c in EMPTY_PATHS])
+def test_an_empty_path_argument_is_refused(scenario, capsys, name, argv, option):
+    r = ckptd_main(capsys, *argv(scenario))
+    _one_line_error(r, None, f"argument {option}: an empty path")
+    assert not (scenario / "x-empty.pt").exists()
+
+
+def test_dump_gradients_in_the_way_leaves_no_checkpoint_directory(scenario, capsys):
+    """--dump-gradients that cannot be made is refused before --out is made."""
+    out = scenario / "o-dump-first"
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--out", out, "--dump-gradients", scenario / "init.pt", _pcap0(scenario))
+    _one_line_error(r, str(scenario / "init.pt"), "cannot create the gradient dump directory")
+    assert not out.exists()
+
+
 def test_dump_gradients_on_a_full_disk_is_one_line_and_leaves_whole_files(scenario, capsys, tmp_path):
     import numpy as np
     mnt = tmp_path / "full"
@@ -661,3 +725,51 @@ def test_a_plan_from_a_pipe_is_read_and_one_nobody_writes_into_is_an_error(scena
         f.truncate((1 << 20) + 1)   # sparse: refused by its size, not read
     with pytest.raises(plan_mod.PlanError, match="big.json: 1048577 bytes is too large for a plan"):
         plan_mod.load_plan(big)
+
+
+def test_a_config_or_token_fifo_nobody_writes_into_is_an_error_not_a_hang(scenario, tmp_path, capsys, monkeypatch):
+    """`run --config FIFO` (and a FIFO as token_file) read it with read_text(): with no
+    writer the daemon hung for ever before a line of log; /dev/zero filled the memory."""
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    r = ckptd_main(capsys, "run", "--config", fifo)
+    _one_line_error(r, str(fifo), "cannot read config: a pipe nothing was written into in 0.2 s")
+    assert time.monotonic() - t < 10
+    tok = tmp_path / "token.fifo"
+    os.mkfifo(tok)
+    cfg = _config(scenario, "token-fifo", IF + f"token_file: {tok}\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), f"token_file: cannot read {tok}",
+                    "a pipe nothing was written into")
+    _one_line_error(ckptd_main(capsys, "run", "--config", "/dev/zero"), "/dev/zero", "too large for a config")
+
+
+def test_a_reference_directory_without_the_iterations_says_nothing_was_compared(scenario, tmp_path, capsys):
+    """--reference of a directory that holds none of the committed iterations compared
+    nothing, without a word: exit 0 as a bit-exact run (a wrong directory read as checked)."""
+    empty = tmp_path / "ref-empty"
+    empty.mkdir()
+    argv = ["replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", _pcap0(scenario)]
+    r = ckptd_main(capsys, *argv[:1], "--reference", empty, *argv[1:])
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert f"warning: --reference {empty}: no checkpoint there is of a committed iteration (0)" in r.stderr
+    r = ckptd_main(capsys, *argv[:1], "--reference", scenario / "reference", *argv[1:])
+    assert r.returncode == 0 and "bit-exact" in r.stdout and "--reference" not in r.stderr, r.stderr
+
+
+def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, capsys):
+    """The captures' rounds are numbered from --init's iteration + 1: a trainer's checkpoint
+    of iteration 0 as the init of captures from the job's start committed iterations 1..3
+    of a 3-iteration job (each stepped from the wrong state), exit 0. The rounds past the
+    plan's iterations show it."""
+    d = tmp_path / "s"
+    synth(d, iterations=3, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16)
+    argv = ["replay", "--plan", d / "plan.json", "--out", tmp_path / "out", *sorted((d / "mirrors").glob("*.pcap"))]
+    r = ckptd_main(capsys, *argv, "--init", d / "reference" / "iter_000000.pt")
+    _one_line_error(r, str(d / "reference" / "iter_000000.pt"),
+                    "the captures hold iterations up to 3 counted from --init")
+    assert "past the 3 of the plan" in r.stderr
+    ok = ckptd_main(capsys, *argv, "--init", d / "init.pt")
+    assert ok.returncode == 0, ok.stderr

@@ -315,3 +315,57 @@ def test_risk_closed_form_copies_match_the_schedule(monkeypatch, n, m, nodes):
     read = risk.chunk_copies(n, m, nodes), risk.carried_chunks(n, risk.mirrored_links(n, m, nodes))
     monkeypatch.setattr(risk, "MAX_SCHEDULE_READ", 0)
     assert (risk.chunk_copies(n, m, nodes), risk.carried_chunks(n, risk.mirrored_links(n, m, nodes))) == read
+
+
+# -- 5. empty paths ------------------------------------------------------------------------------
+@pytest.mark.parametrize("option", ["--out", "--plan", "--cabling"])
+def test_mirror_config_empty_path_is_refused_and_writes_nothing(tmp_path, capsys, monkeypatch, option):
+    """An empty --out wrote every file into the current directory (exit 0); an empty
+    --plan or --cabling was read as '.' ("Is a directory")."""
+    monkeypatch.chdir(tmp_path)
+    argv = {"--plan": str(GOLDEN / "plan.json"), "--cabling": str(GOLDEN / "cabling_erspan.yaml"),
+            "--out": str(tmp_path / "out")}
+    argv[option] = ""
+    with pytest.raises(SystemExit) as e:   # argparse's own exit
+        main(["mirror-config", *[x for kv in argv.items() for x in kv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert f"argument {option}: an empty path" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cabling_fifo_nobody_writes_into_is_an_error_not_a_hang(tmp_path, capsys, monkeypatch):
+    """--cabling FIFO was read with read_text(): with no writer mirror-config hung for ever."""
+    import os
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    fifo = tmp_path / "cabling.fifo"
+    os.mkfifo(fifo)
+    t = time.monotonic()
+    msg = _error(capsys, ["mirror-config", "--plan", GOLDEN / "plan.json", "--cabling", fifo, "--out", tmp_path / "out"])
+    assert "cannot read cabling file: a pipe nothing was written into in 0.2 s" in msg
+    assert time.monotonic() - t < 10 and not (tmp_path / "out").exists()
+
+
+def test_nccl_log_and_nic_addrs_fifo_or_endless_are_errors_not_hangs(tmp_path, capsys, monkeypatch):
+    """--nccl-log and --nic-addrs were read with read_text(): a FIFO nobody writes into hung
+    `ckptd plan` for ever, /dev/zero as --nccl-log filled the memory until the kernel
+    killed it."""
+    import os
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
+    monkeypatch.setattr(nccl_log, "MAX_NCCL_LOG_BYTES", 1 << 20)
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    log = tmp_path / "nccl.log"
+    log.write_text("")
+    t = time.monotonic()
+    assert "cannot read NIC addresses: a pipe nothing was written into in 0.2 s" in _plan_error(tmp_path, capsys, fifo)
+    msg = _error(capsys, ["plan", "--model", "no_such_module:f", "--nccl-log", fifo, "--nic-addrs", log,
+                          "--out", tmp_path / "p.json"])
+    assert f"--nccl-log {fifo}: a pipe nothing was written into" in msg
+    msg = _error(capsys, ["plan", "--model", "no_such_module:f", "--nccl-log", "/dev/zero", "--nic-addrs", log,
+                          "--out", tmp_path / "p.json"])
+    assert "--nccl-log /dev/zero: more than 1048576 bytes is too large" in msg
+    assert "/dev/zero: more than" in _plan_error(tmp_path, capsys, Path("/dev/zero"))
+    assert time.monotonic() - t < 20

@@ -25,9 +25,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-import os
-import select
-import stat as stat_
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
+from ckptd.core.readfile import read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
 from ckptd.errors import CkptdError, show
@@ -176,6 +174,11 @@ class Optimizer:
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+LR_SCHEDULE_KEYS = ("kind", "warmup_steps", "total_steps", "min_factor")  # what lr_factor reads
+# an optimizer section's keys: Optimizer's fields, as to_json writes them
+OPTIMIZER_KEYS = ("kind", "lr", "betas", "eps", "weight_decay", "amsgrad", "implementation", "lr_schedule",
+                  "max_grad_norm", "groups", "lr_scheduler", "grad_scaler", "lr_per_step")
+TENSOR_KEYS = ("name", "shape", "dtype")  # an entry of parameters, frozen, buffers.tensors
 
 
 def check_optimizer(opt: Optimizer) -> None:
@@ -1200,32 +1203,17 @@ PLAN_PIPE_WAIT_S = 30.0  # a pipe as the plan (`--plan <(...)`, a FIFO): how lon
 
 
 def _read_plan_bytes(path: Path) -> bytes:
-    """At most MAX_PLAN_BYTES + 1 bytes of the plan: a pipe or a device that never ends
-    (/dev/zero) cannot fill the memory. A pipe (process substitution, a FIFO) is read
-    once something is written into it; a FIFO nobody writes into is an error after
-    PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
+    """At most MAX_PLAN_BYTES + 1 bytes of the plan (ckptd.core.readfile.read_bounded: a
+    device that never ends cannot fill the memory); a FIFO nobody writes into is an
+    error after PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
     try:
-        st = os.fstat(fd)
-        if stat_.S_ISREG(st.st_mode) and st.st_size > MAX_PLAN_BYTES:   # said without reading it
-            raise PlanError(f"{path}: {st.st_size} bytes is too large for a plan (at most {MAX_PLAN_BYTES})")
-        if stat_.S_ISFIFO(st.st_mode):
-            poll = select.poll()
-            poll.register(fd, select.POLLIN)
-            if not poll.poll(int(PLAN_PIPE_WAIT_S * 1000)):
-                raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
-                                "give the plan file itself")
-        os.set_blocking(fd, True)
-        chunks, left = [], MAX_PLAN_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        if path.is_file() and path.stat().st_size > MAX_PLAN_BYTES:   # said without reading it
+            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
+                            f"(at most {MAX_PLAN_BYTES})")
+        return read_bounded(path, MAX_PLAN_BYTES, PLAN_PIPE_WAIT_S)
+    except TimeoutError:
+        raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
+                        "give the plan file itself") from None
 
 
 def _no_duplicate_keys(pairs: list) -> dict:
@@ -1250,6 +1238,14 @@ class _Doc:
 
     def path(self, k) -> str:
         return f"{self.key}.{k}" if self.key else str(k)
+
+    def only(self, known) -> None:
+        """Refuse keys this object does not have: a misspelt one is not there at all and
+        its default is taken without a word ("weight_decy": the moments stepped with no
+        weight decay; "warmup_step": no warmup; "dtpye": float32), every commit wrong."""
+        unknown = sorted(str(k)[:40] for k in self.d if k not in known)
+        if unknown:
+            raise PlanError(f"{self.key}: unknown keys {unknown[:5]} (it has {', '.join(known)})")
 
     def has(self, k) -> bool:
         return self.d.get(k) is not None
@@ -1474,12 +1470,14 @@ def _plan_from_json(raw) -> Plan:
     optimizer = None
     if doc.get("optimizer") is not None:
         o = doc.obj("optimizer")
+        o.only(OPTIMIZER_KEYS)
         betas = o.list("betas", [0.9, 0.999])
         if len(betas) != 2:
             raise PlanError(f"optimizer.betas must be two numbers, not {len(betas)}")
         sched = o.get("lr_schedule") or {"kind": "constant"}
         if not isinstance(sched, dict):
             raise PlanError(f"optimizer.lr_schedule must be an object, not {_kind(sched)}")
+        _Doc(sched, "optimizer.lr_schedule").only(LR_SCHEDULE_KEYS)
         mgn = o.get("max_grad_norm")
         optimizer = Optimizer(
             kind=o.str("kind", "adamw"), lr=o.num("lr", 1e-3),
@@ -1555,6 +1553,7 @@ def _tensors_from_json(entries: list, key: str) -> list[Parameter]:
     out = []
     for i, raw in enumerate(entries):
         t = _Doc(raw, f"{key}[{i}]")
+        t.only(TENSOR_KEYS)
         shape = t.list("shape", required=True)
         if len(shape) > MAX_DIMS:
             raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")

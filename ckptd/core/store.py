@@ -149,7 +149,11 @@ class Store:
             try:
                 self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError as e:  # /proc/x, a file in the way, no permission: the path, not a bare errno
-                why = "a file is in the way" if self.path.exists() and not self.path.is_dir() else e.strerror or e
+                why = e.strerror or e
+                if self.path.is_symlink() and not self.path.exists():  # mkdir says "File exists"
+                    why = "a broken symbolic link is in the way"
+                elif self.path.exists() and not self.path.is_dir():
+                    why = "a file is in the way"
                 raise CheckpointWriteError(e.errno, f"{self.path}: cannot create the checkpoint directory: "
                                                     f"{why}") from None
         elif self.protocol in BUCKET_STORES:

@@ -41,6 +41,7 @@ from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
 from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
+from ckptd.core.readfile import read_bounded
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
@@ -58,6 +59,8 @@ NIC_LOOK_S = 0.5  # the interfaces' (ckptd.live.nic) at most this often
 # ahead of the drops that come when it is full: the loop fell behind for a while
 RING_WARN_FILL = 0.75
 DEFAULT_RING_MEMORY = 2 << 30  # max_ring_memory: every capture ring together
+MAX_CONFIG_BYTES = 16 << 20  # a config file larger than this is not one
+MAX_TOKEN_BYTES = 64 << 10  # nor a token file
 MAX_BLOCK_SIZE = 1 << 28
 MAX_BLOCK_NR = 1 << 16
 
@@ -292,7 +295,12 @@ def load_config(path: str | Path) -> DaemonConfig:
     is checked here, before any file, socket or ring is opened."""
     path = Path(path)
     try:
-        text = path.read_text()
+        # bounded, and a FIFO nobody writes into is an error after a wait: read_text()
+        # hung the daemon on it for ever, before a line of log
+        data = read_bounded(path, MAX_CONFIG_BYTES)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ValueError(f"more than {MAX_CONFIG_BYTES} bytes is too large for a config")
+        text = data.decode()
         if path.suffix == ".toml":
             import tomllib
             doc = tomllib.loads(text)
@@ -460,7 +468,7 @@ def _persist_options(k: _Keys, url: str | None) -> dict | None:
 def read_token(path: str, where: str) -> str:
     """The bearer token: the file's one line (at least 16 characters)."""
     try:
-        tok = Path(path).read_bytes().strip()
+        tok = read_bounded(path, MAX_TOKEN_BYTES).strip()  # a FIFO nobody writes into: an error, not a hang
     except OSError as e:
         raise ConfigError(f"{where}: cannot read {path}: {e.strerror or e}") from None
     # HTTP headers are bytes: clients send a non-ASCII token in whatever encoding they

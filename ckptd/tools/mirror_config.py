@@ -46,11 +46,14 @@ further mirror) and nothing was written."""
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
+    # the command line's path type: an empty --out wrote every file into the current
+    # directory, an empty --plan or --cabling read as '.' ("Is a directory")
+    from ckptd.cli import _path
     p = subparsers.add_parser(
         "mirror-config", help="choose the ports to mirror and write switch mirror configs",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan", required=True, help="the job's plan (JSON, docs/PLAN.md): ranks and ring orders")
-    p.add_argument("--cabling", required=True,
+    p.add_argument("--plan", type=_path, required=True, help="the job's plan (JSON, docs/PLAN.md): ranks and ring orders")
+    p.add_argument("--cabling", type=_path, required=True,
                    help="cabling file, YAML or JSON (docs/MIRRORS.md): switches and their mirror limits, "
                         "collectors, and each rank's switch port")
     p.add_argument("--links", type=int, default=3,
@@ -61,7 +64,7 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vendor", default="auto",
                    help="'auto' (each switch in its own os's syntax), 'all', or a comma list of "
                         "sonic,eos,nxos,comware,linux")
-    p.add_argument("--out", help="directory to write the configuration files into (required unless --dry-run)")
+    p.add_argument("--out", type=_path, help="directory to write the configuration files into (required unless --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="print the selection, write nothing")
     p.set_defaults(func=run)
     return p

@@ -319,16 +319,24 @@ def _rings(job: NcclJob, where: str) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+MAX_NIC_ADDRS_BYTES = 16 << 20  # a NIC address map larger than this is not one
+MAX_NCCL_LOG_BYTES = 1 << 30  # nor an NCCL log (its set-up lines are a few MB for 65536 ranks)
+
+
 def load_nic_addrs(path: str) -> dict[str, list[str]]:
     """host -> NIC addresses in NCCL device order, from a JSON or YAML file."""
     import json
-    from pathlib import Path
 
     import yaml
+    from ckptd.core.readfile import read_bounded
     try:
-        text = Path(path).read_text()
-    except UnicodeDecodeError as e:  # OSError: the command line says it in one line
-        raise NcclLogError(f"{path}: cannot read NIC addresses: {e}") from e
+        # bounded, and a FIFO nobody writes into is an error after a wait (read_text() hung)
+        data = read_bounded(path, MAX_NIC_ADDRS_BYTES)
+        if len(data) > MAX_NIC_ADDRS_BYTES:
+            raise NcclLogError(f"{path}: more than {MAX_NIC_ADDRS_BYTES} bytes is too large for NIC addresses")
+        text = data.decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise NcclLogError(f"{path}: cannot read NIC addresses: {(e.strerror or e) if isinstance(e, OSError) else e}") from e
     try:
         doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: also an int over 4300 digits

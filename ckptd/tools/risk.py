@@ -227,6 +227,7 @@ MAX_SIM_COPIES = 10_000_000
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
+    from ckptd.cli import _path  # an empty --plan read as no plan at all ("--ring N ... is needed")
     p = subparsers.add_parser(
         "mirror-risk", help="probability that an iteration cannot be recovered from M mirrors",
         description="Print the per-iteration probability that the gradients cannot be completed from "
@@ -243,7 +244,7 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
                    help="H: multi-GPU nodes of consecutive ranks; only the ring's H hops between nodes can be "
                         "mirrored, so M is capped at H (default: every rank its own host; or --plan, "
                         "and with it only the plan's node count)")
-    p.add_argument("--plan", help="take N, K (and H, if the plan has multi-GPU nodes) from a plan's schedule "
+    p.add_argument("--plan", type=_path, help="take N, K (and H, if the plan has multi-GPU nodes) from a plan's schedule "
                                   "(K: mean over the links that can be mirrored)")
     p.add_argument("--ports", type=int,
                    help="P: ports of each merged NIC (NCCL_IB_MERGE_NICS; or --plan; default 1): a link is "

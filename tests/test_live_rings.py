@@ -125,7 +125,7 @@ def test_a_drop_gap_covers_iterations_first_seen_after_it(caplog):
     from types import SimpleNamespace
 
     class Ring:
-        drops, ready_peak = 0, 2
+        ifname, drops, ready_peak = "rx0", 0, 2
 
         def stats(self):
             return {"ifname": "rx0", "drops": self.drops, "block_nr": 8, "ready_peak": self.ready_peak}
@@ -133,7 +133,7 @@ def test_a_drop_gap_covers_iterations_first_seen_after_it(caplog):
     d = Daemon.__new__(Daemon)
     d.captures, d.drop_iterations = [ring], set()
     d._drops_seen, d._drop_gaps, d._drops_done, d._drops_looked = [], {}, -1, 0.0
-    d._ring_warned = set()
+    d._ring_warned, d.nic_counters, d._nic_drops = set(), {}, {}  # no interface counters: the ring's drops alone
     d.pipe = SimpleNamespace(offset=0, highest=0, done=-1, stream_time=[time.time_ns()])
 
     def warned():

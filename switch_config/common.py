@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from .cabling import IFNAME
 from .select import Selection, Session
 from ckptd.errors import CkptdError
 
@@ -23,7 +24,7 @@ SAYABLE = {
     "nxos": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
     "comware": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
     "sonic": re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:-]{0,63}"),
-    "linux": re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}"),
+    "linux": IFNAME,
 }
 
 

@@ -59,7 +59,7 @@ def daemon_interfaces(sel: Selection) -> tuple[str | None, list[str]]:
 
 
 def _has_id(s: Session) -> bool:
-    return s.switch.mode == "erspan" and s.switch.os in SETS_ERSPAN_ID and s.erspan_id is not None
+    return s.switch.mode == "erspan" and s.switch.os in SETS_ERSPAN_ID
 
 
 def _about(s: Session) -> str:

@@ -712,7 +712,8 @@ def test_a_plan_from_a_pipe_is_read_and_one_nobody_writes_into_is_an_error(scena
         if writer.is_alive():   # the plan was never opened: let the writer's open return
             open(fifo, "rb").close()
             writer.join()
-    monkeypatch.setattr(plan_mod, "PLAN_PIPE_WAIT_S", 0.2)
+    from ckptd.core import readfile
+    monkeypatch.setattr(readfile, "PIPE_WAIT_S", 0.2)
     t = time.monotonic()
     with pytest.raises(plan_mod.PlanError, match="^[^:]*plan.fifo: a pipe nothing was written into in 0.2 s"):
         plan_mod.load_plan(fifo)

@@ -1199,21 +1199,17 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
 
 
-PLAN_PIPE_WAIT_S = 30.0  # a pipe as the plan (`--plan <(...)`, a FIFO): how long to wait for its first byte
-
-
 def _read_plan_bytes(path: Path) -> bytes:
     """At most MAX_PLAN_BYTES + 1 bytes of the plan (ckptd.core.readfile.read_bounded: a
-    device that never ends cannot fill the memory); a FIFO nobody writes into is an
-    error after PLAN_PIPE_WAIT_S, not a daemon or a replay that hangs without a word."""
+    device that never ends cannot fill the memory; a FIFO nobody writes into is an error
+    after its wait, not a daemon or a replay that hangs without a word)."""
     try:
         if path.is_file() and path.stat().st_size > MAX_PLAN_BYTES:   # said without reading it
             raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
                             f"(at most {MAX_PLAN_BYTES})")
-        return read_bounded(path, MAX_PLAN_BYTES, PLAN_PIPE_WAIT_S)
-    except TimeoutError:
-        raise PlanError(f"{path}: a pipe nothing was written into in {PLAN_PIPE_WAIT_S:g} s; "
-                        "give the plan file itself") from None
+        return read_bounded(path, MAX_PLAN_BYTES)
+    except TimeoutError as e:
+        raise PlanError(f"{path}: {e}") from None
 
 
 def _no_duplicate_keys(pairs: list) -> dict:

@@ -54,6 +54,7 @@ SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one
 SOURCE_CHUNK = 128  # fast path: frames per Batch from a frame-by-frame source (tests, replays)
 KEEP_REPORTS = 1000
 DROPS_LOOK_S = 0.05  # the rings' drop counters are read at most this often (and at each loss)
+NIC_LOOK_S = 0.5  # the interfaces' (ckptd.live.nic) at most this often
 # A ring found this full (blocks handed over and waiting, of all its blocks) is logged once,
 # ahead of the drops that come when it is full: the loop fell behind for a while
 RING_WARN_FILL = 0.75
@@ -589,6 +590,7 @@ class Daemon:
         self._join_logged = False
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen: list[int] = []  # kernel drops per ring at the last look
+        self._nic_drops: dict[tuple, tuple[float, int]] = {}  # (ifname, netns): (read at, frames lost)
         # per ring that dropped: the wall clock (ns) of the look that saw it; open until the
         # ring's stream has placed frames from after it (see _watch_drops)
         self._drop_gaps: dict[int, int] = {}
@@ -761,7 +763,7 @@ class Daemon:
         self._drops_looked = now
         stats = [c.stats() for c in self.captures]
         # a ring's losses: its own drops, and its interface's (frames lost before any ring)
-        per_ring = [st["drops"] + self._interface_drops(c, force) for c, st in zip(self.captures, stats)]
+        per_ring = [st["drops"] + self._interface_drops(c, now, force) for c, st in zip(self.captures, stats)]
         self._warn_full_rings(stats)
         seen = self._drops_seen or [0] * len(per_ring)
         for k, (d, before) in enumerate(zip(per_ring, seen)):
@@ -777,10 +779,17 @@ class Daemon:
                                if (clock[k] if per_stream else min(clock)) < t}
         self._drops_done = self.pipe.done
 
-    def _interface_drops(self, capture, fresh: bool = False) -> int:
-        """Frames the capture's interface lost before any ring saw them (ckptd.live.nic)."""
-        st = self._interface_stats(capture, fresh)
-        return (st["dropped"] + st["fifo"]) if st else 0
+    def _interface_drops(self, capture, now: float, force: bool = False) -> int:
+        """Frames the capture's interface lost before any ring saw them (ckptd.live.nic),
+        read at most every NIC_LOOK_S unless forced (a host's /proc/net/dev can be long)."""
+        key = (capture.ifname, getattr(capture, "netns", None))
+        last = self._nic_drops.get(key)
+        if last is not None and not force and now - last[0] < NIC_LOOK_S:
+            return last[1]
+        st = self._interface_stats(capture)
+        lost = (st["dropped"] + st["fifo"]) if st else 0
+        self._nic_drops[key] = (now, lost)
+        return lost
 
     def _warn_full_rings(self, stats: list[dict]):
         """Log a ring the first time its high-water mark (RingCapture.stats ready_peak)
@@ -808,7 +817,7 @@ class Daemon:
             drops = {key: c.stats()["drops"] for key, c in zip(self.capture_keys, self.captures)
                      if c.stats()["drops"]}
             nic = {key: lost for key, c in zip(self.capture_keys, self.captures)
-                   if (lost := self._interface_drops(c))}
+                   if (lost := self._interface_drops(c, time.monotonic()))}
             where = ", ".join(([f"ring drops so far: {drops}"] if drops else [])
                               + ([f"dropped by the interface before any ring: {nic}"] if nic else []))
             rep.note = (f"{rep.status}: the kernel dropped frames while it was in flight "
@@ -910,7 +919,7 @@ class Daemon:
             "streams": streams,
             "capture": {key: {**{k: st[k] for k in ("packets", "drops", "delivered", "worker") if k in st},
                               "ring": {"blocks": st.get("block_nr"), "ready_peak": st.get("ready_peak")},
-                              "interface": self._interface_stats(c, fresh=state != "running")}
+                              "interface": self._interface_stats(c)}
                         for key, c, st in ((key, c, c.stats()) for key, c in zip(self.capture_keys, self.captures))},
             "extraction": dict(self.pipe.extract.counters),
             "pipeline": self._pipeline_stats(),
@@ -1026,9 +1035,9 @@ class Daemon:
                          shadow.optimizer_state(copy=False), force=True)
 
     # -- running ---------------------------------------------------------------------
-    def _interface_stats(self, capture, fresh: bool = False) -> dict | None:
+    def _interface_stats(self, capture) -> dict | None:
         counters = self.nic_counters.get((capture.ifname, getattr(capture, "netns", None)))
-        return counters.stats(fresh) if counters is not None else None
+        return counters.stats() if counters is not None else None
 
     def open_captures(self):
         from ckptd.live.nic import open_counters
@@ -1080,7 +1089,7 @@ class Daemon:
         for (ifname, netns), counters in self.nic_counters.items():
             if counters is None:
                 continue
-            st = counters.stats(fresh=True) if warn else None
+            st = counters.stats() if warn else None
             if st and (st["dropped"] or st["fifo"]):
                 log.warning("the interface dropped frames before any capture ring saw them", extra={"fields": {
                     "ifname": ifname, "netns": netns, **st}})

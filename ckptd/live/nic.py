@@ -15,7 +15,6 @@ after the daemon has dropped its privileges.
 from __future__ import annotations
 
 import os
-import time
 
 from ckptd.live.ring import in_netns
 
@@ -25,8 +24,6 @@ PROC_NET_DEV = "/proc/thread-self/net/dev"
 # rx_missed_errors and fifo is rx_fifo_errors
 RX_COLUMNS = ("bytes", "packets", "errors", "dropped", "fifo", "frame", "compressed", "multicast")
 REPORTED = ("packets", "dropped", "fifo", "errors")
-MAX_AGE_S = 0.5  # a reading is reused this long: the status snapshots and the drop watcher
-# ask many times a second, and a host's /proc/net/dev can be long (a line per interface)
 
 
 def parse_proc_net_dev(text: str, ifname: str) -> dict[str, int] | None:
@@ -49,7 +46,6 @@ class InterfaceCounters:
         self.ifname, self.netns = ifname, netns
         self._fd = in_netns(netns, os.open, PROC_NET_DEV, os.O_RDONLY | os.O_CLOEXEC)
         self._start = self._read()
-        self._last: tuple[float, dict | None] | None = None  # (time.monotonic(), stats) of the last reading
 
     def _read(self) -> dict[str, int] | None:
         chunks, off = [], 0
@@ -61,22 +57,16 @@ class InterfaceCounters:
             off += len(chunk)
         return parse_proc_net_dev(b"".join(chunks).decode("ascii", "replace"), self.ifname)
 
-    def stats(self, fresh: bool = False) -> dict[str, int] | None:
+    def stats(self) -> dict[str, int] | None:
         """{packets, dropped, fifo, errors} received since the start; None if the
-        interface (or its counters) cannot be read now. A reading younger than MAX_AGE_S
-        is given again unless `fresh`."""
+        interface (or its counters) cannot be read now."""
         if self._fd is None:
             return None
-        t = time.monotonic()
-        if not fresh and self._last is not None and t - self._last[0] < MAX_AGE_S:
-            return self._last[1]
         now = self._read()
-        st = None
-        if now is not None and self._start is not None:
-            # a counter that went backwards (the interface was re-created): from zero again
-            st = {k: now[k] - self._start[k] if now[k] >= self._start[k] else now[k] for k in REPORTED}
-        self._last = (t, st)
-        return st
+        if now is None or self._start is None:
+            return None
+        # a counter that went backwards (the interface was re-created): from zero again
+        return {k: now[k] - self._start[k] if now[k] >= self._start[k] else now[k] for k in REPORTED}
 
     def close(self):
         if self._fd is not None:

@@ -149,6 +149,20 @@ PLAN_CASES = [
     ("schedule-key-typo", _schedule("cosine", warmup_step=1, total_steps=4),
      "optimizer.lr_schedule: unknown keys ['warmup_step']"),
     ("param-key-typo", _set("parameters.0.dtpye", "bfloat16"), "parameters[0]: unknown keys ['dtpye']"),
+    # the same in every other object of a plan: "spilt_data_on_qps" took NCCL's default QP
+    # split, "portt" port 0, "direciton" both directions (flows that never bind, or bind to
+    # the wrong stream), "limit" no check of DDP's layout
+    ("ring-key-typo", _set("ring.spilt_data_on_qps", True), "ring: unknown keys ['spilt_data_on_qps']"),
+    ("rank-key-typo", _set("ranks.1.nic", ["10.0.0.9"]), "ranks[1]: unknown keys ['nic']"),
+    ("mirror-key-typo", _set("mirrors.0.direciton", "tx"), "mirrors[0]: unknown keys ['direciton']"),
+    ("buckets-key-typo", _set("buckets.limit", {"first": [1]}), "buckets: unknown keys ['limit']"),
+    ("bucket-key-typo", _set("buckets.first.0.parms", ["x"]), "buckets.first[0]: unknown keys ['parms']"),
+    ("limits-key-typo", _set("buckets.limits", {"frist": [1]}), "buckets.limits: unknown keys ['frist']"),
+    ("scheduler-key-typo", _set("optimizer.lr_scheduler", {"class": "StepLR", "args": {"step_size": 2},
+                                                            "arg": {}}),
+     "optimizer.lr_scheduler has unknown keys ['arg']"),
+    ("allreduce-key-typo", _set("collectives", {"before": [{"count": 4, "dtype": "float32", "root": 0}]}),
+     "collectives.before[0]: key 'root' is not one of op, count, dtype (an allreduce)"),
     ("not-json", "{nope", "cannot read plan"),
     ("a-list", "[1, 2]", "must be an object"),
     ("deep", "[" * 100000 + "]" * 100000, "plan"),

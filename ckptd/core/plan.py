@@ -179,6 +179,20 @@ LR_SCHEDULE_KEYS = ("kind", "warmup_steps", "total_steps", "min_factor")  # what
 OPTIMIZER_KEYS = ("kind", "lr", "betas", "eps", "weight_decay", "amsgrad", "implementation", "lr_schedule",
                   "max_grad_norm", "groups", "lr_scheduler", "grad_scaler", "lr_per_step")
 TENSOR_KEYS = ("name", "shape", "dtype")  # an entry of parameters, frozen, buffers.tensors
+# the other objects' keys, each as its writer below writes it (_ring_json, _rank_json,
+# PLAN_FIELDS["mirrors"], _buckets_json, _bucket_json, ModuleBuffers.to_json), plus the
+# ones a plan written by hand may give: ring.channels (one ring of ranks 0..n-1 per
+# channel), ring.algorithm and ring.nvls_channels (docs/PLAN.md)
+RING_KEYS = ("nranks", "rings", "protocol", "nccl_version", "max_threads", "buffsize", "qps_per_connection",
+             "split_data_on_qps", "mtu", "adaptive_routing", "ar_threshold", "channels", "algorithm",
+             "nvls_channels")
+RANK_KEYS = ("rank", "addr", "node", "nics", "ports")
+MIRROR_KEYS = ("name", "rank", "direction", "port")
+BUCKETS_KEYS = ("first", "rebuilt", "limits")
+BUCKET_KEYS = ("params", "count", "dtype")
+BUCKET_LIMIT_KEYS = ("first", "rebuilt")
+BUFFERS_KEYS = ("tensors", "broadcasts", "captured")
+LR_SCHEDULER_KEYS = ("class", "args")
 
 
 def check_optimizer(opt: Optimizer) -> None:
@@ -196,6 +210,9 @@ def check_optimizer(opt: Optimizer) -> None:
     if sch is not None and (not isinstance(sch, dict) or not isinstance(sch.get("class"), str)
                             or not isinstance(sch.get("args", {}), dict)):
         bad("lr_scheduler", 'must be {"class": name, "args": {...}}')
+    if sch is not None and set(sch) - set(LR_SCHEDULER_KEYS):
+        bad("lr_scheduler", f"has unknown keys {sorted(map(str, set(sch) - set(LR_SCHEDULER_KEYS)))[:5]} "
+            f"(it has {', '.join(LR_SCHEDULER_KEYS)})")
     if opt.lr_per_step and sch is not None:
         bad("lr_per_step", "and lr_scheduler both set the lr: give one")
     for i, x in enumerate(opt.lr_per_step):
@@ -1399,11 +1416,13 @@ def _plan_from_json(raw) -> Plan:
     frozen = _tensors_from_json(doc.list("frozen", []), "frozen")  # absent in older plans: none
 
     bk = doc.obj("buckets")
+    bk.only(BUCKETS_KEYS)
 
     def layout(key):
         out = []
         for i, raw_b in enumerate(bk.list(key, required=key == "first") or []):
             b = _Doc(raw_b, f"buckets.{key}[{i}]")
+            b.only(("params",) if b.has("params") else ("count", "dtype"))
             if b.has("params"):
                 names = b.list("params")
                 for j, n in enumerate(names):
@@ -1420,11 +1439,13 @@ def _plan_from_json(raw) -> Plan:
     if limits is not None and not isinstance(limits, dict):
         raise PlanError(f"buckets.limits must be an object, not {_kind(limits)}")
     if limits is not None:
+        _Doc(limits, "buckets.limits").only(BUCKET_LIMIT_KEYS)
         limits = {k: [v] if _is_int(v) else v for k, v in limits.items()}
     learn = bk.get("rebuilt") == "learn"  # from the wire (gloo: DDP's broadcast)
     rebuilt = layout("rebuilt") if bk.get("rebuilt") and not learn else first
 
     r = doc.obj("ring")
+    r.only(RING_KEYS)
     nccl = r.need("nccl_version")
     try:
         major, minor = (int(x) for x in str(nccl).split(".")[:2])
@@ -1489,6 +1510,7 @@ def _plan_from_json(raw) -> Plan:
     ranks = []
     for i, raw_r in enumerate(doc.list("ranks", required=True)):
         rk = _Doc(raw_r, f"ranks[{i}]")
+        rk.only(RANK_KEYS)
         ranks.append((rk.int("rank", 0, MAX_RANKS, required=True), rk.str("addr")))
     ranks.sort()
     if [x for x, _ in ranks] != list(range(nranks)):
@@ -1520,6 +1542,7 @@ def _plan_from_json(raw) -> Plan:
     mirrors = []
     for i, raw_m in enumerate(doc.list("mirrors", [])):
         m = _Doc(raw_m, f"mirrors[{i}]")
+        m.only(MIRROR_KEYS)
         mirrors.append(Mirror(m.str("name", f"mirror{i}"), m.int("rank", 0, nranks - 1, required=True),
                               m.str("direction", "both", ("tx", "rx", "both")),
                               m.int("port", 0, MAX_PORTS - 1, 0)))
@@ -1631,7 +1654,7 @@ def _collectives(doc: "_Doc") -> dict:
             if op not in COLLECTIVE_OPS:
                 raise PlanError(f"collectives.{when}[{i}].op {op!r}: one of {', '.join(COLLECTIVE_OPS)} "
                                 "(docs/NCCL.md section 4a)")
-            for k in e.d if op != "allreduce" else ():
+            for k in e.d:
                 keys = ("op", "count", "dtype", "root") if op == "broadcast" else ("op", "count", "dtype")
                 if k not in keys:
                     raise PlanError(f"collectives.{when}[{i}]: key {_short(k)} is not one of "
@@ -1653,6 +1676,7 @@ def _buffers_from_json(doc) -> ModuleBuffers:
     if doc.get("buffers") is None:
         return ModuleBuffers()
     b = doc.obj("buffers")
+    b.only(BUFFERS_KEYS)
     tensors = _tensors_from_json(b.list("tensors", required=True), "buffers.tensors")
     groups = []
     for i, g in enumerate(b.list("broadcasts", required=True)):

@@ -511,12 +511,10 @@ def cmd_plan(a) -> int:
             try:
                 # bounded, and a FIFO nobody writes into is an error after a wait:
                 # read_text() hung on the FIFO and filled the memory from /dev/zero
-                data = read_bounded(f, MAX_NCCL_LOG_BYTES)
+                data = read_bounded(f, MAX_NCCL_LOG_BYTES, "an NCCL log (the lines of the communicator's "
+                                    "set-up are enough)")
             except OSError as e:
                 raise UsageError(f"--nccl-log {f}: {e.strerror or e}") from None
-            if len(data) > MAX_NCCL_LOG_BYTES:
-                raise UsageError(f"--nccl-log {f}: more than {MAX_NCCL_LOG_BYTES} bytes is too large for an "
-                                 "NCCL log (the lines of the communicator's set-up are enough)")
             text = data.decode(errors="replace")
             job = parse_nccl_log(text, f, job)
         topo = ring_topology(job, load_nic_addrs(a.nic_addrs), " + ".join(a.nccl_log))

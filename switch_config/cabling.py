@@ -124,10 +124,7 @@ def load_cabling(path: str | Path) -> Cabling:
     path = Path(path)
     try:
         # bounded, and a FIFO nobody writes into is an error after a wait (read_text() hung)
-        data = read_bounded(path, MAX_CABLING_BYTES)
-        if len(data) > MAX_CABLING_BYTES:
-            raise CablingError(f"{path}: more than {MAX_CABLING_BYTES} bytes is too large for a cabling file")
-        text = data.decode()
+        text = read_bounded(path, MAX_CABLING_BYTES, "a cabling file").decode()
     except (OSError, UnicodeDecodeError) as e:   # a binary file is no cabling file either
         raise CablingError(f"{path}: cannot read cabling file: {e}") from e
     try:

@@ -761,6 +761,22 @@ def test_a_config_or_token_fifo_nobody_writes_into_is_an_error_not_a_hang(scenar
     _one_line_error(ckptd_main(capsys, "run", "--config", "/dev/zero"), "/dev/zero", "too large for a config")
 
 
+def test_a_token_file_over_its_limit_is_refused_not_cut(scenario, tmp_path, capsys):
+    """A token file of more than 64 KiB was read up to the limit and the rest dropped: the
+    daemon started with a token no client holds (every request 401), or one that a
+    shorter prefix of the real secret matches. It is refused by its size; one of the
+    largest size accepted still loads whole."""
+    from ckptd.live.daemon import MAX_TOKEN_BYTES, read_token
+    big = tmp_path / "tok-big"
+    big.write_bytes(b"t" * (MAX_TOKEN_BYTES + 10) + b"\n")
+    cfg = _config(scenario, "token-big", IF + f"token_file: {big}\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg), f"token_file: cannot read {big}",
+                    f"{MAX_TOKEN_BYTES + 11} bytes is too large for a token file (at most {MAX_TOKEN_BYTES})")
+    whole = tmp_path / "tok-whole"
+    whole.write_bytes(b"t" * MAX_TOKEN_BYTES)
+    assert read_token(str(whole), "token_file") == "t" * MAX_TOKEN_BYTES
+
+
 def test_a_reference_directory_without_the_iterations_says_nothing_was_compared(scenario, tmp_path, capsys):
     """--reference of a directory that holds none of the committed iterations compared
     nothing, without a word: exit 0 as a bit-exact run (a wrong directory read as checked)."""

@@ -367,5 +367,6 @@ def test_nccl_log_and_nic_addrs_fifo_or_endless_are_errors_not_hangs(tmp_path, c
     msg = _error(capsys, ["plan", "--model", "no_such_module:f", "--nccl-log", "/dev/zero", "--nic-addrs", log,
                           "--out", tmp_path / "p.json"])
     assert "--nccl-log /dev/zero: more than 1048576 bytes is too large" in msg
-    assert "/dev/zero: more than" in _plan_error(tmp_path, capsys, Path("/dev/zero"))
+    assert ("/dev/zero: cannot read NIC addresses: more than 16777216 bytes is too large for NIC addresses"
+            in _plan_error(tmp_path, capsys, Path("/dev/zero")))
     assert time.monotonic() - t < 20

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
-from ckptd.core.readfile import read_bounded
+from ckptd.core.readfile import TooLarge, read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
 from ckptd.errors import CkptdError, show
@@ -1204,10 +1204,7 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     """The plan in the file at `path`; check_optimizer as in plan_from_json."""
     path = Path(path)
     try:
-        data = _read_plan_bytes(path)
-        if len(data) > MAX_PLAN_BYTES:
-            raise PlanError(f"{path}: more than {MAX_PLAN_BYTES} bytes is too large for a plan")
-        doc = json.loads(data.decode(), object_pairs_hook=_no_duplicate_keys)
+        doc = json.loads(_read_plan_bytes(path).decode(), object_pairs_hook=_no_duplicate_keys)
     except PlanError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -1217,15 +1214,12 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
 
 
 def _read_plan_bytes(path: Path) -> bytes:
-    """At most MAX_PLAN_BYTES + 1 bytes of the plan (ckptd.core.readfile.read_bounded: a
-    device that never ends cannot fill the memory; a FIFO nobody writes into is an error
-    after its wait, not a daemon or a replay that hangs without a word)."""
+    """The plan's bytes (ckptd.core.readfile.read_bounded: a device that never ends cannot
+    fill the memory; a FIFO nobody writes into is an error after its wait, not a daemon
+    or a replay that hangs without a word)."""
     try:
-        if path.is_file() and path.stat().st_size > MAX_PLAN_BYTES:   # said without reading it
-            raise PlanError(f"{path}: {path.stat().st_size} bytes is too large for a plan "
-                            f"(at most {MAX_PLAN_BYTES})")
-        return read_bounded(path, MAX_PLAN_BYTES)
-    except TimeoutError as e:
+        return read_bounded(path, MAX_PLAN_BYTES, "a plan")
+    except (TimeoutError, TooLarge) as e:
         raise PlanError(f"{path}: {e}") from None
 
 

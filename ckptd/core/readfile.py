@@ -9,16 +9,26 @@ import stat
 PIPE_WAIT_S = 30.0  # a pipe as the file (`--config <(...)`, a FIFO): how long to wait for its first byte
 
 
-def read_bounded(path, limit: int, wait_s: float | None = None) -> bytes:
-    """At most `limit` + 1 bytes of the file at `path` (more than `limit` is the caller's
-    "too large"): a device that never ends (/dev/zero) cannot fill the memory. A pipe
-    (process substitution, a FIFO) is read once something is written into it; a FIFO
-    nobody writes into is a TimeoutError (an OSError, as the callers' other read errors)
-    after `wait_s` (PIPE_WAIT_S), not a command or a daemon that hangs without a word."""
+class TooLarge(OSError):
+    """The file holds more than its kind ever does: not that kind of file (a log given as
+    a plan, /dev/zero), or cut short silently had it been read up to the limit."""
+
+
+def read_bounded(path, limit: int, what: str, wait_s: float | None = None) -> bytes:
+    """The whole file at `path`, or TooLarge ("more than `limit` bytes is too large for
+    `what`", e.g. "a plan") where it holds more: a device that never ends (/dev/zero)
+    cannot fill the memory, and a regular file over the limit is refused by its size,
+    unread. A pipe (process substitution, a FIFO) is read once something is written into
+    it; a FIFO nobody writes into is a TimeoutError after `wait_s` (PIPE_WAIT_S), not a
+    command or a daemon that hangs without a word. Both are OSErrors, as the callers'
+    other read errors are."""
     wait_s = PIPE_WAIT_S if wait_s is None else wait_s
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open waits for no writer
     try:
-        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+            raise TooLarge(f"{st.st_size} bytes is too large for {what} (at most {limit})")
+        if stat.S_ISFIFO(st.st_mode):
             poll = select.poll()
             poll.register(fd, select.POLLIN)
             if not poll.poll(int(wait_s * 1000)):
@@ -31,6 +41,8 @@ def read_bounded(path, limit: int, wait_s: float | None = None) -> bytes:
                 break
             chunks.append(chunk)
             left -= len(chunk)
+        if left <= 0:
+            raise TooLarge(f"more than {limit} bytes is too large for {what}")
         return b"".join(chunks)
     finally:
         os.close(fd)

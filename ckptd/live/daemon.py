@@ -297,10 +297,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     try:
         # bounded, and a FIFO nobody writes into is an error after a wait: read_text()
         # hung the daemon on it for ever, before a line of log
-        data = read_bounded(path, MAX_CONFIG_BYTES)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ValueError(f"more than {MAX_CONFIG_BYTES} bytes is too large for a config")
-        text = data.decode()
+        text = read_bounded(path, MAX_CONFIG_BYTES, "a config").decode()
         if path.suffix == ".toml":
             import tomllib
             doc = tomllib.loads(text)
@@ -468,7 +465,8 @@ def _persist_options(k: _Keys, url: str | None) -> dict | None:
 def read_token(path: str, where: str) -> str:
     """The bearer token: the file's one line (at least 16 characters)."""
     try:
-        tok = read_bounded(path, MAX_TOKEN_BYTES).strip()  # a FIFO nobody writes into: an error, not a hang
+        # a FIFO nobody writes into: an error, not a hang; a larger file is refused, not cut
+        tok = read_bounded(path, MAX_TOKEN_BYTES, "a token file").strip()
     except OSError as e:
         raise ConfigError(f"{where}: cannot read {path}: {e.strerror or e}") from None
     # HTTP headers are bytes: clients send a non-ASCII token in whatever encoding they

@@ -331,10 +331,7 @@ def load_nic_addrs(path: str) -> dict[str, list[str]]:
     from ckptd.core.readfile import read_bounded
     try:
         # bounded, and a FIFO nobody writes into is an error after a wait (read_text() hung)
-        data = read_bounded(path, MAX_NIC_ADDRS_BYTES)
-        if len(data) > MAX_NIC_ADDRS_BYTES:
-            raise NcclLogError(f"{path}: more than {MAX_NIC_ADDRS_BYTES} bytes is too large for NIC addresses")
-        text = data.decode()
+        text = read_bounded(path, MAX_NIC_ADDRS_BYTES, "NIC addresses").decode()
     except (OSError, UnicodeDecodeError) as e:
         raise NcclLogError(f"{path}: cannot read NIC addresses: {(e.strerror or e) if isinstance(e, OSError) else e}") from e
     try:

@@ -333,6 +333,11 @@ def _distinct_captures(paths: list[str]) -> None:
             capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
         elif stat.S_ISDIR(st.st_mode):
             raise UsageError(f"{p}: a directory, not a capture file")
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            # read as a stream, /dev/null was an empty capture: a warning and exit 0 (a
+            # FIFO, `<(cat x.pcap)`, is a stream and stays one)
+            kind = "character" if stat.S_ISCHR(st.st_mode) else "block"
+            raise UsageError(f"{p}: a {kind} device, not a capture file")
 
 
 def _verify_source(src: str, plan):

@@ -342,6 +342,8 @@ ARG_CASES = [
                                       d / "init-copy.pt"], "is the checkpoint being exported"),  # it was replaced, exit 0
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
+    ("capture-a-device", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), "/dev/null"],
+     "/dev/null: a character device, not a capture file"),  # it was read as an empty stream: a warning, exit 0
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",
                                        d / "init.pt", "--out", d / "o-other", _pcap0(d)], "hold no iteration"),
     ("join-from-negative", lambda d: ["replay", "--plan", d / "plan.json", "--join-from", "-1", _pcap0(d)], "--join-from"),

@@ -146,6 +146,7 @@ def cmd_synth(a) -> int:
         static_graph=a.static_graph,
         **_synth_training(a))
     t0 = time.time()
+    out_directory(a.out)
     try:
         check_options(opts)
         if a.nodes and a.ranks is not None and a.ranks != a.nodes * a.gpus_per_node:
@@ -408,6 +409,8 @@ def cmd_export(a) -> int:
 def cmd_demo(a) -> int:
     """synth + replay of the built-in default scenario, per-iteration bit-exactness
     (cmd_synth refuses a bad --model before --out is made; a temporary one is removed)."""
+    if a.out:
+        out_directory(a.out)  # as --out itself, not as the synth --out it becomes
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="ckptd-demo-"))
     try:
         syn = build_parser().parse_args([
@@ -664,6 +667,22 @@ def _path(text: str) -> str:
 
 class UsageError(CkptdError):
     """An argument that cannot be used as given."""
+
+
+def out_directory(path: str, option: str = "--out") -> None:
+    """A directory argument that is made if missing: a file (or a broken link) at it or
+    above it was the bare "Not a directory" or "File exists" of the first file written
+    under it, naming neither the option nor what to do."""
+    import os
+    p = Path(path)
+    while not p.is_dir():
+        if os.path.lexists(p):
+            why = "a file is in the way" if p.exists() else "a broken symbolic link is in the way"
+            at = "" if p == Path(path) else f" ({p})"
+            raise UsageError(f"{option} {path}: {why}{at}; give a directory")
+        if p.parent == p:
+            return
+        p = p.parent
 
 
 class _Parser(argparse.ArgumentParser):

@@ -608,6 +608,18 @@ def test_an_unknown_synthetic_model_makes_no_directory(tmp_path, capsys, cmd):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("cmd", ["synth", "demo"])
+@pytest.mark.parametrize("under", [False, True])
+def test_out_a_file_is_refused_naming_the_option(tmp_path, capsys, cmd, under):
+    """It was the bare "[Errno 20] Not a directory: '.../x.txt/mirrors'" (or "File exists")."""
+    f = tmp_path / "x.txt"
+    f.write_text("mine")
+    out = f / "sub" if under else f
+    r = ckptd_main(capsys, cmd, "--out", out, "--iterations", "1")
+    _one_line_error(r, None, f"--out {out}: a file is in the way{f' ({f})' if under else ''}; give a directory")
+    assert f.read_text() == "mine"
+
+
 @pytest.mark.parametrize("arg", ["\u00b2", "\u0663", "9" * 5000, "-1", "1.0"])
 def test_checkpoint_route_refuses_what_is_not_an_iteration_number(arg):
     """/checkpoint/<iteration>: ASCII digits only (int() takes other scripts' digits and

@@ -462,24 +462,27 @@ NIC's own ring); 5 the newest committed checkpoint could not be written."""
 
 
 def cmd_run(a) -> int:
-    from ckptd.live.daemon import ConfigError, Daemon, load_config, parse_listen, setup_logging
+    from ckptd.live.daemon import (ConfigError, Daemon, load_config, made_dirs_removed_on_failure, parse_listen,
+                                   setup_logging)
     try:
         cfg = load_config(a.config)
         if a.listen:
             parse_listen(a.listen, "--listen")
             cfg.listen = a.listen
         setup_logging(a.log_level or cfg.log_level)
-        if a.check:
-            daemon = Daemon(cfg)
-            daemon.check()
-            plan = daemon.plan
-            print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
-                  f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
-                  f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
-                  f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
-                  f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to {daemon.persist_target}")
-            return 0
-        return Daemon(cfg).run()
+        with made_dirs_removed_on_failure(cfg):
+            if a.check:
+                daemon = Daemon(cfg)
+                daemon.check()
+                plan = daemon.plan
+                print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
+                      f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
+                      f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
+                      f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
+                      f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to "
+                      f"{daemon.persist_target}")
+                return 0
+            return Daemon(cfg).run()
     except ConfigError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

@@ -146,6 +146,7 @@ def cmd_synth(a) -> int:
         static_graph=a.static_graph,
         **_synth_training(a))
     t0 = time.time()
+    out_directory(a.out)
     try:
         check_options(opts)
         if a.nodes and a.ranks is not None and a.ranks != a.nodes * a.gpus_per_node:
@@ -333,6 +334,11 @@ def _distinct_captures(paths: list[str]) -> None:
             capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
         elif stat.S_ISDIR(st.st_mode):
             raise UsageError(f"{p}: a directory, not a capture file")
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            # read as a stream, /dev/null was an empty capture: a warning and exit 0 (a
+            # FIFO, `<(cat x.pcap)`, is a stream and stays one)
+            kind = "character" if stat.S_ISCHR(st.st_mode) else "block"
+            raise UsageError(f"{p}: a {kind} device, not a capture file")
 
 
 def _verify_source(src: str, plan):
@@ -403,6 +409,8 @@ def cmd_export(a) -> int:
 def cmd_demo(a) -> int:
     """synth + replay of the built-in default scenario, per-iteration bit-exactness
     (cmd_synth refuses a bad --model before --out is made; a temporary one is removed)."""
+    if a.out:
+        out_directory(a.out)  # as --out itself, not as the synth --out it becomes
     work = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="ckptd-demo-"))
     try:
         syn = build_parser().parse_args([
@@ -454,24 +462,27 @@ NIC's own ring); 5 the newest committed checkpoint could not be written."""
 
 
 def cmd_run(a) -> int:
-    from ckptd.live.daemon import ConfigError, Daemon, load_config, parse_listen, setup_logging
+    from ckptd.live.daemon import (ConfigError, Daemon, load_config, made_dirs_removed_on_failure, parse_listen,
+                                   setup_logging)
     try:
         cfg = load_config(a.config)
         if a.listen:
             parse_listen(a.listen, "--listen")
             cfg.listen = a.listen
         setup_logging(a.log_level or cfg.log_level)
-        if a.check:
-            daemon = Daemon(cfg)
-            daemon.check()
-            plan = daemon.plan
-            print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
-                  f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
-                  f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
-                  f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
-                  f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to {daemon.persist_target}")
-            return 0
-        return Daemon(cfg).run()
+        with made_dirs_removed_on_failure(cfg):
+            if a.check:
+                daemon = Daemon(cfg)
+                daemon.check()
+                plan = daemon.plan
+                print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
+                      f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
+                      f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
+                      f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
+                      f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to "
+                      f"{daemon.persist_target}")
+                return 0
+            return Daemon(cfg).run()
     except ConfigError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
@@ -657,6 +668,22 @@ def _path(text: str) -> str:
 
 class UsageError(CkptdError):
     """An argument that cannot be used as given."""
+
+
+def out_directory(path: str, option: str = "--out") -> None:
+    """A directory argument that is made if missing: a file (or a broken link) at it or
+    above it was the bare "Not a directory" or "File exists" of the first file written
+    under it, naming neither the option nor what to do."""
+    import os
+    p = Path(path)
+    while not p.is_dir():
+        if os.path.lexists(p):
+            why = "a file is in the way" if p.exists() else "a broken symbolic link is in the way"
+            at = "" if p == Path(path) else f" ({p})"
+            raise UsageError(f"{option} {path}: {why}{at}; give a directory")
+        if p.parent == p:
+            return
+        p = p.parent
 
 
 class _Parser(argparse.ArgumentParser):

@@ -310,7 +310,8 @@ cdef int64_t index_records(const uint8_t *buf, int64_t n, int64_t *pos, int64_t 
             sec, frac, cl, ol = be32(&buf[p]), be32(&buf[p + 4]), be32(&buf[p + 8]), be32(&buf[p + 12])
         else:
             sec, frac, cl, ol = le32(&buf[p]), le32(&buf[p + 4]), le32(&buf[p + 8]), le32(&buf[p + 12])
-        if cl > 262144 or p + 16 + cl > n:  # parsers.frame.MAX_SNAPLEN
+        # parsers.frame.MAX_SNAPLEN; more bytes captured than on the wire: a broken header
+        if cl > 262144 or cl > ol or p + 16 + cl > n:
             clean[0] = False
             break
         offsets[k] = base + p + 16

@@ -35,7 +35,9 @@ def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
     order, tick_ns = _MAGICS[head[:4]]
     if len(head) < 24:
         raise CaptureError(f"{name}: pcap file header truncated ({len(head)} of 24 bytes)")
-    _, _, _, _, _snaplen, network = struct.unpack(order + "HHiIII", head[4:])
+    major, minor, _, _, _snaplen, network = struct.unpack(order + "HHiIII", head[4:])
+    if major != 2:  # 2.x is the only pcap format: another number is a damaged header or another format
+        raise CaptureError(f"{name}: pcap version {major}.{minor}, not 2.x (a damaged or foreign file header)")
     # Bits 16-31 can carry FCS-length flags (pcap spec); the link type is the low 16.
     linktype = network & 0xFFFF
     record = struct.Struct(order + "IIII")
@@ -52,6 +54,9 @@ def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
         if caplen > MAX_SNAPLEN:
             raise CaptureError(f"{name}: frame {index}: captured length {caplen} is more than "
                                f"the largest snaplen ({MAX_SNAPLEN}): a broken record header")
+        if caplen > origlen:  # more bytes captured than were on the wire: a broken record header
+            raise CaptureError(f"{name}: frame {index}: captured length {caplen} is more than the "
+                               f"length on the wire ({origlen}): a broken record header")
         data = f.read(caplen)
         if len(data) < caplen:
             raise CaptureError(f"{name}: frame {index}: record truncated: header says "

@@ -154,7 +154,13 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>",
             fail(f"trailing block length differs from leading {blen}")
         body = block[8:-4]
 
-        if btype == BT_IDB:
+        if btype == BT_SHB:
+            if len(body) < 8:
+                fail("section header block too short")
+            major, minor = struct.unpack_from(order + "HH", body, 4)
+            if major != 1:  # the spec: another major version may lay its blocks out otherwise
+                fail(f"section version {major}.{minor}, not 1.x: a section this reader does not know")
+        elif btype == BT_IDB:
             if len(body) < 8:
                 fail("interface description block too short")
             linktype, _, snaplen = struct.unpack_from(order + "HHI", body)
@@ -186,6 +192,8 @@ def iter_pcapng(f: BinaryIO, name: str = "<pcapng>",
                 fail(f"captured length {caplen} is more than the largest snaplen ({MAX_SNAPLEN})")
             if 20 + caplen > len(body):
                 fail(f"captured length {caplen} overruns its block")
+            if caplen > origlen:
+                fail(f"captured length {caplen} is more than the length on the wire ({origlen})")
             iface = interfaces[if_id]
             ticks = (ts_hi << 32) | ts_lo
             ts = iface.to_ns(ticks)

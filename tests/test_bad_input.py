@@ -241,6 +241,22 @@ def _huge_records(n=3) -> bytes:
                                      for _ in range(n))
 
 
+def _record(data: bytes, origlen: int | None = None) -> bytes:
+    return struct.pack("<IIII", 0, 0, len(data), len(data) if origlen is None else origlen) + data
+
+
+def _pcapng_block(btype: int, body: bytes) -> bytes:
+    return struct.pack("<II", btype, 12 + len(body)) + body + struct.pack("<I", 12 + len(body))
+
+
+def _pcapng(major: int = 1, caplen: int = 64, origlen: int = 64) -> bytes:
+    """A section header (version major.0), an Ethernet interface and one packet."""
+    shb = _pcapng_block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, major, 0, -1))
+    idb = _pcapng_block(1, struct.pack("<HHI", 1, 0, 65535))
+    epb = _pcapng_block(6, struct.pack("<IIIII", 0, 0, 0, caplen, origlen) + b"\x00" * caplen)
+    return shb + idb + epb
+
+
 CAPTURES = {
     "missing": None,
     "empty": b"",
@@ -249,12 +265,21 @@ CAPTURES = {
     "record-truncated": _pcap_header() + struct.pack("<IIII", 0, 0, 100, 100) + b"\x00" * 10,
     "huge-record": _huge_records(),
     "pcapng-bad-block": b"\x0a\x0d\x0d\x0a" + struct.pack("<I", 7) + b"\x4d\x3c\x2b\x1a",
+    # each of these four was read as if it were sound
+    "pcap-version": struct.pack("<IHHiIII", 0xA1B2C3D4, 1, 0, 0, 0, 65535, 1) + _record(b"\x00" * 64),
+    "caplen-over-origlen": _pcap_header() + _record(b"\x00" * 64) + _record(b"\x00" * 64, origlen=60),
+    "pcapng-version": _pcapng(major=2),
+    "pcapng-caplen-over-origlen": _pcapng(caplen=64, origlen=60),
 }
 CAPTURE_MESSAGE = {
     "missing": "No such file", "empty": "neither pcap nor pcapng", "garbage": "neither pcap nor pcapng",
     "header-only-truncated": "header truncated", "record-truncated": "frame 1: record truncated",
     "huge-record": "frame 1: captured length 268435456 is more than the largest snaplen",
     "pcapng-bad-block": "bad block length 7",
+    "pcap-version": "pcap version 1.0, not 2.x",
+    "caplen-over-origlen": "frame 2: captured length 64 is more than the length on the wire (60)",
+    "pcapng-version": "block 1 (after frame 0): section version 2.0, not 1.x",
+    "pcapng-caplen-over-origlen": "block 3 (frame 1): captured length 64 is more than the length on the wire (60)",
 }
 
 
@@ -291,6 +316,33 @@ def test_replay_huge_records_are_a_capture_error(scenario, capsys, fast):
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", *(["--fast"] if fast else []), cap)
     assert "Traceback" not in r.stderr
     assert "frame 1: captured length 268435456 is more than the largest snaplen" in r.stderr
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("name", ["pcap-version", "caplen-over-origlen", "pcapng-version",
+                                  "pcapng-caplen-over-origlen"])
+def test_replay_reads_a_broken_header_as_damage_on_either_path(scenario, capsys, name, path):
+    """Both paths stop the file where the reader does, with the reader's words: the fast
+    path's kernel indexed a pcap of another version, or a record of more bytes than the
+    wire had, as sound."""
+    cap = _capture(scenario, name)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json",
+                   *(["--reference-path"] if path == "reference" else []), _pcap0(scenario), cap)
+    assert "Traceback" not in r.stderr
+    warned = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: {cap}: "), r.stderr
+    assert CAPTURE_MESSAGE[name] in warned[0], warned[0]
+
+
+def test_the_kernel_indexes_up_to_a_record_longer_than_the_wire():
+    """The kernel's index_pcap stops before the broken record and says it is not clean
+    (its callers then ask the reader for the error): it indexed both frames as sound."""
+    import numpy as np
+    from cython_ext import batch as kernel
+    data = np.frombuffer(CAPTURES["caplen-over-origlen"], np.uint8)
+    arrs = [np.empty(8, np.int64) for _ in range(5)]
+    n, end, clean = kernel.index_pcap(data, 24, len(data), False, 0, *arrs)
+    assert (n, end, clean) == (1, 24 + 16 + 64, False)
 
 
 # -- command-line arguments ---------------------------------------------------------------
@@ -342,6 +394,8 @@ ARG_CASES = [
                                       d / "init-copy.pt"], "is the checkpoint being exported"),  # it was replaced, exit 0
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
+    ("capture-a-device", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), "/dev/null"],
+     "/dev/null: a character device, not a capture file"),  # it was read as an empty stream: a warning, exit 0
     ("plan-of-another-job", lambda d: ["replay", "--plan", _plan(d, _other_job, "other-job"), "--init",
                                        d / "init.pt", "--out", d / "o-other", _pcap0(d)], "hold no iteration"),
     ("join-from-negative", lambda d: ["replay", "--plan", d / "plan.json", "--join-from", "-1", _pcap0(d)], "--join-from"),
@@ -604,6 +658,18 @@ def test_an_unknown_synthetic_model_makes_no_directory(tmp_path, capsys, cmd):
     r = ckptd_main(capsys, cmd, "--out", tmp_path / "out", "--model", "huge")
     _one_line_error(r, None, "--model 'huge' is not a synthetic model size (tiny, small, default")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cmd", ["synth", "demo"])
+@pytest.mark.parametrize("under", [False, True])
+def test_out_a_file_is_refused_naming_the_option(tmp_path, capsys, cmd, under):
+    """It was the bare "[Errno 20] Not a directory: '.../x.txt/mirrors'" (or "File exists")."""
+    f = tmp_path / "x.txt"
+    f.write_text("mine")
+    out = f / "sub" if under else f
+    r = ckptd_main(capsys, cmd, "--out", out, "--iterations", "1")
+    _one_line_error(r, None, f"--out {out}: a file is in the way{f' ({f})' if under else ''}; give a directory")
+    assert f.read_text() == "mine"
 
 
 @pytest.mark.parametrize("arg", ["\u00b2", "\u0663", "9" * 5000, "-1", "1.0"])

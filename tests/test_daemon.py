@@ -456,6 +456,10 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         (tmp_path / "b").mkdir()
         rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))
         assert rc == 2 and out.count("\n") == 1 and out.startswith("error: interfaces[1]:") and "nosuch" in out, out
+        assert not (tmp_path / "b" / "ck").exists()  # the `out` it made is not left behind (it was, empty)
+        (tmp_path / "b" / "ck").mkdir()  # one that was there stays
+        rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))
+        assert rc == 2 and "nosuch" in out and (tmp_path / "b" / "ck").is_dir(), out
         with socket.socket() as busy_port:
             busy_port.bind(("127.0.0.1", 0))
             busy_port.listen()
@@ -463,6 +467,7 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
             (tmp_path / "c").mkdir()
             rc, out = check(_config(run, tmp_path / "c", interfaces_netns=ns, listen=f"127.0.0.1:{port}"))
         assert rc == 2 and out.count("\n") == 1 and f"127.0.0.1:{port}" in out, out
+        assert not (tmp_path / "c" / "ck").exists()
         (tmp_path / "d").mkdir()
         (tmp_path / "d" / "ck").write_text("a file")
         rc, out = check(_config(run, tmp_path / "d", interfaces_netns=ns))

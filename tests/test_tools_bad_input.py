@@ -334,6 +334,17 @@ def test_mirror_config_empty_path_is_refused_and_writes_nothing(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_mirror_config_out_a_file_is_refused_naming_the_option(tmp_path, capsys):
+    """It was "cannot write into x.txt: [Errno 17] File exists", after the selection was
+    printed as if it would be written."""
+    f = tmp_path / "x.txt"
+    f.write_text("mine")
+    msg = _error(capsys, ["mirror-config", "--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_erspan.yaml",
+                          "--out", f])
+    assert msg == f"error: --out {f}: a file is in the way; give a directory"
+    assert f.read_text() == "mine"
+
+
 def test_cabling_fifo_nobody_writes_into_is_an_error_not_a_hang(tmp_path, capsys, monkeypatch):
     """--cabling FIFO was read with read_text(): with no writer mirror-config hung for ever."""
     import os

@@ -101,6 +101,8 @@ def _pcap_header(head: bytes) -> tuple[bool, int, int] | None:
     if len(head) != 24 or head[:4] not in _PCAP_MAGICS:
         return None
     big, tick = _PCAP_MAGICS[head[:4]]
+    if int.from_bytes(head[4:6], "big" if big else "little") != 2:
+        return None  # not version 2: parsers' reader words what is wrong
     return big, tick, int.from_bytes(head[20:24], "big" if big else "little") & 0xFFFF
 
 

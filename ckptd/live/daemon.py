@@ -549,6 +549,29 @@ def setup_logging(level: str):
     log.propagate = False
 
 
+@contextlib.contextmanager
+def made_dirs_removed_on_failure(cfg: DaemonConfig):
+    """The directories a start makes (`out`, `dump_gradients`, their missing parents),
+    removed again where still empty when the start fails: a missing interface or a port
+    in use left an empty `out` behind, as if a run had been there and written nothing.
+    One that was there before is never touched, nor one that holds anything."""
+    made: list[Path] = []
+    for d in (cfg.out, cfg.dump_gradients):
+        p = Path(d) if d else None
+        while p is not None and not os.path.lexists(p) and p not in made:
+            made.append(p)
+            p = p.parent if p.parent != p else None
+    try:
+        yield
+    except BaseException:
+        for p in sorted(made, key=lambda p: len(p.parts), reverse=True):  # the innermost first
+            try:
+                p.rmdir()  # empty only: a checkpoint or manifest written keeps it
+            except OSError:
+                pass
+        raise
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg

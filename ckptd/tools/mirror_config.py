@@ -75,6 +75,9 @@ def run(a) -> int:
         print("error: --out is required (the directory to write into), or --dry-run to write nothing",
               file=sys.stderr)
         return EXIT_INPUT
+    if a.out is not None and not a.dry_run:
+        from ckptd.cli import out_directory
+        out_directory(a.out)  # before the selection is printed as if it would be written
     from ckptd.core.plan import PlanError, load_plan
     from switch_config.cabling import CablingError, load_cabling
     from switch_config.common import RenderError

@@ -14,9 +14,14 @@ from .pcapng import is_pcapng, iter_pcapng
 
 
 def capture_format(path) -> str:
-    """'pcap' or 'pcapng'; CaptureError for anything else."""
+    """'pcap' or 'pcapng'; CaptureError for anything else. It reads the file's first bytes:
+    of a pipe, they are then gone (open_capture sniffs the file it reads)."""
     with open(path, "rb") as f:
-        head = f.read(24)
+        return _sniff(f.read(24), path)
+
+
+def _sniff(head: bytes, path) -> str:
+    """capture_format of the file whose first (up to) 24 bytes are `head`."""
     if is_pcap(head):
         # the file's one link type: one no decoder takes made every frame "other", and
         # replay ended "not recovered" (exit 3) without a word on why
@@ -50,12 +55,33 @@ def open_capture(path, warn=None) -> Iterator[CapturedFrame]:
     Structural damage raises CaptureError naming the file and frame/block number; it
     is raised when reached, after the good frames before it have been yielded.
     """
-    fmt = capture_format(path)
     with open(path, "rb") as f:
+        # sniffed from the file being read, then given back to the reader: of a pipe
+        # (`<(zcat x.pcap.gz)`, a FIFO) a second open would start past those bytes
+        head = f.read(24)
+        fmt = _sniff(head, path)
+        whole = _Rewound(head, f)
         if fmt == "pcap":
-            yield from iter_pcap(f, str(path))
+            yield from iter_pcap(whole, str(path))
         else:
-            yield from iter_pcapng(f, str(path), warn)
+            yield from iter_pcapng(whole, str(path), warn)
+
+
+class _Rewound:
+    """A file read from its start again after its first bytes were read (`head`): the
+    readers need only read(n)."""
+
+    def __init__(self, head: bytes, f):
+        self.head, self.f = head, f
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.head:
+            return self.f.read(n)
+        out = self.head if n < 0 else self.head[:n]
+        self.head = self.head[len(out):]
+        if n < 0 or len(out) < n:
+            out += self.f.read(-1 if n < 0 else n - len(out))
+        return out
 
 
 __all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame", "UndecodedLinkTypeError",

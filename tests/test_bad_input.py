@@ -334,6 +334,44 @@ def test_replay_reads_a_broken_header_as_damage_on_either_path(scenario, capsys,
     assert CAPTURE_MESSAGE[name] in warned[0], warned[0]
 
 
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_replay_from_pipes_reads_them_whole(scenario, tmp_path, path):
+    """Captures given as pipes (`<(zcat x.pcap.gz)`, FIFOs): their first bytes were read to
+    tell pcap from pcapng and the file opened again, past them, so every stream read as
+    "not a pcap file" and nothing was recovered. Now each pipe's replay equals the files'
+    (the same committed checkpoints, bit-exact with the trainer's)."""
+    import filecmp
+    pcaps = sorted((scenario / "mirrors").glob("*.pcap"))
+    flags = ["--reference-path"] if path == "reference" else []
+
+    def replay(captures, out):
+        # a process of its own with a deadline: a reader that opens a pipe twice waits for
+        # a writer for ever
+        return ckptd("replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                     "--reference", scenario / "reference", "--out", out, *flags, *captures, timeout=120)
+    files = replay(pcaps, tmp_path / "files")
+    fifos = []
+    for p in pcaps:
+        fifos.append(tmp_path / f"{p.stem}.fifo")   # the stream's name, as the file's
+        os.mkfifo(fifos[-1])
+    writers = [subprocess.Popen(["sh", "-c", f'exec cat "{p}" > "{f}"']) for p, f in zip(pcaps, fifos)]
+    try:
+        pipes = replay(fifos, tmp_path / "pipes")
+    finally:
+        for w in writers:
+            w.kill()   # the shell; its cat goes with its pipe
+            w.wait(30)
+    assert files.returncode == 0 and "bit-exact" in files.stdout, files.stderr
+    assert pipes.returncode == 0 and "warning" not in pipes.stderr, pipes.stderr
+    def iterations(r):   # the reports, without the timings (how long a stage waited, the run took)
+        return [line for line in r.stdout.splitlines() if line.startswith("iteration")]
+    assert iterations(files) and iterations(pipes) == iterations(files)
+    written = sorted(p.name for p in (tmp_path / "files").iterdir())
+    assert written and written == sorted(p.name for p in (tmp_path / "pipes").iterdir())
+    assert all(filecmp.cmp(tmp_path / "files" / n, tmp_path / "pipes" / n, shallow=False)
+               for n in written if n.endswith(".pt"))
+
+
 def test_the_kernel_indexes_up_to_a_record_longer_than_the_wire():
     """The kernel's index_pcap stops before the broken record and says it is not clean
     (its callers then ask the reader for the error): it indexed both frames as sound."""

@@ -16,6 +16,7 @@ ends a file early.
 from __future__ import annotations
 
 import os
+import stat
 import queue
 import threading
 from dataclasses import dataclass
@@ -289,6 +290,11 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     formats: list[str | None] = []
     for p in paths:
         try:
+            if not stat.S_ISREG(os.stat(p).st_mode):
+                # a pipe: sniffing it here would take its first bytes; parsers' reader
+                # sniffs what it reads
+                formats.append("stream")
+                continue
             fmt = capture_format(p)
             formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
         except (CaptureError, OSError) as e:

@@ -15,6 +15,7 @@ import resource
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -358,6 +359,35 @@ def test_load_capture_reads_what_open_capture_reads(tmp_path, order, ns):
     errors = []
     good = [fr for _, fr in file_source([str(cut)], errors)]
     assert [batch.frame(i) for i in range(len(batch))] == good and [err] == errors
+
+
+def test_load_capture_reads_a_fifo_whole(tmp_path):
+    """A FIFO (the txring sender's capture from a pipe) was sniffed and then read again
+    past the bytes sniffed: "not a pcap file", no frame. Now its frames equal the file's."""
+    import os
+    import subprocess
+    path = tmp_path / "x.pcap"
+    with open(path, "wb") as f:
+        w = PcapWriter(f, linktype=1)
+        for i in range(20):
+            w.write(bytes([i]) * (60 + i), 1_700_000_000_000_000_000 + i)
+    fifo = tmp_path / "x.fifo"
+    os.mkfifo(fifo)
+    writer = subprocess.Popen(["sh", "-c", f'exec cat "{path}" > "{fifo}"'])
+    got = []
+    reader = threading.Thread(target=lambda: got.append(load_capture(fifo)))
+    reader.start()
+    try:
+        reader.join(60)
+    finally:
+        writer.kill()
+        writer.wait(30)
+        if reader.is_alive():   # a second open waits for a writer: give it one that writes nothing
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(30)
+    assert got, "load_capture did not return"
+    batch, err = got[0]
+    assert err is None and [batch.frame(i) for i in range(len(batch))] == list(open_capture(path))
 
 
 def _stream_files(tmp_path, rng, n=3, frames=300):

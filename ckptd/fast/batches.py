@@ -114,7 +114,9 @@ def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
     A clean pcap is indexed in place by the kernel (no per-frame Python); pcapng, and a
     pcap with a broken record, go through the reference readers in parsers/."""
     try:
-        fmt = capture_format(path)
+        # a pipe is read once, by parsers' reader below (sniffing it here would take its
+        # first bytes)
+        fmt = capture_format(path) if stat.S_ISREG(os.stat(path).st_mode) else "stream"
         if fmt == "pcap":
             data = np.fromfile(path, np.uint8)
             head = data[:24].tobytes()

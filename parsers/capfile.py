@@ -14,8 +14,11 @@ from .pcapng import is_pcapng, iter_pcapng
 
 
 def capture_format(path) -> str:
-    """'pcap' or 'pcapng'; CaptureError for anything else. It reads the file's first bytes:
-    of a pipe, they are then gone (open_capture sniffs the file it reads)."""
+    """'pcap' or 'pcapng' by the file's first bytes; CaptureError for anything else. A
+    pipe (`<(zcat x.pcap.gz)`, a FIFO) is 'stream', unread: its first bytes, read here,
+    would be gone for the reader (open_capture sniffs the file it reads)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        return "stream"
     with open(path, "rb") as f:
         return _sniff(f.read(24), path)
 

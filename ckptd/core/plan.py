@@ -189,7 +189,6 @@ RING_KEYS = ("nranks", "rings", "protocol", "nccl_version", "max_threads", "buff
 RANK_KEYS = ("rank", "addr", "node", "nics", "ports")
 MIRROR_KEYS = ("name", "rank", "direction", "port")
 BUCKETS_KEYS = ("first", "rebuilt", "limits")
-BUCKET_KEYS = ("params", "count", "dtype")
 BUCKET_LIMIT_KEYS = ("first", "rebuilt")
 BUFFERS_KEYS = ("tensors", "broadcasts", "captured")
 LR_SCHEDULER_KEYS = ("class", "args")
@@ -1416,7 +1415,7 @@ def _plan_from_json(raw) -> Plan:
         out = []
         for i, raw_b in enumerate(bk.list(key, required=key == "first") or []):
             b = _Doc(raw_b, f"buckets.{key}[{i}]")
-            b.only(("params",) if b.has("params") else ("count", "dtype"))
+            b.only(("params",) if b.has("params") else ("count", "dtype"))  # _bucket_json writes one or the other
             if b.has("params"):
                 names = b.list("params")
                 for j, n in enumerate(names):

@@ -16,7 +16,6 @@ ends a file early.
 from __future__ import annotations
 
 import os
-import stat
 import queue
 import threading
 from dataclasses import dataclass
@@ -114,9 +113,7 @@ def load_capture(path, stream: int = 0) -> tuple[Batch, str | None]:
     A clean pcap is indexed in place by the kernel (no per-frame Python); pcapng, and a
     pcap with a broken record, go through the reference readers in parsers/."""
     try:
-        # a pipe is read once, by parsers' reader below (sniffing it here would take its
-        # first bytes)
-        fmt = capture_format(path) if stat.S_ISREG(os.stat(path).st_mode) else "stream"
+        fmt = capture_format(path)  # a pipe ("stream"): parsers' reader below reads it once
         if fmt == "pcap":
             data = np.fromfile(path, np.uint8)
             head = data[:24].tobytes()
@@ -292,12 +289,7 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     formats: list[str | None] = []
     for p in paths:
         try:
-            if not stat.S_ISREG(os.stat(p).st_mode):
-                # a pipe: sniffing it here would take its first bytes; parsers' reader
-                # sniffs what it reads
-                formats.append("stream")
-                continue
-            fmt = capture_format(p)
+            fmt = capture_format(p)  # a pipe ("stream") goes to parsers' reader, which sniffs it
             formats.append("mapped" if fmt == "pcap" and mappable(p) else fmt)
         except (CaptureError, OSError) as e:
             errors.append(CaptureDamage(p, e))

@@ -565,10 +565,8 @@ def made_dirs_removed_on_failure(cfg: DaemonConfig):
         yield
     except BaseException:
         for p in sorted(made, key=lambda p: len(p.parts), reverse=True):  # the innermost first
-            try:
-                p.rmdir()  # empty only: a checkpoint or manifest written keeps it
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):   # rmdir: empty only; a file written there keeps it
+                p.rmdir()
         raise
 
 

@@ -46,3 +46,17 @@ def show(v, limit: int = 60) -> str:
     if isinstance(v, (bytes, bytearray)):
         return f"{len(v)} bytes"
     return f"a {type(v).__name__}"
+
+
+def unknown_keys(where: str, keys, known) -> str | None:
+    """The one wording of a mapping's unknown keys, for every file ckptd reads (plan,
+    daemon config, cabling): `WHERE: unknown keys ['a', 'b'] (known: x, y)` (WHERE may be
+    empty: the message's prefix then says where), or None
+    where every key is known. A misspelt key is refused, never read as its default;
+    at most five are named, each cut to 40 characters or shown by `show` (a YAML key can
+    be any scalar, an integer of 5,000 digits included)."""
+    unknown = sorted(k[:40] if isinstance(k, str) else show(k, 40) for k in keys if k not in known)
+    if not unknown:
+        return None
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    return f"{where + ': ' if where else ''}unknown keys {unknown[:5]}{more} (known: {', '.join(map(str, known))})"

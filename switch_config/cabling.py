@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from ckptd.errors import CkptdError, show
+from ckptd.errors import CkptdError, show, unknown_keys
 
 CABLING_FORMAT = "ckptd-cabling"
 CABLING_VERSION = 1
@@ -311,9 +311,8 @@ RANK_KEYS = ("rank", "switch", "port", "ports")
 
 
 def _known(d: dict, keys, ctx) -> None:
-    for k in d:
-        if k not in keys:
-            raise CablingError(f"{ctx}: unknown key {show(k, 40)} (known: {', '.join(keys)})")
+    if why := unknown_keys(ctx, d, keys):
+        raise CablingError(why)
 
 
 def _name(d, key, ctx, pattern=SWITCH_NAME, required=True):

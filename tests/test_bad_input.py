@@ -160,7 +160,7 @@ PLAN_CASES = [
     ("limits-key-typo", _set("buckets.limits", {"frist": [1]}), "buckets.limits: unknown keys ['frist']"),
     ("scheduler-key-typo", _set("optimizer.lr_scheduler", {"class": "StepLR", "args": {"step_size": 2},
                                                             "arg": {}}),
-     "optimizer.lr_scheduler has unknown keys ['arg']"),
+     "optimizer.lr_scheduler: unknown keys ['arg']"),
     ("allreduce-key-typo", _set("collectives", {"before": [{"count": 4, "dtype": "float32", "root": 0}]}),
      "collectives.before[0]: key 'root' is not one of op, count, dtype (an allreduce)"),
     ("not-json", "{nope", "cannot read plan"),

@@ -376,11 +376,11 @@ def test_daemon_interfaces_split_sessions_only_where_the_switch_sets_their_id(tm
 
 
 @pytest.mark.parametrize("where,change,message", [
-    ("top", {"collector": []}, "unknown key 'collector'"),
-    ("switch", {"max_source_port": 4}, "switches[0] (sw0): unknown key 'max_source_port'"),
-    ("erspan", {"tll": 64}, "switches[0] (sw0): erspan: unknown key 'tll'"),
-    ("collector", {"ifnmae": "eth1"}, "collectors[0] (c0): unknown key 'ifnmae'"),
-    ("rank", {"prot": "x"}, "ranks[0]: unknown key 'prot'"),
+    ("top", {"collector": []}, "unknown keys ['collector']"),
+    ("switch", {"max_source_port": 4}, "switches[0] (sw0): unknown keys ['max_source_port']"),
+    ("erspan", {"tll": 64}, "switches[0] (sw0): erspan: unknown keys ['tll']"),
+    ("collector", {"ifnmae": "eth1"}, "collectors[0] (c0): unknown keys ['ifnmae']"),
+    ("rank", {"prot": "x"}, "ranks[0]: unknown keys ['prot']"),
     ("collector", {"ifname": "a very long name"}, "collectors[0] (c0): ifname 'a very long name' is not a safe name"),
     ("collector", {"netns": "lab"}, "collectors[0] (c0): netns without ifname"),
     ("collectors", {"ifname": "eth1"}, "collectors' (ifname, netns) pairs (one interface of the checkpoint host "

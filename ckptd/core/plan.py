@@ -36,7 +36,7 @@ from ckptd.core.algorithms import check_allreduce_algorithm
 from ckptd.core.readfile import TooLarge, read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
-from ckptd.errors import CkptdError, show
+from ckptd.errors import CkptdError, show, unknown_keys
 
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
@@ -209,9 +209,8 @@ def check_optimizer(opt: Optimizer) -> None:
     if sch is not None and (not isinstance(sch, dict) or not isinstance(sch.get("class"), str)
                             or not isinstance(sch.get("args", {}), dict)):
         bad("lr_scheduler", 'must be {"class": name, "args": {...}}')
-    if sch is not None and set(sch) - set(LR_SCHEDULER_KEYS):
-        bad("lr_scheduler", f"has unknown keys {sorted(map(str, set(sch) - set(LR_SCHEDULER_KEYS)))[:5]} "
-            f"(it has {', '.join(LR_SCHEDULER_KEYS)})")
+    if sch is not None and (why := unknown_keys("optimizer.lr_scheduler", sch, LR_SCHEDULER_KEYS)):
+        raise PlanError(why)
     if opt.lr_per_step and sch is not None:
         bad("lr_per_step", "and lr_scheduler both set the lr: give one")
     for i, x in enumerate(opt.lr_per_step):
@@ -1249,9 +1248,8 @@ class _Doc:
         """Refuse keys this object does not have: a misspelt one is not there at all and
         its default is taken without a word ("weight_decy": the moments stepped with no
         weight decay; "warmup_step": no warmup; "dtpye": float32), every commit wrong."""
-        unknown = sorted(str(k)[:40] for k in self.d if k not in known)
-        if unknown:
-            raise PlanError(f"{self.key}: unknown keys {unknown[:5]} (it has {', '.join(known)})")
+        if why := unknown_keys(self.key, self.d, known):
+            raise PlanError(why)
 
     def has(self, k) -> bool:
         return self.d.get(k) is not None
@@ -1402,9 +1400,8 @@ def _plan_from_json(raw) -> Plan:
                         f"(this ckptd reads version {PLAN_VERSION})")
     # a misspelt section is not there at all: "optimiser" replayed as a plan without an
     # optimizer (exit 0, no checkpoint written), "colectives" as a job without them
-    unknown = sorted(str(k)[:40] for k in raw if k not in PLAN_KEYS)
-    if unknown:
-        raise PlanError(f"unknown keys {unknown[:5]} (a plan has {', '.join(PLAN_KEYS)})")
+    if why := unknown_keys("", raw, PLAN_KEYS):
+        raise PlanError(why)
     params = _tensors_from_json(doc.list("parameters", []), "parameters")
     frozen = _tensors_from_json(doc.list("frozen", []), "frozen")  # absent in older plans: none
 

@@ -47,7 +47,7 @@ from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
 from ckptd.live.status import LoopClock, Snapshot, checkpoint_routes, routes
 from parsers.frame import MAX_SNAPLEN
-from ckptd.errors import CkptdError, one_line, show
+from ckptd.errors import CkptdError, one_line, show, unknown_keys
 
 log = logging.getLogger("ckptd")
 SNAPSHOT_S = 0.05  # seconds between status snapshots while frames flow (and one at each report)
@@ -234,9 +234,8 @@ def parse_listen(text: str, where: str = "listen") -> tuple[str, int]:
 def _interface(path, i: int, x) -> InterfaceConfig:
     if not isinstance(x, dict) or "ifname" not in x:
         raise ConfigError(f"{path}: interfaces[{i}] needs at least 'ifname'")
-    unknown = set(x) - set(InterfaceConfig.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"{path}: interfaces[{i}] has unknown keys {sorted(map(str, unknown))}")
+    if why := unknown_keys(f"{path}: interfaces[{i}]", x, InterfaceConfig.__dataclass_fields__):
+        raise ConfigError(why)
     k = _Keys(path, x, f"interfaces[{i}].")
     page = mmap.PAGESIZE
     ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . : @ -)",
@@ -314,9 +313,8 @@ def load_config(path: str | Path) -> DaemonConfig:
              "http_workers", "max_connections", "read_timeout_s", "memory_tier", "persist_every",
              "persist_interval_s", "persist_sync", "persist_url", "persist_options", "notice",
              "drop_capabilities"}
-    unknown = set(doc) - known
-    if unknown:
-        raise ConfigError(f"{path}: unknown keys {sorted(map(str, unknown))} (known: {sorted(known)})")
+    if why := unknown_keys(str(path), doc, sorted(known)):
+        raise ConfigError(why)
     k = _Keys(path, doc)
 
     def rel(key, required=False):

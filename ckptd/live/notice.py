@@ -28,7 +28,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from ckptd.errors import CkptdError, show
+from ckptd.errors import CkptdError, show, unknown_keys
 from ckptd.threads import Thread
 
 log = logging.getLogger("ckptd.notice")
@@ -60,9 +60,8 @@ def notice_config(where: str, doc) -> NoticeConfig | None:
         return None
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: 'notice' must be a mapping (webhook, webhook_token, store, timeout_s)")
-    unknown = set(doc) - {"webhook", "webhook_token", "store", "timeout_s"}
-    if unknown:
-        raise ConfigError(f"{where}: 'notice' has unknown keys {sorted(map(str, unknown))}")
+    if why := unknown_keys(f"{where}: notice", doc, ("webhook", "webhook_token", "store", "timeout_s")):
+        raise ConfigError(why)
     hook = doc.get("webhook")
     if hook is not None and (not isinstance(hook, str) or not _URL.fullmatch(hook)):
         raise ConfigError(f"{where}: 'notice.webhook' must be an http:// or https:// URL, not {show(hook)}")

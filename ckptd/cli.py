@@ -191,7 +191,7 @@ def cmd_replay(a) -> int:
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
     a.pcap = _stdin_capture(a.pcap)
-    names = stream_names(a.pcap, a.names)
+    names = _stream_names(a.pcap, a.names)
     _distinct_captures(a.pcap)
     start = None
     if a.init:
@@ -305,7 +305,7 @@ def cmd_inspect(a) -> int:
     stderr when any file was missing, empty or broken (the table says which)."""
     from ckptd.tools.inspect import format_inspect, inspect_captures
     paths = _stdin_capture(a.pcap)
-    res = inspect_captures(paths, stream_names(paths, a.names))
+    res = inspect_captures(paths, _stream_names(paths, a.names))
     if a.json:
         print(json.dumps(res, indent=1, default=str))
     else:
@@ -316,16 +316,12 @@ def cmd_inspect(a) -> int:
     return 0
 
 
-STDIN = "-"              # a capture argument that means stdin (as tcpdump -r - and tshark -r -)
-STDIN_PATH = "/dev/stdin"  # what `-` is read as: a pipe is read like a FIFO, a redirected file mapped
-_FD_PATH = re.compile(r"/(dev|proc/[^/]+)/fd/[0-9]+")  # bash/zsh process substitution, <(zcat x.gz)
-
-
 def _stdin_capture(paths: list[str]) -> list[str]:
     """The capture paths with `-` (at most one) read as stdin, /dev/stdin: the one place
     `-` is mapped, so both replay paths, inspect and _distinct_captures see a path. A
     terminal on stdin is refused before anything is read (it would wait for typed bytes)."""
     import os
+    from ckptd.core.streams import STDIN, STDIN_PATH
     if paths.count(STDIN) > 1:
         raise UsageError(f"{STDIN}: stdin given {paths.count(STDIN)} times: it is one stream, give it once")
     if STDIN not in paths:
@@ -340,51 +336,10 @@ def _stdin_capture(paths: list[str]) -> list[str]:
     return [STDIN_PATH if p == STDIN else p for p in paths]
 
 
-def stream_names(paths: list[str], names: str | None = None) -> list[str]:
-    """The capture streams' names (replay's `stream NAME:` and coverage[NAME=...], inspect's
-    lines), one per path, all distinct. `names`: --names A,B,C, which overrides them
-    (one per capture, non-empty, no blanks, distinct: else UsageError).
-
-    - a file or named FIFO: its stem (m0.pcap -> m0), as always;
-    - `-` or /dev/stdin: `stdin`;
-    - /dev/fd/N, /proc/PID/fd/N (`<(zcat x.pcap.gz)`): `streamK`, K its 1-based position
-      among the captures (the fd number, 63, says nothing and differs between shells);
-    - stems given twice (m0/mirror.pcap m1/mirror.pcap) take as many of their parent
-      directories as tell them apart (m0/mirror, m1/mirror): two per-stream lines of one
-      name cannot be told apart, and the directory is what the user told them apart by;
-    - any name still taken (the same path spelt alike, `stdin.pcap` and `-`, a file
-      stream2.pcap next to a positional stream2): the later ones get `#K`, K their 1-based
-      position. Everything depends on the arguments alone, not on the files, so the same
-      command line always names its streams alike."""
-    if names is not None:
-        return _given_names(names, len(paths))
-    out = []
-    for k, p in enumerate(paths, 1):
-        text = str(p)
-        if text in (STDIN, STDIN_PATH):
-            out.append("stdin")
-        elif _FD_PATH.fullmatch(text):
-            out.append(f"stream{k}")
-        else:
-            out.append(Path(text).stem or f"stream{k}")
-    # the same stem twice: as many trailing path components as tell the group apart
-    positional = {k for k, p in enumerate(paths) if str(p) in (STDIN, STDIN_PATH) or _FD_PATH.fullmatch(str(p))}
-    for stem in {n for n in out if out.count(n) > 1}:
-        group = [k for k, n in enumerate(out) if n == stem and k not in positional]
-        parts = {k: Path(str(paths[k])).with_suffix("").parts for k in group}
-        for depth in range(2, max((len(v) for v in parts.values()), default=0) + 1):
-            tails = ["/".join(parts[k][-depth:]) for k in group]
-            if len(set(tails)) == len(tails):
-                for k, t in zip(group, tails):
-                    out[k] = t
-                break
-    seen: set[str] = set()
-    for k, n in enumerate(out):
-        while n in seen:
-            n += f"#{k + 1}"
-        out[k] = n
-        seen.add(n)
-    return out
+def _stream_names(paths: list[str], given: str | None) -> list[str]:
+    """--names A,B,C where given, else ckptd.core.streams.stream_names' rules."""
+    from ckptd.core.streams import stream_names
+    return stream_names(paths) if given is None else _given_names(given, len(paths))
 
 
 def _given_names(text: str, count: int) -> list[str]:

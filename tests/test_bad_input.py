@@ -471,7 +471,8 @@ def test_stream_names_tell_the_streams_apart(scenario, tmp_path):
 
 
 def test_stream_names_rules():
-    from ckptd.cli import stream_names
+    from ckptd.cli import _stream_names
+    from ckptd.core.streams import stream_names
     assert stream_names(["a.pcap", "-", "/dev/fd/63", "/proc/self/fd/12", "/proc/4242/fd/3"]) == \
         ["a", "stdin", "stream3", "stream4", "stream5"]
     assert stream_names(["x/m/mirror.pcap", "y/m/mirror.pcap", "mirror.pcapng"]) == \
@@ -479,7 +480,7 @@ def test_stream_names_rules():
     # what no directory tells apart: the later ones get #K (their position, from 1)
     assert stream_names(["x.pcap", "./x.pcap", "stream3.pcap", "/dev/fd/9", "stdin.pcap", "-"]) == \
         ["x", "x#2", "stream3", "stream4", "stdin", "stdin#6"]
-    assert stream_names(["a.pcap", "b.pcap"], "left,right") == ["left", "right"]
+    assert _stream_names(["a.pcap", "b.pcap"], "left,right") == ["left", "right"]
 
 
 def test_names_override_the_stream_names(scenario, tmp_path, capsys):

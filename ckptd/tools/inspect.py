@@ -3,7 +3,7 @@
 inspect_captures(paths) reads every frame with parsers.capfile.open_capture, decodes
 it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as is):
 
-    files         per file: path, name (the stream's: ckptd.cli.stream_names), frames, roce_frames, icrc_valid, icrc_invalid,
+    files         per file: path, name (the stream's: ckptd.core.streams), frames, roce_frames, icrc_valid, icrc_invalid,
                   classes, linktypes, first/last timestamp, error (or None)
     frames        frames read, all files
     roce_frames   frames to UDP port 4791, whatever their class
@@ -185,7 +185,7 @@ def _empty_classes():
 
 
 def inspect_captures(paths, names: list[str] | None = None) -> dict:
-    """`names`: the streams' names (ckptd.cli.stream_names; by default theirs from the
+    """`names`: the streams' names (ckptd.core.streams.stream_names; by default theirs from the
     paths). Each file is opened once: a pipe (stdin, `<(zcat x.pcap.gz)`) read a second
     time for the TCP conversations was empty, or a FIFO waited for a writer for ever, so
     a pipe's TCP frames are kept from the first pass."""
@@ -195,7 +195,7 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
         paths = [paths]
     paths = [str(p) for p in paths]
     if names is None:
-        from ckptd.cli import stream_names
+        from ckptd.core.streams import stream_names
         names = stream_names(paths)
     kept: dict[int, list] = {}   # stream -> its TCP frames, for a file that is no regular one
     files, errors = [], []

@@ -443,7 +443,7 @@ def child_main(spec_path: str) -> int:
     # the same step alone before the replay too: on this VM the time of one step on the
     # same shapes differs up to 2x with what the process did before it
     before = time_optimizer(plan, min(1, spec["iterations"] - 1), 5, seed)
-    pipe = fast_replay(plan, spec["paths"], start, ReplayOptions(stream_names=spec["names"]),
+    pipe = fast_replay(plan, spec["paths"], start, ReplayOptions(),
                        on_iteration=on_iteration, chunk_bytes=spec["chunk_bytes"])
     wall = time.monotonic() - t0
     load.append(os.getloadavg())

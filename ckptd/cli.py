@@ -190,6 +190,8 @@ def cmd_replay(a) -> int:
     from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan)
+    a.pcap = _stdin_capture(a.pcap)
+    names = _stream_names(a.pcap, a.names)
     _distinct_captures(a.pcap)
     start = None
     if a.init:
@@ -209,7 +211,6 @@ def cmd_replay(a) -> int:
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
-    names = [Path(p).stem for p in a.pcap]
     resume = _resume_from_url(a.resume, plan.state_names) if a.resume and "://" in a.resume \
         else a.resume
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
@@ -303,7 +304,8 @@ def cmd_inspect(a) -> int:
     """The table (or JSON) of what could be read; exit 2 with the first file error on
     stderr when any file was missing, empty or broken (the table says which)."""
     from ckptd.tools.inspect import format_inspect, inspect_captures
-    res = inspect_captures(a.pcap)
+    paths = _stdin_capture(a.pcap)
+    res = inspect_captures(paths, _stream_names(paths, a.names))
     if a.json:
         print(json.dumps(res, indent=1, default=str))
     else:
@@ -312,6 +314,47 @@ def cmd_inspect(a) -> int:
         more = len(res["errors"]) - 1
         raise UsageError(res["errors"][0] + (f" (and {more} more)" if more else ""))
     return 0
+
+
+def _stdin_capture(paths: list[str]) -> list[str]:
+    """The capture paths with `-` (at most one) read as stdin, /dev/stdin: the one place
+    `-` is mapped, so both replay paths, inspect and _distinct_captures see a path. A
+    terminal on stdin is refused before anything is read (it would wait for typed bytes)."""
+    import os
+    from ckptd.core.streams import STDIN, STDIN_PATH
+    if paths.count(STDIN) > 1:
+        raise UsageError(f"{STDIN}: stdin given {paths.count(STDIN)} times: it is one stream, give it once")
+    if STDIN not in paths:
+        return list(paths)
+    try:
+        tty = os.isatty(0)
+    except OSError:
+        tty = False
+    if tty:
+        raise UsageError(f"{STDIN}: stdin is a terminal; pipe a capture into it "
+                         "(tcpdump -w - ... | ckptd ... -, or < capture.pcap)")
+    return [STDIN_PATH if p == STDIN else p for p in paths]
+
+
+def _stream_names(paths: list[str], given: str | None) -> list[str]:
+    """--names A,B,C where given, else ckptd.core.streams.stream_names' rules."""
+    from ckptd.core.streams import stream_names
+    return stream_names(paths) if given is None else _given_names(given, len(paths))
+
+
+def _given_names(text: str, count: int) -> list[str]:
+    """--names A,B,C: exactly one per capture, non-empty, without blanks, distinct."""
+    names = text.split(",")
+    if len(names) != count:
+        raise UsageError(f"--names {text!r}: {len(names)} name(s) for {count} capture(s); give one per capture")
+    for k, n in enumerate(names, 1):
+        if not n:
+            raise UsageError(f"--names {text!r}: name {k} is empty")
+        if any(c.isspace() or not c.isprintable() for c in n):
+            raise UsageError(f"--names {text!r}: name {k} ({n!r}) has a blank or control character")
+        if names.index(n) != k - 1:
+            raise UsageError(f"--names {text!r}: {n!r} is given twice; each stream needs a name of its own")
+    return names
 
 
 def _distinct_captures(paths: list[str]) -> None:
@@ -666,6 +709,13 @@ def _path(text: str) -> str:
     return text
 
 
+PCAP_HELP = ("one capture (pcap or pcapng) per mirror stream: a file, a FIFO, a pipe (<(zcat x.pcap.gz)), "
+             "or - for stdin (at most once; tcpdump -w - ... | ckptd ... -)")
+NAMES_HELP = ("the streams' names in the per-stream lines, one per capture in order, distinct (default: each "
+              "file's stem; stdin for -; streamK, K from 1, for a /dev/fd/N pipe; parent directories "
+              "added where stems clash: m0/mirror, m1/mirror)")
+
+
 class UsageError(CkptdError):
     """An argument that cannot be used as given."""
 
@@ -894,7 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing that arrives later)")
     r.add_argument("--trust-icrc", action="store_true",
                    help="skip ICRC checks (the NIC/switch already verified them); fast path only")
-    r.add_argument("pcap", nargs="+", type=_path, help="one capture (pcap or pcapng) per mirror stream")
+    r.add_argument("--names", metavar="A,B,...", help=NAMES_HELP)
+    r.add_argument("pcap", nargs="+", type=_path, help=PCAP_HELP)
     r.set_defaults(func=cmd_replay)
 
     rn = sub.add_parser("run", help="the daemon: capture mirror ports, keep a checkpoint per "
@@ -917,7 +968,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
                        "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
     i.add_argument("--json", action="store_true")
-    i.add_argument("pcap", nargs="+", type=_path)
+    i.add_argument("--names", metavar="A,B,...", help=NAMES_HELP)
+    i.add_argument("pcap", nargs="+", type=_path, help=PCAP_HELP)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")

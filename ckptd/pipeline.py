@@ -206,7 +206,6 @@ class ReplayOptions:
     restart: str | None = None  # a restarted daemon's own newest persisted state (a file), tried first
     join: bool = False  # the capture starts mid-job: align on the first whole iteration
     join_from: int | None = None  # joining: an iteration the job has reached (PSN wraps)
-    stream_names: list[str] | None = None
     keep_last: int | None = None  # retention (ckptd.core.keep): None keeps every checkpoint
     keep_every: int | None = None
     retry_writes: bool = False  # a daemon: a failed write is reported and retried, not raised

@@ -52,11 +52,12 @@ def ckptd_main(capsys, *argv):
     return _Result(rc, out, err)
 
 
-def ckptd(*argv, timeout=120):
+def ckptd(*argv, timeout=120, stdin=subprocess.DEVNULL, pass_fds=()):
+    """`python -m ckptd ARGV`; `stdin`: what it reads as `-` (a file, a pipe, a terminal)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CKPTD_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "ckptd", *map(str, argv)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, stdin=stdin, pass_fds=pass_fds)
 
 
 # -- plans ------------------------------------------------------------------------------
@@ -370,6 +371,175 @@ def test_replay_from_pipes_reads_them_whole(scenario, tmp_path, path):
     assert written and written == sorted(p.name for p in (tmp_path / "pipes").iterdir())
     assert all(filecmp.cmp(tmp_path / "files" / n, tmp_path / "pipes" / n, shallow=False)
                for n in written if n.endswith(".pt"))
+
+
+def _iterations(r):
+    """A replay's iteration lines, without the timings."""
+    return [line for line in r.stdout.splitlines() if line.startswith("iteration")]
+
+
+def _streams(r):
+    """A replay's `stream NAME:` lines' names."""
+    return [line.split(":")[0][len("stream "):] for line in r.stdout.splitlines() if line.startswith("stream ")]
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_replay_from_stdin_equals_the_file(scenario, tmp_path, path):
+    """`-` is stdin (as tcpdump -r -): a capture redirected into it (< x.pcap) and one piped
+    into it (cat x.pcap |) replay as the file does: the same iterations, the same
+    checkpoints, the stream named `stdin`. It was "-: No such file or directory"."""
+    import filecmp
+    pcap = _pcap0(scenario)
+    flags = ["--reference-path"] if path == "reference" else []
+
+    def replay(capture, out, stdin=subprocess.DEVNULL):
+        return ckptd("replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                     "--reference", scenario / "reference", "--out", out, *flags, capture, stdin=stdin)
+    files = replay(pcap, tmp_path / "file")
+    assert files.returncode == 0 and "bit-exact" in files.stdout, files.stderr
+    with open(pcap, "rb") as f:
+        redirected = replay("-", tmp_path / "redirected", stdin=f)
+    cat = subprocess.Popen(["cat", str(pcap)], stdout=subprocess.PIPE)
+    try:
+        piped = replay("-", tmp_path / "piped", stdin=cat.stdout)
+    finally:
+        cat.stdout.close()
+        cat.kill()
+        cat.wait(30)
+    expected = [line.replace(f"{pcap.stem}=", "stdin=") for line in _iterations(files)]
+    written = sorted(p.name for p in (tmp_path / "file").iterdir())
+    assert written
+    for r, out in ((redirected, "redirected"), (piped, "piped")):
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+        assert _iterations(r) == expected and _streams(r) == ["stdin"], r.stdout
+        assert written == sorted(p.name for p in (tmp_path / out).iterdir())
+        assert all(filecmp.cmp(tmp_path / "file" / n, tmp_path / out / n, shallow=False)
+                   for n in written if n.endswith(".pt"))
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect"])
+def test_stdin_a_terminal_is_refused(scenario, command):
+    """`-` with a terminal on stdin would wait for typed bytes: one line, exit 2, nothing read."""
+    import pty
+    master, slave = pty.openpty()
+    try:
+        args = ["--plan", scenario / "plan.json"] if command == "replay" else []
+        r = ckptd(command, *args, "-", stdin=slave, timeout=60)
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: -: stdin is a terminal"), r.stderr
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect"])
+def test_stdin_twice_is_refused(scenario, capsys, command):
+    args = ["--plan", scenario / "plan.json"] if command == "replay" else []
+    r = ckptd_main(capsys, command, *args, "-", _pcap0(scenario), "-")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: -: stdin given 2 times"), r.stderr
+
+
+def _copies(d: Path, src: Path, *names) -> list[Path]:
+    out = []
+    for n in names:
+        (d / n).parent.mkdir(parents=True, exist_ok=True)
+        (d / n).write_bytes(src.read_bytes())
+        out.append(d / n)
+    return out
+
+
+def test_stream_names_tell_the_streams_apart(scenario, tmp_path):
+    """A process substitution's /dev/fd/N was named by its fd number (`stream 63:`), and two
+    captures of one stem in two directories had one name between them: a /dev/fd path is
+    named by its position (streamK, from 1), clashing stems take their directories."""
+    pcap = _pcap0(scenario)
+    m0, m1 = _copies(tmp_path, pcap, "m0/mirror.pcap", "m1/mirror.pcap")
+    rd, wr = os.pipe()
+    cat = subprocess.Popen(["cat", str(pcap)], stdout=wr)
+    os.close(wr)
+    try:
+        r = ckptd("replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                  m0, f"/dev/fd/{rd}", m1, pass_fds=(rd,))
+    finally:
+        os.close(rd)
+        cat.kill()
+        cat.wait(30)
+    assert r.returncode == 0, r.stderr
+    assert _streams(r) == ["m0/mirror", "stream2", "m1/mirror"], r.stdout
+    assert "coverage[m0/mirror=100.00% stream2=100.00% m1/mirror=100.00%]" in _iterations(r)[0], r.stdout
+
+
+def test_stream_names_rules():
+    from ckptd.cli import _stream_names
+    from ckptd.core.streams import stream_names
+    assert stream_names(["a.pcap", "-", "/dev/fd/63", "/proc/self/fd/12", "/proc/4242/fd/3"]) == \
+        ["a", "stdin", "stream3", "stream4", "stream5"]
+    assert stream_names(["x/m/mirror.pcap", "y/m/mirror.pcap", "mirror.pcapng"]) == \
+        ["x/m/mirror", "y/m/mirror", "mirror"]
+    # what no directory tells apart: the later ones get #K (their position, from 1)
+    assert stream_names(["x.pcap", "./x.pcap", "stream3.pcap", "/dev/fd/9", "stdin.pcap", "-"]) == \
+        ["x", "x#2", "stream3", "stream4", "stdin", "stdin#6"]
+    assert _stream_names(["a.pcap", "b.pcap"], "left,right") == ["left", "right"]
+
+
+def test_names_override_the_stream_names(scenario, tmp_path, capsys):
+    pcap = _pcap0(scenario)
+    a, b = _copies(tmp_path, pcap, "a.pcap", "b.pcap")
+    r = ckptd("replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+              "--names", "left,right", a, b)
+    assert r.returncode == 0, r.stderr
+    assert _streams(r) == ["left", "right"] and "coverage[left=100.00% right=100.00%]" in r.stdout, r.stdout
+    r = ckptd_main(capsys, "inspect", "--json", "--names", "left,right", a, b)
+    assert r.returncode == 0, r.stderr
+    assert [fi["name"] for fi in json.loads(r.stdout)["files"]] == ["left", "right"]
+
+
+@pytest.mark.parametrize("command", ["replay", "inspect"])
+@pytest.mark.parametrize("names, message", [
+    ("left", "--names 'left': 1 name(s) for 2 capture(s)"),
+    ("left,right,more", "--names 'left,right,more': 3 name(s) for 2 capture(s)"),
+    ("left,", "--names 'left,': name 2 is empty"),
+    ("same,same", "--names 'same,same': 'same' is given twice"),
+    ("le ft,right", "--names 'le ft,right': name 1 ('le ft') has a blank"),
+])
+def test_bad_names_are_refused(scenario, tmp_path, capsys, command, names, message):
+    a, b = _copies(tmp_path, _pcap0(scenario), "a.pcap", "b.pcap")
+    args = ["--plan", scenario / "plan.json", "--init", scenario / "init.pt"] if command == "replay" else []
+    r = ckptd_main(capsys, command, *args, "--names", names, a, b)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: " + message), r.stderr
+
+
+def test_inspect_from_stdin(scenario):
+    """`ckptd inspect -` reads stdin as the file (the stream named stdin)."""
+    pcap = _pcap0(scenario)
+    with open(pcap, "rb") as f:
+        r = ckptd("inspect", "--json", "-", stdin=f, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (fi,) = json.loads(r.stdout)["files"]
+    whole = ckptd("inspect", "--json", pcap, timeout=60)
+    assert fi["name"] == "stdin" and fi["frames"] == json.loads(whole.stdout)["files"][0]["frames"] > 0
+
+
+def test_inspect_reads_a_pipe_once_for_its_tcp_conversations(tmp_path):
+    """inspect read the files a second time for the TCP conversations: a pipe's second read
+    is empty (and a FIFO's waits for a writer), so stdin's TCP went unlisted. Its TCP
+    frames are kept from the one read: the same conversations as the file's."""
+    from parsers.pcap import write_pcap
+    from tests.test_gloo import frame
+    pcap = tmp_path / "tcp.pcap"
+    write_pcap(pcap, [(1000 * k, frame(bytes([k]) * 100, 1 + 100 * k)) for k in range(5)])
+    whole = ckptd("inspect", "--json", pcap, timeout=60)
+    cat = subprocess.Popen(["cat", str(pcap)], stdout=subprocess.PIPE)
+    try:
+        piped = ckptd("inspect", "--json", "-", stdin=cat.stdout, timeout=60)
+    finally:
+        cat.stdout.close()
+        cat.wait(30)
+    assert whole.returncode == 0 and piped.returncode == 0, piped.stderr
+    tcp = json.loads(whole.stdout)["tcp"]
+    assert tcp and tcp[0]["segments"] == 5 and json.loads(piped.stdout)["tcp"] == tcp
 
 
 def test_the_kernel_indexes_up_to_a_record_longer_than_the_wire():

@@ -3,7 +3,7 @@
 inspect_captures(paths) reads every frame with parsers.capfile.open_capture, decodes
 it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as is):
 
-    files         per file: path, frames, roce_frames, icrc_valid, icrc_invalid,
+    files         per file: path, name (the stream's: ckptd.core.streams), frames, roce_frames, icrc_valid, icrc_invalid,
                   classes, linktypes, first/last timestamp, error (or None)
     frames        frames read, all files
     roce_frames   frames to UDP port 4791, whatever their class
@@ -184,16 +184,31 @@ def _empty_classes():
     return {c.value: 0 for c in FrameClass}
 
 
-def inspect_captures(paths) -> dict:
+def inspect_captures(paths, names: list[str] | None = None) -> dict:
+    """`names`: the streams' names (ckptd.core.streams.stream_names; by default theirs from the
+    paths). Each file is opened once: a pipe (stdin, `<(zcat x.pcap.gz)`) read a second
+    time for the TCP conversations was empty, or a FIFO waited for a writer for ever, so
+    a pipe's TCP frames are kept from the first pass."""
+    import os
+    import stat
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]
+    paths = [str(p) for p in paths]
+    if names is None:
+        from ckptd.core.streams import stream_names
+        names = stream_names(paths)
+    kept: dict[int, list] = {}   # stream -> its TCP frames, for a file that is no regular one
     files, errors = [], []
     flows: dict[tuple, _Flow] = {}
     opcodes = Counter()
     tcp_frames = 0
-    for path in paths:
-        path = str(path)
-        fi = {"path": path, "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
+    for k, path in enumerate(paths):
+        try:
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                kept[k] = []
+        except OSError:
+            pass  # open_capture below says why
+        fi = {"path": path, "name": names[k], "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
               "classes": _empty_classes(), "linktypes": {}, "first_ts_ns": None,
               "last_ts_ns": None, "error": None}
         files.append(fi)
@@ -209,6 +224,8 @@ def inspect_captures(paths) -> dict:
                 fi["classes"][d.cls.value] += 1
                 if not d.is_roce:
                     tcp_frames += 1
+                    if k in kept:
+                        kept[k].append(((fr.ts_ns or 0, k, fr.index), (k, fr)))
                     continue
                 fi["roce_frames"] += 1
                 if d.icrc_ok is True:
@@ -230,9 +247,14 @@ def inspect_captures(paths) -> dict:
 
     tcp = _Conversations()
     if tcp_frames:  # the files as mirror copies of one another, merged in capture-time order
+        import heapq
         from ckptd.pipeline import file_source
-        # the second pass over the files: their interfaces were warned of in the first
-        for k, fr in file_source([str(p) for p in paths], [], warn=lambda msg: None):
+        # the second pass over the regular files (their interfaces were warned of in the
+        # first), merged as file_source merges with the pipes' frames kept from the first
+        again = [k for k in range(len(paths)) if k not in kept]
+        reread = (((fr.ts_ns or 0, again[j], fr.index), (again[j], fr))
+                  for j, fr in file_source([paths[k] for k in again], [], warn=lambda msg: None))
+        for _, (k, fr) in heapq.merge(reread, *kept.values(), key=lambda x: x[0]):
             tcp.add(fr.data, fr.linktype, fr.origlen, k)
     classes = _empty_classes()
     for fi in files:
@@ -252,6 +274,11 @@ def inspect_captures(paths) -> dict:
     }
 
 
+def _stem(path: str) -> str:
+    from pathlib import Path
+    return Path(path).stem
+
+
 def _short_opcode(name: str) -> str:
     # "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE" -> "WRITE_LAST_IMM": keeps the table narrow
     return (name.replace("RDMA_", "").replace("_WITH_IMMEDIATE", "_IMM")
@@ -268,7 +295,8 @@ def format_inspect(result: dict) -> str:
     """Human-readable summary, like `tshark -z conv` for RoCE QPs and TCP/gloo."""
     out = []
     for fi in result["files"]:
-        line = (f"{fi['path']}: {fi['frames']} frames, {fi['roce_frames']} RoCEv2, "
+        named = "" if fi.get("name") in (None, _stem(fi["path"])) else f" (stream {fi['name']})"
+        line = (f"{fi['path']}{named}: {fi['frames']} frames, {fi['roce_frames']} RoCEv2, "
                 f"ICRC {fi['icrc_valid']} ok / {fi['icrc_invalid']} bad")
         out.append(line + (f"  ERROR: {fi['error']}" if fi["error"] else ""))
     out.append("")

@@ -949,3 +949,19 @@ def test_restore_refuses_another_ckptd_format_and_a_source_of_the_wrong_type(sce
         with pytest.raises(TypeError, match=r"^ckptd\.restore: source must be a str or os\.PathLike .*, not "
                            + type(source).__name__ + "$"):
             ckptd.restore(model, None, source)
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["whole", "parameters-only"])
+def test_verify_against_the_plan_of_another_model_is_refused(scenario, tmp_path, capsys, only):
+    """verify --plan read the plan only to name a trainer's entries: two checkpoints of
+    another model than the plan's (here the scenario's tiny one against a small model's
+    plan) were 'identical', exit 0, as if checked against that job. export --plan refuses
+    the same checkpoint; verify now checks each side as export does."""
+    other = tmp_path / "small"
+    synth(other, iterations=1, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16, model="small")
+    ckpt = scenario / "reference" / "iter_000000.pt"
+    r = ckptd_main(capsys, "verify", "--plan", other / "plan.json", *(["--parameters-only"] if only else []),
+                   ckpt, ckpt)
+    _one_line_error(r, str(ckpt), "the plan says float32")
+    ok = ckptd_main(capsys, "verify", "--plan", scenario / "plan.json", ckpt, ckpt)
+    assert ok.returncode == 0 and ok.stdout.startswith("identical"), ok.stderr

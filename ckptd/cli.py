@@ -393,7 +393,10 @@ def _verify_source(src: str, plan):
     from ckptd.recovery import body_limit_of, load_source
     names = plan.state_names if plan else None
     limit = body_limit_of(plan.state_bytes()) if plan else available_memory()
-    return load_source(src, names, limit=limit)[0]
+    ckpt, where, _ = load_source(src, names, limit=limit)
+    if plan is not None:  # as export: a checkpoint of another model is no state of the plan's job
+        plan.check_state(ckpt, where)  # (two of the same other model were "identical", exit 0)
+    return ckpt
 
 
 def cmd_verify(a) -> int:

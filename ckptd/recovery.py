@@ -72,6 +72,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
                         f"not {type(optimizer).__name__}")
     # a checkpoint names tensors as the plain model does; DDP's and torch.compile's
     # wrappers hold that model's very tensors under prefixed names
+    if not isinstance(source, (str, os.PathLike)):  # str() of None, 3 or b"..." named no file it was
+        raise TypeError(f"ckptd.restore: source must be a str or os.PathLike (a checkpoint file, directory "
+                        f"or URL), not {type(source).__name__}")
     model, _ = unwrap(model)
     names = [n for n, _ in model.named_parameters()]
     limit = body_limit(model)

@@ -1078,3 +1078,60 @@ def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, cap
     assert "past the 3 of the plan" in r.stderr
     ok = ckptd_main(capsys, *argv, "--init", d / "init.pt")
     assert ok.returncode == 0, ok.stderr
+
+
+def _other_version(scenario, tmp_path) -> Path:
+    """The scenario's checkpoint of iteration 0 as a later ckptd format would write it."""
+    doc = torch.load(scenario / "reference" / "iter_000000.pt", weights_only=True)
+    assert doc["format"] == "ckptd-checkpoint/1"
+    doc.update(format="ckptd-checkpoint/2", iteration=doc["iteration"] + 1)  # as steps done
+    torch.save(doc, tmp_path / "v2.pt")
+    return tmp_path / "v2.pt"
+
+
+@pytest.mark.parametrize("cmd", ["verify", "torch", "dcp", "safetensors"])
+def test_a_checkpoint_of_another_ckptd_format_is_refused(scenario, tmp_path, capsys, cmd):
+    """A file whose format names another ckptd version was read as a trainer's torch.save:
+    its iteration taken for steps done (one off: restored and exported as iteration 0,
+    `verify` against iteration 0 'identical'), or refused with an unrelated complaint
+    (which entries are parameters). Now one line naming the file and its format, and
+    export leaves nothing."""
+    v2 = _other_version(scenario, tmp_path)
+    out = tmp_path / "out"
+    argv = (["verify", v2, scenario / "reference" / "iter_000000.pt"] if cmd == "verify" else
+            ["export", "--format", cmd, "--out", out, v2])
+    r = ckptd_main(capsys, *argv)
+    _one_line_error(r, str(v2), "format is 'ckptd-checkpoint/2'; this ckptd reads 'ckptd-checkpoint/1'")
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["v2.pt"]
+
+
+def test_restore_refuses_another_ckptd_format_and_a_source_of_the_wrong_type(scenario, tmp_path):
+    """ckptd.restore of the file above restored iteration 0 as iteration 0 of a later
+    numbering without a word; a source of None, 3 or bytes was str()'d into a path
+    ('None: cannot read checkpoint: No such file or directory')."""
+    import ckptd
+    from ckptd.core.checkpoint import CheckpointError, load_checkpoint
+    v2 = _other_version(scenario, tmp_path)
+    with pytest.raises(CheckpointError, match=r"v2\.pt: format is 'ckptd-checkpoint/2'"):
+        load_checkpoint(v2, ["w"])
+    model = torch.nn.Linear(2, 2)
+    for source in (None, 3, os.fsencode(str(v2))):
+        with pytest.raises(TypeError, match=r"^ckptd\.restore: source must be a str or os\.PathLike .*, not "
+                           + type(source).__name__ + "$"):
+            ckptd.restore(model, None, source)
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["whole", "parameters-only"])
+def test_verify_against_the_plan_of_another_model_is_refused(scenario, tmp_path, capsys, only):
+    """verify --plan read the plan only to name a trainer's entries: two checkpoints of
+    another model than the plan's (here the scenario's tiny one against a small model's
+    plan) were 'identical', exit 0, as if checked against that job. export --plan refuses
+    the same checkpoint; verify now checks each side as export does."""
+    other = tmp_path / "small"
+    synth(other, iterations=1, ranks=2, channels=1, mirrors=1, bucket_cap_kb=16, model="small")
+    ckpt = scenario / "reference" / "iter_000000.pt"
+    r = ckptd_main(capsys, "verify", "--plan", other / "plan.json", *(["--parameters-only"] if only else []),
+                   ckpt, ckpt)
+    _one_line_error(r, str(ckpt), "the plan says float32")
+    ok = ckptd_main(capsys, "verify", "--plan", scenario / "plan.json", ckpt, ckpt)
+    assert ok.returncode == 0 and ok.stdout.startswith("identical"), ok.stderr

@@ -204,7 +204,12 @@ def as_checkpoint(doc, where, names: list[str] | None = None) -> dict:
     """What torch_load read (a file, an HTTP body) as a checked ckptd checkpoint: ckptd's
     own format as it is, a trainer's through ckptd.core.formats.from_torch_doc, then
     check_checkpoint either way, so every reader gets the one-line error naming the key."""
-    if not (isinstance(doc, dict) and doc.get("format") == CHECKPOINT_FORMAT):
+    fmt = doc.get("format") if isinstance(doc, dict) else None
+    if isinstance(fmt, str) and fmt.startswith("ckptd-") and fmt != CHECKPOINT_FORMAT:
+        # another version (or kind) of ckptd's own file: read as a trainer's, its
+        # iteration was taken for steps done (one off) or a confusing complaint followed
+        raise CheckpointError(f"{where}: format is {show(fmt)}; this ckptd reads {CHECKPOINT_FORMAT!r}")
+    if fmt != CHECKPOINT_FORMAT:
         from ckptd.core.formats import from_torch_doc
         doc = from_torch_doc(doc, where, names)
     return check_checkpoint(doc, where)

@@ -406,14 +406,13 @@ def cmd_verify(a) -> int:
     names = plan.state_names if plan else None
     first, second = (_verify_source(x, plan) for x in (a.a, a.b))
     if a.parameters_only:  # e.g. ckptd's file (no buffers) against the trainer's
-        # the parameters: the plan's, else the names of the file with fewer (ckptd's, no
-        # buffers). Not the names both hold: two models with none in common were
-        # "identical" (every entry dropped), and a parameter missing from one went unseen.
-        fewer = min((set(first["model"]), set(second["model"])), key=len)
-        keep = set(names or []) or fewer
-        if not keep & (set(first["model"]) | set(second["model"])):
-            why = "neither checkpoint holds a parameter of the plan" if names else "a checkpoint holds no model entry"
-            raise UsageError(f"--parameters-only: {why}: nothing to compare")
+        # the parameters: the plan's (both files hold them all: _verify_source), else the
+        # names of the file with fewer (ckptd's, no buffers). Not the names both hold: two
+        # models with none in common were "identical" (every entry dropped), and a
+        # parameter missing from one went unseen.
+        keep = set(names or []) or min((set(first["model"]), set(second["model"])), key=len)
+        if not keep:
+            raise UsageError("--parameters-only: a checkpoint holds no model entry: nothing to compare")
         for doc in (first, second):
             doc["model"] = {n: t for n, t in doc["model"].items() if n in keep}
     diffs = diff_checkpoints(first, second, limit=a.limit)
@@ -978,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")
     v.add_argument("a", type=_path)
     v.add_argument("b", type=_path)
-    v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list")
+    v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list (0: all)")
     v.add_argument("--plan", type=_path, help="the plan: names the parameters of a trainer's file that "
                    "does not say which model entries they are")
     v.add_argument("--parameters-only", action="store_true",

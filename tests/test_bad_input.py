@@ -600,6 +600,13 @@ ARG_CASES = [
                                                 "--plan", _plan(d, _bigger_first, "bigger")], "the plan says"),
     ("export-over-itself", lambda d: ["export", _init(d, "copy", lambda doc: None), "--format", "torch", "--out",
                                       d / "init-copy.pt"], "is the checkpoint being exported"),  # it was replaced, exit 0
+    # every format alike into an existing directory (DCP made the missing ones; the files
+    # named a temporary "x.tmp" the user never gave)
+    *[(f"export-{fmt}-{case}", lambda d, fmt=fmt, where=where: [
+        "export", d / "init.pt", "--format", fmt, "--out", d / where / f"x.{fmt}"], f"{why} (the export is written")
+      for fmt in ("torch", "safetensors", "dcp")
+      for case, where, why in (("dir-missing", "no-dir", "no-dir does not exist"),
+                               ("file-in-the-way", "plan.json", "plan.json is not a directory"))],
     ("out-empty", lambda d: ["replay", "--plan", d / "plan.json", "--out", "", _pcap0(d)], "--out: an empty path"),
     ("capture-a-directory", lambda d: ["replay", "--plan", d / "plan.json", d / "mirrors"], "a directory"),
     ("capture-a-device", lambda d: ["replay", "--plan", d / "plan.json", _pcap0(d), "/dev/null"],

@@ -311,6 +311,12 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
         raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
     if fmt != "dcp" and out.is_dir():
         raise CheckpointError(f"{out}: is a directory; --format {fmt} writes a file")
+    # into a directory that is there, for every format alike (DCP made the missing ones,
+    # the files said "cannot create x.tmp": a name the user never gave)
+    parent = out.parent
+    if not parent.is_dir():
+        why = "is not a directory" if parent.exists() or parent.is_symlink() else "does not exist"
+        raise CheckpointError(f"{out}: {parent} {why} (the export is written into an existing directory)")
     names = plan.state_names if plan is not None else list(ckpt["model"])
     if fmt == "safetensors":
         from safetensors.torch import save

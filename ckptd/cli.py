@@ -305,6 +305,7 @@ def cmd_inspect(a) -> int:
     stderr when any file was missing, empty or broken (the table says which)."""
     from ckptd.tools.inspect import format_inspect, inspect_captures
     paths = _stdin_capture(a.pcap)
+    _distinct_captures(paths, kinds=False)
     res = inspect_captures(paths, _stream_names(paths, a.names))
     if a.json:
         print(json.dumps(res, indent=1, default=str))
@@ -357,31 +358,31 @@ def _given_names(text: str, count: int) -> list[str]:
     return names
 
 
-def _distinct_captures(paths: list[str]) -> None:
+def _distinct_captures(paths: list[str], kinds: bool = True) -> None:
     """One capture per stream: the same file (or FIFO) twice would be read twice, and a
-    FIFO opened twice blocks. Checked on the paths' identities, not their spelling."""
+    FIFO opened twice blocks. Checked on the paths' identities, not their spelling.
+    `kinds`: each must also be there and be a capture (inspect leaves those to its table)."""
     import os
     import stat
+    from parsers.capfile import capture_format, not_a_capture
     seen: dict[tuple[int, int], str] = {}
     for p in paths:
         try:
             st = os.stat(p)
         except OSError as e:
+            if not kinds:
+                continue
             raise UsageError(f"{p}: {e.strerror}") from None
         key = (st.st_dev, st.st_ino)
         if key in seen:
             raise UsageError(f"{p}: the same capture as {seen[key]}: give each stream once")
         seen[key] = p
+        if not kinds:
+            continue
+        if why := not_a_capture(p, st):
+            raise UsageError(why)
         if stat.S_ISREG(st.st_mode):  # not a FIFO: its first bytes would be gone
-            from parsers.capfile import capture_format
             capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
-        elif stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"{p}: a directory, not a capture file")
-        elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-            # read as a stream, /dev/null was an empty capture: a warning and exit 0 (a
-            # FIFO, `<(cat x.pcap)`, is a stream and stays one)
-            kind = "character" if stat.S_ISCHR(st.st_mode) else "block"
-            raise UsageError(f"{p}: a {kind} device, not a capture file")
 
 
 def _verify_source(src: str, plan):

@@ -23,6 +23,18 @@ def capture_format(path) -> str:
         return _sniff(f.read(24), path)
 
 
+def not_a_capture(path, st: os.stat_result | None = None) -> str | None:
+    """Why the file at `path` can hold no capture by its kind alone (a directory, a
+    device: /dev/null read as a stream was an empty capture, a warning and exit 0), or
+    None. A FIFO or `<(zcat x.pcap.gz)` is a stream, and one."""
+    mode = (st or os.stat(path)).st_mode
+    if stat.S_ISDIR(mode):
+        return f"{path}: a directory, not a capture file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return f"{path}: a {'character' if stat.S_ISCHR(mode) else 'block'} device, not a capture file"
+    return None
+
+
 def _sniff(head: bytes, path) -> str:
     """capture_format of the file whose first (up to) 24 bytes are `head`."""
     if is_pcap(head):
@@ -58,6 +70,8 @@ def open_capture(path, warn=None) -> Iterator[CapturedFrame]:
     Structural damage raises CaptureError naming the file and frame/block number; it
     is raised when reached, after the good frames before it have been yielded.
     """
+    if why := not_a_capture(path):
+        raise CaptureError(why)
     with open(path, "rb") as f:
         # sniffed from the file being read, then given back to the reader: of a pipe
         # (`<(zcat x.pcap.gz)`, a FIFO) a second open would start past those bytes

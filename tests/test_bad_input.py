@@ -658,6 +658,13 @@ ARG_CASES = [
     ("verify-garbage", lambda d: ["verify", _capture(d, "garbage"), d / "init.pt"], "cannot read checkpoint"),
     ("unknown-command", lambda d: ["frobnicate"], "invalid choice"),
     ("unknown-option", lambda d: ["inspect", "--colour", _pcap0(d)], "--colour"),
+    # as replay says them (inspect printed "[Errno 21] Is a directory: ...", and read a
+    # device as an empty stream: "first bytes none")
+    ("inspect-a-directory", lambda d: ["inspect", d / "mirrors"], "mirrors: a directory, not a capture file"),
+    ("inspect-a-device", lambda d: ["inspect", _pcap0(d), "/dev/null"],
+     "/dev/null: a character device, not a capture file"),
+    # a FIFO given twice waited for a second writer for ever
+    ("inspect-fifo-twice", lambda d: ["inspect", _fifo(d), _fifo(d)], "the same capture as"),
     ("run-config-missing", lambda d: ["run", "--config", d / "nope.yaml"], "nope.yaml"),
     ("risk-ring-huge", lambda d: ["mirror-risk", "--mirrors", "2", "--loss", "0.1", "--ring", "100000000",
                                   "--packets", "10"], "--ring N (2..65536)"),  # it ran out of memory

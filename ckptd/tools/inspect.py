@@ -34,7 +34,11 @@ known contribute to flows (an unknown opcode's "dest QP" is not one).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from collections import Counter
+from pathlib import Path
 
 from ckptd.core.psn import psn_diff
 from ckptd.transports.gloo.framing import OPCODE_NAMES, SLOT_PREFIXES, GlooFramer
@@ -189,8 +193,6 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
     paths). Each file is opened once: a pipe (stdin, `<(zcat x.pcap.gz)`) read a second
     time for the TCP conversations was empty, or a FIFO waited for a writer for ever, so
     a pipe's TCP frames are kept from the first pass."""
-    import os
-    import stat
     if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
         paths = [paths]
     paths = [str(p) for p in paths]
@@ -203,11 +205,9 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
     opcodes = Counter()
     tcp_frames = 0
     for k, path in enumerate(paths):
-        try:
+        with contextlib.suppress(OSError):  # (open_capture below says why)
             if not stat.S_ISREG(os.stat(path).st_mode):
                 kept[k] = []
-        except OSError:
-            pass  # open_capture below says why
         fi = {"path": path, "name": names[k], "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
               "classes": _empty_classes(), "linktypes": {}, "first_ts_ns": None,
               "last_ts_ns": None, "error": None}
@@ -274,11 +274,6 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
     }
 
 
-def _stem(path: str) -> str:
-    from pathlib import Path
-    return Path(path).stem
-
-
 def _short_opcode(name: str) -> str:
     # "RC_RDMA_WRITE_LAST_WITH_IMMEDIATE" -> "WRITE_LAST_IMM": keeps the table narrow
     return (name.replace("RDMA_", "").replace("_WITH_IMMEDIATE", "_IMM")
@@ -295,7 +290,7 @@ def format_inspect(result: dict) -> str:
     """Human-readable summary, like `tshark -z conv` for RoCE QPs and TCP/gloo."""
     out = []
     for fi in result["files"]:
-        named = "" if fi.get("name") in (None, _stem(fi["path"])) else f" (stream {fi['name']})"
+        named = "" if fi.get("name") in (None, Path(fi["path"]).stem) else f" (stream {fi['name']})"
         line = (f"{fi['path']}{named}: {fi['frames']} frames, {fi['roce_frames']} RoCEv2, "
                 f"ICRC {fi['icrc_valid']} ok / {fi['icrc_invalid']} bad")
         out.append(line + (f"  ERROR: {fi['error']}" if fi["error"] else ""))

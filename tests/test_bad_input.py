@@ -163,7 +163,7 @@ PLAN_CASES = [
                                                             "arg": {}}),
      "optimizer.lr_scheduler: unknown keys ['arg']"),
     ("allreduce-key-typo", _set("collectives", {"before": [{"count": 4, "dtype": "float32", "root": 0}]}),
-     "collectives.before[0]: key 'root' is not one of op, count, dtype (an allreduce)"),
+     "collectives.before[0]: unknown keys ['root'] (known: op, count, dtype)"),
     ("not-json", "{nope", "cannot read plan"),
     ("a-list", "[1, 2]", "must be an object"),
     ("deep", "[" * 100000 + "]" * 100000, "plan"),

@@ -293,7 +293,7 @@ def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
     grads = [k for k, b in enumerate(order) if b >= 0]
     assert set(order[:grads[0]]) == {-1} and set(order[grads[-1] + 1:]) == {-2}
     assert all(order[k] >= 0 for k in range(grads[0], grads[-1] + 1))
-    for bad, msg in [({"during": []}, "collectives: key .during. is not one of"),
+    for bad, msg in [({"during": []}, "collectives: unknown keys \\['during'\\]"),
                      ({"after": [{"op": "gather", "count": 5}]}, r"collectives.after\[0\].op 'gather'"),
                      ({"start": [{"count": 0}]}, r"collectives.start\[0\].count"),
                      ({"before": [{"count": 4, "dtype": "complex64"}]}, r"collectives.before\[0\].dtype"),
@@ -393,7 +393,7 @@ def test_broadcast_in_the_plan_round_trips_and_bad_entries_name_the_key():
                      ({"start": [{"op": "broadcast", "count": 5, "root": 2}]}, r"collectives.start\[0\].root 2"),
                      ({"start": [{"op": "broadcast", "count": 5, "root": -1}]}, r"collectives.start\[0\].root"),
                      ({"after": [{"op": "broadcast", "count": 5, "root": 0, "src": 1}]},
-                      r"collectives.after\[0\]: key 'src' is not one of"),
+                      r"collectives.after\[0\]: unknown keys \['src'\]"),
                      ({"before": [{"op": "broadcast", "count": 0, "root": 0}]}, r"collectives.before\[0\].count"),
                      ({"before": [{"op": "bcast", "count": 1}]}, r"collectives.before\[0\].op 'bcast'")]:
         with pytest.raises(PlanError, match=msg) as e:
@@ -486,7 +486,7 @@ def test_allgather_in_the_plan_round_trips_and_bad_entries_name_the_key():
     bare = plan_from_json({**doc, "collectives": {"after": doc["collectives"]["after"]}})
     assert plan._send_base(1) != bare._send_base(1)
     for bad, msg in [({"start": [{"op": "allgather", "count": 1, "root": 0}]},
-                      r"collectives.start\[0\]: key 'root' is not one of op, count, dtype \(an allgather\)"),
+                      r"collectives.start\[0\]: unknown keys \['root'\] \(known: op, count, dtype\)"),
                      ({"start": [{"op": "allgather", "count": 0}]}, r"collectives.start\[0\].count"),
                      ({"after": [{"op": "allgather"}]}, r"collectives.after\[0\] is missing 'count'"),
                      ({"before": [{"op": "allgather", "count": 2, "dtype": "int4"}]}, r"collectives.before\[0\].dtype"),

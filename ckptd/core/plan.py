@@ -1632,9 +1632,7 @@ def _collectives(doc: "_Doc") -> dict:
     if doc.get("collectives") is None:
         return {}
     c = doc.obj("collectives")
-    for k in c.d:
-        if k not in COLLECTIVE_WHEN:
-            raise PlanError(f"collectives: key {_short(k)} is not one of {', '.join(COLLECTIVE_WHEN)}")
+    c.only(COLLECTIVE_WHEN)
     out = {}
     for when in COLLECTIVE_WHEN:
         entries = []
@@ -1644,11 +1642,7 @@ def _collectives(doc: "_Doc") -> dict:
             if op not in COLLECTIVE_OPS:
                 raise PlanError(f"collectives.{when}[{i}].op {op!r}: one of {', '.join(COLLECTIVE_OPS)} "
                                 "(docs/NCCL.md section 4a)")
-            for k in e.d:
-                keys = ("op", "count", "dtype", "root") if op == "broadcast" else ("op", "count", "dtype")
-                if k not in keys:
-                    raise PlanError(f"collectives.{when}[{i}]: key {_short(k)} is not one of "
-                                    f"{', '.join(keys)} (a{'n' if op[0] == 'a' else ''} {op})")
+            e.only(("op", "count", "dtype", "root") if op == "broadcast" else ("op", "count", "dtype"))
             count, dtype = e.int("count", 1, MAX_BUCKET_ELEMENTS, required=True), e.str("dtype", "float32", DTYPES)
             if op == "broadcast":
                 entries.append((count, dtype, op, e.int("root", 0, MAX_RANKS - 1, required=True)))

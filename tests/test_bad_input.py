@@ -14,10 +14,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
+import shutil
 import time
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1149,3 +1152,50 @@ def test_verify_against_the_plan_of_another_model_is_refused(scenario, tmp_path,
     _one_line_error(r, str(ckpt), "the plan says float32")
     ok = ckptd_main(capsys, "verify", "--plan", scenario / "plan.json", ckpt, ckpt)
     assert ok.returncode == 0 and ok.stdout.startswith("identical"), ok.stderr
+
+
+class _Mkdir:
+    """Pickles as a call of os.mkdir(path): whoever unpickles it makes the directory."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("where", ["metadata", "entry", "torch-save"])
+def test_a_checkpoint_runs_no_code_it_holds(scenario, tmp_path, capsys, where):
+    """A DCP directory was code anyone who could write one ran in ckptd (verify, export,
+    --init, ckptd.restore): DCP pickle.load-s its .metadata and torch.load-s each
+    non-tensor entry with weights_only=False, where a torch.save file is read
+    weights_only. Now .metadata may name only DCP's metadata classes and every entry must
+    be plain data: one line naming the global, and nothing run. A torch.save file said
+    only "Weights only load failed" (torch 2.13 words the reason apart): now the global."""
+    import torch.distributed.checkpoint as dcp
+    marker = tmp_path / "ran"
+    ref = scenario / "reference" / "iter_000000.pt"
+    if where == "torch-save":
+        bad = tmp_path / "bad.pt"
+        torch.save({"model": _Mkdir(marker)}, bad)
+    else:
+        good = tmp_path / "good"
+        assert ckptd_main(capsys, "export", ref, "--format", "dcp", "--out", good).returncode == 0
+        assert ckptd_main(capsys, "verify", good, ref).returncode == 0  # DCP itself still reads
+        bad = tmp_path / "bad"
+        if where == "metadata":
+            shutil.copytree(good, bad)
+            (bad / ".metadata").write_bytes(pickle.dumps(_Mkdir(marker)))
+        else:
+            doc = torch.load(ref, weights_only=True)
+            doc["extra"] = _Mkdir(marker)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+                dcp.save(doc, checkpoint_id=str(bad))
+    message = {"metadata": ".metadata: it names posix.mkdir, no part of DCP's metadata",
+               "entry": "entry extra: not loadable as tensors and plain containers (weights_only): "
+                        "Trying to load unsupported GLOBAL posix.mkdir",
+               "torch-save": "not loadable as tensors and plain containers (weights_only): "
+                             "Trying to load unsupported GLOBAL posix.mkdir"}[where]
+    _one_line_error(ckptd_main(capsys, "verify", bad, ref), str(bad), message)
+    assert not marker.exists()

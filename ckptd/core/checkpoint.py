@@ -194,6 +194,11 @@ def load_failure(e: BaseException) -> str:
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation of torch.load")[0]
         text = "not loadable as tensors and plain containers (weights_only): " + text.strip().split(". ")[0]
+    elif text.startswith("Weights only load failed"):
+        # torch 2.13: the advice, then the reason as a paragraph of its own ("Trying to load
+        # unsupported GLOBAL posix.mkdir ..."), then where the documentation is
+        reason = next((p for p in text.split("\n\n")[1:] if p.strip() and "documentation" not in p), "")
+        text = "not loadable as tensors and plain containers (weights_only): " + reason.strip().split(". ")[0]
     else:
         text = text.split(". ")[0]
     text = " ".join(text.split())[:200].rstrip(".")

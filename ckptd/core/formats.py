@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import stat
 import re
 import shutil
@@ -183,13 +184,78 @@ def _steps(doc: dict, optimizer: dict | None, where: str) -> int:
     return said if said is not None else (taken if taken is not None else 0)
 
 
+# What a DCP directory's .metadata is made of (torch.distributed.checkpoint.metadata and
+# filesystem, torch 2.13): the classes its unpickling may name, and nothing else.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "StorageMeta", "MetadataIndex", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in _DCP_METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, no part of DCP's metadata (not run)")
+
+
+class _WeightsOnlyBytes:
+    """A load planner whose non-tensor entries pass torch's weights_only unpickler before
+    the planner's own load_bytes (torch.load(weights_only=False)) reads the same bytes."""
+
+    def __init__(self, planner):
+        self._planner = planner
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value):
+        try:
+            torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn}: {load_failure(e)}") from None
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+
+def _checked_reader(path: Path):
+    """DCP's file-system reader, with what it unpickles checked. Unchecked, a DCP
+    directory is code anyone who can write one runs in ckptd (`.metadata` is pickle.load-ed,
+    each non-tensor entry torch.load-ed with weights_only=False), where a torch.save file
+    is read weights_only: so .metadata may name only the classes DCP metadata is made of,
+    and every non-tensor entry must be plain data."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            # as FileSystemReader.read_metadata leaves it: the storage meta carries this load's id
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan, planner):
+            return super().read_data(plan, _WeightsOnlyBytes(planner))
+
+    return CheckedReader(str(path))
+
+
 def _load_dcp(path: Path) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
     try:
         with warnings.catch_warnings(), _quiet_dcp():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-            return _load_state_dict_from_keys(checkpoint_id=str(path))
+            return _load_state_dict_from_keys(storage_reader=_checked_reader(path))
     except (Exception, CheckpointException) as e:  # the latter a BaseException, per rank
         raise CheckpointError(f"{path}: cannot read DCP checkpoint: {_dcp_why(e)}") from None
 

@@ -8,6 +8,9 @@ torch.optim.AdamW(fused=True).step() and through ckptd.core.optim.step_groups wi
 plan's three implementations (fused, foreach, for-loop). Each step is timed alone, the
 variants interleaved, best of --reps. Reported as million parameters per second and as
 a ratio to torch's fused AdamW (the target for the shadow's fused step is >= 0.9x).
+Below the table: what the shadow's check for NaN and inf after each step costs
+(ckptd.core.finite, over the same parameters), against torch.isfinite(t).all(), as a
+share of the fused step.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import time
 import torch
 
 from benchmarks.machine import machine
+from ckptd.core.finite import first_nonfinite
 from ckptd.core.optim import full_groups, init_state, step_groups
 from ckptd.core.plan import Optimizer
 
@@ -61,6 +65,9 @@ def main():
         state = [init_state(o.kind, p, hyper) for p in params]
         runs[f"step_groups {impl}"] = (lambda params=params, state=state, hyper=hyper:
                                        step_groups("adamw", params, grads, state, hyper))
+    named = [(str(i), p.detach()) for i, p in enumerate(t_params)]
+    runs["finite check (ckptd.core.finite)"] = lambda: first_nonfinite(named)
+    runs["torch.isfinite(t).all()"] = lambda: all(bool(torch.isfinite(t).all()) for _, t in named)
     for fn in runs.values():  # warm up: lazy state, first-touch pages
         fn()
     best = {k: float("inf") for k in runs}
@@ -72,8 +79,13 @@ def main():
     ref = best["torch AdamW fused"]
     print("| optimizer | ms / step | M params/s | x torch fused AdamW |")
     print("|---|---|---|---|")
+    checks = [k for k in best if not k.startswith(("torch AdamW", "step_groups"))]
     for k, t in best.items():
-        print(f"| {k} | {t * 1e3:.1f} | {n / t / 1e6:.0f} | {ref / t:.2f} |")
+        if k not in checks:
+            print(f"| {k} | {t * 1e3:.1f} | {n / t / 1e6:.0f} | {ref / t:.2f} |")
+    step = best["step_groups fused"]
+    for k in checks:
+        print(f"{k}: {best[k] * 1e3:.1f} ms, {100 * best[k] / step:.1f}% of a step_groups fused step")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ def print_iteration(names: list[str]):
         exact = "" if rep.exact is None else ("  bit-exact" if rep.exact else "  NOT bit-exact")
         line = (f"iteration {rep.iteration:>4}: {rep.status:<14} packets={rep.packets} "
                 f"grad_bytes={rep.grad_bytes} coverage[{cov}] loss[{loss}]{exact}")
+        if rep.nonfinite:
+            line += f"  NaN/inf in {rep.nonfinite}"
         if rep.note:
             line += f"  ({rep.note.strip()})"
         print(line, flush=True)
@@ -262,6 +264,12 @@ def cmd_replay(a) -> int:
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
+    diverged = next((r for r in reps if r.ok and r.nonfinite), None)
+    if diverged is not None:
+        good = [r.iteration for r in reps if r.ok and not r.nonfinite and r.iteration < diverged.iteration]
+        print(f"warning: the job diverged: its parameters hold NaN or inf from iteration {diverged.iteration} on "
+              f"(first: {diverged.nonfinite}); the newest finite state committed is "
+              + (f"iteration {good[-1]}" if good else "none of this replay's"), file=sys.stderr)
     frames = sum(cls.get("frames", 0) for cls in pipe.classes)
     if nothing_joined:  # it was a warning ("no iteration joined") and the error below, two lines
         option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
@@ -842,8 +850,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "inf/nan gradients are skipped and the scale backs off")
     s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=2000)
     s.add_argument("--inf-at", type=_ranged(int, 0, 10_000), action="append", default=[], metavar="ITER",
-                   help="put an inf into rank 0's gradient at iteration ITER, as an fp16 overflow would "
-                        "(needs --amp: the step is skipped); repeatable")
+                   help="put an inf into rank 0's gradient at iteration ITER, as an fp16 overflow would: "
+                        "with --amp the step is skipped, without it the job steps it and diverges (NaN "
+                        "weights from then on); repeatable")
     s.add_argument("--comm-hook", choices=["allreduce", "fp16_compress", "bf16_compress"], default="allreduce",
                    help="DDP's comm hook: the compression hooks put fp16/bf16 on the wire and the ring "
                         "reduces in that dtype")

@@ -191,6 +191,8 @@ class IterationReport:
     write_seconds: float | None = None
     persisted: bool | None = None  # committed, and its checkpoint file written (None: no --out)
     through: int | None = None  # not-captured: the last iteration of the gap
+    # committed: the first parameter holding NaN or inf (the job diverged; ckptd.core.finite)
+    nonfinite: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -672,6 +674,7 @@ class Pipeline:
             rep.note = "without module buffers (not captured on this transport)"
         if asm.last_packet:  # the shadow now holds iteration it exactly
             rep.commit_lag = time.monotonic() - asm.last_packet
+        rep.nonfinite = self.shadow.nonfinite
         for hook in self.on_commit:  # e.g. the daemon's memory tier copying the state
             job = partial(hook, it, self.shadow.model_state(copy=False), self.shadow.optimizer_state(copy=False))
             if self._bucketwise():

@@ -33,6 +33,7 @@ import torch
 
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
                                    load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
+from ckptd.core.finite import first_nonfinite
 from ckptd.core.wrappers import unwrap
 from ckptd.errors import show
 
@@ -47,6 +48,9 @@ class Restored:
     buffers_not_restored: list[str] = field(default_factory=list)  # the checkpoint lacks them (not captured)
     seconds: float = 0.0
     bytes: int = 0
+    # the first parameter holding NaN or inf: the job had diverged by this state
+    # (ckptd.core.finite; docs/DAEMON.md "A job that diverges")
+    nonfinite: str | None = None
 
     @property
     def step(self) -> int:
@@ -97,7 +101,12 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         _load_scheduler(scheduler, optimizer, ckpt)
     if missing_buffers:
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
-    return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes)
+    nonfinite = first_nonfinite(model.named_parameters())
+    if nonfinite:
+        log.warning("%s: %s holds NaN or inf: the job had diverged by iteration %d; a checkpoint from before "
+                    "is the one to resume from (the daemon's retention keeps the newest finite one, "
+                    "/status checkpoints.newest_finite)", src, nonfinite, int(ckpt["iteration"]))
+    return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes, nonfinite)
 
 
 def body_limit(model: torch.nn.Module) -> int:

@@ -58,3 +58,12 @@ def busy(seconds: float):
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+def drain_writer(tier):
+    """Wait until a persistence tier's writer has nothing in hand (at most 5 s)."""
+    for _ in range(500):
+        if tier.idle():
+            return
+        time.sleep(0.01)
+    raise AssertionError("writer did not finish")

@@ -19,19 +19,13 @@ from ckptd.core.manifest import newest_verified, read_manifest, verify_checkpoin
 from ckptd.live.memory_tier import HeldState
 from ckptd.live.persist import PersistTier
 
+from helpers import drain_writer
+
 
 def held(it: int, n: int = 1000) -> HeldState:
     model = {"w": torch.full((n,), float(it)), "b": torch.arange(7, dtype=torch.float32) + it}
     opt = {"lr": 0.1, "state": {"w": {"step": torch.tensor(float(it + 1)), "exp_avg": torch.full((n,), it / 2)}}}
     return HeldState(it, model, opt, time.time(), 0.0)
-
-
-def drain(tier):
-    for _ in range(500):
-        if tier.idle():
-            return
-        time.sleep(0.01)
-    raise AssertionError("writer did not finish")
 
 
 def test_every_n_iterations_manifest_and_retention(tmp_path):
@@ -40,7 +34,7 @@ def test_every_n_iterations_manifest_and_retention(tmp_path):
     for it in range(11):
         if tier.offer(held(it)):
             handed.append(it)
-        drain(tier)
+        drain_writer(tier)
     tier.close(held(10))
     assert handed == [0, 3, 6, 9]
     man = read_manifest(tmp_path)
@@ -62,7 +56,7 @@ def test_offline_recovery_reads_a_tiers_manifest_without_the_live_package(tmp_pa
     tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=None, keep_every=None)
     for it in range(3):
         tier.offer(held(it))
-        drain(tier)
+        drain_writer(tier)
     tier.close(held(2))
     code = ("import sys, pathlib\n"
             "from ckptd.recovery import newest_at_url, newest_in\n"
@@ -81,7 +75,7 @@ def test_interval_and_a_tampered_file_is_named(tmp_path):
     tier = PersistTier(tmp_path, every=None, interval_s=10, keep_last=None, keep_every=None,
                        clock=lambda: now[0])
     assert tier.offer(held(0))
-    drain(tier)
+    drain_writer(tier)
     assert not tier.offer(held(1))
     now[0] = 10.5
     assert tier.offer(held(2))
@@ -134,7 +128,8 @@ SUPERVISOR = r"""
 import os, sys, time
 sys.path.insert(0, sys.argv[2])
 from ckptd.live.persist import PersistTier
-from test_persist import drain, held
+from helpers import drain_writer
+from test_persist import held
 out = sys.argv[1]
 for line in sys.stdin:
     start = int(line)
@@ -145,7 +140,7 @@ for line in sys.stdin:
             it = start
             while True:  # persist every iteration, for ever (until killed)
                 tier.offer(held(it, 200_000))
-                drain(tier)
+                drain_writer(tier)
                 it += 1
         finally:
             os._exit(1)

@@ -25,6 +25,8 @@ from ckptd.core.manifest import MANIFEST, newest_verified, read_manifest, verify
 from ckptd.live.persist import PersistTier
 from ckptd.recovery import newest_at_url
 
+from helpers import drain_writer
+
 
 class _Net(torch.nn.Module):
     def __init__(self):
@@ -53,14 +55,6 @@ def _trained(steps: int):
     return model, opt, held
 
 
-def _drain(tier):
-    for _ in range(500):
-        if tier.idle():
-            return
-        time.sleep(0.01)
-    raise AssertionError("writer did not finish")
-
-
 def _target(kind: str, tmp_path, request) -> tuple[str, dict | None]:
     """A fresh store of that kind: its URL and storage options."""
     if kind == "s3":
@@ -77,7 +71,7 @@ def test_entries_verify_and_restore_from_the_url_is_bit_identical(kind, tmp_path
                        options=options)
     for h in held:
         tier.offer(h)
-        _drain(tier)
+        drain_writer(tier)
     tier.close(held[-1])
     store = Store(url, options)
     assert store.local == (kind == "file")
@@ -116,7 +110,7 @@ def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(kind, tmp
     _, _, held = _trained(3)
     tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
     tier.offer(held[0])
-    _drain(tier)
+    drain_writer(tier)
     # iteration 1's object is written, then the process dies before the manifest
     real = tier._write_manifest
 
@@ -177,7 +171,7 @@ def test_a_crash_between_object_and_manifest_leaves_the_previous_entry(kind, tmp
     assert newest_verified(store)[1]["iteration"] == 0
     # the next start lists only what is there whole; a later write lists 2 and keeps 0
     tier2.offer(held[2])
-    _drain(tier2)
+    drain_writer(tier2)
     tier2.close()
     assert [e["iteration"] for e in read_manifest(store)["checkpoints"]] == [0, 2]
     assert newest_verified(store)[1]["iteration"] == 2
@@ -190,7 +184,7 @@ def test_a_tampered_object_is_skipped_for_the_one_before(kind, tmp_path, request
     tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
     for h in held:
         tier.offer(h)
-        _drain(tier)
+        drain_writer(tier)
     tier.close()
     store = Store(url, options)
     store.fs.pipe_file(store._key(checkpoint_name(1)), store.read(checkpoint_name(1))[:-10] + b"0" * 10)
@@ -226,9 +220,9 @@ def test_a_failing_store_is_retried_with_back_off_and_reported_in_one_line(tmp_p
     tier.store._fs = flaky
     caplog.set_level(logging.WARNING, logger="ckptd")
     tier.offer(held[0])
-    _drain(tier)
+    drain_writer(tier)
     tier.offer(held[1])  # within the back-off: not tried
-    _drain(tier)
+    drain_writer(tier)
     st = tier.status()
     assert flaky.tries == 1 and st["state"] == "failing" and st["write_failures"] == 1
     assert st["newest_not_persisted"] == 1 and st["retry_in_s"] == BACKOFF_FIRST_S
@@ -239,7 +233,7 @@ def test_a_failing_store_is_retried_with_back_off_and_reported_in_one_line(tmp_p
     flaky.failing = False
     now[0] += BACKOFF_FIRST_S
     tier.offer(held[2])
-    _drain(tier)
+    drain_writer(tier)
     tier.close()
     assert tier.status()["state"] == "ok" and tier.status()["last_persisted"] == 2
     assert newest_verified(url)[1]["iteration"] == 2
@@ -254,7 +248,7 @@ def test_credentials_never_shown(tmp_path, caplog):
     tier = PersistTier("ftp://alice:s3cret@127.0.0.1:1/ck", every=1, interval_s=None,
                        keep_last=None, keep_every=None)
     tier.offer(held[0])
-    _drain(tier)
+    drain_writer(tier)
     tier.close()
     st = tier.status()
     assert st["state"] == "failing" and st["store"] == "ftp://***@127.0.0.1:1/ck"
@@ -327,7 +321,7 @@ def test_a_missing_bucket_is_one_line_naming_the_url(s3, caplog, monkeypatch):
     # the daemon's tier: reported at start and at each write, never created, never a traceback
     tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=s3.options)
     tier.offer(held[0])
-    _drain(tier)
+    drain_writer(tier)
     tier.close()
     st = tier.status()
     assert st["state"] == "failing" and st["write_failures"] == 1
@@ -359,17 +353,17 @@ def test_a_server_that_is_down_is_retried_and_reported_in_one_line(s3, tmp_path,
     tier = PersistTier(url, every=1, interval_s=None, keep_last=None, keep_every=None, options=options)
     tier.keeper.clock = lambda: now[0]
     tier.offer(held[0])
-    _drain(tier)
+    drain_writer(tier)
     assert tier.status()["state"] == "ok" and tier.status()["last_persisted"] == 0
     server.stop()  # the server goes away
     caplog.set_level(logging.WARNING, logger="ckptd")
     tier.offer(held[1])
-    _drain(tier)
+    drain_writer(tier)
     tier.offer(held[2])  # within the back-off: not tried
-    _drain(tier)
+    drain_writer(tier)
     now[0] += BACKOFF_FIRST_S
     tier.offer(held[3])  # tried again: still down
-    _drain(tier)
+    drain_writer(tier)
     st = tier.status()
     assert st["state"] == "failing" and st["write_failures"] == 2 and st["newest_not_persisted"] == 3
     assert st["last_error"].startswith(f"{url}/{checkpoint_name(3)}: cannot write: ")

@@ -8,7 +8,9 @@ next commits try again, spaced by an exponential back-off (a full disk is not ha
 every iteration), and the first write that works persists the newest state, which makes
 the unpersisted ones before it moot. After every write that works, old checkpoints are
 pruned: the newest `keep_last` stay, and with `keep_every` M also every iteration that
-is a multiple of M (for good). A replay (retry=False) stops at the first failure
+is a multiple of M (for good), and the newest checkpoint written whose parameters are
+all finite: after a job diverges, its NaN checkpoints would otherwise push the last good
+one out (ckptd.core.finite). A replay (retry=False) stops at the first failure
 instead: there is no later moment at which the file could be written.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, write_checkpoint
+from ckptd.core.finite import first_nonfinite
 from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
@@ -50,6 +53,10 @@ class CheckpointKeeper:
         self.last_size: int | None = None  # the last file written: bytes and SHA-256
         self.last_sha256: str | None = None
         self.pruned = 0
+        # the newest checkpoint written whose parameters are finite (retention keeps it), and
+        # whether the last one written was (ckptd.core.finite)
+        self.newest_finite: int | None = None
+        self.last_finite: bool | None = None
         self._backoff = 0.0
         self._next_try = 0.0
 
@@ -79,6 +86,10 @@ class CheckpointKeeper:
             log.warning("checkpoints written again", extra={"fields": {
                 "iteration": iteration, "not_persisted": self.not_persisted}})
         self.last_persisted, self.newest_unpersisted = iteration, None
+        # the model read once more, beside a write of it and its optimizer state (ckptd.core.finite)
+        self.last_finite = first_nonfinite(model.items()) is None
+        if self.last_finite:
+            self.newest_finite = iteration
         self._backoff = 0.0
         if prune:
             self.prune()
@@ -111,7 +122,7 @@ class CheckpointKeeper:
         except OSError as e:
             log.warning("cannot list checkpoints to prune", extra={"fields": {"error": str(e)}})
             return []
-        keep = set(its[-self.keep_last:])
+        keep = set(its[-self.keep_last:]) | {self.newest_finite}
         if self.keep_every:
             keep |= {i for i in its if i % self.keep_every == 0}
         gone = []
@@ -136,4 +147,5 @@ class CheckpointKeeper:
                 "newest_not_persisted": self.newest_unpersisted,
                 "not_persisted": self.not_persisted, "write_failures": self.failures,
                 "last_error": self.last_error, "retry_in_s": None if retry is None else round(retry, 3),
-                "pruned": self.pruned, "keep_last": self.keep_last, "keep_every": self.keep_every}
+                "pruned": self.pruned, "keep_last": self.keep_last, "keep_every": self.keep_every,
+                "newest_finite": self.newest_finite}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ckptd.core.checkpoint import CheckpointError
+from ckptd.core.finite import first_nonfinite
 from ckptd.core.optim import (EAGER_STATE, GroupSchedule, NoLrForStep, OptimizerError, clip_grad_norm, full_groups, init_state,
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
@@ -109,6 +110,9 @@ class ShadowModel:
         self.static_used: list[bool] | None = None if plan.static_used_map is None else \
             [bool(x) for x in plan.static_used_map]
         self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
+        # the job diverged: the first parameter found holding NaN or inf (ckptd.core.finite),
+        # in the starting state or after a step
+        self.nonfinite = first_nonfinite([*zip(self.names, self.params), *self.frozen.items()])
 
     @property
     def bucketwise(self) -> bool:
@@ -156,6 +160,8 @@ class ShadowModel:
             if writes_grads(self.opt.kind, hyper[gi]):
                 gs = [g.clone() for g in gs]  # not into the assembly's buffers
             step_groups(self.opt.kind, [self.params[idx[k]] for k in ks], gs, states, hyper[gi])
+            if self.nonfinite is None:  # once found, it stays: no step makes NaN or inf finite
+                self.nonfinite = first_nonfinite((self.names[idx[k]], self.params[idx[k]]) for k in ks)
 
     def apply_buckets(self, iteration: int, buckets: list[tuple[int, np.ndarray]], layout_iteration: int):
         """Step only these reduced buckets' parameters ((bucket, buffer) pairs): as soon as

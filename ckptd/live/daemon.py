@@ -600,6 +600,8 @@ class Daemon:
         self.by_status: dict[str, int] = {}
         self.last_report: IterationReport | None = None
         self.last_committed: IterationReport | None = None  # (kept, not searched for: the status reads it)
+        self.last_finite: int | None = None  # the newest iteration committed with finite parameters
+        self.diverged: dict | None = None  # since when the committed parameters hold NaN or inf
         self.loop = LoopClock()
         self.unrecovered: list[dict] = []
         self.started = time.time()
@@ -714,6 +716,7 @@ class Daemon:
         self.last_report = rep
         if rep.status == "committed":
             self.last_committed = rep
+            self._watch_divergence(rep)
         fields = {"iteration": rep.iteration, "status": rep.status, "packets": rep.packets,
                   "coverage": [round(c, 6) for c in rep.coverage], "note": rep.note.strip()}
         if rep.commit_lag is not None:
@@ -735,6 +738,19 @@ class Daemon:
             del self.unrecovered[:-100]
             log.warning("iteration not recovered", extra={"fields": fields})
         self._publish()
+
+    def _watch_divergence(self, rep: IterationReport):
+        """A committed iteration whose parameters hold NaN or inf: the job diverged (the
+        shadow is exact: the trainer holds them too). Said once, with the newest finite
+        commit, which retention keeps (ckptd.core.finite)."""
+        if not rep.nonfinite:
+            self.last_finite = rep.iteration
+            self.diverged = None  # a resync or restart onto a finite state
+            return
+        if self.diverged is None:
+            self.diverged = {"since": rep.iteration, "parameter": rep.nonfinite,
+                             "newest_finite_committed": self.last_finite}
+            log.warning("the job diverged: its parameters hold NaN or inf", extra={"fields": self.diverged})
 
     def _counting(self, source):
         """Frames to the pipeline, counted. A quiet tick from the rings ((-1, None)) moves
@@ -929,6 +945,7 @@ class Daemon:
             "checkpoint_write_s": committed.write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
             "shadow_stopped_after": self.pipe.stopped_after,
+            "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
                       "packets_before": self.pipe.before_join,
                       "restarted_from": self.restarted_from[0] if self.restarted_from else None}

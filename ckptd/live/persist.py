@@ -55,6 +55,10 @@ class PersistTier:
             log.warning("cannot read the manifest", extra={"fields": {"error": str(e)}})
             man = None
         self.entries: list[dict] = list(man["checkpoints"]) if man else []
+        # retention keeps the newest finite checkpoint of earlier runs too (an entry written
+        # before ckptd said whether it was finite counts as finite: a newer write replaces it)
+        self.keeper.newest_finite = max((e["iteration"] for e in self.entries if e.get("finite", True) is not False),
+                                        default=None)
         self.handed: int | None = None  # iteration last handed to the writer
         self._handed_at = clock()
         self.superseded = 0
@@ -137,7 +141,7 @@ class PersistTier:
                  "sha256": self.keeper.last_sha256,  # computed as the file was written
                  "tensors": held.digests(),
                  "committed_at": held.committed_at, "persisted_at": time.time(),
-                 "write_s": round(time.monotonic() - t0, 6),
+                 "write_s": round(time.monotonic() - t0, 6), "finite": self.keeper.last_finite,
                  "lag_s": round(time.time() - held.committed_at, 6)}
         self.entries = [e for e in self.entries if e["iteration"] != held.iteration] + [entry]
         try:

@@ -105,6 +105,11 @@ class _Collector:
         for status, n in doc.get("iterations_by_status", {}).items():
             c.add_metric([status], n)
         yield c
+        div = doc.get("diverged")
+        g = GaugeMetricFamily("ckptd_diverged_since_iteration", "The first committed iteration whose parameters "
+                              "hold NaN or inf (-1: they are finite)")
+        g.add_metric([], div["since"] if div else -1)
+        yield g
         lag = GaugeMetricFamily("ckptd_commit_lag_seconds", "Last iteration's last packet to its commit")
         lag.add_metric([], doc.get("commit_lag_s") or 0.0)
         yield lag

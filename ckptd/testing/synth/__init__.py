@@ -108,7 +108,8 @@ class SynthOptions:
     # number for every group or a list of one per group (Optimizer.lr_per_step)
     lr_per_step: tuple = ()
     # iterations whose gradient holds an inf (rank 0, one element, after the backward), as a
-    # real fp16 overflow would: with a GradScaler the step is skipped and the scale backs off
+    # real fp16 overflow would: with a GradScaler the step is skipped and the scale backs off;
+    # without one the trainer steps it and diverges (NaN weights from then on)
     inf_at: tuple = ()
     param_dtype: str = "float32"  # float32 | bfloat16: the model's parameters (and gradients)
     loss: float = 0.0  # per mirror link, independently
@@ -323,9 +324,6 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
     if opts.lr_per_step and len(opts.lr_per_step) < opts.iterations:
         raise SynthOptionError(f"--lr-per-step (lr_per_step) has {len(opts.lr_per_step)} lrs for "
                                f"{opts.iterations} iterations")
-    if opts.inf_at and opts.amp_init_scale is None:
-        raise SynthOptionError("--inf-at needs --amp: an inf gradient without a GradScaler (amp_init_scale) "
-                               "would be stepped: the job would train on NaNs")
     late = [i for i in opts.inf_at if i >= opts.iterations]
     if late:  # never reached: the run had no overflow at all, silently
         raise SynthOptionError(f"--inf-at {late[0]}: the job runs iterations 0..{opts.iterations - 1}")

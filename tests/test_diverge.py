@@ -66,6 +66,11 @@ def test_finite_values_whose_sum_overflows_are_finite():
     assert is_finite(torch.full((100,), 3e38))
     assert is_finite(torch.full((100_000,), 60_000.0, dtype=torch.float16))
     assert is_finite(torch.arange(10)) and is_finite(torch.zeros(0))
+    assert is_finite(torch.tensor([1 + 2j, 3j])) and not is_finite(torch.tensor([1 + 2j, complex(0, float("inf"))]))
+    strided = torch.randn(6, 4).t()  # not contiguous
+    assert is_finite(strided)
+    strided[1, 1] = float("nan")
+    assert not is_finite(strided)
     assert first_nonfinite([("a", torch.ones(3)), ("b", torch.tensor([1.0, float("nan")])),
                             ("c", torch.tensor([float("inf")]))]) == "b"
     assert first_nonfinite([("a", torch.ones(3))]) is None

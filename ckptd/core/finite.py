@@ -14,24 +14,36 @@ until the first one is found.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 # summed in float32: a float16 sum of finite values overflows to inf all the time
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_WIDER_NP = {torch.float16: np.float32}
 
 
 def is_finite(t: torch.Tensor) -> bool:
     """No element is NaN or inf. A sum propagates both (NaN + x is NaN, inf + x is inf or
-    NaN) and reads the tensor once at memory speed: 0.47 ms per million float32 values
-    on one core here, where torch.isfinite(t).all() (a bool per element, then a
-    reduction) takes 10x as long, more than an AdamW step of the same parameters
-    (benchmarks/RESULTS.md, session 27). Only when the sum is not finite, which finite
-    values can also make (1e38 + 1e38), is each element looked at."""
-    if not t.is_floating_point() and not t.is_complex():
+    NaN) and reads the tensor once at memory speed, where torch.isfinite(t).all() (a
+    bool per element, then a reduction) takes 10x as long, more than an AdamW step of the
+    same parameters (benchmarks/RESULTS.md, session 27). numpy's sum, not torch's: it
+    runs on the calling thread only, where torch's would wake its OpenMP pool, whose
+    threads then spin on the other cores (twice the check's own CPU in a replay). Only
+    when the sum is not finite, which finite values can also make (1e38 + 1e38), is each
+    element looked at."""
+    if t.is_complex():
+        t = torch.view_as_real(t)  # each part a float
+    if not t.is_floating_point():
         return True
     if t.numel() == 0:
         return True
-    if bool(torch.isfinite(t.sum(dtype=_WIDER.get(t.dtype)))):
+    if t.dtype == torch.bfloat16 or t.device.type != "cpu":  # numpy has no bfloat16, nor a GPU's memory
+        total = float(t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None))
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # both are the answer, not a fault
+            total = float(np.add.reduce(t.detach().reshape(-1).numpy(), dtype=_WIDER_NP.get(t.dtype)))
+    if math.isfinite(total):
         return True
     return bool(torch.isfinite(t).all())
 

@@ -1,4 +1,7 @@
+import json
 import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,26 @@ def s3():
         yield S3Lab(*server.get_host_and_port())
     finally:
         server.stop()
+
+
+class _Hook(BaseHTTPRequestHandler):
+    got: list = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.got.append((self.headers.get("Authorization"), json.loads(body)))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def webhook():
+    """A webhook receiver on 127.0.0.1: (its URL, the (Authorization, JSON body) of each POST)."""
+    _Hook.got = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/hook", _Hook.got
+    srv.shutdown()

@@ -112,11 +112,12 @@ def test_replay_cli_marks_each_diverged_iteration_and_names_the_newest_finite(jo
                        f"iteration {DIVERGES_AT - 1}"]
 
 
-def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job, tmp_path):
+def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job, tmp_path, webhook):
+    url, posts = webhook
     cfg = tmp_path / "ckptd.yaml"
     cfg.write_text("\n".join([
         f"plan: {job / 'plan.json'}", f"init: {job / 'init.pt'}", f"out: {tmp_path / 'ck'}",
-        "listen: 127.0.0.1:0", "persist_sync: true", "keep_last: 2", "interfaces:",
+        "listen: 127.0.0.1:0", "persist_sync: true", "keep_last: 2", f"notice: {{webhook: '{url}'}}", "interfaces:",
         "  - {name: mirror0, ifname: m0}", "  - {name: mirror1, ifname: m1}"]) + "\n")
     daemon = Daemon(load_config(cfg))
     records = []
@@ -135,6 +136,8 @@ def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job
     assert metrics["ckptd_diverged_since_iteration"] == DIVERGES_AT
     said = [r for r in records if r.getMessage() == "the job diverged: its parameters hold NaN or inf"]
     assert len(said) == 1 and said[0].fields == want  # once, not at every later iteration
+    assert [ev for _, ev in posts] == [{"event": "ckptd.job_diverged", "iteration": DIVERGES_AT, "parameter": name,
+                                        "newest_finite_committed": DIVERGES_AT - 1, "note": posts[0][1]["note"]}]
     # the newest two, and the newest finite one, which keep_last alone would have pruned
     assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*.pt")) == \
         [checkpoint_name(i) for i in (DIVERGES_AT - 1, 6, 7)]

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -32,28 +30,6 @@ from helpers import pcaps, run_replay, synth
 
 ITERATIONS = 7
 GAP_NS = 50_000_000  # synth leaves 100 ms between iterations: a larger gap is a step boundary
-
-
-class _Hook(BaseHTTPRequestHandler):
-    got: list = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.got.append((self.headers.get("Authorization"), json.loads(body)))
-        self.send_response(204)
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
-@pytest.fixture
-def webhook():
-    _Hook.got = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/hook", _Hook.got
-    srv.shutdown()
 
 
 def _lossy_capture(d, tmp_path):

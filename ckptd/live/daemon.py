@@ -751,6 +751,8 @@ class Daemon:
             self.diverged = {"since": rep.iteration, "parameter": rep.nonfinite,
                              "newest_finite_committed": self.last_finite}
             log.warning("the job diverged: its parameters hold NaN or inf", extra={"fields": self.diverged})
+            if self.notifier is not None:
+                self.notifier.on_diverged(self.diverged)
 
     def _counting(self, source):
         """Frames to the pipeline, counted. A quiet tick from the rings ((-1, None)) moves

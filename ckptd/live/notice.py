@@ -15,6 +15,10 @@ So the daemon says so, two ways, both optional:
   and saves a regular checkpoint at the next step boundary into the daemon's `resume`
   directory; the daemon restarts its shadow from it (ckptd.pipeline, `_resume_state`).
 
+A job that diverges (its parameters hold NaN or inf: ckptd.core.finite) is announced
+once to the webhook too (`ckptd.job_diverged`, with the newest finite iteration), not in
+the store: the trainer has nothing to resync, its own state is the NaN one.
+
 Sending never blocks capture or commits: events go through a bounded queue to one
 thread, which retries with back-off and drops (and counts) what it cannot deliver.
 """
@@ -93,6 +97,14 @@ def event_of(rep) -> dict:
                       "daemon's resume directory (ckptd.resync.Resync does it)"}
 
 
+def diverged_event(diverged: dict) -> dict:
+    """The JSON a divergence is announced with (the daemon's `diverged` status in)."""
+    return {"event": "ckptd.job_diverged", "iteration": diverged["since"], "parameter": diverged["parameter"],
+            "newest_finite_committed": diverged["newest_finite_committed"],
+            "note": "the job's parameters hold NaN or inf from this iteration on; retention keeps the newest "
+                    "finite checkpoint (/status checkpoints.newest_finite)"}
+
+
 class Notifier:
     """The daemon's feature: `on_iteration(rep)` from the core loop, `close()` at stop."""
 
@@ -117,6 +129,15 @@ class Notifier:
         except queue.Full:
             self.dropped += 1
 
+    def on_diverged(self, diverged: dict) -> None:
+        """Once per divergence, from the daemon; to the webhook only."""
+        if not self.cfg.webhook:
+            return
+        try:
+            self._q.put_nowait(diverged_event(diverged))
+        except queue.Full:
+            self.dropped += 1
+
     def close(self, wait_s: float = 10.0) -> None:
         """Deliver what is queued (up to wait_s), then stop the thread."""
         self._q.put(None)
@@ -135,7 +156,7 @@ class Notifier:
             ok = True
             if self.cfg.webhook:
                 ok &= self._retry(lambda: self._post(ev), "webhook")
-            if self.cfg.store:
+            if self.cfg.store and ev["event"] != "ckptd.job_diverged":
                 ok &= self._retry(lambda: self._set(ev), "store")
             if ok:
                 self.sent += 1

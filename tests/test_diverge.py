@@ -103,13 +103,22 @@ def test_replay_cli_marks_each_diverged_iteration_and_names_the_newest_finite(jo
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.startswith("iteration")]
     assert len(lines) == 8
+    name = lines[-1].split("NaN/inf in ")[1]
     for it, line in enumerate(lines):
         assert "bit-exact" in line
         assert ("NaN/inf in " in line) == (it >= DIVERGES_AT), line
     warning = [x for x in r.stderr.splitlines() if "diverged" in x]
     assert warning == [f"warning: the job diverged: its parameters hold NaN or inf from iteration {DIVERGES_AT} on "
-                       f"(first: {lines[-1].split('NaN/inf in ')[1]}); the newest finite state committed is "
+                       f"(first: {name}); the newest finite state committed is "
                        f"iteration {DIVERGES_AT - 1}"]
+    # an export of a diverged checkpoint is written, and says what it holds
+    for it, said in ((DIVERGES_AT - 1, False), (DIVERGES_AT, True)):
+        src = job / "reference" / checkpoint_name(it)
+        r = subprocess.run([sys.executable, "-m", "ckptd", "export", str(src), "--format", "safetensors",
+                            "--out", str(tmp_path / f"{it}.safetensors")], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and (tmp_path / f"{it}.safetensors").exists(), r.stderr
+        assert (r.stderr.strip() == f"warning: {src}: {name} holds NaN or inf: the job had diverged by iteration {it}") \
+            == said, r.stderr
 
 
 def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job, tmp_path, webhook):

@@ -248,8 +248,11 @@ def cmd_replay(a) -> int:
     # a capture damaged mid-file ends its stream there: a diagnostic, so on stderr and one
     # line each (the reader names the file and frame); what it cost shows in the iterations
     nothing_joined = NOTHING_JOINED in pipe.errors  # the error line below, not a warning too
+    # a pipe that held no capture at all: the error a file's is up front (_distinct_captures),
+    # found only now (its first bytes were the reader's); the line below, not a warning too
+    refused = [e for e in pipe.errors if isinstance(e, CaptureDamage) and e.refused]
     for e in pipe.errors:
-        if e != NOTHING_JOINED:
+        if e != NOTHING_JOINED and e not in refused:
             print("warning: " + " ".join(e.split()), file=sys.stderr)
     if pipe.joined is not None:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
@@ -271,6 +274,9 @@ def cmd_replay(a) -> int:
               f"(first: {diverged.nonfinite}); the newest finite state committed is "
               + (f"iteration {good[-1]}" if good else "none of this replay's"), file=sys.stderr)
     frames = sum(cls.get("frames", 0) for cls in pipe.classes)
+    if refused:
+        more = f" (and {len(refused) - 1} more not captures)" if len(refused) > 1 else ""
+        raise UsageError(" ".join(refused[0].split()) + more)
     if nothing_joined:  # it was a warning ("no iteration joined") and the error below, two lines
         option = f"--join-from {a.join_from}" if a.join_from is not None else "--join"
         wrong = (f", or {a.join_from} is not an iteration the job had reached when the capture began (the "

@@ -11,12 +11,19 @@ class CaptureDamage(str):
     """An entry of a pipeline's errors list: capture file `path` could not be read to its
     end (not a capture, cut short, a read error). The text is the reader's, for people;
     `path` is what `ckptd replay` decides its exit status by, so rewording a message
-    cannot change it. A str, so whatever prints or logs the errors reads it as any other."""
+    cannot change it. A str, so whatever prints or logs the errors reads it as any other.
+    `refused`: nothing of it was ever a capture ckptd reads (no pcap or pcapng header, or
+    a link type it does not decode: parsers' NotACaptureError, UndecodedLinkTypeError),
+    which a pipe's reader finds only once the run is under way; replay makes it the
+    error a file's is up front."""
     path: str
+    refused: bool
 
     def __new__(cls, path, message):
+        from parsers.frame import NotACaptureError, UndecodedLinkTypeError
         self = super().__new__(cls, str(message))
         self.path = str(path)
+        self.refused = isinstance(message, (NotACaptureError, UndecodedLinkTypeError))
         return self
 
 

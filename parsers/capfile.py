@@ -7,7 +7,8 @@ import os
 import stat
 
 from .frame import (DECODED_LINKTYPES, LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
-                    LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame, UndecodedLinkTypeError,
+                    LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame, NotACaptureError,
+                    UndecodedLinkTypeError,
                     undecoded_linktype)
 from .pcap import _MAGICS, is_pcap, iter_pcap
 from .pcapng import is_pcapng, iter_pcapng
@@ -60,7 +61,7 @@ def _sniff(head: bytes, path) -> str:
                 except CaptureError:
                     pass  # damage: reported where the reader reaches it, after the frames before it
         return "pcapng"
-    raise CaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
+    raise NotACaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
 
 
 def open_capture(path, warn=None) -> Iterator[CapturedFrame]:
@@ -101,7 +102,8 @@ class _Rewound:
         return out
 
 
-__all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame", "UndecodedLinkTypeError",
+__all__ = ["open_capture", "capture_format", "CaptureError", "CapturedFrame", "NotACaptureError",
+           "UndecodedLinkTypeError",
            "DECODED_LINKTYPES",
            "LINKTYPE_ETHERNET", "LINKTYPE_RAW", "LINKTYPE_LINUX_SLL", "LINKTYPE_IPV4",
            "LINKTYPE_IPV6", "LINKTYPE_LINUX_SLL2"]

@@ -41,6 +41,11 @@ class CaptureError(CkptdError):
     """
 
 
+class NotACaptureError(CaptureError):
+    """Nothing of it is a capture: its first bytes are no pcap or pcapng header (or there
+    are none). Raised before any frame is yielded."""
+
+
 class UndecodedLinkTypeError(CaptureError):
     """No frame of the capture can be decoded: its link type (every pcapng interface's
     before the first packet) is none parsers.roce decodes. Raised before any frame is

@@ -420,6 +420,45 @@ def test_replay_from_stdin_equals_the_file(scenario, tmp_path, path):
                    for n in written if n.endswith(".pt"))
 
 
+def _pcap_of_linktype(linktype: int) -> bytes:
+    """A classic pcap header of that link type and one 60-byte record."""
+    import struct
+    return (struct.pack("<IHHiIII", 0xA1B2C3D4, 2, 4, 0, 0, 65535, linktype)
+            + struct.pack("<IIII", 1, 0, 60, 60) + bytes(60))
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+@pytest.mark.parametrize("held, message", [
+    (b"garbage, not a capture", "neither pcap nor pcapng (first bytes 67617262)"),
+    (b"", "neither pcap nor pcapng (first bytes none)"),
+    (_pcap_of_linktype(147), "link type 147 is not one ckptd decodes"),
+], ids=["garbage", "empty", "linktype"])
+def test_a_pipe_that_holds_no_capture_is_the_error_a_file_is(scenario, tmp_path, path, held, message):
+    """A file that is no capture is refused up front, one line, exit 2. A pipe's first
+    bytes are its reader's, so it could only be found once the run was under way, and it
+    was a warning and every iteration "not recovered", exit 3 (`printf x | ckptd replay
+    ... -`). Now it is the same line and exit 2: on stdin, and as a `<(...)` pipe beside a
+    good capture."""
+    flags = ["--reference-path"] if path == "reference" else []
+    base = ["replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", *flags]
+    as_file = tmp_path / "held.pcap"
+    as_file.write_bytes(held)
+    _one_line_error(ckptd(*base, as_file), str(as_file), message)
+    r = subprocess.run([sys.executable, "-m", "ckptd", *map(str, base), "-"], input=held, capture_output=True,
+                       timeout=120)
+    _one_line_error(subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode()),
+                    "/dev/stdin", message)
+    rfd, wfd = os.pipe()
+    os.write(wfd, held)
+    os.close(wfd)
+    try:
+        r = ckptd(*base, _pcap0(scenario), f"/dev/fd/{rfd}", pass_fds=(rfd,))
+    finally:
+        os.close(rfd)
+    _one_line_error(r, f"/dev/fd/{rfd}", message)
+    assert "committed" in r.stdout  # the good capture was replayed
+
+
 @pytest.mark.parametrize("command", ["replay", "inspect"])
 def test_stdin_a_terminal_is_refused(scenario, command):
     """`-` with a terminal on stdin would wait for typed bytes: one line, exit 2, nothing read."""

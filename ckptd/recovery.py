@@ -33,7 +33,7 @@ import torch
 
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
                                    load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
-from ckptd.core.finite import first_nonfinite
+from ckptd.core.finite import FINITE_ONLY, diverged_state, first_nonfinite, nonfinite_in
 from ckptd.core.wrappers import unwrap
 from ckptd.errors import show
 
@@ -60,13 +60,18 @@ class Restored:
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, source: str | os.PathLike,
             scheduler=None, token: str | None = None, timeout: float = 120.0,
-            all_or_nothing: bool = False) -> Restored:
+            all_or_nothing: bool = False, finite: bool = False) -> Restored:
     """From the daemon's URL the state is read straight into the model's tensors
     (ckptd.restore_raw: if the connection breaks mid-body, the CheckpointError says the
     model now holds a partial state, unless `all_or_nothing`, which stages it in fresh
     memory first at the cost of one more pass). Other sources are loaded whole first.
     `timeout` bounds an HTTP source's connect and each read, not the whole transfer: a
-    large body on a slow link is not cut off while its bytes flow."""
+    large body on a slow link is not cut off while its bytes flow.
+    `finite`: only a state whose parameters are all finite, as a job that diverged needs
+    (docs/DAEMON.md "A job that diverges"): a directory or persisted URL gives its newest
+    such checkpoint; a file, or the daemon's latest state, that holds NaN or inf is
+    refused (CheckpointError) with the model unchanged (the daemon's state is read into
+    fresh memory first, as with all_or_nothing)."""
     import time
     t0 = time.perf_counter()
     if not isinstance(model, torch.nn.Module):
@@ -90,9 +95,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     from_daemon = URL.match(src) is not None
     if from_daemon:  # the raw layout is checked whole before a byte reaches the model
         ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, scheduler, src, names, token, timeout,
-                                                     all_or_nothing, limit)
+                                                     all_or_nothing, limit, finite)
     else:
-        ckpt, src, nbytes = load_source(src, names, token, timeout, limit)
+        ckpt, src, nbytes = load_source(src, names, token, timeout, limit, finite)
         _check_fits(model, optimizer, scheduler, ckpt, src)  # before anything changes
         missing_buffers = _load_model(model, ckpt)
     if optimizer is not None:
@@ -104,8 +109,8 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     nonfinite = first_nonfinite(model.named_parameters())
     if nonfinite:
         log.warning("%s: %s holds NaN or inf: the job had diverged by iteration %d; a checkpoint from before "
-                    "is the one to resume from (the daemon's retention keeps the newest finite one, "
-                    "/status checkpoints.newest_finite)", src, nonfinite, int(ckpt["iteration"]))
+                    "is the one to resume from (restore(..., finite=True) from a checkpoint directory takes "
+                    "the newest finite one, which the daemon's retention keeps)", src, nonfinite, int(ckpt["iteration"]))
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes, nonfinite)
 
 
@@ -123,7 +128,7 @@ def body_limit_of(state_bytes: int) -> int:
 
 
 def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token: str | None, timeout: float,
-                 all_or_nothing: bool, limit: int | None = None) -> tuple[dict, list[str], int]:
+                 all_or_nothing: bool, limit: int | None = None, finite: bool = False) -> tuple[dict, list[str], int]:
     """(the checkpoint less the model's tensors, which are read in place; buffers not
     restored; bytes read). A daemon that answers in torch.save format (an older one) is
     loaded whole, as fetch() does."""
@@ -132,9 +137,11 @@ def _from_daemon(model, optimizer, scheduler, url: str, names: list[str], token:
     with _request(url, token or os.environ.get("CKPTD_TOKEN"), timeout, MEDIA_TYPE) as (resp, url):
         if resp.headers.get_content_type() != MEDIA_TYPE:
             ckpt, n = _torch_body(resp, url, names, limit)
+            if finite:
+                _refuse_nonfinite(ckpt, url)
             _check_fits(model, optimizer, scheduler, ckpt, url)
             return ckpt, _load_model(model, ckpt), n
-        return read_into_model(resp, model, optimizer, url, all_or_nothing)
+        return read_into_model(resp, model, optimizer, url, all_or_nothing or finite, finite)
 
 
 def _check_fits(model, optimizer, scheduler, ckpt: dict, where: str) -> None:
@@ -186,35 +193,44 @@ def _check_scheduler(scheduler, optimizer, saved, where: str) -> None:
 
 
 def load_source(src: str, names: list[str] | None, token: str | None = None,
-                timeout: float = 120.0, limit: int | None = None) -> tuple[dict, str, int]:
+                timeout: float = 120.0, limit: int | None = None, finite: bool = False) -> tuple[dict, str, int]:
     """Any source restore() takes, as (checkpoint, where it came from, bytes fetched);
-    limit: the most bytes an HTTP body may take (body_limit), or None."""
+    limit: the most bytes an HTTP body may take (body_limit), or None. `finite`: as
+    restore() takes it."""
     src = str(src)
     if URL.match(src):
         ckpt, n = fetch(src, names, token or os.environ.get("CKPTD_TOKEN"), timeout, limit)
-        return ckpt, src, n
-    if "://" in src:
-        ckpt, where = newest_at_url(src)
-        return ckpt, where, 0
-    if Path(src).is_dir() and not (Path(src) / ".metadata").is_file():
-        ckpt, where = newest_in(Path(src), names)
-        return ckpt, where, 0
-    return load_checkpoint(src, names), src, 0
+    elif "://" in src:
+        return (*newest_at_url(src, finite), 0)
+    elif Path(src).is_dir() and not (Path(src) / ".metadata").is_file():
+        return (*newest_in(Path(src), names, finite), 0)
+    else:
+        ckpt, n = load_checkpoint(src, names), 0
+    if finite:
+        _refuse_nonfinite(ckpt, src)
+    return ckpt, src, n
 
 
-def newest_at_url(url: str) -> tuple[dict, str]:
+def _refuse_nonfinite(ckpt: dict, where: str) -> None:
+    if bad := nonfinite_in(ckpt):
+        raise CheckpointError(f"{diverged_state(where, bad, ckpt.get('iteration'))}; {FINITE_ONLY}")
+
+
+def newest_at_url(url: str, finite: bool = False) -> tuple[dict, str]:
     """The newest checkpoint a persistence tier's manifest at an fsspec URL lists that
-    verifies (file SHA-256, every tensor's digest); messages never show credentials."""
+    verifies (file SHA-256, every tensor's digest), with `finite` the newest finite one;
+    messages never show credentials."""
     from ckptd.core.store import open_store, redact
     from ckptd.core.manifest import newest_verified
     try:
         store = open_store(url)
         store.check_bucket()  # a missing bucket named as such, not as "no manifest"
-        got = newest_verified(store)
+        got = newest_verified(store, finite)
     except (OSError, ValueError) as e:
         raise CheckpointError(redact(" ".join(str(e).split()))) from None
     if got is None:
-        raise CheckpointError(f"{redact(url)}: no manifest entry there verifies")
+        raise CheckpointError(f"{redact(url)}: no manifest entry there verifies"
+                              + " and holds a finite state" * finite)
     return got[0], store.where(got[1]["file"])
 
 
@@ -352,9 +368,11 @@ class _BufferFile(io.RawIOBase):
         return self._pos
 
 
-def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
+def newest_in(directory: Path, names: list[str] | None, finite: bool = False) -> tuple[dict, str]:
     """The newest checkpoint of a directory that loads whole: the manifest's order when
-    a persisted tier wrote one, else every checkpoint by its iteration, newest first."""
+    a persisted tier wrote one, else every checkpoint by its iteration, newest first.
+    `finite`: the newest whose model is all finite (an entry the manifest says is not
+    is passed over unread)."""
     from ckptd.core.formats import checkpoints_in
     from ckptd.core.manifest import MANIFEST, read_manifest
     manifest = directory / MANIFEST
@@ -362,16 +380,25 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
     if manifest.is_file():
         try:
             entries = read_manifest(directory)["checkpoints"]
-            candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])]
+            candidates = [directory / e["file"] for e in sorted(entries, key=lambda e: -e["iteration"])
+                          if not (finite and e.get("finite") is False)]
         except CheckpointError as e:
             log.warning("%s, scanning the directory", e)
     tried = set()
-    for p in candidates:
-        tried.add(p)
+
+    def usable(p: Path) -> dict | None:
         try:
-            return load_checkpoint(p, names), str(p)
+            ckpt = load_checkpoint(p, names)
+            if finite:
+                _refuse_nonfinite(ckpt, str(p))
+            return ckpt
         except CheckpointError as e:
             log.warning("skipping %s", e)
+            return None
+    for p in candidates:
+        tried.add(p)
+        if (ckpt := usable(p)) is not None:
+            return ckpt, str(p)
     if candidates:
         log.warning("%s: none of the checkpoints its manifest lists loads, scanning the directory", manifest)
     found = []
@@ -387,11 +414,9 @@ def newest_in(directory: Path, names: list[str] | None) -> tuple[dict, str]:
         except CheckpointError as e:
             log.warning("skipping %s", e)
     for _, p in sorted(found, key=lambda x: (-x[0], str(x[1]))):
-        try:
-            return load_checkpoint(p, names), str(p)
-        except CheckpointError as e:
-            log.warning("skipping %s", e)
-    raise CheckpointError(f"{directory}: no checkpoint here loads")
+        if (ckpt := usable(p)) is not None:
+            return ckpt, str(p)
+    raise CheckpointError(f"{directory}: no checkpoint here loads" + " and holds a finite state" * finite)
 
 
 def _check_model(model: torch.nn.Module, ckpt: dict, where: str) -> None:

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, check_state_tensors, optimizer_params_in
+from ckptd.core.finite import FINITE_ONLY, diverged_state, first_nonfinite
 from ckptd.core.plan import dtype_name
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
@@ -40,10 +41,11 @@ CHUNK = 1 << 22  # read and hash 4 MiB at a time: the bytes just written are sti
 
 
 def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
-                    all_or_nothing: bool = False) -> tuple[dict, list[str], int]:
+                    all_or_nothing: bool = False, finite: bool = False) -> tuple[dict, list[str], int]:
     """Read a raw-layout response into model and optimizer state tensors: (the checkpoint
     less the model's tensors, {iteration, optimizer: {lr, state} to load or None}; buffers
-    the state lacks; bytes read)."""
+    the state lacks; bytes read). `finite` (with all_or_nothing): a state whose model
+    holds NaN or inf is refused before it is copied in."""
     line = resp.readline(MAX_HEADER)
     if not line.endswith(b"\n"):
         raise CheckpointError(f"{where}: the raw checkpoint header is cut or over {MAX_HEADER} bytes")
@@ -70,6 +72,9 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
     finally:
         for h in hashers:
             h.shutdown(wait=True, cancel_futures=True)
+    if finite and (bad := first_nonfinite((e["name"][6:], dest) for e, dest in plan
+                                          if e["name"].startswith("model."))):
+        raise CheckpointError(f"{diverged_state(where, bad, head['iteration'])}; {FINITE_ONLY}; {after}")
     own = model.state_dict()
     with torch.no_grad():
         for e, dest in plan:

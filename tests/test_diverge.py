@@ -215,6 +215,92 @@ def test_restore_of_a_nan_state_says_so(tmp_path, caplog):
     assert r.nonfinite == "bias" and r.iteration == 5
     said = [x.getMessage() for x in caplog.records if "NaN" in x.getMessage()]
     assert said == [f"{tmp_path / 'bad.pt'}: bias holds NaN or inf: the job had diverged by iteration 5; a "
-                    "checkpoint from before is the one to resume from (the daemon's retention keeps the "
-                    "newest finite one, /status checkpoints.newest_finite)"]
+                    "checkpoint from before is the one to resume from (restore(..., finite=True) from a "
+                    "checkpoint directory takes the newest finite one, which the daemon's retention keeps)"]
     assert torch.isnan(model.bias[1])  # restored as asked: the warning does not refuse it
+
+
+def _trainer(plan):
+    from ckptd.core.optim import torch_optimizer
+    from ckptd.testing.synth.model import build_model
+    model = build_model("tiny", 0)
+    return model, torch_optimizer(plan.optimizer, model.named_parameters())
+
+
+def test_restore_finite_takes_the_newest_finite_checkpoint_of_a_directory(job, tmp_path, caplog):
+    """restore(finite=True) of a replay's output: the iteration before the divergence,
+    bit-equal to the trainer's; without it, the newest (NaN) one, with the warning."""
+    from ckptd.core.plan import load_plan
+    plan = load_plan(job / "plan.json")
+    import shutil
+    shutil.copytree(job, tmp_path / "job")
+    run_replay(tmp_path / "job")
+    out = tmp_path / "job" / "out"
+    model, opt = _trainer(plan)
+    r = restore(model, opt, out, finite=True)
+    assert r.iteration == DIVERGES_AT - 1 and r.nonfinite is None
+    ref = load_checkpoint(job / "reference" / checkpoint_name(DIVERGES_AT - 1))
+    assert all(torch.equal(t, ref["model"][n]) for n, t in model.state_dict().items() if n in ref["model"])
+    with caplog.at_level(logging.WARNING, logger="ckptd.recovery"):
+        r = restore(*_trainer(plan), out)
+    assert r.iteration == 7 and r.nonfinite
+    assert any("holds NaN or inf" in x.getMessage() for x in caplog.records)
+
+
+@pytest.mark.parametrize("url", [False, True], ids=["directory", "file-url"])
+def test_finite_passes_over_what_the_manifest_says_is_not_finite_unread(tmp_path, caplog, url):
+    from ckptd.recovery import load_source
+    tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=3, keep_every=None)
+    for it, value in ((0, 1.0), (1, 2.0), (2, float("nan")), (3, float("inf"))):
+        assert tier.offer(_held(it, value))
+        drain_writer(tier)
+    tier.close()
+    for it in (2, 3):  # unreadable: finite=True must not even open them
+        (tmp_path / checkpoint_name(it)).write_bytes(b"not read")
+    src = f"file://{tmp_path}" if url else str(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        ckpt, where, _ = load_source(src, None, finite=True)
+    assert ckpt["iteration"] == 1 and where.endswith(checkpoint_name(1))
+    assert torch.equal(ckpt["model"]["w"], _held(1, 2.0).model["w"])
+    assert not caplog.records, [(x.getMessage(), getattr(x, "fields", None)) for x in caplog.records]
+
+
+def test_restore_finite_of_a_nan_file_is_refused_with_the_model_unchanged(tmp_path):
+    from ckptd.core.checkpoint import CheckpointError
+    model = torch.nn.Linear(4, 3)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    bad = {n: torch.full_like(t, 7.0) for n, t in before.items()}
+    bad["weight"][2, 1] = float("inf")
+    save_checkpoint(tmp_path / "bad.pt", 5, bad, None)
+    with pytest.raises(CheckpointError) as e:
+        restore(model, None, tmp_path / "bad.pt", finite=True)
+    assert str(e.value) == (f"{tmp_path / 'bad.pt'}: weight holds NaN or inf (iteration 5: the job had diverged "
+                            "by then); with finite=True only a finite state is restored: a checkpoint directory "
+                            "gives its newest finite one")
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_restore_finite_from_the_daemon_refuses_its_nan_state_with_the_model_unchanged(tmp_path):
+    from ckptd.core.checkpoint import CheckpointError
+    from ckptd.live.memory_tier import MemoryTier
+    from ckptd.live.serve import HttpServer
+    from ckptd.live.status import checkpoint_routes
+    model = torch.nn.Linear(4, 3)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    tier = MemoryTier()
+    routes = checkpoint_routes(tier, ["weight", "bias"], lambda lr: None, None)
+    srv = HttpServer(routes, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{srv.address[1]}"
+        state = {"weight": torch.full((3, 4), 0.5), "bias": torch.tensor([1.0, float("nan"), 2.0])}
+        tier.commit(4, state, None)
+        with pytest.raises(CheckpointError, match=r"bias holds NaN or inf \(iteration 4: .*nothing in the model "
+                                                  r"changed"):
+            restore(model, None, url, finite=True)
+        assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+        state = {"weight": torch.full((3, 4), 0.5), "bias": torch.tensor([1.0, 3.0, 2.0])}
+        tier.commit(5, state, None)
+        r = restore(model, None, url, finite=True)
+        assert r.iteration == 5 and torch.equal(model.bias.detach(), state["bias"])
+    finally:
+        srv.stop()

@@ -55,3 +55,17 @@ def first_nonfinite(named) -> str | None:
         if not is_finite(t):
             return name
     return None
+
+
+def nonfinite_in(ckpt: dict) -> str | None:
+    """The first model entry of a checkpoint holding NaN or inf; None if all are finite."""
+    return first_nonfinite((ckpt.get("model") or {}).items())
+
+
+def diverged_state(where, name: str, iteration) -> str:
+    """Why a state is passed over where only a finite one is asked for (restore(finite=True))."""
+    return f"{where}: {name} holds NaN or inf (iteration {iteration}: the job had diverged by then)"
+
+
+# after diverged_state where a source gives that one state only (a file, the daemon's latest)
+FINITE_ONLY = "with finite=True only a finite state is restored: a checkpoint directory gives its newest finite one"

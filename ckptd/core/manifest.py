@@ -135,16 +135,26 @@ def verify_checkpoint(directory: str | Path | Store, entry: dict) -> dict:
     return doc
 
 
-def newest_verified(directory: str | Path | Store) -> tuple[dict, dict] | None:
+def newest_verified(directory: str | Path | Store, finite: bool = False) -> tuple[dict, dict] | None:
     """(checkpoint, manifest entry) of the newest checkpoint the manifest lists that
-    verifies; None without a manifest or entries. `directory`: a path or an fsspec URL."""
+    verifies; None without a manifest or entries. `directory`: a path or an fsspec URL.
+    `finite`: the newest whose model is all finite (ckptd.core.finite): an entry that
+    says `finite: false` is passed over unread, any other is checked once loaded."""
+    from ckptd.core.finite import diverged_state, nonfinite_in
     directory = open_store(directory)
     man = read_manifest(directory)
     if man is None:
         return None
     for entry in sorted(man["checkpoints"], key=lambda e: -e["iteration"]):
+        if finite and entry.get("finite") is False:
+            continue
         try:
-            return verify_checkpoint(directory, entry), entry
+            doc = verify_checkpoint(directory, entry)
         except CheckpointError as e:
             log.warning("persisted checkpoint does not verify", extra={"fields": {"error": str(e)}})
+            continue
+        if finite and (bad := nonfinite_in(doc)):
+            log.warning("skipping %s", diverged_state(directory.where(entry["file"]), bad, entry["iteration"]))
+            continue
+        return doc, entry
     return None

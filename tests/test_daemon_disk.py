@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -82,6 +83,7 @@ def test_full_disk_mid_run_capture_goes_on_and_writes_resume(run, tmpfs, tmp_pat
             if filler is not None and done and done[-1] >= seen["full"] + 3:
                 seen["status"] = json.loads(urllib.request.urlopen(
                     f"http://127.0.0.1:{daemon.address[1]}/status").read())
+                seen["metrics"] = urllib.request.urlopen(f"http://127.0.0.1:{daemon.address[1]}/metrics").read()
                 os.unlink(filler)  # space returns
                 filler = None
             yield item
@@ -96,6 +98,13 @@ def test_full_disk_mid_run_capture_goes_on_and_writes_resume(run, tmpfs, tmp_pat
     st = seen["status"]["checkpoints"]
     assert st["state"] == "failing" and st["last_persisted"] == full
     assert "No space left on device" in st["last_error"], st
+    # and in Prometheus, for an alert: failing now, the newest written, how many not
+    metrics = dict(re.findall(r"^(ckptd_(?:checkpoint|last_persisted|checkpoints)\w*) (\S+)$",
+                              seen["metrics"].decode(), re.M))
+    assert metrics == {"ckptd_checkpoint_writes_failing": "1.0", "ckptd_last_persisted_iteration": f"{full}.0",
+                       "ckptd_checkpoint_write_failures_total": f"{st['write_failures']}.0",
+                       "ckptd_checkpoints_not_persisted_total": f"{st['not_persisted']}.0"}, metrics
+    assert st["write_failures"] >= 1 and st["not_persisted"] >= 1
     # keep_last 3: only the newest three remain, each exactly the trainer's
     names = sorted(p.name for p in tmpfs.iterdir())
     assert names == [checkpoint_name(i) for i in range(ITERATIONS - 3, ITERATIONS)], names

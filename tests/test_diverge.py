@@ -141,8 +141,11 @@ def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job
     name = next(n for n, t in first["model"].items() if not bool(torch.isfinite(t).all()))
     want = {"since": DIVERGES_AT, "parameter": name, "newest_finite_committed": DIVERGES_AT - 1}
     assert daemon.snapshot.get()["diverged"] == want
-    metrics = {s.name: s.value for m in _Collector(daemon.snapshot).collect() for s in m.samples}
-    assert metrics["ckptd_diverged_since_iteration"] == DIVERGES_AT
+    metrics = {(s.name, *s.labels.values()): s.value for m in _Collector(daemon.snapshot).collect() for s in m.samples}
+    assert metrics[("ckptd_diverged_since_iteration",)] == DIVERGES_AT
+    assert metrics[("ckptd_last_persisted_iteration",)] == 7 and metrics[("ckptd_checkpoint_writes_failing",)] == 0
+    assert {k[1]: v for k, v in metrics.items() if k[0] == "ckptd_notice_events_total"} == \
+        {"sent": 1, "failed": 0, "dropped": 0}
     said = [r for r in records if r.getMessage() == "the job diverged: its parameters hold NaN or inf"]
     assert len(said) == 1 and said[0].fields == want  # once, not at every later iteration
     assert [ev for _, ev in posts] == [{"event": "ckptd.job_diverged", "iteration": DIVERGES_AT, "parameter": name,

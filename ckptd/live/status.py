@@ -110,6 +110,15 @@ class _Collector:
                               "hold NaN or inf (-1: they are finite)")
         g.add_metric([], div["since"] if div else -1)
         yield g
+        yield from _checkpoint_metrics(doc.get("checkpoints"))
+        notice = doc.get("notice")
+        if notice:
+            c = CounterMetricFamily("ckptd_notice_events", "Announcements (unrecoverable iterations, a divergence) "
+                                    "by outcome: sent, failed (after every retry), dropped (queue full)",
+                                    labels=["outcome"])
+            for outcome in ("sent", "failed", "dropped"):
+                c.add_metric([outcome], notice.get(outcome, 0))
+            yield c
         lag = GaugeMetricFamily("ckptd_commit_lag_seconds", "Last iteration's last packet to its commit")
         lag.add_metric([], doc.get("commit_lag_s") or 0.0)
         yield lag
@@ -152,6 +161,28 @@ class _Collector:
                 if loop.get(f"{part}_s") is not None:
                     parts.add_metric([part], loop[f"{part}_s"])
             yield parts
+
+
+def _checkpoint_metrics(st: dict | None):
+    """The checkpoint writes (/status `checkpoints`), so that a full or unreachable disk
+    can be alerted on like a capture drop: the shadow stays exact in memory meanwhile, and
+    only the log and /status said so."""
+    if not st:
+        return
+    g = GaugeMetricFamily("ckptd_checkpoint_writes_failing", "1 while checkpoint writes fail (retried with "
+                          "back-off), else 0")
+    g.add_metric([], 1 if st.get("state") == "failing" else 0)
+    yield g
+    g = GaugeMetricFamily("ckptd_last_persisted_iteration", "The newest iteration whose checkpoint is written "
+                          "(-1: none yet)")
+    g.add_metric([], -1 if st.get("last_persisted") is None else st["last_persisted"])
+    yield g
+    c = CounterMetricFamily("ckptd_checkpoint_write_failures", "Checkpoint write attempts that failed")
+    c.add_metric([], st.get("write_failures", 0))
+    yield c
+    c = CounterMetricFamily("ckptd_checkpoints_not_persisted", "Commits whose own checkpoint was never written")
+    c.add_metric([], st.get("not_persisted", 0))
+    yield c
 
 
 def redact(doc: dict) -> dict:

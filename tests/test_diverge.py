@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from ckptd.core.checkpoint import checkpoint_name, load_checkpoint, save_checkpoint
+from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
 from ckptd.core.finite import first_nonfinite, is_finite
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.manifest import read_manifest
@@ -157,6 +157,33 @@ def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job
     kept = load_checkpoint(tmp_path / "ck" / checkpoint_name(DIVERGES_AT - 1))
     ref = load_checkpoint(job / "reference" / checkpoint_name(DIVERGES_AT - 1))
     assert all(torch.equal(kept["model"][n], ref["model"][n]) for n in ref["model"])
+
+
+def test_the_persistence_tier_writes_the_last_finite_state_it_would_have_skipped(job, tmp_path):
+    """persist_every 10 writes iteration 0 and, at the stop, 7: the state just before the
+    divergence (2) would be on no disk, and the memory tier lets it go at the next commit.
+    The daemon hands it to the tier when the divergence shows; retention keeps it."""
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text("\n".join([
+        f"plan: {job / 'plan.json'}", f"init: {job / 'init.pt'}", f"out: {tmp_path / 'ck'}",
+        "listen: 127.0.0.1:0", "persist_every: 10", "keep_last: 2", "interfaces:",
+        "  - {name: mirror0, ifname: m0}", "  - {name: mirror1, ifname: m1}"]) + "\n")
+    daemon = Daemon(load_config(cfg))
+    assert daemon.run(source=iter(list(file_source(pcaps(job), []))), install_signals=False) == 0
+    entries = read_manifest(tmp_path / "ck")["checkpoints"]
+    assert [(e["iteration"], e["finite"]) for e in entries] == [(DIVERGES_AT - 1, True), (7, False)]
+    assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*.pt")) == \
+        [checkpoint_name(DIVERGES_AT - 1), checkpoint_name(7)]
+    st = daemon.snapshot.get()["checkpoints"]
+    assert st["last_persisted"] == 7 and st["newest_finite"] == DIVERGES_AT - 1 and st["state"] == "ok"
+    kept = load_checkpoint(tmp_path / "ck" / checkpoint_name(DIVERGES_AT - 1))
+    ref = load_checkpoint(job / "reference" / checkpoint_name(DIVERGES_AT - 1))
+    assert diff_checkpoints(_parameters(kept, ref), ref) == []
+
+
+def _parameters(ckpt: dict, ref: dict) -> dict:
+    """ckpt with only the model entries the reference (the trainer's) holds."""
+    return {**ckpt, "model": {n: t for n, t in ckpt["model"].items() if n in ref["model"]}}
 
 
 def _state(value: float, n: int = 100):

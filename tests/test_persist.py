@@ -220,15 +220,20 @@ def test_restarted_daemon_joins_from_its_own_persisted_state(tmp_path):
 
 
 def test_a_busy_writer_takes_the_newest_state_due(tmp_path):
-    """Due while the writer is still busy: the newer state replaces the one waiting."""
+    """Due while the writer is still busy: the newer state replaces the one waiting. One
+    handed over by write_older (the last finite state of a diverged job) is written all
+    the same, and the newer ones' schedule goes on."""
     tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=None, keep_every=None)
     gate = __import__("threading").Event()
     write = tier._write
-    tier._write = lambda h: (gate.wait(5), write(h))
+    tier._write = lambda h, older=False: (gate.wait(5), write(h, older))
     for it in range(4):  # 0 is taken by the writer (blocked), 1 and 2 wait in turn, 3 stays
         tier.offer(held(it))
+        if it == 2:
+            tier.write_older(held(1))
         time.sleep(0.05)
     gate.set()
     tier.close()
     assert tier.superseded == 2
-    assert [e["iteration"] for e in read_manifest(tmp_path)["checkpoints"]] == [0, 3]
+    assert [e["iteration"] for e in read_manifest(tmp_path)["checkpoints"]] == [0, 1, 3]
+    assert tier.keeper.last_persisted == 3 and not tier.keeper.failing

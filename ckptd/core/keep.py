@@ -75,8 +75,7 @@ class CheckpointKeeper:
             self._missed(iteration)
             return False
         try:
-            self.last_size, self.last_sha256 = self.store.write(
-                checkpoint_name(iteration), lambda f: write_checkpoint(f, iteration, model, optimizer))
+            self._put(iteration, model, optimizer)
         except CheckpointWriteError as e:
             if not self.retry:
                 raise
@@ -86,14 +85,29 @@ class CheckpointKeeper:
             log.warning("checkpoints written again", extra={"fields": {
                 "iteration": iteration, "not_persisted": self.not_persisted}})
         self.last_persisted, self.newest_unpersisted = iteration, None
-        # the model read once more, beside a write of it and its optimizer state (ckptd.core.finite)
-        self.last_finite = first_nonfinite(model.items()) is None
-        if self.last_finite:
-            self.newest_finite = iteration
         self._backoff = 0.0
         if prune:
             self.prune()
         return True
+
+    def write_older(self, iteration: int, model: dict, optimizer: dict | None) -> bool:
+        """Persist a state older than the last written (the newest finite one, once the job
+        diverged: ckptd.live.persist), once: what is said of the newest, written or not,
+        and the back-off are left as they are; a failure is logged, not retried."""
+        try:
+            self._put(iteration, model, optimizer)
+            return True
+        except CheckpointWriteError as e:
+            log.warning("checkpoint not written", extra={"fields": {"iteration": iteration, "error": str(e)}})
+            return False
+
+    def _put(self, iteration: int, model: dict, optimizer: dict | None):
+        self.last_size, self.last_sha256 = self.store.write(
+            checkpoint_name(iteration), lambda f: write_checkpoint(f, iteration, model, optimizer))
+        # the model read once more, beside a write of it and its optimizer state (ckptd.core.finite)
+        self.last_finite = first_nonfinite(model.items()) is None
+        if self.last_finite and (self.newest_finite is None or iteration > self.newest_finite):
+            self.newest_finite = iteration
 
     def failed(self, iteration: int, e: CheckpointWriteError):
         """A write for `iteration` failed (its file, or the manifest that lists it): one

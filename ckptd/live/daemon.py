@@ -753,6 +753,20 @@ class Daemon:
             log.warning("the job diverged: its parameters hold NaN or inf", extra={"fields": self.diverged})
             if self.notifier is not None:
                 self.notifier.on_diverged(self.diverged)
+            self._persist_last_finite()
+
+    def _persist_last_finite(self):
+        """Once the job diverged: the newest finite committed state on disk, if the memory
+        tier still holds it and `persist_every` skipped it (retention then keeps it). The
+        trainer is to go back to it, and the next commit would push it out of memory."""
+        it = self.last_finite
+        if self.persist is None or self.memory is None or it is None:
+            return
+        if it in {e["iteration"] for e in self.persist.entries} or self.persist.handed == it:
+            return
+        held = self.memory.get(it)
+        if held is not None:
+            self.persist.write_older(held)
 
     def _counting(self, source):
         """Frames to the pipeline, counted. A quiet tick from the rings ((-1, None)) moves

@@ -67,6 +67,7 @@ class PersistTier:
         self.last_write_s: float | None = None
         self._cv = threading.Condition()
         self._pending = None
+        self._older = None  # an older state to write besides (write_older), never superseded
         self._busy = False
         self._closing = False
         self.thread = Thread(target=self._writer, name="ckptd-persist", daemon=True)
@@ -91,6 +92,15 @@ class PersistTier:
             self._cv.notify()
         return True
 
+    def write_older(self, held) -> None:
+        """Have `held` written too, though older than what was handed over and whether a
+        write is due or not: the newest finite state once the job diverged (the daemon
+        hands it from the memory tier), which `persist_every` would otherwise have skipped.
+        It is not superseded by newer states, and leaves their schedule as it was."""
+        with self._cv:
+            self._older = held
+            self._cv.notify()
+
     def close(self, newest=None, timeout: float | None = None):
         """Stop: `newest` (the last committed state) is written first if it is not yet
         (handed over and failed, or skipped while backing off, included); then waits for
@@ -107,19 +117,23 @@ class PersistTier:
 
     def idle(self) -> bool:
         with self._cv:
-            return self._pending is None and not self._busy
+            return self._pending is None and self._older is None and not self._busy
 
     def _writer(self):
         while True:
             with self._cv:
-                while self._pending is None and not self._closing:
+                while self._pending is None and self._older is None and not self._closing:
                     self._cv.wait()
-                held, self._pending = self._pending, None
+                older = self._older is not None
+                if older:
+                    held, self._older = self._older, None
+                else:
+                    held, self._pending = self._pending, None
                 if held is None:
                     return
                 self._busy = True
             try:
-                self._write(held)
+                self._write(held, older)
             except Exception as e:  # the writer must outlive any one bad write
                 log.error("persistence failed", extra={"fields": {"iteration": held.iteration,
                                                                   "error": str(e)}})
@@ -128,11 +142,14 @@ class PersistTier:
                 with self._cv:
                     self._busy = False
 
-    def _write(self, held):
+    def _write(self, held, older: bool = False):
         t0 = time.monotonic()
+        if older:
+            if not self.keeper.write_older(held.iteration, held.model, held.optimizer):
+                return  # logged by the keeper; the newer states' writes go on as they were
         # at the stop, one try even while backing off: there is no later moment
-        if not self.keeper.write(held.iteration, held.model, held.optimizer, force=self._closing,
-                                 prune=False):
+        elif not self.keeper.write(held.iteration, held.model, held.optimizer, force=self._closing,
+                                   prune=False):
             return  # failed or backing off (logged by the keeper); the next one due tries again
         name = checkpoint_name(held.iteration)
         self.written += 1
@@ -147,7 +164,10 @@ class PersistTier:
         try:
             self._write_manifest()
         except CheckpointWriteError as e:  # the file is there, unlisted: the next write lists it
-            self.keeper.failed(held.iteration, e)
+            if older:
+                log.warning("manifest not written", extra={"fields": {"iteration": held.iteration, "error": str(e)}})
+            else:
+                self.keeper.failed(held.iteration, e)
             return
         if self.keeper.prune():  # only now: the manifest already lists the new file
             self._write_manifest()

@@ -443,7 +443,7 @@ def cmd_verify(a) -> int:
 
 def cmd_export(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
-    from ckptd.core.finite import first_nonfinite
+    from ckptd.core.finite import diverged_state, nonfinite_in
     from ckptd.core.formats import export_checkpoint
     from ckptd.core.plan import load_plan
     import os
@@ -464,9 +464,8 @@ def cmd_export(a) -> int:
                          "(param group 0's lr in the export)")
     out = export_checkpoint(ckpt, a.out, a.format, plan)
     print(f"wrote {out} ({a.format}, iteration {ckpt['iteration']}, step {int(ckpt['iteration']) + 1})")
-    if bad := first_nonfinite(ckpt["model"].items()):  # written as asked: it is the job's state
-        print(f"warning: {a.checkpoint}: {bad} holds NaN or inf: the job had diverged by iteration "
-              f"{ckpt['iteration']}", file=sys.stderr)
+    if bad := nonfinite_in(ckpt):  # written as asked: it is the job's state
+        print(f"warning: {diverged_state(a.checkpoint, bad, ckpt['iteration'])}", file=sys.stderr)
     return 0
 
 

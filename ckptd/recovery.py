@@ -108,9 +108,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     nonfinite = first_nonfinite(model.named_parameters())
     if nonfinite:
-        log.warning("%s: %s holds NaN or inf: the job had diverged by iteration %d; a checkpoint from before "
-                    "is the one to resume from (restore(..., finite=True) from a checkpoint directory takes "
-                    "the newest finite one, which the daemon's retention keeps)", src, nonfinite, int(ckpt["iteration"]))
+        log.warning("%s; a checkpoint from before is the one to resume from (restore(..., finite=True) from a "
+                    "checkpoint directory takes the newest finite one, which the daemon's retention keeps)",
+                    diverged_state(src, nonfinite, ckpt["iteration"]))
     return Restored(int(ckpt["iteration"]), src, missing_buffers, time.perf_counter() - t0, nbytes, nonfinite)
 
 

@@ -117,8 +117,8 @@ def test_replay_cli_marks_each_diverged_iteration_and_names_the_newest_finite(jo
         r = subprocess.run([sys.executable, "-m", "ckptd", "export", str(src), "--format", "safetensors",
                             "--out", str(tmp_path / f"{it}.safetensors")], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and (tmp_path / f"{it}.safetensors").exists(), r.stderr
-        assert (r.stderr.strip() == f"warning: {src}: {name} holds NaN or inf: the job had diverged by iteration {it}") \
-            == said, r.stderr
+        assert (r.stderr.strip() == f"warning: {src}: {name} holds NaN or inf (iteration {it}: the job had diverged "
+                "by then)") == said, r.stderr
 
 
 def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job, tmp_path, webhook):
@@ -244,8 +244,8 @@ def test_restore_of_a_nan_state_says_so(tmp_path, caplog):
         r = restore(model, None, tmp_path / "bad.pt")
     assert r.nonfinite == "bias" and r.iteration == 5
     said = [x.getMessage() for x in caplog.records if "NaN" in x.getMessage()]
-    assert said == [f"{tmp_path / 'bad.pt'}: bias holds NaN or inf: the job had diverged by iteration 5; a "
-                    "checkpoint from before is the one to resume from (restore(..., finite=True) from a "
+    assert said == [f"{tmp_path / 'bad.pt'}: bias holds NaN or inf (iteration 5: the job had diverged by then); "
+                    "a checkpoint from before is the one to resume from (restore(..., finite=True) from a "
                     "checkpoint directory takes the newest finite one, which the daemon's retention keeps)"]
     assert torch.isnan(model.bias[1])  # restored as asked: the warning does not refuse it
 

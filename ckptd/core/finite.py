@@ -63,7 +63,8 @@ def nonfinite_in(ckpt: dict) -> str | None:
 
 
 def diverged_state(where, name: str, iteration) -> str:
-    """Why a state is passed over where only a finite one is asked for (restore(finite=True))."""
+    """The words for a checkpoint whose model holds NaN or inf: restore's and export's
+    warning, restore(finite=True)'s refusal and the lines of what it passed over."""
     return f"{where}: {name} holds NaN or inf (iteration {iteration}: the job had diverged by then)"
 
 

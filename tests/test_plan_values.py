@@ -217,6 +217,23 @@ def test_torch_refusal_names_the_group_key(plan_doc, tmp_path):
     _refused(tmp_path, "optimizer.groups[0].nesterov is True: torch.optim.SGD refuses it", doc)
 
 
+def test_a_misspelt_hyperparameter_in_a_group_is_refused_a_trainers_own_key_kept(plan_doc, tmp_path):
+    """torch keeps any key in a param group (the trainer's own: a name, an lr scale), so
+    the plan does too; but `weight_decy` would have the shadow step with AdamW's own
+    weight_decay (0.01), not the 0.1 meant, and every checkpoint be wrong."""
+    names = _names(plan_doc)
+    for key, value, meant, default in (("weight_decy", 0.1, "weight_decay", "0.01"), ("beta", [0.8, 0.9], "betas",
+                                                                                       "(0.9, 0.999)"),
+                                       ("Lr", 0.5, "lr", "0.001")):
+        doc = _opt(plan_doc, groups=[{"params": names, "lr": 0.001, key: value}])
+        _refused(tmp_path, f"optimizer.groups[0].{key}: torch.optim.AdamW has no such hyperparameter; {meant} "
+                 f"misspelt? The shadow would step with torch.optim.AdamW's {meant} of {default}, not", doc)
+    for own in ("name", "lr_scale", "initial_lr", "layer_id", "max_momentum", "base_momentum", "max_lr", "base_lr",
+                "min_lr", "my_weight_decay_scale"):
+        kept = _load(tmp_path, _opt(plan_doc, groups=[{"params": names, "lr": 0.001, own: 1}]))
+        assert kept.optimizer.groups[0][own] == 1
+
+
 def test_runtime_messages_name_the_key_too():
     from ckptd.core.optim import OptimizerError, full_groups
     from ckptd.core.plan import Optimizer

@@ -264,6 +264,8 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
                                       for g, d in zip(groups, dummy)], stand_in=True).param_groups
     except Exception as e:  # noqa: BLE001 -- whatever torch's constructor refuses, said by key
         raise OptimizerError(_refused_hyperparameter(opt, groups) or f"optimizer.groups: {cls.__name__}: {e}") from e
+    if opt.groups:
+        _refuse_misspelt(cls, groups, filled)
     out = []
     for i, (g, f) in enumerate(zip(groups, filled)):
         h = {k: v for k, v in f.items() if k != "params"}
@@ -274,6 +276,31 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
                                  "on the CPU, where torch refuses a capturable step; use capturable=False")
         out.append({**h, "params": list(g["params"])})
     return out
+
+
+def _refuse_misspelt(cls, groups, filled) -> None:
+    """A group key the class takes no hyperparameter of is kept by torch as the trainer's own
+    (a name, an lr multiplier), so the plan's groups keep such keys too. One a letter or two
+    from a hyperparameter's name is a misspelling, though: the shadow would step with the
+    class's own value of it, not the one given, and every checkpoint would be wrong. A key
+    that holds a hyperparameter's name as a word (OneCycleLR's max_momentum, any
+    scheduler's initial_lr) is the trainer's or a scheduler's own."""
+    import difflib
+    known = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params", "defaults")]
+    for i, (g, f) in enumerate(zip(groups, filled)):
+        for k in g:
+            if k == "params" or not isinstance(k, str) or k in known:
+                continue
+            if any(w in known for w in k.split("_")) or any(f"_{w}" in k or f"{w}_" in k for w in known if "_" in w):
+                continue  # a word of its own beside one (an lr scheduler's max_momentum, initial_lr, base_lr)
+            meant = difflib.get_close_matches(k.lower(), known, n=1, cutoff=0.8)
+            if meant:
+                name = f"torch.optim.{cls.__name__}"
+                raise OptimizerError(
+                    f"optimizer.groups[{i}].{k}: {name} has no such hyperparameter; {meant[0]} misspelt? "
+                    f"The shadow would step with {name}'s {meant[0]} of {_short(f[meant[0]])}, not "
+                    f"{_short(g[k])} (a key of the trainer's own is kept as torch keeps it: name it unlike any "
+                    "hyperparameter, or leave it out of the plan)")
 
 
 # Plan keys of the legacy hyperparameters (plans without groups) that torch's do not name.

@@ -32,6 +32,7 @@ def is_finite(t: torch.Tensor) -> bool:
     threads then spin on the other cores (twice the check's own CPU in a replay). Only
     when the sum is not finite, which finite values can also make (1e38 + 1e38), is each
     element looked at."""
+    t = t.detach()  # a trainer's parameter: no autograd node for the sum
     if t.is_complex():
         t = torch.view_as_real(t)  # each part a float
     if not t.is_floating_point():
@@ -42,7 +43,7 @@ def is_finite(t: torch.Tensor) -> bool:
         total = float(t.sum(dtype=torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None))
     else:
         with np.errstate(over="ignore", invalid="ignore"):  # both are the answer, not a fault
-            total = float(np.add.reduce(t.detach().reshape(-1).numpy(), dtype=_WIDER_NP.get(t.dtype)))
+            total = float(np.add.reduce(t.reshape(-1).numpy(), dtype=_WIDER_NP.get(t.dtype)))
     if math.isfinite(total):
         return True
     return bool(torch.isfinite(t).all())

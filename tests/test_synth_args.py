@@ -23,7 +23,8 @@ CASES = [
     ("other-allreduce-total", ["--other-allreduce", "before:4000000", "--other-allreduce", "after:4000000"],
      ["--other-allreduce", "in all"]),
     ("other-broadcast-root", ["--other-broadcast", "before:10:float32:5"], ["--other-broadcast", "ROOT 5"]),
-    ("inf-at-no-amp", ["--inf-at", "0"], ["--inf-at"]),
+    # (without --amp an --inf-at is a job that diverges: tests/test_diverge.py)
+    ("inf-at-past-the-end", ["--inf-at", "2"], ["--inf-at 2: the job runs iterations 0..1"]),
     ("optim-betas", ["--optim", "adam:betas=2/3"], ["--optim adam"]),
     ("nccl-version-2", ["--nccl-version", "2"], ["--nccl-version '2'"]),
     ("nccl-version-2.99", ["--nccl-version", "2.99"], ["--nccl-version", "NCCL 2.99 is not supported"]),

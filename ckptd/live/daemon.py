@@ -762,8 +762,8 @@ class Daemon:
         it = self.last_finite
         if self.persist is None or self.memory is None or it is None:
             return
-        if it in {e["iteration"] for e in self.persist.entries} or self.persist.handed == it:
-            return
+        if it in {e["iteration"] for e in self.persist.entries}:
+            return  # (one handed over but not yet written may be superseded: written twice is harmless)
         held = self.memory.get(it)
         if held is not None:
             self.persist.write_older(held)

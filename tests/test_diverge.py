@@ -148,6 +148,8 @@ def test_daemon_reports_the_divergence_and_retention_keeps_the_newest_finite(job
         {"sent": 1, "failed": 0, "dropped": 0}
     said = [r for r in records if r.getMessage() == "the job diverged: its parameters hold NaN or inf"]
     assert len(said) == 1 and said[0].fields == want  # once, not at every later iteration
+    stopped = [r for r in records if r.getMessage() == "stopped"]
+    assert len(stopped) == 1 and stopped[0].fields["diverged_since"] == DIVERGES_AT
     assert [ev for _, ev in posts] == [{"event": "ckptd.job_diverged", "iteration": DIVERGES_AT, "parameter": name,
                                         "newest_finite_committed": DIVERGES_AT - 1, "note": posts[0][1]["note"]}]
     # the newest two, and the newest finite one, which keep_last alone would have pruned

@@ -1226,6 +1226,7 @@ class Daemon:
         log.warning("stopped", extra={"fields": {
             "last_committed": self.last_committed.iteration if self.last_committed else -1,
             "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
+            "diverged_since": self.diverged["since"] if self.diverged else None,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:

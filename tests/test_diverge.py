@@ -1,11 +1,13 @@
 """A job that diverges (docs/DAEMON.md "A job that diverges"): a gradient with an inf and
 no GradScaler steps NaN into the weights and the job trains on. The shadow follows it
-bit for bit and says so; retention never prunes the newest finite checkpoint; restore
-warns about a NaN state."""
+bit for bit and says so; retention never prunes the newest finite checkpoint and the
+state just before is written; restore warns about a NaN state, and with finite=True
+takes the newest finite one."""
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import time
@@ -13,16 +15,21 @@ import time
 import pytest
 import torch
 
-from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
+from ckptd.core.checkpoint import CheckpointError, checkpoint_name, diff_checkpoints, load_checkpoint, save_checkpoint
 from ckptd.core.finite import first_nonfinite, is_finite
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.manifest import read_manifest
+from ckptd.core.optim import torch_optimizer
+from ckptd.core.plan import load_plan
+from ckptd.fast.pipeline import fast_replay
 from ckptd.live.daemon import Daemon, load_config
-from ckptd.live.memory_tier import HeldState
+from ckptd.live.memory_tier import HeldState, MemoryTier
 from ckptd.live.persist import PersistTier
-from ckptd.live.status import _Collector
-from ckptd.pipeline import file_source
-from ckptd.recovery import restore
+from ckptd.live.serve import HttpServer
+from ckptd.live.status import _Collector, checkpoint_routes
+from ckptd.pipeline import ReplayOptions, file_source
+from ckptd.recovery import load_source, restore
+from ckptd.testing.synth.model import build_model
 
 from helpers import drain_writer, pcaps, run_replay, synth
 
@@ -78,10 +85,6 @@ def test_finite_values_whose_sum_overflows_are_finite():
 
 @pytest.mark.parametrize("path", ["fast", "reference"])
 def test_replay_of_a_diverging_job_is_exact_and_says_from_where(job, tmp_path, path):
-    import shutil
-    from ckptd.core.plan import load_plan
-    from ckptd.fast.pipeline import fast_replay
-    from ckptd.pipeline import ReplayOptions
     shutil.copytree(job, tmp_path / "job")
     d = tmp_path / "job"
     if path == "fast":
@@ -253,8 +256,6 @@ def test_restore_of_a_nan_state_says_so(tmp_path, caplog):
 
 
 def _trainer(plan):
-    from ckptd.core.optim import torch_optimizer
-    from ckptd.testing.synth.model import build_model
     model = build_model("tiny", 0)
     return model, torch_optimizer(plan.optimizer, model.named_parameters())
 
@@ -262,9 +263,7 @@ def _trainer(plan):
 def test_restore_finite_takes_the_newest_finite_checkpoint_of_a_directory(job, tmp_path, caplog):
     """restore(finite=True) of a replay's output: the iteration before the divergence,
     bit-equal to the trainer's; without it, the newest (NaN) one, with the warning."""
-    from ckptd.core.plan import load_plan
     plan = load_plan(job / "plan.json")
-    import shutil
     shutil.copytree(job, tmp_path / "job")
     run_replay(tmp_path / "job")
     out = tmp_path / "job" / "out"
@@ -281,7 +280,6 @@ def test_restore_finite_takes_the_newest_finite_checkpoint_of_a_directory(job, t
 
 @pytest.mark.parametrize("url", [False, True], ids=["directory", "file-url"])
 def test_finite_passes_over_what_the_manifest_says_is_not_finite_unread(tmp_path, caplog, url):
-    from ckptd.recovery import load_source
     tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=3, keep_every=None)
     for it, value in ((0, 1.0), (1, 2.0), (2, float("nan")), (3, float("inf"))):
         assert tier.offer(_held(it, value))
@@ -298,7 +296,6 @@ def test_finite_passes_over_what_the_manifest_says_is_not_finite_unread(tmp_path
 
 
 def test_restore_finite_of_a_nan_file_is_refused_with_the_model_unchanged(tmp_path):
-    from ckptd.core.checkpoint import CheckpointError
     model = torch.nn.Linear(4, 3)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     bad = {n: torch.full_like(t, 7.0) for n, t in before.items()}
@@ -313,10 +310,6 @@ def test_restore_finite_of_a_nan_file_is_refused_with_the_model_unchanged(tmp_pa
 
 
 def test_restore_finite_from_the_daemon_refuses_its_nan_state_with_the_model_unchanged(tmp_path):
-    from ckptd.core.checkpoint import CheckpointError
-    from ckptd.live.memory_tier import MemoryTier
-    from ckptd.live.serve import HttpServer
-    from ckptd.live.status import checkpoint_routes
     model = torch.nn.Linear(4, 3)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     tier = MemoryTier()

@@ -420,6 +420,23 @@ def test_replay_from_stdin_equals_the_file(scenario, tmp_path, path):
                    for n in written if n.endswith(".pt"))
 
 
+@pytest.mark.parametrize("argv, culprit, message", [
+    (lambda d: ["replay", "--plan", _pcap0(d), _pcap0(d)], "mirror0.pcap",
+     "cannot read plan: this is a packet capture, not a plan"),
+    (lambda d: ["replay", "--plan", d / "init.pt", _pcap0(d)], "init.pt",
+     "cannot read plan: this is a zip archive (a torch.save checkpoint?), not a plan"),
+    (lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "plan.json", _pcap0(d)], "plan.json",
+     "cannot read checkpoint: this is JSON text (a plan?), not a checkpoint"),
+    (lambda d: ["verify", _pcap0(d), d / "init.pt"], "mirror0.pcap",
+     "cannot read checkpoint: this is a packet capture, not a checkpoint"),
+], ids=["capture-as-plan", "checkpoint-as-plan", "plan-as-init", "capture-as-checkpoint"])
+def test_an_input_in_the_wrong_place_is_named_for_what_it_is(scenario, capsys, argv, culprit, message):
+    """Swapped arguments said "'utf-8' codec can't decode byte 0xb2 in position 2" or
+    "Unsupported operand 123": one line now says what the file is."""
+    r = ckptd_main(capsys, *argv(scenario))
+    _one_line_error(r, culprit, message)
+
+
 def _pcap_of_linktype(linktype: int) -> bytes:
     """A classic pcap header of that link type and one 60-byte record."""
     import struct

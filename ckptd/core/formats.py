@@ -71,9 +71,22 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
     try:  # torch.save's legacy (non-zip) serialization
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
+        what = _head_kind(path)
+        if what and not what.startswith("a zip"):  # an argument in the wrong place, said so
+            raise CheckpointError(f"{path}: cannot read checkpoint: this is {what}, not a checkpoint") from e
         raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
                               f"directory or safetensors file ({load_failure(e)[:120]})") from e
     return as_checkpoint(doc, path, names)
+
+
+def _head_kind(path: Path) -> str | None:
+    """ckptd.core.readfile.kind_of of the file's first bytes (None if unreadable)."""
+    from ckptd.core.readfile import kind_of
+    try:
+        with open(path, "rb") as f:
+            return kind_of(f.read(16))
+    except OSError:
+        return None
 
 
 def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:

@@ -1200,13 +1200,20 @@ def _np_dtype(name: str) -> str:
 
 def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     """The plan in the file at `path`; check_optimizer as in plan_from_json."""
+    from ckptd.core.readfile import kind_of
     path = Path(path)
+    data = b""
     try:
-        doc = json.loads(_read_plan_bytes(path).decode(), object_pairs_hook=_no_duplicate_keys)
+        data = _read_plan_bytes(path)
+        doc = json.loads(data.decode(), object_pairs_hook=_no_duplicate_keys)
     except PlanError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
+        what = kind_of(data[:16])
+        if what and not what.startswith("JSON"):  # an argument in the wrong place, said so
+            raise PlanError(f"{path}: cannot read plan: this is {what}, not a plan (the JSON file "
+                            "`ckptd plan` or ckptd.torch.write_plan writes)") from None
         raise PlanError(f"{path}: cannot read plan: {e}") from None
     return plan_from_json(doc, str(path), check_optimizer=check_optimizer)
 

@@ -46,3 +46,18 @@ def read_bounded(path, limit: int, what: str, wait_s: float | None = None) -> by
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def kind_of(head: bytes) -> str | None:
+    """What a file that is not the kind expected evidently is, by its first bytes: the
+    other inputs ckptd takes, given in the wrong place (a capture as the plan, the plan as
+    the init). None when it is none of them."""
+    from parsers.pcap import is_pcap
+    from parsers.pcapng import is_pcapng
+    if is_pcap(head) or is_pcapng(head):
+        return "a packet capture"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (a torch.save checkpoint?)"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "JSON text (a plan?)"
+    return None

@@ -378,7 +378,8 @@ def _distinct_captures(paths: list[str], kinds: bool = True) -> None:
     `kinds`: each must also be there and be a capture (inspect leaves those to its table)."""
     import os
     import stat
-    from parsers.capfile import capture_format, not_a_capture
+    from ckptd.core.readfile import kind_of
+    from parsers.capfile import NotACaptureError, capture_format, not_a_capture
     seen: dict[tuple[int, int], str] = {}
     for p in paths:
         try:
@@ -396,7 +397,14 @@ def _distinct_captures(paths: list[str], kinds: bool = True) -> None:
         if why := not_a_capture(p, st):
             raise UsageError(why)
         if stat.S_ISREG(st.st_mode):  # not a FIFO: its first bytes would be gone
-            capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
+            try:
+                capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
+            except NotACaptureError:
+                with open(p, "rb") as f:
+                    what = kind_of(f.read(16))
+                if what is None:
+                    raise
+                raise UsageError(f"{p}: this is {what}, not a capture") from None
 
 
 def _verify_source(src: str, plan):

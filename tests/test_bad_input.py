@@ -429,7 +429,12 @@ def test_replay_from_stdin_equals_the_file(scenario, tmp_path, path):
      "cannot read checkpoint: this is JSON text (a plan?), not a checkpoint"),
     (lambda d: ["verify", _pcap0(d), d / "init.pt"], "mirror0.pcap",
      "cannot read checkpoint: this is a packet capture, not a checkpoint"),
-], ids=["capture-as-plan", "checkpoint-as-plan", "plan-as-init", "capture-as-checkpoint"])
+    (lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", d / "plan.json"], "plan.json",
+     "this is JSON text (a plan?), not a capture"),
+    (lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", d / "init.pt"], "init.pt",
+     "this is a zip archive (a torch.save checkpoint?), not a capture"),
+], ids=["capture-as-plan", "checkpoint-as-plan", "plan-as-init", "capture-as-checkpoint", "plan-as-capture",
+        "checkpoint-as-capture"])
 def test_an_input_in_the_wrong_place_is_named_for_what_it_is(scenario, capsys, argv, culprit, message):
     """Swapped arguments said "'utf-8' codec can't decode byte 0xb2 in position 2" or
     "Unsupported operand 123": one line now says what the file is."""

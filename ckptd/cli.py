@@ -378,7 +378,7 @@ def _distinct_captures(paths: list[str], kinds: bool = True) -> None:
     `kinds`: each must also be there and be a capture (inspect leaves those to its table)."""
     import os
     import stat
-    from ckptd.core.readfile import kind_of
+    from ckptd.core.readfile import misplaced_file
     from parsers.capfile import NotACaptureError, capture_format, not_a_capture
     seen: dict[tuple[int, int], str] = {}
     for p in paths:
@@ -400,11 +400,9 @@ def _distinct_captures(paths: list[str], kinds: bool = True) -> None:
             try:
                 capture_format(p)  # an empty file, or no capture at all: one line now, not a stream error later
             except NotACaptureError:
-                with open(p, "rb") as f:
-                    what = kind_of(f.read(16))
-                if what is None:
-                    raise
-                raise UsageError(f"{p}: this is {what}, not a capture") from None
+                if what := misplaced_file(p, "capture"):
+                    raise UsageError(f"{p}: this is {what}, not a capture") from None
+                raise
 
 
 def _verify_source(src: str, plan):

@@ -42,6 +42,7 @@ import torch
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
                                    fsync_dir, load_failure, named_optimizer_state, param_groups_of,
                                    set_group_lrs, torch_load, torch_optimizer_state)
+from ckptd.core.readfile import misplaced_file
 from ckptd.core.wrappers import wrapper_prefix
 from ckptd.errors import show
 
@@ -71,22 +72,11 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
     try:  # torch.save's legacy (non-zip) serialization
         doc = torch_load(path)
     except Exception as e:  # torch raises many types for a bad file
-        what = _head_kind(path)
-        if what and not what.startswith("a zip"):  # an argument in the wrong place, said so
+        if what := misplaced_file(path, "checkpoint"):  # an argument in the wrong place, said so
             raise CheckpointError(f"{path}: cannot read checkpoint: this is {what}, not a checkpoint") from e
         raise CheckpointError(f"{path}: cannot read checkpoint: not a torch.save file, DCP "
                               f"directory or safetensors file ({load_failure(e)[:120]})") from e
     return as_checkpoint(doc, path, names)
-
-
-def _head_kind(path: Path) -> str | None:
-    """ckptd.core.readfile.kind_of of the file's first bytes (None if unreadable)."""
-    from ckptd.core.readfile import kind_of
-    try:
-        with open(path, "rb") as f:
-            return kind_of(f.read(16))
-    except OSError:
-        return None
 
 
 def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:

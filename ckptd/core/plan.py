@@ -1200,7 +1200,7 @@ def _np_dtype(name: str) -> str:
 
 def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     """The plan in the file at `path`; check_optimizer as in plan_from_json."""
-    from ckptd.core.readfile import kind_of
+    from ckptd.core.readfile import misplaced
     path = Path(path)
     data = b""
     try:
@@ -1210,8 +1210,7 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, and an integer past Python's 4300-digit limit
-        what = kind_of(data[:16])
-        if what and not what.startswith("JSON"):  # an argument in the wrong place, said so
+        if what := misplaced(data[:16], "plan"):  # an argument in the wrong place, said so
             raise PlanError(f"{path}: cannot read plan: this is {what}, not a plan (the JSON file "
                             "`ckptd plan` or ckptd.torch.write_plan writes)") from None
         raise PlanError(f"{path}: cannot read plan: {e}") from None

@@ -48,16 +48,28 @@ def read_bounded(path, limit: int, what: str, wait_s: float | None = None) -> by
         os.close(fd)
 
 
-def kind_of(head: bytes) -> str | None:
-    """What a file that is not the kind expected evidently is, by its first bytes: the
-    other inputs ckptd takes, given in the wrong place (a capture as the plan, the plan as
-    the init). None when it is none of them."""
+
+def _kinds():
+    """(kind, words for it, test of a file's first bytes) of each input ckptd takes."""
     from parsers.pcap import is_pcap
     from parsers.pcapng import is_pcapng
-    if is_pcap(head) or is_pcapng(head):
-        return "a packet capture"
-    if head.startswith(b"PK\x03\x04"):
-        return "a zip archive (a torch.save checkpoint?)"
-    if head.lstrip()[:1] in (b"{", b"["):
-        return "JSON text (a plan?)"
-    return None
+    return (("capture", "a packet capture", lambda h: is_pcap(h) or is_pcapng(h)),
+            ("checkpoint", "a zip archive (a torch.save checkpoint?)", lambda h: h.startswith(b"PK\x03\x04")),
+            ("plan", "JSON text (a plan?)", lambda h: h.lstrip()[:1] in (b"{", b"[")))
+
+
+def misplaced(head: bytes, expected: str) -> str | None:
+    """What a file refused as the `expected` kind ("capture", "checkpoint", "plan")
+    evidently is instead, by its first bytes: another input ckptd takes, given in the
+    wrong place (a capture as the plan, the plan as the init). None when it is none of
+    the others."""
+    return next((words for kind, words, test in _kinds() if kind != expected and test(head)), None)
+
+
+def misplaced_file(path, expected: str) -> str | None:
+    """misplaced() of the file at `path` (None where it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return misplaced(f.read(16), expected)
+    except OSError:
+        return None

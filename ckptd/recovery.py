@@ -33,7 +33,7 @@ import torch
 
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
                                    load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
-from ckptd.core.finite import FINITE_ONLY, diverged_state, first_nonfinite, nonfinite_in
+from ckptd.core.finite import diverged_state, first_nonfinite, nonfinite_in, refused_state
 from ckptd.core.wrappers import unwrap
 from ckptd.errors import show
 
@@ -213,7 +213,7 @@ def load_source(src: str, names: list[str] | None, token: str | None = None,
 
 def _refuse_nonfinite(ckpt: dict, where: str) -> None:
     if bad := nonfinite_in(ckpt):
-        raise CheckpointError(f"{diverged_state(where, bad, ckpt.get('iteration'))}; {FINITE_ONLY}")
+        raise CheckpointError(refused_state(where, bad, ckpt.get("iteration")))
 
 
 def newest_at_url(url: str, finite: bool = False) -> tuple[dict, str]:

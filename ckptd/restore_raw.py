@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ckptd.core.checkpoint import CheckpointError, check_optimizer_fits, check_state_tensors, optimizer_params_in
-from ckptd.core.finite import FINITE_ONLY, diverged_state, first_nonfinite
+from ckptd.core.finite import first_nonfinite, refused_state
 from ckptd.core.plan import dtype_name
 from ckptd.core.raw_layout import HASH_THREADS, MAX_HEADER, as_bytes, decode_header, new_digest
 
@@ -74,7 +74,7 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
             h.shutdown(wait=True, cancel_futures=True)
     if finite and (bad := first_nonfinite((e["name"][6:], dest) for e, dest in plan
                                           if e["name"].startswith("model."))):
-        raise CheckpointError(f"{diverged_state(where, bad, head['iteration'])}; {FINITE_ONLY}; {after}")
+        raise CheckpointError(f"{refused_state(where, bad, head['iteration'])}; {after}")
     own = model.state_dict()
     with torch.no_grad():
         for e, dest in plan:

@@ -85,8 +85,8 @@ class _Hook(BaseHTTPRequestHandler):
         self.send_response(204)
         self.end_headers()
 
-    def log_message(self, *a):
-        pass
+    def log_message(self, *a):  # quiet: no request line on stderr per POST
+        return None
 
 
 @pytest.fixture

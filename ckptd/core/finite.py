@@ -69,5 +69,9 @@ def diverged_state(where, name: str, iteration) -> str:
     return f"{where}: {name} holds NaN or inf (iteration {iteration}: the job had diverged by then)"
 
 
-# after diverged_state where a source gives that one state only (a file, the daemon's latest)
-FINITE_ONLY = "with finite=True only a finite state is restored: a checkpoint directory gives its newest finite one"
+
+def refused_state(where, name: str, iteration) -> str:
+    """restore(finite=True)'s refusal of a source that gives that one state only (a file,
+    the daemon's latest)."""
+    return (f"{diverged_state(where, name, iteration)}; with finite=True only a finite state is restored: "
+            "a checkpoint directory gives its newest finite one")

@@ -95,7 +95,7 @@ def timed_restore(million: float, how: str, source: str, first: torch.Tensor) ->
 def restore_times(million: float, torch_save_http: bool = True) -> dict:
     """`torch_save_http=False`: without the old HTTP path, which holds the state ~5 times
     at once (too much for 330 M parameters beside other work in 24 GB)."""
-    from ckptd.core.formats import torch_doc
+    from ckptd.core.formats import TrainerHyper, torch_doc
     from ckptd.live.memory_tier import MemoryTier
     from ckptd.live.serve import HttpServer
     from ckptd.live.status import checkpoint_routes
@@ -111,12 +111,12 @@ def restore_times(million: float, torch_save_http: bool = True) -> dict:
     t0 = time.perf_counter()
     held = tier.commit(0, m, o)
     out["memory_copy_s"] = time.perf_counter() - t0
-    groups = opt.state_dict()["param_groups"]
+    hyper = TrainerHyper(opt.state_dict()["param_groups"], None)
     first = m[names[0]].clone()
     # from here on the tier's copy is the only one: at 330 M parameters every copy of the
     # state is 4 GB, and the HTTP encoding and the restored model need room beside it
     del model, opt, m, o
-    srv = HttpServer(checkpoint_routes(tier, names, lambda lr: groups, None), "127.0.0.1", 0).start()
+    srv = HttpServer(checkpoint_routes(tier, names, lambda held: hyper, None), "127.0.0.1", 0).start()
     tmp = Path(tempfile.mkdtemp(prefix="ckptd-tiers-"))
     try:
         url = f"http://127.0.0.1:{srv.address[1]}"
@@ -132,7 +132,7 @@ def restore_times(million: float, torch_save_http: bool = True) -> dict:
         held.digests()  # BLAKE2b over the state: the daemon's first request, the client's check
         out["blake2b_digests_s"] = time.perf_counter() - t0
         srv.stop()
-        doc = torch_doc({"iteration": 0, "model": held.model, "optimizer": held.optimizer}, names, groups)
+        doc = torch_doc({"iteration": 0, "model": held.model, "optimizer": held.optimizer}, names, hyper)
         torch.save(doc, tmp / "ckpt.pt")
         out["torch_save_file_s"] = timed_restore(million, "restore", str(tmp / "ckpt.pt"), first)
         (tmp / "ckpt.pt").unlink()

@@ -24,6 +24,7 @@ import os
 import re
 import urllib.error
 import urllib.parse
+import warnings
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,17 +94,21 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
     if optimizer is not None:
         optimizer_params_in(optimizer, model, src)
     from_daemon = URL.match(src) is not None
+    if scheduler is not None and from_daemon:  # (a file's is checked before anything changes)
+        _check_fresh(scheduler)
     if from_daemon:  # the raw layout is checked whole before a byte reaches the model
         ckpt, missing_buffers, nbytes = _from_daemon(model, optimizer, scheduler, src, names, token, timeout,
                                                      all_or_nothing, limit, finite)
+        replayed = scheduler is not None and _replay_scheduler(scheduler, ckpt, src)
     else:
         ckpt, src, nbytes = load_source(src, names, token, timeout, limit, finite)
         _check_fits(model, optimizer, scheduler, ckpt, src)  # before anything changes
+        replayed = scheduler is not None and _replay_scheduler(scheduler, ckpt, src)  # (or refused, unchanged)
         missing_buffers = _load_model(model, ckpt)
-    if optimizer is not None:
-        _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon)  # read for this call only
-    if scheduler is not None:
-        _load_scheduler(scheduler, optimizer, ckpt)
+    if optimizer is not None:  # (a replayed scheduler has set the next step's hyperparameters)
+        _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon, keep_hyper=replayed)
+    if scheduler is not None and not replayed:
+        scheduler.load_state_dict(ckpt["lr_scheduler"])  # the trainer's own, checked by _check_fits
     if missing_buffers:
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     nonfinite = first_nonfinite(model.named_parameters())
@@ -447,9 +452,11 @@ def _load_model(model: torch.nn.Module, ckpt: dict) -> list[str]:
     return [n for n in own if n not in state and n not in params]
 
 
-def _load_optimizer(model, optimizer, ckpt: dict, where: str, adopt: bool = False):
+def _load_optimizer(model, optimizer, ckpt: dict, where: str, adopt: bool = False, keep_hyper: bool = False):
     """`adopt`: the state's tensors are the caller's to give away (read for this restore
-    only); load_state_dict then keeps them as they are, else each is cloned first."""
+    only); load_state_dict then keeps them as they are, else each is cloned first.
+    `keep_hyper`: the groups' hyperparameters stay as they are (a scheduler replayed to
+    the checkpoint's step set them), else the checkpoint's lr is set."""
     named = ckpt.get("optimizer")
     if named is None:
         raise CheckpointError(f"{where}: holds no optimizer state (weights only)")
@@ -468,19 +475,77 @@ def _load_optimizer(model, optimizer, ckpt: dict, where: str, adopt: bool = Fals
                                 for k, v in st.items()}
             index += 1
     sd["state"] = state
-    set_group_lrs(sd["param_groups"], named.get("lr"))  # the others in proportion, not all the first's
+    if not keep_hyper:
+        set_group_lrs(sd["param_groups"], named.get("lr"))  # the others in proportion, not all the first's
     optimizer.load_state_dict(sd)
 
 
-def _load_scheduler(scheduler, optimizer, ckpt: dict):
-    """The trainer's own scheduler state when the file has one; else the state after
-    `step` scheduler steps (one per optimizer step), the lr as the file says."""
+def _nested(scheduler) -> list:
+    """The scheduler and those it drives (SequentialLR's, ChainedScheduler's)."""
+    return [scheduler] + list(getattr(scheduler, "_schedulers", None) or [])
+
+
+def _stepped(scheduler) -> int:
+    """How often the scheduler (or one it drives) has stepped; 0 for a fresh one."""
+    return max((getattr(s, "last_epoch", 0) for s in _nested(scheduler)), default=0)
+
+
+def _check_fresh(scheduler) -> None:
+    """restore() replays a scheduler from step 0 where the checkpoint holds no state of
+    one, so it must not have stepped yet."""
+    if _stepped(scheduler) > 0:
+        raise CheckpointError(f"ckptd.restore: the {type(scheduler).__name__} given has stepped "
+                              f"{_stepped(scheduler)} times: give a freshly built one (as the trainer builds it "
+                              "before step 0); restore steps it to the checkpoint's step")
+
+
+def _replay_scheduler(scheduler, ckpt: dict, where: str) -> bool:
+    """Step the fresh scheduler once per optimizer step done, as the trainer did, so every
+    group's hyperparameters are what the trainer's next step uses: its exact lr (chainable
+    schedulers multiply the lr they find; LambdaLR takes a lambda per group), OneCycleLR's
+    momentum too. True: replayed (the groups keep what it set).
+
+    A checkpoint without the trainer's scheduler state (ckptd's own, or a trainer's file
+    that saved none) must come from this scheduler: the lr the checkpoint's last step used
+    (ckptd's; a trainer's file holds the next one) must be what it gives there, else it is
+    another scheduler or one the job steps otherwise (per epoch, say), refused with the
+    scheduler and its optimizer as they were. With the trainer's saved state: replayed only
+    where a fresh scheduler arrives at that very state (the saved one alone does not hold
+    the groups' momentum), else False and the saved state is loaded as it is."""
     saved = ckpt.get("lr_scheduler")
+    has_saved = isinstance(saved, dict) and "base_lrs" in saved
+    if has_saved and _stepped(scheduler) > 0:
+        return False
+    _check_fresh(scheduler)
     steps = int(ckpt["iteration"]) + 1
-    if isinstance(saved, dict) and "base_lrs" in saved:
-        scheduler.load_state_dict(saved)
-        return
-    scheduler.last_epoch = steps
-    scheduler._step_count = steps + 1
-    if optimizer is not None:
-        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    groups = scheduler.optimizer.param_groups
+    before = [(s, dict(s.__dict__)) for s in _nested(scheduler)], [dict(g) for g in groups]
+
+    def undo():
+        for s, d in before[0]:
+            s.__dict__.clear()
+            s.__dict__.update(d)
+        for g, d in zip(groups, before[1]):
+            g.clear()
+            g.update(d)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scheduler.step() before optimizer.step()
+        for _ in range(steps):
+            seen.append(groups[0]["lr"])
+            scheduler.step()
+    seen.append(groups[0]["lr"])
+    if has_saved:
+        own = scheduler.state_dict()
+        if any(own.get(k) != saved.get(k) for k in ("last_epoch", "_last_lr")):
+            undo()
+            return False
+        return True
+    want = (ckpt.get("optimizer") or {}).get("lr")
+    if want is not None and float(want) not in (float(seen[-2]), float(seen[-1])):
+        undo()
+        raise CheckpointError(f"{where}: its step {steps - 1} used lr {float(want)!r}, but the "
+                              f"{type(scheduler).__name__} given, stepped once per optimizer step, gives "
+                              f"{float(seen[-2])!r} there: not the job's scheduler, or one it steps otherwise "
+                              "(restore without scheduler= and set the scheduler's state yourself)")
+    return True

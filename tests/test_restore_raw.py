@@ -12,7 +12,7 @@ from torch import nn
 
 import ckptd
 from ckptd.core.checkpoint import CheckpointError
-from ckptd.core.formats import torch_doc
+from ckptd.core.formats import TrainerHyper, torch_doc
 from ckptd.core.raw_layout import MEDIA_TYPE
 from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.serve import HttpServer, Response
@@ -42,27 +42,30 @@ def _trainer(kind: str, seed: int, width: int = 6):
 
 
 def _trained(kind: str):
-    model, opt, _ = _trainer(kind, 0)
+    """(model, optimizer, the lr the last step used), after 3 steps as _trainer's job."""
+    model, opt, sched = _trainer(kind, 0)
     for _ in range(3):  # moments, momentum and the norm layer's running stats all move
         opt.zero_grad()
         model(torch.randn(8, 4)).square().sum().backward()
         opt.step()
-    return model, opt
+        used = opt.param_groups[0]["lr"]
+        sched.step()
+    return model, opt, used
 
 
 @pytest.fixture(params=sorted(OPTIMIZERS))
 def served(request, tmp_path):
     """(kind, URL of a server holding the trained state at iteration 2, torch.save file of it)."""
-    model, opt = _trained(request.param)
+    model, opt, used = _trained(request.param)
     names = [n for n, _ in model.named_parameters()]
-    m, o = trainer_checkpoint(model, opt, LR)
+    m, o = trainer_checkpoint(model, opt, used)
     tier = MemoryTier()
     held = tier.commit(2, m, o)
-    groups = opt.state_dict()["param_groups"]
-    routes = checkpoint_routes(tier, names, lambda lr: groups, None)
+    hyper = TrainerHyper(opt.state_dict()["param_groups"], None)
+    routes = checkpoint_routes(tier, names, lambda held: hyper, None)
     srv = HttpServer(routes, "127.0.0.1", 0).start()
     path = tmp_path / "ckpt.pt"
-    torch.save(torch_doc(held.checkpoint(), names, groups), path)
+    torch.save(torch_doc(held.checkpoint(), names, hyper), path)
     yield request.param, f"http://127.0.0.1:{srv.address[1]}", path
     srv.stop()
 

@@ -35,6 +35,7 @@ import shutil
 import struct
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -333,12 +334,14 @@ def _load_safetensors(path: Path, names: list[str] | None) -> dict:
 
 
 # -- writing -------------------------------------------------------------------------------
-def torch_doc(ckpt: dict, names: list[str], param_groups: list[dict] | None = None,
+def torch_doc(ckpt: dict, names: list[str], hyper: "TrainerHyper | None" = None,
               plan_hash: str | None = None) -> dict:
     """A ckptd checkpoint as the dict a trainer torch.loads: the model's parameters, the
-    optimizer's state_dict (loadable by optimizer.load_state_dict when param_groups are
-    torch's own, see optimizer_param_groups), steps done, and what ckptd knows under "ckptd"."""
+    optimizer's state_dict (loadable by optimizer.load_state_dict when `hyper` gives torch's
+    own param_groups, see trainer_hyper), the lr scheduler's state where the plan names the
+    scheduler, steps done, and what ckptd knows under "ckptd"."""
     steps = int(ckpt["iteration"]) + 1
+    param_groups = hyper.param_groups if hyper is not None else None
     doc = {"model": dict(ckpt["model"]), "step": steps, "iteration": steps,
            "ckptd": {"format": STANDARD_TAG, "last_iteration": steps - 1, "param_names": list(names)}}
     buffers = [n for n in ckpt["model"] if n not in set(names)]  # names: every parameter, frozen ones too
@@ -347,27 +350,57 @@ def torch_doc(ckpt: dict, names: list[str], param_groups: list[dict] | None = No
         doc["ckptd"]["plan_hash"] = plan_hash
     if ckpt.get("optimizer") is not None:
         doc["optimizer"] = torch_optimizer_state(ckpt["optimizer"], names, param_groups)
-        lr = ckpt["optimizer"].get("lr")
-        if lr is not None:
-            # LRScheduler.state_dict() after `steps` scheduler steps (LambdaLR's lambdas
-            # are not saved by torch either)
-            doc["lr_scheduler"] = {"last_epoch": steps, "_step_count": steps + 1,
-                                   "_last_lr": [lr], "_get_lr_called_within_step": False}
+        if hyper is not None and hyper.lr_scheduler is not None:
+            doc["lr_scheduler"] = hyper.lr_scheduler
     return doc
 
 
-def optimizer_param_groups(plan, lr: float | None) -> list[dict]:
-    """torch's own param_groups for the plan's optimizer (every hyperparameter the
-    optimizer's load_state_dict and step need), with the current lr."""
-    from ckptd.core.optim import torch_optimizer
-    if plan.optimizer is None:
+_SCHEDULED = ("lr", "initial_lr", "betas", "momentum")  # the group keys torch's schedulers set
+
+
+@dataclass(frozen=True)
+class TrainerHyper:
+    """What a trainer's optimizer and lr scheduler hold after a checkpoint's step and the
+    scheduler's step that follows it: torch's param_groups, with the hyperparameters of
+    the NEXT step where the plan names a schedule (a ckptd checkpoint's lr is the one its
+    step used), and the scheduler's state_dict (None: the plan names no scheduler)."""
+    param_groups: list[dict]
+    lr_scheduler: dict | None
+
+
+def trainer_hyper(plan, ckpt: dict) -> TrainerHyper | None:
+    """The plan's optimizer as the trainer holds it after `ckpt`'s step (TrainerHyper;
+    None without an optimizer in the plan). The schedule is replayed as the shadow
+    replays it (ckptd.core.optim.GroupSchedule, the trainer's own scheduler class), so
+    every group's lr and OneCycleLR's momentum are the trainer's values to the bit. lrs
+    set by hand (lr_per_step) or none: the lr the step used, the others in proportion."""
+    from ckptd.core.optim import GroupSchedule, full_groups, torch_optimizer
+    opt = plan.optimizer
+    if opt is None:
         return None
-    held = {n for g in plan.optimizer.groups for n in g["params"]}  # frozen ones the trainer's groups hold
+    held = {n for g in opt.groups for n in g["params"]}  # frozen ones the trainer's groups hold
     dummies = [(p.name, torch.zeros(0, requires_grad=True))
                for p in plan.parameters + tuple(f for f in plan.frozen if f.name in held)]
-    groups = torch_optimizer(plan.optimizer, dummies).state_dict()["param_groups"]
-    set_group_lrs(groups, lr)
-    return groups
+    groups = torch_optimizer(opt, dummies).state_dict()["param_groups"]
+    lr = (ckpt.get("optimizer") or {}).get("lr")
+    scheduled = not opt.lr_per_step and (opt.lr_scheduler is not None
+                                         or (opt.lr_schedule or {}).get("kind", "constant") != "constant")
+    if not scheduled:
+        set_group_lrs(groups, lr)
+        return TrainerHyper(groups, None)
+    steps = int(ckpt["iteration"]) + 1
+    schedule = GroupSchedule(opt, full_groups(opt, [n for n, _ in dummies]))
+    nxt = schedule.at(steps)
+    if opt.lr_scheduler is not None:  # the scheduler's own dummy optimizer: the keys it keeps there too
+        for g, d in zip(groups, schedule.dummy.param_groups):  # (initial_lr; OneCycleLR's max_lr, ...)
+            g.update({k: v for k, v in d.items() if k != "params" and (k in _SCHEDULED or k not in g)})
+        state = schedule.sched.state_dict()
+    else:  # the legacy lr_schedule: LambdaLR's state after `steps` steps (its lambda is not saved)
+        for g, d in zip(groups, nxt):
+            g["lr"] = d["lr"]
+        state = {"last_epoch": steps, "_step_count": steps + 1, "_last_lr": [g["lr"] for g in groups],
+                 "_get_lr_called_within_step": False}
+    return TrainerHyper(groups, state)
 
 
 def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
@@ -393,10 +426,8 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
                     metadata={"step": str(int(ckpt["iteration"]) + 1), "format": STANDARD_TAG})
         atomic_write(out, lambda f: f.write(data), mode=EXPORT_MODE)
         return out
-    groups = None
-    if plan is not None and ckpt.get("optimizer") is not None:
-        groups = optimizer_param_groups(plan, ckpt["optimizer"].get("lr"))
-    doc = torch_doc(ckpt, names, groups)
+    hyper = trainer_hyper(plan, ckpt) if plan is not None and ckpt.get("optimizer") is not None else None
+    doc = torch_doc(ckpt, names, hyper)
     if fmt == "torch":
         atomic_write(out, lambda f: torch.save(doc, f), mode=EXPORT_MODE)
         return out

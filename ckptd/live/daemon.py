@@ -982,13 +982,13 @@ class Daemon:
     def routes(self) -> dict:
         ckpt = None
         if self.memory is not None:
-            from ckptd.core.formats import optimizer_param_groups
+            from ckptd.core.formats import trainer_hyper
             names = self.plan.state_names
             plan_hash = self.plan_hash()
 
-            def groups_for(lr):  # the lr moves with the schedule: each state its own
-                return optimizer_param_groups(self.plan, lr) if self.plan.optimizer else None
-            ckpt = checkpoint_routes(self.memory, names, groups_for, plan_hash)
+            def hyper_for(held):  # the hyperparameters move with the schedule: each state its own
+                return trainer_hyper(self.plan, held.checkpoint()) if held.optimizer is not None else None
+            ckpt = checkpoint_routes(self.memory, names, hyper_for, plan_hash)
         return routes(self.snapshot, self.cfg.status_details, ckpt, live=self._live_status)
 
     def _live_status(self) -> dict:

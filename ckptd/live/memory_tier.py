@@ -42,14 +42,14 @@ class HeldState:
         return {"format": CHECKPOINT_FORMAT, "iteration": self.iteration, "model": self.model,
                 "optimizer": self.optimizer}
 
-    def encoded(self, names: list[str], param_groups: list[dict] | None,
-                plan_hash: str | None) -> tuple[memoryview, str]:
-        """(torch.save bytes of the trainer-format doc, their sha256 hex)."""
+    def encoded(self, names: list[str], hyper, plan_hash: str | None) -> tuple[memoryview, str]:
+        """(torch.save bytes of the trainer-format doc, their sha256 hex); `hyper()` gives
+        its formats.TrainerHyper (or None), asked only when the doc is first encoded."""
         with self._lock:
             if self._encoded is None:
                 from ckptd.core.formats import torch_doc
                 buf = io.BytesIO()
-                torch.save(torch_doc(self.checkpoint(), names, param_groups, plan_hash), buf)
+                torch.save(torch_doc(self.checkpoint(), names, hyper(), plan_hash), buf)
                 data = buf.getbuffer()  # not getvalue(): a second copy, 4 GB at 330 M parameters
                 self._encoded = (data, hashlib.sha256(data).hexdigest())
             return self._encoded

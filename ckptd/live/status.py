@@ -222,7 +222,7 @@ def routes(snap: Snapshot, details: bool = False, checkpoints=None, live=None) -
     return {"/status": status, "/metrics": metrics, **(checkpoints or {})}
 
 
-def checkpoint_routes(tier, names: list[str], groups_for, plan_hash: str | None) -> dict:
+def checkpoint_routes(tier, names: list[str], hyper_for, plan_hash: str | None) -> dict:
     """GET /checkpoint: the latest committed state; /checkpoint/<iteration>: that one, if
     the memory tier still holds it (the latest or the one before). The body is a torch.save
     of the trainer format (ckptd.core.formats.torch_doc), sent in chunks; the headers name
@@ -233,15 +233,13 @@ def checkpoint_routes(tier, names: list[str], groups_for, plan_hash: str | None)
     def send(held, headers):
         if held is None:
             return text(404, "no committed iteration in memory yet")
-        # torch's param_groups for the state's own lr (groups_for(lr); None: weights only)
-        groups = groups_for((held.optimizer or {}).get("lr"))
-        if MEDIA_TYPE in headers.get("accept", ""):
-            lr = groups[0]["lr"] if groups else (held.optimizer or {}).get("lr")
-            head, parts = held.raw(names, lr, plan_hash)
+        if MEDIA_TYPE in headers.get("accept", ""):  # the lr its step used, as in ckptd's files
+            head, parts = held.raw(names, (held.optimizer or {}).get("lr"), plan_hash)
             return Response(200, _raw_chunks(head, parts), MEDIA_TYPE,
                             length=len(head) + sum(p.nbytes for p in parts),
                             headers={"X-Ckptd-Iteration": str(held.iteration)})
-        data, digest = held.encoded(names, groups, plan_hash)
+        # torch's param_groups and scheduler state after the state's step (formats.trainer_hyper)
+        data, digest = held.encoded(names, lambda: hyper_for(held), plan_hash)
         view = memoryview(data)
         return Response(200, (view[i:i + CHUNK] for i in range(0, len(view), CHUNK)),
                         "application/octet-stream", length=len(data),

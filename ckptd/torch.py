@@ -531,6 +531,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     _refuse_ddp_modes(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
+    _refuse_strided(names, params)
     names_of = {id(p): n for n, p in zip(names, params)}
     frozen, frozen_params = _frozen(ddp, params)
     first = _layout(ddp, {id(p): n for n, p in _named_parameters(ddp)})
@@ -599,6 +600,20 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                     collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
+
+
+def _refuse_strided(names: list[str], params: list[torch.Tensor]) -> None:
+    """DDP lays each gradient into its bucket in the parameter's own memory order (the
+    grad layout contract: a channels_last weight's gradient goes in NHWC order), and the
+    plan gives shapes only: the shadow would read such a gradient in the wrong order and
+    commit wrong checkpoints without a word."""
+    for n, p in zip(names, params):
+        if not p.is_contiguous():
+            raise TrainerError(f"parameter {n} is not contiguous (shape {list(p.shape)}, strides "
+                               f"{list(p.stride())}: channels_last, or a transposed view): DDP reduces its "
+                               "gradient in that memory order, which a plan cannot describe; keep the model's "
+                               "parameters contiguous (model.to(memory_format=torch.contiguous_format); "
+                               "channels_last inputs and activations are fine)")
 
 
 def _check_find_unused(allreduces_per_step: int):

@@ -213,6 +213,9 @@ def cmd_replay(a) -> int:
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2
+    if a.resume and "://" not in a.resume and not Path(a.resume).exists() and not Path(a.resume).is_symlink():
+        raise UsageError(f"--resume {a.resume}: no such file or directory (a checkpoint, a directory of the "
+                         "trainer's checkpoints, or the daemon's URL)")
     resume = _resume_from_url(a.resume, plan.state_names) if a.resume and "://" in a.resume \
         else a.resume
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,

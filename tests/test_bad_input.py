@@ -654,6 +654,8 @@ ARG_CASES = [
     ("fifo-twice", lambda d: ["replay", "--plan", d / "plan.json", _fifo(d), _fifo(d)], "the same capture as"),
     ("capture-missing", lambda d: ["replay", "--plan", d / "plan.json", d / "nope.pcap"], "nope.pcap"),
     ("plan-missing", lambda d: ["replay", "--plan", d / "nope.json", _pcap0(d)], "nope.json"),
+    ("resume-missing", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out", d / "o-resume",
+                                  "--resume", d / "nope-ckpts", _pcap0(d)], "--resume"),
     ("reference-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--reference",
                                     d / "plan.json", _pcap0(d)], "--reference"),
     ("reference-missing", lambda d: ["replay", "--plan", d / "plan.json", "--reference", d / "nope", _pcap0(d)],
@@ -804,6 +806,17 @@ CONFIG_CASES = [
     ("if-key-types", IF + "    1: x\n    colour: red\n", "unknown keys ['1', 'colour']"),
     ("token-not-utf8", IF + "token_file: tok-latin1\n", "printable ASCII"),
     ("not-mapping", None, "must be a mapping"),
+    # session 28: each of these was accepted, or ended in a bare kernel error
+    ("fanout-two-interfaces", IF + "    fanout_group: 3\n  - {ifname: hdnone1, name: b, fanout_group: 3}\n",
+     "interfaces[1] (hdnone1) and interfaces[0] (hdnone0) share fanout_group 3"),
+    ("fanout-two-modes", IF + "    fanout_group: 3\n  - {ifname: hdnone0, name: b, fanout_group: 3, fanout_mode: lb}\n",
+     "share fanout_group 3 with fanout_mode lb and hash: a group has one mode"),
+    ("resume-missing", IF + "resume: nowhere/ckpts\n", "'resume' "),
+    ("yaml-octal", IF + "keep_last: 010\n", "010 is read by YAML as 8 (octal, hex or base 60)"),
+    ("yaml-base-60", IF + "agree_window_ms: 1:30\n", "1:30 is read by YAML as 90"),
+    ("persist-url-http", IF + "persist_url: 'https://example.invalid/ckpts'\n",
+     "fsspec reads https:// but never writes there"),
+    ("persist-url-zip", IF + "persist_url: 'zip://x'\n", "fsspec reads zip:// but never writes there"),
 ]
 
 
@@ -824,6 +837,20 @@ def _prepare_config(d, name, text):
 @pytest.mark.parametrize("name,text,message", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
 def test_bad_daemon_config(scenario, capsys, name, text, message):
     _run_case(scenario, capsys, "config", name, message)
+
+
+def test_null_takes_the_default_and_an_upper_case_toml_is_toml(tmp_path):
+    """capture_workers, busy_poll and huge_pages left empty were refused ("must be true or
+    false, not None") where every other key takes its default; ckptd.TOML was read as YAML
+    ("the config must be a mapping")."""
+    from ckptd.live.daemon import load_config
+    cfg = load_config(_config(tmp_path, "nulls", IF + "capture_workers:\nbusy_poll: ~\nhuge_pages:\n"))
+    assert (cfg.capture_workers, cfg.busy_poll, cfg.huge_pages) == (False, False, "auto")
+    toml = tmp_path / "ckptd.TOML"
+    toml.write_text('plan = "plan.json"\ninit = "init.pt"\nout = "ckpt"\nkeep_last = 3\n'
+                    '[[interfaces]]\nifname = "hdnone0"\n')
+    cfg = load_config(toml)
+    assert cfg.keep_last == 3 and [i.ifname for i in cfg.interfaces] == ["hdnone0"]
 
 
 TABLES = {"plan": (PLAN_CASES, _prepare_plan), "init": (INIT_CASES, _prepare_init),

@@ -416,6 +416,16 @@ def test_fanout_shares_one_interface(link):
     assert 150 < len(ga) < 250   # round robin
 
 
+def test_a_fanout_group_held_in_another_mode_is_named(link):
+    """The kernel refuses a second member of a group in another mode (or on another
+    device) with EINVAL: it said "capture on rx: Invalid argument"."""
+    kw = dict(netns=link[1], block_size=1 << 16, block_nr=2, retire_ms=10)
+    with RingCapture("rx", fanout=(0x4792, "hash"), **kw):
+        with pytest.raises(OSError, match=r"capture on rx \(netns .*\): cannot join fanout group 18322 \(lb\): "
+                                          "another socket in this network namespace holds that group"):
+            RingCapture("rx", fanout=(0x4792, "lb"), **kw)
+
+
 def _roce_flow_frame(src: int, dst: int, sport: int, n: int, v6: bool) -> bytes:
     """A RoCEv2 frame from host src to host dst (UDP source port sport) carrying n."""
     body = struct.pack("!HHHH", sport, ROCE, 8 + 36, 0) + struct.pack("!I", n) + b"\xab" * 32

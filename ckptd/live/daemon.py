@@ -285,19 +285,30 @@ def _yaml_load(text: str):
                 pass  # an unhashable key: construct_mapping says so
         return loader.construct_mapping(node, deep=deep)
 
+    def integer(loader, node):
+        # YAML 1.1 reads 010 as octal 8, 0x10 as 16 and 1:30 as 90 (base 60): an operator
+        # who wrote keep_last: 010 meant ten. Only plain decimals are taken as written.
+        text = loader.construct_scalar(node)
+        if not re.fullmatch(r"[-+]?(0|[1-9][0-9_]*)", text):
+            value = yaml.SafeLoader.construct_yaml_int(loader, node)
+            raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {value} "
+                             "(octal, hex or base 60): write the number in decimal (or quote it where text is meant)")
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    Loader.add_constructor("tag:yaml.org,2002:int", integer)
     return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
 
 
 def load_config(path: str | Path) -> DaemonConfig:
-    """YAML (.yaml/.yml) or TOML (.toml); docs/DAEMON.md documents every key. Every value
+    """YAML (.yaml/.yml) or TOML (.toml, any case); docs/DAEMON.md documents every key. Every value
     is checked here, before any file, socket or ring is opened."""
     path = Path(path)
     try:
         # bounded, and a FIFO nobody writes into is an error after a wait: read_text()
         # hung the daemon on it for ever, before a line of log
         text = read_bounded(path, MAX_CONFIG_BYTES, "a config").decode()
-        if path.suffix == ".toml":
+        if path.suffix.lower() == ".toml":
             import tomllib
             doc = tomllib.loads(text)
         else:
@@ -338,6 +349,18 @@ def load_config(path: str | Path) -> DaemonConfig:
         # members that filter on different sessions would drop each other's frames
         mixed = next((j for j in again if x.fanout_group is not None and ifs[j].fanout_group == x.fanout_group
                       and ifs[j].erspan_session != x.erspan_session), None)
+        # the kernel joins a socket to a fanout group (per network namespace) only on the
+        # group's one device and in its one mode (af_packet.c fanout_add: EINVAL otherwise)
+        member = next((j for j in range(i) if x.fanout_group is not None and ifs[j].fanout_group == x.fanout_group
+                       and ifs[j].netns == x.netns), None)
+        if member is not None and ifs[member].ifname != x.ifname:
+            raise ConfigError(f"{path}: interfaces[{i}] ({x.ifname}) and interfaces[{member}] "
+                              f"({ifs[member].ifname}) share fanout_group {x.fanout_group}: a fanout group "
+                              "spreads one interface's frames over several rings; give each interface its own")
+        if member is not None and ifs[member].fanout_mode != x.fanout_mode:
+            raise ConfigError(f"{path}: interfaces[{i}] and interfaces[{member}] share fanout_group "
+                              f"{x.fanout_group} with fanout_mode {x.fanout_mode} and {ifs[member].fanout_mode}: "
+                              "a group has one mode; give them the same one")
         if mixed is not None:
             raise ConfigError(f"{path}: interfaces[{i}] and interfaces[{mixed}] share fanout_group "
                               f"{x.fanout_group} on {x.ifname} but not erspan_session ({x.erspan_session} and "
@@ -382,7 +405,7 @@ def load_config(path: str | Path) -> DaemonConfig:
         k.fail("persist_url", "is written by the persistence tier: persist_sync writes to `out` only")
     return DaemonConfig(plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
                         interfaces=ifs, listen=listen, log_level=log_level,
-                        resume=rel("resume"), dump_gradients=rel("dump_gradients"),
+                        resume=_existing(k, "resume", rel("resume")), dump_gradients=rel("dump_gradients"),
                         fast=fast, join=join or join_from is not None, join_from=join_from,
                         keep_last=k.int("keep_last", 1, 1 << 31, 10),
                         keep_every=k.int("keep_every", 1, 1 << 31),
@@ -418,11 +441,19 @@ def _persist_url(k: _Keys) -> str | None:
     if protocol.lower() in ("file", "local") and not rest.startswith("/"):
         k.fail("persist_url", f"{url[:100]!r}: a file:// URL takes an absolute path (file:///var/lib/ckptd), "
                "not one relative to wherever the daemon was started")
+    if protocol.lower() in READ_ONLY_PROTOCOLS:
+        k.fail("persist_url", f"{redact(url)[:100]!r}: fsspec reads {protocol}:// but never writes there, so no "
+               "checkpoint could be persisted (file:///..., s3://, gs://, memory://, ...)")
     try:
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as e:
         k.fail("persist_url", f"{redact(url)}: {redact(one_line(e))}")
     return url
+
+
+# fsspec protocols whose filesystems only read (an archive opened from a URL, a web
+# server, a repository): every checkpoint write would fail at run time
+READ_ONLY_PROTOCOLS = frozenset({"http", "https", "zip", "tar", "libarchive", "github", "git", "reference", "data"})
 
 
 MAX_PERSIST_OPTION_VALUES = 10_000
@@ -494,11 +525,20 @@ def http_server(cfg: DaemonConfig, routes: dict):
                           f"{e.strerror or e}") from None
 
 
+def _existing(k: "_Keys", key: str, p: str | None) -> str | None:
+    """A path that must be there when the daemon starts (`resume`: a checkpoint, or a
+    directory of the trainer's checkpoints), named by its key when it is not."""
+    if p is not None and not os.path.lexists(p):
+        k.fail(key, f"{p}: no such file or directory (a checkpoint, or a directory of the trainer's checkpoints)")
+    return p
+
+
 def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
     """capture_workers, busy_poll, huge_pages, cpus and the interfaces' cpu, checked."""
     out = {}
     for key in ("capture_workers", "busy_poll"):
-        v = doc.get(key, False)
+        v = doc.get(key)
+        v = False if v is None else v  # null or empty: the default, as for every key
         if not isinstance(v, bool):
             raise ConfigError(f"{path}: {key!r} must be true or false, not {show(v)}")
         out[key] = v
@@ -520,7 +560,7 @@ def _capture_config(path, doc: dict, ifs: list[InterfaceConfig]) -> dict:
     if out["busy_poll"] and not out["capture_workers"]:
         raise ConfigError(f"{path}: busy_poll applies to capture workers: set capture_workers: true")
     from ckptd.live.hugemem import HUGE_PAGES
-    hp = doc.get("huge_pages", "auto")
+    hp = "auto" if doc.get("huge_pages") is None else doc["huge_pages"]
     hp = {True: "on", False: "off"}.get(hp, hp) if isinstance(hp, bool) else hp  # YAML reads on/off as booleans
     if hp not in HUGE_PAGES:
         raise ConfigError(f"{path}: 'huge_pages' must be one of {', '.join(HUGE_PAGES)}, not {show(doc['huge_pages'])}")

@@ -390,7 +390,14 @@ def erspan_session_filter(session: int, snaplen: int = _ACCEPT_ALL) -> list[tupl
 def join_fanout(sock: socket.socket, group: int, mode: str) -> None:
     """PACKET_FANOUT: this socket joins `group` in `mode` (FANOUT_MODES); "flow" also sets
     the group's program (every member sets the same one: the last one set is used)."""
-    sock.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
+    try:
+        sock.setsockopt(SOL_PACKET, PACKET_FANOUT, (group & 0xFFFF) | FANOUT_MODES[mode] << 16)
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # the group is there on another device or in another mode
+            raise OSError(e.errno, f"cannot join fanout group {group} ({mode}): another socket in this network "
+                                   "namespace holds that group on another interface or in another mode (another "
+                                   "capture tool?); choose another fanout_group") from None
+        raise
     if mode == "flow":
         fprog, _buf = _fprog(roce_flow_program())
         sock.setsockopt(SOL_PACKET, PACKET_FANOUT_DATA, fprog)

@@ -109,6 +109,11 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         _load_optimizer(model, optimizer, ckpt, src, adopt=from_daemon, keep_hyper=replayed)
     if scheduler is not None and not replayed:
         scheduler.load_state_dict(ckpt["lr_scheduler"])  # the trainer's own, checked by _check_fits
+        last = ckpt["lr_scheduler"].get("_last_lr")  # every group's lr for the next step, as the trainer's
+        if isinstance(last, list) and len(last) == len(scheduler.optimizer.param_groups) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in last):
+            for g, v in zip(scheduler.optimizer.param_groups, last):
+                g["lr"] = v
     if missing_buffers:
         log.warning("buffers not restored (not captured in this checkpoint): %s", ", ".join(missing_buffers[:10]))
     nonfinite = first_nonfinite(model.named_parameters())

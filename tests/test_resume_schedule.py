@@ -85,6 +85,15 @@ def test_export_with_the_plan_loads_as_the_trainer_holds_it(job, tmp_path):
     model, opt2, sched2 = _trainer(plan)  # restore() reads the export's scheduler state as it is
     ckptd.restore(model, opt2, out, scheduler=sched2)
     assert _hyper(opt2) == _hyper(want_opt) and sched2.state_dict() == want_sched.state_dict()
+    model, opt3, sched3 = _trainer(plan)  # one that has stepped takes the saved state, every group's lr
+    opt3.step(), sched3.step()
+    ckptd.restore(model, opt3, out, scheduler=sched3)
+    assert [g["lr"] for g in opt3.param_groups] == [g["lr"] for g in want_opt.param_groups]
+    assert sched3.state_dict() == want_sched.state_dict()
+    # the export is the same checkpoint: its step's lr read back, not the next one
+    rc = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(d / "out" / "iter_000002.pt"), str(out)],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
 
 
 def test_a_scheduler_that_is_not_the_jobs_or_has_stepped_is_refused_unchanged(job):

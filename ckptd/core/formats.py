@@ -107,6 +107,9 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
         if names is None:
             names = _parameter_names(model, opt, where)
         optimizer = named_optimizer_state(opt, names, where)
+        step_lr = meta.get("step_lr")  # ckptd's export: the lr its step used (param_groups hold the next one)
+        if isinstance(step_lr, (int, float)) and not isinstance(step_lr, bool):
+            optimizer["lr"] = float(step_lr)
     steps = _steps(doc, optimizer, where)
     out = {"format": CHECKPOINT_FORMAT, "iteration": steps - 1, "model": model,
            "optimizer": optimizer}
@@ -350,6 +353,9 @@ def torch_doc(ckpt: dict, names: list[str], hyper: "TrainerHyper | None" = None,
         doc["ckptd"]["plan_hash"] = plan_hash
     if ckpt.get("optimizer") is not None:
         doc["optimizer"] = torch_optimizer_state(ckpt["optimizer"], names, param_groups)
+        lr = ckpt["optimizer"].get("lr")
+        if isinstance(lr, (int, float)):  # read back as the checkpoint's own lr (from_torch_doc)
+            doc["ckptd"]["step_lr"] = float(lr)
         if hyper is not None and hyper.lr_scheduler is not None:
             doc["lr_scheduler"] = hyper.lr_scheduler
     return doc

@@ -1287,3 +1287,23 @@ def test_a_checkpoint_runs_no_code_it_holds(scenario, tmp_path, capsys, where):
                              "Trying to load unsupported GLOBAL posix.mkdir"}[where]
     _one_line_error(ckptd_main(capsys, "verify", bad, ref), str(bad), message)
     assert not marker.exists()
+
+
+def test_an_init_whose_tensors_share_memory_is_stepped_as_separate_tensors(capsys, tmp_path):
+    """torch.save keeps `model[b] = model[a]` as one tensor: the shadow stepped it twice a
+    step (as a and as b) and committed every checkpoint, wrong, as exact. The same state
+    with the tensors apart gives the same checkpoints. (Three iterations: the default
+    schedule's warm-up steps iteration 0 with lr 0.)"""
+    scenario = tmp_path / "job"
+    synth(scenario, iterations=3, ranks=2, channels=1, mirrors=1)
+    doc = torch.load(scenario / "init.pt", weights_only=True)
+    doc["model"]["head.weight"] = doc["model"]["tok.weight"]
+    torch.save(doc, tmp_path / "tied.pt")
+    apart = copy.deepcopy(doc)
+    apart["model"]["head.weight"] = apart["model"]["head.weight"].clone()
+    torch.save(apart, tmp_path / "apart.pt")
+    for name in ("tied", "apart"):
+        r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", tmp_path / f"{name}.pt",
+                       "--out", tmp_path / name, _pcap0(scenario))
+        assert r.returncode == 0, r.stderr
+    assert ckptd_main(capsys, "verify", tmp_path / "tied", tmp_path / "apart").returncode == 0

@@ -109,10 +109,32 @@ class ShadowModel:
         # static_graph: DDP's used map of iteration 0, per parameter (used_of)
         self.static_used: list[bool] | None = None if plan.static_used_map is None else \
             [bool(x) for x in plan.static_used_map]
+        self._unalias()
         self.skipped = False  # the last step was skipped by the GradScaler (inf/nan gradients)
         # the job diverged: the first parameter found holding NaN or inf (ckptd.core.finite),
         # in the starting state or after a step
         self.nonfinite = first_nonfinite([*zip(self.names, self.params), *self.frozen.items()])
+
+    def _unalias(self) -> None:
+        """Every tensor the shadow steps in place its own memory: a starting state whose
+        tensors share storage (torch.save keeps `s[b] = s[a]` as one tensor; a tied
+        weight saved under two names) had the shared one stepped twice a step, and every
+        checkpoint was wrong without a word. A later tensor whose bytes overlap an earlier
+        one's is copied; tensors that only share a storage (views of one flat buffer,
+        disjoint) stay as they are."""
+        slots = [(self.params, i) for i in range(len(self.params))]
+        slots += [(self.frozen, n) for n in self.frozen]
+        slots += [(st, k) for n in sorted(self.state) for st in [self.state[n]] for k in st
+                  if isinstance(st[k], torch.Tensor)]
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+                       for k, t in enumerate(holder[key] for holder, key in slots) if t.numel())
+        reach = 0
+        for lo, hi, k in spans:  # by address: one overlapping those before it is copied (fresh memory)
+            if lo < reach:
+                holder, key = slots[k]
+                holder[key] = holder[key].clone(memory_format=torch.contiguous_format)
+            else:
+                reach = max(reach, hi)
 
     @property
     def bucketwise(self) -> bool:

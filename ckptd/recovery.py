@@ -450,7 +450,7 @@ def _load_model(model: torch.nn.Module, ckpt: dict) -> list[str]:
     the model's buffers it did not hold."""
     state = ckpt["model"]
     own = model.state_dict()
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight's second name too
     with torch.no_grad():
         for n, t in state.items():
             own[n].copy_(t)  # state_dict tensors share storage with the module's

@@ -87,7 +87,7 @@ def read_into_model(resp, model: torch.nn.Module, optimizer, where: str,
             pname, key = e["param"], e["key"]
             state.setdefault(pname, {})[key] = dest
     sent = {e["name"][6:] for e in head["tensors"] if e["name"].startswith("model.")}
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight's second name too
     missing = [n for n in own if n not in sent and n not in params]
     named = {"lr": head.get("lr"), "state": state} if head.get("optimizer") else None
     return {"iteration": int(head["iteration"]), "optimizer": named}, missing, total

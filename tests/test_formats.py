@@ -216,3 +216,21 @@ def test_restore_from_a_directory_takes_the_newest_whole_checkpoint(tmp_path):
     assert r.iteration == 2 and r.source.endswith("iter_000002.pt")
     for p, q in zip(model.parameters(), back[0].parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_tied_weight_is_restored_under_both_names_not_reported_as_a_buffer(tmp_path):
+    """A plan lists a tied weight once (named_parameters() drops the second name): restore
+    loaded it but warned "buffers not restored: head.weight" and listed it in
+    buffers_not_restored, although the model's head.weight is that very tensor."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    saved = {"emb.weight": torch.randn(10, 8)}
+    torch.save({"model": saved, "step": 1}, tmp_path / "tied.pt")
+    model = Tied()
+    r = ckptd.restore(model, None, tmp_path / "tied.pt")
+    assert r.buffers_not_restored == []
+    assert torch.equal(model.head.weight, saved["emb.weight"]) and model.head.weight is model.emb.weight

@@ -570,9 +570,12 @@ def cmd_plan(a) -> int:
     import torch
 
     from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
+    from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
     from ckptd.torch import ddp_layouts
+    if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
+        raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
     # nadam --beta1 0.5 wrote torch's default betas, adamw --momentum 0.9 none)
     takes = {"--beta1": ("adam", "adamw"), "--beta2": ("adam", "adamw"), "--eps": ("adam", "adamw"),

@@ -1307,3 +1307,15 @@ def test_an_init_whose_tensors_share_memory_is_stepped_as_separate_tensors(capsy
                        "--out", tmp_path / name, _pcap0(scenario))
         assert r.returncode == 0, r.stderr
     assert ckptd_main(capsys, "verify", tmp_path / "tied", tmp_path / "apart").returncode == 0
+
+
+def test_plan_out_that_is_a_capture_or_checkpoint_is_refused_not_overwritten(scenario, capsys, tmp_path):
+    """`ckptd plan --out mirrors/mirror0.pcap` wrote the plan over the capture, exit 0."""
+    for name, src in (("m.pcap", _pcap0(scenario)), ("init.pt", scenario / "init.pt")):
+        out = tmp_path / name
+        shutil.copy(src, out)
+        before = out.read_bytes()
+        r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--ranks", "2", "--addr", "10.0.0.1",
+                       "--addr", "10.0.0.2", "--out", out)
+        _one_line_error(r, str(out), "which the plan would overwrite; give --out a path of its own")
+        assert out.read_bytes() == before

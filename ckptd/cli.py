@@ -808,11 +808,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="synthesize the default scenario and replay it, "
                        "printing per iteration whether the checkpoint is bit-exact")
     d.add_argument("--out", type=_path, help="keep the scenario here (default: a temporary directory)")
-    d.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=6)
-    d.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
+    d.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=6,
+                   help="iterations to train and replay (default 6)")
+    d.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple",
+                   help="the NCCL protocol on the wire (default simple)")
     d.add_argument("--loss", type=_ranged(float, 0, 1), default=1e-3, help="packet loss on every mirror link")
     d.add_argument("--model", default="default", help="synthetic model size: tiny, small, default")
-    d.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0)
+    d.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0,
+                   help="seed of the model, the data and the injected loss (default 0)")
     d.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("synth", help="train a small LM over N ranks and write the mirrored "
@@ -820,21 +823,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=_path, required=True, help="output directory")
     s.add_argument("--ranks", type=_ranged(int, 2, 64), default=None,
                    help="ranks, one GPU per host (default 4; with --nodes they are NODES x --gpus-per-node)")
-    s.add_argument("--channels", type=_ranged(int, 1, 32), default=2)
-    s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple")
-    s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
+    s.add_argument("--channels", type=_ranged(int, 1, 32), default=2,
+                   help="NCCL channels (rings) per allreduce (default 2)")
+    s.add_argument("--protocol", choices=["simple", "ll", "ll128"], default="simple",
+                   help="the NCCL protocol on the wire (default simple)")
+    s.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096],
+                   help="RoCE path MTU in bytes (default 4096)")
     s.add_argument("--mirrors", type=_ranged(int, 1, 64), default=2, help="mirror streams (switch ports of ranks 0..K-1; at most one per port: --ranks, "
                    "with --nodes their NICs, times --merged-nics)")
-    s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both")
+    s.add_argument("--mirror-direction", choices=["tx", "rx", "both"], default="both",
+                   help="which direction of each ring link the mirrors copy: tx, rx or both (default)")
     s.add_argument("--loss", type=_ranged(float, 0, 1), default=0.0, help="loss probability per frame per mirror link")
-    s.add_argument("--duplicate", type=_ranged(float, 0, 1), default=0.0)
-    s.add_argument("--reorder", type=_ranged(float, 0, 1), default=0.0)
+    s.add_argument("--duplicate", type=_ranged(float, 0, 1), default=0.0,
+                   help="fraction of frames each mirror copies twice (default 0)")
+    s.add_argument("--reorder", type=_ranged(float, 0, 1), default=0.0,
+                   help="fraction of frames each mirror swaps with the next one (default 0)")
     s.add_argument("--corrupt", type=_ranged(float, 0, 1), default=0.0, help="bit flips (caught by the ICRC)")
     s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
-    s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5)
+    s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5, help="training iterations (default 5)")
     s.add_argument("--allreduces-per-step", type=_ranged(int, 1, 64), default=1,
                    help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")
-    s.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0)
+    s.add_argument("--seed", type=_ranged(int, 0, (1 << 32) - 1), default=0,
+                   help="seed of the model, the data and the injected faults (default 0)")
     s.add_argument("--model", default="small", help="tiny (~42K params), small (~170K), default (~2.6M); "
                    "tiny-bn, small-bn: with a BatchNorm (module buffers, DDP broadcasts them each forward)")
     s.add_argument("--nccl-version", default="2.19",
@@ -869,7 +879,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--amp", type=_ranged(float, 1.0, 2.0 ** 64), default=None, metavar="INIT_SCALE",
                    help="a GradScaler with this init_scale: the wire carries scaled gradients, steps with "
                         "inf/nan gradients are skipped and the scale backs off")
-    s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=2000)
+    s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=2000,
+                   help="the GradScaler's growth_interval with --amp (default 2000)")
     s.add_argument("--inf-at", type=_ranged(int, 0, 10_000), action="append", default=[], metavar="ITER",
                    help="put an inf into rank 0's gradient at iteration ITER, as an fp16 overflow would: "
                         "with --amp the step is skipped, without it the job steps it and diverges (NaN "
@@ -879,9 +890,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "reduces in that dtype")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the model's parameters and gradients (bfloat16: the plain allreduce carries bf16)")
-    s.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None)
+    s.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None,
+                   help="clip_grad_norm_ to this total norm before every step (default: no clipping)")
     s.add_argument("--psn-wrap", action="store_true", help="start PSNs just below 2^24")
-    s.add_argument("--ipv6", action="store_true")
+    s.add_argument("--ipv6", action="store_true", help="RoCEv2 over IPv6 instead of IPv4")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
     s.add_argument("--write-hosts", action="store_true",
                    help="also write hosts/rank<r>.pcap: each rank's outbound frames (for a test network); "
@@ -890,7 +902,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-GPU nodes: ranks = NODES x --gpus-per-node, each node's ranks consecutive, one "
                         "NCCL-style ring per channel through NVLink inside a node; only hops between nodes "
                         "reach the mirrors (default 0: every rank a host of its own, --ranks of them)")
-    s.add_argument("--gpus-per-node", type=_ranged(int, 1, 64), default=1)
+    s.add_argument("--gpus-per-node", type=_ranged(int, 1, 64), default=1,
+                   help="with --nodes: GPUs per node, joined by NVLink (only the hops between nodes are on the wire)")
     s.add_argument("--nics-per-node", type=_ranged(int, 0, 64), default=0,
                    help="with --nodes: NICs per node (default: one per GPU, rails); channel c uses NIC c mod this "
                         "on every node; mirror k is the port of NIC k mod this of node k div this")
@@ -946,7 +959,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "exit 0 if the other mirror streams still recover every iteration, else 3 as above; "
                        "3 too where every capture is damaged and the plan gives no iteration count "
                        "(the iterations after the damage may be lost without a trace).")
-    r.add_argument("--plan", type=_path, required=True)
+    r.add_argument("--plan", type=_path, required=True, help="the job's plan (ckptd.torch.write_plan or ckptd plan)")
     r.add_argument("--init", type=_path, help="initial state (a checkpoint of iteration -1)")
     r.add_argument("--out", type=_path, help="directory for the per-iteration checkpoints")
     r.add_argument("--reference", type=_path, help="trainer checkpoints to compare each commit with")
@@ -1000,14 +1013,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
                        "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="one JSON document instead of the table")
     i.add_argument("--names", metavar="A,B,...", help=NAMES_HELP)
     i.add_argument("pcap", nargs="+", type=_path, help=PCAP_HELP)
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="exit 0 only if two checkpoints are bit-identical")
-    v.add_argument("a", type=_path)
-    v.add_argument("b", type=_path)
+    v.add_argument("a", type=_path,
+                   help="a checkpoint: a file (ckptd's, torch.save, safetensors), a DCP or checkpoint directory, or the daemon's URL")
+    v.add_argument("b", type=_path, help="the other checkpoint, in any of those forms")
     v.add_argument("--limit", type=_ranged(int, 0, 1 << 20), default=10, help="differences to list (0: all)")
     v.add_argument("--plan", type=_path, help="the plan: names the parameters of a trainer's file that "
                    "does not say which model entries they are")
@@ -1026,7 +1040,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.save of {model, optimizer, step, lr_scheduler}), dcp "
                         "(torch.distributed.checkpoint directory) or safetensors (weights)")
     ex.add_argument("checkpoint", type=_path, help="any checkpoint ckptd reads")
-    ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True)
+    ex.add_argument("--format", choices=["torch", "dcp", "safetensors"], required=True,
+                    help="torch (torch.save of the trainer's dict), dcp (a torch.distributed.checkpoint directory) or safetensors (weights only)")
     ex.add_argument("--out", type=_path, required=True, help="file (torch, safetensors) or directory (dcp)")
     ex.add_argument("--plan", type=_path, help="the plan: puts torch's own optimizer param_groups (every "
                     "hyperparameter) in the file, so optimizer.load_state_dict takes it as is")
@@ -1063,24 +1078,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="NCCL protocol (default simple; without --nccl-log, which gives it)")
     pl.add_argument("--nccl-version", help="the job's NCCL, MAJOR.MINOR (2.14..2.32; default 2.19; without "
                     "--nccl-log, which gives it)")
-    pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096])
-    pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0)
+    pl.add_argument("--mtu", type=int, default=4096, choices=[256, 512, 1024, 2048, 4096],
+                    help="RoCE path MTU in bytes (default 4096)")
+    pl.add_argument("--bucket-cap-mb", type=_ranged(float, 1e-6, 1 << 20), default=25.0,
+                    help="DDP's bucket_cap_mb (default 25)")
     pl.add_argument("--transport", choices=["nccl", "gloo"], default="nccl",
                     help="the process group's backend: nccl (RoCEv2) or gloo (TCP; without "
                     "--sample the rebuilt layout is learned from DDP's broadcast)")
-    pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw")
+    pl.add_argument("--optimizer", choices=sorted(OPTIMIZER_CLASSES), default="adamw",
+                    help="the trainer's torch.optim class (default adamw)")
     pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=None, help="sgd, rmsprop (default 0)")
-    pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach")
-    pl.add_argument("--lr", type=float, default=1e-3)
+    pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach",
+                    help="the optimizer's implementation: for-loop, foreach (default) or fused")
+    pl.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (default 0.001)")
     pl.add_argument("--beta1", type=float, default=None, help="adam, adamw (default 0.9)")
     pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
     pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
-    pl.add_argument("--weight-decay", type=float, default=0.01)
+    pl.add_argument("--weight-decay", type=float, default=0.01, help="the optimizer's weight_decay (default 0.01)")
     pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
                     help="the iteration the job (re)starts at: replay and the daemon then refuse an "
                          "init that is not the state of iteration N-1")
-    pl.add_argument("--out", type=_path, required=True)
+    pl.add_argument("--out", type=_path, required=True, help="where to write the plan (JSON)")
     pl.set_defaults(func=cmd_plan)
+    for choice in sub._choices_actions:  # `ckptd CMD --help` opens with what CMD does, as `ckptd --help` says
+        parser = sub.choices[choice.dest]
+        parser.description = parser.description or choice.help
     return p
 
 

@@ -200,3 +200,16 @@ def test_replay_defaults_to_the_fast_path_with_the_reference_paths_output(run, t
     assert "reader_waited" in fast and "reader_waited" not in slow  # which path ran
     assert main(args + ["--out", str(tmp_path / "x"), "--reference-path", "--trust-icrc"]) == 2
     assert "--trust-icrc needs the fast path" in capsys.readouterr().err
+
+
+def test_every_command_and_option_says_what_it_is():
+    """`ckptd demo --help` had no description and 27 options had no help (synth's
+    --channels, replay's --plan, verify's two checkpoints, ...)."""
+    import argparse
+
+    from ckptd.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [f"{name} {a.option_strings or a.dest}" for name, sp in sub.choices.items() for a in sp._actions
+            if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert bare == []
+    assert [name for name, sp in sub.choices.items() if not sp.description] == []

@@ -210,6 +210,11 @@ def cmd_replay(a) -> int:
         # always), and the reference is gone
         raise UsageError(f"--out {a.out} is the --reference directory: the trainer's checkpoints would be "
                          "overwritten by ckptd's; give --out a directory of its own")
+    if plan.optimizer is None and plan.parameters and a.out:
+        # every iteration was reported complete, then "0 committed", exit 0: nothing written
+        raise UsageError(f"--out {a.out}: the plan {a.plan} names no optimizer, so there is no model state to "
+                         "step and no checkpoint to write (its `optimizer` is missing or null); leave out --out "
+                         "to check the gradients on the wire only, or give the job's plan (ckptd.torch.write_plan)")
     if start is None and plan.optimizer is not None and a.out:
         print("error: --init is needed to rebuild the model (the plan has an optimizer)", file=sys.stderr)
         return 2

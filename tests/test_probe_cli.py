@@ -310,6 +310,22 @@ def test_a_misspelt_plan_section_is_refused_by_name(scenario, capsys):
     assert not (scenario / "out-optimiser").exists()
 
 
+@pytest.mark.parametrize("how", ["absent", "null"])
+def test_replay_out_with_a_plan_that_names_no_optimizer_is_refused(scenario, capsys, how):
+    """The same ending with the section removed or null: every iteration complete, then
+    "0 committed", exit 0, nothing written."""
+    def change(doc):
+        if how == "absent":
+            del doc["optimizer"]
+        else:
+            doc["optimizer"] = None
+    plan = _changed_plan(scenario, f"no-optimizer-{how}", change)
+    r = _replay(capsys, scenario, plan, "--out", scenario / f"out-no-optimizer-{how}")
+    _one_line_error(r, None, "names no optimizer, so there is no model state to step and no checkpoint to write")
+    assert not (scenario / f"out-no-optimizer-{how}").exists()
+    assert _replay(capsys, scenario, plan).returncode == 0  # without --out: the gradients are checked
+
+
 def test_a_key_given_twice_in_a_plan_is_refused(scenario, capsys):
     """JSON's last value silently won: a hand edit of the first one did nothing."""
     text = (scenario / "plan.json").read_text()

@@ -1135,6 +1135,10 @@ def main(argv=None) -> int:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
+        # every file ckptd writes is written whole or not at all (atomic_write): say so,
+        # rather than end without a word
+        print("ckptd: interrupted; the files written before are whole, none is left half-written",
+              file=sys.stderr)
         return 130
 
 

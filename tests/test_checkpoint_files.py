@@ -361,3 +361,23 @@ def test_pcapng_timestamps_up_to_int64_max_are_kept(tmp_path):
     p.write_bytes(pcapng([10], tsresol=6, tsoffset=-1))  # 1970 less a second plus 10 us: negative
     with pytest.raises(CaptureError, match="outside 0..2"), open(p, "rb") as f:
         list(iter_pcapng(f, str(p)))
+
+
+def test_ctrl_c_mid_write_leaves_no_temporary_and_says_so(tmp_path, monkeypatch, capsys):
+    """SIGINT during a checkpoint's write left NAME.tmp behind and ckptd ended without a word."""
+    from ckptd.cli import main
+    from ckptd.core.checkpoint import atomic_write
+
+    def half(f):
+        f.write(b"x" * 1000)
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(tmp_path / "iter_000003.pt", half)
+    assert list(tmp_path.iterdir()) == []
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("ckptd.cli.cmd_verify", interrupted)
+    assert main(["verify", str(tmp_path / "a"), str(tmp_path / "b")]) == 130
+    assert capsys.readouterr().err.strip() == ("ckptd: interrupted; the files written before are whole, "
+                                                "none is left half-written")

@@ -93,7 +93,7 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except Exception as e:  # torch reports a full disk as RuntimeError, not OSError
+    except BaseException as e:  # torch reports a full disk as RuntimeError, not OSError
         try:
             os.unlink(tmp)
         except FileNotFoundError:
@@ -102,6 +102,8 @@ def atomic_write(path: str | Path, write, mode: int = 0o600) -> None:
             pass  # the directory itself is unusable: the error below says why
         if raw is None:
             _close_quietly(fd)
+        if not isinstance(e, Exception):  # Ctrl-C mid-write: no NAME.tmp left behind, the interrupt goes on
+            raise
         cause = _oserror_in(e)
         if cause is not None:  # the real errno, not torch's "enforce fail ... unexpected pos"
             err, why = cause.errno, cause.strerror or cause

@@ -13,9 +13,12 @@ it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as
     flows         one record per (src IP, dst IP, BTH dest QP), in order of first
                   appearance: src, dst, dest_qp, packets, messages (FIRST/ONLY seen),
                   payload_bytes, opcodes {name: count}, first_psn/last_psn (request
-                  packets only), last_ack_psn/last_msn (ACKs), psn_gaps/psn_missing
-                  (forward PSN jumps within one file: packets not in the capture) and
-                  psn_repeats (retransmissions), RC/UC only; dma_lengths and imm (hex)
+                  packets only: the first seen, the highest), last_ack_psn/last_msn
+                  (ACKs), psn_gaps (forward PSN jumps within one file), psn_missing
+                  (PSNs those jumps skipped that never came: packets not in the
+                  capture), psn_late (PSNs that came after a higher one: reordered, or
+                  sent again after a loss) and psn_repeats (PSNs seen again in one
+                  file: retransmissions, duplicates), RC/UC only; dma_lengths and imm (hex)
                   (first few, in order), udp_sports, icrc_invalid, files {path: packets},
                   first_ts_ns/last_ts_ns
     tcp           one record per TCP direction (src, sport, dst, dport), in order of
@@ -40,7 +43,7 @@ import stat
 from collections import Counter
 from pathlib import Path
 
-from ckptd.core.psn import psn_diff
+from ckptd.core.psn import PSN_MASK, psn_diff
 from ckptd.transports.gloo.framing import OPCODE_NAMES, SLOT_PREFIXES, GlooFramer
 from ckptd.transports.gloo.tcpstream import TcpReassembler
 from parsers.capfile import CaptureError, open_capture
@@ -48,6 +51,35 @@ from parsers.roce import FrameClass, decode_frame
 from parsers.tcp import decode_tcp_frame
 
 MAX_LISTED = 8   # dma lengths / imm values / ports kept per flow: "the first few"
+MAX_HOLES = 1 << 16  # PSNs a file's jumps skipped, listed per connection
+
+
+class _PsnsSeen:
+    """The request PSNs one file holds of one connection: the highest, and the PSNs the
+    jumps to it skipped that have not come yet (a reordered or resent packet fills its
+    hole; a skip of more than MAX_HOLES PSNs is counted, not listed, and stays missing)."""
+
+    def __init__(self, psn: int):
+        self.highest, self.holes, self.unlisted = psn, set(), 0
+
+    @property
+    def missing(self) -> int:
+        return len(self.holes) + self.unlisted
+
+    def add(self, psn: int) -> str:
+        """"next", "gap" (a forward jump), "late" (fills a hole) or "repeat" (held already)."""
+        step = psn_diff(psn, self.highest)
+        if step > 0:
+            if step > 1 and step - 1 + len(self.holes) <= MAX_HOLES:
+                self.holes.update((self.highest + k) & PSN_MASK for k in range(1, step))
+            elif step > 1:
+                self.unlisted += step - 1
+            self.highest = psn
+            return "gap" if step > 1 else "next"
+        if psn in self.holes:
+            self.holes.discard(psn)
+            return "late"
+        return "repeat"
 
 
 class _Flow:
@@ -59,10 +91,10 @@ class _Flow:
         self.opcodes = Counter()
         self.first_psn = self.last_psn = None   # request packets only (see add)
         self.last_ack_psn = self.last_msn = None
-        self.psn_gaps = 0          # request PSN jumped forward: packets the capture lacks
-        self.psn_missing = 0       # how many PSNs those jumps skipped
-        self.psn_repeats = 0       # request PSN not after the previous: retransmission
-        self._last_psn_in = {}     # path -> last request PSN seen in that file
+        self.psn_gaps = 0          # request PSN jumped forward within one file
+        self.psn_late = 0          # a PSN a jump skipped, come later (reordered, or sent again)
+        self.psn_repeats = 0       # a PSN the file had already held: retransmission, duplicate
+        self._seen_in = {}         # path -> _PsnsSeen of that file (two files may be two mirrors)
         self.dma_lengths = []      # RETH DMA lengths, first few, in order
         self.imm = []              # ImmDt raw bytes (hex), first few, in order
         self.sports = []           # UDP source ports seen, first few
@@ -85,19 +117,19 @@ class _Flow:
         else:
             if self.first_psn is None:
                 self.first_psn = d.bth.psn
-            self.last_psn = d.bth.psn
+            if self.last_psn is None or psn_diff(d.bth.psn, self.last_psn) > 0:
+                self.last_psn = d.bth.psn  # the highest (24-bit PSNs wrap), not the last to arrive
             # PSN continuity is a property of one RC/UC connection seen by one capture:
             # UD PSNs are per sender (QP 1 hears many), and two files may be two mirrors.
             if d.opcode.transport in ("RC", "UC"):
-                prev = self._last_psn_in.get(path)
-                if prev is not None:
-                    step = psn_diff(d.bth.psn, prev)
-                    if step > 1:
-                        self.psn_gaps += 1
-                        self.psn_missing += step - 1
-                    elif step < 1:
-                        self.psn_repeats += 1
-                self._last_psn_in[path] = d.bth.psn
+                seen = self._seen_in.get(path)
+                if seen is None:
+                    self._seen_in[path] = _PsnsSeen(d.bth.psn)
+                else:
+                    kind = seen.add(d.bth.psn)
+                    self.psn_gaps += kind == "gap"
+                    self.psn_late += kind == "late"
+                    self.psn_repeats += kind == "repeat"
         self.payload_bytes += d.payload_len or 0
         if d.reth is not None and len(self.dma_lengths) < MAX_LISTED:
             self.dma_lengths.append(d.reth.dma_len)
@@ -119,8 +151,8 @@ class _Flow:
             "opcodes": dict(self.opcodes),
             "first_psn": self.first_psn, "last_psn": self.last_psn,
             "last_ack_psn": self.last_ack_psn, "last_msn": self.last_msn,
-            "psn_gaps": self.psn_gaps, "psn_missing": self.psn_missing,
-            "psn_repeats": self.psn_repeats,
+            "psn_gaps": self.psn_gaps, "psn_missing": sum(v.missing for v in self._seen_in.values()),
+            "psn_late": self.psn_late, "psn_repeats": self.psn_repeats,
             "dma_lengths": self.dma_lengths,
             "imm": self.imm,
             "udp_sports": self.sports,

@@ -154,6 +154,7 @@ def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
                        for i, c in enumerate(_list(doc, "collectors", where)))
     _unique([c.name for c in collectors], f"{where}: collector names")
     _unique_ips(collectors, where)
+    _tunnel_ends(switches, collectors, where)
     # the daemon's interfaces (mirror-config writes them for one checkpoint host): one
     # interface is one NIC, so one collector; the daemon would refuse it listed twice
     _unique([(c.ifname, c.netns) for c in collectors if c.ifname],
@@ -363,6 +364,30 @@ def _unique(items, what):
             raise CablingError(f"{what} must be unique; {show(x) if not isinstance(x, tuple) else x!r} "
                                "appears twice")
         seen.add(x)
+
+
+def _tunnel_ends(switches, collectors, where):
+    """An ERSPAN tunnel runs from the switch's src_ip to a collector's ip: one IP version
+    at both ends (a GRE packet has one IP header), and two different hosts. A switch's
+    sessions may go to any collector with an ip, so each pair is checked."""
+    for i, sw in enumerate(switches):
+        if sw.erspan is None:
+            continue
+        src = ipaddress.ip_address(sw.erspan.src_ip)
+        src = getattr(src, "ipv4_mapped", None) or src
+        for j, c in enumerate(collectors):
+            if c.ip is None:
+                continue
+            dst = ipaddress.ip_address(c.ip)
+            dst = getattr(dst, "ipv4_mapped", None) or dst
+            if dst.version != src.version:
+                raise CablingError(f"{where}: switches[{i}] ({sw.name}): erspan.src_ip {src} is IPv{src.version} "
+                                   f"but collectors[{j}] ({c.name}) has the IPv{dst.version} ip {dst}: an ERSPAN "
+                                   "tunnel's two ends are of one IP version")
+            if dst == src:
+                raise CablingError(f"{where}: switches[{i}] ({sw.name}): erspan.src_ip {src} is collectors[{j}] "
+                                   f"({c.name})'s own ip: the tunnel would start where it ends; give the switch an "
+                                   "address of its own")
 
 
 def _unique_ips(collectors, where):

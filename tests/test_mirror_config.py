@@ -160,6 +160,11 @@ def test_cabling_errors(tmp_path):
     d = copy.deepcopy(base); d["format"] = "x"; bad.append((d, "not a ckptd cabling"))
     d = copy.deepcopy(base); d["switches"][0].update(os="comware", mode="erspan",
                                                       erspan={"src_ip": "10.0.0.1"}); bad.append((d, "egress_port"))
+    # an ERSPAN tunnel's ends: one IP version (a v6 source to v4 collectors was written out), two hosts
+    d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["src_ip"] = "fd00::1"
+    bad.append((d, r"erspan.src_ip fd00::1 is IPv6 but collectors\[0\] \(c0\) has the IPv4 ip 10.9.0.1"))
+    d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["src_ip"] = "10.9.0.2"
+    bad.append((d, r"erspan.src_ip 10.9.0.2 is collectors\[1\] \(c1\)'s own ip"))
     for doc, text in bad:
         with pytest.raises(CablingError, match=text):
             cabling_from_doc(doc)

@@ -304,10 +304,18 @@ def cmd_replay(a) -> int:
         # so an init of a later iteration than where the capture began committed every
         # iteration wrong, and numbered some past the job's end, with exit 0
         start = int(start["iteration"]) if start is not None else -1
-        raise UsageError(f"the captures hold iterations up to {max(past)} counted from "
-                         f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start}), past the "
-                         f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): the init is not the "
-                         "state where the capture began, or the plan's iterations is wrong; every commit is suspect")
+        if pipe.joined is not None:
+            origin = f"{'--join-from ' + str(a.join_from) if a.join_from is not None else '--join'} (iteration " \
+                     f"{pipe.joined})"
+            cause = "the join is not where the capture began"
+        else:
+            origin = f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start})"
+            cause = "the init is not the state where the capture began"
+        aside = _set_aside(a.out, [r.iteration for r in reps if r.ok]) if a.out else 0
+        raise UsageError(f"the captures hold iterations up to {max(past)} counted from {origin}, past the "
+                         f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): {cause}, or the plan's "
+                         "iterations is wrong; every commit is suspect"
+                         + (f": the {aside} written are set aside in {a.out} as iter_*.pt.suspect" if aside else ""))
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
@@ -320,6 +328,20 @@ def cmd_replay(a) -> int:
               f"{last} is not in them")
         return EXIT_UNRECOVERED
     return EXIT_UNRECOVERED if bad else 0
+
+
+def _set_aside(out: str, iterations: list[int]) -> int:
+    """Rename this replay's checkpoints of `iterations` in `out` to NAME.suspect, where no
+    reader of checkpoints (restore, --resume, verify of the directory) takes them for
+    committed state; how many were."""
+    from ckptd.core.checkpoint import checkpoint_name
+    n = 0
+    for it in iterations:
+        p = Path(out) / checkpoint_name(it)
+        if p.is_file():
+            p.replace(p.with_name(p.name + ".suspect"))
+            n += 1
+    return n
 
 
 def cmd_inspect(a) -> int:

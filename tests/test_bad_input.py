@@ -1181,6 +1181,16 @@ def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, cap
     _one_line_error(r, str(d / "reference" / "iter_000000.pt"),
                     "the captures hold iterations up to 3 counted from --init")
     assert "past the 3 of the plan" in r.stderr
+    # what it committed is not left as committed state (helper review, session 28): set aside
+    assert "the 3 written are set aside in" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        f"iter_{i:06d}.pt.suspect" for i in (1, 2, 3)]
+    # a join from an iteration the capture did not begin at: named as the cause, not the init
+    joined = ["replay", "--plan", d / "plan.json", "--out", tmp_path / "out-join", "--join-from", "1",
+              "--init", d / "reference" / "iter_000000.pt", *sorted((d / "mirrors").glob("*.pcap"))]
+    r = ckptd_main(capsys, *joined)
+    _one_line_error(r, None, "counted from --join-from 1 (iteration 1), past the 3 of the plan")
+    assert "the join is not where the capture began" in r.stderr
     ok = ckptd_main(capsys, *argv, "--init", d / "init.pt")
     assert ok.returncode == 0, ok.stderr
 

@@ -229,6 +229,7 @@ def cmd_replay(a) -> int:
     if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
         print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
         return 2
+    before = _checkpoints_in(a.out)
     t0 = time.time()
     if plan.transport == "roce" and not a.reference_path:
         from ckptd.fast.pipeline import fast_replay
@@ -275,6 +276,8 @@ def cmd_replay(a) -> int:
     print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
+    if before:
+        _warn_older_checkpoints(a.out, before, max((r.iteration for r in reps if r.ok), default=-1))
     diverged = next((r for r in reps if r.ok and r.nonfinite), None)
     if diverged is not None:
         good = [r.iteration for r in reps if r.ok and not r.nonfinite and r.iteration < diverged.iteration]
@@ -328,6 +331,31 @@ def cmd_replay(a) -> int:
               f"{last} is not in them")
         return EXIT_UNRECOVERED
     return EXIT_UNRECOVERED if bad else 0
+
+
+def _checkpoints_in(out: str | None) -> dict[str, tuple[int, int]]:
+    """{name: (iteration, mtime_ns)} of the checkpoint files (iter_NNNNNN.pt) in `out`."""
+    found = {}
+    if out and Path(out).is_dir():
+        for p in Path(out).iterdir():
+            m = re.fullmatch(r"iter_(\d{6,})\.pt", p.name)
+            if m and p.is_file():
+                found[p.name] = (int(m.group(1)), p.stat().st_mtime_ns)
+    return found
+
+
+def _warn_older_checkpoints(out: str, before: dict, last: int) -> None:
+    """Checkpoints `out` held before this replay, newer than its last commit and not
+    rewritten by it (another job's, an earlier run's): ckptd.restore(out), --resume and
+    verify of the directory take the newest file, which is then not this replay's."""
+    now = _checkpoints_in(out)
+    left = sorted(it for name, (it, mtime) in before.items() if it > last and now.get(name) == (it, mtime))
+    if left:
+        shown = ", ".join(map(str, left[:5])) + (", ..." if len(left) > 5 else "")
+        print(f"warning: --out {out} still holds checkpoints of iterations {shown} from before this replay, "
+              f"newer than its last commit ({last if last >= 0 else 'none'}): ckptd.restore, --resume and verify "
+              "of the directory take the newest, which is not this replay's; remove them or give a fresh --out",
+              file=sys.stderr)
 
 
 def _set_aside(out: str, iterations: list[int]) -> int:

@@ -1329,3 +1329,19 @@ def test_plan_out_that_is_a_capture_or_checkpoint_is_refused_not_overwritten(sce
                        "--addr", "10.0.0.2", "--out", out)
         _one_line_error(r, str(out), "which the plan would overwrite; give --out a path of its own")
         assert out.read_bytes() == before
+
+
+def test_checkpoints_left_in_out_from_before_are_named(scenario, capsys, tmp_path):
+    """An --out holding another run's newer checkpoints: the replay wrote its own beside
+    them without a word, and restore(out) then took the stale newest one."""
+    out = tmp_path / "out"
+    argv = ["replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", "--out", out, _pcap0(scenario)]
+    r = ckptd_main(capsys, *argv)
+    assert r.returncode == 0 and "warning" not in r.stderr  # (a fresh --out)
+    r = ckptd_main(capsys, *argv)
+    assert r.returncode == 0 and "warning" not in r.stderr  # (its own files, rewritten)
+    shutil.copy(out / "iter_000000.pt", out / "iter_000009.pt")
+    r = ckptd_main(capsys, *argv)
+    assert r.returncode == 0
+    assert (f"warning: --out {out} still holds checkpoints of iterations 9 from before this replay, newer than "
+            "its last commit (0)") in r.stderr

@@ -1345,3 +1345,15 @@ def test_checkpoints_left_in_out_from_before_are_named(scenario, capsys, tmp_pat
     assert r.returncode == 0
     assert (f"warning: --out {out} still holds checkpoints of iterations 9 from before this replay, newer than "
             "its last commit (0)") in r.stderr
+
+
+def test_a_state_of_another_optimizer_is_named_so(scenario, capsys, tmp_path):
+    """An SGD job's checkpoint checked against an AdamW plan (--init, --resume, export
+    --plan) said only "optimizer.state.X.step is not a tensor"."""
+    doc = torch.load(scenario / "reference" / "iter_000000.pt", weights_only=True)
+    doc["optimizer"]["state"] = {n: {"momentum_buffer": torch.zeros_like(t)} for n, t in doc["model"].items()}
+    torch.save(doc, tmp_path / "sgd.pt")
+    r = ckptd_main(capsys, "export", tmp_path / "sgd.pt", "--format", "torch", "--out", tmp_path / "x.pt",
+                   "--plan", scenario / "plan.json")
+    _one_line_error(r, str(tmp_path / "sgd.pt"), "holds ['momentum_buffer'], not torch's adamw state (step, exp_avg, "
+                    "exp_avg_sq): the state of a job with another optimizer")

@@ -781,6 +781,11 @@ class Plan:
                     continue  # unused on every rank so far: torch made no state for it yet
                 if not isinstance(st, dict):
                     raise CheckpointError(f"{where}: optimizer.state lacks {p.name!r}")
+                if adam and st and not {"exp_avg", "exp_avg_sq"} & set(st):
+                    # (SGD's momentum_buffer: "step is not a tensor" named a symptom)
+                    raise CheckpointError(f"{where}: optimizer.state.{p.name} holds {sorted(map(str, st))[:5]}, not "
+                                          f"torch's {self.optimizer.kind} state ({', '.join(keys)}): the state of a "
+                                          "job with another optimizer")
                 # other optimizers: every per-element buffer (not a scalar like step) has
                 # the parameter's shape and dtype
                 for k in keys if adam else [k for k, v in st.items() if getattr(v, "ndim", 0)]:

@@ -242,10 +242,9 @@ def cmd_replay(a) -> int:
     reps = [r for r in pipe.reports if r.status != "not-captured"]
     bad = [r for r in reps if not r.ok and r.status != "complete"]
     for k, (name, cls) in enumerate(zip(names, pipe.classes)):
-        print(f"stream {name}: " + ", ".join(f"{key}={v}" for key, v in sorted(cls.items())))
-    c = pipe.extract.counters
-    print("extraction: " + ", ".join(f"{k}={v}" for k, v in sorted(c.items())) + f", late={pipe.late}"
-          + "".join(f", {k}={v}" for k, v in getattr(pipe, "read_waits", {}).items()))
+        print(f"stream {name}: " + (", ".join(f"{key}={v}" for key, v in sorted(cls.items())) or "frames=0"))
+    c = {**dict(sorted(pipe.extract.counters.items())), "late": pipe.late, **getattr(pipe, "read_waits", {})}
+    print("extraction: " + ", ".join(f"{k}={v}" for k, v in c.items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
     diagnostics = pipe.extract.diagnostics()

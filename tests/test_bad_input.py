@@ -1357,3 +1357,13 @@ def test_a_state_of_another_optimizer_is_named_so(scenario, capsys, tmp_path):
                    "--plan", scenario / "plan.json")
     _one_line_error(r, str(tmp_path / "sgd.pt"), "holds ['momentum_buffer'], not torch's adamw state (step, exp_avg, "
                     "exp_avg_sq): the state of a job with another optimizer")
+
+
+def test_a_capture_without_frames_prints_whole_lines(scenario, capsys, tmp_path):
+    """A capture of a file header only printed `stream e: ` and `extraction: , late=0`."""
+    empty = tmp_path / "e.pcap"
+    empty.write_bytes(Path(_pcap0(scenario)).read_bytes()[:24])
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", empty)
+    lines = r.stdout.splitlines()
+    assert "stream e: frames=0" in lines
+    assert any(x.startswith("extraction: late=0") for x in lines), lines

@@ -24,8 +24,8 @@ import os
 import re
 import urllib.error
 import urllib.parse
-import warnings
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -396,7 +396,7 @@ def trainer_hyper(plan, ckpt: dict) -> TrainerHyper | None:
         return TrainerHyper(groups, None)
     steps = int(ckpt["iteration"]) + 1
     schedule = GroupSchedule(opt, full_groups(opt, [n for n, _ in dummies]))
-    nxt = schedule.at(steps)
+    nxt = schedule.at(steps)  # (steps the scheduler on its dummy optimizer there too)
     if opt.lr_scheduler is not None:  # the scheduler's own dummy optimizer: the keys it keeps there too
         for g, d in zip(groups, schedule.dummy.param_groups):  # (initial_lr; OneCycleLR's max_lr, ...)
             g.update({k: v for k, v in d.items() if k != "params" and (k in _SCHEDULED or k not in g)})

@@ -531,7 +531,6 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     _refuse_ddp_modes(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
-    _refuse_strided(names, params)
     names_of = {id(p): n for n, p in zip(names, params)}
     frozen, frozen_params = _frozen(ddp, params)
     first = _layout(ddp, {id(p): n for n, p in _named_parameters(ddp)})
@@ -593,7 +592,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     ring = _ring(backend, world)
     with _by_argument():
         # find_unused_parameters: DDP never rebuilds its buckets (Reducer::should_rebuild_buckets)
-        return Plan(Parameter.each_of(zip(names, params)),
+        return Plan(_parameters(names, params),
                     first, first, ring, opt, tuple(addresses), (), iterations,
                     transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
                     static_graph=static,
@@ -602,18 +601,21 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
 
 
-def _refuse_strided(names: list[str], params: list[torch.Tensor]) -> None:
-    """DDP lays each gradient into its bucket in the parameter's own memory order (the
-    grad layout contract: a channels_last weight's gradient goes in NHWC order), and the
-    plan gives shapes only: the shadow would read such a gradient in the wrong order and
-    commit wrong checkpoints without a word."""
-    for n, p in zip(names, params):
-        if not p.is_contiguous():
-            raise TrainerError(f"parameter {n} is not contiguous (shape {list(p.shape)}, strides "
-                               f"{list(p.stride())}: channels_last, or a transposed view): DDP reduces its "
-                               "gradient in that memory order, which a plan cannot describe; keep the model's "
-                               "parameters contiguous (model.to(memory_format=torch.contiguous_format); "
-                               "channels_last inputs and activations are fine)")
+def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of t's dimensions in memory, outermost first, where it is dense but not
+    contiguous (channels_last, a transposed view); None otherwise. DDP lays a dense
+    parameter's gradient into its bucket in that order (reducer.cpp
+    initialize_bucket_views: as_strided with the parameter's strides; the grad layout
+    contract), any other row-major (narrow().view(sizes)), as a contiguous one's."""
+    if t.is_contiguous():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _parameters(names: list[str], params: list[torch.Tensor]) -> tuple[Parameter, ...]:
+    """The plan's parameters, each with the memory order the shadow reads its gradient by."""
+    return tuple(Parameter(n, tuple(p.shape), dtype_name(p.dtype), _memory_order(p)) for n, p in zip(names, params))
 
 
 def _check_find_unused(allreduces_per_step: int):

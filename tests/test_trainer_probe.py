@@ -90,41 +90,6 @@ def test_complex_parameters_are_refused_by_dtype(group):  # noqa: F811
     _refused(m, torch.optim.Adam(m.parameters()), "parameters of dtype complex64")
 
 
-def test_a_parameter_in_another_memory_order_is_refused(group):  # noqa: F811
-    """DDP reduces a channels_last weight's gradient in NHWC order (checked here with a comm
-    hook), and a plan gives shapes only: write_plan accepted such a model and every
-    checkpoint came out wrong, committed as exact."""
-    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 2))
-    conv = conv.to(memory_format=torch.channels_last)
-    m = torch.nn.parallel.DistributedDataParallel(conv, bucket_cap_mb=1e-6)
-    seen = []
-
-    def hook(state, bucket):  # each parameter's slice of the bucket, in bucket order
-        at = 0
-        for q in bucket.parameters():
-            seen.append((q, bucket.buffer()[at:at + q.numel()].clone()))
-            at += q.numel()
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-    m.register_comm_hook(None, hook)
-    m(torch.randn(2, 3, 6, 6)).sum().backward()
-    w = conv[0].weight
-    (got,) = [b for q, b in seen if q is w]
-    assert torch.equal(got, w.grad.permute(0, 2, 3, 1).flatten()) and not torch.equal(got, w.grad.flatten())
-    fresh = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)).to(memory_format=torch.channels_last))
-    _refused(fresh, _sgd(fresh), r"parameter 0.weight is not contiguous \(shape \[4, 3, 3, 3\], strides "
-             r"\[27, 1, 9, 3\]: channels_last")
-
-    class T(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.randn(3, 5).t())
-    t = torch.nn.parallel.DistributedDataParallel(T())
-    _refused(t, _sgd(t), "parameter w is not contiguous")
-
-
 def test_a_world_of_one_is_said(group):  # noqa: F811
     m = _ddp()
     _refused(m, _sgd(m), "the process group has 1 rank: ckptd needs at least 2 ranks")

@@ -88,10 +88,31 @@ class Parameter:
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"
+    # the order of its dimensions in memory, outermost first, where it is not the shape's
+    # own (a channels_last conv weight: (0, 2, 3, 1)); None: contiguous. DDP lays each
+    # gradient into its bucket in the parameter's memory order (reducer.cpp
+    # initialize_bucket_views: as_strided with the parameter's strides)
+    memory_order: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)  # not np.prod: 10x faster on a short tuple, asked per parameter per layout
+
+    def grad_view(self, flat):
+        """The parameter's gradient as a tensor of its shape over its bucket slice `flat`
+        (strided as the parameter is, where it has a memory_order)."""
+        if self.memory_order is None:
+            return flat.view(self.shape)
+        order = self.memory_order
+        return flat.view([self.shape[d] for d in order]).permute([order.index(d) for d in range(len(order))])
+
+    def laid_out(self, t):
+        """`t` (of this shape) dense in this parameter's memory order: the shadow's copy,
+        so that its step runs over the same layout as the trainer's."""
+        if self.memory_order is None:
+            return t.contiguous()
+        order = self.memory_order
+        return t.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
 
     @classmethod
     def each_of(cls, named) -> tuple["Parameter", ...]:
@@ -178,7 +199,7 @@ LR_SCHEDULE_KEYS = ("kind", "warmup_steps", "total_steps", "min_factor")  # what
 # an optimizer section's keys: Optimizer's fields, as to_json writes them
 OPTIMIZER_KEYS = ("kind", "lr", "betas", "eps", "weight_decay", "amsgrad", "implementation", "lr_schedule",
                   "max_grad_norm", "groups", "lr_scheduler", "grad_scaler", "lr_per_step")
-TENSOR_KEYS = ("name", "shape", "dtype")  # an entry of parameters, frozen, buffers.tensors
+TENSOR_KEYS = ("name", "shape", "dtype", "memory_order")  # an entry of parameters, frozen, buffers.tensors
 # the other objects' keys, each as its writer below writes it (_ring_json, _rank_json,
 # PLAN_FIELDS["mirrors"], _buckets_json, _bucket_json, ModuleBuffers.to_json), plus the
 # ones a plan written by hand may give: ring.channels (one ring of ranks 0..n-1 per
@@ -1052,6 +1073,11 @@ def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) ->
         if n > MAX_PARAM_ELEMENTS:
             raise PlanError(f"{key}[{i}].shape {list(p.shape)} has {n} elements "
                             f"(at most {MAX_PARAM_ELEMENTS})")
+        if p.memory_order is not None and sorted(p.memory_order) != list(range(len(p.shape))):
+            raise PlanError(f"{key}[{i}].memory_order {list(p.memory_order)[:10]} is not an order of the "
+                            f"{len(p.shape)} dimensions of shape {list(p.shape)} (outermost first)")
+        if p.memory_order is not None and key != "parameters":
+            raise PlanError(f"{key}[{i}].memory_order: only a parameter DDP reduces has one")
         total += n
     return total
 
@@ -1366,7 +1392,8 @@ def _ring_json(p: Plan) -> dict:
 
 
 def _tensors_json(tensors) -> list[dict]:
-    return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in tensors]
+    return [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+             **({"memory_order": list(t.memory_order)} if t.memory_order is not None else {})} for t in tensors]
 
 
 UNSET = object()  # a PLAN_FIELDS writer's answer for a key the plan leaves out (its default)
@@ -1577,9 +1604,12 @@ def _tensors_from_json(entries: list, key: str) -> list[Parameter]:
         shape = t.list("shape", required=True)
         if len(shape) > MAX_DIMS:
             raise PlanError(f"{t.path('shape')} has {len(shape)} dimensions (at most {MAX_DIMS})")
+        order = None if t.d.get("memory_order") is None else t.list("memory_order")
         out.append(Parameter(t.str("name"), tuple(_int(x, f"{t.path('shape')}[{j}]", 0, MAX_PARAM_ELEMENTS)
                                                  for j, x in enumerate(shape)),
-                             t.str("dtype", "float32", DTYPES)))
+                             t.str("dtype", "float32", DTYPES),
+                             None if order is None else tuple(_int(x, f"{t.path('memory_order')}[{j}]", 0, MAX_DIMS)
+                                                               for j, x in enumerate(order))))
     return out
 
 

@@ -62,7 +62,7 @@ class ShadowModel:
             raise CheckpointError(f"starting state lacks parameters {missing[:5]}")
         self.params = []
         for p in plan.parameters:
-            t = model[p.name].detach().contiguous()
+            t = p.laid_out(model[p.name].detach())  # (a channels_last weight stays one)
             if tuple(t.shape) != p.shape or dtype_name(t.dtype) != p.dtype:
                 raise CheckpointError(f"starting state: {p.name} is {t.dtype}{list(t.shape)}, "
                                       f"plan says {p.dtype}{list(p.shape)}")
@@ -132,7 +132,7 @@ class ShadowModel:
         for lo, hi, k in spans:  # by address: one overlapping those before it is copied (fresh memory)
             if lo < reach:
                 holder, key = slots[k]
-                holder[key] = holder[key].clone(memory_format=torch.contiguous_format)
+                holder[key] = holder[key].clone()  # (its layout kept: a channels_last weight's too)
             else:
                 reach = max(reach, hi)
 
@@ -202,7 +202,7 @@ class ShadowModel:
             flat = self._wire_to_param_dtype(buffer)
             for name, start, end in self.plan.param_ranges(layout_iteration, b):
                 idx.append(self.index[name])
-                grads.append(flat[start:end].view(self.plan.param(name).shape))
+                grads.append(self.plan.param(name).grad_view(flat[start:end]))
         self._step(iteration, idx, grads)
 
     def finish_iteration(self, iteration: int):
@@ -258,7 +258,7 @@ class ShadowModel:
         for b, buf in enumerate(buffers):
             t = self._wire_to_param_dtype(buf)
             for name, start, end in self.plan.param_ranges(iteration, b):
-                by_name[name] = t[start:end].view(self.plan.param(name).shape)
+                by_name[name] = self.plan.param(name).grad_view(t[start:end])
         return [by_name[n] for n in self.names]
 
     def apply(self, iteration: int, buffers: list[np.ndarray], layout_iteration: int | None = None):

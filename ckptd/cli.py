@@ -627,7 +627,7 @@ def cmd_plan(a) -> int:
     from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
-    from ckptd.torch import ddp_layouts
+    from ckptd.torch import ddp_layouts, plan_parameters
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
@@ -721,7 +721,7 @@ def cmd_plan(a) -> int:
         ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(1 if gloo else a.channels)),
                           a.protocol, (major, minor), mtu=a.mtu)
         nodes, nics = (), ()
-    plan = Plan(Parameter.each_of(named),
+    plan = Plan(plan_parameters([n for n, _ in named], [p for _, p in named]),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,

@@ -592,7 +592,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     ring = _ring(backend, world)
     with _by_argument():
         # find_unused_parameters: DDP never rebuilds its buckets (Reducer::should_rebuild_buckets)
-        return Plan(_parameters(names, params),
+        return Plan(plan_parameters(names, params),
                     first, first, ring, opt, tuple(addresses), (), iterations,
                     transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
                     static_graph=static,
@@ -613,7 +613,7 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
-def _parameters(names: list[str], params: list[torch.Tensor]) -> tuple[Parameter, ...]:
+def plan_parameters(names: list[str], params: list[torch.Tensor]) -> tuple[Parameter, ...]:
     """The plan's parameters, each with the memory order the shadow reads its gradient by."""
     return tuple(Parameter(n, tuple(p.shape), dtype_name(p.dtype), _memory_order(p)) for n, p in zip(names, params))
 

@@ -291,7 +291,7 @@ def _yaml_load(text: str):
         text = loader.construct_scalar(node)
         if not re.fullmatch(r"[-+]?(0|[1-9][0-9_]*)", text):
             value = yaml.SafeLoader.construct_yaml_int(loader, node)
-            raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {value} "
+            raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {show(value)} "
                              "(octal, hex or base 60): write the number in decimal (or quote it where text is meant)")
         return yaml.SafeLoader.construct_yaml_int(loader, node)
 

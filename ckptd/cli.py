@@ -334,12 +334,13 @@ def cmd_replay(a) -> int:
 
 def _checkpoints_in(out: str | None) -> dict[str, tuple[int, int]]:
     """{name: (iteration, mtime_ns)} of the checkpoint files (iter_NNNNNN.pt) in `out`."""
+    from ckptd.core.checkpoint import iteration_of_name
     found = {}
     if out and Path(out).is_dir():
         for p in Path(out).iterdir():
-            m = re.fullmatch(r"iter_(\d{6,})\.pt", p.name)
-            if m and p.is_file():
-                found[p.name] = (int(m.group(1)), p.stat().st_mtime_ns)
+            it = iteration_of_name(p.name)
+            if it is not None and p.is_file():
+                found[p.name] = (it, p.stat().st_mtime_ns)
     return found
 
 

@@ -19,6 +19,7 @@ import errno
 import io
 import math
 import os
+import re
 import stat
 import warnings
 from pathlib import Path
@@ -36,6 +37,15 @@ class CheckpointError(CkptdError, ValueError):
 
 def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:06d}.pt"
+
+
+_CHECKPOINT_NAME = re.compile(r"iter_(\d{6,})\.pt")
+
+
+def iteration_of_name(name: str) -> int | None:
+    """The iteration a checkpoint file's name (checkpoint_name) says; None for another name."""
+    m = _CHECKPOINT_NAME.fullmatch(name)
+    return None if m is None else int(m.group(1))
 
 
 class CheckpointWriteError(CkptdError, OSError):

@@ -16,18 +16,16 @@ instead: there is no later moment at which the file could be written.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
-from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, write_checkpoint
+from ckptd.core.checkpoint import CheckpointWriteError, checkpoint_name, iteration_of_name, write_checkpoint
 from ckptd.core.finite import first_nonfinite
 from ckptd.core.store import Store, open_store
 
 log = logging.getLogger("ckptd")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
-_NAME = re.compile(r"iter_(\d{6,})\.pt")
 
 
 class CheckpointKeeper:
@@ -132,7 +130,7 @@ class CheckpointKeeper:
         if self.keep_last is None:
             return []
         try:
-            its = sorted(int(m.group(1)) for n in self.store.names() if (m := _NAME.fullmatch(n)))
+            its = sorted(it for n in self.store.names() if (it := iteration_of_name(n)) is not None)
         except OSError as e:
             log.warning("cannot list checkpoints to prune", extra={"fields": {"error": str(e)}})
             return []

@@ -103,16 +103,19 @@ class Parameter:
         (strided as the parameter is, where it has a memory_order)."""
         if self.memory_order is None:
             return flat.view(self.shape)
-        order = self.memory_order
-        return flat.view([self.shape[d] for d in order]).permute([order.index(d) for d in range(len(order))])
+        return flat.view([self.shape[d] for d in self.memory_order]).permute(self._to_shape_order)
 
     def laid_out(self, t):
         """`t` (of this shape) dense in this parameter's memory order: the shadow's copy,
         so that its step runs over the same layout as the trainer's."""
         if self.memory_order is None:
             return t.contiguous()
-        order = self.memory_order
-        return t.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
+        return t.permute(self.memory_order).contiguous().permute(self._to_shape_order)
+
+    @property
+    def _to_shape_order(self) -> list[int]:
+        """The permutation from memory order back to the shape's (memory_order's inverse)."""
+        return [self.memory_order.index(d) for d in range(len(self.memory_order))]
 
     @classmethod
     def each_of(cls, named) -> tuple["Parameter", ...]:

@@ -313,11 +313,20 @@ def cmd_replay(a) -> int:
         else:
             origin = f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start})"
             cause = "the init is not the state where the capture began"
+        misfit = _schedule_misfit(plan, a.plan, pipe)
+        if misfit:
+            # packets that fit no message of the schedule are counted as rounds of their own:
+            # a ring of another NCCL version or protocol makes "iterations" out of its pieces
+            cause = f"{misfit}, or {cause}"
         aside = _set_aside(a.out, [r.iteration for r in reps if r.ok]) if a.out else 0
         raise UsageError(f"the captures hold iterations up to {max(past)} counted from {origin}, past the "
                          f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): {cause}, or the plan's "
                          "iterations is wrong; every commit is suspect"
                          + (f": the {aside} written are set aside in {a.out} as iter_*.pt.suspect" if aside else ""))
+    if reps and not committed:
+        misfit = _schedule_misfit(plan, a.plan, pipe)
+        if misfit:
+            print(f"warning: nothing committed: {misfit}", file=sys.stderr)
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
@@ -330,6 +339,24 @@ def cmd_replay(a) -> int:
               f"{last} is not in them")
         return EXIT_UNRECOVERED
     return EXIT_UNRECOVERED if bad else 0
+
+
+def _schedule_misfit(plan, path: str, pipe) -> str:
+    """Why no message of the captures fits the plan's schedule, where that is what the
+    extraction saw (flows it could match to no channel, packets that broke the schedule):
+    the plan's ring (NCCL version, protocol, channels) is then the first suspect, since
+    each changes the messages' lengths and order on the wire. Empty if all fitted."""
+    counters = pipe.extract.counters
+    misfits = counters.get("schedule_mismatch", 0) + counters.get("ll_flag_mismatch", 0)
+    flows = len(pipe.extract.unmatched_flows())
+    if plan.transport != "roce" or not (misfits or flows):
+        return ""
+    r = plan.ring
+    seen = ", ".join(x for x in (f"{flows} flow(s) matched no channel" if flows else "",
+                                 f"{misfits} packet(s) broke the schedule" if misfits else "") if x)
+    return (f"{seen} of the plan {path}: its ring (ring.nccl_version "
+            f"{r.nccl_version[0]}.{r.nccl_version[1]}, ring.protocol {r.protocol}, {r.channels} channel(s)) "
+            "may not be the job's (NCCL_DEBUG=INFO names the version and protocol)")
 
 
 def _checkpoints_in(out: str | None) -> dict[str, tuple[int, int]]:

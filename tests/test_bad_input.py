@@ -1195,6 +1195,36 @@ def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, cap
     assert ok.returncode == 0, ok.stderr
 
 
+def _plan_of_version(d: Path, version: str) -> Path:
+    doc = json.loads((d / "plan.json").read_text())
+    doc["ring"]["nccl_version"] = version
+    out = d / f"plan-{version}.json"
+    out.write_text(json.dumps(doc))
+    return out
+
+
+def test_a_plan_of_another_nccl_version_is_named_as_the_suspect(tmp_path, capsys):
+    """A plan whose ring.nccl_version is not the job's: its messages have other lengths,
+    so no flow fits the schedule. The replay blamed the init ("the init is not the state
+    where the capture began") where the misfits made extra rounds, and said nothing where
+    they did not, with the one fact that tells it (misfits) in counters only."""
+    d = tmp_path / "ll"
+    synth(d, iterations=3, ranks=4, channels=2, mirrors=2, protocol="ll", nccl_version="2.18", model="small")
+    mirrors = sorted((d / "mirrors").glob("*.pcap"))
+    r = ckptd_main(capsys, "replay", "--plan", _plan_of_version(d, "2.21"), "--init", d / "init.pt", *mirrors)
+    _one_line_error(r, "plan-2.21.json", "matched no channel")
+    assert "its ring (ring.nccl_version 2.21, ring.protocol ll, 2 channel(s)) may not be the job's" in r.stderr
+    d = tmp_path / "simple"
+    synth(d, iterations=2, ranks=4, channels=2, mirrors=2, nccl_version="2.28")
+    mirrors = sorted((d / "mirrors").glob("*.pcap"))
+    r = ckptd_main(capsys, "replay", "--plan", _plan_of_version(d, "2.19"), "--init", d / "init.pt", *mirrors)
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert "warning: nothing committed: " in r.stderr and "ring.nccl_version 2.19" in r.stderr, r.stderr
+    # the job's own plan: no such word
+    r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", *mirrors)
+    assert r.returncode == 0 and "nccl_version" not in r.stderr, r.stderr
+
+
 def _other_version(scenario, tmp_path) -> Path:
     """The scenario's checkpoint of iteration 0 as a later ckptd format would write it."""
     doc = torch.load(scenario / "reference" / "iter_000000.pt", weights_only=True)

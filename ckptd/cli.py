@@ -879,12 +879,24 @@ def _ip_address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 or IPv6 address") from None
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or where it is not
+    installed (run from a source tree on PYTHONPATH) that it is not."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("ckptd")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ckptd.core.assemble import AGREE_WINDOW_MS  # not ckptd.pipeline: --help needs no torch
     from ckptd.core.plan import OPTIMIZER_CLASSES
     p = _Parser(
         prog="ckptd", description="Per-iteration checkpoints rebuilt from mirrored RoCEv2 "
         "allreduce traffic, at no cost to the training job.")
+    p.add_argument("--version", action="version", version=f"ckptd {_version()}",
+                   help="print ckptd's version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="synthesize the default scenario and replay it, "

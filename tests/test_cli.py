@@ -26,6 +26,13 @@ def test_module_entry_point_help():
         assert cmd in out.stdout
 
 
+def test_version_is_the_installed_distributions():
+    """`ckptd --version` said "the following arguments are required: cmd"."""
+    from importlib.metadata import version
+    out = subprocess.run([sys.executable, "-m", "ckptd", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"ckptd {version('ckptd')}", out
+
+
 def test_replay_prints_a_line_per_iteration(run, tmp_path, capsys):
     rc = main(["replay", "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"),
                "--out", str(tmp_path), "--reference", str(run / "reference")] + pcaps(run))

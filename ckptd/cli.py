@@ -323,10 +323,10 @@ def cmd_replay(a) -> int:
                          f"{plan.iterations} of the plan {a.plan} (0..{plan.iterations - 1}): {cause}, or the plan's "
                          "iterations is wrong; every commit is suspect"
                          + (f": the {aside} written are set aside in {a.out} as iter_*.pt.suspect" if aside else ""))
-    if reps and not committed:
+    if bad and (plan.transport == "gloo" or not committed):
         misfit = _schedule_misfit(plan, a.plan, pipe)
         if misfit:
-            print(f"warning: nothing committed: {misfit}", file=sys.stderr)
+            print(f"warning: {len(bad)} iteration(s) not recovered: {misfit}", file=sys.stderr)
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}
@@ -349,6 +349,12 @@ def _schedule_misfit(plan, path: str, pipe) -> str:
     counters = pipe.extract.counters
     misfits = counters.get("schedule_mismatch", 0) + counters.get("ll_flag_mismatch", 0)
     flows = len(pipe.extract.unmatched_flows())
+    if plan.transport == "gloo" and misfits:
+        # gloo numbers every collective of the group by one counter: the job's own allreduce
+        # (a loss, a metric) on DDP's group takes a bucket's place in the count
+        return (f"{misfits} gloo message(s) have sizes no bucket of the plan {path} has: the job runs collectives "
+                "of its own on DDP's process group (a loss or metric allreduce?), which the plan does not list "
+                "(run them on a group of their own: dist.new_group), or the plan is another job's")
     if plan.transport != "roce" or not (misfits or flows):
         return ""
     r = plan.ring
@@ -933,7 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reorder", type=_ranged(float, 0, 1), default=0.0,
                    help="fraction of frames each mirror swaps with the next one (default 0)")
     s.add_argument("--corrupt", type=_ranged(float, 0, 1), default=0.0, help="bit flips (caught by the ICRC)")
-    s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="go-back-N resends per message, on the wire")
+    s.add_argument("--retransmit", type=_ranged(float, 0, 1), default=0.0, help="the fraction of messages (0..1) resent go-back-N, on the wire (every mirror sees the resend)")
     s.add_argument("--iterations", type=_ranged(int, 1, 10_000), default=5, help="training iterations (default 5)")
     s.add_argument("--allreduces-per-step", type=_ranged(int, 1, 64), default=1,
                    help="micro-batches per step, each allreduced (gradient accumulation without no_sync)")

@@ -34,6 +34,7 @@ import os
 import socket
 import struct
 import time
+import weakref
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -150,7 +151,8 @@ def _jsonable(v, where: str):
 
 
 def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str],
-               frozen_of: dict[int, str] | None = None) -> tuple[str, list[dict]]:
+               frozen_of: dict[int, str] | None = None,
+               ignored_of: dict[int, str] | None = None) -> tuple[str, list[dict]]:
     """The optimizer's kind and param groups by name. A frozen parameter (frozen_of) may be
     in a group as the trainer built it: torch's step skips a parameter whose grad is None,
     and a frozen one's always is (DDP does not reduce it), so it is recorded and never
@@ -165,6 +167,10 @@ def _optimizer(optimizer, names_of: dict[int, str], ddp_names: list[str],
         names = []
         for p in g["params"]:
             n = names_of.get(id(p)) or (frozen_of or {}).get(id(p))
+            if n is None and id(p) in (ignored_of or {}):  # DDP neither reduces nor broadcasts it
+                raise TrainerError(f"optimizer group {i} holds parameter {ignored_of[id(p)]}, which DDP ignores "
+                                   "(parameters_to_ignore): its gradient is this rank's own, never on the wire; "
+                                   "leave it out of the optimizer ckptd records")
             if n is None:
                 raise TrainerError(f"optimizer group {i} holds a tensor that is not a parameter of the DDP model")
             if n in seen or n in names:
@@ -529,6 +535,12 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         raise TrainerError(f"iterations must be an integer >= 1 (or None), not {iterations!r}")
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
+    sparse = next((f"{m}.weight" if m else "weight" for m, mod in unwrap(ddp)[0].named_modules()
+                   if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse
+                   and mod.weight.requires_grad), None)
+    if sparse is not None:  # DDP's test (its _build_params_for_reducer): such a module's grad is sparse
+        raise TrainerError(f"parameter {sparse} has sparse gradients (an Embedding with sparse=True): DDP "
+                           "allreduces those apart from its buckets, which ckptd does not decode; use sparse=False")
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
@@ -562,7 +574,10 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if addresses is None:
         addresses = exchange_addresses(_local_address(backend), ddp.process_group)
     _check_addresses(addresses, world)
-    kind, groups = _optimizer(optimizer, names_of, names, dict(zip(map(id, frozen_params), frozen)))
+    plain, prefix = unwrap(ddp.module)
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
+    kind, groups = _optimizer(optimizer, names_of, names, dict(zip(map(id, frozen_params), frozen)),
+                              {id(p): n for n, p in plain.named_parameters() if prefix + n in ignore})
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
                            "ckptd reproduces AMP with foreach or for-loop optimizers")
@@ -1162,6 +1177,9 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
         call.wait("write the plan")
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
+    _refuse_shared_group(ddp_model, path)
+    if scaler is None:  # a scaler skips optimizer.step() on inf: its rounds are not a step's
+        _watch_rounds(ddp_model, optimizer, params, allreduces_per_step)
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
@@ -1191,6 +1209,68 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
 
     handle = ddp_model.register_forward_hook(after_forward)
     return plan
+
+
+# Per process group, the DDP models with a plan that ran a synchronising forward on it,
+# in the order they began, with their plans' paths. Two models trained by turns on one
+# group interleave their bucket allreduces on one wire (gloo numbers them by one counter,
+# NCCL runs them on the same rings), which no plan can tell apart: each replay would step
+# every round of both, committing wrong checkpoints. One model trained after another
+# (a second phase) is let be: the first's replay needs its plan's iterations to end it.
+_SYNCING: dict[int, list[tuple[weakref.ref, Path]]] = {}
+
+
+def _refuse_shared_group(ddp, path: Path):
+    """A forward pre-hook: refuse a model's synchronising forward on a group where another
+    model with a plan has trained since this one began."""
+    def before_forward(module, inputs):
+        if not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)):
+            return
+        group = getattr(module, "process_group", None)
+        models = _SYNCING.setdefault(id(group), [])
+        models[:] = [(r, p) for r, p in models if r() is not None and getattr(r(), "process_group", None) is group]
+        if models and models[-1][0]() is module:
+            return
+        if any(r() is module for r, _ in models):
+            raise TrainerError(f"another DDP model (its plan: {models[-1][1]}) trains on the same process group "
+                               "by turns with this one: their bucket allreduces interleave on the wire and no plan "
+                               "can tell them apart; give each model a process group of its own (dist.new_group)")
+        models.append((weakref.ref(module), path))
+    ddp.register_forward_pre_hook(before_forward)
+
+
+def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_step: int):
+    """Count the synchronising backward passes (DDP allreduces its buckets in each) between
+    optimizer steps, and refuse a step after any other number than the plan's
+    `allreduces_per_step`: an accumulation loop without no_sync() that did not say so (or
+    said another K) puts K rounds on the wire per step, and the shadow would step each,
+    committing wrong checkpoints that look good. DDP decides at the forward whether its
+    backward synchronises (grad enabled and not under no_sync()); a forward with no
+    backward after it (an evaluation under grad) is not counted. Every rank counts the
+    same (DDP's rounds are collective), so every rank refuses at the same step."""
+    seen = {"pending": False, "rounds": 0}
+
+    def before_forward(module, inputs):
+        seen["pending"] = torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)
+
+    def after_accumulate(param):  # the first parameter of each backward claims the round
+        if seen["pending"]:
+            seen["pending"] = False
+            seen["rounds"] += 1
+
+    def before_step(opt, args, kwargs):
+        rounds, seen["rounds"] = seen["rounds"], 0
+        if rounds and rounds != allreduces_per_step:
+            raise TrainerError(f"this optimizer step follows {rounds} synchronising backward passes (DDP "
+                               f"allreduces) and the plan says {allreduces_per_step} a step: pass write_plan "
+                               f"allreduces_per_step={rounds}, or accumulate under model.no_sync() for all but "
+                               "the last micro-batch; ckptd would step every round")
+
+    ddp.register_forward_pre_hook(before_forward)
+    for p in params:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(after_accumulate)
+    optimizer.register_step_pre_hook(before_step)
 
 
 def _static_used_map(ddp) -> tuple[int, ...] | None:

@@ -180,6 +180,8 @@ def worker(rank: int, args):
             scaler.update()
         else:
             opt.step()
+        if args.allreduce_loss:  # a logging pattern: the mean loss, on DDP's own group
+            dist.all_reduce(loss.detach().float())
         m, o = ckptd.torch.initial_state(ddp, opt, scaler)  # the lr this step used
         save_checkpoint(out / f"rank{rank}" / checkpoint_name(it), it, m, o)
         if sched:
@@ -219,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the parameters' dtype (bfloat16: the allreduce carries bf16)")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
+    ap.add_argument("--allreduce-loss", action="store_true",
+                    help="allreduce each step's loss on DDP's process group (a collective the plan does not list)")
     ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
     ap.add_argument("--init-scale", type=float, default=2.0 ** 16)
     ap.add_argument("--growth-interval", type=int, default=2000)

@@ -1219,10 +1219,30 @@ def test_a_plan_of_another_nccl_version_is_named_as_the_suspect(tmp_path, capsys
     mirrors = sorted((d / "mirrors").glob("*.pcap"))
     r = ckptd_main(capsys, "replay", "--plan", _plan_of_version(d, "2.19"), "--init", d / "init.pt", *mirrors)
     assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
-    assert "warning: nothing committed: " in r.stderr and "ring.nccl_version 2.19" in r.stderr, r.stderr
+    assert "iteration(s) not recovered: " in r.stderr and "ring.nccl_version 2.19" in r.stderr, r.stderr
     # the job's own plan: no such word
     r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", *mirrors)
     assert r.returncode == 0 and "nccl_version" not in r.stderr, r.stderr
+
+
+def test_a_plan_of_another_ring_order_names_the_off_ring_links(tmp_path, capsys):
+    """A plan whose ring.rings (or ranks[].addr) is not the job's: links 0->1 and 1->2
+    are no neighbours in [0, 2, 1, 3], so their data was only counted as unrelated while
+    3->0 still bound, and the replay ended in exit 3 with no line naming the cause
+    (helper 73). Both paths now name the links."""
+    d = tmp_path / "s"
+    synth(d, iterations=2, ranks=4, channels=2, mirrors=2)
+    doc = json.loads((d / "plan.json").read_text())
+    doc["ring"]["rings"] = [[0, 2, 1, 3]] * 2
+    (d / "order.json").write_text(json.dumps(doc))
+    mirrors = sorted((d / "mirrors").glob("*.pcap"))
+    for path in ([], ["--reference-path"]):
+        r = ckptd_main(capsys, "replay", *path, "--plan", d / "order.json", "--init", d / "init.pt", *mirrors)
+        assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+        assert "off-ring data: RDMA writes between ports of the job that are neighbours in no channel of the plan's " \
+               "ring (rank 0 -> 1, rank 1 -> 2)" in r.stdout, r.stdout
+    r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", *mirrors)
+    assert r.returncode == 0 and "off-ring" not in r.stdout
 
 
 def _other_version(scenario, tmp_path) -> Path:

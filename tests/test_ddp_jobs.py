@@ -52,6 +52,10 @@ JOBS = {
     "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
                 "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
     "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
+    # plain SGD (momentum 0): torch keeps no per-parameter state at all
+    "sgdplain": ["--optimizer", "SGD", "--lr", "0.05"],
+    # the trainer's own allreduce of the loss on DDP's group, every step
+    "lossreduce": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--allreduce-loss"],
     # no scheduler: the loop writes each group's lr by hand, the plan holds the values
     "handlr": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--no-decay-group",
                "--lr-by-hand", "0.8"],
@@ -162,12 +166,17 @@ def test_rmsprop_two_groups_onecycle(jobs):
     assert plan.optimizer.lr_scheduler["class"] == "OneCycleLR"
 
 
-@pytest.mark.parametrize("name", ["adagrad", "nadam"])
+@pytest.mark.parametrize("name", ["adagrad", "nadam", "sgdplain"])
 def test_more_torch_optimizers_on_real_jobs(jobs, name):
+    """sgdplain: the shadow's state held an empty entry per parameter where torch's holds
+    none, so every iteration of a plain SGD job was reported NOT bit-exact (helper 72)."""
     run, pcap = jobs(name)
     plan, pipe = _replay_exact(run, pcap)
-    assert plan.optimizer.kind == name
+    assert plan.optimizer.kind == name.removesuffix("plain")
     state = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))["optimizer"]["state"]
+    if name == "sgdplain":
+        assert state == {}
+        return
     assert {"adagrad": {"step", "sum"}, "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"}}[name] \
         == set(next(iter(state.values())))
 
@@ -248,6 +257,25 @@ def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"{ITERATIONS} iterations, {ITERATIONS} committed, 0 not recovered" in r.stdout
     assert r.stdout.count("bit-exact") == ITERATIONS and "NOT bit-exact" not in r.stdout
+
+
+def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
+    """The loss allreduced each step on DDP's group (a common logging pattern) takes a
+    bucket's place in gloo's count: every other iteration was unrecoverable, with "4 bytes,
+    the schedule says N" among the rejects, and the error blamed the init (helper 72).
+    Never a wrong commit; now the error (or without the plan's iterations, a warning)
+    names the job's own collectives."""
+    run, pcap = jobs("lossreduce")
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(run / "plan.json"),
+                        "--init", str(run / "init.pt"), "--out", str(tmp_path / "ckpts"),
+                        "--reference", str(run / "rank0"), str(pcap)],
+                       capture_output=True, text=True, timeout=300)
+    # the loss rounds count as more iterations than the plan's 10: the error names them first
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "NOT bit-exact" not in r.stdout and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "past the 10 of the plan" in r.stderr
+    assert "the job runs collectives of its own on DDP's process group" in r.stderr, r.stderr
+    assert not list((tmp_path / "ckpts").glob("*.pt"))  # its one commit set aside as suspect
 
 
 def _copies(pcap: Path, out: Path, loss: float, seeds=(1, 2)) -> tuple[list[str], str, int]:

@@ -211,3 +211,22 @@ def test_plan_learns_nic_addresses_through_the_store_not_the_communicator(tmp_pa
         seq = r["seq"]
         assert seq[:5] == [seq[0]] * 5, seq  # no collective from any exchange
         assert seq[5] == seq[4] + 2, seq  # the measure sees all_gather_object's two
+
+
+
+def test_a_sparse_embedding_is_refused_in_one_line(group):
+    """nn.Embedding(sparse=True): write_plan ended in torch's raw "Expected a proper Tensor
+    but got None" from the reducer's buckets (helper 72)."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 2)))
+    _refused(model, torch.optim.SGD(model.parameters(), lr=0.1), r"parameter 0\.weight has sparse gradients")
+
+
+def test_an_ignored_parameter_in_the_optimizer_is_named_as_ignored(group):
+    """DDP's parameters_to_ignore with an optimizer over every parameter said "holds a
+    tensor that is not a parameter of the DDP model": it is one, which DDP ignores."""
+    net = _net()
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["2.bias"])
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    _refused(model, torch.optim.SGD(model.parameters(), lr=0.1), r"holds parameter 2\.bias, which DDP ignores")

@@ -424,3 +424,62 @@ def test_unequal_write_plan_call_counts_fail_with_a_clear_error(tmp_path):
                                "write_plan, equally often): "), alone
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
     assert "rank0_again" not in got[1] and "rank0_alone" not in got[1]
+
+
+def _step(model, opt, micro: int, sync_all: bool):
+    for j in range(micro):
+        if sync_all or j == micro - 1:
+            model(torch.randn(3, 4)).sum().backward()
+        else:
+            with model.no_sync():
+                model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_an_accumulation_the_plan_does_not_declare_is_refused_at_its_step(world_of_two, tmp_path):
+    """A loop that accumulates 3 micro-batches without no_sync() allreduces 3 times a step:
+    with the default allreduces_per_step=1 every replay stepped each round, 15 iterations
+    committed for 5 steps, all wrong (helper 72). Now the first such step is refused on
+    the trainer; no_sync() accumulation, a declared K and an evaluation forward under grad
+    (no backward) pass."""
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", addresses=world_of_two)
+    _step(model, opt, 3, sync_all=False)  # no_sync for all but the last: one round
+    model(torch.randn(3, 4))  # evaluation with grad on, no backward: not a round
+    _step(model, opt, 1, sync_all=True)
+    with pytest.raises(ct.TrainerError, match="follows 3 synchronising backward passes .* allreduces_per_step=3"):
+        _step(model, opt, 3, sync_all=True)
+    declared = _ddp()
+    opt = torch.optim.SGD(declared.parameters(), lr=0.1)
+    ct.write_plan(declared, opt, tmp_path / "b" / "plan.json", allreduces_per_step=3, addresses=world_of_two)
+    _step(declared, opt, 3, sync_all=True)
+    with pytest.raises(ct.TrainerError, match="follows 1 synchronising"):
+        _step(declared, opt, 1, sync_all=True)
+
+
+def test_two_models_trained_on_one_process_group_are_refused(world_of_two, tmp_path):
+    """Two DDP models on the default group, each with its plan, trained by turns: their
+    bucket allreduces interleave on one wire, and the replay of either plan committed 8
+    iterations for a 4-step job, all but the first wrong, exit 0 (helper 72). Now the first
+    forward that goes back to a model after the other trained is refused. One model
+    trained after another, and a model on a group of its own, are let be."""
+    a, b = _ddp(), _ddp()
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    ct.write_plan(a, opt_a, tmp_path / "a" / "plan.json", addresses=world_of_two)
+    ct.write_plan(a, opt_a, tmp_path / "a2" / "plan.json", addresses=world_of_two)  # the same model again
+    ct.write_plan(b, opt_b, tmp_path / "b" / "plan.json", addresses=world_of_two)
+    _step(a, opt_a, 1, sync_all=True)
+    with torch.no_grad():
+        b(torch.randn(3, 4))  # an evaluation: no allreduce
+    _step(b, opt_b, 1, sync_all=True)  # b after a: one phase after another, let be
+    with pytest.raises(ct.TrainerError, match=r"another DDP model \(its plan: .*b.plan.json\) trains on the "
+                                              "same process group by turns with this one"):
+        _step(a, opt_a, 1, sync_all=True)  # a again: by turns
+    own = dist.new_group([0], backend="gloo")
+    c = torch.nn.parallel.DistributedDataParallel(_net(), process_group=own)
+    opt_c = torch.optim.SGD(c.parameters(), lr=0.1)
+    ct.write_plan(c, opt_c, tmp_path / "c" / "plan.json", addresses=world_of_two)
+    _step(c, opt_c, 1, sync_all=True)
+    _step(b, opt_b, 1, sync_all=True)

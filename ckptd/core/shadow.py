@@ -330,9 +330,10 @@ class ShadowModel:
         """{"lr": the first group's lr of the last step, "state": {name: torch's per-parameter
         state}}, plus "grad_scaler": {scale, growth_tracker} with AMP."""
         keep = (lambda t: t.clone()) if copy else (lambda t: t)
-        # a frozen parameter has state only where torch made it at construction (Adagrad)
+        # a frozen parameter has state only where torch made it at construction (Adagrad);
+        # a step that keeps none (SGD without momentum) leaves no entry in torch's state_dict
         st = {n: {k: keep(v) for k, v in self.state[n].items()} for n in self.names + list(self.frozen)
-              if n in self.state}
+              if self.state.get(n)}
         out = {"lr": self.lr, "state": st}
         if self.scaler is not None:
             out["grad_scaler"] = {k: keep(v) for k, v in self.scaler.items()}

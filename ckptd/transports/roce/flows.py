@@ -466,19 +466,19 @@ class FlowBinder:
         nic_links = {(s[0], d[0]) for s, d in self.expected}
         crossed = sorted(h for h in self.off_ring if (h[0][0], h[1][0]) in nic_links)
         if crossed:
-            names = self._link_names(crossed)
+            names = self.link_names(crossed)
             raise CollectiveRefused(
                 f"no flow matches the plan, and the job's data flows between ports of ring neighbours that "
                 f"no QP of the plan pairs ({names}): list each merged NIC's ranks[].ports in NCCL's "
                 "device order (QP q runs between port q % ndevs of both ends)")
         if self.off_ring:
-            names = self._link_names(sorted(self.off_ring))
+            names = self.link_names(sorted(self.off_ring))
             raise CollectiveRefused(
                 f"no flow matches the plan's ring allreduce, and RDMA writes flow between NICs of the job "
                 f"that are ring neighbours in no channel ({names}): that is Tree, CollNet or NVLS traffic, "
                 "not ring allreduce; run the job with NCCL_ALGO=Ring")
 
-    def _link_names(self, hops: list) -> str:
+    def link_names(self, hops: list) -> str:
         """The first four links by name, for a one-line message."""
         return ", ".join(self._link_name(h) for h in hops[:4]) + (" ..." if len(hops) > 4 else "")
 

@@ -1098,7 +1098,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "iteration (retention, retried writes), serve /status and /metrics; SIGTERM "
                         "stops, SIGHUP is ignored; exit 3 if an iteration could not be recovered, 4 if "
                         "frames dropped on this host (a ring, the interface) cost one, 5 if the newest committed checkpoint could not be "
-                        "written (see docs/DAEMON.md)",
+                        "written, 6 if every capture failed (see docs/DAEMON.md)",
                         description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     rn.add_argument("--config", type=_path, required=True, help="YAML or TOML daemon config")
     rn.add_argument("--check", action="store_true",

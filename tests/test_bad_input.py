@@ -926,6 +926,17 @@ def _one_line_error(r: subprocess.CompletedProcess, culprit: str | None = None, 
         assert culprit in lines[0], lines[0]
 
 
+def test_a_missing_plan_or_init_is_named_by_its_key(scenario, tmp_path, capsys):
+    """`init: nope.pt` said `nope.pt: cannot read checkpoint: No such file or directory`,
+    naming neither the config nor the key (helper 71)."""
+    for key in ("plan", "init"):
+        p = scenario / f"cfg-missing-{key}.yaml"
+        p.write_text((_config(scenario, key, IF).read_text()).replace(f"{key}: ", f"{key}: nope-", 1))
+        r = ckptd_main(capsys, "run", "--config", p, "--check")
+        _one_line_error(r, str(p), f"'{key}' ")
+        assert "no such file" in r.stderr
+
+
 def test_good_values_the_checks_accept(scenario):
     """The other side of the table: sizes with units, an IPv6 status address, a shared
     fanout group, names as `ip` takes them."""

@@ -1,6 +1,7 @@
 """The command line, as a user runs it."""
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -24,6 +25,22 @@ def test_module_entry_point_help():
     assert out.returncode == 0
     for cmd in ("demo", "synth", "replay", "inspect", "verify", "plan"):
         assert cmd in out.stdout
+
+
+def test_every_python_script_answers_help():
+    """scripts/netlab, which README documents, died at its import (`from ckptd import
+    netlab`: the module had moved to ckptd.testing), and build-checked-kernel took
+    `--help` for its output directory and built into ./--help (helper 71)."""
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    checked = []
+    for f in sorted(scripts.iterdir()):
+        if f.is_file() and f.read_bytes()[:2] == b"#!" and b"python" in f.read_bytes().split(b"\n")[0]:
+            r = subprocess.run([sys.executable, str(f), "--help"], capture_output=True, text=True, timeout=120,
+                               cwd=scripts)
+            assert r.returncode == 0 and "usage" in r.stdout.lower(), (f.name, r.stdout[-500:], r.stderr[-1000:])
+            checked.append(f.name)
+    assert {"netlab", "ddp_gloo_train.py", "build-checked-kernel"} <= set(checked), checked
+    assert not (scripts / "--help").exists()
 
 
 def test_version_is_the_installed_distributions():

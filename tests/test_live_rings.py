@@ -374,6 +374,32 @@ def test_a_killed_capture_worker_is_reported_and_the_other_stream_goes_on(run, l
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
+def test_every_capture_worker_killed_ends_the_daemon_with_exit_6(run, links, tmp_path, caplog):
+    """Both workers killed a third of the way in: the daemon's loop ran out of streams and
+    stopped by itself, exit 0, the iteration in flight "abandoned" as at an operator's
+    stop, each error saying "the other streams go on" (helper 71). systemd's
+    Restart=on-failure then left a blind daemon down. Now: exit 6, and one error saying
+    capture ended without a stop."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], True, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+
+    def kill_both():
+        time.sleep(0.3)
+        for c in daemon.captures:
+            os.kill(c.pid, signal.SIGKILL)
+        deadline = time.time() + 10
+        while len(daemon.pipe.errors) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+
+    with caplog.at_level("ERROR", logger="ckptd"):
+        rc = run_until_done(daemon, run, links[0], midway=kill_both)
+    assert rc == 6
+    assert len(daemon.pipe.errors) == 2 and "no stream is left" in daemon.pipe.errors[-1], daemon.pipe.errors
+    assert daemon.capture_ended and any("capture ended without a stop" in r.getMessage() for r in caplog.records)
+    # what was committed before stays exact
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
 def test_capture_worker_config_is_checked(run, tmp_path):
     from ckptd.live.daemon import ConfigError, load_config
 

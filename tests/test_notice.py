@@ -122,6 +122,37 @@ def test_an_unreachable_webhook_is_counted_never_blocks(tmp_path):
     assert n.stats() == {"sent": 0, "failed": 1, "dropped": 0}
 
 
+def test_a_notice_still_undelivered_at_the_stop_is_counted_and_named(caplog):
+    """A webhook that never answers: the stop waited 10 s, less than one event's retries
+    (3 timeouts and the back-off), and the process then exited with the notice neither
+    delivered nor counted nor logged; the daemon's last snapshot said sent 0, failed 0,
+    dropped 0 (helper 71). Now close() waits out the event in hand's retries, and what
+    is still undelivered is counted as dropped and logged by iteration."""
+    import socket
+    hang = socket.socket()  # listens, never accepts: every POST times out
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(16)
+    try:
+        n = Notifier(NoticeConfig(webhook=f"http://127.0.0.1:{hang.getsockname()[1]}/hook", timeout_s=0.3))
+        assert 0.3 * 3 < n.retry_budget_s() < 5
+        n.on_iteration(IterationReport(4, "unrecoverable"))
+        n.on_iteration(IterationReport(5, "unrecoverable"))
+        time.sleep(0.05)  # iteration 4's event is in hand
+        with caplog.at_level("ERROR", logger="ckptd.notice"):
+            n.close(wait_s=0.5)
+        assert n.stats()["dropped"] == 2, n.stats()
+        lines = [r for r in caplog.records if r.getMessage() == "notices not delivered at the stop"]
+        assert len(lines) == 1 and lines[0].fields["iterations"] == [4, 5]
+        n = Notifier(NoticeConfig(webhook=f"http://127.0.0.1:{hang.getsockname()[1]}/hook", timeout_s=0.3))
+        n.on_iteration(IterationReport(6, "unrecoverable"))
+        t0 = time.monotonic()
+        n.close()  # the default waits for the event's every retry: failed, not dropped
+        assert time.monotonic() - t0 < n.retry_budget_s() + 1
+        assert n.stats() == {"sent": 0, "failed": 1, "dropped": 0}
+    finally:
+        hang.close()
+
+
 @pytest.mark.parametrize("notice, message", [
     ("notice: 3", "'notice' must be a mapping"),
     ("notice: {webhook: ftp://x}", "'notice.webhook' must be an http:// or https:// URL"),

@@ -116,6 +116,7 @@ class DaemonConfig:
     drop_capabilities: bool = False
     token_file: str | None = None  # HTTP bearer token (required off loopback)
     status_details: bool = False  # /status with absolute paths and parameter names
+    source: str | None = None  # the config file it was read from (load_config), for messages
     http_workers: int = 8  # worker threads answering requests
     max_connections: int = 1024  # open HTTP connections at once; more are refused (503)
     read_timeout_s: float = 10.0  # a request head must arrive whole within this
@@ -403,7 +404,7 @@ def load_config(path: str | Path) -> DaemonConfig:
     persist_url = _persist_url(k)
     if persist_url is not None and k.bool("persist_sync", False):
         k.fail("persist_url", "is written by the persistence tier: persist_sync writes to `out` only")
-    return DaemonConfig(plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
+    return DaemonConfig(source=str(path), plan=rel("plan", True), init=rel("init", True), out=rel("out", True),
                         interfaces=ifs, listen=listen, log_level=log_level,
                         resume=_existing(k, "resume", rel("resume")), dump_gradients=rel("dump_gradients"),
                         fast=fast, join=join or join_from is not None, join_from=join_from,
@@ -611,6 +612,10 @@ def made_dirs_removed_on_failure(cfg: DaemonConfig):
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
+        for key in ("plan", "init"):  # named by its key (and file), not as a bare path
+            if not os.path.exists(getattr(cfg, key)):
+                raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'{key}' {getattr(cfg, key)}: "
+                                  "no such file")
         try:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
@@ -644,6 +649,8 @@ class Daemon:
         self.diverged: dict | None = None  # since when the committed parameters hold NaN or inf
         self.loop = LoopClock()
         self.unrecovered: list[dict] = []
+        self.capture_ended = False  # every capture failed, with no stop asked for (exit 6)
+        self.unrecovered_statuses: set[str] = set()
         self.started = time.time()
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
         self._join_logged = False
@@ -775,6 +782,7 @@ class Daemon:
             fields["missing"] = [{"bucket": m.bucket, "start": m.start, "end": m.end,
                                   "params": [list(p) for p in m.params][:8]} for m in rep.missing[:50]]
             self.unrecovered.append(fields)
+            self.unrecovered_statuses.add(fields["status"])  # the list keeps the newest 100 only
             del self.unrecovered[:-100]
             log.warning("iteration not recovered", extra={"fields": fields})
         self._publish()
@@ -1229,6 +1237,7 @@ class Daemon:
             self.install_signals()
         self.server = server = http_server(self.cfg, self.routes())
         self.address = server.address
+        live = source is None
         try:
             if source is None:
                 from ckptd.live.ring import ring_source
@@ -1249,8 +1258,13 @@ class Daemon:
                     self._run_fast(self._ring_batches() if source is None else self._frame_batches(source))
                 else:
                     self.pipe.run(self._counting(source), abandon=True)
+            # the rings' loop ends on a stop, or when no capture is left (every ring or
+            # capture worker failed): then the daemon is blind while the job goes on
+            self.capture_ended = live and not self.stop.is_set()
             self._persist_newest()
         finally:
+            if self.notifier is not None:  # before the last snapshot: it counts what was not sent
+                self.notifier.close()
             self._publish("stopped")
             for c in self.captures:
                 st = c.stats()
@@ -1259,8 +1273,6 @@ class Daemon:
                 c.close()
             self._close_interfaces(warn=True)
             server.stop()
-            if self.notifier is not None:
-                self.notifier.close()
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {
@@ -1271,6 +1283,11 @@ class Daemon:
                             if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
+        if self.capture_ended:
+            last = max((r.iteration for r in self.pipe.reports), default=None)
+            log.error("capture ended without a stop: every mirror port's capture failed (the capture errors above "
+                      "say why); the job's iterations after the last reported were not captured", extra={
+                          "fields": {"last_reported": last}})
         if (lost := self._unpersisted()) is not None:
             from ckptd.core.store import redact
             log.error("the newest committed checkpoint was not written", extra={"fields": {
@@ -1292,8 +1309,12 @@ class Daemon:
         data); 4: an iteration lost data to kernel ring drops (rings too small, or the
         daemon too slow for the link: docs/DAEMON.md, sizing) or to its interface's
         (ckptd.live.nic); 5: the newest committed checkpoint could not be written. 4 and
-        5 win over 3: they name what the operator can fix."""
-        statuses = {u["status"] for u in self.unrecovered}
+        5 win over 3: they name what the operator can fix; 6: capture ended without a stop
+        (every ring or capture worker failed), which wins over all: nothing after it is
+        known."""
+        if self.capture_ended:
+            return 6
+        statuses = self.unrecovered_statuses
         if "dropped" in statuses:
             return 4
         if self._unpersisted() is not None:

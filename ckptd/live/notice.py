@@ -105,6 +105,10 @@ def diverged_event(diverged: dict) -> dict:
                     "finite checkpoint (/status checkpoints.newest_finite)"}
 
 
+def _backoff(attempt: int) -> float:
+    return min(0.2 * 4 ** attempt, 5.0)
+
+
 class Notifier:
     """The daemon's feature: `on_iteration(rep)` from the core loop, `close()` at stop."""
 
@@ -117,6 +121,7 @@ class Notifier:
         self.failed = 0  # events that could not be delivered after every retry
         self.dropped = 0  # events the queue had no room for
         self._q: queue.Queue = queue.Queue(QUEUE_DEPTH)
+        self._inflight: dict | None = None  # the event being sent
         self._store = None
         self._thread = Thread(target=self._run, name="ckptd-notice", daemon=True)
         self._thread.start()
@@ -138,10 +143,30 @@ class Notifier:
         except queue.Full:
             self.dropped += 1
 
-    def close(self, wait_s: float = 10.0) -> None:
-        """Deliver what is queued (up to wait_s), then stop the thread."""
-        self._q.put(None)
-        self._thread.join(wait_s)
+    def retry_budget_s(self) -> float:
+        """How long one event may take: every attempt at every target, timing out, with
+        the back-off between attempts."""
+        targets = bool(self.cfg.webhook) + bool(self.cfg.store)
+        backoff = sum(_backoff(a) for a in range(RETRIES - 1))
+        return targets * (RETRIES * self.cfg.timeout_s + backoff) + 1.0
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Deliver what is queued, for up to wait_s (default: the event in hand's every
+        retry, retry_budget_s), then stop the thread. Events still undelivered then are
+        counted as dropped and logged by iteration: the trainer's operator must learn
+        that a notice never went out, not find the stop silent about it."""
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:  # the thread is stuck on a dead target: the wait below ends it
+            pass
+        self._thread.join(self.retry_budget_s() if wait_s is None else wait_s)
+        if not self._thread.is_alive():
+            return
+        left = [ev for ev in [self._inflight, *list(self._q.queue)] if ev is not None]
+        self.dropped += len(left)
+        if left:
+            log.error("notices not delivered at the stop", extra={"fields": {
+                "events": len(left), "iterations": [ev.get("iteration") for ev in left][:20]}})
 
     def idle(self) -> bool:
         """Nothing queued or being sent."""
@@ -153,6 +178,7 @@ class Notifier:
     # -- the sending thread ------------------------------------------------------------
     def _run(self):
         while (ev := self._q.get()) is not None:
+            self._inflight = ev
             ok = True
             if self.cfg.webhook:
                 ok &= self._retry(lambda: self._post(ev), "webhook")
@@ -162,6 +188,7 @@ class Notifier:
                 self.sent += 1
             else:
                 self.failed += 1
+            self._inflight = None
             self._q.task_done()
 
     def _retry(self, send, what: str) -> bool:
@@ -174,7 +201,8 @@ class Notifier:
                     "to": what, "attempt": attempt + 1, "error": " ".join(str(e).split())[:200]}})
                 if what == "store":
                     self._store = None  # reconnect next time
-                time.sleep(min(0.2 * 4 ** attempt, 5.0))
+                if attempt + 1 < RETRIES:  # not after the last: close() waits for no sleep
+                    time.sleep(_backoff(attempt))
         return False
 
     def _post(self, ev: dict):

@@ -363,7 +363,8 @@ class CaptureWorkers:
                 how = (f"did not stop within {STOP_GRACE_S:g} s of the stop and was killed" if k in killed
                        else f"died (exit code {proc.exitcode})")
                 errors.append(f"capture worker for stream {k} on {cap.ifname} (pid {proc.pid}) {how}; "
-                              f"{cap.stats()['worker']['lost']} frames lost with it; the other streams go on")
+                              f"{cap.stats()['worker']['lost']} frames lost with it; "
+                              + ("the other streams go on" if live else "no stream is left"))
 
     def _batch(self, k: int, slot: int, n: int) -> Batch:
         data, meta, checked = self._views[k][slot]

@@ -109,9 +109,18 @@ def _named_parameters(ddp) -> list[tuple[str, torch.Tensor]]:
     model names them: DDP(torch.compile(m)) holds m under torch.compile's wrapper, whose
     names carry `_orig_mod.`, as do DDP's own (parameters_to_ignore, named_module_buffers);
     the plan, init.pt and every checkpoint use m's (ckptd.core.wrappers)."""
+    return _split_ignored(ddp)[0]
+
+
+def _split_ignored(ddp) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(the parameters DDP keeps, those in its parameters_to_ignore), named as the plain
+    model names them (_named_parameters)."""
     plain, prefix = unwrap(ddp.module)
     ignore = set(getattr(ddp, "parameters_to_ignore", ()))
-    return [(n, p) for n, p in plain.named_parameters() if prefix + n not in ignore]
+    kept, ignored = [], []
+    for n, p in plain.named_parameters():
+        (ignored if prefix + n in ignore else kept).append((n, p))
+    return kept, ignored
 
 
 def _names(ddp) -> tuple[list[str], list[torch.Tensor]]:
@@ -574,10 +583,8 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if addresses is None:
         addresses = exchange_addresses(_local_address(backend), ddp.process_group)
     _check_addresses(addresses, world)
-    plain, prefix = unwrap(ddp.module)
-    ignore = set(getattr(ddp, "parameters_to_ignore", ()))
     kind, groups = _optimizer(optimizer, names_of, names, dict(zip(map(id, frozen_params), frozen)),
-                              {id(p): n for n, p in plain.named_parameters() if prefix + n in ignore})
+                              {id(p): n for n, p in _split_ignored(ddp)[1]})
     if _scaler(scaler) and any(g.get("fused") for g in groups):
         raise TrainerError("a GradScaler with fused=True hands the scale to the fused step; "
                            "ckptd reproduces AMP with foreach or for-loop optimizers")

@@ -1234,6 +1234,19 @@ def test_a_plan_of_another_nccl_version_is_named_as_the_suspect(tmp_path, capsys
     # the job's own plan: no such word
     r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", *mirrors)
     assert r.returncode == 0 and "nccl_version" not in r.stderr, r.stderr
+    # nor where one stream began mid-job (its first frames misfit; most packets fit): the
+    # first version blamed the ring there (helper 73)
+    from parsers.capfile import open_capture
+    from parsers.pcap import write_pcap
+    late = tmp_path / "late"
+    synth(late, iterations=2, ranks=4, channels=2, mirrors=2)
+    mirrors = sorted((late / "mirrors").glob("*.pcap"))
+    frames = list(open_capture(mirrors[1]))
+    write_pcap(str(late / "late.pcap"), frames[len(frames) * 15 // 28:])
+    r = ckptd_main(capsys, "replay", "--plan", late / "plan.json", "--init", late / "init.pt", mirrors[0],
+                   late / "late.pcap")
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert "broke the schedule" not in r.stderr and "nccl_version" not in r.stderr, r.stderr
 
 
 def test_a_plan_of_another_ring_order_names_the_off_ring_links(tmp_path, capsys):

@@ -1266,7 +1266,25 @@ def test_a_plan_of_another_ring_order_names_the_off_ring_links(tmp_path, capsys)
         assert "off-ring data: RDMA writes between ports of the job that are neighbours in no channel of the plan's " \
                "ring (rank 0 -> 1, rank 1 -> 2)" in r.stdout, r.stdout
     r = ckptd_main(capsys, "replay", "--plan", d / "plan.json", "--init", d / "init.pt", *mirrors)
-    assert r.returncode == 0 and "off-ring" not in r.stdout
+    assert r.returncode == 0 and "off-ring" not in r.stdout and "unknown address" not in r.stdout
+
+
+def test_a_rank_address_the_job_does_not_use_is_named(tmp_path, capsys):
+    """ranks[3].addr wrong: link 3 -> 0's data was only counted as unrelated, and the
+    replay committed (mirror 1 carried it all) with exit 0, "loss 0.00%" on mirror 0 and no
+    word that a whole link of the job fitted no rank of the plan (helper 73)."""
+    d = tmp_path / "s"
+    synth(d, iterations=2, ranks=4, channels=2, mirrors=2)
+    doc = json.loads((d / "plan.json").read_text())
+    job = doc["ranks"][3]["addr"]
+    doc["ranks"][3]["addr"] = "10.77.0.9"
+    (d / "addr.json").write_text(json.dumps(doc))
+    mirrors = sorted((d / "mirrors").glob("*.pcap"))
+    for path in ([], ["--reference-path"]):
+        r = ckptd_main(capsys, "replay", *path, "--plan", d / "addr.json", "--init", d / "init.pt", *mirrors)
+        assert "Traceback" not in r.stderr, r.stderr
+        assert (f"unknown address: RDMA data between the job's ports and addresses the plan does not list: {job} "
+                "(with rank(s) 0); while rank(s) 3 of the plan were on no flow") in r.stdout, r.stdout
 
 
 def _other_version(scenario, tmp_path) -> Path:

@@ -288,6 +288,7 @@ class FlowBinder:
         self.ack_count: Counter = Counter()  # per link, while none of its data was seen
         self.acks_ignored: set[tuple[int, int]] = set()
         self.off_ring: dict[tuple, set] = {}  # data flows between job ports that form no link
+        self.strangers: dict[str, set[int]] = {}  # address not in the plan -> ranks it sent to/got from
         self.unexplained: list[tuple[tuple[int, int], _Candidate]] = []  # flows no slot explains
         self.errors: list[str] = []
         self.notes: list[str] = []
@@ -308,6 +309,9 @@ class FlowBinder:
         """The link (pair of ports) a data packet travels, if the plan expects traffic on it."""
         s, d = self.plan.port_of(pkt.src), self.plan.port_of(pkt.dst)
         if s is None or d is None:
+            if (s is None) != (d is None) and (pkt.opcode in IMM_OPCODES or pkt.dma_len is not None):
+                # RDMA data between a port of the job and an address the plan lacks
+                self.strangers.setdefault(pkt.src if s is None else pkt.dst, set()).add((s or d)[0])
             return None
         if (s, d) not in self.expected:
             if pkt.opcode in IMM_OPCODES or pkt.dma_len is not None:
@@ -581,6 +585,22 @@ class FlowBinder:
                 "these NICs were: its switch ports are not mirrored (or every copy was lost)"
                 for hop, slots in self.expected.items()
                 if hop not in seen and (hop[0][0], hop[1][0]) in nic_pairs_seen]
+
+    def strangers_in_place(self) -> list[str]:
+        """Addresses the plan does not list that exchanged RDMA data with the job's ports
+        while some rank of the plan was on no flow at all: a rank whose ranks[].addr is
+        not the job's. Its links' data was only counted as unrelated, and coverage and
+        loss, which count matched flows, did not show it."""
+        on_flows = {r for b in self.bound.values() for r in (b.link[0][0], b.link[1][0])}
+        on_wire = {r for s, d in self.expected for r in (s[0], d[0])}  # NVLink-only ranks never are
+        unseen = sorted(on_wire - on_flows)
+        if not (self.strangers and unseen):
+            return []
+        shown = ", ".join(f"{a} (with rank(s) {', '.join(map(str, sorted(rs)))})"
+                          for a, rs in sorted(self.strangers.items())[:4])
+        return [f"RDMA data between the job's ports and addresses the plan does not list: {shown}; while "
+                f"rank(s) {', '.join(map(str, unseen))} of the plan were on no flow: their ranks[].addr may not "
+                "be the job's"]
 
     def _link_name(self, hop) -> str:
         (s, _), (d, _) = hop

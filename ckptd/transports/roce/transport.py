@@ -47,7 +47,8 @@ class RoceTransport(Extractor):
                     f"the plan's ring ({self.binder.link_names(off)}): its ring.rings or ranks[].addr may "
                     "not be the job's (or the job also runs Tree/NVLS traffic)"] if off else []
         return ([f"unmatched flow: {e}" for e in self.unmatched_flows()]
-                + [f"unseen port: {e}" for e in self.binder.unseen_ports()] + off_ring)
+                + [f"unseen port: {e}" for e in self.binder.unseen_ports()] + off_ring
+                + [f"unknown address: {e}" for e in self.binder.strangers_in_place()])
 
     def unmatched_flows(self) -> list[str]:
         return list(self.binder.errors)

@@ -574,6 +574,8 @@ class Pipeline:
         elif not asm.complete:
             rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
+            if not asm.packets:  # a link down, a capture gap: say it, the ranges alone do not
+                rep.note = "no packet of it was captured on any stream;"
             if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")

@@ -327,6 +327,12 @@ def cmd_replay(a) -> int:
         misfit = _schedule_misfit(plan, a.plan, pipe)
         if misfit:
             print(f"warning: {len(bad)} iteration(s) not recovered: {misfit}", file=sys.stderr)
+    if pipe.joined is not None and not reps:
+        # every flow was first seen whole only after the captures' last iteration: a join
+        # that replays nothing is no success (exit 0 read as "every iteration recovered")
+        print(f"warning: joined at iteration {pipe.joined}, after the last iteration the captures hold: "
+              "nothing was replayed", file=sys.stderr)
+        return EXIT_UNRECOVERED
     if any(r.exact is False for r in reps):
         return 4
     damaged = {e.path for e in pipe.errors if isinstance(e, CaptureDamage)}

@@ -1269,6 +1269,22 @@ def test_a_plan_of_another_ring_order_names_the_off_ring_links(tmp_path, capsys)
     assert r.returncode == 0 and "off-ring" not in r.stdout and "unknown address" not in r.stdout
 
 
+def test_a_join_after_the_captures_last_iteration_is_no_success(tmp_path, capsys):
+    """--join where one stream began so late that every flow was first seen whole only
+    after the job's last iteration: "0 iterations, 0 committed", exit 0 (helper 73)."""
+    from parsers.capfile import open_capture
+    from parsers.pcap import write_pcap
+    d = tmp_path / "s"
+    synth(d, iterations=2, ranks=4, channels=2, mirrors=2)
+    mirrors = sorted((d / "mirrors").glob("*.pcap"))
+    frames = list(open_capture(mirrors[1]))
+    write_pcap(str(d / "late.pcap"), frames[len(frames) * 15 // 28:])
+    r = ckptd_main(capsys, "replay", "--join", "--plan", d / "plan.json", "--init", d / "init.pt", mirrors[0],
+                   d / "late.pcap")
+    assert "0 iterations, 0 committed" in r.stdout, r.stdout
+    assert r.returncode == 3 and "after the last iteration the captures hold: nothing was replayed" in r.stderr
+
+
 def test_a_rank_address_the_job_does_not_use_is_named(tmp_path, capsys):
     """ranks[3].addr wrong: link 3 -> 0's data was only counted as unrelated, and the
     replay committed (mirror 1 carried it all) with exit 0, "loss 0.00%" on mirror 0 and no

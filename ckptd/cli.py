@@ -627,7 +627,8 @@ Exit status: 0 every iteration seen was committed (or was in flight at the stop)
 2 bad config, plan, init or interface; 3 an iteration could not be recovered; 4 frames
 dropped on this host cost an iteration (by a capture ring: rings too small or the host
 too slow, docs/DAEMON.md "Sizing the rings"; or by the interface before any ring: the
-NIC's own ring); 5 the newest committed checkpoint could not be written."""
+NIC's own ring); 5 the newest committed checkpoint could not be written; 6 capture ended
+without a stop (every ring or capture worker failed: the daemon was blind to the rest)."""
 
 
 def cmd_run(a) -> int:

@@ -926,6 +926,14 @@ def _one_line_error(r: subprocess.CompletedProcess, culprit: str | None = None, 
         assert culprit in lines[0], lines[0]
 
 
+def test_an_interface_that_is_not_there_is_named_with_the_config(scenario, capsys):
+    """`error: interfaces[0]: capture on hdnone0: no such interface` named the key but not
+    the config file it was in (helper 71)."""
+    cfg = _config(scenario, "no-if", IF)
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg, "--check"), f"{cfg}: interfaces[0]: capture on hdnone0",
+                    "no such interface")
+
+
 def test_a_missing_plan_or_init_is_named_by_its_key(scenario, tmp_path, capsys):
     """`init: nope.pt` said `nope.pt: cannot read checkpoint: No such file or directory`,
     naming neither the config nor the key (helper 71)."""

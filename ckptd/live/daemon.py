@@ -1157,7 +1157,8 @@ class Daemon:
                                                  # the kernel filter passes RoCEv2 and GRE only
                                                  bpf=self.plan.transport == "roce"))
             except CaptureSetupError as e:  # which config entry: the message names the interface
-                raise CaptureSetupError(e.errno, f"interfaces[{k}]: {e}") from e
+                where = f"{self.cfg.source}: " if self.cfg.source else ""
+                raise CaptureSetupError(e.errno, f"{where}interfaces[{k}]: {e}") from e
 
     def check(self) -> None:
         """`ckptd run --check`: what a start does before its first frame, then stop. The

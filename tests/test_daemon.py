@@ -454,8 +454,9 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         rc, out = check(_config(run, tmp_path / "w", interfaces_netns=ns, capture_workers="true"))
         assert rc == 0 and out.count("\n") == 1 and "path, capture workers;" in out, out
         (tmp_path / "b").mkdir()
-        rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))
-        assert rc == 2 and out.count("\n") == 1 and out.startswith("error: interfaces[1]:") and "nosuch" in out, out
+        bad = _config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch")
+        rc, out = check(bad)
+        assert rc == 2 and out.count("\n") == 1 and out.startswith(f"error: {bad}: interfaces[1]:") and "nosuch" in out, out
         assert not (tmp_path / "b" / "ck").exists()  # the `out` it made is not left behind (it was, empty)
         (tmp_path / "b" / "ck").mkdir()  # one that was there stays
         rc, out = check(_config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch"))

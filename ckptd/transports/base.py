@@ -56,6 +56,12 @@ class Transport(Protocol):
     def diagnostics(self) -> list[str]:
         """One line each for flows or connections the transport could not explain."""
 
+    def suspects(self) -> list[str]:
+        """One line each for traffic that may explain lost iterations (a plan of another
+        ring, a rank at another address); shown only where iterations were lost, since a
+        job may also carry such traffic for reasons of its own (p2p sends, storage)."""
+        return []
+
     def unmatched_flows(self) -> list[str]:
         """The flows (one line each, among the diagnostics) that no connection of the plan
         explains."""

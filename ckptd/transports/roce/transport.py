@@ -40,15 +40,17 @@ class RoceTransport(Extractor):
         return self.feed(pkt) if pkt is not None else []
 
     def diagnostics(self) -> list[str]:
+        return ([f"unmatched flow: {e}" for e in self.unmatched_flows()]
+                + [f"unseen port: {e}" for e in self.binder.unseen_ports()])
+
+    def suspects(self) -> list[str]:
         off = sorted(self.binder.off_ring)
         # data between the job's own ports on links its ring does not have: while other
         # links bind, nothing else says so (the flows are only counted as unrelated)
         off_ring = [f"off-ring data: RDMA writes between ports of the job that are neighbours in no channel of "
                     f"the plan's ring ({self.binder.link_names(off)}): its ring.rings or ranks[].addr may "
                     "not be the job's (or the job also runs Tree/NVLS traffic)"] if off else []
-        return ([f"unmatched flow: {e}" for e in self.unmatched_flows()]
-                + [f"unseen port: {e}" for e in self.binder.unseen_ports()] + off_ring
-                + [f"unknown address: {e}" for e in self.binder.strangers_in_place()])
+        return off_ring + [f"unknown address: {e}" for e in self.binder.strangers_in_place()]
 
     def unmatched_flows(self) -> list[str]:
         return list(self.binder.errors)

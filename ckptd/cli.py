@@ -247,7 +247,7 @@ def cmd_replay(a) -> int:
     print("extraction: " + ", ".join(f"{k}={v}" for k, v in c.items()))
     for e in pipe.extract.examples[:5]:
         print(f"  rejected: {e}")
-    diagnostics = pipe.extract.diagnostics() + (getattr(pipe.extract, "suspects", list)() if bad else [])
+    diagnostics = pipe.extract.diagnostics() + (pipe.extract.suspects() if bad else [])
     for e in diagnostics:
         print(f"  {e}")
     if plan.buffers.tensors and not plan.buffers.captured:

@@ -623,6 +623,10 @@ class GlooExtractor:
                            "copy came too late to be compared with the copy delivered")
         return out
 
+    def suspects(self) -> list[str]:
+        """Transport.suspects: gloo names the job's own collectives in cmd_replay instead."""
+        return []
+
     def unmatched_flows(self) -> list[str]:
         return []  # a connection is the plan's by its addresses and ports: none is bound by guesswork
 

@@ -671,7 +671,7 @@ def cmd_plan(a) -> int:
     from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
-    from ckptd.torch import ddp_layouts, plan_parameters
+    from ckptd.torch import ddp_layouts, plan_parameters, tied_parameters
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
@@ -770,7 +770,8 @@ def cmd_plan(a) -> int:
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
                 bucket_limits=limits or None,
-                frozen=Parameter.each_of((n, p) for n, p in model.named_parameters() if not p.requires_grad))
+                frozen=Parameter.each_of((n, p) for n, p in model.named_parameters() if not p.requires_grad),
+                tied=tied_parameters(model, [n for n, _ in model.named_parameters()]))
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

@@ -620,7 +620,8 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     static_graph=static,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
                     collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
-                    frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused)
+                    frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused,
+                    tied=tied_parameters(unwrap(ddp.module)[0], names + frozen))
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -638,6 +639,19 @@ def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
 def plan_parameters(names: list[str], params: list[torch.Tensor]) -> tuple[Parameter, ...]:
     """The plan's parameters, each with the memory order the shadow reads its gradient by."""
     return tuple(Parameter(n, tuple(p.shape), dtype_name(p.dtype), _memory_order(p)) for n, p in zip(names, params))
+
+
+def tied_parameters(module: torch.nn.Module, names: list[str]) -> tuple[tuple[str, str], ...]:
+    """The plan's `tied`: every other name of a parameter among `names` (named_parameters()
+    keeps a tensor's first name only; state_dict() keeps all), mapped to that first name."""
+    first: dict[int, str] = {}
+    out = []
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = n
+        elif first[id(p)] in names:
+            out.append((n, first[id(p)]))
+    return tuple(out)
 
 
 def _check_find_unused(allreduces_per_step: int):

@@ -4,7 +4,7 @@
     python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/ \
         [--optimizer sgd --momentum 0.9 --nesterov] [--no-decay-group] \
         [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0] [--amp] \
-        [--hook fp16|bf16] [--accumulate 2] [--batchnorm] [--freeze]
+        [--hook fp16|bf16] [--accumulate 2] [--batchnorm] [--freeze] [--tie]
 
 starts `--world` processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), trains a small MLP
 with DistributedDataParallel (gloo, find_unused_parameters=False, bucket_cap_mb) and a
@@ -27,7 +27,8 @@ group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
 micro-batches per step, the first K-1 under ddp.no_sync(), or with
 --allreduce-every-micro-batch none: DDP allreduces each); --batchnorm (a BatchNorm1d:
 module buffers, which the rank checkpoints hold too); --freeze (fc2 frozen, requires_grad=False,
-before DDP: no bucket holds it, the optimizer still does, every checkpoint carries it).
+before DDP: no bucket holds it, the optimizer still does, every checkpoint carries it);
+--tie (fc2's weight used a second time as fc2t.weight: one parameter under two names).
 
 A restarted job: --restore SOURCE (a checkpoint, a directory of them, or the daemon's
 URL, with --token) puts ckptd's state back with `ckptd.restore` on every rank and trains
@@ -62,7 +63,8 @@ SIZES = {  # name: (in, hidden, wide, classes)
 
 
 class MLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, wide: int, classes: int, batchnorm: bool = False):
+    def __init__(self, d_in: int, hidden: int, wide: int, classes: int, batchnorm: bool = False,
+                 tie: bool = False):
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         # BatchNorm: running statistics (float buffers) and num_batches_tracked (int64), which
@@ -72,16 +74,24 @@ class MLP(nn.Module):
         self.ln = nn.LayerNorm(hidden)
         self.fc3 = nn.Linear(hidden, wide)
         self.head = nn.Linear(wide, classes)
+        # a tied weight: fc2's weight used a second time, under a second name in the
+        # state_dict (as a language model's head and embedding)
+        self.fc2t = None
+        if tie:
+            self.fc2t = nn.Linear(hidden, hidden, bias=False)
+            self.fc2t.weight = self.fc2.weight
 
     def forward(self, x):
         x = F.gelu(self.bn(self.fc1(x)))
         x = self.ln(x + F.gelu(self.fc2(x)))
+        if self.fc2t is not None:
+            x = x + F.gelu(self.fc2t(x))
         return self.head(F.gelu(self.fc3(x)))
 
 
-def build(size: str, seed: int, batchnorm: bool = False) -> MLP:
+def build(size: str, seed: int, batchnorm: bool = False, tie: bool = False) -> MLP:
     torch.manual_seed(seed)
-    return MLP(*SIZES[size], batchnorm=batchnorm)
+    return MLP(*SIZES[size], batchnorm=batchnorm, tie=tie)
 
 
 def batch(model: MLP, rank: int, it: int, seed: int, n: int = 16):
@@ -123,7 +133,7 @@ def worker(rank: int, args):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     out = Path(args.out)
-    model = build(args.size, args.seed, args.batchnorm).to(getattr(torch, args.dtype))
+    model = build(args.size, args.seed, args.batchnorm, args.tie).to(getattr(torch, args.dtype))
     if args.freeze:  # before DDP: its reducer takes the parameters that require grad then
         model.fc2.requires_grad_(False)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
@@ -235,6 +245,8 @@ def main(argv=None):
                     help="a BatchNorm1d after fc1 (module buffers DDP broadcasts every forward)")
     ap.add_argument("--freeze", action="store_true",
                     help="fc2's weight and bias requires_grad=False (fine-tuning); still in the optimizer")
+    ap.add_argument("--tie", action="store_true",
+                    help="a tied weight: fc2's weight used again as fc2t.weight (one parameter, two names)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=0, help="TCPStore port (0: pick a free one)")
     ap.add_argument("--out", required=True)

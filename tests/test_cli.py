@@ -197,6 +197,26 @@ def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, mo
     assert "error: --model 'nosuch:build'" in capsys.readouterr().err
 
 
+def test_plan_of_a_model_with_a_tied_weight_records_its_other_name(tmp_path, monkeypatch, capsys):
+    """named_parameters() gives a tied weight once; the plan records the other name so an
+    export can write both (the trainer's strict load needs them)."""
+    (tmp_path / "tiedmodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))\n"
+        "    m.add_module('out', torch.nn.Linear(16, 8, bias=False))\n"
+        "    m.out.weight = m[1].weight\n"
+        "    return m\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "tiedmodel:build", "--ranks", "2", "--addr", "127.0.0.1", "--addr", "127.0.0.1",
+            "--transport", "gloo", "--out", "plan.json"]
+    assert main(args) == 0, capsys.readouterr().err
+    from ckptd.core.plan import load_plan
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.tied == (("out.weight", "1.weight"),)
+    assert "out.weight" not in [p.name for p in plan.parameters]
+
+
 def test_demo_small(capsys):
     rc = main(["demo", "--model", "tiny", "--iterations", "2"])
     out = capsys.readouterr().out

@@ -64,6 +64,8 @@ JOBS = {
     "rmsprop": ["--optimizer", "RMSprop", "--lr", "0.001", "--momentum", "0.5", "--no-decay-group",
                 "--scheduler", "OneCycleLR:max_lr=0.01,total_steps=12"],
     "batchnorm": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--batchnorm"],
+    # a tied weight (fc2.weight also fc2t.weight): one parameter, two state_dict names
+    "tied": ["--optimizer", "AdamW", "--lr", "0.003", "--no-decay-group", "--tie"],
     "every_micro": ["--optimizer", "AdamW", "--lr", "0.003", "--accumulate", "3",
                     "--allreduce-every-micro-batch", "--batchnorm", "--scheduler", "StepLR:step_size=4,gamma=0.5"],
 }
@@ -179,6 +181,48 @@ def test_more_torch_optimizers_on_real_jobs(jobs, name):
         return
     assert {"adagrad": {"step", "sum"}, "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"}}[name] \
         == set(next(iter(state.values())))
+
+
+def test_a_tied_weights_export_loads_strictly_into_the_trainers_model(jobs, tmp_path):
+    """A tied weight is one parameter to DDP and the plan; the export held it under its
+    first name only, so the trainer's model.load_state_dict(strict=True) failed on the
+    second ("Missing key(s): fc2t.weight"). The plan now records the other name and the
+    torch and DCP exports write both, as one tensor; reading an export back (verify) takes
+    them as the one parameter."""
+    import argparse
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from ddp_gloo_train import build, make_optimizer
+    run, pcap = jobs("tied")
+    plan, _ = _replay_exact(run, pcap)
+    assert plan.tied == (("fc2t.weight", "fc2.weight"),)
+    assert "fc2t.weight" not in [p.name for p in plan.parameters]
+    last = run / "rank0" / checkpoint_name(ITERATIONS - 1)
+    for fmt in ("torch", "dcp"):
+        out = tmp_path / f"export.{fmt}"
+        r = subprocess.run([sys.executable, "-m", "ckptd", "export", str(last), "--format", fmt,
+                            "--out", str(out), "--plan", str(run / "plan.json")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        model = build("tiny", 1, tie=True)  # another seed: every value must come from the file
+        opt = make_optimizer(model, argparse.Namespace(no_decay_group=True, lr=0.003, weight_decay=0.01,
+                                                       optimizer="AdamW", momentum=0.0, nesterov=False))
+        if fmt == "torch":
+            doc = torch.load(out, weights_only=True)
+        else:
+            doc = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            dcp.load(doc, checkpoint_id=str(out))
+        model.load_state_dict(doc["model"], strict=True)
+        assert model.fc2t.weight is model.fc2.weight
+        opt.load_state_dict(doc["optimizer"])
+        ref = load_checkpoint(last)
+        for n, t in model.state_dict().items():
+            assert torch.equal(t, ref["model"]["fc2.weight" if n == "fc2t.weight" else n]), n
+        r = subprocess.run([sys.executable, "-m", "ckptd", "verify", str(out), str(last)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_batchnorm_buffers_from_ddps_broadcast_equal_rank0s(jobs, tmp_path):

@@ -40,6 +40,10 @@ def _broken(doc, change):
     (lambda d: d["ranks"][0].update(addr="not-an-ip"), "not-an-ip"),
     (lambda d: d["optimizer"].update(kind="sgd"), "optimizer.kind"),
     (lambda d: d["parameters"][0].update(dtype="complex64"), "complex64"),
+    (lambda d: d.update(tied={d["parameters"][1]["name"]: d["parameters"][0]["name"]}),
+     "must be a new non-empty name"),
+    (lambda d: d.update(tied={"head.alias": "nope"}), "tied.head.alias is 'nope', not a parameter"),
+    (lambda d: d.update(tied=[["head.alias", "tok.weight"]]), "tied must map"),
 ])
 def test_bad_plans_name_the_field(plan_doc, change, message):
     with pytest.raises(PlanError, match=message):
@@ -131,7 +135,8 @@ def test_every_key_to_json_writes_is_read_back_equal(plan_doc):
         grad_scaler={"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100})
     nccl.update(start_iteration=0, comm_hook="fp16_compress", find_unused_parameters=True,
                 collectives={"before": [{"op": "allreduce", "count": 1, "dtype": "float32"}]},
-                frozen=[{"name": "head.frozen", "shape": [4], "dtype": "float32"}])
+                frozen=[{"name": "head.frozen", "shape": [4], "dtype": "float32"}],
+                tied={"head.tied": names[0], "head.frozen_too": "head.frozen"})
     nccl = _with_buffers(nccl)
     gloo = json.loads(json.dumps(plan_doc))
     gloo.update(transport="gloo", static_graph=True, static_used_map=[1] * (len(names) - 1) + [0])

@@ -99,7 +99,7 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
         raise CheckpointError(f"{where}: ckptd.param_names is {show(given)}, not a list of parameter names")
     names = given or names
     prefix = wrapper_prefix(model, names, where)  # saved from ddp.state_dict(): read as the plain model's
-    model = {k[len(prefix):]: t for k, t in model.items()}
+    model = _untied({k[len(prefix):]: t for k, t in model.items()}, names, meta.get("tied"))
     opt = doc.get("optimizer")
     optimizer = None
     if opt is not None:
@@ -116,6 +116,32 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
     for key in ("lr_scheduler", "scaler"):
         if doc.get(key) is not None:
             out[key] = doc[key]
+    return out
+
+
+def _untied(model: dict, names: list[str] | None, tied) -> dict:
+    """A tied weight's other names left out (the plan holds the tensor once, under its
+    first name): those `tied` (an export's ckptd.tied) lists with the very values of their
+    parameter, and, where the parameters are named, an entry that is no parameter but the
+    very tensor of one (torch.save keeps a tied weight's names as one tensor; a module
+    buffer never is a parameter's tensor)."""
+    tied = tied if isinstance(tied, dict) else {}
+    if not names and not tied:
+        return model
+    same, named = {}, set(names or ())
+    if names:
+        same = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): n for n, t in model.items()
+                if n in named and t.numel()}
+    out = {}
+    for n, t in model.items():
+        target = tied.get(n)
+        if isinstance(target, str) and isinstance(model.get(target), torch.Tensor) \
+                and model[target].shape == t.shape and model[target].dtype == t.dtype and torch.equal(model[target], t):
+            continue
+        if n not in named and t.numel() \
+                and (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) in same:
+            continue
+        out[n] = t
     return out
 
 
@@ -434,6 +460,10 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
         return out
     hyper = trainer_hyper(plan, ckpt) if plan is not None and ckpt.get("optimizer") is not None else None
     doc = torch_doc(ckpt, names, hyper)
+    tied = {a: t for a, t in plan.tied if t in doc["model"]} if plan is not None else {}
+    if tied:  # every name model.state_dict() has, for load_state_dict(strict=True): one tensor
+        doc["model"].update({a: doc["model"][t] for a, t in tied.items()})
+        doc["ckptd"]["tied"] = tied
     if fmt == "torch":
         atomic_write(out, lambda f: torch.save(doc, f), mode=EXPORT_MODE)
         return out

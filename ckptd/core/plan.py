@@ -395,6 +395,11 @@ class Plan:
     # resumed past iteration 0 knows which parameters step. None: not recorded (it must
     # then see iteration 0's map on the wire)
     static_used_map: tuple[int, ...] | None = None
+    # A tied weight's other names (`head.weight = emb.weight`): (name, the parameter's
+    # name), the parameter a plain or frozen one of this plan. DDP and the plan hold the
+    # tensor once; model.state_dict() holds it under every name, so an export writes each
+    # (docs/RECOVERY.md) and a file that has them reads as the one parameter.
+    tied: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         check_plan(self)
@@ -959,6 +964,7 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"parameters hold {total} elements in all (at most {MAX_PARAM_ELEMENTS})")
     if not plan.buckets_first:
         raise PlanError("buckets.first lists no allreduce")
+    _check_tied(plan, names)
     if plan.find_unused_parameters:
         _check_find_unused(plan)
     if plan.static_graph:
@@ -1083,6 +1089,18 @@ def _check_tensors(tensors: tuple[Parameter, ...], key: str, names: set[str]) ->
             raise PlanError(f"{key}[{i}].memory_order: only a parameter DDP reduces has one")
         total += n
     return total
+
+
+def _check_tied(plan: Plan, names: set[str]) -> None:
+    """tied: each other name new (no parameter's, no buffer's, once), each target a
+    parameter or frozen one of the plan."""
+    seen = {t.name for t in plan.buffers.tensors}
+    for alias, target in plan.tied:
+        if not isinstance(alias, str) or not alias or alias in names or alias in seen:
+            raise PlanError(f"tied: {_short(alias)} must be a new non-empty name (not a parameter's, not twice)")
+        if target not in names:
+            raise PlanError(f"tied.{alias} is {_short(target)}, not a parameter of the plan")
+        seen.add(alias)
 
 
 def _check_buffers(plan: Plan) -> None:
@@ -1426,6 +1444,7 @@ PLAN_FIELDS = {
     "find_unused_parameters": lambda p: True if p.find_unused_parameters else UNSET,
     "static_graph": lambda p: True if p.static_graph else UNSET,
     "static_used_map": lambda p: UNSET if p.static_used_map is None else list(p.static_used_map),
+    "tied": lambda p: dict(p.tied) if p.tied else UNSET,
 }
 # and the note ckptd.torch.write_plan adds (which ckptd wrote it), kept by no Plan
 PLAN_KEYS = (*PLAN_FIELDS, "written_by")
@@ -1590,7 +1609,15 @@ def _plan_from_json(raw) -> Plan:
                 bucket_limits=limits, frozen=tuple(frozen),
                 find_unused_parameters=doc.get("find_unused_parameters", False),
                 static_graph=doc.get("static_graph", False),
-                static_used_map=_tuple_if_list(doc.get("static_used_map")))
+                static_used_map=_tuple_if_list(doc.get("static_used_map")),
+                tied=_tied_from_json(doc))
+
+
+def _tied_from_json(doc) -> tuple[tuple[str, str], ...]:
+    raw = doc.get("tied", {})  # absent in older plans: no tied weights
+    if not isinstance(raw, dict):
+        raise PlanError(f"tied must map a tied weight's other name to its parameter, not {_short(raw)}")
+    return tuple(raw.items())
 
 
 def _tuple_if_list(raw):

@@ -1199,8 +1199,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
     _refuse_shared_group(ddp_model, path)
-    if scaler is None:  # a scaler skips optimizer.step() on inf: its rounds are not a step's
-        _watch_rounds(ddp_model, optimizer, params, allreduces_per_step)
+    _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler)
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
@@ -1260,7 +1259,7 @@ def _refuse_shared_group(ddp, path: Path):
     ddp.register_forward_pre_hook(before_forward)
 
 
-def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_step: int):
+def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_step: int, scaler=None):
     """Count the synchronising backward passes (DDP allreduces its buckets in each) between
     optimizer steps, and refuse a step after any other number than the plan's
     `allreduces_per_step`: an accumulation loop without no_sync() that did not say so (or
@@ -1268,7 +1267,9 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
     committing wrong checkpoints that look good. DDP decides at the forward whether its
     backward synchronises (grad enabled and not under no_sync()); a forward with no
     backward after it (an evaluation under grad) is not counted. Every rank counts the
-    same (DDP's rounds are collective), so every rank refuses at the same step."""
+    same (DDP's rounds are collective), so every rank refuses at the same step. With a
+    GradScaler the count ends at scaler.update(), which the AMP loop calls once a step
+    whether the step ran or was skipped (inf: scaler.step() calls no optimizer.step())."""
     seen = {"pending": False, "rounds": 0}
 
     def before_forward(module, inputs):
@@ -1291,7 +1292,15 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
     for p in params:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(after_accumulate)
-    optimizer.register_step_pre_hook(before_step)
+    if scaler is None:
+        optimizer.register_step_pre_hook(before_step)
+        return
+    update = scaler.update  # the instance's own: this scaler's steps only
+
+    def counted_update(*args, **kwargs):
+        before_step(optimizer, args, kwargs)
+        return update(*args, **kwargs)
+    scaler.update = counted_update
 
 
 def _static_used_map(ddp) -> tuple[int, ...] | None:

@@ -459,6 +459,29 @@ def test_an_accumulation_the_plan_does_not_declare_is_refused_at_its_step(world_
         _step(declared, opt, 1, sync_all=True)
 
 
+def test_with_a_grad_scaler_the_rounds_are_counted_at_its_update(world_of_two, tmp_path):
+    """With a GradScaler a skipped step (inf) calls no optimizer.step(), so the count was
+    not checked at all, and an undeclared accumulation under AMP committed wrong
+    checkpoints. It now ends at scaler.update(), which runs once a step, skipped or not."""
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", scaler=scaler, addresses=world_of_two)
+
+    def amp_step(micro: int, inf: bool = False):
+        for _ in range(micro):
+            loss = model(torch.randn(3, 4)).sum() * (float("inf") if inf else 1.0)
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    amp_step(1, inf=True)  # skipped: no optimizer.step(), one round, counted at the update
+    assert scaler.get_scale() == 8.0  # (it was skipped: the scale backed off)
+    amp_step(1)
+    with pytest.raises(ct.TrainerError, match="follows 2 synchronising backward passes .* allreduces_per_step=2"):
+        amp_step(2)
+
+
 def test_two_models_trained_on_one_process_group_are_refused(world_of_two, tmp_path):
     """Two DDP models on the default group, each with its plan, trained by turns: their
     bucket allreduces interleave on one wire, and the replay of either plan committed 8

@@ -1200,6 +1200,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     names_of = {id(p): n for n, p in zip(names, params)}
     _refuse_shared_group(ddp_model, path)
     _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler)
+    if max_grad_norm is not None:
+        optimizer.register_step_pre_hook(_check_clipped(params, float(max_grad_norm)))
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
@@ -1301,6 +1303,35 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
         before_step(optimizer, args, kwargs)
         return update(*args, **kwargs)
     scaler.update = counted_update
+
+
+CLIP_CHECKED_STEPS = 8  # the first steps: a loop that clips does so from its first step
+
+
+def _check_clipped(params: list[torch.Tensor], max_norm: float):
+    """An optimizer step pre-hook for the first CLIP_CHECKED_STEPS steps: the gradients'
+    total 2-norm must be at most `max_grad_norm`, as clip_grad_norm_ leaves it. A plan
+    that declares clipping the loop does not do (or does with a larger max_norm, or by
+    value) had the shadow clip what the trainer did not: wrong checkpoints that look good.
+    One pass over the gradients per checked step, the cost of a clip_grad_norm_; the
+    gradients are the reduced ones, so every rank decides alike. A norm under the bound
+    proves nothing, so a loop that clips with a smaller max_norm is not caught."""
+    steps = {"left": CLIP_CHECKED_STEPS}
+
+    def check(optimizer, args, kwargs):
+        if steps["left"] <= 0:
+            return
+        steps["left"] -= 1
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]), 2.0))
+        if norm > max_norm * (1 + 1e-3) and math.isfinite(norm):
+            raise TrainerError(f"the gradients' total norm at this step is {norm:.6g}, above write_plan's "
+                               f"max_grad_norm={max_norm:g}: the loop does not clip_grad_norm_(model.parameters(), "
+                               f"{max_norm:g}) before the step, and ckptd would clip what the trainer did not")
+    return check
 
 
 def _static_used_map(ddp) -> tuple[int, ...] | None:

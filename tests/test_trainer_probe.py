@@ -482,6 +482,25 @@ def test_with_a_grad_scaler_the_rounds_are_counted_at_its_update(world_of_two, t
         amp_step(2)
 
 
+def test_a_declared_clipping_the_loop_does_not_do_is_refused_at_the_step(world_of_two, tmp_path):
+    """write_plan(max_grad_norm=...) with a loop that does not clip (or clips with a larger
+    max_norm): the shadow clipped what the trainer did not, every checkpoint wrong and
+    reported good. The first steps now check the gradients' norm is within the bound."""
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", max_grad_norm=0.05, addresses=world_of_two)
+    for _ in range(3):  # clipped as declared: no word
+        (model(torch.randn(3, 4)) * 100).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    (model(torch.randn(3, 4)) * 100).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # another max_norm than declared
+    with pytest.raises(ct.TrainerError, match=r"total norm at this step is 1(\.0*)?\b.*above write_plan's "
+                                              r"max_grad_norm=0\.05"):
+        opt.step()
+
+
 def test_two_models_trained_on_one_process_group_are_refused(world_of_two, tmp_path):
     """Two DDP models on the default group, each with its plan, trained by turns: their
     bucket allreduces interleave on one wire, and the replay of either plan committed 8

@@ -1311,7 +1311,8 @@ def test_a_rank_address_the_job_does_not_use_is_named(tmp_path, capsys):
         r = ckptd_main(capsys, "replay", *path, "--plan", d / "addr.json", "--init", d / "init.pt", mirrors[0])
         assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
         assert (f"unknown address: RDMA data between the job's ports and addresses the plan does not list: {job} "
-                "(with rank(s) 0); while rank(s) 2, 3 of the plan were on no flow") in r.stdout, r.stdout
+                "(with rank(s) 0); while rank(s) 3 of the plan were on no flow") in r.stdout, r.stdout
+        # (rank 2, on no flow only because no mirror carries its links, was listed too)
 
 
 def _other_version(scenario, tmp_path) -> Path:

@@ -592,8 +592,11 @@ class FlowBinder:
         not the job's. Its links' data was only counted as unrelated, and coverage and
         loss, which count matched flows, did not show it."""
         on_flows = {r for b in self.bound.values() for r in (b.link[0][0], b.link[1][0])}
-        on_wire = {r for s, d in self.expected for r in (s[0], d[0])}  # NVLink-only ranks never are
-        unseen = sorted(on_wire - on_flows)
+        # a rank on no flow whose link to a rank that talked with the address is a network
+        # hop of the plan: the ranks of unmirrored links are on no flow either, and no suspect
+        partners = {r for rs in self.strangers.values() for r in rs}
+        unseen = sorted({r for s, d in self.expected for r, other in ((s[0], d[0]), (d[0], s[0]))
+                         if other in partners} - on_flows)
         if not (self.strangers and unseen):
             return []
         shown = ", ".join(f"{a} (with rank(s) {', '.join(map(str, sorted(rs)))})"

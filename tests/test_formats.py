@@ -218,6 +218,23 @@ def test_restore_from_a_directory_takes_the_newest_whole_checkpoint(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_a_trainers_file_reads_a_tied_weights_other_name_as_the_one_parameter(tmp_path):
+    """torch.save keeps a tied weight's names as one tensor: read with the parameters
+    named, the name that is no parameter goes; two parameters of the plan that share a
+    tensor, and a buffer, stay. An export's ckptd.tied drops its names only where their
+    values are the parameter's."""
+    from ckptd.core.checkpoint import load_checkpoint
+    w, mean = torch.randn(3, 2), torch.zeros(2)
+    torch.save({"model": {"a.weight": w, "b.weight": w, "head.weight": w, "bn.running_mean": mean}, "step": 1},
+               tmp_path / "shared.pt")
+    got = load_checkpoint(tmp_path / "shared.pt", ["a.weight", "b.weight"])
+    assert sorted(got["model"]) == ["a.weight", "b.weight", "bn.running_mean"]
+    for alias, kept in ((w.clone(), False), (w + 1, True)):
+        torch.save({"model": {"a.weight": w, "head.weight": alias}, "step": 1,
+                    "ckptd": {"tied": {"head.weight": "a.weight"}}}, tmp_path / "export.pt")
+        assert ("head.weight" in load_checkpoint(tmp_path / "export.pt")["model"]) == kept
+
+
 def test_a_tied_weight_is_restored_under_both_names_not_reported_as_a_buffer(tmp_path):
     """A plan lists a tied weight once (named_parameters() drops the second name): restore
     loaded it but warned "buffers not restored: head.weight" and listed it in

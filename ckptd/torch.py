@@ -1325,8 +1325,7 @@ def _check_clipped(params: list[torch.Tensor], max_norm: float):
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        norm = float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads]), 2.0))
+        norm = float(torch.nn.utils.get_total_norm(grads, 2.0))  # clip_grad_norm_'s own norm
         # 1%: clip_grad_norm_ scales a bf16 or fp16 gradient in its own dtype, each element
         # rounded by up to 2**-8 of itself (its norm over the bound by as much)
         if norm > max_norm * 1.01 and math.isfinite(norm):

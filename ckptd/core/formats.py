@@ -128,18 +128,17 @@ def _untied(model: dict, names: list[str] | None, tied) -> dict:
     tied = tied if isinstance(tied, dict) else {}
     if not names and not tied:
         return model
-    same, named = {}, set(names or ())
-    if names:
-        same = {(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): n for n, t in model.items()
-                if n in named and t.numel()}
+    def place(t):  # where a tensor's values lie: two names of one tensor share it
+        return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+    named = set(names or ())
+    params_at = {place(t) for n, t in model.items() if n in named and t.numel()}
     out = {}
     for n, t in model.items():
         target = tied.get(n)
         if isinstance(target, str) and isinstance(model.get(target), torch.Tensor) \
                 and model[target].shape == t.shape and model[target].dtype == t.dtype and torch.equal(model[target], t):
             continue
-        if n not in named and t.numel() \
-                and (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) in same:
+        if n not in named and t.numel() and place(t) in params_at:
             continue
         out[n] = t
     return out

@@ -376,6 +376,9 @@ class Pipeline:
             self._close_applier()
             return self.reports
         last = self.highest
+        unplaced = getattr(self.extract, "unplaced_from", lambda: None)()
+        if unplaced is not None:  # the iteration it could not go on from is reported, with why
+            last = max(last, unplaced)
         if self.plan.iterations is not None:  # the job's total: missing ones are reported
             last = max(last, self.plan.iterations - 1 - self.offset)
         self._finalize_through(last)
@@ -576,6 +579,9 @@ class Pipeline:
             rep.status = "unrecoverable"
             if not asm.packets:  # a link down, a capture gap: say it, the ranges alone do not
                 rep.note = "no packet of it was captured on any stream;"
+            why = getattr(self.extract, "why_unplaced", lambda w: None)(wire)
+            if why:  # gloo: a gap that hid whole collectives ended the count of allreduces
+                rep.note = why
             if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")

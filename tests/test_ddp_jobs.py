@@ -408,3 +408,40 @@ def test_bf16_parameters(jobs):
     assert {p.dtype for p in plan.parameters} == {"bfloat16"} and plan.comm_hook == "allreduce"
     last = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))
     assert all(t.dtype == torch.bfloat16 for t in last["model"].values())
+
+
+def test_a_capture_gap_that_hides_whole_iterations_commits_nothing_after_it(jobs, tmp_path):
+    """A run of frames lost on the one stream, as in a capture pause, long enough to hide
+    every message of some allreduces. This job's rounds are one bucket each, alike in
+    size, so an allreduce counted one place off fits the schedule: the old code
+    numbered the first allreduce after the gap as the first one lost, and committed
+    later iterations' gradients as earlier ones' (wrong checkpoints, reported good;
+    with --resume from the trainer's files, marked committed). Now the count stops at
+    the gap: every commit is bit-exact, and the iterations from there on are
+    unrecoverable with the reason."""
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    run, pcap = jobs("tied")
+    frames = list(open_capture(pcap))
+    plan = load_plan(run / "plan.json")
+    n, stopped = len(frames), 0
+    for lo in range(n // 4, 3 * n // 4, n // 16):
+        cut = tmp_path / f"gap{lo}.pcap"
+        with open(cut, "wb") as f, PcapWriter(f) as w:
+            for fr in frames:
+                if not lo <= fr.index < lo + n // 6:
+                    w.write(fr.data, fr.ts_ns, fr.origlen)
+        pipe = replay(plan, [str(cut)], load_checkpoint(run / "init.pt"),
+                      ReplayOptions(reference=str(run / "rank0"), resume=str(run / "rank0")))
+        reps = list(pipe.reports)
+        assert [r.iteration for r in reps] == list(range(ITERATIONS)), lo
+        wrong = [r.iteration for r in reps if r.status == "committed" and not r.exact]
+        assert not wrong, (lo, wrong)
+        first = pipe.extract.unplaced_from()
+        if first is not None:
+            stopped += 1
+            assert all(r.status == "unrecoverable" and "capture gap hid whole collectives" in r.note
+                       for r in reps[first:]), (lo, [(r.iteration, r.status, r.note) for r in reps])
+    assert stopped > 0  # some gap did hide whole allreduces

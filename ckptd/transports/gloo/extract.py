@@ -34,6 +34,19 @@ or at flush; with find_unused_parameters DDP never rebuilds: not waited for). Wi
 mismatch (`rebuilt_mismatch`) no data of iteration >= 1 is placed
 (`rebuilt_mismatch_dropped`), so nothing after iteration 0 is committed.
 
+A capture gap that hides whole collectives. Every collective shows its tag on some
+captured connection, so a tag value never seen between two seen ones was a collective
+whose messages were all lost. An allreduce has messages on every ring direction: one
+that framed past the tag with no framing loss there (a witness) shows it was not one
+(a broadcast, say). So does their count, where only DDP's broadcasts lie between two
+rounds and exactly as many tags as those are missing there (`_others_before`: the
+count seen at earlier round boundaries, or the rebuilt layout's two broadcasts of a
+job without buffers). Otherwise an unseen tag may have been an allreduce, and every later
+allreduce's number (so its iteration and bucket) is no longer known. Numbering stops
+there (`count_lost`): nothing after it is placed, and the iterations from that round
+on are reported unrecoverable with the reason (`why_unplaced`), never stepped one
+iteration off.
+
 find_unused_parameters. Every round of bucket allreduces ends with one more allreduce,
 DDP's used-parameter map (int32, one element per parameter): Plan.layout_buckets lists it
 as the round's last bucket, so it is numbered, checked against gloo's ring and placed
@@ -194,6 +207,18 @@ class GlooExtractor:
         elif plan.find_unused_parameters:
             self.rebuilt = "never"  # DDP does not rebuild (nor broadcast) its buckets then
         self.number_tag: dict[int, int] = {}  # allreduce number -> its tag
+        # tags of every collective seen (any slot, data or notification), pruned below
+        # the last numbered allreduce tag; and per framing loss the tags it may have held
+        self.seen_tags: set[int] = set()
+        self.loss_tags: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # by direction
+        self.dir_last: dict[tuple, int] = {}  # direction -> tag of the last message framed on it
+        self.dir_first: dict[tuple, int] = {}  # ring direction -> its first allreduce tag
+        # where numbering stopped: (first allreduce number not known, the unseen tags,
+        # the last tag numbered)
+        self.count_lost: tuple[int, list[int], int] | None = None
+        # collectives between two rounds of allreduces, by boundary kind (_boundary), as
+        # seen whole; None once two boundaries of a kind differed (a job's own collectives)
+        self.between: dict[str, int | None] = {}
         # module buffers: the payload size of each of DDP's broadcasts, and the complete
         # payloads of that size seen, by tag (dropped once taken)
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
@@ -301,10 +326,20 @@ class GlooExtractor:
             self.bounded[key] = k
             top = max(self.tags[-1] if self.tags else -1, m.header.tag + self.map_lag)
             self.uncertain_upto[key] = max(self.uncertain_upto.get(key, -1), top)
+            # the lost messages followed the last one framed here, give or take the
+            # collectives that overlap it (MAP_LAG)
+            self.loss_tags[key].append((self.dir_last.get(key, 0) - self.map_lag, top))
 
     def _message(self, key, rk, m: GlooMessage, out):
         h = m.header
         self._bound_losses(key, m)
+        self.dir_last[key] = h.tag
+        self.seen_tags.add(h.tag)
+        if self.count_lost is not None and h.tag > self.count_lost[2]:
+            self.counters["after_count_lost"] += h.is_allreduce and h.is_data
+            return  # nothing after the numbering stopped can be placed: not kept either
+        if h.is_allreduce:
+            self.dir_first.setdefault(key, h.tag)
         if h.tag > self.dir_top.get(key, -1):
             self.dir_top[key] = h.tag
             for k in [k for k in self.tail if k[0] == key and self._past(key, k[1])]:
@@ -454,9 +489,11 @@ class GlooExtractor:
         """Number the allreduce tags that can no longer be preceded by an unseen one
         (final: the capture ended; quiet: it has been idle, more may come)."""
         top = self.tags[-1] if self.tags else -1
-        while self.map_pos < len(self.tags):
+        while self.map_pos < len(self.tags) and self.count_lost is None:
             t = self.tags[self.map_pos]
             if not (final or quiet) and t + self.map_lag > top:
+                break
+            if self._unseen_lost(t, final):
                 break
             if self.next_number == self._round_start(self.plan.rebuild_round) and self.rebuilt == "pending":
                 if not final and t + REBUILD_WAIT > top:
@@ -471,6 +508,98 @@ class GlooExtractor:
             self.number_tag[n] = t
             self.next_number += 1
             self._place_numbered(t, n, self.data.pop(t, []), out)
+
+    def _unseen_lost(self, t: int, final: bool) -> bool:
+        """Whether t must wait to be numbered: a tag between the last numbered allreduce
+        tag and t was never seen where a framing loss may have held it, and no ring
+        direction witnesses that it was no allreduce (_witness). Waiting while one
+        still may; else numbering stops for good (count_lost) and the data held for
+        later tags is dropped."""
+        prev = self.tags[self.map_pos - 1] if self.map_pos else -1
+        if self.map_pos and not self.map_pos % 1024:  # a long job keeps what is still needed
+            self.seen_tags = {u for u in self.seen_tags if u > prev}
+            for k, spans in self.loss_tags.items():
+                self.loss_tags[k] = [(lo, hi) for lo, hi in spans if hi > prev]
+        unseen = [u for u in range(prev + 1, t) if u not in self.seen_tags
+                  and any(lo <= u <= hi for spans in self.loss_tags.values() for lo, hi in spans)]
+        kind = self._boundary(self.next_number)
+        if not unseen:
+            if kind:  # a boundary seen whole: how many collectives lie between rounds
+                seen = t - prev - 1
+                self.between[kind] = seen if self.between.get(kind, seen) == seen else None
+            return False
+        if kind and t - prev - 1 == self._others_before(kind):
+            self.counters["unseen_tags_not_allreduce"] += len(unseen)  # DDP's own, by count
+            return False
+        verdicts = [self._witness(u, final) for u in unseen]
+        if all(v == "no" for v in verdicts):
+            self.counters["unseen_tags_not_allreduce"] += len(unseen)
+            return False
+        if "wait" in verdicts:
+            return True
+        self.count_lost = (self.next_number, [u for u, v in zip(unseen, verdicts) if v != "no"], prev)
+        self.counters["after_count_lost"] += sum(len(self.data.pop(u, [])) for u in self.tags[self.map_pos:])
+        self.counters["after_count_lost"] += sum(len(v) for k, v in self.tail.items() if k[1] >= t)
+        for k in [k for k in self.tail if k[1] >= t]:
+            del self.tail[k]
+        return True
+
+    def _boundary(self, n: int) -> str | None:
+        """The kind of round boundary right before allreduce number n: "rebuild" (DDP's
+        rebuilt layout is broadcast there), "plain", or None (within a round, or n is 0)."""
+        rr = self.plan.rebuild_round
+        start = self._round_start(rr)
+        if n == 0 or (n not in [self._round_start(w) for w in range(1, rr)] and
+                      (n < start or (n - start) % self.nb[1])):
+            return None
+        rebuilds = self.nparams and self.nranks > 1 and not self.plan.find_unused_parameters
+        return "rebuild" if rebuilds and n == start else "plain"
+
+    def _others_before(self, kind: str) -> int | None:
+        """How many collectives DDP runs between two rounds at a boundary of this kind,
+        where known: as seen at earlier boundaries; for the rebuild of a model without
+        buffers, the layout's two broadcasts (Reducer::rebuild_buckets)."""
+        if kind in self.between:
+            return self.between[kind]
+        return 2 if kind == "rebuild" and not self.plan.buffers.tensors else None
+
+    def _witness(self, u: int, final: bool) -> str:
+        """Whether unseen tag u was an allreduce: "no" where a ring direction framed from
+        before u to past it (MAP_LAG past: collectives overlap) with no framing loss that
+        may have held u; "wait" where one still may (not at the end, and not REBUILD_WAIT
+        tags on); else "lost"."""
+        top = self.tags[-1] if self.tags else -1
+        lag = 0 if final else self.map_lag
+        could = False
+        for key, first in self.dir_first.items():
+            if first >= u or any(lo <= u <= hi for lo, hi in self.loss_tags.get(key, ())):
+                continue
+            if self.dir_top.get(key, -1) > u + lag:
+                return "no"
+            could = True
+        return "wait" if could and not final and top <= u + REBUILD_WAIT else "lost"
+
+    def why_unplaced(self, iteration: int) -> str | None:
+        """Why nothing (more) of training iteration `iteration` was placed, where the
+        numbering stopped at or before it; else None."""
+        first = self.unplaced_from()
+        if first is None or iteration < first:
+            return None
+        unseen = self.count_lost[1]
+        tags = f"{unseen[0]}" if len(unseen) == 1 else f"{unseen[0]}..{unseen[-1]}"
+        return (f"a capture gap hid whole collectives (gloo tag(s) {tags}, never seen where bytes were lost): "
+                "whether they were allreduces is not known, so no later allreduce can be told its "
+                "iteration and bucket;")
+
+    def unplaced_from(self) -> int | None:
+        """The first training iteration the numbering did not reach the end of, where
+        it stopped (count_lost); else None."""
+        if self.count_lost is None:
+            return None
+        n = self.count_lost[0]
+        rr, start = self.plan.rebuild_round, self._round_start(self.plan.rebuild_round)
+        w = (0 if n < self.nb[0] else 1) if n < start else rr + (n - start) // self.nb[1]
+        return w // self.per_step
 
     def _position(self, n: int, count: int) -> tuple[int | None, int, int] | None:
         """(training iteration or None, wire layout, bucket) of allreduce number n: wire
@@ -613,6 +742,12 @@ class GlooExtractor:
 
     def diagnostics(self) -> list[str]:
         out = []
+        if self.count_lost is not None:
+            n, unseen, prev = self.count_lost
+            out.append(f"allreduces numbered up to tag {prev}, then tag(s) {unseen[0]}"
+                       + (f"..{unseen[-1]}" if len(unseen) > 1 else "") + " were never seen where bytes were "
+                       f"lost: {self.counters['after_count_lost']} later allreduce message(s) not placed (gloo "
+                       "numbers each allreduce by its place in the group's count, which the gap hid)")
         if self.rebuilt == "mismatch":
             out.append("rebuilt buckets: the order DDP broadcast differs from the plan's")
         for (sa, sp, da, dp), holes in self.holes().items():

@@ -121,11 +121,13 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
 
 def _untied(model: dict, names: list[str] | None, tied) -> dict:
     """A tied weight's other names left out (the plan holds the tensor once, under its
-    first name): those `tied` (an export's ckptd.tied) lists with the very values of their
-    parameter, and, where the parameters are named, an entry that is no parameter but the
-    very tensor of one (torch.save keeps a tied weight's names as one tensor; a module
-    buffer never is a parameter's tensor)."""
-    tied = tied if isinstance(tied, dict) else {}
+    first name): those `tied` (an export's ckptd.tied, or the plan's: Plan.state_names
+    carries it) lists with the very values of their parameter, and, where the parameters
+    are named, an entry that is no parameter but the very tensor of one (torch.save keeps
+    a tied weight's names as one tensor; a module buffer never is a parameter's tensor).
+    A trainer's own DCP save, or a copy of its state_dict, holds the other name as a
+    tensor of its own: only the plan's `tied` tells it."""
+    tied = {**getattr(names, "tied", {}), **(tied if isinstance(tied, dict) else {})}
     if not names and not tied:
         return model
     def place(t):  # where a tensor's values lie: two names of one tensor share it

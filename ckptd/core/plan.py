@@ -340,6 +340,16 @@ class Mirror:
                 or (self.direction in ("rx", "both") and (dst, dst_port) == (self.rank, self.port)))
 
 
+class StateNames(list):
+    """Plan.state_names: the parameter names, with the plan's `tied` ({other name:
+    parameter}) along, so that every reader of a trainer's file given the names
+    (ckptd.core.formats.from_torch_doc) also knows a tied weight's other names."""
+
+    def __init__(self, names, tied: dict[str, str] | None = None):
+        super().__init__(names)
+        self.tied = tied or {}
+
+
 @dataclass(frozen=True)
 class Plan:
     parameters: tuple[Parameter, ...]
@@ -420,15 +430,16 @@ class Plan:
         return {p.name: p for p in self.parameters}
 
     @cached_property
-    def state_names(self) -> list[str]:
+    def state_names(self) -> "StateNames":
         """The model's parameter names in the trainer's optimizer order, the indices of its
         optimizer.state_dict() (its groups' parameters in turn, frozen ones where a group
         holds them; without groups the plan's order), then the frozen parameters no group
         holds: how a trainer's file that does not name its parameters is read, and how an
-        exported one is written."""
+        exported one is written. Its `tied` names a tied weight's other names, which a
+        trainer's model.state_dict() holds too."""
         groups = self.optimizer.groups if self.optimizer is not None else ()
         order = [n for g in groups for n in g["params"]] or [p.name for p in self.parameters]
-        return order + [p.name for p in self.frozen if p.name not in set(order)]
+        return StateNames(order + [p.name for p in self.frozen if p.name not in set(order)], dict(self.tied))
 
     def layout(self, iteration: int) -> tuple[BucketLayout, ...]:
         """The layout of the allreduce a training iteration steps with: its last

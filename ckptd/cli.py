@@ -671,7 +671,8 @@ def cmd_plan(a) -> int:
     from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig
     from ckptd.core.wrappers import unwrap
-    from ckptd.torch import ddp_layouts, plan_parameters, tied_parameters
+    from ckptd.torch import (TrainerError, ddp_layouts, model_buffers, model_collectives, plan_parameters,
+                             tied_parameters)
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
@@ -765,13 +766,21 @@ def cmd_plan(a) -> int:
         ring = RingConfig(a.ranks, tuple(tuple(range(a.ranks)) for _ in range(1 if gloo else a.channels)),
                           a.protocol, (major, minor), mtu=a.mtu)
         nodes, nics = (), ()
+    # DDP's start-up collectives and per-forward buffer broadcasts share the ring with the
+    # buckets (its QP rotation, PSNs and LL steps): without them a capture of the job's
+    # start placed nothing (docs/PLAN.md collectives)
+    try:
+        collectives = {} if gloo else model_collectives(model, ring, addrs)
+    except TrainerError as e:
+        raise UsageError(str(e)) from None
     plan = Plan(plan_parameters([n for n, _ in named], [p for _, p in named]),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
                 nodes=nodes, channel_nics=nics, start_iteration=a.start_iteration,
                 bucket_limits=limits or None,
                 frozen=Parameter.each_of((n, p) for n, p in model.named_parameters() if not p.requires_grad),
-                tied=tied_parameters(model, [n for n, _ in model.named_parameters()]))
+                tied=tied_parameters(model, [n for n, _ in model.named_parameters()]),
+                buffers=model_buffers(model), collectives=collectives)  # (buffers: DDP broadcasts rank 0's)
     if not gloo:
         plan = dataclasses.replace(plan, mirrors=tuple(Mirror(f"mirror{r}", r, "both")
                                                        for r in default_mirror_ports(plan)))

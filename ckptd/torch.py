@@ -135,7 +135,7 @@ def _frozen(ddp, params: list[torch.Tensor]) -> tuple[list[str], list[torch.Tens
     """The model's parameters other than `params` (_names': the reducer's), less DDP's
     parameters_to_ignore, in module order: requires_grad=False, so DDP's reducer leaves
     them out (no bucket, nothing on the wire) and nothing steps them; DDP's constructor
-    broadcasts them with the rest (_ddp_broadcasts)."""
+    broadcasts them with the rest (ddp_collectives)."""
     trained = {id(p) for p in params}
     named = [(n, p) for n, p in _named_parameters(ddp) if id(p) not in trained]
     return [n for n, _ in named], [p for _, p in named]
@@ -1014,40 +1014,47 @@ def _reducer_params(ddp) -> list:
 
 
 def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
-    """_ddp_broadcasts with the constructor's verify collectives first in "start". NCCL
-    2.23+ may run an allgather as PAT on one rank per node unless NCCL_ALGO keeps it on
-    Ring or NCCL_PAT_ENABLE=0 (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled."""
-    out = _ddp_broadcasts(ddp, ring)
-    verify = verify_collectives(_reducer_params(ddp))
+    """ddp_collectives of a built DDP: its kept parameters, the reducer's, and its module
+    buffers where it syncs them (forward_sync_buffers). The constructor syncs buffers
+    when init_sync_buffers, which DDP does not keep: taken as forward_sync_buffers (they
+    differ only where forward_sync_buffers=False was passed explicitly)."""
+    bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
+    return ddp_collectives([p.detach() for _, p in _named_parameters(ddp)], _reducer_params(ddp), bufs,
+                           ddp.broadcast_bucket_size, ring, addresses)
+
+
+def model_collectives(model: torch.nn.Module, ring: RingConfig, addresses) -> dict:
+    """ddp_collectives of DistributedDataParallel(model) as built with its defaults
+    (broadcast_buffers=True, no parameters_to_ignore): `ckptd plan --model`, which has
+    the plain model only."""
+    return ddp_collectives([p.detach() for _, p in model.named_parameters()],
+                           [p for p in model.parameters() if p.requires_grad],
+                           [b.detach() for _, b in model.named_buffers()], DDP_BROADCAST_BUCKET_BYTES, ring, addresses)
+
+
+def ddp_collectives(params, reducer_params, buffers, bucket_bytes: int, ring: RingConfig, addresses) -> dict:
+    """DDP's own collectives on an NCCL communicator, as Plan.collectives: "start", the
+    constructor's verify collectives (verify_collectives), then its _sync_module_states
+    (torch/distributed/utils.py:289-330@2.13: every named parameter, then every named
+    buffer, from rank 0); "before", with buffers, the buffer broadcast at the start of
+    every forward that follows a synced backward, and the first (_pre_forward ->
+    _sync_buffers -> _default_broadcast_coalesced, distributed.py:1781,2405-2451@2.13), so
+    once an iteration before its allreduces. NCCL 2.23+ may run an allgather as PAT on
+    one rank per node unless NCCL_ALGO keeps it on Ring or NCCL_PAT_ENABLE=0
+    (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled."""
+    verify = verify_collectives(reducer_params)
     if verify and tuple(ring.nccl_version) >= (2, 23) and os.environ.get("NCCL_PAT_ENABLE", "2") != "0" \
             and len(set(addresses)) == len(addresses) > 1:
         from ckptd.core.algorithms import ALGORITHMS, enabled
         if "PAT" in enabled(os.environ.get("NCCL_ALGO"), ALGORITHMS, "AllGather"):
             raise TrainerError("NCCL 2.23+ with one rank per node may run DDP's start-up allgather as PAT, "
                                "which ckptd does not model: set NCCL_ALGO=Ring or NCCL_PAT_ENABLE=0")
-    if verify:
-        out["start"] = verify + out.get("start", ())
-    return out
-
-
-def _ddp_broadcasts(ddp, ring: RingConfig) -> dict:
-    """DDP's broadcasts on an NCCL communicator, as Plan.collectives: "start", the
-    constructor's _sync_module_states (torch/distributed/utils.py:289-330@2.13: every
-    named parameter, then every named buffer, less parameters_to_ignore, from rank 0);
-    "before", with buffers and forward_sync_buffers, the buffer broadcast at the start of
-    every forward that follows a synced backward, and the first (_pre_forward ->
-    _sync_buffers -> _default_broadcast_coalesced, distributed.py:1781,2405-2451@2.13), so
-    once an iteration before its allreduces. The constructor syncs buffers when
-    init_sync_buffers, which DDP does not keep: taken as forward_sync_buffers (they differ only
-    where forward_sync_buffers=False was passed explicitly)."""
-    params = [p.detach() for _, p in _named_parameters(ddp)]
-    bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
     out = {}
-    start = coalesced_broadcasts(params + bufs, ddp.broadcast_bucket_size)
+    start = verify + coalesced_broadcasts(list(params) + list(buffers), bucket_bytes)
     if start:
         out["start"] = start
-    if bufs:
-        out["before"] = coalesced_broadcasts(bufs, ddp.broadcast_bucket_size)
+    if buffers:
+        out["before"] = coalesced_broadcasts(buffers, bucket_bytes)
     return out
 
 
@@ -1074,7 +1081,7 @@ def _module_buffers(ddp) -> list[tuple[str, torch.Tensor]]:
 
 def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     """The module buffers and DDP's broadcasts of them, decoded (captured) on gloo and on
-    NCCL (there they are also the "before" broadcasts, _ddp_broadcasts). Where they
+    NCCL (there they are also the "before" broadcasts, ddp_collectives). Where they
     cannot be (broadcast_buffers=False: rank 0's are never on the wire)
     the caller must accept that with without_buffers=True, so no checkpoint silently
     lacks what the model holds."""
@@ -1094,10 +1101,24 @@ def _buffers(ddp, backend: str, without_buffers: bool) -> ModuleBuffers:
     if not captured and not without_buffers:
         raise TrainerError(f"the model has buffers ({listed}) that ckptd cannot capture here: {why}; "
                            "pass without_buffers=True to accept checkpoints without them")
-    # torch's broadcast_coalesced buckets the buffers with this very function (by dtype,
-    # at most broadcast_bucket_size bytes each), one broadcast per bucket, in this order
-    groups, _ = dist._compute_bucket_assignment_by_size([b for _, b in named], [ddp.broadcast_bucket_size])
-    return ModuleBuffers(tensors, tuple(tuple(named[i][0] for i in g) for g in groups), captured)
+    return ModuleBuffers(tensors, _broadcast_groups(named, ddp.broadcast_bucket_size), captured)
+
+
+def model_buffers(model: torch.nn.Module) -> ModuleBuffers:
+    """_buffers of DistributedDataParallel(model) as built with its defaults
+    (broadcast_buffers=True): captured (`ckptd plan --model`)."""
+    named = [(n, b.detach()) for n, b in model.named_buffers()]
+    if not named:
+        return ModuleBuffers()
+    return ModuleBuffers(Parameter.each_of(named), _broadcast_groups(named, DDP_BROADCAST_BUCKET_BYTES), True)
+
+
+def _broadcast_groups(named, bucket_bytes: int) -> tuple[tuple[str, ...], ...]:
+    """The names in each of DDP's coalesced buffer broadcasts: torch's broadcast_coalesced
+    buckets them with this very function (by dtype, at most bucket_bytes each), one
+    broadcast per bucket, in this order."""
+    groups, _ = dist._compute_bucket_assignment_by_size([b for _, b in named], [bucket_bytes])
+    return tuple(tuple(named[i][0] for i in g) for g in groups)
 
 
 def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:

@@ -197,6 +197,43 @@ def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, mo
     assert "error: --model 'nosuch:build'" in capsys.readouterr().err
 
 
+def test_an_nccl_plan_from_a_model_lists_ddps_start_up_collectives_and_buffer_broadcasts(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """DDP's constructor runs collectives on the NCCL communicator before iteration 0 (a
+    shape check: an allgather of the parameter count and a broadcast of every
+    parameter's sizes and strides; then rank 0's parameters and buffers), and each
+    forward broadcasts the buffers: they move the ring's QP rotation, PSNs and LL steps.
+    `ckptd plan` wrote none of them, so a capture from the job's start placed nothing
+    (write_plan's plans had them)."""
+    (tmp_path / "bnmodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))\n"
+        "def sample():\n"
+        "    return torch.randn(5, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "--model", "bnmodel:build", "--sample", "bnmodel:sample", "--ranks", "2",
+            "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--nccl-version", "2.21", "--out", "plan.json"]
+    assert main(args) == 0, capsys.readouterr().err
+    from ckptd.core.plan import load_plan
+    plan = load_plan(tmp_path / "plan.json")
+    # parameters 12+3, 3+3, 6+2 float32 (dims 2,1,1,1,2,1: 16 int64 of sizes and strides);
+    # buffers running_mean, running_var (3+3 float32) and num_batches_tracked (1 int64)
+    assert plan.collectives == {
+        "start": ((1, "int64", "allgather"), (16, "int64", "broadcast", 0),
+                  (29 + 6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0)),
+        "before": ((6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0))}
+    # and the buffers themselves, decoded from those broadcasts into every checkpoint
+    # (before, the plan listed none: checkpoints without them, and no word of it)
+    assert [b.name for b in plan.buffers.tensors] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert plan.buffers.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
+    assert plan.buffers.captured
+    monkeypatch.setenv("NCCL_ALGO", "allgather:pat")  # 2.23+: a start-up allgather NCCL may run as PAT
+    assert main(args[:-4] + ["--nccl-version", "2.23", "--out", "p2.json"]) == 2
+    assert "PAT" in capsys.readouterr().err and not (tmp_path / "p2.json").exists()
+
+
 def test_plan_of_a_model_with_a_tied_weight_records_its_other_name(tmp_path, monkeypatch, capsys):
     """named_parameters() gives a tied weight once; the plan records the other name so an
     export can write both (the trainer's strict load needs them)."""

@@ -518,8 +518,9 @@ def test_write_plan_records_adaptive_routing_from_the_environment(monkeypatch):
 
 
 def test_write_plan_records_ddps_broadcasts(monkeypatch):
-    """_ddp_broadcasts: the constructor's _sync_module_states (parameters, then buffers,
-    bucketed by dtype) in "start", the per-forward buffer broadcast in "before"."""
+    """_ddp_collectives: the constructor's _sync_module_states (parameters, then buffers,
+    bucketed by dtype) in "start", the per-forward buffer broadcast in "before"; and
+    model_collectives (`ckptd plan --model`) gives the same from the plain model."""
     import torch
     import torch.distributed as dist
 
@@ -529,13 +530,13 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
         ddp = torch.nn.parallel.DistributedDataParallel(net)
         ring = RingConfig(2, ((0, 1),), nccl_version=(2, 22))
-        got = ct._ddp_broadcasts(ddp, ring)
-        assert got == {"start": ((15 + 6 + 6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0)),
-                       "before": ((6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0))}
+        got = {"start": ((15 + 6 + 6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0)),
+               "before": ((6, "float32", "broadcast", 0), (1, "int64", "broadcast", 0))}
         # write_plan's: the constructor's verify_params_across_processes first, an allgather
         # of the parameter count (4) and a broadcast of sizes and strides (2 * dim each: 4+2+2+2)
         full = ct._ddp_collectives(ddp, ring, ["a", "b"])
         assert full == {**got, "start": ((1, "int64", "allgather"), (10, "int64", "broadcast", 0)) + got["start"]}
+        assert ct.model_collectives(net, ring, ["a", "b"]) == full
         monkeypatch.setenv("NCCL_ALGO", "allreduce:ring")
         assert ct._ddp_collectives(ddp, ring, ["a", "b"]) == full  # 2.22 has no PAT
         with pytest.raises(ct.TrainerError, match="PAT"):
@@ -545,11 +546,12 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         monkeypatch.setenv("NCCL_ALGO", "Ring")
         assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 23)), ["a", "b"])["start"] \
             == full["start"]
-        assert ct._ddp_broadcasts(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 14))) == got
+        assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 14)), ["a", "b"]) == full
         assert ct._ddp_collectives(ddp, RingConfig(2, ((0, 1),), nccl_version=(2, 19)), ["a", "b"]) == full
         with pytest.warns(FutureWarning):
             ddp_nb = torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
-        assert ct._ddp_broadcasts(ddp_nb, ring) == {"start": ((21, "float32", "broadcast", 0),)}
+        assert ct._ddp_collectives(ddp_nb, ring, ["a", "b"]) == \
+            {"start": full["start"][:2] + ((21, "float32", "broadcast", 0),)}
         assert ct.coalesced_broadcasts([torch.zeros(5, dtype=torch.bool)]) == ((5, "uint8", "broadcast", 0),)
         # the reducer's parameters only: one that needs no grad is not verified
         net.frozen = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)

@@ -259,6 +259,9 @@ def test_batchnorm_buffers_from_ddps_broadcast_equal_rank0s(jobs, tmp_path):
                       tmp_path / "ckpts" / checkpoint_name(ITERATIONS - 2))
     assert r.buffers_not_restored == [] and r.iteration == ITERATIONS - 2
     model.load_state_dict(mine["model"], strict=True)
+    # `ckptd plan --model` of the plain model lists the buffers as write_plan did from DDP
+    from ckptd.torch import model_buffers
+    assert model_buffers(build("tiny", 0, batchnorm=True)) == plan.buffers
 
 
 def test_accumulation_with_an_allreduce_every_micro_batch(jobs):

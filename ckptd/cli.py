@@ -669,7 +669,7 @@ def cmd_plan(a) -> int:
 
     from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.readfile import misplaced_file
-    from ckptd.core.schedule import RingConfig
+    from ckptd.core.schedule import RingConfig, ScheduleError
     from ckptd.core.wrappers import unwrap
     from ckptd.torch import (TrainerError, ddp_layouts, model_buffers, model_collectives, plan_parameters,
                              tied_parameters)
@@ -756,7 +756,11 @@ def cmd_plan(a) -> int:
     if topo is not None:
         if gloo:
             raise UsageError("--nccl-log describes an NCCL job: it cannot go with --transport gloo")
-        ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu, **topo.ib_ar)
+        try:
+            ring = RingConfig(len(topo.addresses), topo.rings, topo.protocol, topo.nccl_version, mtu=a.mtu,
+                              **topo.settings)
+        except ScheduleError as e:  # the log's version, protocol or settings: named as the log's
+            raise UsageError(f"--nccl-log {' + '.join(a.nccl_log)}: {e}") from None
         addrs, nodes, nics = topo.addresses, topo.nodes, topo.channel_nics
     else:
         major, minor = _nccl_version(a.nccl_version)
@@ -770,7 +774,11 @@ def cmd_plan(a) -> int:
     # buckets (its QP rotation, PSNs and LL steps): without them a capture of the job's
     # start placed nothing (docs/PLAN.md collectives)
     try:
-        collectives = {} if gloo else model_collectives(model, ring, addrs)
+        # PAT: the job's NCCL_ALGO / NCCL_PAT_ENABLE as its log shows them, else as this
+        # command's environment has them (run it with the job's)
+        per_node = len(set(nodes)) == len(nodes) > 1 if nodes else len(set(addrs)) == len(addrs) > 1
+        collectives = {} if gloo else model_collectives(model, ring, per_node,
+                                                        topo.nccl_env if topo is not None else os.environ)
     except TrainerError as e:
         raise UsageError(str(e)) from None
     plan = Plan(plan_parameters([n for n, _ in named], [p for _, p in named]),

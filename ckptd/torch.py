@@ -529,7 +529,8 @@ def _ring(backend: str, world: int) -> RingConfig:
                       nccl_version=(major, minor), max_threads=int(env.get("NCCL_NTHREADS", 512)),
                       buffsize=int(env["NCCL_BUFFSIZE"]) if "NCCL_BUFFSIZE" in env else None,
                       qps_per_connection=int(env.get("NCCL_IB_QPS_PER_CONNECTION", 1)),
-                      split_data_on_qps=int(split) if split is not None else None,
+                      # a flag to NCCL; the plan's field is a bool (an int 1 wrote a plan load_plan refused)
+                      split_data_on_qps=int(split) != 0 if split is not None else None,
                       **ib_ar_settings((major, minor), env))
 
 
@@ -1020,19 +1021,21 @@ def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
     differ only where forward_sync_buffers=False was passed explicitly)."""
     bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
     return ddp_collectives([p.detach() for _, p in _named_parameters(ddp)], _reducer_params(ddp), bufs,
-                           ddp.broadcast_bucket_size, ring, addresses)
+                           ddp.broadcast_bucket_size, ring, len(set(addresses)) == len(addresses) > 1, os.environ)
 
 
-def model_collectives(model: torch.nn.Module, ring: RingConfig, addresses) -> dict:
+def model_collectives(model: torch.nn.Module, ring: RingConfig, one_rank_per_node: bool, env) -> dict:
     """ddp_collectives of DistributedDataParallel(model) as built with its defaults
     (broadcast_buffers=True, no parameters_to_ignore): `ckptd plan --model`, which has
     the plain model only."""
     return ddp_collectives([p.detach() for _, p in model.named_parameters()],
                            [p for p in model.parameters() if p.requires_grad],
-                           [b.detach() for _, b in model.named_buffers()], DDP_BROADCAST_BUCKET_BYTES, ring, addresses)
+                           [b.detach() for _, b in model.named_buffers()], DDP_BROADCAST_BUCKET_BYTES, ring,
+                           one_rank_per_node, env)
 
 
-def ddp_collectives(params, reducer_params, buffers, bucket_bytes: int, ring: RingConfig, addresses) -> dict:
+def ddp_collectives(params, reducer_params, buffers, bucket_bytes: int, ring: RingConfig,
+                    one_rank_per_node: bool, env) -> dict:
     """DDP's own collectives on an NCCL communicator, as Plan.collectives: "start", the
     constructor's verify collectives (verify_collectives), then its _sync_module_states
     (torch/distributed/utils.py:289-330@2.13: every named parameter, then every named
@@ -1041,12 +1044,13 @@ def ddp_collectives(params, reducer_params, buffers, bucket_bytes: int, ring: Ri
     _sync_buffers -> _default_broadcast_coalesced, distributed.py:1781,2405-2451@2.13), so
     once an iteration before its allreduces. NCCL 2.23+ may run an allgather as PAT on
     one rank per node unless NCCL_ALGO keeps it on Ring or NCCL_PAT_ENABLE=0
-    (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled."""
+    (graph/tuning.cc:108-113@v2.23.4-1): refused, not modelled. `env`: the job's NCCL_ALGO
+    and NCCL_PAT_ENABLE (os.environ in the trainer, or what its NCCL log says)."""
     verify = verify_collectives(reducer_params)
-    if verify and tuple(ring.nccl_version) >= (2, 23) and os.environ.get("NCCL_PAT_ENABLE", "2") != "0" \
-            and len(set(addresses)) == len(addresses) > 1:
+    if verify and tuple(ring.nccl_version) >= (2, 23) and str(env.get("NCCL_PAT_ENABLE", "2")).strip() != "0" \
+            and one_rank_per_node:
         from ckptd.core.algorithms import ALGORITHMS, enabled
-        if "PAT" in enabled(os.environ.get("NCCL_ALGO"), ALGORITHMS, "AllGather"):
+        if "PAT" in enabled(env.get("NCCL_ALGO"), ALGORITHMS, "AllGather"):
             raise TrainerError("NCCL 2.23+ with one rank per node may run DDP's start-up allgather as PAT, "
                                "which ckptd does not model: set NCCL_ALGO=Ring or NCCL_PAT_ENABLE=0")
     out = {}

@@ -517,6 +517,22 @@ def test_write_plan_records_adaptive_routing_from_the_environment(monkeypatch):
         assert (ring.adaptive_routing, ring.ar_threshold, ring.ar_writes) == want, (version, env)
 
 
+def test_write_plan_takes_nccl_ib_split_data_on_qps_as_the_flag_the_plan_holds(monkeypatch, tmp_path):
+    """NCCL_IB_SPLIT_DATA_ON_QPS=1 went into the ring as the int 1, which the saved plan
+    then held and load_plan refused ("must be true, false or null")."""
+    import ckptd.torch as ct
+    monkeypatch.setattr(ct, "_nccl_version", lambda: (2, 22))
+    for text, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("NCCL_IB_SPLIT_DATA_ON_QPS", text)
+        ring = ct._ring("nccl", 2)
+        assert ring.split_data_on_qps is want
+        from ckptd.core.plan import BucketLayout, Parameter, Plan
+        plan = Plan((Parameter("w", (4,), "float32"),), (BucketLayout(("w",)),), (BucketLayout(("w",)),), ring,
+                    None, ("10.0.0.1", "10.0.0.2"), ())
+        plan.save(tmp_path / "p.json")
+        assert load_plan(tmp_path / "p.json").ring.split_data_on_qps is want
+
+
 def test_write_plan_records_ddps_broadcasts(monkeypatch):
     """_ddp_collectives: the constructor's _sync_module_states (parameters, then buffers,
     bucketed by dtype) in "start", the per-forward buffer broadcast in "before"; and
@@ -536,7 +552,7 @@ def test_write_plan_records_ddps_broadcasts(monkeypatch):
         # of the parameter count (4) and a broadcast of sizes and strides (2 * dim each: 4+2+2+2)
         full = ct._ddp_collectives(ddp, ring, ["a", "b"])
         assert full == {**got, "start": ((1, "int64", "allgather"), (10, "int64", "broadcast", 0)) + got["start"]}
-        assert ct.model_collectives(net, ring, ["a", "b"]) == full
+        assert ct.model_collectives(net, ring, True, {}) == full
         monkeypatch.setenv("NCCL_ALGO", "allreduce:ring")
         assert ct._ddp_collectives(ddp, ring, ["a", "b"]) == full  # 2.22 has no PAT
         with pytest.raises(ct.TrainerError, match="PAT"):

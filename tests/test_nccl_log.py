@@ -4,6 +4,7 @@ The logs in tests/data/nccl-logs/ are a 2-node x 4-GPU job with 4 channels, writ
 from the print formats of NVIDIA/nccl v2.19.4-1, v2.27.5-1 and v2.29.3-1 (README there).
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -212,3 +213,77 @@ def test_a_job_split_over_several_logs_reads_as_one_and_errors_name_their_file(t
         err = capsys.readouterr().err.strip()
         assert err == f"error: --nccl-log gives the rings, the protocol and the NCCL version: leave out {opt[0]}"
         assert not out.exists()
+
+
+def _plan_from(tmp_path, text: str, name: str, *extra) -> tuple[int, str]:
+    nics = tmp_path / "nics.json"
+    nics.write_text(json.dumps(NIC_ADDRS))
+    (tmp_path / f"{name}.log").write_text(text)
+    sys.path.insert(0, str(Path(__file__).parent))
+    return main(["plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                 "--nccl-log", str(tmp_path / f"{name}.log"), "--nic-addrs", str(nics),
+                 "--out", str(tmp_path / f"{name}.json"), *extra]), str(tmp_path / f"{name}.log")
+
+
+def _with_settings(text: str, *settings: str) -> str:
+    line = next(x for x in text.splitlines() if "NCCL_ALGO set by environment" in x)
+    prefix = line[:line.index("NCCL INFO ") + len("NCCL INFO ")]
+    return text.replace(line, line + "".join(f"\n{prefix}{s} set by environment to {v}."
+                                             for s, v in (x.split("=") for x in settings)))
+
+
+def test_settings_that_cut_the_messages_differently_go_from_the_log_into_the_plan(tmp_path, capsys):
+    """NCCL prints every parameter the environment sets: NCCL_BUFFSIZE, NCCL_NTHREADS,
+    NCCL_IB_QPS_PER_CONNECTION and NCCL_IB_SPLIT_DATA_ON_QPS each change the messages
+    on the wire (chunk sizes, QPs), and the plan's ring now says what the log does
+    (before, they were dropped: a plan of 4 MiB chunks and one QP for a job of 1 MiB
+    chunks on 4 QPs). NCCL_LL128_NTHREADS, which a plan cannot say, is refused with
+    LL128, and a value that is no number is named."""
+    text = _with_settings(log("2.27"), "NCCL_BUFFSIZE=1048576", "NCCL_NTHREADS=256",
+                          "NCCL_IB_QPS_PER_CONNECTION=4", "NCCL_IB_SPLIT_DATA_ON_QPS=1")
+    rc, _ = _plan_from(tmp_path, text, "set")
+    assert rc == 0, capsys.readouterr().err
+    ring = load_plan(tmp_path / "set.json").ring
+    assert (ring.buffsize, ring.max_threads, ring.qps_per_connection, ring.split_data_on_qps) == \
+        (1048576, 256, 4, True)
+    rc, _ = _plan_from(tmp_path, log("2.27"), "unset")
+    assert rc == 0
+    ring = load_plan(tmp_path / "unset.json").ring
+    assert (ring.buffsize, ring.max_threads, ring.qps_per_connection) == (None, 512, 1)
+    ll128 = _with_settings(log("2.27").replace("NCCL_PROTO set by environment to Simple",
+                                               "NCCL_PROTO set by environment to LL128"), "NCCL_LL128_NTHREADS=320")
+    with pytest.raises(NcclLogError, match="NCCL_LL128_NTHREADS=320"):
+        ring_topology(parse_nccl_log(ll128, "x.log"), NIC_ADDRS, "x.log")
+    with pytest.raises(NcclLogError, match="NCCL_BUFFSIZE='4M' is not an integer"):
+        ring_topology(parse_nccl_log(_with_settings(log("2.27"), "NCCL_BUFFSIZE=4M"), "x.log"), NIC_ADDRS, "x.log")
+
+
+@pytest.mark.parametrize("launcher", ["[default0]:", "[default3]:", "0: ", "12: ", "[1,0]<stdout>:"])
+def test_a_launchers_prefix_on_every_line_reads_as_the_bare_log(launcher):
+    """torchrun (--tee, or its console with --log-dir) puts "[default0]:" before every
+    line, srun -l "0: ", mpirun --tag-output "[1,0]<stdout>:": the log was refused as
+    lacking its Init COMPLETE lines."""
+    text = "\n".join(launcher + x for x in log("2.27").splitlines())
+    topo = ring_topology(parse_nccl_log(text, "prefixed.log"), NIC_ADDRS, "prefixed.log")
+    assert topo == ring_topology(parse_nccl_log(log("2.27"), "bare.log"), NIC_ADDRS, "bare.log")
+
+
+def test_a_log_of_tcp_sockets_or_a_native_infiniband_link_is_refused(tmp_path, capsys):
+    """NET/Socket is NCCL's TCP transport and a NET/IB device on an InfiniBand link layer
+    ("mlx5_0:1/IB") carries no UDP/IP: neither is RoCEv2 on an Ethernet mirror port,
+    and both were taken as RoCE (a plan whose captures could never match)."""
+    socket = log("2.27").replace("via NET/IB/", "via NET/Socket/")
+    rc, path = _plan_from(tmp_path, socket, "socket")
+    err = capsys.readouterr().err
+    assert rc == 2 and "NET/Socket" in err and "TCP" in err and path in err, err
+    native = log("2.27").replace("mlx5_0:1/RoCE", "mlx5_0:1/IB")
+    rc, path = _plan_from(tmp_path, native, "native")
+    err = capsys.readouterr().err
+    assert rc == 2 and "InfiniBand link layer" in err and "device 0 of dgx-a07" in err and path in err, err
+
+
+def test_an_nccl_version_ckptd_does_not_decode_is_named_with_the_log(tmp_path, capsys):
+    text = re.sub(r"NCCL version 2\.27\.5", "NCCL version 2.12.12", log("2.27"))
+    rc, path = _plan_from(tmp_path, text, "old")
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--nccl-log {path}:" in err and "2.12" in err, err

@@ -22,12 +22,22 @@ unless noted):
                 (init.cc:998@v2.27.5-1, :1220@v2.29.3-1; absent in 2.19: counted from hosts)
   channels      "4 coll channels, 0 nvls channels, 4 p2p channels, ..." (init.cc:1145@v2.19.4-1);
                 "4 coll channels, 4 collnet channels, 0 nvls channels, ..." (init.cc:1232@v2.27.5-1)
+  prefix (2)    a launcher's in front of NCCL's: torchrun's "[default0]:" (--tee, or
+                --log-dir's console), Slurm's "0: " (srun -l), "[1,0]<stdout>:" (mpirun
+                --tag-output)
   settings      "NCCL_ALGO set by environment to Ring", "NCCL_PROTO set by environment to
                 Simple" (graph/tuning.cc:256-261@v2.19.4-1, :398-403@v2.27.5-1),
                 "NCCL_COLLNET_ENABLE set by environment to 1." (init.cc:899@v2.19.4-1),
                 "NCCL_IB_ADAPTIVE_ROUTING set by environment to 1.", "NCCL_IB_AR_THRESHOLD ..."
                 (ncclLoadParam, misc/param.cc:75@v2.19.4-1): RingConfig's adaptive_routing and
-                ar_threshold (schedule.ib_ar_settings)
+                ar_threshold (schedule.ib_ar_settings); the same for NCCL_NTHREADS,
+                NCCL_BUFFSIZE, NCCL_IB_QPS_PER_CONNECTION and NCCL_IB_SPLIT_DATA_ON_QPS
+                (RingConfig's max_threads, buffsize, qps_per_connection,
+                split_data_on_qps: each changes the messages on the wire), and
+                NCCL_LL128_NTHREADS, which a plan cannot say (refused with LL128)
+  link layer    "NET/IB : Using [0]mlx5_0:1/RoCE [1]mlx5_1:1/IB ..." (net_ib.cc ncclIbInit):
+                a device on an InfiniBand link layer carries no RoCEv2 (no UDP/IP on
+                the wire), and "via NET/Socket/k" hops are TCP: both refused
   network hops  "Channel 00/0 : 3[3] -> 4[0] [send] via NET/IB/0(0)/GDRDMA" and
                 "... [receive] via NET/IB/0/GDRDMA" (transport/net.cc:194-233@v2.19.4-1,
                 :218-264@v2.27.5-1, :316-362@v2.29.3-1): the NCCL net device each end
@@ -58,21 +68,23 @@ from dataclasses import dataclass, field
 
 from ckptd.core.algorithms import allreduce_protocol, check_allreduce_algorithm
 from ckptd.core.plan import MAX_RANKS
-from ckptd.core.schedule import ScheduleError, ib_ar_settings
+from ckptd.core.schedule import LL128_MAX_THREADS, ScheduleError, ib_ar_settings
 from ckptd.errors import CkptdError, show
 
-PREFIX = re.compile(r"^(?:\[[^\]]*\] )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
+PREFIX = re.compile(r"^(?:\[[^\]]*\](?:<\w+>)?:? ?|\d+: )?(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] NCCL INFO (?P<msg>.*)$")
 VERSION = re.compile(r"NCCL version (\d+)\.(\d+)\.(\d+)\S*")
 RING = re.compile(r"^Channel (\d+)/(\d+) :((?: +\d+)+)( *\.\.\.)?\s*$")
 RING_GRAPH = re.compile(r"^Ring (\d+) : (\d+) -> (\d+) -> (\d+)$")
 COMPLETE = re.compile(r"\brank (\d+) nranks (\d+) cudaDev (\d+) nvmlDev \d+ busId ([0-9a-f]+) .*- Init COMPLETE$")
 NODES = re.compile(r"\brank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank (\d+)")
 CHANNELS = re.compile(r"^(\d+) coll channels, (?:(\d+) collnet channels, )?(\d+) nvls channels")
-SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE|NCCL_IB_ADAPTIVE_ROUTING|NCCL_IB_AR_THRESHOLD) "
-                     r"set by environment to (\S+?)\.?$")
+SETTING = re.compile(r"^(NCCL_ALGO|NCCL_PROTO|NCCL_COLLNET_ENABLE|NCCL_IB_ADAPTIVE_ROUTING|NCCL_IB_AR_THRESHOLD|"
+                     r"NCCL_NTHREADS|NCCL_BUFFSIZE|NCCL_IB_QPS_PER_CONNECTION|NCCL_IB_SPLIT_DATA_ON_QPS|"
+                     r"NCCL_LL128_NTHREADS|NCCL_PAT_ENABLE) set by environment to (\S+?)\.?$")
+USING_DEV = re.compile(r" \[(\d+)\][^:\s\[]+:\d+/(IB|RoCE)\b")
 MERGED_USING = re.compile(r"^NET/IB : Using.*? \[(\d+)\]=\{([^}]*)\}")
 MERGED_VDEV = re.compile(r"^NET/IB : Made virtual device \[(\d+)\] name=(\S+) speed=\d+ ndevs=(\d+)")
-NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|receive)\] via NET/[^/]+/(\d+)(?:\((\d+)\))?")
+NET = re.compile(r"^Channel (\d+)/\d+ : (\d+)\[\d+\] -> (\d+)\[\d+\] \[(send|receive)\] via NET/([^/]+)/(\d+)(?:\((\d+)\))?")
 
 
 class NcclLogError(CkptdError, ValueError):
@@ -103,6 +115,8 @@ class NcclJob:
     said: dict[str, str] = field(default_factory=dict)  # _agree's values -> "file:line" that first said it
     # (channel, sender, receiver) -> {"send": (dev, proxy rank or None), "receive": (dev, None)}
     net: dict[tuple[int, int, int], dict[str, tuple[int, int | None]]] = field(default_factory=dict)
+    ib_link: dict[tuple[str, int], str] = field(default_factory=dict)  # (host, NET/IB device) -> "file:line"
+    not_ib: str | None = None  # "file:line: NET/Socket" of the first hop over another NCCL net
 
 
 def parse_nccl_log(text: str, where: str = "log", job: NcclJob | None = None) -> NcclJob:
@@ -172,6 +186,11 @@ def _parse_line(job: NcclJob, raw: str, where: str, lineno: int):
             raise NcclLogError(f"{where}:{lineno}: {m[1]} set to a value of {len(m[2])} characters "
                                f"({m[2][:40]!r}...): not a setting NCCL takes")
         job.settings[m[1]] = m[2]
+    elif msg.startswith("NET/IB : Using") and (devs := USING_DEV.findall(msg)) and \
+            not MERGED_USING.match(msg):
+        for dev, layer in devs:
+            if layer == "IB":
+                job.ib_link.setdefault((host, _num(dev)), f"{where}:{lineno}")
     elif (m := MERGED_USING.match(msg)) or ((m := MERGED_VDEV.match(msg)) and _num(m[3]) > 1):
         what = (f"device [{m[1][:12]}] = {{{m[2][:80]}}}" if m.re is MERGED_USING
                 else f"virtual device [{m[1][:12]}] {m[2][:80]} of {m[3]} ports")
@@ -181,7 +200,9 @@ def _parse_line(job: NcclJob, raw: str, where: str, lineno: int):
             "write each rank's ranks[].ports into the plan by hand (docs/PLAN.md), or run the job "
             "unmerged (NCCL_IB_MERGE_NICS=0 up to 2.23, NCCL_NET_MERGE_LEVEL=LOC from 2.24)")
     elif (m := NET.match(msg)):
-        c, s, d, kind, dev, proxy = _num(m[1]), _num(m[2]), _num(m[3]), m[4], _num(m[5]), m[6]
+        c, s, d, kind, net, dev, proxy = _num(m[1]), _num(m[2]), _num(m[3]), m[4], m[5], _num(m[6]), m[7]
+        if net != "IB" and job.not_ib is None:
+            job.not_ib = f"{where}:{lineno}: channel {c} hop {s} -> {d} goes via NET/{net[:20]}"
         job.net.setdefault((c, s, d), {})[kind] = (dev, None if proxy is None else _num(proxy))
         job.host.setdefault(s if kind == "send" else d, host)
 
@@ -206,7 +227,8 @@ class RingTopology:
     addresses: tuple[str, ...]  # rank -> its own NIC
     nodes: tuple[str, ...]  # rank -> host
     channel_nics: tuple[tuple[str, ...], ...]  # rank -> channel -> NIC address
-    ib_ar: dict = field(default_factory=dict)  # RingConfig's adaptive_routing, ar_threshold where set
+    settings: dict = field(default_factory=dict)  # RingConfig's keyword arguments the log sets (ring_settings)
+    nccl_env: dict = field(default_factory=dict)  # NCCL_* -> value, as the log shows them set
 
 
 def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "log") -> RingTopology:
@@ -238,6 +260,9 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
     check_allreduce_algorithm(algo, nnodes=nnodes, nvls_channels=job.nvls_channels, collnet=collnet,
                               where=f"{where}: ")
     protocol = allreduce_protocol(job.settings.get("NCCL_PROTO"), where=f"{where}: ")
+    if job.not_ib:
+        raise NcclLogError(f"{job.not_ib}: NCCL's TCP socket transport, not RoCE; ckptd decodes RoCEv2 "
+                           "(NCCL_IB_DISABLE=1 or no RDMA NIC?)")
     rings = _rings(job, where)
     own: dict[int, str] = {}
     claims: list[tuple[int, int, str]] = []  # (strength, rank, NIC address)
@@ -266,6 +291,11 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
                 raise NcclLogError(f"{where}: channel {c} hop {s} -> {d} crosses hosts but the log has no "
                                    f"'[{lacking}] via NET' line for it: give every rank's log")
             (sdev, proxy), (rdev, _) = ends["send"], ends["receive"]
+            for host, dev in ((hosts[s], sdev), (hosts[d], rdev)):
+                if (host, dev) in job.ib_link:
+                    raise NcclLogError(f"{job.ib_link[host, dev]}: NET/IB device {dev} of {host} (channel {c} hop "
+                                       f"{s} -> {d}) is on an InfiniBand link layer, not RoCE: native InfiniBand "
+                                       "carries no UDP/IP, so no Ethernet mirror port sees it; ckptd decodes RoCEv2")
             for rank, host, dev in ((s, hosts[s], sdev), (d, hosts[d], rdev)):
                 a = addr(host, dev, f"channel {c} hop {s} -> {d}")
                 if nics[rank][c] not in (None, a):
@@ -286,12 +316,39 @@ def ring_topology(job: NcclJob, nic_addrs: dict[str, list[str]], where: str = "l
                 raise NcclLogError(f"{where}: no NIC addresses given for host {hosts[r]}")
             own[r] = addr(hosts[r], local % len(devs), f"rank {r}")
     channel_nics = tuple(tuple(a if a is not None else own[r] for a in nics[r]) for r in range(n))
+    return RingTopology(job.version[:2], protocol, rings, tuple(own[r] for r in range(n)), tuple(hosts),
+                        channel_nics, ring_settings(job, protocol, where), dict(job.settings))
+
+
+# NCCL integer parameters the log prints when set (ncclLoadParam) -> RingConfig's field;
+# -2 is NCCL's "unset" (NCCL_PARAM default), as for the adaptive routing ones
+RING_SETTINGS = {"NCCL_NTHREADS": "max_threads", "NCCL_BUFFSIZE": "buffsize",
+                 "NCCL_IB_QPS_PER_CONNECTION": "qps_per_connection", "NCCL_IB_SPLIT_DATA_ON_QPS": "split_data_on_qps"}
+
+
+def ring_settings(job: NcclJob, protocol: str, where: str) -> dict:
+    """RingConfig's keyword arguments from the settings the log shows set by the
+    environment: each changes how the ring's messages are cut or spread over QPs."""
     try:
-        ib_ar = ib_ar_settings(job.version[:2], job.settings)
+        out = ib_ar_settings(job.version[:2], job.settings)
     except ScheduleError as e:
         raise NcclLogError(f"{where}: {e}") from None
-    return RingTopology(job.version[:2], protocol, rings, tuple(own[r] for r in range(n)), tuple(hosts),
-                        channel_nics, ib_ar)
+    for var, key in RING_SETTINGS.items():
+        text = job.settings.get(var)
+        if text is None:
+            continue
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise NcclLogError(f"{where}: {var}={text!r} is not an integer") from None
+        if value != -2:
+            out[key] = value != 0 if key == "split_data_on_qps" else value  # (NCCL reads it as a flag)
+    ll128 = job.settings.get("NCCL_LL128_NTHREADS")
+    if ll128 is not None and protocol == "ll128" and ll128.strip() not in ("-2", str(LL128_MAX_THREADS)):
+        raise NcclLogError(f"{where}: NCCL_LL128_NTHREADS={ll128}: LL128 with other than NCCL's "
+                           f"{LL128_MAX_THREADS} threads cuts its messages in ways a plan cannot say; "
+                           "unset it, or run with NCCL_PROTO=Simple")
+    return out
 
 
 def _rings(job: NcclJob, where: str) -> tuple[tuple[int, ...], ...]:

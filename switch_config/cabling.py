@@ -23,7 +23,6 @@ have is an error, not ignored.
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,12 +127,9 @@ def load_cabling(path: str | Path) -> Cabling:
     except (OSError, UnicodeDecodeError) as e:   # a binary file is no cabling file either
         raise CablingError(f"{path}: cannot read cabling file: {e}") from e
     try:
-        if path.suffix.lower() == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-            doc = yaml.safe_load(text)
-    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError: both say where
+        from ckptd.core.docload import strict_json, strict_yaml  # a key given twice is an error
+        doc = strict_json(text) if path.suffix.lower() == ".json" else strict_yaml(text, decimal_only=False)
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError, a key given twice: each says where
         raise CablingError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from e
     return cabling_from_doc(doc, str(path))
 

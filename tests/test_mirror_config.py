@@ -176,6 +176,21 @@ def test_cabling_errors(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_cabling_key_given_twice_is_refused_not_the_last_taken(tmp_path):
+    """YAML and JSON parsers keep the last of two equal keys: a cabling file whose second
+    `port:` (or `mode:`) overrode the first went out as switch rules without a word."""
+    from switch_config.cabling import load_cabling
+    (tmp_path / "twice.yaml").write_text("format: ckptd-cabling\nformat: ckptd-cabling\n")
+    with pytest.raises(CablingError, match=r"twice.yaml.*key 'format' given twice \(line 2\)"):
+        load_cabling(tmp_path / "twice.yaml")
+    text = json.dumps(cabling(4))
+    (tmp_path / "twice.json").write_text(text.replace('"format": ', '"format": "x", "format": ', 1))
+    with pytest.raises(CablingError, match=r"twice.json.*key 'format' given twice"):
+        load_cabling(tmp_path / "twice.json")
+    (tmp_path / "once.json").write_text(text)
+    assert load_cabling(tmp_path / "once.json")  # the same file, each key once
+
+
 @pytest.mark.parametrize("args,message", [(["--min-streams", "0"], "--min-streams must be at least 1, not 0"),
                                           (["--links", "-1"], "--links must be at least 1, not -1"),
                                           (["--vendor", "cisco"], "unknown vendor 'cisco'"),

@@ -287,3 +287,25 @@ def test_an_nccl_version_ckptd_does_not_decode_is_named_with_the_log(tmp_path, c
     rc, path = _plan_from(tmp_path, text, "old")
     err = capsys.readouterr().err
     assert rc == 2 and f"--nccl-log {path}:" in err and "2.12" in err, err
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("twice.yaml", "h1: [10.0.0.1]\nh1: [10.0.0.2]\n", "key 'h1' given twice"),
+    ("twice.json", '{"h1": ["10.0.0.1"], "h1": ["10.0.0.2"]}', "key 'h1' given twice"),
+    ("same.yaml", "h1: [10.0.0.1, 10.0.0.1]\n", r"\[1\] 10.0.0.1 is also host 'h1''s \[0\]"),
+    ("shared.yaml", "h1: [10.0.0.1]\nh2: [10.0.0.1]\n", r"host 'h2': NIC address \[0\] 10.0.0.1 is also host 'h1'"),
+    ("mixed.yaml", "h1: [10.0.0.1]\nh2: ['fd00::2']\n", "both IPv4 and IPv6"),
+    ("zone.yaml", "h1: ['fe80::1%eth0']\n", r"has a zone \(%eth0\)"),
+])
+def test_nic_addresses_that_name_no_one_nic_each_are_refused(tmp_path, name, text, message):
+    """Each NIC address names one NIC (the plan tells ranks and channels apart by it),
+    of the one IP family the job's GIDs use, as packets carry it: a host given twice
+    (the last list silently won), one address for two NICs, v4 beside v6, or a zone id
+    were all taken."""
+    from ckptd.tools.nccl_log import load_nic_addrs
+    (tmp_path / name).write_text(text)
+    with pytest.raises(NcclLogError, match=message):
+        load_nic_addrs(str(tmp_path / name))
+    assert load_nic_addrs(str(tmp_path / "ok.yaml") if (tmp_path / "ok.yaml").write_text(
+        "h1: [10.0.0.1, 10.0.1.1]\nh2: [10.0.0.2, 10.0.1.2]\n") else "") == \
+        {"h1": ["10.0.0.1", "10.0.1.1"], "h2": ["10.0.0.2", "10.0.1.2"]}

@@ -33,10 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from ckptd.core.algorithms import check_allreduce_algorithm
+from ckptd.core.docload import strict_json
 from ckptd.core.readfile import TooLarge, read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
                                  ScheduleError, min_buffsize, network_connections)
-from ckptd.errors import CkptdError, show, unknown_keys
+from ckptd.errors import CkptdError, unknown_keys
 
 PLAN_FORMAT = "ckptd-plan"
 PLAN_VERSION = 1
@@ -1268,7 +1269,7 @@ def load_plan(path: str | Path, *, check_optimizer: bool = True) -> Plan:
     data = b""
     try:
         data = _read_plan_bytes(path)
-        doc = json.loads(data.decode(), object_pairs_hook=_no_duplicate_keys)
+        doc = strict_json(data.decode())
     except PlanError:
         raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -1288,17 +1289,6 @@ def _read_plan_bytes(path: Path) -> bytes:
         return read_bounded(path, MAX_PLAN_BYTES, "a plan")
     except (TimeoutError, TooLarge) as e:
         raise PlanError(f"{path}: {e}") from None
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    """A JSON object, but a key given twice is an error: json's last one silently winning
-    would hide a hand edit that meant to change the first (as the daemon's YAML does)."""
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"key {show(k, 40)} given twice in one object")
-        out[k] = v
-    return out
 
 
 class _Doc:

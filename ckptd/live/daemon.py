@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.core.docload import strict_yaml
 from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
@@ -264,43 +265,6 @@ def _interface(path, i: int, x) -> InterfaceConfig:
         cpu=x.get("cpu"))  # checked with the other capture-worker keys (_capture_config)
 
 
-def _yaml_load(text: str):
-    """yaml.safe_load, but a key given twice in one mapping is an error: YAML's last one
-    silently winning would hide the typo of an operator who meant two different keys."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    def mapping(loader, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor`: keys given here override the merged ones, as YAML says
-            key = loader.construct_object(key_node, deep=deep)
-            try:
-                if key in seen:
-                    raise ValueError(f"key {str(key)[:60]!r} given twice (line {key_node.start_mark.line + 1})")
-                seen.add(key)
-            except TypeError:
-                pass  # an unhashable key: construct_mapping says so
-        return loader.construct_mapping(node, deep=deep)
-
-    def integer(loader, node):
-        # YAML 1.1 reads 010 as octal 8, 0x10 as 16 and 1:30 as 90 (base 60): an operator
-        # who wrote keep_last: 010 meant ten. Only plain decimals are taken as written.
-        text = loader.construct_scalar(node)
-        if not re.fullmatch(r"[-+]?(0|[1-9][0-9_]*)", text):
-            value = yaml.SafeLoader.construct_yaml_int(loader, node)
-            raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {show(value)} "
-                             "(octal, hex or base 60): write the number in decimal (or quote it where text is meant)")
-        return yaml.SafeLoader.construct_yaml_int(loader, node)
-
-    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-    Loader.add_constructor("tag:yaml.org,2002:int", integer)
-    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
-
-
 def load_config(path: str | Path) -> DaemonConfig:
     """YAML (.yaml/.yml) or TOML (.toml, any case); docs/DAEMON.md documents every key. Every value
     is checked here, before any file, socket or ring is opened."""
@@ -313,7 +277,7 @@ def load_config(path: str | Path) -> DaemonConfig:
             import tomllib
             doc = tomllib.loads(text)
         else:
-            doc = _yaml_load(text)
+            doc = strict_yaml(text)
     except Exception as e:
         raise ConfigError(f"{path}: cannot read config: {one_line(e)}") from e
     if not isinstance(doc, dict):

@@ -382,9 +382,9 @@ MAX_NCCL_LOG_BYTES = 1 << 30  # nor an NCCL log (its set-up lines are a few MB f
 
 def load_nic_addrs(path: str) -> dict[str, list[str]]:
     """host -> NIC addresses in NCCL device order, from a JSON or YAML file."""
-    import json
-
     import yaml
+
+    from ckptd.core.docload import strict_json, strict_yaml
     from ckptd.core.readfile import read_bounded
     try:
         # bounded, and a FIFO nobody writes into is an error after a wait (read_text() hung)
@@ -392,13 +392,14 @@ def load_nic_addrs(path: str) -> dict[str, list[str]]:
     except (OSError, UnicodeDecodeError) as e:
         raise NcclLogError(f"{path}: cannot read NIC addresses: {(e.strerror or e) if isinstance(e, OSError) else e}") from e
     try:
-        doc = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        doc = strict_json(text) if path.endswith(".json") else strict_yaml(text)
     except (ValueError, RecursionError, yaml.YAMLError) as e:  # ValueError: also an int over 4300 digits
         raise NcclLogError(f"{path}: cannot read NIC addresses: {str(e)[:200]}") from e
     if not isinstance(doc, dict):
         raise NcclLogError(f"{path}: expected a map host -> list of NIC addresses in NCCL device order, "
                            f"not {show(doc)}")
     out = {}
+    owner: dict[str, str] = {}  # address -> the host (and index) that lists it
     for host, addrs in doc.items():
         # every value is shown short (show): a YAML alias bomb must not be walked by repr or str
         if not isinstance(host, (str, int)) or isinstance(host, int) and host.bit_length() > 64:
@@ -414,5 +415,18 @@ def load_nic_addrs(path: str) -> dict[str, list[str]]:
             except ValueError:
                 raise NcclLogError(f"{path}: host {show(host)}: NIC address [{i}] {show(a)} is not an "
                                    "IPv4 or IPv6 address") from None
+            ip = ipaddress.ip_address(a)
+            if getattr(ip, "scope_id", None):
+                raise NcclLogError(f"{path}: host {show(host)}: NIC address [{i}] {show(a)} has a zone "
+                                   f"(%{ip.scope_id}), which no packet carries: give the address alone")
+            # one NIC per address: the plan tells ranks and channels apart by it
+            if str(ip) in owner:
+                raise NcclLogError(f"{path}: host {show(host)}: NIC address [{i}] {a} is also {owner[str(ip)]}: "
+                                   "every NIC has an address of its own")
+            owner[str(ip)] = f"host {show(host)}'s [{i}]"
         out[str(host)] = list(addrs)
+    families = {ipaddress.ip_address(a).version for addrs in out.values() for a in addrs}
+    if len(families) > 1:
+        raise NcclLogError(f"{path}: NIC addresses of both IPv4 and IPv6: a job's RoCE GIDs are all of the one "
+                           "kind NCCL_IB_GID_INDEX (or NCCL_IB_ADDR_FAMILY) picks; give them all as that kind")
     return out

@@ -800,16 +800,26 @@ def cmd_plan(a) -> int:
 
 
 def default_mirror_ports(plan, count: int = 3) -> list[int]:
-    """Up to `count` NIC ports to mirror, by owner rank: the senders of channel 0's
-    network hops in ring order (on one-GPU hosts: ranks 0, 1, 2 of an identity ring),
-    so that their links are distinct. `ckptd mirror-config` chooses for real cablings."""
-    ring = plan.ring.rings[0]
-    out = []
-    for i, src in enumerate(ring):
-        conn = (src, ring[(i + 1) % len(ring)], 0)
-        if conn in plan.network_connections and plan.link_of(conn)[0] not in out:
-            out.append(plan.link_of(conn)[0])
-    return out[:count]
+    """NIC ports to mirror (both directions), by owner rank, so that every channel's
+    network hops are seen on up to `count` distinct ports (as many as its hops' NICs
+    allow): the senders of the hops, taken in ring order and round-robin over the
+    channels. On one-NIC hosts of an identity ring that is ranks 0, 1, 2 (every NIC
+    carries every channel); with a NIC per channel (rails) each channel needs its own
+    ports: before, only channel 0's were chosen, and no iteration could complete from
+    them. `ckptd mirror-config` chooses for real cablings."""
+    hops = {c: [plan.link_of((src, ring[(i + 1) % len(ring)], c)) for i, src in enumerate(ring)
+                if (src, ring[(i + 1) % len(ring)], c) in plan.network_connections]
+            for c, ring in enumerate(plan.ring.rings)}
+    seen_by = {c: {n for link in links for n in link} for c, links in hops.items()}  # NICs that see it
+    want = {c: min(count, len(nics)) for c, nics in seen_by.items()}
+    out: list[int] = []
+    for k in range(max((len(v) for v in hops.values()), default=0)):
+        for c in sorted(hops):
+            if k >= len(hops[c]) or hops[c][k][0] in out:
+                continue
+            if any(len(seen_by[d] & set(out)) < want[d] for d in hops):
+                out.append(hops[c][k][0])
+    return out
 
 
 def _call_named(spec: str, option: str):

@@ -78,7 +78,13 @@ def test_plan_command_writes_the_hand_made_plan(tmp_path):
     assert sorted(c for c in plan.network_connections if c[2] == 0) == [(3, 4, 0), (7, 0, 0)]
     assert plan.link_of((3, 4, 0)) == (0, 4) and plan.link_of((7, 0, 0)) == (4, 0)
     assert len(plan.network_connections) == 8  # 2 of the 8 hops of each of 4 rings
-    assert [m.rank for m in plan.mirrors] == [0, 4]  # the NICs of channel 0's network hops
+    # every channel's network hops mirrored on both NICs they use: channel c's are NIC c of
+    # each host (ranks c and 4 + c own them). Before, only channel 0's NICs (0, 4) were,
+    # and no iteration could complete from them
+    assert [m.rank for m in plan.mirrors] == [0, 1, 2, 3, 4, 5, 6, 7]
+    for c in range(4):
+        hops = [conn for conn in plan.network_connections if conn[2] == c]
+        assert {n for conn in hops for n in plan.link_of(conn)} == {c, 4 + c}
 
 
 @pytest.mark.parametrize("version", ["2.19", "2.27"])

@@ -517,13 +517,23 @@ def test_an_lr_tensor_of_several_elements_is_not_exported_as_the_lr(two_iteratio
 
 
 def test_mirror_risk_ring_against_the_plans_is_refused(scenario, capsys):
-    """--ring was dropped for the plan's rank count without a word (while --packets
-    overrides the plan's)."""
+    """--ring was dropped for the plan's rank count without a word; --ports, which
+    replaced the plan's without a word, is refused where it disagrees; --packets with a
+    plan is a what-if, taken and said (it replaced the schedule's K without a word)."""
     r = ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "4", "--mirrors", "2",
                    "--loss", "0.1")
     _one_line_error(r, str(scenario / "plan.json"), "--ring 4 disagrees with the plan")
-    assert ckptd_main(capsys, "mirror-risk", "--plan", scenario / "plan.json", "--ring", "2", "--mirrors", "2",
-                      "--loss", "0.1").returncode == 0
+    base = ["mirror-risk", "--plan", scenario / "plan.json", "--mirrors", "2", "--loss", "0.1"]
+    r = ckptd_main(capsys, *base, "--ring", "2")
+    assert r.returncode == 0 and "--packets" not in r.stdout
+    _one_line_error(ckptd_main(capsys, *base, "--ports", "2"), str(scenario / "plan.json"),
+                    "--ports 2 disagrees with the plan")
+    assert ckptd_main(capsys, *base, "--ports", "1").returncode == 0
+    r = ckptd_main(capsys, *base, "--packets", "7")
+    assert r.returncode == 0 and "7 allgather packets per link per iteration" in r.stdout
+    assert "(--packets; the plan's schedule gives " in r.stdout
+    doc = json.loads(ckptd_main(capsys, *base, "--packets", "7", "--json").stdout)
+    assert doc["packets_per_link"] == 7 and doc["packets_of_plan"] > 0
 
 
 def test_a_sample_that_returns_none_is_named(capsys, tmp_path):

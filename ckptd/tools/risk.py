@@ -282,9 +282,15 @@ def run(a) -> int:
             print(f"error: --nodes {nodes} disagrees with the plan {a.plan} ({where}): give one of them",
                   file=sys.stderr)
             return 2
-        k = k if k is not None else k_plan
+        if ports is not None and ports != p_plan:  # it replaced the plan's without a word
+            print(f"error: --ports {ports} disagrees with the plan {a.plan} ({p_plan} port(s) a NIC): give one "
+                  "of them", file=sys.stderr)
+            return 2
+        # --packets with a plan is a what-if (another batch or model on this topology):
+        # taken, and the output says it replaced the schedule's K (it did so without a word)
+        packets_plan, k = k_plan, k if k is not None else k_plan
         nodes, node_count = h_plan, t["nodes"]  # the plan's hops between nodes, and (to show) its nodes
-        ports = ports if ports is not None else p_plan
+        ports = p_plan
     ports = 1 if ports is None else ports
     problems = []
     if n is None or not 2 <= n <= MAX_RANKS:
@@ -322,6 +328,8 @@ def run(a) -> int:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     res = evaluate(n, a.mirrors, a.loss, k, a.iteration_seconds, nodes, ports, node_count)
+    if a.plan and a.packets is not None:
+        res["packets_of_plan"] = packets_plan
     if a.simulate:
         res["simulation"] = check(n, a.mirrors, a.loss, k, a.trials, a.seed, nodes)
     print(json.dumps(res, indent=1) if a.json else format_result(res))
@@ -369,7 +377,9 @@ def format_result(r: dict) -> str:
         + (f" = {r['mirror_ports']} mirrored switch ports ({r['ports_per_nic']} ports a merged NIC: "
            "a link is mirrored only with all of them)" if r.get("ports_per_nic", 1) > 1 else "")
         + f", {r['packets_per_link']:g} allgather packets per link per iteration "
-          f"({r['packets_per_chunk']:g} per chunk), each mirrored copy lost independently with p={p:g}",
+          f"({r['packets_per_chunk']:g} per chunk)"
+        + (f" (--packets; the plan's schedule gives {r['packets_of_plan']:g})" if "packets_of_plan" in r else "")
+        + f", each mirrored copy lost independently with p={p:g}",
         "chunks by number of mirrored copies: "
         + ", ".join(f"{cnt} chunk(s) with {c}" for c, cnt in r["chunks_by_copies"].items()),
         f"P(iteration cannot be completed) = {r['p_fail']:.6g}",

@@ -1267,6 +1267,15 @@ def main(argv=None) -> int:
             return 0
         print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, always
         return 2
+    except ImportError as e:
+        if os.environ.get("CKPTD_DEBUG") or not (e.name or "").startswith("cython_ext"):
+            raise
+        # a source tree never built (a git clone run with PYTHONPATH): the kernels are
+        # compiled modules that `pip install .` builds
+        print(f"error: ckptd's compiled kernels are not built (cannot import {e.name}): `pip install .` builds "
+              "them, or `python3 setup.py build_ext --inplace` in a source tree; `ckptd replay --reference-path` "
+              "replays without them", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # every file ckptd writes is written whole or not at all (atomic_write): say so,
         # rather than end without a word

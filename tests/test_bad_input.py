@@ -1487,3 +1487,34 @@ def test_a_capture_without_frames_prints_whole_lines(scenario, capsys, tmp_path)
     lines = r.stdout.splitlines()
     assert "stream e: frames=0" in lines
     assert any(x.startswith("extraction: late=0") for x in lines), lines
+
+
+_WITHOUT_KERNEL = """
+import builtins, sys
+real = builtins.__import__
+def without_kernel(name, globals=None, locals=None, fromlist=(), level=0):
+    # a source tree never built: the compiled batch kernel is not there
+    if name == "cython_ext.batch" or (name == "cython_ext" and "batch" in (fromlist or ())):
+        raise ModuleNotFoundError("No module named 'cython_ext.batch'", name="cython_ext.batch")
+    return real(name, globals, locals, fromlist, level)
+builtins.__import__ = without_kernel
+from ckptd.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_replay_without_the_built_kernel_says_how_to_build_it_and_the_reference_path_still_replays(scenario):
+    """A git clone run with PYTHONPATH (never `pip install`ed) has no compiled kernel:
+    the default (fast) replay ended in an ImportError traceback."""
+    args = ["replay", "--plan", str(scenario / "plan.json"), "--init", str(scenario / "init.pt"),
+            *map(str, sorted((scenario / "mirrors").glob("*.pcap")))]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_KERNEL, *args], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=REPO)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line
+    assert "compiled kernels are not built (cannot import cython_ext.batch)" in r.stderr
+    assert "pip install ." in r.stderr and "--reference-path" in r.stderr
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_KERNEL, *args, "--reference-path"], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=REPO)
+    assert r.returncode == 0 and "1 iterations, 1 committed" in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]

@@ -242,3 +242,26 @@ def test_replay_resume_from_a_url_with_nothing_there_is_one_line(job, tmp_path, 
                "--resume", "memory://ckptd-join-empty", "--join"] + pcaps(job))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "memory://ckptd-join-empty" in err[0], err
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("where", [(1, 0.3), (3, 0.5)])
+def test_a_capture_begun_mid_job_without_join_commits_nothing_and_says_join(job, tmp_path, capsys, fast, where):
+    """Without --join the flows of a capture that began mid-job are placed by their
+    message lengths alone, as if the job began there: their later heads break the
+    schedule. That was refused as an FSDP/ZeRO reduce-scatter, or blamed on the ring's
+    NCCL version and protocol; now the replay commits nothing (the misplaced copies
+    disagree) and says the capture began mid-job: replay with --join."""
+    from ckptd.cli import main
+    k, frac = where
+    first, last = iteration_spans(pcaps(job))[k]
+    paths = cut(job, tmp_path / "cut", first + int((last - first) * frac))
+    rc = main(["replay", "--plan", str(job / "plan.json"), "--init", str(job / "init.pt"),
+               "--out", str(tmp_path / "out"), "--reference", str(job / "reference")]
+              + ([] if fast else ["--reference-path"]) + paths)
+    out, err = capsys.readouterr()
+    assert rc == 3, out + err
+    assert " 0 committed" in out and not list((tmp_path / "out").glob("iter_*.pt"))
+    assert "mid-job: packets broke the schedule" in out and "replay with --join" in out
+    assert "the capture began mid-job; replay with --join" in err and "FSDP" not in out + err
+    assert "ring.nccl_version" not in err

@@ -405,7 +405,10 @@ class FlowBinder:
         if pkt.dma_len is None or len(b.mismatched) >= MISMATCHED_HEADS:
             return
         b.mismatched.append((pos, pkt.dma_len))
-        if len(b.mismatched) >= MIN_HEADS:
+        # a flow first seen inside the job was placed by its lengths alone: its rejected
+        # heads say the capture began later than it was placed (a --join hint,
+        # began_inside), not that the job shards
+        if len(b.mismatched) >= MIN_HEADS and not self._placed_inside(b):
             rs = self._rs_timeline(b.conn + (b.qp,))
             if all(self._head_ok(rs, p, n) for p, n in b.mismatched):
                 self._refuse_reduce_scatter(b.link)
@@ -659,6 +662,19 @@ class FlowBinder:
             return 0
         it = loc[0]
         return it if tl.iteration_start(it) == pos else it + 1
+
+    def began_inside(self) -> bool:
+        """Not joining, flows broke the schedule, and some flow was placed inside the job
+        (_placed_inside): the capture most likely began mid-job, and the flows were
+        placed by their lengths alone (where --join places them by their PSNs)."""
+        return (self.join_from is None and any(b.mismatched for b in self.bound.values())
+                and any(self._placed_inside(b) for b in self.bound.values()))
+
+    def _placed_inside(self, b: FlowBinding) -> bool:
+        """A flow first seen after its first iteration had begun, or whose iteration 0
+        would begin at a PSN other than 0, where NCCL connects every QP (as joining
+        assumes): placed where the job did not begin."""
+        return b.first_whole > 0 or b.base % PSN_MOD != 0
 
     def join_iteration(self, force: bool = False) -> int | None:
         """Joining: the first iteration every flow was seen from its start, once every

@@ -30,6 +30,11 @@ def decode_roce(cfg, stream: int, fr: CapturedFrame, classes: Counter) -> Packet
                   f.udp.sport)
 
 
+# where every flow was first seen inside the job and some broke the schedule (suspects, cmd_replay)
+MID_JOB = ("every flow was first seen after the job's first iteration had begun: the capture began mid-job; "
+           "replay with --join (or --join-from N), which places each flow by its PSNs from where NCCL connected it")
+
+
 class RoceTransport(Extractor):
     """The Transport for NCCL over RoCEv2 (see ckptd.transports.base)."""
 
@@ -50,7 +55,11 @@ class RoceTransport(Extractor):
         off_ring = [f"off-ring data: RDMA writes between ports of the job that are neighbours in no channel of "
                     f"the plan's ring ({self.binder.link_names(off)}): its ring.rings or ranks[].addr may "
                     "not be the job's (or the job also runs Tree/NVLS traffic)"] if off else []
-        return off_ring + [f"unknown address: {e}" for e in self.binder.strangers_in_place()]
+        return off_ring + [f"unknown address: {e}" for e in self.binder.strangers_in_place()] + \
+            ([f"mid-job: packets broke the schedule, and {MID_JOB}"] if self.binder.began_inside() else [])
+
+    def began_mid_job(self) -> bool:
+        return self.binder.began_inside()
 
     def unmatched_flows(self) -> list[str]:
         return list(self.binder.errors)

@@ -225,7 +225,7 @@ def cmd_replay(a) -> int:
         else a.resume
     opts = ReplayOptions(out=a.out, reference=a.reference, dump_gradients=a.dump_gradients,
                          resume=resume, join=a.join or a.join_from is not None, join_from=a.join_from,
-                         agree_window_ms=a.agree_window_ms)
+                         agree_window_ms=a.agree_window_ms, stream_names=tuple(names))
     if a.trust_icrc and (a.reference_path or plan.transport != "roce"):
         print("error: --trust-icrc needs the fast path (RoCE plans, without --reference-path)", file=sys.stderr)
         return 2

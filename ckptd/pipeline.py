@@ -214,6 +214,8 @@ class ReplayOptions:
     # Copies of an iteration's elements that arrive within this much capture time after it
     # became complete are compared before it commits (Pipeline._agreed); 0 commits at once.
     agree_window_ms: float = AGREE_WINDOW_MS
+    # what the iteration notes call each stream (the files', the interfaces'); None: its index
+    stream_names: tuple[str, ...] | None = None
 
 
 def _make_dump_dir(path: str) -> None:
@@ -365,7 +367,7 @@ class Pipeline:
                 note = f"stopped with {100 * (1 - asm.coverage()):.2f}% missing"
                 if asm.conflicts:  # whole coverage can still be held back by copies that disagree
                     s, b, lo, hi = asm.conflicts[0]
-                    note += (f" and {len(asm.conflicts)} conflicting copies (first: stream {s}, "
+                    note += (f" and {len(asm.conflicts)} conflicting copies (first: {self._clash(asm, s, b, lo, hi)}, "
                              f"bucket {b}, elements {lo}-{hi})")
                 rep = IterationReport(it + self.offset, "abandoned", asm.packets, asm.bytes,
                                       [asm.coverage(s) for s in range(self.nstreams)], note=note)
@@ -572,8 +574,9 @@ class Pipeline:
             s, b, lo, hi = asm.conflicts[0]
             rep.status = "conflict"
             what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
-            rep.note = (f"{len(asm.conflicts)} packets disagree with another stream's intact copy "
-                        f"(first: stream {s}, {what}, elements [{lo}, {hi})): plan or capture is wrong")
+            rep.note = (f"{len(asm.conflicts)} packets disagree with another intact copy of their elements "
+                        f"(first: {self._clash(asm, s, b, lo, hi)}, {what}, elements [{lo}, {hi})): plan or "
+                        "capture is wrong")
         elif not asm.complete:
             rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
@@ -586,7 +589,8 @@ class Pipeline:
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")
         elif clash:  # never resolved by which copy came first
-            b, where = clash
+            b, stream, where = clash
+            where = f"{self.stream_name(stream)}, {where}"
             what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
             rep.status = "conflict"
             rep.note = f"mirror copies of {what} disagree (first: {where}): plan or capture is wrong"
@@ -603,7 +607,8 @@ class Pipeline:
             self.next_bucket = 0  # buckets stepped so far are abandoned with the shadow
             if self.stopped_after is None:
                 self.stopped_after = it - 1
-                rep.note += f" shadow stops at iteration {it - 1}" + \
+                rep.note += (" " if rep.note.endswith(";") else "; " if rep.note else "") + \
+                    f"shadow stops at iteration {it - 1}" + \
                     (f" until resumed from {self.opts.resume}" if self.opts.resume else "")
         else:
             self._apply(asm, rep)
@@ -616,6 +621,19 @@ class Pipeline:
         self.reports.append(rep)
         if self.on_iteration:
             self.on_iteration(rep)
+
+    def _clash(self, asm: IterationAssembly, s: int, b: int, lo: int, hi: int) -> str:
+        """Which streams' copies of a conflict disagree: the one whose packet was refused
+        and those that had placed the elements (neither is taken for right)."""
+        others = [t for t in asm.streams_covering(b, lo, hi) if t != s]
+        if not others:
+            return f"{self.stream_name(s)}, within itself"
+        return f"{self.stream_name(s)} against {', '.join(self.stream_name(t) for t in others)}"
+
+    def stream_name(self, s: int) -> str:
+        """What notes call stream s: its file's or interface's name, where known."""
+        names = self.opts.stream_names
+        return f"stream {names[s]}" if names and s < len(names) else f"stream {s}"
 
     def _bucketwise(self) -> bool:
         return self.shadow is not None and self.stopped_after is None and self.shadow.bucketwise

@@ -108,7 +108,10 @@ def test_an_altered_copy_with_a_valid_icrc_is_a_conflict_not_a_commit(three_mirr
     assert st[0] == "committed"
     assert st[bad] == "conflict", st
     rep = next(r for r in pipe.reports if r.iteration == bad)
-    assert "disagree with another stream's intact copy" in rep.note and "bucket" in rep.note
+    assert "disagree with another intact copy of their elements" in rep.note and "bucket" in rep.note
+    # no names given: the indices; the altered copy is stream 0's, whichever came first
+    assert re.search(r"\(first: stream [0-2] against stream [0-2](, stream [0-2])?, bucket", rep.note), rep.note
+    assert "stream 0" in rep.note
     # nothing wrong is ever written: no checkpoint from the conflicting iteration on
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]
     assert all(r.exact is not False for r in pipe.reports)
@@ -194,5 +197,20 @@ def test_a_daemon_stopped_on_a_conflict_says_so_not_only_missing(three_mirrors, 
     pipe.run(file_source(out, pipe.errors), abandon=True)
     rep = pipe.reports[-1]
     assert rep.iteration == last and rep.status == "abandoned", [(r.iteration, r.status) for r in pipe.reports]
-    assert re.fullmatch(r"stopped with 0\.00% missing and \d+ conflicting copies \(first: stream \d, "
+    assert re.fullmatch(r"stopped with 0\.00% missing and \d+ conflicting copies \(first: stream \d against "
+                        r"stream \d(, stream \d)?, "
                         r"bucket \d+, elements \d+-\d+\)", rep.note), rep.note
+
+
+def test_a_conflict_note_names_the_stream_by_its_file_and_the_shadow_after_a_semicolon(three_mirrors, tmp_path,
+                                                                                       capsys):
+    """The note said "first: stream 0" (an index the user never gave) and ran on into
+    "plan or capture is wrong shadow stops at iteration 1" without a separator."""
+    from ckptd.cli import main
+    paths, bad = _altered_scenario(tmp_path, three_mirrors)
+    main(["replay", "--plan", str(three_mirrors / "plan.json"), "--init", str(three_mirrors / "init.pt"),
+          "--reference-path", *paths])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"iteration {bad:>4}: conflict"))
+    assert re.search(r"\(first: stream mirror\d against stream mirror\d(, stream mirror\d)?, bucket", line), line
+    assert "stream mirror0" in line, line  # the altered copy's file
+    assert f"plan or capture is wrong; shadow stops at iteration {bad - 1})" in line, line

@@ -126,6 +126,10 @@ class IterationAssembly:
         maps = self.covered if stream is None else self.by_stream[stream]
         return (sum(bits_count(m) for m in maps) / total) if total else 1.0
 
+    def streams_covering(self, bucket: int, start: int, end: int) -> list[int]:
+        """The streams that placed any of the elements [start, end) of a bucket."""
+        return [s for s, maps in enumerate(self.by_stream) if bits_get(maps[bucket], start, end).any()]
+
     def missing(self, param_ranges) -> list[Missing]:
         """Exact element ranges no stream delivered, with the parameters they fall in."""
         out = []

@@ -638,7 +638,8 @@ class Daemon:
                              resume=cfg.resume, dump_gradients=cfg.dump_gradients,
                              join=cfg.join, join_from=cfg.join_from, keep_last=cfg.keep_last,
                              keep_every=cfg.keep_every, retry_writes=True,
-                             agree_window_ms=cfg.agree_window_ms)
+                             agree_window_ms=cfg.agree_window_ms,
+                             stream_names=tuple(i.name for i in cfg.interfaces))
         self.fast = (self.plan.transport == "roce") if cfg.fast is None else bool(cfg.fast)
         if self.fast and self.plan.transport != "roce":
             raise ConfigError(f"fast: true needs a RoCE plan; this plan's transport is "

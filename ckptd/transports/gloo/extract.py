@@ -440,15 +440,16 @@ class GlooExtractor:
             self.counters["buffers_not_seen"] += 1
         return got
 
-    def copies_conflict(self, iteration: int) -> tuple[int, str] | None:
+    def copies_conflict(self, iteration: int) -> tuple[int, int, str] | None:
         """Where mirror copies of the bytes of `iteration`'s allgather messages disagreed
         (the reassembler compares every copy of a byte and places the first one
         delivered, so which is right is not known; the pipeline never commits it): (the
-        bucket, where), else None. Forgets the iteration's spans."""
+        bucket, the stream whose copy differed, where), else None. Forgets the iteration's
+        spans."""
         for key, lo, hi, b in self.spans.pop(iteration, ()):
             for s, e, stream in self.reasm.dirs[key].conflicts:
                 if s < hi and lo < e:
-                    return b, f"stream {stream}, {key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
+                    return b, stream, f"{key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
         return None
 
     def _resolve_rebuilt(self):

@@ -580,7 +580,9 @@ class Pipeline:
         elif not asm.complete:
             rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
-            if not asm.packets:  # a link down, a capture gap: say it, the ranges alone do not
+            if not asm.packets and self.extract.unmatched_flows():  # packets there were, placed nowhere
+                rep.note = "no packet of it was placed: flows of the captures fit none of the plan's (listed below);"
+            elif not asm.packets:  # a link down, a capture gap: say it, the ranges alone do not
                 rep.note = "no packet of it was captured on any stream;"
             why = getattr(self.extract, "why_unplaced", lambda w: None)(wire)
             if why:  # gloo: a gap that hid whole collectives ended the count of allreduces

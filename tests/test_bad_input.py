@@ -1518,3 +1518,22 @@ def test_a_replay_without_the_built_kernel_says_how_to_build_it_and_the_referenc
     r = subprocess.run([sys.executable, "-c", _WITHOUT_KERNEL, *args, "--reference-path"], capture_output=True,
                        text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 0 and "1 iterations, 1 committed" in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_plan_of_another_path_mtu_is_named_not_the_ring_version(scenario, tmp_path, capsys, fast):
+    """The MTU cuts every message into packets (and PSNs): with the plan's ring.mtu not
+    the captures', no flow fits. The replay blamed the ring's NCCL version and protocol,
+    and every iteration said no packet of it was captured."""
+    import json
+    doc = json.loads((scenario / "plan.json").read_text())
+    assert doc["ring"]["mtu"] == 4096  # (synth's default)
+    doc["ring"]["mtu"] = 1024
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    r = ckptd_main(capsys, "replay", "--plan", tmp_path / "plan.json", "--init", scenario / "init.pt",
+                   *([] if fast else ["--reference-path"]), *sorted((scenario / "mirrors").glob("*.pcap")))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "so the path MTU is 4096: the plan's ring.mtu is 1024" in r.stdout
+    assert "the plan's ring.mtu is 1024" in r.stderr and "ring.nccl_version" not in r.stderr
+    assert "no packet of it was placed: flows of the captures fit none of the plan's" in r.stdout
+    assert "no packet of it was captured" not in r.stdout

@@ -292,6 +292,7 @@ class FlowBinder:
         self.unexplained: list[tuple[tuple[int, int], _Candidate]] = []  # flows no slot explains
         self.errors: list[str] = []
         self.notes: list[str] = []
+        self.mtu_seen: Counter = Counter()  # payload length of unbound flows' FIRST/MIDDLE packets
         self.data_plane: DataPlane | None = None  # told of every decision (Extractor.set_data_plane)
 
     def _unrelated(self, flow):
@@ -359,6 +360,8 @@ class FlowBinder:
             self._unrelated(pkt.flow)  # every QP of this hop is bound: not the job's
             return []
         flows = self.pending.setdefault(hop, {})
+        if pkt.opcode in (WRITE_FIRST, WRITE_MIDDLE):  # the path MTU long, every one (wire_mtu)
+            self.mtu_seen[len(pkt.payload)] += 1
         cand = flows.get(pkt.flow)
         if cand is None:
             cand = flows[pkt.flow] = _Candidate(first_psn=pkt.psn, sport=pkt.sport)
@@ -662,6 +665,18 @@ class FlowBinder:
             return 0
         it = loc[0]
         return it if tl.iteration_start(it) == pos else it + 1
+
+    def wire_mtu(self) -> str | None:
+        """Where the packets of unbound flows show another path MTU than the plan's
+        (every packet of a message but its last carries exactly the MTU): why no flow
+        fits the schedule, which the MTU cuts into packets (and PSNs). Else None."""
+        if not self.mtu_seen:
+            return None
+        mtu, n = self.mtu_seen.most_common(1)[0]
+        if mtu == self.plan.ring.mtu:
+            return None
+        return (f"{n} packets of the flows left unmatched carry {mtu} bytes, each the first or a middle one of "
+                f"its message, so the path MTU is {mtu}: the plan's ring.mtu is {self.plan.ring.mtu}")
 
     def began_inside(self) -> bool:
         """Not joining, flows broke the schedule, and some flow was placed inside the job

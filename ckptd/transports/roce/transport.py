@@ -55,8 +55,13 @@ class RoceTransport(Extractor):
         off_ring = [f"off-ring data: RDMA writes between ports of the job that are neighbours in no channel of "
                     f"the plan's ring ({self.binder.link_names(off)}): its ring.rings or ranks[].addr may "
                     "not be the job's (or the job also runs Tree/NVLS traffic)"] if off else []
-        return off_ring + [f"unknown address: {e}" for e in self.binder.strangers_in_place()] + \
+        mtu = self.binder.wire_mtu()
+        return off_ring + ([f"path MTU: {mtu}"] if mtu else []) + \
+            [f"unknown address: {e}" for e in self.binder.strangers_in_place()] + \
             ([f"mid-job: packets broke the schedule, and {MID_JOB}"] if self.binder.began_inside() else [])
+
+    def wire_mtu(self) -> str | None:
+        return self.binder.wire_mtu()
 
     def began_mid_job(self) -> bool:
         return self.binder.began_inside()

@@ -189,14 +189,20 @@ def test_a_join_that_joins_nothing_is_one_error_line(scenario, capsys, path):
     recognised, no iteration joined", then "error: the captures ... hold no iteration
     of the job"."""
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
-                   "--join-from", "5", *path, *_pcaps(scenario))
+                   "--join-from", "1", *path, *_pcaps(scenario))
     _one_line_error(r, str(scenario / "plan.json"),
-                    "--join-from 5: no flow of the job in ")
-    assert "so no iteration was joined" in r.stderr and "5 is not an iteration the job had reached" in r.stderr
+                    "--join-from 1: no flow of the job in ")
+    assert "so no iteration was joined" in r.stderr and "1 is not an iteration the job had reached" in r.stderr
     assert "the flows left unmatched are listed above" in r.stderr and "unmatched flow: " in r.stdout
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
                    "--join-from", "0", *path, *_pcaps(scenario))
     assert r.returncode == 0 and r.stderr == "" and "joined at iteration 0" in r.stdout, r.stderr
+    # past the plan's job: refused before a frame is read (it printed "joined at iteration
+    # 524290" and the iterations past the job's end, then refused them)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--join-from", "524288", *path, *_pcaps(scenario))
+    _one_line_error(r, str(scenario / "plan.json"), "--join-from 524288: the job of the plan ")
+    assert "has 2 iterations (0..1)" in r.stderr and r.stdout == ""
 
 
 # -- checkpoints whose lr is not a finite number >= 0 -------------------------------------------------

@@ -61,7 +61,16 @@ def _sniff(head: bytes, path) -> str:
                 except CaptureError:
                     pass  # damage: reported where the reader reaches it, after the frames before it
         return "pcapng"
+    packed = next((kind for magic, kind in COMPRESSED.items() if head.startswith(magic)), None)
+    if packed:  # (a capture is read by its offsets, mapped: a compressed one cannot be)
+        raise NotACaptureError(f"{path}: {packed}-compressed, not a capture: decompress it first, or give it as "
+                               f"`-` with the capture piped in (e.g. zcat {path} | ckptd replay ... -)")
     raise NotACaptureError(f"{path}: neither pcap nor pcapng (first bytes {head[:4].hex() or 'none'})")
+
+
+# the first bytes of the compressed files a capture is often kept as -> the compressor
+COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz", b"BZh": "bzip2",
+              b"\x04\x22\x4d\x18": "lz4"}
 
 
 def open_capture(path, warn=None) -> Iterator[CapturedFrame]:

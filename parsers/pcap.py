@@ -51,6 +51,10 @@ def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
             raise CaptureError(f"{name}: frame {index}: record header truncated "
                                f"({len(rec)} of 16 bytes) at end of file")
         sec, frac, caplen, origlen = record.unpack(rec)
+        if rec[:4] in _MAGICS or rec[:4] == b"\x0a\x0d\x0d\x0a":  # a pcap's magic, a pcapng SHB's type
+            raise CaptureError(f"{name}: frame {index}: another capture file's header starts here (files joined "
+                               "with cat?): one stream's files, as tcpdump -C/-G rotates them, are joined with "
+                               "`mergecap -a -w one.pcap first.pcap second.pcap ...`; each argument is a stream")
         if caplen > MAX_SNAPLEN:
             raise CaptureError(f"{name}: frame {index}: captured length {caplen} is more than "
                                f"the largest snaplen ({MAX_SNAPLEN}): a broken record header")

@@ -1537,3 +1537,38 @@ def test_a_plan_of_another_path_mtu_is_named_not_the_ring_version(scenario, tmp_
     assert "the plan's ring.mtu is 1024" in r.stderr and "ring.nccl_version" not in r.stderr
     assert "no packet of it was placed: flows of the captures fit none of the plan's" in r.stdout
     assert "no packet of it was captured" not in r.stdout
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz", "zstd"])
+def test_a_compressed_capture_is_named_with_how_to_read_it(scenario, tmp_path, capsys, kind):
+    """It said "neither pcap nor pcapng (first bytes 1f8b0808)"."""
+    import bz2
+    import gzip
+    import lzma
+    pcap = sorted((scenario / "mirrors").glob("*.pcap"))[0]
+    data = pcap.read_bytes()
+    packed = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+              "zstd": lambda d: b"\x28\xb5\x2f\xfd" + d[:64]}[kind](data)  # (zstd: its magic is enough)
+    f = tmp_path / f"mirror0.pcap.{kind}"
+    f.write_bytes(packed)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", f)
+    _one_line_error(r, str(f), f"{kind}-compressed, not a capture: decompress it first")
+    assert "ckptd replay ... -" in r.stderr
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_captures_joined_with_cat_are_named_where_the_second_begins(scenario, tmp_path, capsys, fast):
+    """`cat a.pcap b.pcap` reads on as one pcap whose 'record' at the second file header
+    is absurd: it said "captured length 1700000000 is more than the largest snaplen: a
+    broken record header", at a frame number one past the header. What the first file
+    holds is still replayed."""
+    from parsers.capfile import open_capture
+    pcap = sorted((scenario / "mirrors").glob("*.pcap"))[0]
+    frames = sum(1 for _ in open_capture(pcap))
+    joined = tmp_path / "joined.pcap"
+    joined.write_bytes(pcap.read_bytes() * 2)
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   *([] if fast else ["--reference-path"]), joined)
+    assert f"joined.pcap: frame {frames + 1}: another capture file's header starts here (files joined with cat?)" \
+        in r.stderr, r.stderr
+    assert "mergecap -a" in r.stderr and "1 iterations, 1 committed" in r.stdout, r.stdout

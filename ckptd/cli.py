@@ -265,7 +265,7 @@ def cmd_replay(a) -> int:
     refused = [e for e in pipe.errors if isinstance(e, CaptureDamage) and e.refused]
     for e in pipe.errors:
         if e != NOTHING_JOINED and e not in refused:
-            print("warning: " + " ".join(e.split()), file=sys.stderr)
+            print("warning: " + _as_given(" ".join(e.split())), file=sys.stderr)
     if pipe.joined is not None:
         print(f"joined at iteration {pipe.joined} (the first every flow was seen from its start; "
               f"{pipe.before_join} packets before it dropped)")
@@ -439,6 +439,13 @@ def cmd_inspect(a) -> int:
         more = len(res["errors"]) - 1
         raise UsageError(res["errors"][0] + (f" (and {more} more)" if more else ""))
     return 0
+
+
+def _as_given(message: str) -> str:
+    """A message about the capture read from `-` names it as the user gave it, not as
+    the /dev/stdin it is read through."""
+    from ckptd.core.streams import STDIN_PATH
+    return message.replace(f"{STDIN_PATH}:", "- (stdin):")
 
 
 def _stdin_capture(paths: list[str]) -> list[str]:
@@ -1275,7 +1282,7 @@ def main(argv=None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptd inspect x | head`
             _quiet_stdout()
             return 0
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, always
+        print("error: " + _as_given(" ".join(str(e).split())), file=sys.stderr)  # one line, always
         return 2
     except ImportError as e:
         if os.environ.get("CKPTD_DEBUG") or not (e.name or "").startswith("cython_ext"):

@@ -469,7 +469,7 @@ def test_a_pipe_that_holds_no_capture_is_the_error_a_file_is(scenario, tmp_path,
     r = subprocess.run([sys.executable, "-m", "ckptd", *map(str, base), "-"], input=held, capture_output=True,
                        timeout=120)
     _one_line_error(subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode()),
-                    "/dev/stdin", message)
+                    "- (stdin)", message)  # as given, not the /dev/stdin it is read through
     rfd, wfd = os.pipe()
     os.write(wfd, held)
     os.close(wfd)

@@ -87,7 +87,7 @@ def file_source(paths: list[str], errors: list[str], warn=None) -> Iterator[tupl
     def one(k, path):
         try:
             for fr in open_capture(path, warn):
-                yield (fr.ts_ns or 0, k, fr.index), (k, fr)
+                yield (fr.merge_time, k, fr.index), (k, fr)
         except (CaptureError, OSError) as e:
             errors.append(CaptureDamage(path, e))
     for _, item in heapq.merge(*(one(k, p) for k, p in enumerate(paths)), key=lambda x: x[0]):

@@ -436,6 +436,8 @@ cdef class PcapMerge:
                               &clean)
             for i in range(n):
                 self.ts[s, i] = self.sec[s, i] * 1_000_000_000 + self.frac[s, i] * self.tick[s]
+                if self.ts[s, i] == 0:  # no timestamp: its frame number (CapturedFrame.merge_time)
+                    self.ts[s, i] = self.first_no[s] + i
             self.count[s] = n
             if not clean:
                 self.state[s] = MERGE_CUT

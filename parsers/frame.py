@@ -66,3 +66,13 @@ class CapturedFrame:
     @property
     def truncated(self) -> bool:
         return self.caplen < self.origlen
+
+    @property
+    def merge_time(self) -> int:
+        """When the frame goes in a merge of several captures: its capture time, or where
+        it has none (a pcapng simple block; a file written with zero timestamps) its frame
+        number, so that streams without timestamps interleave frame by frame: merged
+        one whole file after the other, copies of a packet met only after its iteration
+        had been given up, and every iteration a lossy first file missed was lost.
+        cython_ext's PcapMerge orders pcap records by the same rule."""
+        return self.ts_ns or self.index

@@ -214,3 +214,44 @@ def test_a_conflict_note_names_the_stream_by_its_file_and_the_shadow_after_a_sem
     assert re.search(r"\(first: stream mirror\d against stream mirror\d(, stream mirror\d)?, bucket", line), line
     assert "stream mirror0" in line, line  # the altered copy's file
     assert f"plan or capture is wrong; shadow stops at iteration {bad - 1})" in line, line
+
+
+def _simple_block_pcapng(frames) -> bytes:
+    """A pcapng of Simple Packet Blocks (no timestamp) on one Ethernet interface."""
+    import struct
+
+    def block(btype, body):
+        body += b"\0" * ((-len(body)) % 4)
+        return struct.pack("<II", btype, len(body) + 12) + body + struct.pack("<I", len(body) + 12)
+    out = [block(0x0A0D0D0A, struct.pack("<IHHq", 0x1A2B3C4D, 1, 0, -1)),
+           block(1, struct.pack("<HHI", 1, 0, 0))]
+    out += [block(3, struct.pack("<I", fr.origlen) + fr.data) for fr in frames]
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("form", ["pcap-zero", "pcapng-simple"])
+def test_captures_without_timestamps_interleave_and_recover_what_each_lost(tmp_path_factory, tmp_path, fast, form):
+    """Three mirror streams, each losing 1% of its frames, none with a timestamp (pcapng
+    simple packet blocks; a pcap written with zeros). They were merged one whole file
+    after the other: the copies in the second and third files came after their
+    iterations had been given up, and every iteration the first had lost a packet of was
+    lost (6 of 6 here). Without times the files now interleave frame by frame, and each
+    iteration is recovered from the others' copies, as with times."""
+    src = tmp_path_factory.mktemp("lossy")
+    synth(src, ranks=4, channels=1, mirrors=3, iterations=6, seed=5, loss=0.01)
+    paths = []
+    for p in pcaps(src):
+        frames = list(open_capture(p))
+        q = tmp_path / (Path(p).stem + (".pcap" if form == "pcap-zero" else ".pcapng"))
+        if form == "pcap-zero":
+            write_pcap(str(q), [type(fr)(fr.index, 0, fr.linktype, fr.caplen, fr.origlen, fr.data) for fr in frames])
+        else:
+            q.write_bytes(_simple_block_pcapng(frames))
+        paths.append(str(q))
+    assert all(fr.merge_time == fr.index for fr in open_capture(paths[0]))
+    timed = _run(src, pcaps(src), fast, tmp_path / "timed")
+    untimed = _run(src, paths, fast, tmp_path / "untimed")
+    assert [r.status for r in timed.reports] == ["committed"] * 6
+    assert [(r.iteration, r.status, r.exact) for r in untimed.reports] == [(i, "committed", True) for i in range(6)], \
+        [(r.iteration, r.status, r.note) for r in untimed.reports]

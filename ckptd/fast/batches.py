@@ -89,7 +89,7 @@ def batch_from_frames(frames: Iterable[tuple[int, CapturedFrame]]) -> Batch:
                  np.array([s for s, _ in frames], np.int32),
                  np.array([fr.linktype for _, fr in frames], np.int32),
                  np.array([fr.index for _, fr in frames], np.int64),
-                 np.array([fr.ts_ns or 0 for _, fr in frames], np.int64))
+                 np.array([fr.merge_time for _, fr in frames], np.int64))
 
 
 _PCAP_MAGICS = {MAGIC_US.to_bytes(4, "little"): (False, 1000), MAGIC_US.to_bytes(4, "big"): (True, 1000),

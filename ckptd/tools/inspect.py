@@ -257,7 +257,7 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
                 if not d.is_roce:
                     tcp_frames += 1
                     if k in kept:
-                        kept[k].append(((fr.ts_ns or 0, k, fr.index), (k, fr)))
+                        kept[k].append(((fr.merge_time, k, fr.index), (k, fr)))
                     continue
                 fi["roce_frames"] += 1
                 if d.icrc_ok is True:
@@ -284,7 +284,7 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
         # the second pass over the regular files (their interfaces were warned of in the
         # first), merged as file_source merges with the pipes' frames kept from the first
         again = [k for k in range(len(paths)) if k not in kept]
-        reread = (((fr.ts_ns or 0, again[j], fr.index), (again[j], fr))
+        reread = (((fr.merge_time, again[j], fr.index), (again[j], fr))
                   for j, fr in file_source([paths[k] for k in again], [], warn=lambda msg: None))
         for _, (k, fr) in heapq.merge(reread, *kept.values(), key=lambda x: x[0]):
             tcp.add(fr.data, fr.linktype, fr.origlen, k)

@@ -516,7 +516,10 @@ class GlooExtractor:
         direction witnesses that it was no allreduce (_witness). Waiting while one
         still may; else numbering stops for good (count_lost) and the data held for
         later tags is dropped."""
-        prev = self.tags[self.map_pos - 1] if self.map_pos else -1
+        # before the first allreduce (number 0): from the first tag the capture saw. The
+        # collectives before that are DDP's start-up ones, which a capture begun just
+        # after them (as the daemon's often is) never sees: unseen, they say nothing
+        prev = self.tags[self.map_pos - 1] if self.map_pos else min(self.seen_tags, default=t)
         if self.map_pos and not self.map_pos % 1024:  # a long job keeps what is still needed
             self.seen_tags = {u for u in self.seen_tags if u > prev}
             for k, spans in self.loss_tags.items():

@@ -68,6 +68,9 @@ ACK_WINDOW = 4096  # how far before a flow's first packet its ACKs are looked fo
 RECENT_ACKS = 4096  # ACKs remembered per hop while its flows are unbound
 ACKS_WITHOUT_DATA = 4096  # a hop's ACKs seen with none of its data: its data is not mirrored
 MISMATCHED_HEADS = 16  # message heads kept per bound flow that the schedule rejected
+# a flow first seen this many packets past PSN 0 had carried traffic before the capture
+# (a flow's first few packets may be lost on every mirror, and still it began there)
+MID_JOB_PSN = 16
 LINES_SAMPLE = 16  # packets of a flow whose lines name its protocol (FlowBinder._lines)
 LL128_LINE = ll128.LINE_WORDS * 8
 PROTOCOL_LOOKS = {"ll": "LL (16-byte lines, a flag in every second 32-bit word)",
@@ -223,6 +226,7 @@ class FlowBinding:
     # (sender port, receiver port), a port = (its NIC by owner rank, port index): Plan.qp_link
     link: tuple[tuple[int, int], tuple[int, int]] = ((-1, 0), (-1, 0))
     mismatched: list = field(default_factory=list)  # (position, DMA length) of heads the schedule rejected
+    first_psn: int = 0  # the earliest PSN seen of the flow, its ACKs' included (_placed_inside)
 
 
 class DataPlane(Protocol):
@@ -558,7 +562,8 @@ class FlowBinder:
                 taken.add(slot)
                 base = cand.first_psn + base_rel  # unbounded: first_psn sits in [0, 2**24)
                 b = FlowBinding(key, slot[:3], slot[3], tl, base, cand.first_psn,
-                                self._first_whole(tl, cand.min_rel - base_rel), hop)
+                                self._first_whole(tl, cand.min_rel - base_rel), hop,
+                                first_psn=(cand.first_psn + cand.min_rel) % PSN_MOD)
                 if self.data_plane is not None:
                     b = self.data_plane.bind_flow(b)
                 self.bound[key] = b
@@ -679,17 +684,20 @@ class FlowBinder:
                 f"its message, so the path MTU is {mtu}: the plan's ring.mtu is {self.plan.ring.mtu}")
 
     def began_inside(self) -> bool:
-        """Not joining, flows broke the schedule, and some flow was placed inside the job
-        (_placed_inside): the capture most likely began mid-job, and the flows were
-        placed by their lengths alone (where --join places them by their PSNs)."""
+        """Not joining, flows broke the schedule, and every flow was first seen inside the
+        job (_placed_inside): the capture began mid-job, and the flows were placed by
+        their lengths alone (where --join places them by their PSNs). One stream begun
+        late beside one from the start is not it: most packets fit there."""
         return (self.join_from is None and any(b.mismatched for b in self.bound.values())
-                and any(self._placed_inside(b) for b in self.bound.values()))
+                and all(self._placed_inside(b) for b in self.bound.values()))
 
     def _placed_inside(self, b: FlowBinding) -> bool:
-        """A flow first seen after its first iteration had begun, or whose iteration 0
-        would begin at a PSN other than 0, where NCCL connects every QP (as joining
-        assumes): placed where the job did not begin."""
-        return b.first_whole > 0 or b.base % PSN_MOD != 0
+        """A flow first seen (its ACKs included) MID_JOB_PSN or more packets after PSN 0,
+        where NCCL connects every QP (as joining assumes): it had carried the job's
+        traffic before the capture began, so placing it by its lengths from the job's
+        start (without --join) says nothing of the job. A plan of another ring places a
+        flow seen from its start wrongly too, and is no capture begun mid-job."""
+        return b.first_psn >= MID_JOB_PSN
 
     def join_iteration(self, force: bool = False) -> int | None:
         """Joining: the first iteration every flow was seen from its start, once every

@@ -688,8 +688,8 @@ def cmd_plan(a) -> int:
     from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig, ScheduleError
     from ckptd.core.wrappers import unwrap
-    from ckptd.torch import (TrainerError, ddp_layouts, model_buffers, model_collectives, plan_parameters,
-                             tied_parameters)
+    from ckptd.torch import (TrainerError, ddp_layouts, model_buffers, model_collectives, one_rank_per_node,
+                             plan_parameters, tied_parameters)
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
@@ -793,8 +793,7 @@ def cmd_plan(a) -> int:
     try:
         # PAT: the job's NCCL_ALGO / NCCL_PAT_ENABLE as its log shows them, else as this
         # command's environment has them (run it with the job's)
-        per_node = len(set(nodes)) == len(nodes) > 1 if nodes else len(set(addrs)) == len(addrs) > 1
-        collectives = {} if gloo else model_collectives(model, ring, per_node,
+        collectives = {} if gloo else model_collectives(model, ring, one_rank_per_node(nodes or addrs),
                                                         topo.nccl_env if topo is not None else os.environ)
     except TrainerError as e:
         raise UsageError(str(e)) from None

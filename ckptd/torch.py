@@ -1021,7 +1021,14 @@ def _ddp_collectives(ddp, ring: RingConfig, addresses) -> dict:
     differ only where forward_sync_buffers=False was passed explicitly)."""
     bufs = [b.detach() for _, b in _module_buffers(ddp)] if ddp.forward_sync_buffers else []
     return ddp_collectives([p.detach() for _, p in _named_parameters(ddp)], _reducer_params(ddp), bufs,
-                           ddp.broadcast_bucket_size, ring, len(set(addresses)) == len(addresses) > 1, os.environ)
+                           ddp.broadcast_bucket_size, ring, one_rank_per_node(addresses), os.environ)
+
+
+def one_rank_per_node(hosts) -> bool:
+    """Whether every rank is on a node of its own (`hosts`: each rank's node, or its
+    address where nodes are not known): where NCCL 2.23+ may run an allgather as PAT."""
+    hosts = list(hosts)
+    return len(set(hosts)) == len(hosts) > 1
 
 
 def model_collectives(model: torch.nn.Module, ring: RingConfig, one_rank_per_node: bool, env) -> dict:

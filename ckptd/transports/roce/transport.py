@@ -55,10 +55,10 @@ class RoceTransport(Extractor):
         off_ring = [f"off-ring data: RDMA writes between ports of the job that are neighbours in no channel of "
                     f"the plan's ring ({self.binder.link_names(off)}): its ring.rings or ranks[].addr may "
                     "not be the job's (or the job also runs Tree/NVLS traffic)"] if off else []
-        mtu = self.binder.wire_mtu()
+        mtu = self.wire_mtu()
         return off_ring + ([f"path MTU: {mtu}"] if mtu else []) + \
             [f"unknown address: {e}" for e in self.binder.strangers_in_place()] + \
-            ([f"mid-job: packets broke the schedule, and {MID_JOB}"] if self.binder.began_inside() else [])
+            ([f"mid-job: packets broke the schedule, and {MID_JOB}"] if self.began_mid_job() else [])
 
     def wire_mtu(self) -> str | None:
         return self.binder.wire_mtu()

@@ -134,7 +134,10 @@ def test_daemon_joins_a_running_job(run, tmp_path):
     joined = daemon.pipe.joined
     assert joined is not None and 1 <= joined < ITERATIONS - 2, joined
     assert status["join"]["joined_at"] == joined and not status["join"]["joining"]
-    assert daemon.pipe.before_join > 0  # it came in mid-iteration: the partial one was dropped
+    # What came before the join was dropped, and /status says how much. How much depends
+    # on where in an iteration the daemon came in (a flow bound only at its iteration's
+    # end leaves none placed): test_join's cut captures check the count itself.
+    assert status["join"]["packets_before"] == daemon.pipe.before_join >= 0
     reps = list(daemon.pipe.reports)
     assert [(r.iteration, r.status) for r in reps] == [(it, "committed") for it in range(joined, ITERATIONS)], \
         [(r.iteration, r.status, r.note) for r in reps]

@@ -238,10 +238,10 @@ def cmd_replay(a) -> int:
     if plan.transport == "roce" and not a.reference_path:
         from ckptd.fast.pipeline import fast_replay
         pipe = fast_replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
-                           trust_icrc=a.trust_icrc)
+                           trust_icrc=a.trust_icrc, own_start=True)
     else:
         pipe = replay(plan, a.pcap, start, opts, on_iteration=print_iteration(names),
-                      progress=_byte_progress("replay"))
+                      progress=_byte_progress("replay"), own_start=True)
     # a join's not-captured gap (iterations before the capture saw the job) is printed, not counted
     reps = [r for r in pipe.reports if r.status != "not-captured"]
     bad = [r for r in reps if not r.ok and r.status != "complete"]

@@ -31,6 +31,7 @@ daemon's notice asks the trainer for a checkpoint, ckptd.live.notice).
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import logging
 import os
@@ -795,17 +796,29 @@ def _parameters_only(ckpt: dict, names: list[str]) -> dict:
 
 
 def replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
-           on_iteration=None, progress: Callable[[int, int], None] | None = None) -> Pipeline:
-    """Offline replay of capture files; progress(bytes read, total bytes) now and then."""
+           on_iteration=None, progress: Callable[[int, int], None] | None = None, *,
+           own_start: bool = False) -> Pipeline:
+    """Offline replay of capture files; progress(bytes read, total bytes) now and then.
+    `start` is left as it was (see shadow_start); own_start hands it over instead."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
-    pipe = Pipeline(plan, start, len(paths), opts, on_iteration)
+    pipe = Pipeline(plan, shadow_start(start, own_start), len(paths), opts, on_iteration)
     source = file_source(paths, pipe.errors)
     if progress:
         source = _with_progress(source, sum(os.path.getsize(p) for p in paths), progress)
     pipe.run(source)
     return pipe
+
+
+def shadow_start(start: dict | None, own: bool) -> dict | None:
+    """The starting state the shadow steps in place. A caller's state (a model's
+    state_dict, an optimizer's) is copied first, as torch's load_state_dict copies: the
+    shadow stepping it would change the caller's model under it. own: the caller hands
+    it over (the CLI and the daemon load it for the run), which saves a model's copy."""
+    if start is None or own:
+        return start
+    return copy.deepcopy(start)  # (tensors that shared memory still do: ShadowModel unaliases them)
 
 
 def _with_progress(source, total: int, progress, every: int = 4096):

@@ -77,3 +77,39 @@ def test_bit_exact_every_iteration(tmp_path, name):
     if opts.comm_hook != "allreduce":
         wire = {"bf16_compress": "bfloat16", "fp16_compress": "float16"}[opts.comm_hook]
         assert pipe.plan.bucket_dtype(pipe.plan.buckets_first[0]) == wire
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+def test_replay_leaves_the_callers_starting_state_as_it_was(tmp_path, fast):
+    """A library caller hands replay a state it keeps using (a model's state_dict, say):
+    the shadow steps a copy of it, so the caller's tensors hold the starting values
+    afterwards while the checkpoints move on; own_start hands it over (the CLI's way)."""
+    import torch
+
+    from ckptd.core.plan import load_plan
+    from ckptd.fast.pipeline import fast_replay
+    from ckptd.pipeline import ReplayOptions, replay
+
+    from helpers import pcaps
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=1024, mirrors=2, iterations=3, seed=5,
+          opt_kind="sgd", opt_hyper={"lr": 0.05, "momentum": 0.9})
+    plan = load_plan(tmp_path / "plan.json")
+    run = fast_replay if fast else replay
+
+    def go(out, start, **kw):
+        pipe = run(plan, pcaps(tmp_path), start, ReplayOptions(out=str(tmp_path / out)), **kw)
+        assert [r.status for r in pipe.reports] == ["committed"] * 3, [(r.iteration, r.note) for r in pipe.reports]
+        return load_checkpoint(tmp_path / out / checkpoint_name(2))["model"]
+
+    start = load_checkpoint(tmp_path / "init.pt")
+    kept = {n: t.clone() for n, t in start["model"].items()}
+    last = go("a", start)
+    assert all(torch.equal(start["model"][n], kept[n]) for n in kept)  # the caller's state as it was
+    assert any(not torch.equal(last[n], kept[n]) for n in kept)  # while the shadow stepped on
+    assert diff_checkpoints(load_checkpoint(tmp_path / "a" / checkpoint_name(2)),
+                            load_checkpoint(tmp_path / "reference" / checkpoint_name(2))) == []
+    # handed over: stepped in place, to the same end
+    go("b", start, own_start=True)
+    assert any(not torch.equal(start["model"][n], kept[n]) for n in kept)
+    assert diff_checkpoints(load_checkpoint(tmp_path / "b" / checkpoint_name(2)),
+                            load_checkpoint(tmp_path / "a" / checkpoint_name(2))) == []

@@ -67,7 +67,7 @@ from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_fram
                                 stream_batches)
 from ckptd.fast.icrc import crc_choices, crc_setting, icrc_checker, opcode_tables
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
-from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions
+from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions, shadow_start
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
 
@@ -538,8 +538,9 @@ class FastPipeline:
 
 def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions,
                 on_iteration=None, *, trust_icrc: bool = False, crc: str = "auto",
-                chunk_bytes: int | None = None) -> FastPipeline:
-    """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps.
+                chunk_bytes: int | None = None, own_start: bool = False) -> FastPipeline:
+    """ckptd.pipeline.replay through the kernel: the same reports, checkpoints and dumps
+    (and `start` left as it was, unless own_start hands it over).
     The files are mapped and indexed in chunks on a thread of their own
     (ckptd.fast.batches.stream_batches, ReaderStage), which also checks the ICRCs; how
     often either side waited is kept in pipe.read_waits."""
@@ -551,7 +552,8 @@ def fast_replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOp
     # object of torch and numpy (8 ms for a middle one, 80 ms for a full one, against a
     # 0.15 s replay of issue 16's scenario).
     with collector_paused():
-        return _fast_replay(plan, paths, start, opts, on_iteration, trust_icrc, crc, chunk_bytes)
+        return _fast_replay(plan, paths, shadow_start(start, own_start), opts, on_iteration, trust_icrc, crc,
+                            chunk_bytes)
 
 
 def _fast_replay(plan, paths, start, opts, on_iteration, trust_icrc, crc, chunk_bytes) -> "FastPipeline":

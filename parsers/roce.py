@@ -117,6 +117,16 @@ class RoceFrame:
         return self.udp is not None and self.udp.dport == ROCEV2_PORT
 
     @property
+    def tunnel_fault(self) -> str | None:
+        """Why a GRE packet, a remote mirror session's most likely, was left unopened:
+        "gre_fragment", an IP fragment (the frame it wraps is lost: the path from the
+        switch fragments the tunnel), or "gre_unopened", no mirror this decoder opens
+        (`reason` says which). None for every other frame."""
+        if self.cls is not FrameClass.OTHER or self.ip is None or self.ip.proto != PROTO_GRE:
+            return None
+        return "gre_fragment" if self.ip.is_fragment else "gre_unopened"
+
+    @property
     def sport(self) -> int | None:
         """UDP source port: RoCEv2 flow entropy, constant per QP on most NICs."""
         return self.udp.sport if self.udp is not None else None

@@ -475,3 +475,24 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         assert rc == 2 and out.count("\n") == 1 and "d/ck: cannot create the checkpoint directory" in out, out
     finally:
         remove_namespaces([ns])
+
+
+def test_a_fragmented_mirror_tunnel_is_logged_once_and_counted_in_status(run, tmp_path, caplog):
+    """Copies lost to a remote mirror session's fragmented tunnel: one warning names the
+    stream and why (tests/test_erspan.py has replay's), /status's classes keep counting."""
+    from ckptd.testing.tunnel import erspan2, ip_fragments
+
+    frames, cut = [], 0
+    for s, fr in file_source(pcaps(run), []):
+        wrapped = erspan2(fr.data, 40 + s, fr.index)
+        pieces = ip_fragments(wrapped) if s == 1 and fr.index % 5 == 2 and len(wrapped) > 1100 else [wrapped]
+        cut += len(pieces) > 1
+        frames += [(s, fr.__class__(fr.index, fr.ts_ns, fr.linktype, len(x), len(x), x)) for x in pieces]
+    assert cut > 5
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        assert daemon.run(source=iter(frames), install_signals=False) == 0
+    warned = [r.getMessage() for r in caplog.records if "fragments of GRE" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("stream mirror1: ") and "MTU" in warned[0], warned
+    assert daemon.pipe.classes[1]["gre_fragment"] == 2 * cut and "gre_fragment" not in daemon.pipe.classes[0]
+    assert [r.status for r in daemon.pipe.reports] == ["committed"] * 4  # mirror0 had every copy

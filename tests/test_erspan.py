@@ -7,6 +7,7 @@ without raising.
 from __future__ import annotations
 
 import ipaddress
+import json
 import random
 import struct
 
@@ -20,7 +21,7 @@ from scapy.layers.inet6 import IPv6  # noqa: E402
 from scapy.layers.l2 import GRE as S_GRE, Dot1Q, Ether  # noqa: E402
 from scapy.packet import Raw  # noqa: E402
 
-from ckptd.testing.tunnel import erspan2, gre_tunnel  # noqa: E402
+from ckptd.testing.tunnel import erspan2, gre_tunnel, ip_fragments  # noqa: E402
 from parsers import icrc  # noqa: E402
 from parsers.erspan import ERSPAN2, ERSPAN3  # noqa: E402
 from parsers.gre import GRE  # noqa: E402
@@ -261,7 +262,7 @@ def test_malformed_and_truncated():
     assert cls(outer(4, inner_ip(4) / UDP(dport=4791), S_GRE(proto=0x0800))).cls is FrameClass.OTHER
     v1 = bytes(S_GRE(key_present=1, version=1, proto=0x880B, key=0x00040001)) + b"ppp!"
     d = cls(bytes(Ether() / IP(proto=47) / Raw(v1)))
-    assert d.cls is FrameClass.OTHER and "version 1" in d.reason
+    assert d.cls is FrameClass.OTHER and "version 1" in d.reason and d.tunnel_fault == "gre_unopened"
     d = cls(outer(4, ERSPAN_III(ft=5) / roce_frame(4), S_GRE(proto=0x22EB, seqnum_present=1)))
     assert d.cls is FrameClass.OTHER and "frame type 5" in d.reason
     # routing bit with SREs but no null SRE before the packet ends
@@ -273,7 +274,7 @@ def test_malformed_and_truncated():
     # fragmented tunnel packet
     src, dst = OUTER[4]
     frag = bytes(Ether() / IP(src=src, dst=dst, proto=47, flags="MF") / Raw(good[gre_off:gre_off + 64]))
-    assert cls(frag).cls is FrameClass.OTHER
+    assert cls(frag).cls is FrameClass.OTHER and cls(frag).tunnel_fault == "gre_fragment"
     # IPv6 outer, raw-IP link type (a capture of the tunnel interface without Ethernet)
     raw6 = erspan_frame(3, 6, 4)[14:]
     assert cls(raw6, linktype=101).cls is FrameClass.ROCE_DATA
@@ -325,3 +326,44 @@ def test_replay_through_erspan_is_bit_exact(tmp_path):
     assert decode_frame(first.data).erspan_session == 101
     reps = run_replay(tmp_path).reports
     assert [r.status for r in reps] == ["committed"] * 3 and all(r.exact for r in reps)
+
+
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_a_fragmented_mirror_tunnel_is_named_by_replay_and_inspect(tmp_path, capsys, path):
+    """A remote mirror session whose path fragments its GRE packets loses the frames in
+    them: replay warns (stream, count, why), inspect lists the reason, the other
+    stream's copies still commit every iteration. Before, they were "other" frames and
+    nothing said what had happened to the copies."""
+    from ckptd.cli import main
+
+    from helpers import pcaps, synth
+    synth(tmp_path, ranks=2, channels=1, protocol="simple", mtu=2048, mirrors=2, iterations=3, seed=3)
+    cut = 0
+    for k, p in enumerate(pcaps(tmp_path)):
+        out = []
+        for i, fr in enumerate(read_pcap(p)):
+            wrapped = erspan2(fr.data, 40 + k, i)
+            if k == 1 and i % 7 == 3 and len(wrapped) > 1100:
+                pieces = ip_fragments(wrapped)
+                cut += 1
+            else:
+                pieces = [wrapped]
+            out += [(fr.ts_ns, x) for x in pieces]
+        write_pcap(p, out)
+    assert cut > 20
+    args = ["--plan", str(tmp_path / "plan.json"), "--init", str(tmp_path / "init.pt"), "--out",
+            str(tmp_path / f"out-{path}"), "--reference", str(tmp_path / "reference")] + pcaps(tmp_path)
+    assert main(["replay"] + (["--reference-path"] if path == "reference" else []) + args) == 0
+    out, err = capsys.readouterr()
+    assert "3 iterations, 3 committed, 0 not recovered" in out and out.count("bit-exact") == 3
+    assert f"gre_fragment={2 * cut}" in out  # the stream's line counts them among its classes
+    warned = [line for line in err.splitlines() if "fragments of GRE" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: stream mirror1: {2 * cut} frames were IP "
+                                                      "fragments of GRE packets"), err
+    assert "MTU" in warned[0]
+    assert main(["inspect", "--json"] + pcaps(tmp_path)) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["other_reasons"]["IP fragment (GRE)"] == 2 * cut  # (beside the job's other UDP)
+    assert [fi["other_reasons"].get("IP fragment (GRE)") for fi in res["files"]] == [None, 2 * cut]
+    assert main(["inspect"] + pcaps(tmp_path)) == 0
+    assert f"Other: IP fragment (GRE) {2 * cut}" in capsys.readouterr().out  # the most frequent first

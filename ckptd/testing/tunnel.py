@@ -33,4 +33,18 @@ def erspan2(frame: bytes, session: int, seq: int) -> bytes:
     return gre_tunnel(frame, 0x88BE, hdr, flags=0x1000, seq=seq)
 
 
-__all__ = ["erspan2", "gre_tunnel"]
+def ip_fragments(packet: bytes, at: int = 1000) -> list[bytes]:
+    """An IPv4 tunnel packet of gre_tunnel's (Ethernet, a 20-byte IP header) as a router on
+    a path of a smaller MTU forwards it: two fragments, the second `at` bytes (a multiple
+    of 8) into the IP payload."""
+    eth, ip, body = packet[:14], packet[14:34], packet[34:]
+
+    def fragment(part: bytes, offset: int, more: bool) -> bytes:
+        hdr = bytearray(ip)
+        struct.pack_into(">H", hdr, 2, 20 + len(part))
+        struct.pack_into(">H", hdr, 6, (0x2000 if more else 0) | offset // 8)  # MF, offset in 8s
+        return eth + bytes(hdr) + part
+    return [fragment(body[:at], 0, True), fragment(body[at:], at, False)]
+
+
+__all__ = ["erspan2", "gre_tunnel", "ip_fragments"]

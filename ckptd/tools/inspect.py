@@ -4,11 +4,14 @@ inspect_captures(paths) reads every frame with parsers.capfile.open_capture, dec
 it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as is):
 
     files         per file: path, name (the stream's: ckptd.core.streams), frames, roce_frames, icrc_valid, icrc_invalid,
-                  classes, linktypes, first/last timestamp, error (or None)
+                  classes, other_reasons, linktypes, first/last timestamp, error (or None)
     frames        frames read, all files
     roce_frames   frames to UDP port 4791, whatever their class
     icrc_valid / icrc_invalid   among roce_frames whose ICRC could be checked
     classes       {FrameClass value: count}, every class present (zeros included)
+    other_reasons {why: count} for the "other" frames, most frequent first (also per
+                  file): "IP protocol 6", "UDP port 53", "IP fragment (GRE)" (a remote
+                  mirror session's tunnel fragmented on its way: the frames it wraps are lost)
     opcodes       {opcode name: count} over roce_frames
     flows         one record per (src IP, dst IP, BTH dest QP), in order of first
                   appearance: src, dst, dest_qp, packets, messages (FIRST/ONLY seen),
@@ -216,6 +219,9 @@ class _Conversations:
         return out
 
 
+OTHER_SHOWN = 6  # reasons of "other" frames in the table, most frequent first
+
+
 def _empty_classes():
     return {c.value: 0 for c in FrameClass}
 
@@ -241,7 +247,7 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
             if not stat.S_ISREG(os.stat(path).st_mode):
                 kept[k] = []
         fi = {"path": path, "name": names[k], "frames": 0, "roce_frames": 0, "icrc_valid": 0, "icrc_invalid": 0,
-              "classes": _empty_classes(), "linktypes": {}, "first_ts_ns": None,
+              "classes": _empty_classes(), "other_reasons": Counter(), "linktypes": {}, "first_ts_ns": None,
               "last_ts_ns": None, "error": None}
         files.append(fi)
         try:
@@ -254,6 +260,8 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
                     fi["last_ts_ns"] = fr.ts_ns
                 d = decode_frame(fr.data, fr.linktype, fr.origlen)
                 fi["classes"][d.cls.value] += 1
+                if d.cls is FrameClass.OTHER:  # what they were: a fragmented mirror tunnel is data lost
+                    fi["other_reasons"][d.reason or "not IP"] += 1
                 if not d.is_roce:
                     tcp_frames += 1
                     if k in kept:
@@ -289,9 +297,12 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
         for _, (k, fr) in heapq.merge(reread, *kept.values(), key=lambda x: x[0]):
             tcp.add(fr.data, fr.linktype, fr.origlen, k)
     classes = _empty_classes()
+    other = Counter()
     for fi in files:
         for k, v in fi["classes"].items():
             classes[k] += v
+        other.update(fi["other_reasons"])
+        fi["other_reasons"] = dict(fi["other_reasons"].most_common())
     return {
         "files": files,
         "frames": sum(fi["frames"] for fi in files),
@@ -299,6 +310,7 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
         "icrc_valid": sum(fi["icrc_valid"] for fi in files),
         "icrc_invalid": sum(fi["icrc_invalid"] for fi in files),
         "classes": classes,
+        "other_reasons": dict(other.most_common()),
         "opcodes": dict(opcodes),
         "flows": [f.as_dict() for f in flows.values()],
         "tcp": tcp.records(),
@@ -330,6 +342,10 @@ def format_inspect(result: dict) -> str:
     out.append(f"Total: {result['frames']} frames, {result['roce_frames']} RoCEv2 (UDP/4791), "
                f"ICRC valid {result['icrc_valid']}, invalid {result['icrc_invalid']}")
     out.append("Classes: " + ", ".join(f"{k} {v}" for k, v in result["classes"].items() if v))
+    if result["other_reasons"]:
+        shown = list(result["other_reasons"].items())
+        out.append("Other: " + ", ".join(f"{why} {n}" for why, n in shown[:OTHER_SHOWN])
+                   + (f", {len(shown) - OTHER_SHOWN} more reasons (--json lists them)" if len(shown) > OTHER_SHOWN else ""))
     if result["opcodes"]:
         out.append("Opcodes: " + ", ".join(f"{_short_opcode(k)} {v}"
                                            for k, v in sorted(result["opcodes"].items())))

@@ -49,6 +49,7 @@ import numpy as np
 from parsers.capfile import CaptureError, CapturedFrame, open_capture
 
 from ckptd.core.assemble import AGREE_WINDOW_MS, IterationAssembly, Missing
+from ckptd.core.clock import shift_note, stream_shifts
 from ckptd.core.buffers import unflatten_buffers
 from ckptd.core.checkpoint import (CheckpointError, CheckpointWriteError, atomic_write, diff_checkpoints,
                                    load_checkpoint)
@@ -80,14 +81,19 @@ SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer ho
 
 
 # -- source --------------------------------------------------------------------------
-def file_source(paths: list[str], errors: list[str], warn=None) -> Iterator[tuple[int, CapturedFrame]]:
+def file_source(paths: list[str], errors: list[str], warn=None,
+                shifts: list[int] | None = None) -> Iterator[tuple[int, CapturedFrame]]:
     """(stream index, frame) of every file, merged by timestamp; one file, one stream.
 
     A file whose structure breaks mid-way ends its stream there, reported in errors.
-    `warn`: open_capture's (a pcapng interface of a link type not decoded)."""
+    `warn`: open_capture's (a pcapng interface of a link type not decoded). `shifts`: ns
+    taken off each stream's capture times first (ckptd.core.clock.stream_shifts)."""
     def one(k, path):
+        shift = shifts[k] if shifts else 0
         try:
             for fr in open_capture(path, warn):
+                if shift and fr.ts_ns:
+                    fr.ts_ns -= shift
                 yield (fr.merge_time, k, fr.index), (k, fr)
         except (CaptureError, OSError) as e:
             errors.append(CaptureDamage(path, e))
@@ -804,11 +810,21 @@ def replay(plan: Plan, paths: list[str], start: dict | None, opts: ReplayOptions
         if not os.path.exists(p):
             raise FileNotFoundError(f"{p}: no such capture file")
     pipe = Pipeline(plan, shadow_start(start, own_start), len(paths), opts, on_iteration)
-    source = file_source(paths, pipe.errors)
+    shifts = clock_shifts(paths, opts, pipe.errors)
+    source = file_source(paths, pipe.errors, shifts=shifts)
     if progress:
         source = _with_progress(source, sum(os.path.getsize(p) for p in paths), progress)
     pipe.run(source)
     return pipe
+
+
+def clock_shifts(paths: list[str], opts: ReplayOptions, notes: list) -> list[int]:
+    """How far each stream's capture clock is off stream 0's (ckptd.core.clock), a note
+    for each stream set right."""
+    shifts, shifted = stream_shifts(paths)
+    names = list(opts.stream_names or [f"stream{k + 1}" for k in range(len(paths))])
+    notes += [shift_note(names, *x) for x in shifted]
+    return shifts
 
 
 def shadow_start(start: dict | None, own: bool) -> dict | None:

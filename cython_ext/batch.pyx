@@ -384,7 +384,7 @@ cdef class PcapMerge:
     cdef const uint8_t[::1] buf
     cdef BatchKernel checker
     cdef int64_t k, cap, chunk
-    cdef int64_t[::1] base, size, pos, tick, first_no, head, count
+    cdef int64_t[::1] base, size, pos, tick, shift, first_no, head, count
     cdef int32_t[::1] linktype
     cdef uint8_t[::1] big, state
     cdef int64_t[:, ::1] offsets, caplen, origlen, sec, frac, ts
@@ -392,7 +392,8 @@ cdef class PcapMerge:
 
     def __init__(self, const uint8_t[::1] buf, list files, int64_t chunk_bytes, BatchKernel checker=None):
         """files: per stream, (where its file starts in buf, its size, big-endian, ns per
-        timestamp tick, linktype), or None for a stream with no frames."""
+        timestamp tick, linktype, ns taken off its times: ckptd.core.clock), or None for a
+        stream with no frames."""
         if chunk_bytes < 1:
             raise ValueError("chunk_bytes must be at least 1")
         if checker is not None and checker.op_known is None:
@@ -403,16 +404,18 @@ cdef class PcapMerge:
         k = self.k
         self.base, self.size, self.pos = np.zeros(k, np.int64), np.zeros(k, np.int64), np.full(k, 24, np.int64)
         self.tick, self.first_no = np.ones(k, np.int64), np.ones(k, np.int64)
+        self.shift = np.zeros(k, np.int64)
         self.head, self.count = np.zeros(k, np.int64), np.zeros(k, np.int64)
         self.linktype, self.big = np.zeros(k, np.int32), np.zeros(k, np.uint8)
         self.state = np.full(k, MERGE_ENDED, np.uint8)
         for s, f in enumerate(files):
             if f is None:
                 continue
-            start, size, big, tick, linktype = f
+            start, size, big, tick, linktype, shift = f
             if start < 0 or size < 0 or start + size > buf.shape[0]:
                 raise ValueError(f"stream {s}: bytes {start}..{start + size} are outside the buffer")
             self.base[s], self.size[s], self.big[s], self.tick[s], self.linktype[s] = start, size, big, tick, linktype
+            self.shift[s] = shift
             self.state[s] = MERGE_READING
         self.offsets, self.caplen, self.origlen = (np.empty((k, self.cap), np.int64) for _ in range(3))
         self.sec, self.frac, self.ts = (np.empty((k, self.cap), np.int64) for _ in range(3))
@@ -438,6 +441,8 @@ cdef class PcapMerge:
                 self.ts[s, i] = self.sec[s, i] * 1_000_000_000 + self.frac[s, i] * self.tick[s]
                 if self.ts[s, i] == 0:  # no timestamp: its frame number (CapturedFrame.merge_time)
                     self.ts[s, i] = self.first_no[s] + i
+                else:
+                    self.ts[s, i] -= self.shift[s]
             self.count[s] = n
             if not clean:
                 self.state[s] = MERGE_CUT

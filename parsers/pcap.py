@@ -27,6 +27,12 @@ def is_pcap(head: bytes) -> bool:
     return head[:4] in _MAGICS
 
 
+def byte_order(head: bytes) -> tuple[str, int] | None:
+    """(struct byte order, ns per timestamp tick) of a pcap file that starts with
+    `head`, or None if it is no pcap."""
+    return _MAGICS.get(head[:4])
+
+
 def iter_pcap(f: BinaryIO, name: str = "<pcap>") -> Iterator[CapturedFrame]:
     """Frames of an open pcap file; `name` goes into error messages."""
     head = f.read(24)

@@ -59,7 +59,7 @@ class Batch:
     stream: np.ndarray  # int32, mirror stream
     linktype: np.ndarray  # int32, LINKTYPE_* of the frame's interface
     frame_no: np.ndarray  # int64, frame number in its file (1-based, as Wireshark)
-    ts: np.ndarray  # int64, ns (0 where the capture has none)
+    ts: np.ndarray  # int64, ns (where the capture has none, the frame number: CapturedFrame.merge_time)
     # uint8, 1 where the frame's ICRC was found good ahead (BatchKernel.check_icrc), or None
     icrc_checked: np.ndarray | None = None
 
@@ -218,7 +218,7 @@ def _mapped_merge(paths: list[str], buf: np.ndarray | None, specs: list, chunk_b
     """stream_batches where every file is a mapped pcap (or could not be opened):
     cython_ext's PcapMerge indexes and merges, one call without the GIL per Batch.
     specs: per stream, (where its file starts in buf, its size, big-endian, ns per tick,
-    linktype), or None."""
+    linktype, ns taken off its times), or None."""
     merge = _kernel.PcapMerge(buf if buf is not None else np.zeros(0, np.uint8), specs, chunk_bytes, checker)
     while True:
         arrays = merge.next_batch()
@@ -264,7 +264,7 @@ def _gather(sources: list[Batch], first: list[int], which: np.ndarray, idx: np.n
 
 
 def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK_BYTES,
-                   checker=None) -> Iterator[Batch]:
+                   checker=None, shifts: list[int] | None = None) -> Iterator[Batch]:
     """Every file (one per stream), merged into Batches in the order file_source yields
     the frames: repeatedly the smallest (time, stream, frame number) head. Each file is
     indexed a chunk at a time; that choice needs every stream's next frame indexed, so
@@ -285,7 +285,10 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     at each one, up to the switch interval, whenever the pipeline ran Python
     (benchmarks/RESULTS.md, session 17). A pcapng stream (parsers' reader, its own
     buffer) is merged with the others by _merged, which copies the frames into one buffer.
-    Files that cannot be opened or recognized are reported in errors, in stream order."""
+    Files that cannot be opened or recognized are reported in errors, in stream order.
+    `shifts`: ns taken off each stream's capture times (ckptd.core.clock.stream_shifts;
+    frames without a time keep their frame numbers), as file_source takes them off."""
+    shifts = shifts or [0] * len(paths)
     formats: list[str | None] = []
     for p in paths:
         try:
@@ -305,7 +308,7 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
             k += 1
             hdr = _pcap_header(buf[start:start + min(24, size)].tobytes())
             all_pcap &= hdr is not None  # else parsers' reader words what is wrong
-            spec = None if hdr is None else (start, size, *hdr)
+            spec = None if hdr is None else (start, size, *hdr, shifts[len(specs)])
         elif fmt is not None:
             all_pcap = False
         specs.append(spec)
@@ -314,13 +317,26 @@ def stream_batches(paths: list[str], errors: list[str], chunk_bytes: int = CHUNK
     sources, nmapped = [], 0
     for k, (p, fmt) in enumerate(zip(paths, formats)):
         if fmt == "mapped":
-            sources.append(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors, checker))
+            sources.append(_shifted(_pcap_chunks(p, k, files, buf, nmapped, chunk_bytes, errors, checker),
+                                    shifts[k]))
             nmapped += 1
         elif fmt is not None:
-            sources.append(_reference_chunks(p, k, errors))
+            sources.append(_shifted(_reference_chunks(p, k, errors), shifts[k]))
         else:
             sources.append(iter(()))
     return _merged(sources, len(paths), checker)
+
+
+def _shifted(batches: Iterator[Batch], shift: int) -> Iterator[Batch]:
+    """A stream's Batches with `shift` ns taken off their capture times, and a frame
+    without one merged at its frame number (CapturedFrame.merge_time)."""
+    for b in batches:
+        untimed = b.ts == 0
+        if untimed.any():
+            b.ts = np.where(untimed, b.frame_no, b.ts - shift)
+        elif shift:
+            b.ts = b.ts - shift
+        yield b
 
 
 def _merged(sources: list[Iterator[Batch]], nstreams: int, checker) -> Iterator[Batch]:

@@ -67,7 +67,7 @@ from ckptd.fast.batches import (CHUNK_BYTES, Batch, ReaderStage, batch_from_fram
                                 stream_batches)
 from ckptd.fast.icrc import crc_choices, crc_setting, icrc_checker, opcode_tables
 from ckptd.transports.roce.flows import ACK, FlowBinding, Packet
-from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions, shadow_start
+from ckptd.pipeline import IterationReport, Pipeline, ReplayOptions, clock_shifts, shadow_start
 from ckptd.transports.roce.transport import RoceTransport
 from ckptd.core.plan import Plan
 
@@ -560,8 +560,9 @@ def _fast_replay(plan, paths, start, opts, on_iteration, trust_icrc, crc, chunk_
     # The reader starts first: it maps, indexes and faults in the files and checks the
     # ICRCs on the other core while this one builds the pipeline (schedule, tables, shadow).
     errors: list[str] = []
+    shifts = clock_shifts([str(p) for p in paths], opts, errors)
     batches = stream_batches([str(p) for p in paths], errors, chunk_bytes or CHUNK_BYTES,
-                             None if trust_icrc else icrc_checker(crc))
+                             None if trust_icrc else icrc_checker(crc), shifts)
     reader = ReaderStage(batches, release=release_mapped, cpu=reader_cpu())
     try:
         pipe = FastPipeline(plan, start, len(paths), opts, on_iteration, trust_icrc=trust_icrc, crc=crc)

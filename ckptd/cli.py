@@ -369,10 +369,10 @@ def _schedule_misfit(plan, path: str, pipe) -> str:
         return (f"{misfits} gloo message(s) have sizes no bucket of the plan {path} has: the job runs collectives "
                 "of its own on DDP's process group (a loss or metric allreduce?), which the plan does not list "
                 "(run them on a group of their own: dist.new_group), or the plan is another job's")
-    mtu = getattr(pipe.extract, "wire_mtu", lambda: None)()
+    mtu = pipe.extract.wire_mtu()
     if mtu and (flows or misfits):  # the MTU cuts messages into packets: nothing else fits then
         return f"{mtu} (the NICs' active MTU: write the plan with `ckptd plan --mtu`, or set its ring.mtu)"
-    if getattr(pipe.extract, "began_mid_job", lambda: False)():
+    if pipe.extract.began_mid_job():
         from ckptd.transports.roce.transport import MID_JOB
         return f"{misfits} packet(s) broke the schedule of the plan {path}, and {MID_JOB}"
     placed = counters.get("ag_packets", 0) + counters.get("rs_packets", 0)

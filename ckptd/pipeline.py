@@ -385,7 +385,7 @@ class Pipeline:
             self._close_applier()
             return self.reports
         last = self.highest
-        unplaced = getattr(self.extract, "unplaced_from", lambda: None)()
+        unplaced = self.extract.unplaced_from()
         if unplaced is not None:  # the iteration it could not go on from is reported, with why
             last = max(last, unplaced)
         if self.plan.iterations is not None:  # the job's total: missing ones are reported
@@ -519,8 +519,7 @@ class Pipeline:
 
     def _buffers_conflict(self, wire: int) -> str | None:
         """Where copies of DDP's broadcast of the buffers after `wire` disagreed (NCCL)."""
-        fn = getattr(self.extract, "buffers_conflict", None)
-        return fn(wire) if fn is not None else None
+        return self.extract.buffers_conflict(wire)
 
     def _agreed(self, it: int) -> bool:
         """Whether a complete iteration may commit: every stream that has carried
@@ -576,7 +575,7 @@ class Pipeline:
         if self.opts.dump_gradients:
             self._dump(asm)
         # gloo: mirror copies of one TCP byte are compared in the reassembler, before framing
-        clash = getattr(self.extract, "copies_conflict", lambda w: None)(wire)
+        clash = self.extract.copies_conflict(wire)
         if asm.conflicts:
             s, b, lo, hi = asm.conflicts[0]
             rep.status = "conflict"
@@ -591,7 +590,7 @@ class Pipeline:
                 rep.note = "no packet of it was placed: flows of the captures fit none of the plan's (listed below);"
             elif not asm.packets:  # a link down, a capture gap: say it, the ranges alone do not
                 rep.note = "no packet of it was captured on any stream;"
-            why = getattr(self.extract, "why_unplaced", lambda w: None)(wire)
+            why = self.extract.why_unplaced(wire)
             if why:  # gloo: a gap that hid whole collectives ended the count of allreduces
                 rep.note = why
             if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):

@@ -73,3 +73,33 @@ class Transport(Protocol):
 
     def forget_before(self, iteration: int) -> None:
         """Joining: drop every state kept for wire iterations before this one."""
+
+    # -- what one transport can tell and the other cannot: these defaults say nothing --
+    def copies_conflict(self, iteration: int) -> tuple[int, int, str] | None:
+        """Where mirror copies of `iteration`'s gradient bytes disagreed, found by the
+        transport itself (gloo's reassembler): (bucket, stream whose copy differed, where);
+        else None. RoCE's copies are compared where they are placed (IterationAssembly)."""
+        return None
+
+    def buffers_conflict(self, iteration: int) -> str | None:
+        """Where copies of DDP's broadcast of the module buffers after `iteration`
+        disagreed, or None."""
+        return None
+
+    def why_unplaced(self, iteration: int) -> str | None:
+        """Why nothing (more) of training iteration `iteration` can be placed (gloo: a
+        capture gap hid whole collectives), or None."""
+        return None
+
+    def unplaced_from(self) -> int | None:
+        """The first training iteration why_unplaced speaks of, or None."""
+        return None
+
+    def wire_mtu(self) -> str | None:
+        """Where the unplaced traffic shows another path MTU than the plan's, or None."""
+        return None
+
+    def began_mid_job(self) -> bool:
+        """Whether the capture began after the job had, without --join (every flow first
+        seen inside the job, and some broke the schedule)."""
+        return False

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from parsers.capfile import CapturedFrame
 from parsers.tcp import decode_tcp_frame
 
-from ckptd.transports.base import MAX_EXAMPLES, Placement
+from ckptd.transports.base import MAX_EXAMPLES, Placement, Transport
 from ckptd.transports.gloo.framing import (BROADCAST_PREFIX, NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage,
                    GlooRingSchedule, Header, decode_rebuilt_buckets)
 from ckptd.core.plan import BucketLayout, Plan
@@ -156,7 +156,7 @@ class RankMap:
                     changed = True
 
 
-class GlooExtractor:
+class GlooExtractor(Transport):
     """The Transport for gloo over TCP (see ckptd.transports.base)."""
 
     name = "gloo"

@@ -27,7 +27,7 @@ from ckptd.transports.roce.flows import (ACK, HEAD_OPCODES, IMM_OPCODES, WRITE_F
 from ckptd.core.plan import Plan, _np_dtype
 from ckptd.core import ll128
 from ckptd.core.schedule import AG, LL_LINE
-from ckptd.transports.base import MAX_EXAMPLES, Placement
+from ckptd.transports.base import MAX_EXAMPLES, Placement, Transport
 
 def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bool]:
     """(data bytes, the flag seen, all flags equal expected) for whole LL lines."""
@@ -40,7 +40,7 @@ def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bo
     return words[:, 0::2].tobytes(), flag, ok
 
 
-class Extractor:
+class Extractor(Transport):
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.cfg = plan.ring

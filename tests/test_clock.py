@@ -1,5 +1,7 @@
 """Captures written on hosts whose clocks differ: the copies the streams share say by how
 much (ckptd.core.clock), and the merge sets each stream right before it merges."""
+import json
+
 import pytest
 
 from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
@@ -65,3 +67,16 @@ def test_a_stream_captured_on_a_host_whose_clock_runs_ahead_still_fills_the_othe
     for it in range(6):
         assert diff_checkpoints(load_checkpoint(tmp_path / "out" / checkpoint_name(it)),
                                 load_checkpoint(run / "reference" / checkpoint_name(it))) == []
+
+
+def test_inspect_says_how_far_the_clocks_are_apart(run, tmp_path, capsys):
+    from ckptd.cli import main
+    ahead = str(tmp_path / "mirror1.pcap")
+    _skew(pcaps(run)[1], SKEW_NS, ahead)
+    assert main(["inspect", "--json", pcaps(run)[0], ahead]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["clock_ahead_ns"] == [0, SKEW_NS] and len(res["clock_notes"]) == 1
+    assert main(["inspect", pcaps(run)[0], ahead]) == 0
+    assert "Clock: stream mirror1: its capture clock runs 400.000 ms ahead of mirror0's" in capsys.readouterr().out
+    assert main(["inspect", "--json"] + pcaps(run)) == 0
+    assert json.loads(capsys.readouterr().out)["clock_ahead_ns"] == [0, 0]

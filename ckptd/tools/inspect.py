@@ -12,6 +12,10 @@ it with parsers.roce.decode_frame and returns a plain dict (JSON-serialisable as
     other_reasons {why: count} for the "other" frames, most frequent first (also per
                   file): "IP protocol 6", "UDP port 53", "IP fragment (GRE)" (a remote
                   mirror session's tunnel fragmented on its way: the frames it wraps are lost)
+    clock_ahead_ns  per file, how far its capture clock runs ahead of the first file's
+                  (ckptd.core.clock: by the copies they share; 0 within the agreement
+                  window or where no copy ties it in), what replay takes off before merging;
+                  clock_notes says it in words
     opcodes       {opcode name: count} over roce_frames
     flows         one record per (src IP, dst IP, BTH dest QP), in order of first
                   appearance: src, dst, dest_qp, packets, messages (FIRST/ONLY seen),
@@ -46,6 +50,7 @@ import stat
 from collections import Counter
 from pathlib import Path
 
+from ckptd.core.clock import shift_note, stream_shifts
 from ckptd.core.psn import PSN_MASK, psn_diff
 from ckptd.transports.gloo.framing import OPCODE_NAMES, SLOT_PREFIXES, GlooFramer
 from ckptd.transports.gloo.tcpstream import TcpReassembler
@@ -303,8 +308,11 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
             classes[k] += v
         other.update(fi["other_reasons"])
         fi["other_reasons"] = dict(fi["other_reasons"].most_common())
+    shifts, shifted = stream_shifts(paths)  # what replay would set right before merging
     return {
         "files": files,
+        "clock_ahead_ns": shifts,
+        "clock_notes": [shift_note(names, *x) for x in shifted],
         "frames": sum(fi["frames"] for fi in files),
         "roce_frames": sum(fi["roce_frames"] for fi in files),
         "icrc_valid": sum(fi["icrc_valid"] for fi in files),
@@ -346,6 +354,7 @@ def format_inspect(result: dict) -> str:
         shown = list(result["other_reasons"].items())
         out.append("Other: " + ", ".join(f"{why} {n}" for why, n in shown[:OTHER_SHOWN])
                    + (f", {len(shown) - OTHER_SHOWN} more reasons (--json lists them)" if len(shown) > OTHER_SHOWN else ""))
+    out += [f"Clock: {note}" for note in result["clock_notes"]]
     if result["opcodes"]:
         out.append("Opcodes: " + ", ".join(f"{_short_opcode(k)} {v}"
                                            for k, v in sorted(result["opcodes"].items())))

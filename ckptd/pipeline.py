@@ -823,7 +823,10 @@ def clock_shifts(paths: list[str], opts: ReplayOptions, notes: list) -> list[int
     shifts, shifted = stream_shifts(paths)
     names = list(opts.stream_names or [f"stream{k + 1}" for k in range(len(paths))])
     notes += [shift_note(names, *x) for x in shifted]
-    return shifts
+    # Set to the clock furthest ahead: times only grow, so none reaches 0 (no time) or below,
+    # and the order is the same as set to stream 0's.
+    top = max(shifts, default=0)
+    return [s - top for s in shifts]
 
 
 def shadow_start(start: dict | None, own: bool) -> dict | None:

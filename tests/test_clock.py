@@ -46,9 +46,9 @@ def test_shifts_are_measured_from_the_copies_the_streams_share(run, tmp_path):
     assert stream_shifts([paths[0], only_acks, ahead, "/dev/stdin"])[0] == [0, 0, SKEW_NS, 0]
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
+@pytest.mark.parametrize("path,skew", [("fast", SKEW_NS), ("reference", SKEW_NS), ("fast", -SKEW_NS)])
 def test_a_stream_captured_on_a_host_whose_clock_runs_ahead_still_fills_the_others_losses(run, tmp_path, capsys,
-                                                                                      path):
+                                                                                      path, skew):
     """mirror1's capture host runs 0.4 s ahead: merged by their times, its copies came
     after their iterations had been given up, and every iteration that needed one of them
     was lost. Set right by the copies both streams carry, every iteration commits
@@ -57,13 +57,14 @@ def test_a_stream_captured_on_a_host_whose_clock_runs_ahead_still_fills_the_othe
     paths = []
     for k, p in enumerate(pcaps(run)):
         paths.append(str(tmp_path / f"mirror{k}.pcap"))
-        _skew(p, SKEW_NS if k == 1 else 0, paths[-1])
+        _skew(p, skew if k == 1 else 0, paths[-1])
     args = ["replay", "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"), "--out",
             str(tmp_path / "out"), "--reference", str(run / "reference")]
     assert main(args + (["--reference-path"] if path == "reference" else []) + paths) == 0
     out, err = capsys.readouterr()
     assert "6 iterations, 6 committed, 0 not recovered" in out and out.count("bit-exact") == 6, out
-    assert "warning: stream mirror1: its capture clock runs 400.000 ms ahead of mirror0's" in err, err
+    way = "ahead of" if skew > 0 else "behind"
+    assert f"warning: stream mirror1: its capture clock runs 400.000 ms {way} mirror0's" in err, err
     for it in range(6):
         assert diff_checkpoints(load_checkpoint(tmp_path / "out" / checkpoint_name(it)),
                                 load_checkpoint(run / "reference" / checkpoint_name(it))) == []

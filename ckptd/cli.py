@@ -191,7 +191,7 @@ def cmd_replay(a) -> int:
     from ckptd.pipeline import NOTHING_JOINED, ReplayOptions, replay
     from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
-    from ckptd.transports.roce.transport import tunnel_faults
+    from ckptd.core.streams import stream_faults
     plan = load_plan(a.plan)
     if a.join_from is not None and plan.iterations is not None and a.join_from >= plan.iterations:
         # it joined there, printed the iterations past the job's end, then refused them
@@ -249,7 +249,7 @@ def cmd_replay(a) -> int:
     for k, (name, cls) in enumerate(zip(names, pipe.classes)):
         print(f"stream {name}: " + (", ".join(f"{key}={v}" for key, v in sorted(cls.items())) or "frames=0"))
     for name, cls in zip(names, pipe.classes):
-        for line in tunnel_faults(name, cls).values():
+        for line in stream_faults(name, cls).values():
             print(f"warning: {line}", file=sys.stderr)
     c = {**dict(sorted(pipe.extract.counters.items())), "late": pipe.late, **getattr(pipe, "read_waits", {})}
     print("extraction: " + ", ".join(f"{k}={v}" for k, v in c.items()))

@@ -1,6 +1,7 @@
 """The names of capture streams given as paths: replay's `stream NAME:` and
 coverage[NAME=...] lines, inspect's. One rule for every command that reads captures
-(`--names A,B,C` overrides it in ckptd.cli)."""
+(`--names A,B,C` overrides it in ckptd.cli). And what a stream's frames lost before any
+placing, in words (stream_faults)."""
 from __future__ import annotations
 
 import re
@@ -52,4 +53,30 @@ def stream_names(paths: list[str]) -> list[str]:
             n += f"#{k + 1}"
         out[k] = n
         seen.add(n)
+    return out
+
+
+def stream_faults(stream: str, classes) -> dict[str, str]:
+    """Frames of a stream whose copies were lost before any placing, {class: one line}
+    from its class counts (cmd_replay warns each, the daemon logs each kind once per
+    stream): only the stream's coverage fell, and nothing said why.
+
+    - truncated: captured with fewer bytes than the frame carried (a snap length below the
+      frames', or a mirror session that truncates);
+    - gre_fragment: IP fragments of a remote mirror session's GRE packets
+      (parsers.roce.RoceFrame.tunnel_fault): a router on the way has a smaller MTU;
+    - gre_unopened: GRE carrying no mirror the decoder opens."""
+    out = {}
+    if classes.get("truncated"):
+        out["truncated"] = (f"stream {stream}: {classes['truncated']} frames were cut short (captured with fewer bytes "
+                            "than they carried: a snap length below the frames', or a mirror session that truncates): "
+                            "the copies in them are lost; capture whole frames (tcpdump -s 0)")
+    if classes.get("gre_fragment"):
+        out["gre_fragment"] = (
+            f"stream {stream}: {classes['gre_fragment']} frames were IP fragments of GRE packets (a remote mirror "
+            "session's tunnel): the mirrored frames in them are lost. The path from the switch to this host "
+            "fragments the tunnel: its MTU must take a mirrored frame and the tunnel's headers (50-70 bytes more)")
+    if classes.get("gre_unopened"):
+        out["gre_unopened"] = (f"stream {stream}: {classes['gre_unopened']} GRE packets carried no mirror ckptd "
+                               "opens (`ckptd inspect` lists why, under Other)")
     return out

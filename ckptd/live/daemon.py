@@ -43,11 +43,11 @@ from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.core.readfile import read_bounded
+from ckptd.core.streams import stream_faults
 from ckptd.live.ring import _TPACKET3_HDRLEN as TPACKET3_MIN_FRAME, FANOUT_MODES
 from ckptd.live.memory_tier import MemoryTier
 from ckptd.live.notice import Notifier, NoticeConfig, notice_config
 from ckptd.live.status import LoopClock, Snapshot, checkpoint_routes, routes
-from ckptd.transports.roce.transport import tunnel_faults
 from parsers.frame import MAX_SNAPLEN
 from ckptd.errors import CkptdError, one_line, show, unknown_keys
 
@@ -619,7 +619,7 @@ class Daemon:
         self.started = time.time()
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
         self._join_logged = False
-        self._tunnel_logged: set[tuple[int, str]] = set()  # (stream, class) of tunnel_faults logged
+        self._faults_logged: set[tuple[int, str]] = set()  # (stream, class) of stream_faults logged
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen: list[int] = []  # kernel drops per ring at the last look
         self._nic_drops: dict[tuple, tuple[float, int]] = {}  # (ifname, netns): (read at, frames lost)
@@ -962,9 +962,9 @@ class Daemon:
         streams = []
         for k, name in enumerate(self.names):
             cls = self.pipe.classes[k]
-            for kind, line in tunnel_faults(name, cls).items():
-                if (k, kind) not in self._tunnel_logged:  # once: /status streams[].classes keeps counting
-                    self._tunnel_logged.add((k, kind))
+            for kind, line in stream_faults(name, cls).items():
+                if (k, kind) not in self._faults_logged:  # once: /status streams[].classes keeps counting
+                    self._faults_logged.add((k, kind))
                     log.warning(line, extra={"fields": {"stream": name, "class": kind}})
             streams.append({"name": name, "frames": cls.get("frames", 0),
                             "classes": {c: v for c, v in cls.items() if c != "frames"},

@@ -16,7 +16,7 @@ def decode_roce(cfg, stream: int, fr: CapturedFrame, classes: Counter) -> Packet
     f = decode_frame(fr.data, fr.linktype, fr.origlen)
     classes[f.cls.value] += 1
     fault = f.tunnel_fault
-    if fault:  # of the "other" frames, those a mirror tunnel lost (cmd_replay and the daemon warn)
+    if fault:  # of the "other" frames, those a mirror tunnel lost (ckptd.core.streams.stream_faults)
         classes[fault] += 1
     if f.cls is FrameClass.ROCE_ACK and f.bth.opcode == ACK:
         return Packet(stream, fr.index, str(f.src), str(f.dst), f.bth.dest_qp, ACK,
@@ -36,23 +36,6 @@ def decode_roce(cfg, stream: int, fr: CapturedFrame, classes: Counter) -> Packet
 # where every flow was first seen inside the job and some broke the schedule (suspects, cmd_replay)
 MID_JOB = ("every flow was first seen after the job's first iteration had begun: the capture began mid-job; "
            "replay with --join (or --join-from N), which places each flow by its PSNs from where NCCL connected it")
-
-
-def tunnel_faults(stream: str, classes: Counter) -> dict[str, str]:
-    """What a stream's remote mirror tunnel kept from ckptd, {class: one line} (decode_roce
-    counts them among the stream's classes; cmd_replay warns, the daemon logs each kind
-    once): a copy in a fragment is as lost as one the mirror dropped, and nothing else
-    says why."""
-    out = {}
-    if classes.get("gre_fragment"):
-        out["gre_fragment"] = (
-            f"stream {stream}: {classes['gre_fragment']} frames were IP fragments of GRE packets (a remote mirror "
-            "session's tunnel): the mirrored frames in them are lost. The path from the switch to this host "
-            "fragments the tunnel: its MTU must take a mirrored frame and the tunnel's headers (50-70 bytes more)")
-    if classes.get("gre_unopened"):
-        out["gre_unopened"] = (f"stream {stream}: {classes['gre_unopened']} GRE packets carried no mirror ckptd "
-                               "opens (`ckptd inspect` lists why, under Other)")
-    return out
 
 
 class RoceTransport(Extractor):

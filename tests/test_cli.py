@@ -334,3 +334,23 @@ def test_a_stream_captured_with_a_short_snap_length_is_named(run, tmp_path, caps
         assert "3 iterations, 3 committed" in out  # mirror0 carried every copy
         assert f"warning: stream short: {short} frames were cut short" in err and "tcpdump -s 0" in err, err
         assert "warning: stream mirror0" not in err
+
+
+def test_frames_that_fail_their_icrc_are_named_per_stream(run, tmp_path, capsys):
+    from parsers.frame import CapturedFrame
+    from parsers.pcap import read_pcap, write_pcap
+    damaged = str(tmp_path / "damaged.pcap")
+    frames, hit = [], 0
+    for f in read_pcap(pcaps(run)[1]):
+        data = f.data
+        if f.caplen > 600 and hit < 5 and f.index % 3 == 0:  # a payload byte flipped on the way
+            data, hit = data[:500] + bytes([data[500] ^ 0xFF]) + data[501:], hit + 1
+        frames.append(CapturedFrame(f.index, f.ts_ns, f.linktype, f.caplen, f.origlen, data))
+    write_pcap(damaged, frames)
+    assert hit == 5
+    for fast in ([], ["--reference-path"]):
+        assert main(["replay", *fast, "--plan", str(run / "plan.json"), "--init", str(run / "init.pt"),
+                     "--out", str(tmp_path / f"out{len(fast)}"), pcaps(run)[0], damaged]) == 0
+        out, err = capsys.readouterr()
+        assert "3 iterations, 3 committed" in out and "bad_icrc=5" in out
+        assert "warning: stream damaged: 5 RoCE frames failed their ICRC" in err, err

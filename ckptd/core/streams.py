@@ -63,6 +63,7 @@ def stream_faults(stream: str, classes) -> dict[str, str]:
 
     - truncated: captured with fewer bytes than the frame carried (a snap length below the
       frames', or a mirror session that truncates);
+    - bad_icrc: RoCE frames whose ICRC fails (damaged, or rewritten on the way);
     - gre_fragment: IP fragments of a remote mirror session's GRE packets
       (parsers.roce.RoceFrame.tunnel_fault): a router on the way has a smaller MTU;
     - gre_unopened: GRE carrying no mirror the decoder opens."""
@@ -71,6 +72,9 @@ def stream_faults(stream: str, classes) -> dict[str, str]:
         out["truncated"] = (f"stream {stream}: {classes['truncated']} frames were cut short (captured with fewer bytes "
                             "than they carried: a snap length below the frames', or a mirror session that truncates): "
                             "the copies in them are lost; capture whole frames (tcpdump -s 0)")
+    if classes.get("bad_icrc"):
+        out["bad_icrc"] = (f"stream {stream}: {classes['bad_icrc']} RoCE frames failed their ICRC (damaged on the "
+                           "way to the capture, or rewritten in a field the ICRC covers): their copies are not used")
     if classes.get("gre_fragment"):
         out["gre_fragment"] = (
             f"stream {stream}: {classes['gre_fragment']} frames were IP fragments of GRE packets (a remote mirror "

@@ -473,8 +473,36 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         (tmp_path / "d" / "ck").write_text("a file")
         rc, out = check(_config(run, tmp_path / "d", interfaces_netns=ns))
         assert rc == 2 and out.count("\n") == 1 and "d/ck: cannot create the checkpoint directory" in out, out
+        _check_as_a_user(run, ns, check)
     finally:
         remove_namespaces([ns])
+
+
+def _check_as_a_user(run, ns, check):
+    """With `user:` the check drops to that user as a start does, but hands it nothing:
+    root's `out` stays root's (a start chowns it; the check did too). It still says where
+    the user could not write once handed it: a directory it cannot reach."""
+    import pwd
+    import shutil
+    import tempfile
+    from pathlib import Path
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return
+    top = Path(tempfile.mkdtemp(prefix="hd-chk-"))  # reachable by nobody (pytest's tmp is 0700)
+    try:
+        os.chmod(top, 0o755)
+        (top / "ck").mkdir()
+        rc, out = check(_config(run, top, interfaces_netns=ns, user="nobody"))
+        assert rc == 0 and out.count("\n") == 1 and "ok:" in out, out
+        assert (top / "ck").stat().st_uid == 0  # as it was
+        os.chmod(top, 0o700)  # now nobody cannot reach top/ck
+        rc, out = check(_config(run, top, interfaces_netns=ns, user="nobody"))
+        assert rc == 2 and out.count("\n") == 1 and "out " in out and "(as user nobody)" in out, out
+        assert (top / "ck").stat().st_uid == 0
+    finally:
+        shutil.rmtree(top)
 
 
 def test_a_fragmented_mirror_tunnel_is_logged_once_and_counted_in_status(run, tmp_path, caplog):

@@ -1037,39 +1037,49 @@ class Daemon:
         signal.signal(signal.SIGHUP, lambda *_: log.warning(
             "SIGHUP ignored: the config is read at start; restart the daemon to change it"))
 
-    def drop_privileges(self):
+    def drop_privileges(self, hand_over: bool = True) -> list[str]:
         """The capture sockets are open (netns entered). With `user` configured: become
         that user with CAP_NET_RAW alone, or no capability with drop_capabilities; else
         with drop_capabilities: stay root without any capability (ckptd.live.privilege),
-        in every thread."""
+        in every thread. The directories the daemon writes that root owns are handed to
+        the user first (hand_over False, for --check: only returned)."""
         if self.cfg.user is None:
             if self.cfg.drop_capabilities:
                 from ckptd.live.privilege import drop_capabilities
                 drop_capabilities()
-            return
+            return []
         from ckptd.live.privilege import drop_privileges
-        drop_privileges(self.cfg.user, self.cfg.group,
-                        [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d],
-                        keep_net_raw=not self.cfg.drop_capabilities)
+        return drop_privileges(self.cfg.user, self.cfg.group,
+                               [d for d in (self.cfg.out, self.cfg.dump_gradients, self._persist_dir()) if d],
+                               keep_net_raw=not self.cfg.drop_capabilities, hand_over=hand_over)
 
-    def _check_writable(self):
+    def _check_writable(self, handed: tuple[str, ...] = ()):
         """Every local directory the daemon writes takes a file, as the daemon now runs
         (its user, its capabilities dropped): a daemon that could never write a checkpoint
-        stops at the start with one line, not after hours of failed writes."""
+        stops at the start with one line, not after hours of failed writes. `handed`: root
+        owned ones that --check did not hand to the user (a start does): the user must
+        reach them and their mode let their owner write."""
+        import stat
         import tempfile
+        who = f"as user {self.cfg.user}" if self.cfg.user else \
+            "as root without capabilities" if self.cfg.drop_capabilities and os.geteuid() == 0 else \
+            f"as uid {os.geteuid()}"
         for key, d in (("out", self.cfg.out), ("dump_gradients", self.cfg.dump_gradients),
                        ("persist_url", self._persist_dir())):
             if not d:
                 continue
             try:
+                if d in handed:
+                    mode = os.stat(d).st_mode  # (an ancestor the user may not search: EACCES)
+                    if (mode & (stat.S_IWUSR | stat.S_IXUSR)) != stat.S_IWUSR | stat.S_IXUSR:
+                        raise ConfigError(f"{key} {d}: the daemon cannot write there ({who}): a start hands it "
+                                          f"to the user, and its mode {stat.filemode(mode)} lets no owner write")
+                    continue
                 Path(d).mkdir(parents=True, exist_ok=True)
                 fd, probe = tempfile.mkstemp(prefix=".ckptd-probe-", dir=d)
                 os.close(fd)
                 os.unlink(probe)
             except OSError as e:
-                who = f"as user {self.cfg.user}" if self.cfg.user else \
-                    "as root without capabilities" if self.cfg.drop_capabilities and os.geteuid() == 0 else \
-                    f"as uid {os.geteuid()}"
                 raise ConfigError(f"{key} {d}: the daemon cannot write there ({who}): "
                                   f"{e.strerror or e}") from None
 
@@ -1137,14 +1147,14 @@ class Daemon:
         shadow; here the status server binds its address, the captures open as in `run`
         (every interface's ring: the interface, its namespace, the ring memory, the fanout
         group, the filter; with capture_workers the worker processes and their shared
-        memory) and close again, the privileges are dropped as configured, and the
-        directories the daemon writes must take a file. Nothing is captured, served or
+        memory) and close again, the privileges are dropped as configured (handing the
+        user no directory), and the directories the daemon writes must take a file. Nothing is captured, served or
         written but that probe (and `out` made, as a start makes it)."""
         http_server(self.cfg, self.routes()).stop()   # the address is free, the token readable
         try:
             self.open_captures()
-            self.drop_privileges()
-            self._check_writable()
+            # changing nothing: the directories a start hands to `user` stay root's here
+            self._check_writable(tuple(self.drop_privileges(hand_over=False)))
         finally:
             for c in self.captures:
                 c.close()

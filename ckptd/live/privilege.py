@@ -187,19 +187,20 @@ def _bounding() -> int:
     return _own_capability_set("CapBnd")
 
 
-def drop_privileges(user: str, group: str | None, writable: list[str], keep_net_raw: bool = True) -> None:
+def drop_privileges(user: str, group: str | None, writable: list[str], keep_net_raw: bool = True,
+                    hand_over: bool = True) -> list[str]:
     """Become `user` (and `group`) keeping only CAP_NET_RAW (none with keep_net_raw
     False: drop_capabilities); `writable` directories (the checkpoint directory) are
-    handed to that user first if root owns them."""
+    handed to that user first if root owns them, or with hand_over False (`ckptd run
+    --check`, which changes nothing) only named. Returns those root owned."""
     uid, gid = resolve(user, group)
     if os.geteuid() != 0:
         if os.geteuid() == uid:
-            return  # started as that user already (systemd User=)
+            return []  # started as that user already (systemd User=)
         raise PrivilegeError(f"user: dropping to {user!r} needs root; ckptd runs as uid {os.geteuid()}")
-    for d in writable:
-        st = os.stat(d)
-        if st.st_uid == 0:
-            os.chown(d, uid, gid)
+    rooted = [d for d in writable if os.stat(d).st_uid == 0]
+    for d in rooted if hand_over else ():
+        os.chown(d, uid, gid)
     keep = (1 << CAP_NET_RAW) if keep_net_raw else 0
     before = effective_capabilities() | _bounding()
     # the bounding set and no_new_privs of every thread (the setuid below clears the
@@ -227,6 +228,7 @@ def drop_privileges(user: str, group: str | None, writable: list[str], keep_net_
              f"{' '.join(cap_names(keep)) or 'no capability'}, dropped {' '.join(cap_names(before & ~keep))}",
              extra={"fields": {"user": user, "uid": uid, "gid": gid, "threads": threads,
                                "capabilities": cap_names(keep), "dropped": cap_names(before & ~keep)}})
+    return rooted
 
 
 def effective_capabilities() -> int:

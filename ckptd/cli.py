@@ -583,6 +583,15 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
+        known = set(plan.state_names) | set(plan.tied) | {b.name for b in plan.buffers.tensors}
+        if extra := [k for k in ckpt["model"] if k not in known]:
+            # exported as they are (a buffer an older plan does not list is the job's), but a
+            # trainer's strict load_state_dict refuses what its model does not have
+            print(f"warning: {a.checkpoint}: model.{extra[0]}" + (f" and {len(extra) - 1} more are" if len(extra) > 1
+                                                                   else " is")
+                  + f" in the checkpoint but not in the plan {a.plan} (no parameter, tied name or buffer of it): "
+                  "exported as they are; a trainer's strict load_state_dict refuses entries its model lacks",
+                  file=sys.stderr)
     lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
     if hasattr(lr, "numel") and lr.numel() != 1:
         # it would be the exported param_groups' lr (the plan's groups follow the first's,

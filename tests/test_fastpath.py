@@ -495,6 +495,26 @@ def test_stream_batches_mix_mapped_pcap_and_pcapng(tmp_path):
     assert got == want and errors == errors_ref and len(errors) == 2
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["pcap", "pcap+pcapng"])
+def test_stream_batches_take_each_streams_clock_shift_as_file_source_does(tmp_path, mixed):
+    """Capture clocks set right (ckptd.core.clock): PcapMerge (every file a pcap) and the
+    merge of separate sources (a pcapng among them) take the same ns off each stream's
+    times as file_source, and merge in its order."""
+    paths = _stream_files(tmp_path, random.Random(11), n=3)
+    if mixed:
+        ng = tmp_path / "s.pcapng"
+        t, rng = 1_700_000_000_000_000, random.Random(12)
+        ng.write_bytes(_pcapng([(t + 3 * i, rng.randbytes(rng.randrange(60, 900))) for i in range(200)]))
+        paths.append(str(ng))
+    shifts = [0, 40_000, -25_000, 7_000_000][:len(paths)]
+    want = list(file_source(paths, [], shifts=shifts))
+    assert [k for k, _ in want] != [k for k, _ in file_source(paths, [])]  # the shifts move frames
+    got = []
+    for b in stream_batches(paths, [], chunk_bytes=5000, shifts=shifts):
+        got += [(int(b.stream[i]), b.frame(i)) for i in range(len(b))]
+    assert got == want
+
+
 def _rss_file_kb() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("RssFile:"):

@@ -300,8 +300,11 @@ def test_collectives_in_the_plan_round_trip_and_bad_entries_name_the_key():
                      ([1], "collectives must be an object")]:
         with pytest.raises(PlanError, match=msg):
             plan_from_json({**base, "collectives": bad}, "p.json")
-    with pytest.raises(PlanError, match="collectives: only NCCL plans"):
-        plan_from_json({**doc, "transport": "gloo"}, "p.json")
+    # gloo: the job's own allreduces (its count skips them); no other op (it counts allreduces alone)
+    assert plan_from_json({**doc, "transport": "gloo"}, "p.json").collectives == plan.collectives
+    bcast = {**doc["collectives"], "after": [{"op": "broadcast", "count": 4, "dtype": "float32", "root": 0}]}
+    with pytest.raises(PlanError, match=r"collectives.after\[0\]: a gloo plan lists the job's own allreduces alone"):
+        plan_from_json({**doc, "transport": "gloo", "collectives": bcast}, "p.json")
 
 
 @pytest.mark.parametrize("version,qps,protocol", [("2.22", 3, "simple"), ("2.29", 4, "ll")])

@@ -27,6 +27,7 @@ tested through the RoCE path with synthesized traffic (tests/test_replay_synth.p
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -297,10 +298,17 @@ def test_accumulation_with_an_allreduce_every_micro_batch(jobs):
 
 def test_cli_replays_a_plan_written_by_the_training_script(jobs, tmp_path):
     run, pcap = jobs("sgd")
-    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(run / "plan.json"),
-                        "--init", str(run / "init.pt"), "--out", str(tmp_path / "ckpts"),
-                        "--reference", str(run / "rank0"), str(pcap)],
-                       capture_output=True, text=True, timeout=300)
+    _every_iteration_exact(_cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts"))
+
+
+def _cli_replay(plan: Path, run: Path, pcap: Path, out: Path) -> subprocess.CompletedProcess:
+    """`ckptd replay` of a job's capture, rank 0's checkpoints as the reference."""
+    return subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(plan), "--init",
+                           str(run / "init.pt"), "--out", str(out), "--reference", str(run / "rank0"), str(pcap)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _every_iteration_exact(r: subprocess.CompletedProcess):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert f"{ITERATIONS} iterations, {ITERATIONS} committed, 0 not recovered" in r.stdout
     assert r.stdout.count("bit-exact") == ITERATIONS and "NOT bit-exact" not in r.stdout
@@ -313,16 +321,36 @@ def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
     Never a wrong commit; now the error (or without the plan's iterations, a warning)
     names the job's own collectives."""
     run, pcap = jobs("lossreduce")
-    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(run / "plan.json"),
-                        "--init", str(run / "init.pt"), "--out", str(tmp_path / "ckpts"),
-                        "--reference", str(run / "rank0"), str(pcap)],
-                       capture_output=True, text=True, timeout=300)
+    r = _cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts")
     # the loss rounds count as more iterations than the plan's 10: the error names them first
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "NOT bit-exact" not in r.stdout and len(r.stderr.splitlines()) == 1, r.stderr
     assert "past the 10 of the plan" in r.stderr
     assert "the job runs collectives of its own on DDP's process group" in r.stderr, r.stderr
     assert not list((tmp_path / "ckpts").glob("*.pt"))  # its one commit set aside as suspect
+
+
+def test_a_collective_of_the_job_listed_in_the_plan_is_skipped_on_gloo(jobs, tmp_path):
+    """The same job with its loss allreduce listed in the plan (collectives.after: one
+    float32, as an NCCL plan lists it): gloo's count skips it every round, its messages
+    are checked against the schedule and never placed, and every iteration commits
+    bit-exact. Listed as one too many (or too few) it is found at once: no wrong commit."""
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    run, pcap = jobs("lossreduce")
+    doc = json.loads((run / "plan.json").read_text())
+    doc["collectives"] = {"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    r = _cli_replay(tmp_path / "plan.json", run, pcap, tmp_path / "ckpts")
+    _every_iteration_exact(r)
+    assert "schedule_mismatch" not in r.stdout and "own_allreduce_messages=" in r.stdout
+    # listed twice where the job runs one: nothing wrong is committed
+    doc["collectives"]["after"] *= 2
+    (tmp_path / "twice.json").write_text(json.dumps(doc))
+    pipe = replay(load_plan(tmp_path / "twice.json"), [str(pcap)], load_checkpoint(run / "init.pt"),
+                  ReplayOptions(reference=str(run / "rank0")))
+    assert all(r.exact is not False for r in pipe.reports)
+    assert sum(r.ok for r in pipe.reports) <= 1
 
 
 def _copies(pcap: Path, out: Path, loss: float, seeds=(1, 2)) -> tuple[list[str], str, int]:

@@ -959,9 +959,13 @@ def _check_tensor(t, p: Parameter, key: str) -> None:
 def check_plan(plan: Plan) -> None:
     """Everything a Plan must be before anything is sized from it; PlanError naming the
     key. Runs in the constructor, so a plan built in code is checked as a loaded one is."""
-    if plan.collectives and plan.transport != "roce":
-        raise PlanError(f"collectives: only NCCL plans (transport roce) list other collectives; "
-                        f"the {plan.transport} extractor does not skip them")
+    if plan.transport != "roce":  # gloo numbers allreduces alone: the job's own broadcasts need no entry
+        for when, entries in plan.collectives.items():
+            for i, e in enumerate(entries):
+                if collective_entry(e)[0] != "allreduce":
+                    raise PlanError(f"collectives.{when}[{i}]: a {plan.transport} plan lists the job's own allreduces "
+                                    "alone (gloo numbers allreduces by one counter with DDP's buckets; its other "
+                                    "collectives need no entry)")
     for when, entries in plan.collectives.items():
         for i, e in enumerate(entries):
             op, _, _, root = collective_entry(e)

@@ -66,14 +66,16 @@ from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from parsers.capfile import CapturedFrame
 from parsers.tcp import decode_tcp_frame
 
 from ckptd.transports.base import MAX_EXAMPLES, Placement, Transport
 from ckptd.transports.gloo.framing import (BROADCAST_PREFIX, NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage,
                    GlooRingSchedule, Header, decode_rebuilt_buckets)
-from ckptd.core.plan import BucketLayout, Plan
-from ckptd.core.schedule import AG, RS
+from ckptd.core.plan import BucketLayout, Plan, _np_dtype, collective_entry
+from ckptd.core.schedule import AG, RS, Bucket
 from ckptd.transports.gloo.tcpstream import HOLE_WINDOW, TcpReassembler
 
 MAP_LAG = 8
@@ -156,6 +158,13 @@ class RankMap:
                     changed = True
 
 
+def _own_bucket(entry) -> Bucket:
+    """A plan's collectives entry (an allreduce: check_plan refuses others on gloo) as
+    the Bucket a round's schedule holds."""
+    _, count, dtype, _ = collective_entry(entry)
+    return Bucket(count, np.dtype(_np_dtype(dtype)))
+
+
 class GlooExtractor(Transport):
     """The Transport for gloo over TCP (see ckptd.transports.base)."""
 
@@ -166,11 +175,17 @@ class GlooExtractor(Transport):
         self.nranks = plan.nranks
         # by wire layout: 0 DDP's first (the job's first allreduce round), 1 the rebuilt,
         # 2 the first without the used map (static_graph's round 1; _lay)
-        self.sched = [GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first, plan.has_map(0))),
-                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_rebuilt)),
-                      GlooRingSchedule(self.nranks, plan.layout_buckets(plan.buckets_first, plan.has_map(1)))]
+        # The job's own allreduces on DDP's group, as the plan lists them (collectives):
+        # gloo numbers them with the buckets' by one tag counter. "start" ones come once
+        # before round 0; "before"/"after" ones in every round, around its buckets, and a
+        # round's schedule holds them there (checked, never placed)
+        own = {when: [_own_bucket(e) for e in plan.collectives.get(when, ())] for when in ("start", "before", "after")}
+        self.own_start, self.own_before, self.own_after = len(own["start"]), own["before"], own["after"]
+        self.sched = [self._schedule(plan.layout_buckets(plan.buckets_first, plan.has_map(0))),
+                      self._schedule(plan.layout_buckets(plan.buckets_rebuilt)),
+                      self._schedule(plan.layout_buckets(plan.buckets_first, plan.has_map(1)))]
         self.per_step = plan.allreduces_per_step
-        self.nb = [len(s.buckets) for s in self.sched]
+        self.nb = [len(s.buckets) for s in self.sched]  # allreduces a round, the job's own included
         self.lengths = self.sched[0].lengths() | self.sched[1].lengths() | self.sched[2].lengths()
         self.reasm = TcpReassembler(hole_window)
         self.ranks = RankMap(plan)
@@ -195,8 +210,7 @@ class GlooExtractor(Transport):
         self.other_slots: Counter = Counter()
         self.done = -1
         self.supplied: dict[tuple[int, int], int] = Counter()  # (stream, iteration) -> AG bytes
-        self.expected_ag = [sum(s.nbytes for per in sc.sends.values() for sends in per for s in sends
-                                if s.phase == AG) for sc in self.sched]
+        self.expected_ag = [self._expected_ag(sc) for sc in self.sched]
         self.nparams = len(plan.parameters)
         self.bcast: dict[int, bytes] = {}  # broadcast tag -> payload (small complete ones)
         self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen | never
@@ -480,11 +494,20 @@ class GlooExtractor(Transport):
             return
 
     def _set_rebuilt_schedule(self):
-        self.sched[1] = sc = GlooRingSchedule(self.nranks, self.plan.layout_buckets(self.plan.buckets_rebuilt))
+        self.sched[1] = sc = self._schedule(self.plan.layout_buckets(self.plan.buckets_rebuilt))
         self.nb[1] = len(sc.buckets)
         self.lengths |= sc.lengths()
-        self.expected_ag[1] = sum(s.nbytes for per in sc.sends.values() for sends in per
-                                  for s in sends if s.phase == AG)
+        self.expected_ag[1] = self._expected_ag(sc)
+
+    def _schedule(self, buckets: list) -> GlooRingSchedule:
+        """A round's allreduces: the job's own before the gradient buckets, the buckets,
+        its own after them."""
+        return GlooRingSchedule(self.nranks, [*self.own_before, *buckets, *self.own_after])
+
+    def _expected_ag(self, sc: GlooRingSchedule) -> int:
+        """The allgather bytes of a round's gradient buckets (not the job's own)."""
+        real = slice(len(self.own_before), len(sc.buckets) - len(self.own_after))
+        return sum(s.nbytes for per in sc.sends.values() for sends in per[real] for s in sends if s.phase == AG)
 
     def _map(self, out: list[Placement], final: bool = False, quiet: bool = False):
         """Number the allreduce tags that can no longer be preceded by an unseen one
@@ -553,8 +576,8 @@ class GlooExtractor(Transport):
         rebuilt layout is broadcast there), "plain", or None (within a round, or n is 0)."""
         rr = self.plan.rebuild_round
         start = self._round_start(rr)
-        if n == 0 or (n not in [self._round_start(w) for w in range(1, rr)] and
-                      (n < start or (n - start) % self.nb[1])):
+        if n <= self.own_start or (n not in [self._round_start(w) for w in range(1, rr)] and
+                                   (n < start or (n - start) % self.nb[1])):
             return None
         rebuilds = self.nparams and self.nranks > 1 and not self.plan.find_unused_parameters
         return "rebuild" if rebuilds and n == start else "plain"
@@ -600,34 +623,47 @@ class GlooExtractor(Transport):
         it stopped (count_lost); else None."""
         if self.count_lost is None:
             return None
-        n = self.count_lost[0]
-        rr, start = self.plan.rebuild_round, self._round_start(self.plan.rebuild_round)
-        w = (0 if n < self.nb[0] else 1) if n < start else rr + (n - start) // self.nb[1]
-        return w // self.per_step
+        return self._round_of(self.count_lost[0])[0] // self.per_step
 
-    def _position(self, n: int, count: int) -> tuple[int | None, int, int] | None:
-        """(training iteration or None, wire layout, bucket) of allreduce number n: wire
-        iteration w (the w-th round of bucket allreduces), which is training iteration
-        w // K's last micro-batch when w % K == K - 1 (K = allreduces_per_step). The
-        earlier micro-batches' allreduces are checked against the schedule but not
-        placed: DDP hands each micro-batch param.grad (the previous reduced value plus
-        this backward's), so the last round carries exactly the gradient the step uses.
-        None: nothing of it is placed (count messages dropped)."""
+    def _position(self, n: int, count: int) -> tuple[int | None, int, int, int | None] | None:
+        """(training iteration or None, wire layout, index in the round's schedule,
+        bucket or None) of allreduce number n: wire iteration w (the w-th round of bucket
+        allreduces), which is training iteration w // K's last micro-batch when
+        w % K == K - 1 (K = allreduces_per_step). The earlier micro-batches' allreduces
+        are checked against the schedule but not placed: DDP hands each micro-batch
+        param.grad (the previous reduced value plus this backward's), so the last round
+        carries exactly the gradient the step uses. Bucket None: one of the job's own
+        allreduces (checked, not placed). None: nothing of it is placed (count messages
+        dropped; the job's own at the start, which no schedule holds, too)."""
+        if n < self.own_start:
+            self.counters["own_allreduce_messages"] += count
+            return None
+        w, i = self._round_of(n)
         rr = self.plan.rebuild_round
-        start = self._round_start(rr)
-        if n < self.nb[0]:  # (static_graph: the used map first on the wire, last in the assembly)
-            w, b = 0, self.plan.wire_order(0)[n]
-        elif n < start:  # static_graph's round 1: the first layout again
-            w, b = 1, n - self.nb[0]
-        else:
-            w, b = rr + (n - start) // self.nb[1], (n - start) % self.nb[1]
         if w >= rr and (self.rebuilt == "mismatch"
                         or (self.rebuilt == "not_seen" and self.plan.rebuilt_learn)):
             self.counters["rebuilt_mismatch_dropped" if self.rebuilt == "mismatch"
                           else "rebuilt_unknown_dropped"] += count
             return None
+        lay, first = self._lay(w), len(self.own_before)
         it = w // self.per_step if w % self.per_step == self.per_step - 1 else None
-        return it, self._lay(w), b
+        if not first <= i < self.nb[lay] - len(self.own_after):
+            return it, lay, i, None
+        # (static_graph: the used map first on the wire, last in the assembly)
+        b = self.plan.wire_order(0)[i - first] if w == 0 else i - first
+        return it, lay, first + b, b
+
+    def _round_of(self, n: int) -> tuple[int, int]:
+        """(wire round, index within it) of allreduce number n (past the job's own start
+        ones)."""
+        rr = self.plan.rebuild_round
+        start = self._round_start(rr)
+        if n >= start:
+            return rr + (n - start) // self.nb[1], (n - start) % self.nb[1]
+        w = 0
+        while w + 1 < rr and n >= self._round_start(w + 1):
+            w += 1
+        return w, n - self._round_start(w)
 
     def _lay(self, w: int) -> int:
         """The schedule (self.sched) of wire round w."""
@@ -637,8 +673,8 @@ class GlooExtractor(Transport):
         """The number of wire round w's first allreduce."""
         rr = self.plan.rebuild_round
         if w < rr:
-            return sum(self.nb[self._lay(v)] for v in range(w))
-        return sum(self.nb[self._lay(v)] for v in range(rr)) + (w - rr) * self.nb[1]
+            return self.own_start + sum(self.nb[self._lay(v)] for v in range(w))
+        return self.own_start + sum(self.nb[self._lay(v)] for v in range(rr)) + (w - rr) * self.nb[1]
 
     def _place_numbered(self, t: int, n: int, data: list[_Data], out: list[Placement]):
         """Place the data messages of allreduce number n (tag t), and the groups held
@@ -682,35 +718,40 @@ class GlooExtractor(Transport):
         pos = self._position(self.mapped[t], len(held))
         if pos is None:
             return
-        it, lay, b = pos
+        it, lay, k, b = pos
         last = held[-1].epoch
         if last < len(self.framers[dkey].lost):
             self.counters["after_framing_loss"] += len(held)
             return
         group = [d for d in held if d.epoch == last]
         self.counters["after_framing_loss"] += len(held) - len(group)
-        n = len(self.sched[lay].connection_sends(group[0].src, b))
+        n = len(self.sched[lay].connection_sends(group[0].src, k))
         for j, d in enumerate(group):
             d.index = n - len(group) + j
         self.counters["indexed_from_end"] += len(group)
         for d in group:
-            self._place(it, lay, b, d, out)
+            self._place(it, lay, k, b, d, out)
 
-    def _place(self, it: int | None, lay: int, b: int, d: _Data, out: list[Placement]):
-        """Check one data message against the schedule of wire layout `lay` and place
-        its allgather elements into training iteration `it` (None: an earlier
-        micro-batch of a step, checked and counted only)."""
+    def _place(self, it: int | None, lay: int, k: int, b: int | None, d: _Data, out: list[Placement]):
+        """Check one data message against allreduce k of wire layout `lay`'s schedule and
+        place its allgather elements into bucket b of training iteration `it` (it None:
+        an earlier micro-batch of a step, b None: one of the job's own allreduces; checked
+        and counted only)."""
         sched = self.sched[lay]
-        sends = sched.connection_sends(d.src, b)
+        sends = sched.connection_sends(d.src, k)
         h = d.msg.header
+        what = f"bucket {b}" if b is not None else f"the job's own allreduce (plan collectives, {k})"
         if d.index >= len(sends):
-            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b}: data message "
+            self._example("schedule_mismatch", f"{d.key} iteration {it} {what}: data message "
                           f"{d.index} of tag {h.tag}, the schedule has {len(sends)}")
             return
         send = sends[d.index]
         if h.length != send.nbytes:
-            self._example("schedule_mismatch", f"{d.key} iteration {it} bucket {b} message {d.index}: "
+            self._example("schedule_mismatch", f"{d.key} iteration {it} {what} message {d.index}: "
                           f"{h.length} bytes, the schedule says {send.nbytes}")
+            return
+        if b is None:
+            self.counters["own_allreduce_messages"] += 1
             return
         self.counters["rs_messages" if send.phase == RS else "ag_messages"] += 1
         if not d.msg.complete:
@@ -721,7 +762,7 @@ class GlooExtractor(Transport):
             self.counters["earlier_micro_batch_messages"] += 1
             return
         self.spans[it].append((d.key, d.msg.offset, d.msg.offset + 48 + len(d.msg.payload), b))
-        e = sched.buckets[b].dtype.itemsize
+        e = sched.buckets[k].dtype.itemsize
         for lo, hi, stream in _whole_elements(d.msg.have, e):
             self.supplied[(stream, it)] += hi - lo
             out.append(Placement(stream, it, AG, b, send.start + lo // e,

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
 from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, full_groups
-from ckptd.core.plan import (DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers, Optimizer, Parameter, Plan,
-                             PlanError)
+from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers,
+                             Optimizer, Parameter, Plan, PlanError, collectives_from_json)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.core.wrappers import unwrap
 from ckptd.errors import CkptdError, one_line
@@ -538,7 +538,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
                lr_per_step=None,
-               allreduces_per_step: int = 1) -> Plan:
+               allreduces_per_step: int = 1, collectives: dict | None = None) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
     if iterations is not None and (not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1):
@@ -620,9 +620,18 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
                     static_graph=static,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
-                    collectives=_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
+                    collectives=_with_own(_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
+                                          collectives_from_json(collectives or {})),
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused,
                     tied=tied_parameters(unwrap(ddp.module)[0], names + frozen))
+
+
+def _with_own(ddp: dict, own: dict) -> dict:
+    """Plan.collectives: DDP's own (NCCL), then the job's (write_plan's `collectives`) at
+    each place: a start-up one after DDP's constructor, a `before` one (a loss allreduced
+    before backward) after DDP's per-forward buffer broadcast."""
+    return {when: (*ddp.get(when, ()), *own.get(when, ())) for when in COLLECTIVE_WHEN
+            if ddp.get(when) or own.get(when)}
 
 
 def _memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -1154,8 +1163,14 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
                lr_per_step=None,
-               allreduces_per_step: int = 1) -> Plan:
+               allreduces_per_step: int = 1, collectives: dict | None = None) -> Plan:
     """Record this job for ckptd; call on every rank before the first forward.
+
+    `collectives`: the job's own collectives on DDP's process group, in the plan's JSON
+    form (docs/PLAN.md), e.g. a loss allreduced after each step:
+    `{"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}` ("before": before
+    the gradients' allreduces, "start": once before the first iteration). On gloo only
+    allreduces are listed. DDP's own are recorded without them.
 
     `allreduces_per_step`: with gradient accumulation that lets DDP allreduce every
     micro-batch (no `no_sync()`), the micro-batches per optimizer step (gloo and NCCL);
@@ -1203,7 +1218,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                                f"write_plan addresses and rank {call.rank} did not: pass them on every rank or none")
         built = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm,
                            list(exchanged) if addresses is None else addresses, iterations,
-                           scheduler_args, without_buffers, lr_per_step, allreduces_per_step)
+                           scheduler_args, without_buffers, lr_per_step, allreduces_per_step, collectives)
         fields = _digests(built)  # read by the others only where the ranks' digests differ
         call.store.set(f"{call.prefix}fields/{call.rank}", json.dumps(fields).encode())
         return built, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -164,7 +164,9 @@ def worker(rank: int, args):
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
                            max_grad_norm=args.clip, iterations=args.iterations,
                            addresses=args.addrs, lr_per_step=by_hand,
-                           allreduces_per_step=args.accumulate if args.allreduce_every_micro_batch else 1)
+                           allreduces_per_step=args.accumulate if args.allreduce_every_micro_batch else 1,
+                           collectives={"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
+                           if args.allreduce_loss == "listed" else None)
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
@@ -231,8 +233,9 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the parameters' dtype (bfloat16: the allreduce carries bf16)")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
-    ap.add_argument("--allreduce-loss", action="store_true",
-                    help="allreduce each step's loss on DDP's process group (a collective the plan does not list)")
+    ap.add_argument("--allreduce-loss", nargs="?", const="unlisted", choices=["unlisted", "listed"],
+                    help="allreduce each step's loss on DDP's process group; `listed`: the plan lists it "
+                         "(write_plan's collectives), else it does not")
     ap.add_argument("--amp", action="store_true", help="fp16 autocast with a GradScaler")
     ap.add_argument("--init-scale", type=float, default=2.0 ** 16)
     ap.add_argument("--growth-interval", type=int, default=2000)

@@ -57,6 +57,8 @@ JOBS = {
     "sgdplain": ["--optimizer", "SGD", "--lr", "0.05"],
     # the trainer's own allreduce of the loss on DDP's group, every step
     "lossreduce": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--allreduce-loss"],
+    # the same, the plan listing it (write_plan's collectives)
+    "lossreduce_listed": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--allreduce-loss", "listed"],
     # no scheduler: the loop writes each group's lr by hand, the plan holds the values
     "handlr": ["--optimizer", "SGD", "--lr", "0.05", "--momentum", "0.9", "--no-decay-group",
                "--lr-by-hand", "0.8"],
@@ -331,26 +333,24 @@ def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
 
 
 def test_a_collective_of_the_job_listed_in_the_plan_is_skipped_on_gloo(jobs, tmp_path):
-    """The same job with its loss allreduce listed in the plan (collectives.after: one
-    float32, as an NCCL plan lists it): gloo's count skips it every round, its messages
-    are checked against the schedule and never placed, and every iteration commits
-    bit-exact. Listed as one too many (or too few) it is found at once: no wrong commit."""
+    """The same job, its loss allreduce listed by write_plan(collectives=...) as an NCCL
+    plan lists one: gloo's count skips it every round, its messages are checked against
+    its size and never placed, and every iteration commits bit-exact. Listed twice where
+    the job runs one, the sizes say so at once: no wrong commit."""
     from ckptd.core.plan import load_plan
     from ckptd.pipeline import ReplayOptions, replay
-    run, pcap = jobs("lossreduce")
+    run, pcap = jobs("lossreduce_listed")
     doc = json.loads((run / "plan.json").read_text())
-    doc["collectives"] = {"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
-    (tmp_path / "plan.json").write_text(json.dumps(doc))
-    r = _cli_replay(tmp_path / "plan.json", run, pcap, tmp_path / "ckpts")
+    assert doc["collectives"] == {"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
+    r = _cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts")
     _every_iteration_exact(r)
-    assert "schedule_mismatch" not in r.stdout and "own_allreduce_messages=" in r.stdout
-    # listed twice where the job runs one: nothing wrong is committed
+    assert "schedule_mismatch" not in r.stdout and f"own_allreduce_messages={4 * ITERATIONS}" in r.stdout
     doc["collectives"]["after"] *= 2
     (tmp_path / "twice.json").write_text(json.dumps(doc))
     pipe = replay(load_plan(tmp_path / "twice.json"), [str(pcap)], load_checkpoint(run / "init.pt"),
                   ReplayOptions(reference=str(run / "rank0")))
     assert all(r.exact is not False for r in pipe.reports)
-    assert sum(r.ok for r in pipe.reports) <= 1
+    assert sum(r.ok for r in pipe.reports) <= 1 and pipe.extract.counters["schedule_mismatch"] > 0
 
 
 def _copies(pcap: Path, out: Path, loss: float, seeds=(1, 2)) -> tuple[list[str], str, int]:

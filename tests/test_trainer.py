@@ -230,3 +230,21 @@ def test_an_ignored_parameter_in_the_optimizer_is_named_as_ignored(group):
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["2.bias"])
     model = torch.nn.parallel.DistributedDataParallel(net)
     _refused(model, torch.optim.SGD(model.parameters(), lr=0.1), r"holds parameter 2\.bias, which DDP ignores")
+
+
+def test_write_plans_collectives_come_after_ddps_own_and_bad_ones_name_the_key():
+    """write_plan(collectives=...): the job's own, in the plan's JSON form, after DDP's at
+    each place (a `before` loss allreduce follows DDP's per-forward buffer broadcast)."""
+    from ckptd.core.plan import PlanError, collectives_from_json
+    own = collectives_from_json({"before": [{"count": 1}], "after": [{"op": "allreduce", "count": 2,
+                                                                      "dtype": "float16"}]})
+    assert own == {"before": ((1, "float32"),), "after": ((2, "float16"),)}
+    ddp = {"start": ((1, "int64", "allgather"),), "before": ((8, "float32", "broadcast", 0),)}
+    assert ct._with_own(ddp, own) == {"start": ((1, "int64", "allgather"),),
+                                      "before": ((8, "float32", "broadcast", 0), (1, "float32")),
+                                      "after": ((2, "float16"),)}
+    assert ct._with_own({}, {}) == {}
+    with pytest.raises(PlanError, match=r"^collectives.after\[0\].op 'gather'"):
+        collectives_from_json({"after": [{"op": "gather", "count": 1}]})
+    with pytest.raises(PlanError, match="^collectives: unknown keys"):
+        collectives_from_json({"during": []})

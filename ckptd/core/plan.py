@@ -1703,6 +1703,12 @@ def _collective_json(e) -> dict:
     return out
 
 
+def collectives_from_json(obj, key: str = "collectives") -> dict:
+    """Plan.collectives from their JSON form (docs/PLAN.md `collectives`), checked as a
+    plan's are: write_plan's `collectives` argument."""
+    return _collectives(_Doc({key: obj}, ""))
+
+
 def _collectives(doc: "_Doc") -> dict:
     """plan["collectives"]: the communicator's other allreduces (docs/PLAN.md)."""
     if doc.get("collectives") is None:

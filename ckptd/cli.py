@@ -703,7 +703,7 @@ def cmd_plan(a) -> int:
     from ckptd.core.schedule import RingConfig, ScheduleError
     from ckptd.core.wrappers import unwrap
     from ckptd.torch import (TrainerError, ddp_layouts, model_buffers, model_collectives, one_rank_per_node,
-                             plan_parameters, tied_parameters)
+                             plan_parameters, tied_parameters, with_own_collectives)
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
@@ -811,6 +811,9 @@ def cmd_plan(a) -> int:
                                                         topo.nccl_env if topo is not None else os.environ)
     except TrainerError as e:
         raise UsageError(str(e)) from None
+    # the job's own allreduces on DDP's group (a loss, a metric), after DDP's at each place
+    own = {when: tuple(tuple(e) for e in v) for when, v in _other_allreduces(a.other_allreduce).items()}
+    collectives = with_own_collectives(collectives, own)
     plan = Plan(plan_parameters([n for n, _ in named], [p for _, p in named]),
                 first, rebuilt or first, ring, opt, tuple(addrs), (),
                 transport="gloo" if gloo else "roce", rebuilt_learn=gloo and rebuilt is None,
@@ -1263,6 +1266,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
     pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
     pl.add_argument("--weight-decay", type=float, default=0.01, help="the optimizer's weight_decay (default 0.01)")
+    pl.add_argument("--other-allreduce", action="append", default=[], metavar="WHEN:COUNT[:DTYPE]",
+                    help="the job's own allreduce on DDP's process group (a loss, a metric), listed in the "
+                         "plan's collectives: WHEN is start (once, before iteration 0), before or after (every "
+                         "iteration, around the gradient buckets); repeatable, in the job's order (gloo counts "
+                         "them with the buckets; NCCL's ring carries them)")
     pl.add_argument("--start-iteration", type=_ranged(int, 0, 1 << 31), metavar="N",
                     help="the iteration the job (re)starts at: replay and the daemon then refuse an "
                          "init that is not the state of iteration N-1")

@@ -620,13 +620,14 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                     transport, rebuilt_learn=transport == "gloo" and not unused, comm_hook=hook, buffers=buffers,
                     static_graph=static,
                     allreduces_per_step=allreduces_per_step, bucket_limits=_ddp_limits(ddp),
-                    collectives=_with_own(_ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
-                                          collectives_from_json(collectives or {})),
+                    collectives=with_own_collectives(
+                        _ddp_collectives(ddp, ring, addresses) if transport == "roce" else {},
+                        collectives_from_json(collectives or {})),
                     frozen=Parameter.each_of(zip(frozen, frozen_params)), find_unused_parameters=unused,
                     tied=tied_parameters(unwrap(ddp.module)[0], names + frozen))
 
 
-def _with_own(ddp: dict, own: dict) -> dict:
+def with_own_collectives(ddp: dict, own: dict) -> dict:
     """Plan.collectives: DDP's own (NCCL), then the job's (write_plan's `collectives`) at
     each place: a start-up one after DDP's constructor, a `before` one (a loss allreduced
     before backward) after DDP's per-forward buffer broadcast."""

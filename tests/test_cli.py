@@ -190,6 +190,12 @@ def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, mo
     plan = load_plan(tmp_path / "plan.json")
     assert plan.transport == "gloo" and plan.rebuilt_learn and len(plan.buckets_first) == 1
     assert plan.optimizer.kind == "sgd" and plan.optimizer.groups[0]["momentum"] == 0.9
+    assert plan.collectives == {}
+    # the job's own loss allreduce on DDP's group, listed (gloo's count skips it)
+    assert main(args[:-1] + ["own.json", "--other-allreduce", "after:1", "--other-allreduce", "before:2:float16"]) == 0
+    assert load_plan(tmp_path / "own.json").collectives == {"before": ((2, "float16"),), "after": ((1, "float32"),)}
+    assert main(args[:-1] + ["bad.json", "--other-allreduce", "during:1"]) == 2
+    assert "--other-allreduce 'during:1' is not WHEN:COUNT[:DTYPE]" in capsys.readouterr().err
     assert main(args[:-10] + ["--transport", "nccl", "--out", "p2.json"]) == 2
     assert "--sample" in capsys.readouterr().err
     assert main(["plan", "--model", "nosuch:build", "--ranks", "2", "--addr", "10.0.0.1",
@@ -229,6 +235,9 @@ def test_an_nccl_plan_from_a_model_lists_ddps_start_up_collectives_and_buffer_br
     assert [b.name for b in plan.buffers.tensors] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     assert plan.buffers.broadcasts == (("1.running_mean", "1.running_var"), ("1.num_batches_tracked",))
     assert plan.buffers.captured
+    # the job's own loss allreduce before backward follows DDP's per-forward buffer broadcasts
+    assert main(args[:-1] + ["own.json", "--other-allreduce", "before:1"]) == 0
+    assert load_plan(tmp_path / "own.json").collectives["before"] == plan.collectives["before"] + ((1, "float32"),)
     monkeypatch.setenv("NCCL_ALGO", "allgather:pat")  # 2.23+: a start-up allgather NCCL may run as PAT
     assert main(args[:-4] + ["--nccl-version", "2.23", "--out", "p2.json"]) == 2
     assert "PAT" in capsys.readouterr().err and not (tmp_path / "p2.json").exists()

@@ -240,10 +240,10 @@ def test_write_plans_collectives_come_after_ddps_own_and_bad_ones_name_the_key()
                                                                       "dtype": "float16"}]})
     assert own == {"before": ((1, "float32"),), "after": ((2, "float16"),)}
     ddp = {"start": ((1, "int64", "allgather"),), "before": ((8, "float32", "broadcast", 0),)}
-    assert ct._with_own(ddp, own) == {"start": ((1, "int64", "allgather"),),
+    assert ct.with_own_collectives(ddp, own) == {"start": ((1, "int64", "allgather"),),
                                       "before": ((8, "float32", "broadcast", 0), (1, "float32")),
                                       "after": ((2, "float16"),)}
-    assert ct._with_own({}, {}) == {}
+    assert ct.with_own_collectives({}, {}) == {}
     with pytest.raises(PlanError, match=r"^collectives.after\[0\].op 'gather'"):
         collectives_from_json({"after": [{"op": "gather", "count": 1}]})
     with pytest.raises(PlanError, match="^collectives: unknown keys"):

@@ -30,6 +30,7 @@ def run(tmp_path_factory):
 def test_shifts_are_measured_from_the_copies_the_streams_share(run, tmp_path):
     paths = pcaps(run)
     assert stream_shifts(paths) == ([0, 0], [])  # one clock: nothing to set right
+    assert stream_shifts([]) == ([], [])
     ahead, behind = str(tmp_path / "ahead.pcap"), str(tmp_path / "behind.pcap")
     _skew(paths[1], SKEW_NS, ahead)
     _skew(paths[1], -3 * MIN_SHIFT_NS, behind)

@@ -86,8 +86,11 @@ def _records(path: str, sample: int):
 
 def stream_shifts(paths: list[str], sample: int = SAMPLE_FRAMES) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """(ns to take off each stream's capture times, and one (stream, ns, via, copies) per
-    stream shifted: `via` the stream whose copies, `copies` of them, tied it in). Stream 0's clock is the one the others are set to, through the
-    streams they share copies with; a difference under MIN_SHIFT_NS is left alone."""
+    stream shifted: `via` the stream whose copies, `copies` of them, tied it in). Stream
+    0's clock is the one the others are set to, through the streams they share copies
+    with; a difference under MIN_SHIFT_NS is left alone."""
+    if not paths:
+        return [], []
     times = [_first_times(p, sample) for p in paths]
     ahead = [None] * len(paths)  # ns each stream's clock runs ahead of stream 0's
     via: dict[int, tuple[int, int]] = {}

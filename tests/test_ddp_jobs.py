@@ -92,10 +92,13 @@ def run_captured_job(out: Path, args: list[str], iterations: int = ITERATIONS) -
     train = [sys.executable, str(REPO / "scripts" / "ddp_gloo_train.py"), "--world", "3",
              "--iterations", str(iterations), "--size", "tiny", "--port", "31577",
              "--out", str(out / "run"), *args]
-    script = (f"ip link set lo up; tcpdump -i lo -s 0 -B 262144 -U -w {pcap} tcp 2>{err} & T=$!; "
+    script = (f"ip link set lo up; tcpdump -i lo -s 0 -B 262144 -U --immediate-mode -w {pcap} tcp 2>{err} & T=$!; "
               f"sleep 1; {' '.join(_q(a) for a in train)}; rc=$?; sleep 0.5; "
               "kill -INT $T; wait $T; exit $rc")
-    # a network namespace per job: its lo carries this job's traffic and nothing else
+    # a network namespace per job: its lo carries this job's traffic and nothing else.
+    # --immediate-mode: each packet is handed over as it comes; without it a ring block
+    # waits up to its timeout (1 s), and the SIGINT 0.5 s after the job lost the job's
+    # last packets with it (test_unused's capture, iterations 4-5, once in a full CI)
     r = subprocess.run(["unshare", "--net", "sh", "-c", script],
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:

@@ -313,8 +313,11 @@ def ddp_capture(tmp_path_factory):
         Path(subprocess.check_output(["mktemp", "-d", "/dev/shm/ckptd-gloo.XXXXXX"], text=True).strip())
     pcap = tmp / "lo.pcap"
     # a large kernel buffer and a RAM-backed file: lo moves 64 KiB segments quickly
-    cap = subprocess.Popen(["tcpdump", "-i", "lo", "-s", "0", "-B", "262144", "-U", "-w", str(pcap),
-                            "tcp"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # --immediate-mode: each packet handed over as it comes; without it, a ring block
+    # waits up to its timeout (1 s) to be handed over, and the SIGINT below lost the
+    # job's last packets with it (test_unused's capture, once in a full CI)
+    cap = subprocess.Popen(["tcpdump", "-i", "lo", "-s", "0", "-B", "262144", "-U", "--immediate-mode", "-w",
+                            str(pcap), "tcp"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)
         run = subprocess.run([sys.executable, str(REPO / "scripts" / "ddp_gloo_train.py"),

@@ -154,7 +154,7 @@ def _captured(out: Path, kind: str, clip: float | None, script: Path = JOB, extr
     out.mkdir(parents=True, exist_ok=True)
     pcap, err = out / "lo.pcap", out / "tcpdump.err"
     train = [sys.executable, str(script), str(out), kind, "-" if clip is None else str(clip), *extra]
-    script = (f"ip link set lo up; tcpdump -i lo -s 0 -B 262144 -U -w {pcap} tcp 2>{err} & T=$!; "
+    script = (f"ip link set lo up; tcpdump -i lo -s 0 -B 262144 -U --immediate-mode -w {pcap} tcp 2>{err} & T=$!; "
               f"sleep 1; PYTHONPATH={_q(str(REPO))} {' '.join(_q(a) for a in train)}; rc=$?; sleep 0.5; "
               "kill -INT $T; wait $T; exit $rc")
     r = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True, text=True, timeout=300)

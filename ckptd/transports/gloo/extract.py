@@ -66,16 +66,14 @@ from bisect import bisect_right, insort
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-import numpy as np
-
 from parsers.capfile import CapturedFrame
 from parsers.tcp import decode_tcp_frame
 
 from ckptd.transports.base import MAX_EXAMPLES, Placement, Transport
 from ckptd.transports.gloo.framing import (BROADCAST_PREFIX, NOTIFY_SEND_READY, SLOT_PREFIXES, GlooFramer, GlooMessage,
                    GlooRingSchedule, Header, decode_rebuilt_buckets)
-from ckptd.core.plan import BucketLayout, Plan, _np_dtype, collective_entry
-from ckptd.core.schedule import AG, RS, Bucket
+from ckptd.core.plan import BucketLayout, Plan
+from ckptd.core.schedule import AG, RS
 from ckptd.transports.gloo.tcpstream import HOLE_WINDOW, TcpReassembler
 
 MAP_LAG = 8
@@ -158,13 +156,6 @@ class RankMap:
                     changed = True
 
 
-def _own_bucket(entry) -> Bucket:
-    """A plan's collectives entry (an allreduce: check_plan refuses others on gloo) as
-    the Bucket a round's schedule holds."""
-    _, count, dtype, _ = collective_entry(entry)
-    return Bucket(count, np.dtype(_np_dtype(dtype)))
-
-
 class GlooExtractor(Transport):
     """The Transport for gloo over TCP (see ckptd.transports.base)."""
 
@@ -179,8 +170,8 @@ class GlooExtractor(Transport):
         # gloo numbers them with the buckets' by one tag counter. "start" ones come once
         # before round 0; "before"/"after" ones in every round, around its buckets, and a
         # round's schedule holds them there (checked, never placed)
-        own = {when: [_own_bucket(e) for e in plan.collectives.get(when, ())] for when in ("start", "before", "after")}
-        self.own_start, self.own_before, self.own_after = len(own["start"]), own["before"], own["after"]
+        self.own_before, self.own_after = plan.other_collectives(1)  # (Buckets: gloo plans list allreduces alone)
+        self.own_start = len(plan.collectives.get("start", ()))
         self.sched = [self._schedule(plan.layout_buckets(plan.buckets_first, plan.has_map(0))),
                       self._schedule(plan.layout_buckets(plan.buckets_rebuilt)),
                       self._schedule(plan.layout_buckets(plan.buckets_first, plan.has_map(1)))]

@@ -141,7 +141,8 @@ def cmd_synth(a) -> int:
         optimizer=a.optimizer, loss=a.loss, duplicate=a.duplicate, reorder=a.reorder,
         corrupt=a.corrupt, retransmit=a.retransmit, psn_wrap=a.psn_wrap, ipv6=a.ipv6,
         shuffle_rings=a.shuffle_rings, mirror_direction=a.mirror_direction,
-        max_grad_norm=a.max_grad_norm, write_hosts=a.write_hosts, nodes=a.nodes,
+        max_grad_norm=a.max_grad_norm, grad_norm_type=a.grad_norm_type, clip_grad_value=a.clip_grad_value,
+        write_hosts=a.write_hosts, nodes=a.nodes,
         gpus_per_node=a.gpus_per_node, nics_per_node=a.nics_per_node, collective=a.collective,
         collectives=_other_broadcasts(a.other_broadcast, _other_allreduces(a.other_allreduce)),
         startup_broadcast=a.startup_broadcast, freeze=tuple(a.freeze), unused=tuple(a.unused),
@@ -783,6 +784,8 @@ def cmd_plan(a) -> int:
         if a.optimizer in ("sgd", "rmsprop"):
             hyper["momentum"] = a.momentum or 0.0
         opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
+    opt = dataclasses.replace(opt, max_grad_norm=a.max_grad_norm, grad_norm_type=a.grad_norm_type,
+                              clip_grad_value=a.clip_grad_value)
     gloo = a.transport == "gloo"
     if topo is not None:
         if gloo:
@@ -947,6 +950,30 @@ def _ranged(kind, lo, hi):
     return parse
 
 
+def _clip_options(p: argparse.ArgumentParser) -> None:
+    """The trainer's gradient clipping (the plan's optimizer.max_grad_norm, grad_norm_type,
+    clip_grad_value), for `synth` and `plan` alike."""
+    p.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None, metavar="N",
+                   help="the loop calls clip_grad_norm_(model.parameters(), N) before every step "
+                        "(default: no clipping)")
+    p.add_argument("--grad-norm-type", type=_norm_type_arg, default=2.0, metavar="P",
+                   help="clip_grad_norm_'s norm_type with --max-grad-norm: a number > 0 or inf (default 2)")
+    p.add_argument("--clip-grad-value", type=_ranged(float, 1e-30, 1e30), default=None, metavar="V",
+                   help="the loop calls clip_grad_value_(model.parameters(), V) before every step instead "
+                        "(default: no clipping)")
+
+
+def _norm_type_arg(text: str) -> float:
+    """An argparse type: clip_grad_norm_'s norm_type, a number > 0 or inf."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or inf") from None
+    if not v > 0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is not > 0")
+    return v
+
+
 def _ip_address(text: str) -> str:
     """An argparse type: an IPv4 or IPv6 address, in canonical text."""
     import ipaddress
@@ -1061,8 +1088,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reduces in that dtype")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the model's parameters and gradients (bfloat16: the plain allreduce carries bf16)")
-    s.add_argument("--max-grad-norm", type=_ranged(float, 1e-30, 1e30), default=None,
-                   help="clip_grad_norm_ to this total norm before every step (default: no clipping)")
+    _clip_options(s)
     s.add_argument("--psn-wrap", action="store_true", help="start PSNs just below 2^24")
     s.add_argument("--ipv6", action="store_true", help="RoCEv2 over IPv6 instead of IPv4")
     s.add_argument("--shuffle-rings", action="store_true", help="a different ring order per channel")
@@ -1266,6 +1292,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
     pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
     pl.add_argument("--weight-decay", type=float, default=0.01, help="the optimizer's weight_decay (default 0.01)")
+    _clip_options(pl)
     pl.add_argument("--other-allreduce", action="append", default=[], metavar="WHEN:COUNT[:DTYPE]",
                     help="the job's own allreduce on DDP's process group (a loss, a metric), listed in the "
                          "plan's collectives: WHEN is start (once, before iteration 0), before or after (every "

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
-from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, full_groups
+from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, clips, full_groups
 from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers,
                              Optimizer, Parameter, Plan, PlanError, collectives_from_json)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
@@ -243,6 +243,19 @@ def _scheduler(scheduler, optimizer, args: dict | None) -> dict | None:
                 raise TrainerError(f"lr scheduler {name}: argument {k!r} is not readable from the "
                                    "scheduler; pass scheduler_args={...} to write_plan")
     return {"class": name, "args": args}
+
+
+def _norm_type(norm_type) -> float:
+    """write_plan's grad_norm_type as torch's clip_grad_norm_ takes it (a number, or
+    'inf'), as the plan's float; the plan's check names a value out of range."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float, str)):
+        raise TrainerError(f"grad_norm_type must be a number or 'inf' (clip_grad_norm_'s norm_type), "
+                           f"not {type(norm_type).__name__}")
+    try:
+        return float(norm_type)
+    except (ValueError, OverflowError):
+        raise TrainerError(f"grad_norm_type {norm_type!r} is not a number or 'inf' (clip_grad_norm_'s "
+                           "norm_type)") from None
 
 
 def _lr_per_step(lrs, scheduler, groups) -> tuple:
@@ -538,7 +551,8 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
                lr_per_step=None,
-               allreduces_per_step: int = 1, collectives: dict | None = None) -> Plan:
+               allreduces_per_step: int = 1, collectives: dict | None = None, *,
+               grad_norm_type=2.0, clip_grad_value: float | None = None) -> Plan:
     """The plan of this job as it stands now (no file written, no collective called
     unless `addresses` is None)."""
     if iterations is not None and (not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1):
@@ -595,7 +609,8 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     with _by_argument():
         opt = Optimizer(kind=kind, lr=float(groups[0]["lr"]), groups=tuple(groups),
                         lr_scheduler=_scheduler(scheduler, optimizer, scheduler_args), grad_scaler=_scaler(scaler),
-                        max_grad_norm=max_grad_norm, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
+                        max_grad_norm=max_grad_norm, grad_norm_type=_norm_type(grad_norm_type),
+                        clip_grad_value=clip_grad_value, lr_per_step=_lr_per_step(lr_per_step, scheduler, groups))
     _check_replay(opt, names, optimizer, scheduler,
                   SCHEDULER_LOOKAHEAD if iterations is None else min(iterations, SCHEDULER_LOOKAHEAD))
     transport = "gloo" if backend == "gloo" else "roce"
@@ -704,7 +719,8 @@ def _check_unused_grads(ddp, names: list[str], params: list[torch.Tensor]):
 
 # A plan's check names the plan's field; the trainer gave write_plan an argument, or built
 # an object, that ended up there: the error names that instead.
-_ARGUMENT_OF_FIELD = (("optimizer.max_grad_norm", "max_grad_norm"), ("optimizer.grad_scaler.", "scaler's "),
+_ARGUMENT_OF_FIELD = (("optimizer.max_grad_norm", "max_grad_norm"), ("optimizer.grad_norm_type", "grad_norm_type"),
+                      ("optimizer.clip_grad_value", "clip_grad_value"), ("optimizer.grad_scaler.", "scaler's "),
                       ("optimizer.lr_per_step", "lr_per_step"), ("optimizer.lr_scheduler", "scheduler"),
                       ("bucket_limits", "DDP's bucket_cap_mb (bucket_limits)"), ("optimizer.", "optimizer "))
 
@@ -1160,7 +1176,8 @@ def initial_state(ddp, optimizer, scaler=None) -> tuple[dict, dict]:
 
 
 def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
-               max_grad_norm: float | None = None, init: str | Path | None = None,
+               max_grad_norm: float | None = None, grad_norm_type=2.0, clip_grad_value: float | None = None,
+               init: str | Path | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
                lr_per_step=None,
@@ -1178,7 +1195,10 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     under `no_sync()` it stays 1 (one allreduce per step).
 
     `max_grad_norm`: the max_norm of the trainer's torch.nn.utils.clip_grad_norm_ over
-    model.parameters() (after scaler.unscale_ with AMP). `lr_per_step`: the lr the loop
+    model.parameters() (after scaler.unscale_ with AMP), `grad_norm_type` its norm_type
+    (default 2.0; float('inf') or 'inf' for the largest |g|). `clip_grad_value`: the
+    clip_value of the trainer's torch.nn.utils.clip_grad_value_ over model.parameters()
+    instead (one of the two). `lr_per_step`: the lr the loop
     writes into the param groups before each step when there is no scheduler (a list
     of numbers, or of one lr per group). A scheduler not rebuilt by class and arguments
     (LambdaLR, MultiplicativeLR, SequentialLR, ChainedScheduler, a class of your own) is
@@ -1192,7 +1212,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     agree on."""
     call = _PlanCall.of(ddp_model)
     if call is None:  # no DDP model, or its group is gone: nobody to agree with; build_plan's checks say why
-        build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses or [], iterations)
+        build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm, addresses or [], iterations,
+                   grad_norm_type=grad_norm_type, clip_grad_value=clip_grad_value)
         raise TrainerError("write_plan needs the DistributedDataParallel model of a live process group")
 
     # Every rank's own checks count: rank 0 writes only after every rank said it could
@@ -1219,7 +1240,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
                                f"write_plan addresses and rank {call.rank} did not: pass them on every rank or none")
         built = build_plan(ddp_model, optimizer, scheduler, scaler, max_grad_norm,
                            list(exchanged) if addresses is None else addresses, iterations,
-                           scheduler_args, without_buffers, lr_per_step, allreduces_per_step, collectives)
+                           scheduler_args, without_buffers, lr_per_step, allreduces_per_step, collectives,
+                           grad_norm_type=grad_norm_type, clip_grad_value=clip_grad_value)
         fields = _digests(built)  # read by the others only where the ranks' digests differ
         call.store.set(f"{call.prefix}fields/{call.rank}", json.dumps(fields).encode())
         return built, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
@@ -1248,8 +1270,8 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     names_of = {id(p): n for n, p in zip(names, params)}
     _refuse_shared_group(ddp_model, path)
     _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler)
-    if max_grad_norm is not None:
-        optimizer.register_step_pre_hook(_check_clipped(params, float(max_grad_norm)))
+    if clips(plan.optimizer):
+        optimizer.register_step_pre_hook(_check_clipped(params, plan.optimizer))
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
@@ -1356,15 +1378,27 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
 CLIP_CHECKED_STEPS = 8  # the first steps: a loop that clips does so from its first step
 
 
-def _check_clipped(params: list[torch.Tensor], max_norm: float):
-    """An optimizer step pre-hook for the first CLIP_CHECKED_STEPS steps: the gradients'
-    total 2-norm must be at most `max_grad_norm`, as clip_grad_norm_ leaves it. A plan
-    that declares clipping the loop does not do (or does with a larger max_norm, or by
-    value) had the shadow clip what the trainer did not: wrong checkpoints that look good.
-    One pass over the gradients per checked step, the cost of a clip_grad_norm_; the
-    gradients are the reduced ones, so every rank decides alike. A norm under the bound
-    proves nothing, so a loop that clips with a smaller max_norm is not caught."""
+def _check_clipped(params: list[torch.Tensor], opt: Optimizer):
+    """An optimizer step pre-hook for the first CLIP_CHECKED_STEPS steps: the gradients
+    must be within the plan's clipping bound, as the trainer's call leaves them: their
+    total norm (of the plan's norm_type) at most `max_grad_norm`, or every element's |g|
+    at most `clip_grad_value`. A plan that declares clipping the loop does not do (or does
+    with a larger bound, or the other way) had the shadow clip what the trainer did not:
+    wrong checkpoints that look good. One pass over the gradients per checked step, the
+    cost of the clipping call; the gradients are the reduced ones, so every rank decides
+    alike. Gradients under the bound prove nothing, so a loop that clips with a smaller
+    bound is not caught."""
     steps = {"left": CLIP_CHECKED_STEPS}
+    if opt.max_grad_norm is not None:
+        bound, norm_type = opt.max_grad_norm, opt.grad_norm_type
+        p = "inf" if norm_type == math.inf else f"{norm_type:g}"
+        what = "total norm" if norm_type == 2.0 else f"total {p}-norm", f"max_grad_norm={bound:g}"
+        call = (f"clip_grad_norm_(model.parameters(), {bound:g}"
+                + (")" if norm_type == 2.0 else f", norm_type={p})"))
+    else:
+        bound, norm_type = opt.clip_grad_value, math.inf  # clip_grad_value_ bounds every |g|
+        what = "largest |element|", f"clip_grad_value={bound:g}"
+        call = f"clip_grad_value_(model.parameters(), {bound:g})"
 
     def check(optimizer, args, kwargs):
         if steps["left"] <= 0:
@@ -1373,13 +1407,13 @@ def _check_clipped(params: list[torch.Tensor], max_norm: float):
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        norm = float(torch.nn.utils.get_total_norm(grads, 2.0))  # clip_grad_norm_'s own norm
-        # 1%: clip_grad_norm_ scales a bf16 or fp16 gradient in its own dtype, each element
-        # rounded by up to 2**-8 of itself (its norm over the bound by as much)
-        if norm > max_norm * 1.01 and math.isfinite(norm):
-            raise TrainerError(f"the gradients' total norm at this step is {norm:.6g}, above write_plan's "
-                               f"max_grad_norm={max_norm:g}: the loop does not clip_grad_norm_(model.parameters(), "
-                               f"{max_norm:g}) before the step, and ckptd would clip what the trainer did not")
+        norm = float(torch.nn.utils.get_total_norm(grads, norm_type))  # clip_grad_norm_'s own norm
+        # 1%: clipping scales (or clamps to a bound rounded into) a bf16 or fp16 gradient in
+        # its own dtype, each element rounded by up to 2**-8 of itself
+        if norm > bound * 1.01 and math.isfinite(norm):
+            raise TrainerError(f"the gradients' {what[0]} at this step is {norm:.6g}, above write_plan's "
+                               f"{what[1]}: the loop does not {call} before the step, and ckptd would clip "
+                               "what the trainer did not")
     return check
 
 

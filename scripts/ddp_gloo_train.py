@@ -3,7 +3,7 @@
 
     python scripts/ddp_gloo_train.py --world 3 --iterations 4 --out run/ \
         [--optimizer sgd --momentum 0.9 --nesterov] [--no-decay-group] \
-        [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0] [--amp] \
+        [--scheduler StepLR:step_size=3,gamma=0.5] [--clip 1.0 [--norm-type inf] | --clip-value V] [--amp] \
         [--hook fp16|bf16] [--accumulate 2] [--batchnorm] [--freeze] [--tie]
 
 starts `--world` processes on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), trains a small MLP
@@ -22,7 +22,7 @@ torch.optim optimizer, the way a user's script does: the plan is written by
 Options: --optimizer (any torch.optim class ckptd shadows) with --lr, --momentum,
 --nesterov, --weight-decay; --no-decay-group puts biases and norm weights in a second
 group without weight decay; --scheduler CLASS:arg=value,...; --clip MAX_NORM
-(clip_grad_norm_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
+(clip_grad_norm_, --norm-type P) or --clip-value V (clip_grad_value_); --amp (torch.autocast fp16 on CPU with a GradScaler, --init-scale,
 --growth-interval); --hook fp16|bf16 (DDP's compression hooks); --accumulate K (K
 micro-batches per step, the first K-1 under ddp.no_sync(), or with
 --allreduce-every-micro-batch none: DDP allreduces each); --batchnorm (a BatchNorm1d:
@@ -162,7 +162,8 @@ def worker(rank: int, args):
         by_hand = [[args.lr * args.lr_by_hand ** s / (1 + gi) for gi in range(len(opt.param_groups))]
                    for s in range(args.iterations)]
     ckptd.torch.write_plan(ddp, opt, out / "plan.json", scheduler=sched, scaler=scaler,
-                           max_grad_norm=args.clip, iterations=args.iterations,
+                           max_grad_norm=args.clip, grad_norm_type=args.norm_type,
+                           clip_grad_value=args.clip_value, iterations=args.iterations,
                            addresses=args.addrs, lr_per_step=by_hand,
                            allreduces_per_step=args.accumulate if args.allreduce_every_micro_batch else 1,
                            collectives={"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
@@ -170,7 +171,7 @@ def worker(rank: int, args):
     (out / f"rank{rank}").mkdir(parents=True, exist_ok=True)
     while args.hold and not Path(args.hold).exists():  # a capture starting from the plan first
         time.sleep(0.05)
-    sizes = []
+    sizes, clipped = [], 0  # clipped: the steps whose gradients the clipping changed
     for it in range(start, args.iterations):
         opt.zero_grad(set_to_none=True)
         for g, lr in zip(opt.param_groups, by_hand[it] if by_hand else []):
@@ -186,7 +187,12 @@ def worker(rank: int, args):
         if scaler:
             scaler.unscale_(opt)
         if args.clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip, norm_type=args.norm_type)
+            clipped += bool(norm > args.clip)
+        elif args.clip_value is not None:
+            clipped += any(bool((p.grad.abs() > args.clip_value).any()) for p in model.parameters()
+                           if p.grad is not None)
+            torch.nn.utils.clip_grad_value_(model.parameters(), args.clip_value)
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -204,7 +210,8 @@ def worker(rank: int, args):
                               "since_start_s": round(time.time() - T0, 3)}), flush=True)
         time.sleep(args.pace)
     if rank == 0:
-        (out / "ddp.json").write_text(json.dumps({"bucket_sizes_per_iteration": sizes}) + "\n")
+        (out / "ddp.json").write_text(json.dumps({"bucket_sizes_per_iteration": sizes,
+                                                  "clipped_steps": clipped}) + "\n")
     dist.destroy_process_group()
 
 
@@ -233,6 +240,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the parameters' dtype (bfloat16: the allreduce carries bf16)")
     ap.add_argument("--clip", type=float, help="clip_grad_norm_ max_norm")
+    ap.add_argument("--norm-type", default=2.0, type=float, help="clip_grad_norm_ norm_type with --clip (inf: max |g|)")
+    ap.add_argument("--clip-value", type=float, help="clip_grad_value_ clip_value (instead of --clip)")
     ap.add_argument("--allreduce-loss", nargs="?", const="unlisted", choices=["unlisted", "listed"],
                     help="allreduce each step's loss on DDP's process group; `listed`: the plan lists it "
                          "(write_plan's collectives), else it does not")

@@ -198,6 +198,18 @@ def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, mo
     assert "--other-allreduce 'during:1' is not WHEN:COUNT[:DTYPE]" in capsys.readouterr().err
     assert main(args[:-10] + ["--transport", "nccl", "--out", "p2.json"]) == 2
     assert "--sample" in capsys.readouterr().err
+    # the loop's clipping: by another norm, by value; both at once is one line
+    assert main(args[:-1] + ["inf.json", "--max-grad-norm", "0.5", "--grad-norm-type", "inf"]) == 0
+    assert (load_plan(tmp_path / "inf.json").optimizer.max_grad_norm,
+            load_plan(tmp_path / "inf.json").optimizer.grad_norm_type) == (0.5, float("inf"))
+    assert main(args[:-1] + ["value.json", "--clip-grad-value", "0.1"]) == 0
+    assert load_plan(tmp_path / "value.json").optimizer.clip_grad_value == 0.1
+    capsys.readouterr()
+    assert main(args[:-1] + ["both.json", "--clip-grad-value", "0.1", "--max-grad-norm", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "optimizer.clip_grad_value and max_grad_norm are both set: ckptd reproduces one clipping call "
+        "(clip_grad_value_ or clip_grad_norm_) before the step")
+    assert not (tmp_path / "both.json").exists()
     assert main(["plan", "--model", "nosuch:build", "--ranks", "2", "--addr", "10.0.0.1",
                  "--addr", "10.0.0.2", "--out", "p3.json"]) == 2
     assert "error: --model 'nosuch:build'" in capsys.readouterr().err

@@ -12,8 +12,9 @@ jobs to keep the suite short:
     amp:   AdamW, fp16 autocast with a GradScaler (skipped steps, backoff and growth),
            the fp16 compression hook, gradient accumulation under no_sync, CosineAnnealingLR
     rmsprop: RMSprop with momentum, two groups, OneCycleLR (it also cycles momentum)
-    adagrad: Adagrad (state created at construction), two groups, MultiStepLR
-    nadam:   NAdam (its mu_product state), LinearLR
+    adagrad: Adagrad (state created at construction), two groups, MultiStepLR,
+             clip_grad_norm_ with norm_type=inf
+    nadam:   NAdam (its mu_product state), LinearLR, clip_grad_value_
     handlr:  SGD momentum, two groups, each group's lr set by hand every step (no
              scheduler object; write_plan(lr_per_step=...))
     batchnorm: SGD with a BatchNorm1d: DDP's buffer broadcasts decoded into the checkpoints
@@ -28,6 +29,7 @@ tested through the RoCE path with synthesized traffic (tests/test_replay_synth.p
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -50,9 +52,12 @@ JOBS = {
             "--scheduler", "CosineAnnealingLR:T_max=10,eta_min=0.0001"],
     # a 1.8 M-parameter MLP: 7.3 MB allreduces, many segments per gloo message
     "lossy": ["--size", "small", "--optimizer", "AdamW"],
+    # clip_grad_norm_ by the largest |g| (norm_type=inf)
     "adagrad": ["--optimizer", "Adagrad", "--lr", "0.01", "--no-decay-group",
-                "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5"],
-    "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5"],
+                "--scheduler", "MultiStepLR:milestones=[3,6],gamma=0.5", "--clip", "0.02", "--norm-type", "inf"],
+    # clip_grad_value_
+    "nadam": ["--optimizer", "NAdam", "--lr", "0.002", "--scheduler", "LinearLR:start_factor=0.5,total_iters=5",
+              "--clip-value", "0.002"],
     # plain SGD (momentum 0): torch keeps no per-parameter state at all
     "sgdplain": ["--optimizer", "SGD", "--lr", "0.05"],
     # the trainer's own allreduce of the loss on DDP's group, every step
@@ -176,11 +181,18 @@ def test_rmsprop_two_groups_onecycle(jobs):
 
 @pytest.mark.parametrize("name", ["adagrad", "nadam", "sgdplain"])
 def test_more_torch_optimizers_on_real_jobs(jobs, name):
-    """sgdplain: the shadow's state held an empty entry per parameter where torch's holds
+    """adagrad clips by the largest |g| (clip_grad_norm_'s norm_type=inf), nadam by value
+    (clip_grad_value_): before, write_plan and the plan knew the 2-norm only.
+    sgdplain: the shadow's state held an empty entry per parameter where torch's holds
     none, so every iteration of a plain SGD job was reported NOT bit-exact (helper 72)."""
     run, pcap = jobs(name)
     plan, pipe = _replay_exact(run, pcap)
     assert plan.optimizer.kind == name.removesuffix("plain")
+    clip = {"adagrad": (0.02, math.inf, None), "nadam": (None, 2.0, 0.002), "sgdplain": (None, 2.0, None)}[name]
+    opt = plan.optimizer
+    assert (opt.max_grad_norm, opt.grad_norm_type, opt.clip_grad_value) == clip
+    if name != "sgdplain":  # the clipping changed every step's gradients, so it had to be replayed
+        assert json.loads((run / "ddp.json").read_text())["clipped_steps"] == ITERATIONS
     state = load_checkpoint(run / "rank0" / checkpoint_name(ITERATIONS - 1))["optimizer"]["state"]
     if name == "sgdplain":
         assert state == {}

@@ -1,6 +1,8 @@
 """The shadow's functional optimizer step is bit-identical to torch.optim's classes:
 every optimizer with a functional form, several param groups, lr schedulers replayed
-by class, clipping, and GradScaler (skipped steps, scale growth and backoff)."""
+by class, clipping (by any norm, by value), and GradScaler (skipped steps, scale growth and backoff)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -61,7 +63,9 @@ def _run(opt: Optimizer, steps=8, inf_at=(), grad_scale=1.0, sched_args=None, pr
             scaler.scale(torch.ones(()))  # creates the scale, as scaler.scale(loss) does
             scaler.unscale_(ref_opt)
         if opt.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(ref.values()), opt.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(list(ref.values()), opt.max_grad_norm, norm_type=opt.grad_norm_type)
+        elif opt.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(list(ref.values()), opt.clip_grad_value)
         if scaler is not None:
             scaler.step(ref_opt)
             scaler.update()
@@ -161,6 +165,56 @@ def test_clipping_and_grad_scaler_skip_and_rescale():
     # three backoffs (x0.5: steps 0, 4, 5) and three growths (after steps 2, 7, 9: two
     # clean steps each, x2) from 1024
     assert float(shadow.scaler["scale"]) == 1024.0 * 0.5 ** 3 * 2 ** 3
+
+
+@pytest.mark.parametrize("clip", [{"max_grad_norm": 0.01, "grad_norm_type": float("inf")},
+                                  {"max_grad_norm": 0.2, "grad_norm_type": 1.0},
+                                  {"clip_grad_value": 4e-3}])
+def test_clipping_by_other_norms_and_by_value(clip):
+    """clip_grad_norm_ with another norm_type, and clip_grad_value_: the shadow clips as
+    the trainer's call does, and the bound is tight enough that every step clips (so the
+    step without clipping would differ)."""
+    hyper = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}  # SGD: Adam's step hides a gradient's scale
+    shadow, _ = _run(Optimizer(kind="sgd", groups=_two_groups(hyper), **clip), steps=6)
+    plain, _ = _run(Optimizer(kind="sgd", groups=_two_groups(hyper)), steps=6)
+    assert not all(torch.equal(a, b) for a, b in zip(shadow.params, plain.params))
+
+
+def test_clipping_by_value_steps_bucket_by_bucket():
+    """clip_grad_value_ is a clamp, elementwise: the buckets step as they come (as
+    without clipping), clamped copies, the assembly's buffers left as the wire had them."""
+    opt = Optimizer(kind="sgd", groups=_two_groups({"lr": 0.1, "momentum": 0.9}), clip_grad_value=4e-3)
+    g = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    ref_opt = torch_optimizer(opt, ref.items())
+    shadow = ShadowModel(_plan(opt), {"model": {n: t.clone() for n, t in init.items()}})
+    assert shadow.bucketwise
+    for step in range(4):
+        grads = {n: torch.randn(s, generator=g) * 1e-2 for n, s in SHAPES.items()}
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        torch.nn.utils.clip_grad_value_(ref.values(), 4e-3)
+        ref_opt.step()
+        flat = torch.cat([grads[n].reshape(-1) for n in SHAPES]).numpy().copy()
+        wire = flat.copy()
+        shadow.apply_buckets(step, [(0, flat)], step)
+        shadow.finish_iteration(step)
+        assert np.array_equal(flat, wire) and np.abs(flat).max() > 4e-3
+        for n, p in ref.items():
+            assert torch.equal(shadow.params[list(SHAPES).index(n)], p.detach()), f"step {step} {n}"
+    assert not ShadowModel(_plan(dataclasses.replace(opt, clip_grad_value=None, max_grad_norm=1.0)),
+                           {"model": init}).bucketwise
+
+
+def test_clipping_fields_are_checked():
+    from ckptd.core.plan import PlanError, check_optimizer
+    for kw, why in [({"grad_norm_type": 1.0}, "grad_norm_type is clip_grad_norm_'s norm_type: it needs max_grad_norm"),
+                    ({"max_grad_norm": 1.0, "grad_norm_type": -2.0}, 'grad_norm_type must be a number > 0 or "inf"'),
+                    ({"clip_grad_value": float("nan")}, "clip_grad_value must be a finite number > 0"),
+                    ({"clip_grad_value": 1.0, "max_grad_norm": 1.0}, "clip_grad_value and max_grad_norm are both set")]:
+        with pytest.raises(PlanError, match=f"^optimizer.{why}"):
+            check_optimizer(Optimizer(kind="adamw", **kw))
 
 
 def test_lr_set_by_hand_each_step_is_recorded_as_data():

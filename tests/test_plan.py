@@ -124,14 +124,14 @@ def test_every_key_to_json_writes_is_read_back_equal(plan_doc):
     and excludes find_unused_parameters and allreduces_per_step > 1; lr_per_step excludes
     lr_scheduler): each is read, written, and read again unchanged, and between them they
     write every key the plan format declares, so none is written and then refused."""
-    from ckptd.core.plan import PLAN_FIELDS, PLAN_KEYS
+    from ckptd.core.plan import OPTIMIZER_KEYS, PLAN_FIELDS, PLAN_KEYS
     names = [p["name"] for p in plan_doc["parameters"]]
     nccl = json.loads(json.dumps(plan_doc))
     nccl["buckets"]["rebuilt"] = nccl["buckets"]["first"]  # find_unused_parameters: DDP never rebuilds
     hyper = {k: nccl["optimizer"][k] for k in ("betas", "eps", "weight_decay", "amsgrad")}
     nccl["optimizer"].update(
         groups=[{"params": names[:3], "lr": 0.01, **hyper}, {"params": names[3:], "lr": 0.003, **hyper}],
-        lr_per_step=[0.01, [0.02, 0.03]], max_grad_norm=1.0,
+        lr_per_step=[0.01, [0.02, 0.03]], max_grad_norm=1.0, grad_norm_type="inf",
         grad_scaler={"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 100})
     nccl.update(start_iteration=0, comm_hook="fp16_compress", find_unused_parameters=True,
                 collectives={"before": [{"op": "allreduce", "count": 1, "dtype": "float32"}]},
@@ -140,6 +140,7 @@ def test_every_key_to_json_writes_is_read_back_equal(plan_doc):
     nccl = _with_buffers(nccl)
     gloo = json.loads(json.dumps(plan_doc))
     gloo.update(transport="gloo", static_graph=True, static_used_map=[1] * (len(names) - 1) + [0])
+    gloo["optimizer"].update(max_grad_norm=None, clip_grad_value=0.25)
     micro = json.loads(json.dumps(plan_doc))
     micro["allreduces_per_step"] = 2
     micro["optimizer"]["lr_scheduler"] = {"class": "StepLR", "args": {"step_size": 2}}
@@ -152,6 +153,8 @@ def test_every_key_to_json_writes_is_read_back_equal(plan_doc):
     assert set().union(*written) == set(PLAN_FIELDS)
     assert set(PLAN_KEYS) == set(PLAN_FIELDS) | {"written_by"}  # the reader's, and write_plan's note
     assert set(nccl["optimizer"]) >= {"groups", "lr_per_step", "max_grad_norm", "grad_scaler"}
+    assert set().union(*(d["optimizer"] for d in (nccl, gloo, micro))) == set(OPTIMIZER_KEYS)
+    assert plan_from_json(nccl).optimizer.grad_norm_type == float("inf")
 
 
 # -- DDP's bucketing rule (buckets.limits, ckptd.core.ddp_buckets) -------------------

@@ -34,6 +34,10 @@ SCENARIOS = {
     # (c) the lr written into the groups by hand before each step, some steps per group
     "adamw-lr-by-hand": dict(ranks=2, iterations=10, no_decay_group=True, lr_per_step=HAND_LRS,
                              max_grad_norm=0.5),
+    # (c') clipping by another norm (the largest |g|) and by value (a clamp: the buckets
+    # still step as they come)
+    "sgd-clip-inf-norm": dict(ranks=3, iterations=6, max_grad_norm=1e-3, grad_norm_type=float("inf"), **SGD),
+    "adamw-clip-value-ll": dict(ranks=2, iterations=6, protocol="ll", clip_grad_value=1e-4),
     # (d) a GradScaler: scaled gradients in fp16 on the wire, an overflow at iteration 4
     "amp-fp16hook-inf": dict(ranks=3, iterations=10, protocol="ll", comm_hook="fp16_compress",
                              amp_init_scale=2.0 ** 12, amp_growth_interval=3, inf_at=(4,), **SGD),

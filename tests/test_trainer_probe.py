@@ -256,6 +256,11 @@ def test_rank0s_failure_to_write_the_plan_is_raised_on_every_rank(tmp_path):
 @pytest.mark.parametrize("kw, match", [
     ({"max_grad_norm": -1.0}, r"^max_grad_norm must be a finite number > 0 or null, not -1.0$"),
     ({"max_grad_norm": float("nan")}, r"^max_grad_norm must be a finite number > 0"),
+    ({"max_grad_norm": 1.0, "grad_norm_type": 0}, r'^grad_norm_type must be a number > 0 or "inf", not 0.0$'),
+    ({"max_grad_norm": 1.0, "grad_norm_type": "two"}, r"^grad_norm_type 'two' is not a number or 'inf'"),
+    ({"grad_norm_type": "inf"}, r"^grad_norm_type is clip_grad_norm_'s norm_type: it needs max_grad_norm$"),
+    ({"clip_grad_value": -0.5}, r"^clip_grad_value must be a finite number > 0 or null, not -0.5$"),
+    ({"clip_grad_value": 0.5, "max_grad_norm": 1.0}, r"^clip_grad_value and max_grad_norm are both set"),
     ({"scaler": {"init_scale": -1.0}}, r"^scaler's init_scale is -1.0; it must be a finite number > 0"),
     ({"scaler": {"growth_interval": 0}}, r"^scaler's growth_interval is 0; it must be an integer >= 1$"),
 ])
@@ -498,6 +503,36 @@ def test_a_declared_clipping_the_loop_does_not_do_is_refused_at_the_step(world_o
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # another max_norm than declared
     with pytest.raises(ct.TrainerError, match=r"total norm at this step is 1(\.0*)?\b.*above write_plan's "
                                               r"max_grad_norm=0\.05"):
+        opt.step()
+
+
+@pytest.mark.parametrize("declared, clip, other, match", [
+    ({"max_grad_norm": 0.05, "grad_norm_type": "inf"},
+     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05, norm_type="inf"),
+     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, norm_type="inf"),  # a larger bound
+     r"total inf-norm at this step is .* above write_plan's max_grad_norm=0\.05: the loop does not "
+     r"clip_grad_norm_\(model\.parameters\(\), 0\.05, norm_type=inf\)"),
+    ({"clip_grad_value": 0.01},
+     lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01),
+     lambda ps: None,  # no clipping at all
+     r"largest \|element\| at this step is .* above write_plan's clip_grad_value=0\.01: the loop does not "
+     r"clip_grad_value_\(model\.parameters\(\), 0\.01\)"),
+])
+def test_a_declared_clipping_by_value_or_other_norm_is_checked_at_the_step(world_of_two, tmp_path, declared, clip,
+                                                                              other, match):
+    """The same check for clip_grad_norm_ with another norm_type and for clip_grad_value_:
+    a loop that clips otherwise than declared is refused at its step."""
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", addresses=world_of_two, **declared)
+    for _ in range(2):  # clipped as declared: no word
+        (model(torch.randn(3, 4)) * 100).sum().backward()
+        clip(model.parameters())
+        opt.step()
+        opt.zero_grad()
+    (model(torch.randn(3, 4)) * 100).sum().backward()
+    other(model.parameters())
+    with pytest.raises(ct.TrainerError, match=match):
         opt.step()
 
 

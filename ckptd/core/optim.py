@@ -612,9 +612,18 @@ def writes_grads(kind: str, g: dict) -> bool:
     return kind == "sgd" and bool(g.get("nesterov")) and g.get("momentum", 0) != 0
 
 
-def clip_grad_norm(params: list[torch.Tensor], grads: list[torch.Tensor], max_norm: float) -> None:
-    # torch.nn.utils.clip_grad_norm_ scales the grads in place, as the trainer's call does.
-    torch.nn.utils.clip_grad_norm_(_as_leaves(params, grads), max_norm)
+def clips(opt: Optimizer) -> bool:
+    return opt.max_grad_norm is not None or opt.clip_grad_value is not None
+
+
+def clip_grads(opt: Optimizer, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """The trainer's clipping call, on the grads in place, through torch's own function
+    (so the same norm, in the same order, and the same rounding): clip_grad_norm_ with the
+    plan's max_norm and norm_type, or clip_grad_value_ (a clamp, elementwise)."""
+    if opt.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(_as_leaves(params, grads), opt.max_grad_norm, norm_type=opt.grad_norm_type)
+    elif opt.clip_grad_value is not None:
+        torch.nn.utils.clip_grad_value_(_as_leaves(params, grads), opt.clip_grad_value)
 
 
 def torch_optimizer(opt: Optimizer, named_params) -> torch.optim.Optimizer:
@@ -634,7 +643,7 @@ def torch_scheduler(opt: Optimizer, optimizer: torch.optim.Optimizer):
 
 
 def _as_leaves(params, grads):
-    """clip_grad_norm_ reads .grad: hand it views that carry the shadow's grads."""
+    """torch's clipping reads .grad: hand it views that carry the shadow's grads."""
     leaves = []
     for p, g in zip(params, grads):
         leaf = p.detach()

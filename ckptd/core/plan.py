@@ -166,6 +166,10 @@ class Optimizer:
     implementation: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: dict = field(default_factory=lambda: {"kind": "constant"})
     max_grad_norm: float | None = None
+    # clip_grad_norm_'s norm_type (inf: the largest |g|); only with max_grad_norm
+    grad_norm_type: float = 2.0
+    # torch.nn.utils.clip_grad_value_'s clip_value: every gradient element clamped to +-it
+    clip_grad_value: float | None = None
     # torch's param_groups: {"params": [names], hyperparameter: value, ...}; empty: one
     # group of every parameter with the fields above (adam/adamw plans before groups)
     groups: tuple = ()
@@ -187,6 +191,10 @@ class Optimizer:
                "weight_decay": self.weight_decay, "amsgrad": self.amsgrad,
                "implementation": self.implementation, "lr_schedule": dict(self.lr_schedule),
                "max_grad_norm": self.max_grad_norm}
+        if self.grad_norm_type != 2.0:  # written only where set: plans before it read alike
+            doc["grad_norm_type"] = "inf" if self.grad_norm_type == math.inf else self.grad_norm_type
+        if self.clip_grad_value is not None:
+            doc["clip_grad_value"] = self.clip_grad_value
         if self.groups:
             doc["groups"] = [dict(g) for g in self.groups]
         if self.lr_scheduler is not None:
@@ -202,7 +210,8 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 LR_SCHEDULE_KEYS = ("kind", "warmup_steps", "total_steps", "min_factor")  # what lr_factor reads
 # an optimizer section's keys: Optimizer's fields, as to_json writes them
 OPTIMIZER_KEYS = ("kind", "lr", "betas", "eps", "weight_decay", "amsgrad", "implementation", "lr_schedule",
-                  "max_grad_norm", "groups", "lr_scheduler", "grad_scaler", "lr_per_step")
+                  "max_grad_norm", "grad_norm_type", "clip_grad_value", "groups", "lr_scheduler", "grad_scaler",
+                  "lr_per_step")
 TENSOR_KEYS = ("name", "shape", "dtype", "memory_order")  # an entry of parameters, frozen, buffers.tensors
 # the other objects' keys, each as its writer below writes it (_ring_json, _rank_json,
 # PLAN_FIELDS["mirrors"], _buckets_json, _bucket_json, ModuleBuffers.to_json), plus the
@@ -269,6 +278,17 @@ def check_optimizer(opt: Optimizer) -> None:
         bad("amsgrad", f"must be true or false, not {opt.amsgrad!r}")
     if opt.max_grad_norm is not None and (not _finite(opt.max_grad_norm) or opt.max_grad_norm <= 0):
         bad("max_grad_norm", f"must be a finite number > 0 or null, not {opt.max_grad_norm!r}")
+    p = opt.grad_norm_type
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (p == math.inf or _finite(p) and p > 0):
+        bad("grad_norm_type", f"must be a number > 0 or \"inf\", not {_short(p)}")
+    if p != 2.0 and opt.max_grad_norm is None:
+        bad("grad_norm_type", "is clip_grad_norm_'s norm_type: it needs max_grad_norm")
+    if opt.clip_grad_value is not None and (not _finite(opt.clip_grad_value) or opt.clip_grad_value <= 0):
+        bad("clip_grad_value", f"must be a finite number > 0 or null, not {opt.clip_grad_value!r}")
+    if opt.clip_grad_value is not None and opt.max_grad_norm is not None:
+        # which of the two the loop calls first changes the result: the plan would have to say
+        bad("clip_grad_value", "and max_grad_norm are both set: ckptd reproduces one clipping call "
+            "(clip_grad_value_ or clip_grad_norm_) before the step")
     sched = opt.lr_schedule
     kind = sched.get("kind", "constant")
     if kind not in LR_SCHEDULES:
@@ -295,6 +315,21 @@ def _finite(x) -> bool:
         return math.isfinite(x)
     except OverflowError:
         return False
+
+
+def _norm_type(o: "_Doc") -> float:
+    """optimizer.grad_norm_type as JSON holds it: a number, or "inf" (JSON has no
+    infinity) for the largest |g|, as torch's norm_type=float('inf') or 'inf'. Absent or
+    null: 2.0, clip_grad_norm_'s default. A value out of range is refused by
+    check_optimizer, naming the key."""
+    v = o.get("grad_norm_type")
+    if v is None:
+        return 2.0
+    if isinstance(v, str):
+        if v.strip().lower() in ("inf", "infinity"):
+            return math.inf
+        raise PlanError(f'optimizer.grad_norm_type must be a number or "inf", not {_short(v)}')
+    return o.num("grad_norm_type", None)
 
 
 def _is_int(x) -> bool:
@@ -1558,6 +1593,8 @@ def _plan_from_json(raw) -> Plan:
             amsgrad=o.get("amsgrad", False), implementation=o.str("implementation", "foreach"),
             lr_schedule=dict(sched),
             max_grad_norm=None if mgn is None else o.num("max_grad_norm", None),
+            grad_norm_type=_norm_type(o),
+            clip_grad_value=None if o.get("clip_grad_value") is None else o.num("clip_grad_value", None),
             groups=_optimizer_groups(o.list("groups", []), [p.name for p in params], [p.name for p in frozen]),
             lr_scheduler=o.get("lr_scheduler"), grad_scaler=o.get("grad_scaler"),
             lr_per_step=tuple(o.list("lr_per_step", [])))

@@ -17,7 +17,7 @@ import torch
 
 from ckptd.core.checkpoint import CheckpointError
 from ckptd.core.finite import first_nonfinite
-from ckptd.core.optim import (EAGER_STATE, GroupSchedule, NoLrForStep, OptimizerError, clip_grad_norm, full_groups, init_state,
+from ckptd.core.optim import (EAGER_STATE, GroupSchedule, NoLrForStep, OptimizerError, clip_grads, clips, full_groups, init_state,
                               scaler_state, scaler_unscale, scaler_update, step_groups,
                               writes_grads)
 from ckptd.core.plan import COMM_HOOKS, USED_MAP, Plan, dtype_name
@@ -141,7 +141,8 @@ class ShadowModel:
         """Whether buckets can be stepped one by one as they complete: not when the step
         needs every gradient first (clipping's total norm, the scaler's inf check), nor
         with find_unused_parameters (which parameters step is known from DDP's used map,
-        allreduced after the last bucket)."""
+        allreduced after the last bucket). clip_grad_value_ is a clamp, elementwise: its
+        buckets step as they come."""
         return (self.opt.max_grad_norm is None and self.scaler is None and not self.plan.find_unused_parameters
                 and not self.plan.static_graph)
 
@@ -196,13 +197,16 @@ class ShadowModel:
         if iteration != self.iteration + 1:
             raise RuntimeError(f"shadow is at iteration {self.iteration}, cannot apply {iteration}")
         if not self.bucketwise:
-            raise RuntimeError("gradient clipping and AMP need every bucket: use apply()")
+            raise RuntimeError("gradient clipping by norm and AMP need every bucket: use apply()")
         idx, grads = [], []
         for b, buffer in buckets:
             flat = self._wire_to_param_dtype(buffer)
             for name, start, end in self.plan.param_ranges(layout_iteration, b):
                 idx.append(self.index[name])
                 grads.append(self.plan.param(name).grad_view(flat[start:end]))
+        if clips(self.opt):  # clamps in place: not the assembly's buffers
+            grads = [g.clone() for g in grads]
+            clip_grads(self.opt, [self.params[i] for i in idx], grads)
         self._step(iteration, idx, grads)
 
     def finish_iteration(self, iteration: int):
@@ -265,7 +269,7 @@ class ShadowModel:
         """Step with one iteration's reduced buckets. `iteration` is the training
         iteration (it drives the lr schedule); `layout_iteration` says which bucket
         layout the buffers follow (0: DDP's first layout), default the same.
-        The trainer's order: scaler.unscale_, clip_grad_norm_, scaler.step (skipped on
+        The trainer's order: scaler.unscale_, clip_grad_norm_ (or clip_grad_value_), scaler.step (skipped on
         inf/nan), scaler.update. With find_unused_parameters only the parameters some rank
         used take part in any of them: DDP leaves a globally unused one's grad None, and
         unscale_, clip_grad_norm_ and the step all skip None grads."""
@@ -284,10 +288,10 @@ class ShadowModel:
         if self.scaler is not None:
             grads = [g.clone() for g in grads]  # unscaled in place; the assembly keeps the wire's
             self.skipped = scaler_unscale(grads, self.scaler)
-        if self.opt.max_grad_norm is not None:
-            if self.scaler is None:  # clipping scales in place: not the assembly's buffers
+        if clips(self.opt):
+            if self.scaler is None:  # clipping writes in place: not the assembly's buffers
                 grads = [g.clone() for g in grads]
-            clip_grad_norm(params, grads, self.opt.max_grad_norm)
+            clip_grads(self.opt, params, grads)
         if self.skipped:
             self.lr = self.hyper.at(iteration)[0]["lr"]
         else:

@@ -95,6 +95,8 @@ class SynthOptions:
     optimizer: str = "foreach"  # for-loop | foreach | fused
     lr_schedule: str = "cosine"
     max_grad_norm: float | None = None
+    grad_norm_type: float = 2.0  # clip_grad_norm_'s norm_type (with max_grad_norm)
+    clip_grad_value: float | None = None  # clip_grad_value_ instead
     # the trainer's torch.optim class (a plan optimizer kind) and its hyperparameters,
     # for jobs beyond the default AdamW: with any of these the plan has param groups
     opt_kind: str = "adamw"
@@ -317,7 +319,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
              "linear": {"kind": "linear", "warmup_steps": 1, "total_steps": max(4, opts.iterations + 1)}}
     optimizer = Optimizer(kind="adamw", lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                           implementation=opts.optimizer, lr_schedule=sched[opts.lr_schedule],
-                          max_grad_norm=opts.max_grad_norm)
+                          max_grad_norm=opts.max_grad_norm, grad_norm_type=opts.grad_norm_type,
+                          clip_grad_value=opts.clip_grad_value)
     if opts.lr_per_step and opts.lr_scheduler:
         raise SynthOptionError("--lr-per-step and --lr-scheduler (lr_per_step and lr_scheduler) both set "
                                "the lr: give one")
@@ -347,7 +350,8 @@ def make_plan(opts: SynthOptions, model, rng: random.Random) -> Plan:
                               lr_schedule=sched[opts.lr_schedule] if not (opts.lr_scheduler or by_hand)
                               else {"kind": "constant"},
                               lr_scheduler=opts.lr_scheduler, grad_scaler=scaler,
-                              max_grad_norm=opts.max_grad_norm, lr_per_step=by_hand)
+                              max_grad_norm=opts.max_grad_norm, grad_norm_type=opts.grad_norm_type,
+                          clip_grad_value=opts.clip_grad_value, lr_per_step=by_hand)
     nodes, nics = (), ()
     if opts.nodes:
         addrs, nodes, nics = _node_nics(opts, ring.rings)
@@ -1036,8 +1040,10 @@ def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, w
             lr = optimizer.param_groups[0]["lr"]
             if scaler:
                 scaler.unscale_(optimizer)
-            if plan.optimizer.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), plan.optimizer.max_grad_norm)
+            if opts.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), opts.max_grad_norm, norm_type=opts.grad_norm_type)
+            elif opts.clip_grad_value is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), opts.clip_grad_value)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

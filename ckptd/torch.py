@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.core.checkpoint import save_checkpoint
-from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, clips, full_groups
+from ckptd.core.optim import LOSS_DRIVEN, UNREPLAYABLE, GroupSchedule, full_groups
 from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, OPTIMIZER_CLASSES, dtype_name, BucketLayout, ModuleBuffers,
                              Optimizer, Parameter, Plan, PlanError, collectives_from_json)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
@@ -1270,8 +1270,7 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     names_of = {id(p): n for n, p in zip(names, params)}
     _refuse_shared_group(ddp_model, path)
     _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler)
-    if clips(plan.optimizer):
-        optimizer.register_step_pre_hook(_check_clipped(params, plan.optimizer))
+    _check_grads_as_planned(optimizer, params, plan.optimizer, scaler)
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
 
@@ -1375,46 +1374,91 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
     scaler.update = counted_update
 
 
-CLIP_CHECKED_STEPS = 8  # the first steps: a loop that clips does so from its first step
+CHECKED_STEPS = 8  # the first steps: a loop that clips (or edits .grad) does so from its first step
 
 
-def _check_clipped(params: list[torch.Tensor], opt: Optimizer):
-    """An optimizer step pre-hook for the first CLIP_CHECKED_STEPS steps: the gradients
-    must be within the plan's clipping bound, as the trainer's call leaves them: their
-    total norm (of the plan's norm_type) at most `max_grad_norm`, or every element's |g|
-    at most `clip_grad_value`. A plan that declares clipping the loop does not do (or does
-    with a larger bound, or the other way) had the shadow clip what the trainer did not:
-    wrong checkpoints that look good. One pass over the gradients per checked step, the
-    cost of the clipping call; the gradients are the reduced ones, so every rank decides
-    alike. Gradients under the bound prove nothing, so a loop that clips with a smaller
-    bound is not caught."""
-    steps = {"left": CLIP_CHECKED_STEPS}
-    if opt.max_grad_norm is not None:
-        bound, norm_type = opt.max_grad_norm, opt.grad_norm_type
+def _check_grads_as_planned(optimizer, params: list[torch.Tensor], opt: Optimizer, scaler=None):
+    """For the first CHECKED_STEPS optimizer steps: the gradients the step takes must be
+    the reduced ones as the plan transforms them (the scaler's unscale_, the declared
+    clipping), or every rank raises TrainerError at the step. ckptd steps the reduced
+    gradients it sees on the wire through the plan's transforms; a loop that clips without
+    saying so (or with another bound or norm than declared, or declares clipping it does not
+    do) or edits .grad otherwise had the shadow step other gradients than the trainer:
+    wrong checkpoints that look good.
+
+    At the end of each backward pass, after DDP has written the reduced gradients, one norm
+    of them is taken and carried through what the plan says comes next: unscale_ (x 1/scale),
+    clip_grad_norm_ (x min(1, max_norm / (norm + 1e-6)), torch's own coefficient) or
+    clip_grad_value_ (the norm of the clamped gradients, taken then). At the step the same
+    norm of the gradients must match it. DDP writes the reduced gradients in a callback the
+    autograd engine runs at the end of the backward pass, queued when the last bucket is
+    ready; a callback queued from the first gradient's hook runs before it, so that one
+    queues the callback that measures, which then runs after DDP's (the engine runs
+    callbacks queued by callbacks, in order). Two norm passes a checked step; the
+    gradients are the reduced ones, so every rank decides alike."""
+    state = {"left": CHECKED_STEPS, "queued": False, "expected": None}
+    norm_type = opt.grad_norm_type if opt.max_grad_norm is not None else 2.0
+    engine = torch.autograd.Variable._execution_engine
+
+    def grads():
+        return [p.grad for p in params if p.grad is not None]
+
+    def measure():  # the reduced gradients, as the plan transforms them before the step
+        state["queued"] = False
+        gs = grads()
+        if not gs:
+            return
+        inv = 1.0 / float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        with torch.no_grad():
+            if opt.clip_grad_value is not None:
+                v = opt.clip_grad_value
+                gs = [(g * inv if inv is not None else g).clamp(-v, v) for g in gs]
+                state["expected"] = float(torch.nn.utils.get_total_norm(gs, norm_type))
+                return
+            n = float(torch.nn.utils.get_total_norm(gs, norm_type)) * (1.0 if inv is None else inv)
+        if opt.max_grad_norm is not None:
+            n *= min(1.0, opt.max_grad_norm / (n + 1e-6))
+        state["expected"] = n
+
+    def after_accumulate(param):  # the first gradient of a backward pass
+        if state["left"] > 0 and not state["queued"]:
+            state["queued"] = True
+            engine.queue_callback(lambda: engine.queue_callback(measure))
+
+    def before_step(optimizer, args, kwargs):
+        expected, state["expected"] = state["expected"], None
+        if state["left"] <= 0 or expected is None:
+            return
+        state["left"] -= 1
+        gs = grads()
+        with torch.no_grad():
+            got = float(torch.nn.utils.get_total_norm(gs, norm_type)) if gs else 0.0
+        if not (math.isfinite(got) and math.isfinite(expected)):
+            return  # an overflow: the scaler skips the step, and the shadow with it
+        # 2%: 16-bit gradients clipped or unscaled in their own dtype, each element rounded
+        # by up to 2**-8 of itself; float32 ones round only in the norms (1e-7)
+        tol = 2e-2 if any(g.element_size() < 4 for g in gs) else 1e-4
+        if abs(got - expected) <= tol * max(expected, got) + 1e-30:
+            return
         p = "inf" if norm_type == math.inf else f"{norm_type:g}"
-        what = "total norm" if norm_type == 2.0 else f"total {p}-norm", f"max_grad_norm={bound:g}"
-        call = (f"clip_grad_norm_(model.parameters(), {bound:g}"
-                + (")" if norm_type == 2.0 else f", norm_type={p})"))
-    else:
-        bound, norm_type = opt.clip_grad_value, math.inf  # clip_grad_value_ bounds every |g|
-        what = "largest |element|", f"clip_grad_value={bound:g}"
-        call = f"clip_grad_value_(model.parameters(), {bound:g})"
+        if opt.max_grad_norm is not None:
+            said = (f"clip_grad_norm_(model.parameters(), {opt.max_grad_norm:g}"
+                    + (")" if norm_type == 2.0 else f", norm_type={p})"))
+        elif opt.clip_grad_value is not None:
+            said = f"clip_grad_value_(model.parameters(), {opt.clip_grad_value:g})"
+        else:
+            said = "no clipping"
+        raise TrainerError(
+            f"the gradients at this optimizer step are not the reduced ones as the plan transforms them: "
+            f"their {p}-norm is {got:.6g} where the plan's {said}"
+            f"{' after scaler.unscale_' if scaler is not None else ''} leaves {expected:.6g}; the loop clips "
+            "otherwise than write_plan was told (pass max_grad_norm=, grad_norm_type= or clip_grad_value= "
+            "as the loop clips) or changes .grad itself, and ckptd would step other gradients than the trainer")
 
-    def check(optimizer, args, kwargs):
-        if steps["left"] <= 0:
-            return
-        steps["left"] -= 1
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        norm = float(torch.nn.utils.get_total_norm(grads, norm_type))  # clip_grad_norm_'s own norm
-        # 1%: clipping scales (or clamps to a bound rounded into) a bf16 or fp16 gradient in
-        # its own dtype, each element rounded by up to 2**-8 of itself
-        if norm > bound * 1.01 and math.isfinite(norm):
-            raise TrainerError(f"the gradients' {what[0]} at this step is {norm:.6g}, above write_plan's "
-                               f"{what[1]}: the loop does not {call} before the step, and ckptd would clip "
-                               "what the trainer did not")
-    return check
+    for prm in params:
+        if prm.requires_grad:
+            prm.register_post_accumulate_grad_hook(after_accumulate)
+    optimizer.register_step_pre_hook(before_step)
 
 
 def _static_used_map(ddp) -> tuple[int, ...] | None:

@@ -487,53 +487,97 @@ def test_with_a_grad_scaler_the_rounds_are_counted_at_its_update(world_of_two, t
         amp_step(2)
 
 
-def test_a_declared_clipping_the_loop_does_not_do_is_refused_at_the_step(world_of_two, tmp_path):
-    """write_plan(max_grad_norm=...) with a loop that does not clip (or clips with a larger
-    max_norm): the shadow clipped what the trainer did not, every checkpoint wrong and
-    reported good. The first steps now check the gradients' norm is within the bound."""
-    model = _ddp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", max_grad_norm=0.05, addresses=world_of_two)
-    for _ in range(3):  # clipped as declared: no word
-        (model(torch.randn(3, 4)) * 100).sum().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        opt.step()
-        opt.zero_grad()
-    (model(torch.randn(3, 4)) * 100).sum().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # another max_norm than declared
-    with pytest.raises(ct.TrainerError, match=r"total norm at this step is 1(\.0*)?\b.*above write_plan's "
-                                              r"max_grad_norm=0\.05"):
-        opt.step()
+def _clip_norm(max_norm, norm_type=2.0):
+    return lambda ps: torch.nn.utils.clip_grad_norm_(ps, max_norm, norm_type=norm_type)
 
 
-@pytest.mark.parametrize("declared, clip, other, match", [
-    ({"max_grad_norm": 0.05, "grad_norm_type": "inf"},
-     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05, norm_type="inf"),
-     lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0, norm_type="inf"),  # a larger bound
-     r"total inf-norm at this step is .* above write_plan's max_grad_norm=0\.05: the loop does not "
-     r"clip_grad_norm_\(model\.parameters\(\), 0\.05, norm_type=inf\)"),
-    ({"clip_grad_value": 0.01},
-     lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01),
-     lambda ps: None,  # no clipping at all
-     r"largest \|element\| at this step is .* above write_plan's clip_grad_value=0\.01: the loop does not "
-     r"clip_grad_value_\(model\.parameters\(\), 0\.01\)"),
+def _clip_value(v):
+    return lambda ps: torch.nn.utils.clip_grad_value_(ps, v)
+
+
+def _halve(ps):
+    for p in ps:
+        p.grad.mul_(0.5)
+
+
+_GRADS = r"the gradients at this optimizer step are not the reduced ones as the plan transforms them: "
+
+
+@pytest.mark.parametrize("declared, loop, match", [
+    # declared, and the loop does not clip (or with a larger bound): the shadow clipped what the trainer did not
+    ({"max_grad_norm": 0.05}, None,
+     _GRADS + r"their 2-norm is \S+ where the plan's clip_grad_norm_\(model\.parameters\(\), 0\.05\) "
+              r"leaves 0\.05; the loop clips otherwise than write_plan was told"),
+    ({"max_grad_norm": 0.05}, _clip_norm(1.0), r"their 2-norm is 1 where the plan's clip_grad_norm_"),
+    # a smaller bound than declared: within the declared bound, and still not what the shadow does
+    ({"max_grad_norm": 0.05}, _clip_norm(0.01), r"their 2-norm is 0\.01 where .* leaves 0\.05"),
+    # another norm than declared
+    ({"max_grad_norm": 0.05, "grad_norm_type": "inf"}, _clip_norm(0.05),
+     r"their inf-norm is \S+ where the plan's clip_grad_norm_\(model\.parameters\(\), 0\.05, norm_type=inf\) "
+     r"leaves 0\.05"),
+    ({"clip_grad_value": 0.01}, None,
+     r"their 2-norm is \S+ where the plan's clip_grad_value_\(model\.parameters\(\), 0\.01\) leaves"),
+    # clipping write_plan was not told of, and an edit of .grad: the shadow would step the reduced gradients
+    ({}, _clip_norm(0.05), r"their 2-norm is 0\.05 where the plan's no clipping leaves \S+; the loop clips otherwise"),
+    ({}, _clip_value(0.01), r"where the plan's no clipping leaves"),
+    ({}, _halve, r"where the plan's no clipping leaves .* or changes \.grad itself"),
 ])
-def test_a_declared_clipping_by_value_or_other_norm_is_checked_at_the_step(world_of_two, tmp_path, declared, clip,
-                                                                              other, match):
-    """The same check for clip_grad_norm_ with another norm_type and for clip_grad_value_:
-    a loop that clips otherwise than declared is refused at its step."""
+def test_gradients_changed_otherwise_than_the_plan_says_are_refused_at_the_step(world_of_two, tmp_path, declared,
+                                                                                loop, match):
+    """The gradients a step takes must be the reduced ones as the plan transforms them.
+    Before, a declared max_grad_norm was checked as an upper bound only, and nothing at all
+    was checked without one: a loop that clipped (by norm or by value) without telling
+    write_plan, clipped with a smaller bound than declared, or scaled .grad had every
+    checkpoint wrong and reported good. Two steps done as declared pass first."""
     model = _ddp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ct.write_plan(model, opt, tmp_path / "a" / "plan.json", addresses=world_of_two, **declared)
+    as_declared = (_clip_norm(declared["max_grad_norm"], declared.get("grad_norm_type", 2.0))
+                   if "max_grad_norm" in declared else
+                   _clip_value(declared["clip_grad_value"]) if "clip_grad_value" in declared else None)
     for _ in range(2):  # clipped as declared: no word
         (model(torch.randn(3, 4)) * 100).sum().backward()
-        clip(model.parameters())
+        if as_declared is not None:
+            as_declared(model.parameters())
         opt.step()
         opt.zero_grad()
     (model(torch.randn(3, 4)) * 100).sum().backward()
-    other(model.parameters())
+    if loop is not None:
+        loop(model.parameters())
     with pytest.raises(ct.TrainerError, match=match):
         opt.step()
+
+
+@pytest.mark.parametrize("declared, clip", [
+    ({}, None), ({"max_grad_norm": 0.05}, _clip_norm(0.05)), ({"max_grad_norm": 1e6}, _clip_norm(1e6)),
+    ({"max_grad_norm": 0.05, "grad_norm_type": 1}, _clip_norm(0.05, 1)),
+    ({"clip_grad_value": 0.01}, _clip_value(0.01)),
+])
+@pytest.mark.parametrize("amp", [False, True])
+def test_loops_that_do_what_the_plan_says_step_without_a_word(world_of_two, tmp_path, declared, clip, amp):
+    """The check at the step on loops that do as declared, with a GradScaler too (its
+    unscale_ before the clipping, an overflow that skips a step), micro-batches under
+    no_sync(), and a step without a backward before it: never a false refusal."""
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1) if amp else None
+    ct.write_plan(model, opt, tmp_path / "a" / "plan.json", scaler=scaler, addresses=world_of_two, **declared)
+    for step in range(10):
+        with model.no_sync():
+            (model(torch.randn(3, 4)) * 100).sum().backward()
+        loss = (model(torch.randn(3, 4)) * (float("inf") if amp and step == 3 else 100)).sum()
+        (scaler.scale(loss) if amp else loss).backward()
+        if amp:
+            scaler.unscale_(opt)
+        if clip is not None:
+            clip(model.parameters())
+        if amp:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    opt.step()  # no gradients, no backward: nothing to check
 
 
 def test_two_models_trained_on_one_process_group_are_refused(world_of_two, tmp_path):

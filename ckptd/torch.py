@@ -1430,6 +1430,9 @@ def _check_grads_as_planned(optimizer, params: list[torch.Tensor], opt: Optimize
         if state["left"] <= 0 or expected is None:
             return
         state["left"] -= 1
+        if state["left"] == 0:  # the last checked step: no hook stays on the job's backward passes
+            for h in handles:
+                h.remove()
         gs = grads()
         with torch.no_grad():
             got = float(torch.nn.utils.get_total_norm(gs, norm_type)) if gs else 0.0
@@ -1455,10 +1458,8 @@ def _check_grads_as_planned(optimizer, params: list[torch.Tensor], opt: Optimize
             "otherwise than write_plan was told (pass max_grad_norm=, grad_norm_type= or clip_grad_value= "
             "as the loop clips) or changes .grad itself, and ckptd would step other gradients than the trainer")
 
-    for prm in params:
-        if prm.requires_grad:
-            prm.register_post_accumulate_grad_hook(after_accumulate)
-    optimizer.register_step_pre_hook(before_step)
+    handles = [prm.register_post_accumulate_grad_hook(after_accumulate) for prm in params if prm.requires_grad]
+    handles.append(optimizer.register_step_pre_hook(before_step))
 
 
 def _static_used_map(ddp) -> tuple[int, ...] | None:

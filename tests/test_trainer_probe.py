@@ -562,6 +562,7 @@ def test_loops_that_do_what_the_plan_says_step_without_a_word(world_of_two, tmp_
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1) if amp else None
     ct.write_plan(model, opt, tmp_path / "a" / "plan.json", scaler=scaler, addresses=world_of_two, **declared)
+    hooks = len(opt._optimizer_step_pre_hooks)
     for step in range(10):
         with model.no_sync():
             (model(torch.randn(3, 4)) * 100).sum().backward()
@@ -578,6 +579,7 @@ def test_loops_that_do_what_the_plan_says_step_without_a_word(world_of_two, tmp_
             opt.step()
         opt.zero_grad()
     opt.step()  # no gradients, no backward: nothing to check
+    assert len(opt._optimizer_step_pre_hooks) == hooks - 1  # 8 steps checked (one skipped): the check is gone
 
 
 def test_two_models_trained_on_one_process_group_are_refused(world_of_two, tmp_path):

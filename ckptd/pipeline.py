@@ -265,6 +265,7 @@ class Pipeline:
             self.join_wire = max(0, (opts.join_from if opts.join_from is not None else self.offset)
                                  - self.offset)
         self.joined: int | None = None  # joining: the (training) iteration joined at
+        self.join_unbound: list[str] = []  # joining: links whose flows were not yet seen at the join
         self.before_join = 0  # packets placed into iterations before it, dropped
         self.extract: Transport = make_transport(plan, self.join_wire)  # decode + place
         # where an iteration's buffers come from, and where they go once it is finalized
@@ -454,6 +455,7 @@ class Pipeline:
                 self._drop_before(at)
             return
         self.joined = at + self.offset
+        self.join_unbound = self.extract.join_unbound()
         self._drop_before(at)
         if self.shadow is not None and int(self.shadow.iteration) != self.joined - 1:
             # wait for the trainer's checkpoint of the iteration before (_resume_state)
@@ -596,6 +598,11 @@ class Pipeline:
             if any(self.plan.is_used_map(wire, m.bucket) for m in rep.missing):
                 rep.note = (f"{USED_MAP} not seen whole: which parameters the trainer stepped "
                             "(those some rank used) is not known")
+            if it == self.joined and self.join_unbound:
+                rep.note = (f"{rep.note} " if rep.note else "") + (
+                    f"joined here before every flow of {', '.join(self.join_unbound)} was bound (taken "
+                    f"{FINALIZE_LAG} iterations on without them): their packets of it may have passed "
+                    "before the capture saw them")
         elif clash:  # never resolved by which copy came first
             b, stream, where = clash
             where = f"{self.stream_name(stream)}, {where}"

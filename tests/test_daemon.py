@@ -181,7 +181,7 @@ def test_joining_daemon_reports_where_it_joined(run, tmp_path):
     reps = list(d.pipe.reports)
     assert [(r.iteration, r.status) for r in reps] == [(1, "committed"), (2, "committed"), (3, "committed")]
     doc = json.loads(json.dumps(d.snapshot.get()))
-    assert doc["join"] == {"joining": False, "joined_at": 1, "packets_before": 0,
+    assert doc["join"] == {"joining": False, "joined_at": 1, "packets_before": 0, "unbound": [],
                            "restarted_from": None}
 
 

@@ -265,3 +265,34 @@ def test_a_capture_begun_mid_job_without_join_commits_nothing_and_says_join(job,
     assert "mid-job: packets broke the schedule" in out and "replay with --join" in out
     assert "the capture began mid-job; replay with --join" in err and "FSDP" not in out + err
     assert "ring.nccl_version" not in err
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_join_taken_before_every_flow_was_seen_says_which(job, tmp_path, fast):
+    """Two of the three streams begin three iterations after the third, as a daemon whose
+    rings opened far apart would see them (mirror1 alone from iteration 1). The join is
+    taken without the links only the late streams carry (rank 2 -> 3 and 3 -> 0) once
+    mirror1's flows are FINALIZE_LAG iterations on. mirror1's losses in iteration 1 (every
+    5th frame) then have no other copy, so the joined iteration is unrecoverable: its report now also says the join was
+    taken without those links (and the daemon's /status `join.unbound` and log), where it
+    gave only the missing ranges. Nothing is committed wrong, and once every link is seen
+    the shadow resumes from the trainer's checkpoints."""
+    starts = iteration_starts(pcaps(job))
+    early = cut(job, tmp_path / "early", starts[1] - 1_000_000)
+    late = cut(job, tmp_path / "late", starts[4] - 1_000_000)
+    paths = [p if Path(p).name == "mirror1.pcap" else q for p, q in zip(early, late)]
+    lossy = tmp_path / "lossy.pcap"  # mirror1 loses every 5th frame of iteration 1
+    with open(lossy, "wb") as f:
+        w = PcapWriter(f)
+        for k, fr in enumerate(open_capture(paths[[Path(p).name for p in paths].index("mirror1.pcap")])):
+            if not (starts[1] <= fr.ts_ns < starts[2] and k % 5 == 0):
+                w.write(fr.data, fr.ts_ns, origlen=fr.origlen)
+    paths = [str(lossy) if Path(p).name == "mirror1.pcap" else p for p in paths]
+    pipe = join_replay(job, paths, tmp_path / "out", fast=fast)
+    assert pipe.joined == 1 and pipe.join_unbound == ["rank 2 -> rank 3", "rank 3 -> rank 0"], pipe.join_unbound
+    got = [(r.iteration, r.status) for r in pipe.reports]
+    assert got[0] == (1, "unrecoverable") and got[-2:] == [(4, "committed"), (5, "committed")], got
+    assert pipe.reports[0].missing and pipe.reports[0].note.endswith(
+        "joined here before every flow of rank 2 -> rank 3, rank 3 -> rank 0 was bound (taken 2 iterations on "
+        "without them): their packets of it may have passed before the capture saw them")
+    assert all(r.exact for r in pipe.reports if r.status == "committed")

@@ -139,8 +139,17 @@ def test_daemon_joins_a_running_job(run, tmp_path):
     # end leaves none placed): test_join's cut captures check the count itself.
     assert status["join"]["packets_before"] == daemon.pipe.before_join >= 0
     reps = list(daemon.pipe.reports)
-    assert [(r.iteration, r.status) for r in reps] == [(it, "committed") for it in range(joined, ITERATIONS)], \
-        [(r.iteration, r.status, r.note) for r in reps]
+    why = [(r.iteration, r.status, r.note, r.missing[:3]) for r in reps], status["join"], status["streams"]
+    if reps and reps[0].status == "unrecoverable":
+        # Where the rings open far apart (a loaded machine: seen once, in a full CI) the joined
+        # iteration can lack copies that only a late ring would have had, beside
+        # mirror1's injected loss: then it is reported with its missing ranges, and the
+        # shadow resumes from the trainer's checkpoint at the next (tests/test_join.py
+        # pins both cases on cut captures). Never a wrong commit either way.
+        assert reps[0].iteration == joined and reps[0].missing, why
+        reps = reps[1:]
+        joined += 1
+    assert [(r.iteration, r.status) for r in reps] == [(it, "committed") for it in range(joined, ITERATIONS)], why
     assert "resumed from" in reps[0].note
     for it in range(joined, ITERATIONS):
         mine = load_checkpoint(tmp_path / "ck" / checkpoint_name(it))

@@ -956,6 +956,10 @@ class Daemon:
             self._join_logged = True
             log.info("joined the running job", extra={"fields": {
                 "iteration": self.pipe.joined, "packets_before": self.pipe.before_join}})
+            if self.pipe.join_unbound:
+                log.warning("joined before every flow was seen: the joined iteration may lack their packets",
+                            extra={"fields": {"iteration": self.pipe.joined,
+                                              "links": ", ".join(self.pipe.join_unbound)}})
         committed = self.last_committed
         keeper = self.pipe.keeper or (self.persist.keeper if self.persist else None)
         last = self.last_report
@@ -982,7 +986,7 @@ class Daemon:
             "shadow_stopped_after": self.pipe.stopped_after,
             "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
-                      "packets_before": self.pipe.before_join,
+                      "packets_before": self.pipe.before_join, "unbound": list(self.pipe.join_unbound),
                       "restarted_from": self.restarted_from[0] if self.restarted_from else None}
                      if self.cfg.join else None),
             "streams": streams,

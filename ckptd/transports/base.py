@@ -75,6 +75,12 @@ class Transport(Protocol):
         """Joining: drop every state kept for wire iterations before this one."""
 
     # -- what one transport can tell and the other cannot: these defaults say nothing --
+    def join_unbound(self) -> list[str]:
+        """Joining: where flows of the job were not yet seen (one name each) when the join
+        was taken without them (forced, FINALIZE_LAG iterations on): the joined iteration
+        may lack their packets from before the capture saw them."""
+        return []
+
     def copies_conflict(self, iteration: int) -> tuple[int, int, str] | None:
         """Where mirror copies of `iteration`'s gradient bytes disagreed, found by the
         transport itself (gloo's reassembler): (bucket, stream whose copy differed, where);

@@ -699,6 +699,10 @@ class FlowBinder:
         flow seen from its start wrongly too, and is no capture begun mid-job."""
         return b.first_psn >= MID_JOB_PSN
 
+    def unbound_links(self) -> list[str]:
+        """The links (one name each) some of whose flows are not bound yet."""
+        return [f"rank {a[0]} -> rank {b[0]}" for a, b in self.expected if not self._hop_full((a, b))]
+
     def join_iteration(self, force: bool = False) -> int | None:
         """Joining: the first iteration every flow was seen from its start, once every
         flow the plan expects is bound (or, with force, over the flows bound so far)."""

@@ -72,6 +72,9 @@ class RoceTransport(Extractor):
     def unmatched_flows(self) -> list[str]:
         return list(self.binder.errors)
 
+    def join_unbound(self) -> list[str]:
+        return self.binder.unbound_links()
+
     def join_iteration(self, force: bool = False) -> int | None:
         """The first training iteration every flow was seen from its start: the first
         whose first wire round is at or after the binder's first whole round."""

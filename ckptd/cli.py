@@ -132,6 +132,7 @@ def _synth_training(a) -> dict:
 
 def cmd_synth(a) -> int:
     from ckptd.testing.synth import SynthOptions, check_options, synthesize
+    _check_clip_options(a)
     # --model, --optim and the rest are checked by synthesize (check_options), before --out is made
     opts = SynthOptions(
         out=a.out, ranks=4 if a.ranks is None else a.ranks, channels=a.channels, protocol=a.protocol, mtu=a.mtu,
@@ -707,6 +708,7 @@ def cmd_plan(a) -> int:
                              plan_parameters, tied_parameters, with_own_collectives)
     if os.path.isfile(a.out) and (what := misplaced_file(a.out, "plan")):  # before the model is built
         raise UsageError(f"--out {a.out}: is {what}, which the plan would overwrite; give --out a path of its own")
+    _check_clip_options(a)
     # an option the chosen optimizer does not take was dropped without a word (--optimizer
     # nadam --beta1 0.5 wrote torch's default betas, adamw --momentum 0.9 none)
     takes = {"--beta1": ("adam", "adamw"), "--beta2": ("adam", "adamw"), "--eps": ("adam", "adamw"),
@@ -961,6 +963,15 @@ def _clip_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-value", type=_ranged(float, 1e-30, 1e30), default=None, metavar="V",
                    help="the loop calls clip_grad_value_(model.parameters(), V) before every step instead "
                         "(default: no clipping)")
+
+
+def _check_clip_options(a) -> None:
+    """The clipping options, named as given (the plan's check would name its fields)."""
+    if a.clip_grad_value is not None and a.max_grad_norm is not None:
+        raise UsageError("--clip-grad-value and --max-grad-norm: the loop makes one clipping call "
+                         "(clip_grad_value_ or clip_grad_norm_) before the step; give one")
+    if a.grad_norm_type != 2.0 and a.max_grad_norm is None:
+        raise UsageError("--grad-norm-type is clip_grad_norm_'s norm_type: it needs --max-grad-norm")
 
 
 def _norm_type_arg(text: str) -> float:

@@ -206,10 +206,16 @@ def test_plan_for_gloo_with_a_model_module_in_the_current_directory(tmp_path, mo
     assert load_plan(tmp_path / "value.json").optimizer.clip_grad_value == 0.1
     capsys.readouterr()
     assert main(args[:-1] + ["both.json", "--clip-grad-value", "0.1", "--max-grad-norm", "1"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
-        "optimizer.clip_grad_value and max_grad_norm are both set: ckptd reproduces one clipping call "
-        "(clip_grad_value_ or clip_grad_norm_) before the step")
+    assert capsys.readouterr().err.strip() == (
+        "error: --clip-grad-value and --max-grad-norm: the loop makes one clipping call (clip_grad_value_ or "
+        "clip_grad_norm_) before the step; give one")
     assert not (tmp_path / "both.json").exists()
+    assert main(args[:-1] + ["p.json", "--grad-norm-type", "inf"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: --grad-norm-type is clip_grad_norm_'s norm_type: it needs --max-grad-norm"
+    assert main(["synth", "--clip-grad-value", "1", "--max-grad-norm", "1", "--out", str(tmp_path / "s")]) == 2
+    assert "error: --clip-grad-value and --max-grad-norm" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
     assert main(["plan", "--model", "nosuch:build", "--ranks", "2", "--addr", "10.0.0.1",
                  "--addr", "10.0.0.2", "--out", "p3.json"]) == 2
     assert "error: --model 'nosuch:build'" in capsys.readouterr().err

@@ -1403,22 +1403,27 @@ def _check_grads_as_planned(optimizer, params: list[torch.Tensor], opt: Optimize
     def grads():
         return [p.grad for p in params if p.grad is not None]
 
-    def measure():  # the reduced gradients, as the plan transforms them before the step
-        state["queued"] = False
+    def expected_norm() -> float | None:  # the reduced gradients, as the plan transforms them
         gs = grads()
         if not gs:
-            return
+            return None
         inv = 1.0 / float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
         with torch.no_grad():
             if opt.clip_grad_value is not None:
                 v = opt.clip_grad_value
                 gs = [(g * inv if inv is not None else g).clamp(-v, v) for g in gs]
-                state["expected"] = float(torch.nn.utils.get_total_norm(gs, norm_type))
-                return
+                return float(torch.nn.utils.get_total_norm(gs, norm_type))
             n = float(torch.nn.utils.get_total_norm(gs, norm_type)) * (1.0 if inv is None else inv)
         if opt.max_grad_norm is not None:
             n *= min(1.0, opt.max_grad_norm / (n + 1e-6))
-        state["expected"] = n
+        return n
+
+    def measure():
+        state["queued"] = False
+        try:
+            state["expected"] = expected_norm()
+        except Exception:  # a check of ours must never fail the job's backward pass
+            state["expected"] = None
 
     def after_accumulate(param):  # the first gradient of a backward pass
         if state["left"] > 0 and not state["queued"]:

@@ -1464,7 +1464,9 @@ def _check_grads_as_planned(optimizer, params: list[torch.Tensor], opt: Optimize
             f"their {p}-norm is {got:.6g} where the plan's {said}"
             f"{' after scaler.unscale_' if scaler is not None else ''} leaves {expected:.6g}; the loop clips "
             "otherwise than write_plan was told (pass max_grad_norm=, grad_norm_type= or clip_grad_value= "
-            "as the loop clips) or changes .grad itself, and ckptd would step other gradients than the trainer")
+            "as the loop clips)"
+            + ("" if scaler is not None else ", unscales them with a GradScaler write_plan was not given (scaler=)")
+            + " or changes .grad itself, and ckptd would step other gradients than the trainer")
 
     handles = [prm.register_post_accumulate_grad_hook(after_accumulate) for prm in params if prm.requires_grad]
     handles.append(optimizer.register_step_pre_hook(before_step))

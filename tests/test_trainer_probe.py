@@ -521,14 +521,18 @@ _GRADS = r"the gradients at this optimizer step are not the reduced ones as the 
     ({}, _clip_norm(0.05), r"their 2-norm is 0\.05 where the plan's no clipping leaves \S+; the loop clips otherwise"),
     ({}, _clip_value(0.01), r"where the plan's no clipping leaves"),
     ({}, _halve, r"where the plan's no clipping leaves .* or changes \.grad itself"),
+    # AMP with a GradScaler write_plan was not given: the wire carries scaled gradients
+    ({}, "amp", r"where the plan's no clipping leaves .*, unscales them with a GradScaler write_plan was not "
+                r"given \(scaler=\)"),
 ])
 def test_gradients_changed_otherwise_than_the_plan_says_are_refused_at_the_step(world_of_two, tmp_path, declared,
                                                                                 loop, match):
     """The gradients a step takes must be the reduced ones as the plan transforms them.
     Before, a declared max_grad_norm was checked as an upper bound only, and nothing at all
     was checked without one: a loop that clipped (by norm or by value) without telling
-    write_plan, clipped with a smaller bound than declared, or scaled .grad had every
-    checkpoint wrong and reported good. Two steps done as declared pass first."""
+    write_plan, clipped with a smaller bound than declared, scaled .grad, or stepped
+    through a GradScaler write_plan was not given had every checkpoint wrong and reported
+    good. Two steps done as declared pass first."""
     model = _ddp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ct.write_plan(model, opt, tmp_path / "a" / "plan.json", addresses=world_of_two, **declared)
@@ -541,6 +545,12 @@ def test_gradients_changed_otherwise_than_the_plan_says_are_refused_at_the_step(
             as_declared(model.parameters())
         opt.step()
         opt.zero_grad()
+    if loop == "amp":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler.scale((model(torch.randn(3, 4)) * 100).sum()).backward()
+        with pytest.raises(ct.TrainerError, match=match):
+            scaler.step(opt)
+        return
     (model(torch.randn(3, 4)) * 100).sum().backward()
     if loop is not None:
         loop(model.parameters())

@@ -48,6 +48,7 @@ from ckptd.core.plan import (COLLECTIVE_WHEN, DTYPES, OPTIMIZER_CLASSES, dtype_n
                              Optimizer, Parameter, Plan, PlanError, collectives_from_json)
 from ckptd.core.schedule import RingConfig, ib_ar_settings
 from ckptd.core.wrappers import unwrap
+from ckptd import own_collectives
 from ckptd.errors import CkptdError, one_line
 
 PLAN_VERSION_NOTE = "written by ckptd.torch.write_plan"
@@ -547,6 +548,25 @@ def _ring(backend: str, world: int) -> RingConfig:
                       **ib_ar_settings((major, minor), env))
 
 
+def _refuse_sync_batchnorm(ddp):
+    """SyncBatchNorm allreduces its batch statistics in every training forward and backward,
+    on DDP's group unless given its own: between the gradient buckets, in the backward
+    too, where no plan can list them."""
+    group = ddp.process_group if hasattr(ddp, "process_group") else None
+    for name, mod in unwrap(ddp)[0].named_modules():
+        if not isinstance(mod, torch.nn.SyncBatchNorm):
+            continue
+        own = mod.process_group
+        if own is None or own is dist.GroupMember.WORLD:
+            own = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        if group is None or own is group:
+            raise TrainerError(f"{name or 'the model'} is a SyncBatchNorm on DDP's process group: it allreduces "
+                               "its batch statistics in every training forward and backward, among the gradient "
+                               "buckets, where no plan can list them; give it a group of its own "
+                               "(SyncBatchNorm(..., process_group=dist.new_group())) or use BatchNorm (DDP "
+                               "broadcasts its buffers)")
+
+
 def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float | None = None,
                addresses: list[str] | None = None, iterations: int | None = None,
                scheduler_args: dict | None = None, without_buffers: bool = False,
@@ -565,6 +585,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     if sparse is not None:  # DDP's test (its _build_params_for_reducer): such a module's grad is sparse
         raise TrainerError(f"parameter {sparse} has sparse gradients (an Embedding with sparse=True): DDP "
                            "allreduces those apart from its buckets, which ckptd does not decode; use sparse=False")
+    _refuse_sync_batchnorm(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
     names_of = {id(p): n for n, p in zip(names, params)}
@@ -1269,7 +1290,9 @@ def write_plan(ddp_model, optimizer, path, scheduler=None, scaler=None, *,
     names, params = _names(ddp_model)
     names_of = {id(p): n for n, p in zip(names, params)}
     _refuse_shared_group(ddp_model, path)
-    _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler)
+    own = own_collectives.watch(ddp_model.process_group, collectives_from_json(collectives or {}), plan.transport,
+                                lambda: _bucket_bytes(plan), TrainerError)
+    _watch_rounds(ddp_model, optimizer, params, allreduces_per_step, scaler, on_round=own.round_begins)
     _check_grads_as_planned(optimizer, params, plan.optimizer, scaler)
     if plan.find_unused_parameters or plan.static_graph:
         optimizer.register_step_pre_hook(_check_unused_grads(ddp_model, names, params))
@@ -1330,7 +1353,14 @@ def _refuse_shared_group(ddp, path: Path):
     ddp.register_forward_pre_hook(before_forward)
 
 
-def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_step: int, scaler=None):
+def _bucket_bytes(plan: Plan) -> set[int]:
+    """The wire bytes of each gradient bucket's allreduce, in either of DDP's layouts."""
+    return {b.count * b.dtype.itemsize for lay in {plan.buckets_first, plan.buckets_rebuilt}
+            for b in plan.layout_buckets(lay, used_map=False)}
+
+
+def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_step: int, scaler=None,
+                  on_round=None):
     """Count the synchronising backward passes (DDP allreduces its buckets in each) between
     optimizer steps, and refuse a step after any other number than the plan's
     `allreduces_per_step`: an accumulation loop without no_sync() that did not say so (or
@@ -1350,6 +1380,9 @@ def _watch_rounds(ddp, optimizer, params: list[torch.Tensor], allreduces_per_ste
         if seen["pending"]:
             seen["pending"] = False
             seen["rounds"] += 1
+            if on_round is not None:
+                with contextlib.suppress(Exception):  # never fail the job's backward pass
+                    on_round()
 
     def before_step(opt, args, kwargs):
         rounds, seen["rounds"] = seen["rounds"], 0

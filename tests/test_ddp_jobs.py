@@ -108,6 +108,7 @@ def run_captured_job(out: Path, args: list[str], iterations: int = ITERATIONS) -
                        capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         pytest.fail(f"training failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    (out / "train.err").write_text(r.stderr)  # the ranks' warnings
     dropped = [ln for ln in err.read_text().splitlines() if "dropped by kernel" in ln]
     if dropped and not dropped[0].startswith("0 "):
         pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
@@ -338,6 +339,11 @@ def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
     Never a wrong commit; now the error (or without the plan's iterations, a warning)
     names the job's own collectives."""
     run, pcap = jobs("lossreduce")
+    # write_plan told the job itself, once on each rank, at its own call
+    warned = [ln for ln in (run.parent / "train.err").read_text().splitlines() if "RuntimeWarning: ckptd:" in ln]
+    assert len(warned) == 3 and all("ddp_gloo_train.py" in ln and "an allreduce of 1 float32 on DDP's process group "
+                                    "(after 1 round of gradient allreduces) is not in write_plan's collectives"
+                                    in ln for ln in warned), warned
     r = _cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts")
     # the loss rounds count as more iterations than the plan's 10: the error names them first
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
@@ -355,6 +361,7 @@ def test_a_collective_of_the_job_listed_in_the_plan_is_skipped_on_gloo(jobs, tmp
     from ckptd.core.plan import load_plan
     from ckptd.pipeline import ReplayOptions, replay
     run, pcap = jobs("lossreduce_listed")
+    assert "RuntimeWarning: ckptd:" not in (run.parent / "train.err").read_text()
     doc = json.loads((run / "plan.json").read_text())
     assert doc["collectives"] == {"after": [{"op": "allreduce", "count": 1, "dtype": "float32"}]}
     r = _cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts")

@@ -12,7 +12,8 @@ that look good.
 
 So `write_plan` watches the calls: `torch.distributed.all_reduce` (and, on NCCL, where
 every collective shifts the rings, `broadcast`, `all_gather` and
-`all_gather_into_tensor`) on DDP's group are matched in order against what the plan
+`all_gather_into_tensor`, and `barrier`, which NCCL makes an allreduce of one float32)
+on DDP's group are matched in order against what the plan
 lists between two rounds (the `after` of one, then the `before` of the next; the first
 round's `start` too, unless it ran before write_plan). A call that does not fit is
 refused at the call, before it reaches the wire, where it is an allreduce of a bucket's
@@ -38,7 +39,10 @@ from ckptd.core.plan import collective_entry, dtype_name
 
 # torch.distributed's functions -> the plan's op names
 OPS = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather": "allgather",
-       "all_gather_into_tensor": "allgather"}
+       "all_gather_into_tensor": "allgather", "barrier": "barrier"}
+# ProcessGroupNCCL::barrier allreduces one float32 zero on the communicator; gloo's
+# barrier is an algorithm of its own, no allreduce
+NCCL_BARRIER = ("allreduce", 1, "float32", None)
 # DDP's bucket allreduces when a comm hook makes them through the Python API
 _DDP_CALLERS = ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks",)
 _DDP_FUNCTIONS = ("_delayed_all_reduce_hook",)
@@ -51,6 +55,8 @@ def _call(op: str, sig: inspect.Signature, args, kwargs) -> tuple[object, tuple[
     """(group, (op, count, dtype, root)) of one call, as a plan entry would say it."""
     a = sig.bind(*args, **kwargs).arguments
     group = a.get("group")
+    if op == "barrier":
+        return group, ("barrier", 0, "", None)
     if op == "allreduce" or op == "broadcast":
         t = a["tensor"]
     elif "input_tensor" in a:
@@ -110,7 +116,7 @@ class OwnCollectives:
 
     def __init__(self, group, own: dict, transport: str, bucket_bytes: Callable[[], set[int]], error: type):
         self.group = weakref.ref(group)
-        self.ops = {"allreduce"} if transport == "gloo" else set(OPS.values())  # gloo counts allreduces alone
+        self.ops = {"allreduce"} if transport == "gloo" else {"allreduce", "broadcast", "allgather"}  # gloo: its count
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.error = error
@@ -124,8 +130,12 @@ class OwnCollectives:
         self.warned: set = set()
 
     def called(self, call: tuple, caller):
+        what = ""
+        if call[0] == "barrier" and self.transport != "gloo":
+            call, what = NCCL_BARRIER, "a barrier (on NCCL an allreduce of 1 float32)"
         if call[0] not in self.ops:
             return
+        what = what or _text(call)
         fits = [w[1:] for w in self.ways if w and w[0][:3] == call[:3] and (call[0] != "broadcast" or w[0] == call)]
         if fits:
             self.ways = fits
@@ -135,11 +145,11 @@ class OwnCollectives:
                  else "before the first round of gradient allreduces")
         if call[0] == "allreduce" and nbytes in self.bucket_bytes():
             raise self.error(
-                f"{_text(call)} on DDP's process group ({where}) is not in write_plan's collectives, and it "
+                f"{what} on DDP's process group ({where}) is not in write_plan's collectives, and it "
                 f"is exactly a gradient bucket's size ({nbytes} bytes): ckptd would take it for that bucket and "
                 f"step wrong gradients; list it where the loop makes it (collectives={{'before' or 'after': "
                 f"[{_json(call)}]}}) or make it on a group of its own (dist.new_group)")
-        self._warn(("unlisted", call), f"{_text(call)} on DDP's process group ({where}) is not in write_plan's "
+        self._warn(("unlisted", call), f"{what} on DDP's process group ({where}) is not in write_plan's "
                    f"collectives: the iteration it falls in will not be committed; list it where the loop makes "
                    f"it ({_json(call)}) or make it on a group of its own (dist.new_group)", caller)
 

@@ -86,6 +86,8 @@ def test_listed_collectives_in_their_places_pass_and_others_are_warned_once(worl
             dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.SUM)
         own = dist.new_group([0], backend="gloo")
         dist.all_reduce(torch.zeros(5), group=own)  # not DDP's group
+        dist.barrier()  # gloo's barrier is no allreduce
+        dist.broadcast(torch.zeros(2), 0)  # gloo counts allreduces alone
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _train(model, opt, 3, before=[(3, torch.int64)], after=[(1, torch.float32), (2, torch.float32)])
@@ -195,3 +197,43 @@ def test_in_a_real_job_every_rank_refuses_the_same_call(tmp_path):
                                              "gradient allreduces) is not in write_plan's collectives, and it is "
                                              "exactly a gradient bucket's size (232 bytes)"), got[r]
         assert got[r]["warnings"] == [0], got[r]
+
+
+class _Group:  # a stand-in process group: OwnCollectives holds it by weak reference
+    pass
+
+
+def test_on_nccl_broadcasts_allgathers_and_barriers_are_matched_too():
+    """NCCL runs every collective on the communicator's rings, so broadcasts (with their
+    root), allgathers and barriers (ProcessGroupNCCL::barrier: an allreduce of one float32)
+    are matched like allreduces; on gloo, whose count takes allreduces alone, they are not
+    the plan's business."""
+    from ckptd.core.plan import collectives_from_json
+    from ckptd.own_collectives import OwnCollectives
+    own = collectives_from_json({"before": [{"op": "broadcast", "count": 6, "dtype": "int64", "root": 0},
+                                            {"op": "allreduce", "count": 1, "dtype": "float32"}],
+                                 "after": [{"op": "allgather", "count": 2, "dtype": "int64"}]})
+    g = _Group()
+    nccl = OwnCollectives(g, own, "roce", lambda: {400}, ct.TrainerError)
+    gloo = OwnCollectives(g, own, "gloo", lambda: {400}, ct.TrainerError)
+    bcast, barrier, gather = ("broadcast", 6, "int64", 0), ("barrier", 0, "", None), ("allgather", 2, "int64", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            nccl.called(bcast, None)
+            nccl.called(barrier, None)  # the listed allreduce of 1 float32
+            nccl.round_begins()
+            nccl.called(gather, None)
+        gloo.called(bcast, None)
+        gloo.called(barrier, None)
+        gloo.called(("allreduce", 1, "float32", None), None)
+        gloo.round_begins()
+    with pytest.warns(RuntimeWarning, match=r"^ckptd: a broadcast of 6 int64 from rank 1 on DDP's process group "
+                                            r"\(after 3 rounds of gradient allreduces\) is not in write_plan's"):
+        nccl.called(("broadcast", 6, "int64", 1), None)  # another root
+    with pytest.warns(RuntimeWarning, match=r"^ckptd: a barrier \(on NCCL an allreduce of 1 float32\) on DDP's"):
+        nccl.called(barrier, None)  # the broadcast was not made: the barrier does not fit there
+    with pytest.raises(ct.TrainerError, match=r"^an allreduce of 100 float32 .*exactly a gradient bucket's size"):
+        nccl.called(("allreduce", 100, "float32", None), None)
+    with pytest.raises(ct.TrainerError, match=r"^an allreduce of 100 float32 .*exactly a gradient bucket's size"):
+        gloo.called(("allreduce", 100, "float32", None), None)

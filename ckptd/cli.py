@@ -206,6 +206,8 @@ def cmd_replay(a) -> int:
     if a.init:
         start = load_checkpoint(a.init, plan.state_names)
         plan.check_start(start, a.init)
+        if extra := plan.not_in_plan(start, a.init, a.plan):  # (an init from another model fails above)
+            print(f"warning: {extra}: no checkpoint will carry it", file=sys.stderr)
         require_memory(plan.shadow_bytes(), f"shadowing the plan {a.plan}")
     if a.reference and not Path(a.reference).is_dir():
         why = "no such directory" if not Path(a.reference).exists() else "not a directory"
@@ -586,15 +588,11 @@ def cmd_export(a) -> int:
     ckpt = load_checkpoint(a.checkpoint, plan.state_names if plan else None)
     if plan is not None:  # the plan names the job: a checkpoint of another model is no export of it
         plan.check_state(ckpt, a.checkpoint)
-        known = set(plan.state_names) | set(plan.tied) | {b.name for b in plan.buffers.tensors}
-        if extra := [k for k in ckpt["model"] if k not in known]:
+        if extra := plan.not_in_plan(ckpt, a.checkpoint, a.plan):
             # exported as they are (a buffer an older plan does not list is the job's), but a
             # trainer's strict load_state_dict refuses what its model does not have
-            print(f"warning: {a.checkpoint}: model.{extra[0]}" + (f" and {len(extra) - 1} more are" if len(extra) > 1
-                                                                   else " is")
-                  + f" in the checkpoint but not in the plan {a.plan} (no parameter, tied name or buffer of it): "
-                  "exported as they are; a trainer's strict load_state_dict refuses entries its model lacks",
-                  file=sys.stderr)
+            print(f"warning: {extra}: exported as they are; a trainer's strict load_state_dict refuses entries "
+                  "its model lacks", file=sys.stderr)
     lr = (ckpt.get("optimizer") or {}).get("lr")  # (a finite one: load_checkpoint's check)
     if hasattr(lr, "numel") and lr.numel() != 1:
         # it would be the exported param_groups' lr (the plan's groups follow the first's,
@@ -696,10 +694,12 @@ def cmd_plan(a) -> int:
     the model; the ring from the arguments or from the job's NCCL_DEBUG=INFO log. A
     training script should call ckptd.torch.write_plan instead (docs/TRAINING.md)."""
     import dataclasses
+    import inspect
     import os
 
     import torch
 
+    from ckptd.core.optim import optimizer_class
     from ckptd.core.plan import Mirror, Optimizer, Parameter, Plan
     from ckptd.core.readfile import misplaced_file
     from ckptd.core.schedule import RingConfig, ScheduleError
@@ -783,6 +783,12 @@ def cmd_plan(a) -> int:
                         weight_decay=a.weight_decay, implementation=a.implementation)
     else:
         hyper = {"lr": a.lr, "weight_decay": a.weight_decay, "foreach": a.implementation == "foreach"}
+        if a.implementation == "fused":
+            cls = optimizer_class(a.optimizer)
+            if "fused" not in inspect.signature(cls.__init__).parameters:
+                raise UsageError(f"--implementation fused: torch's {cls.__name__} has no fused step "
+                                 "(use for-loop or foreach)")
+            hyper["fused"] = True
         if a.optimizer in ("sgd", "rmsprop"):
             hyper["momentum"] = a.momentum or 0.0
         opt = Optimizer(kind=a.optimizer, lr=a.lr, groups=({"params": names, **hyper},))
@@ -873,11 +879,11 @@ def _call_named(spec: str, option: str):
         raise UsageError(f"{option} {spec!r}: cannot import {mod!r}: {e}") from None
     except AttributeError:
         raise UsageError(f"{option} {spec!r}: module {mod!r} has no {fn!r}") from None
-    except Exception as e:  # the module's own import-time code
+    except (Exception, SystemExit) as e:  # the module's own import-time code (sys.exit too: no silent exit)
         raise UsageError(f"{option} {spec!r}: importing {mod!r} {_raised(e)}") from e
     try:
         return target()
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise UsageError(f"{option} {spec!r} {_raised(e)}") from e
 
 
@@ -1220,7 +1226,8 @@ def build_parser() -> argparse.ArgumentParser:
     rn.set_defaults(func=cmd_run)
 
     i = sub.add_parser("inspect", help="per-flow table of RoCEv2 traffic and frame classes "
-                       "(exit 2 if a file is missing, empty or broken: the table shows what was read)")
+                       "(exit 2 if a file is missing, empty (0 bytes) or broken: the table shows what was read; "
+                       "a capture of no frames, its header alone, is a capture and exits 0)")
     i.add_argument("--json", action="store_true", help="one JSON document instead of the table")
     i.add_argument("--names", metavar="A,B,...", help=NAMES_HELP)
     i.add_argument("pcap", nargs="+", type=_path, help=PCAP_HELP)

@@ -128,10 +128,34 @@ def load_cabling(path: str | Path) -> Cabling:
         raise CablingError(f"{path}: cannot read cabling file: {e}") from e
     try:
         from ckptd.core.docload import strict_json, strict_yaml  # a key given twice is an error
-        doc = strict_json(text) if path.suffix.lower() == ".json" else strict_yaml(text, decimal_only=False)
+        doc = (strict_json(text) if path.suffix.lower() == ".json"
+               else strict_yaml(text, decimal_only=False, check_scalar=_yaml11_check(str(path))))
+    except CablingError:
+        raise
     except Exception as e:  # json.JSONDecodeError, yaml.YAMLError, a key given twice: each says where
         raise CablingError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from e
     return cabling_from_doc(doc, str(path))
+
+
+# The keys that hold numbers: the only ones where YAML may read a scalar as an integer,
+# and there in hex or binary too (gre_type: 0x88be), never in octal or base 60.
+INT_KEYS = ("version", "max_sessions", "max_source_ports", "gre_type", "dscp", "ttl", "queue", "capacity", "rank")
+
+
+def _yaml11_check(where: str):
+    """strict_yaml's check_scalar for a cabling file: YAML 1.1 reads port: 1.10 as 1.1,
+    010 as 8, 1:30 as 90 and name: no as False; their text would name the wrong port or
+    collector in the configs, so each is refused naming its key and line."""
+    def check(path, line, written, value):
+        key = next((k for k in reversed(path) if isinstance(k, str)), None)
+        if key in INT_KEYS and (type(value) is not int or written.lstrip("+-")[:2].lower() in ("0x", "0b")):
+            return  # a number in a base it names; a float or boolean here is _int's to refuse
+        at = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+        quoted = f' ("{written}")' if len(written) <= 40 else ""   # a 5000-digit hex stays out of the line
+        fix = "write the number in decimal" if key in INT_KEYS else f"quote it{quoted} to mean the text"
+        raise CablingError(f"{where}: {at} is written {written[:40]} (line {line}), which YAML 1.1 reads as "
+                           f"the {'boolean' if type(value) is bool else 'number'} {show(value)}: {fix}")
+    return check
 
 
 def cabling_from_doc(doc, where: str = "cabling") -> Cabling:
@@ -242,7 +266,7 @@ def _collector(d, ctx, switches) -> Collector:
     netns = _name(d, "netns", ctx, required=False)
     if netns is not None and ifname is None:
         raise CablingError(f"{ctx}: netns without ifname: give the interface the host sees this NIC as")
-    return Collector(name, sw, None if port is None else str(port), ip, _int(d, "capacity", ctx, 1, 64, default=1),
+    return Collector(name, sw, port, ip, _int(d, "capacity", ctx, 1, 64, default=1),
                      ifname, netns)
 
 
@@ -280,15 +304,19 @@ def _dict(d, ctx):
     return d
 
 
-def _str(d, key, ctx):
+def _str(d, key, ctx, number=False):
     v = d.get(key)
     if v is None or v == "":
         raise CablingError(f"{ctx}: {key} is required")
-    # a scalar only: str() of a list walks it whole (an alias bomb never ends), of a
-    # huge int raises; a number is taken as its text (port 1, switch 7)
-    if isinstance(v, int) and v.bit_length() <= 64 or isinstance(v, (str, float)):
+    if isinstance(v, str):
+        return v
+    # a port may be a plain number (port: 10); never a float or a boolean, whose text is
+    # not what was written (1.10 is 1.1, true is True), nor a list (str() walks an alias
+    # bomb whole) or a huge int (str() raises)
+    if number and type(v) is int and 0 <= v < 1 << 64:
         return str(v)
-    raise CablingError(f"{ctx}: {key} is {show(v)}; expected a name")
+    raise CablingError(f"{ctx}: {key} is {show(v)}; expected "
+                       + ("a port name (text) or a whole number >= 0" if number else "a name (text)"))
 
 
 # Names go into file names (a switch's) and into vendor CLI lines and comments (all of
@@ -313,11 +341,12 @@ def _known(d: dict, keys, ctx) -> None:
 
 
 def _name(d, key, ctx, pattern=SWITCH_NAME, required=True):
-    """A name from the file, refused unless it matches `pattern` (and is not . or ..)."""
+    """A name from the file, refused unless it matches `pattern` (and is not . or ..);
+    a port's (PORT_NAME) may be given as a whole number."""
     v = d.get(key)
     if v is None and not required:
         return None
-    v = _str(d, key, ctx)
+    v = _str(d, key, ctx, number=pattern is PORT_NAME)
     if not pattern.fullmatch(v) or v in (".", ".."):
         raise CablingError(f"{ctx}: {key} {v[:80]!r} is not a safe name: use letters, digits and "
                            f"{''.join(sorted(set(pattern.pattern) & set('_./:@-')))} only, "

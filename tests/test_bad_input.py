@@ -170,6 +170,16 @@ PLAN_CASES = [
      "optimizer.lr_scheduler: unknown keys ['arg']"),
     ("allreduce-key-typo", _set("collectives", {"before": [{"count": 4, "dtype": "float32", "root": 0}]}),
      "collectives.before[0]: unknown keys ['root'] (known: op, count, dtype)"),
+    # true == 1 in Python: read as version 1
+    ("version-true", _set("version", True), "plan version True is not supported"),
+    # a JSON number 2.20 is 2.2; "2.19.3" and "2.019" read 2.19 and a full-width "２.１９" too
+    ("nccl-number", _set("ring.nccl_version", 2.2), "ring.nccl_version 2.2 is not MAJOR.MINOR as a string"),
+    ("nccl-patch", _set("ring.nccl_version", "2.19.3"), "ring.nccl_version '2.19.3' is not MAJOR.MINOR"),
+    ("nccl-leading-zero", _set("ring.nccl_version", "2.019"), "ring.nccl_version '2.019' is not MAJOR.MINOR"),
+    ("nccl-full-width", _set("ring.nccl_version", "\uff12.\uff11\uff19"), "is not MAJOR.MINOR"),
+    ("addr-not-ip", _set("ranks.1.addr", "x"), "ranks[1].addr 'x' is not an IPv4 or IPv6 address"),
+    ("mirror-name-twice", _set("mirrors", [{"name": "m", "rank": 0}, {"name": "m", "rank": 1}]),
+     "mirrors[1].name 'm' is given twice"),
     ("not-json", "{nope", "cannot read plan"),
     ("a-list", "[1, 2]", "must be an object"),
     ("deep", "[" * 100000 + "]" * 100000, "plan"),
@@ -796,6 +806,8 @@ CONFIG_CASES = [
     ("log-level", IF + "log_level: loud\n", "log_level"),
     ("fast-str", IF + "fast: 'yes'\n", "'fast' must be true or false"),
     ("join-from", IF + "join_from: soon\n", "join_from"),
+    # replay --join-from refused it; the daemon's config passed --check (helper 78)
+    ("join-from-past-the-job", IF + "join_from: 5\n", "plan.json has 1 iterations (0..0)"),
     ("keep-last", IF + "keep_last: 0\n", "keep_last"),
     ("keep-every", IF + "keep_every: x\n", "keep_every"),
     ("user", IF + "user: 'root;rm'\n", "user"),
@@ -935,6 +947,45 @@ def test_an_interface_that_is_not_there_is_named_with_the_config(scenario, capsy
     cfg = _config(scenario, "no-if", IF)
     _one_line_error(ckptd_main(capsys, "run", "--config", cfg, "--check"), f"{cfg}: interfaces[0]: capture on hdnone0",
                     "no such interface")
+
+
+def test_an_interface_that_is_not_there_is_named_with_the_config_with_capture_workers(scenario, capsys):
+    """With capture_workers the worker's message came alone: `error: capture on hdnone0:
+    no such interface` (helper 78)."""
+    cfg = _config(scenario, "no-if-workers", IF + "capture_workers: true\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg, "--check"), f"{cfg}: interfaces[0]: capture on hdnone0",
+                    "no such interface")
+
+
+def test_init_entries_the_plan_does_not_have_are_warned_about(scenario, tmp_path, capsys):
+    """An init whose model holds an entry the plan has no parameter, tied name or buffer
+    for: the entry was dropped from every checkpoint without a word (helper 78); `export`
+    already warned of the same in a checkpoint."""
+    init = _init(scenario, "extra-entry", lambda doc: doc["model"].update(extra=torch.zeros(3)))
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", init, "--out", tmp_path / "ck",
+                   *sorted((scenario / "mirrors").glob("*.pcap")))
+    assert r.returncode == 0, r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if ln.startswith("warning: ")]
+    assert warned == [f"warning: {init}: model.extra is in the checkpoint but not in the plan {scenario / 'plan.json'} "
+                      "(no parameter, tied name or buffer of it): no checkpoint will carry it"], r.stderr
+
+
+def test_plan_refuses_a_fused_implementation_torch_does_not_have(tmp_path, capsys, monkeypatch):
+    """`ckptd plan --optimizer asgd --implementation fused` wrote a plan of foreach=False,
+    the request dropped without a word (helper 78); SGD has a fused step and keeps it."""
+    (tmp_path / "onelayer.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(4, 2)\n"
+                                          "def leaves():\n    raise SystemExit(7)\n")
+    monkeypatch.chdir(tmp_path)
+    common = ["plan", "--model", "onelayer:build", "--transport", "gloo", "--ranks", "2", "--addr", "10.0.0.1",
+              "--addr", "10.0.0.2", "--implementation", "fused"]
+    _one_line_error(ckptd_main(capsys, *common, "--optimizer", "asgd", "--out", tmp_path / "a.json"),
+                    None, "--implementation fused: torch's ASGD has no fused step")
+    assert ckptd_main(capsys, *common, "--optimizer", "sgd", "--out", tmp_path / "s.json").returncode == 0
+    assert json.loads((tmp_path / "s.json").read_text())["optimizer"]["groups"][0]["fused"] is True
+    # a --model that calls sys.exit: exit 7 without a word before
+    common[2] = "onelayer:leaves"
+    _one_line_error(ckptd_main(capsys, *common, "--out", tmp_path / "x.json"), None,
+                    "--model 'onelayer:leaves' raised SystemExit: 7")
 
 
 def test_a_missing_plan_or_init_is_named_by_its_key(scenario, tmp_path, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,7 @@ def test_edge_cases():
     assert risk.failure_probability(8, 3, 0.0, 100) == 0.0      # p=0, M>=2: never fails
     assert risk.failure_probability(8, 3, 1.0, 100) == 1.0
     assert risk.failure_probability(4, 4, 0.1, 9) == risk.failure_probability(4, 10, 0.1, 9)  # M>=N
-    assert risk.evaluate(8, 3, 0.0, 100)["iterations_between_failures"] == math.inf
+    assert risk.evaluate(8, 3, 0.0, 100)["iterations_between_failures"] is None   # never: JSON null
     # tiny probabilities keep their digits (log1p/expm1): p^2 * positions
     assert risk.failure_probability(8, 3, 1e-9, 7000) == pytest.approx(3 * 1000 * 1e-18, rel=1e-6)
 
@@ -88,3 +87,28 @@ def test_cli(capsys):
 def test_cli_from_plan(capsys):
     assert _cli(["--plan", str(GOLDEN / "plan.json"), "--mirrors", "3", "--loss", "1e-3"]) == 0
     assert "ring of 8 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,text", [
+    (["--loss", "0", "--packets", "100", "--iteration-seconds", "5"], ["between failures: never", "failures: never"]),
+    (["--loss", "1e-300", "--packets", "100", "--iteration-seconds", "1e308"], ["more than 5e+304 h (never, in practice)"]),
+    (["--loss", "5e-324", "--packets", "100"], ["iterations between failures: more than 1.8e+308 (never, in practice)"]),
+])
+def test_no_failure_is_null_in_json_and_never_in_text(capsys, args, text):
+    """p=0, or 1/P_fail past the float range, printed Infinity: not JSON; the text said inf."""
+    argv = ["--ring", "4", "--mirrors", "2", *args]
+    assert _cli(argv + ["--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert doc["iterations_between_failures"] is None or doc["seconds_between_failures"] is None, doc
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "inf" not in out and all(t in out for t in text), out
+
+
+def test_finite_waits_are_still_numbers(capsys):
+    assert _cli(["--ring", "4", "--mirrors", "2", "--loss", "0.1", "--packets", "30", "--iteration-seconds", "2",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["seconds_between_failures"] == pytest.approx(2 * doc["iterations_between_failures"])
+    assert doc["iterations_between_failures"] == pytest.approx(1 / doc["p_fail"])

@@ -201,6 +201,63 @@ def test_distinct_collector_ips_still_load():
     assert len(cabling_from_doc(golden_cabling()).collectors) == 3
 
 
+# -- 3b. values YAML 1.1 reads otherwise than they look; names of the wrong type -------------
+YAML11 = [  # (golden text, replacement, key path, what YAML read)
+    ("port: Ethernet0}", "port: 1.10}", "ranks[0].port is written 1.10 (line 34)", "the number 1.1: quote it"),
+    ("port: Ethernet0}", "port: 010}", "ranks[0].port is written 010 (line 34)", "the number 8: quote it"),
+    ("port: Ethernet0}", "port: 0x10}", "ranks[0].port is written 0x10 (line 34)", "the number 16"),
+    ("port: Ethernet0}", "port: 1:30}", "ranks[0].port is written 1:30 (line 34)", "the number 90"),
+    ("name: ckpt-a,", "name: no,", "collectors[0].name is written no (line 30)", "the boolean False"),
+    ("ifname: ens1f0}", "ifname: on}", "collectors[0].ifname is written on (line 30)", "the boolean True"),
+    ("dscp: 8", "dscp: 010", "switches[0].erspan.dscp is written 010 (line 14)", "the number 8: write the number in decimal"),
+]
+
+
+@pytest.mark.parametrize("old,new,where,what", YAML11, ids=[c[1] for c in YAML11])
+def test_yaml11_scalars_are_refused_naming_key_and_line(tmp_path, capsys, old, new, where, what):
+    """`port: 1.10` wrote `source 1.1` into the EOS config, 010 port 8, 1:30 port 90, and
+    a collector `{name: no, ifname: on}` became "False"/"True" in daemon-interfaces.yaml."""
+    text = (GOLDEN / "cabling_erspan.yaml").read_text()
+    assert old in text
+    (tmp_path / "c.yaml").write_text(text.replace(old, new, 1))
+    msg = _error(capsys, ["mirror-config", "--plan", GOLDEN / "plan.json", "--cabling", tmp_path / "c.yaml",
+                          "--out", tmp_path / "out"])
+    assert f"c.yaml: {where}, which YAML 1.1 reads as {what}" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_numbers_that_mean_what_they_say_still_load(tmp_path, capsys):
+    """An int port (port: 10) is common; gre_type in hex is the format's own; a quoted 1.10 is text."""
+    text = (GOLDEN / "cabling_erspan.yaml").read_text()
+    text = text.replace("port: Ethernet0}", "port: 10}", 1).replace("port: Ethernet4}", "port: '1.10'}", 1)
+    (tmp_path / "c.yaml").write_text(text.replace("dscp: 8", "dscp: 0x8", 1))
+    assert main(["mirror-config", "--plan", str(GOLDEN / "plan.json"), "--cabling", str(tmp_path / "c.yaml"),
+                 "--out", str(tmp_path / "out"), "--vendor", "eos"]) == 0, capsys.readouterr().err
+    eos = (tmp_path / "out" / "leaf1.eos.cfg").read_text()
+    assert " source 10 " in eos and " source 1.10 " in eos and " source 1.1 " not in eos
+
+
+JSON_TYPES = [
+    ("collectors", "name", True, "collectors[0]: name is True; expected a name (text)"),
+    ("collectors", "port", 1.5, "collectors[0] (cap0): port is 1.5; expected a port name (text) or a whole number"),
+    ("collectors", "port", False, "collectors[0] (cap0): port is False"),
+    ("collectors", "ifname", float("nan"), "collectors[0] (cap0): ifname is nan; expected a name (text)"),
+    ("ranks", "port", True, "ranks[0]: port is True"),
+    ("ranks", "port", 1.5, "ranks[0]: port is 1.5"),
+    ("ranks", "port", -1, "ranks[0]: port is -1"),
+    ("switches", "netns", True, "switches[0] (tor): netns is True; expected a name (text)"),
+]
+
+
+@pytest.mark.parametrize("entry,key,value,want", JSON_TYPES, ids=[f"{c[0]}.{c[1]}={c[2]}" for c in JSON_TYPES])
+def test_json_names_must_be_text_and_ports_text_or_whole(tmp_path, capsys, entry, key, value, want):
+    """"netns": true wrote `ip netns exec True ...`; 1.5, NaN, true were taken as names."""
+    doc = json.loads((GOLDEN / "cabling_span.json").read_text())
+    doc[entry][0][key] = value
+    assert want in _mirror_config_error(tmp_path, capsys, doc, "c.json")
+    assert not (tmp_path / "out").exists()
+
+
 # -- plan --nic-addrs and --nccl-log ------------------------------------------------------------
 def _plan_error(tmp_path, capsys, nics: Path) -> str:
     log = tmp_path / "nccl.log"
@@ -290,6 +347,21 @@ def test_risk_simulate_total_work_is_capped(capsys):
 
 def test_risk_negative_seed(capsys):
     assert "--seed must be >= 0" in _error(capsys, RISK + ["--packets", "9", "--simulate", "--seed", "-1"])
+
+
+@pytest.mark.parametrize("packets", ["2", "1", "1.5", "0.25e1"])
+def test_risk_packets_fewer_than_chunks_or_fractional(capsys, packets):
+    """--packets 2 on a ring of 4 is 0.67 packets a chunk: the formula took that, the
+    simulation one packet, and they disagreed (0.0134 against 0.0201)."""
+    msg = _error(capsys, RISK + ["--packets", packets, "--simulate", "--trials", "20"])
+    assert msg == (f"error: --packets K must be a whole number of packets, 3..1e+15 (a link of a ring of 4 carries "
+                   f"3 chunks, each at least one packet), not {float(packets):g}")
+
+
+def test_risk_packets_whole_and_at_least_the_chunks_still_run(capsys):
+    for packets in ("3", "1e9", "20000"):
+        assert main(RISK + ["--packets", packets, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["packets_per_chunk"] >= 1
 
 
 def test_risk_formula_still_any_size_and_simulation_small(capsys):

@@ -25,11 +25,18 @@ def _no_duplicate_keys(pairs: list) -> dict:
     return out
 
 
-def strict_yaml(text: str, decimal_only: bool = True):
+# An integer YAML 1.1 reads as it looks: 010 is octal 8, 0x10 is 16 and 1:30 is 90 (base 60).
+DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9_]*)")
+
+
+def strict_yaml(text: str, decimal_only: bool = True, check_scalar=None):
     """yaml.safe_load, but a key given twice in one mapping is an error: YAML's last one
     silently winning would hide the typo of an operator who meant two different keys.
     decimal_only: an integer not written in decimal is an error too (the daemon's config);
-    a cabling file takes hex (GRE protocol types, VLAN masks) as YAML reads it."""
+    a cabling file takes hex (GRE protocol types, VLAN masks) as YAML reads it.
+    check_scalar(path, line, written, value), where given, is called before the document is
+    built for every unquoted scalar YAML 1.1 reads otherwise than it looks (yaml11_scalars),
+    so that a caller who knows which keys hold text can refuse it naming the key."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -53,7 +60,7 @@ def strict_yaml(text: str, decimal_only: bool = True):
         # YAML 1.1 reads 010 as octal 8, 0x10 as 16 and 1:30 as 90 (base 60): an operator
         # who wrote keep_last: 010 meant ten. Only plain decimals are taken as written.
         text = loader.construct_scalar(node)
-        if not re.fullmatch(r"[-+]?(0|[1-9][0-9_]*)", text):
+        if not DECIMAL.fullmatch(text):
             value = yaml.SafeLoader.construct_yaml_int(loader, node)
             raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {show(value)} "
                              "(octal, hex or base 60): write the number in decimal (or quote it where text is meant)")
@@ -62,4 +69,39 @@ def strict_yaml(text: str, decimal_only: bool = True):
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     if decimal_only:
         Loader.add_constructor("tag:yaml.org,2002:int", integer)
-    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+    if check_scalar is None:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
+    loader = Loader(text)   # yaml.load's steps, with the node tree checked in between
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        for path, scalar in yaml11_scalars(node):
+            value = yaml.SafeLoader.yaml_constructors[scalar.tag](loader, scalar)
+            check_scalar(path, scalar.start_mark.line + 1, scalar.value, value)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def yaml11_scalars(root):
+    """(path, node) of every unquoted scalar under a composed YAML node that YAML 1.1 reads
+    otherwise than it looks: a boolean (yes, no, on, off), a float (1.10 is 1.1) or an
+    integer not in decimal (DECIMAL). path: the keys and list indexes down to it, in
+    document order. Each node is visited once: an alias bomb is a few nodes, shared."""
+    import yaml
+    seen = set()
+    stack = [((), root)]
+    while stack:
+        path, node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack += reversed([(path + (k.value if isinstance(k, yaml.ScalarNode) else "?",), v)
+                               for k, v in node.value])
+        elif isinstance(node, yaml.SequenceNode):
+            stack += reversed([(path + (i,), v) for i, v in enumerate(node.value)])
+        elif node.style is None and (node.tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+                                     or node.tag == "tag:yaml.org,2002:int" and not DECIMAL.fullmatch(node.value)):
+            yield path, node

@@ -36,7 +36,7 @@ from ckptd.core.algorithms import check_allreduce_algorithm
 from ckptd.core.docload import strict_json
 from ckptd.core.readfile import TooLarge, read_bounded
 from ckptd.core.schedule import (IB_AR_THRESHOLD, MIN_AR_THRESHOLD, AllGather, Broadcast, Bucket, RingConfig, RingSchedule,
-                                 ScheduleError, min_buffsize, network_connections)
+                                 ScheduleError, min_buffsize, network_connections, parse_nccl_version)
 from ckptd.errors import CkptdError, unknown_keys
 
 PLAN_FORMAT = "ckptd-plan"
@@ -808,6 +808,16 @@ class Plan:
                                   f"{self.iterations} iterations (0..{self.iterations - 1})")
         self.check_resume(state, where)
 
+    def not_in_plan(self, state: dict, where: str, plan_name) -> str | None:
+        """Where a state's model holds entries this plan has no parameter, tied name or
+        buffer for, the sentence that says so (the caller adds what follows), else None."""
+        known = set(self.state_names) | set(self.tied) | {b.name for b in self.buffers.tensors}
+        extra = [k for k in state.get("model") or {} if k not in known]
+        if not extra:
+            return None
+        return (f"{where}: model.{extra[0]}" + (f" and {len(extra) - 1} more are" if len(extra) > 1 else " is")
+                + f" in the checkpoint but not in the plan {plan_name} (no parameter, tied name or buffer of it)")
+
     def check_resume(self, state: dict, where: str) -> None:
         """A state the shadow (re)starts from fits this plan: check_state, and after a step
         (iteration >= 0) the optimizer state an optimizer that keeps one has by then. A
@@ -1495,7 +1505,7 @@ def _plan_from_json(raw) -> Plan:
     if doc.get("format") != PLAN_FORMAT:
         raise PlanError(f"not a ckptd plan (format is {_short(doc.get('format'))}, "
                         f"expected {PLAN_FORMAT!r})")
-    if doc.get("version") != PLAN_VERSION:
+    if doc.get("version") != PLAN_VERSION or isinstance(doc.get("version"), bool):  # true == 1 in Python
         raise PlanError(f"plan version {_short(doc.get('version'))} is not supported "
                         f"(this ckptd reads version {PLAN_VERSION})")
     # a misspelt section is not there at all: "optimiser" replayed as a plan without an
@@ -1538,9 +1548,11 @@ def _plan_from_json(raw) -> Plan:
     r.only(RING_KEYS)
     nccl = r.need("nccl_version")
     try:
-        major, minor = (int(x) for x in str(nccl).split(".")[:2])
+        if not isinstance(nccl, str):  # a JSON number 2.20 reads 2.2
+            raise ValueError
+        major, minor = parse_nccl_version(nccl)
     except ValueError:
-        raise PlanError(f"ring.nccl_version {str(nccl)[:20]!r} is not MAJOR.MINOR") from None
+        raise PlanError(f"ring.nccl_version {_short(nccl)} is not MAJOR.MINOR as a string, e.g. \"2.21\"") from None
     nranks = r.int("nranks", 2, MAX_RANKS, required=True)
     channels = r.int("channels", 1, MAX_CHANNELS, 1)
     rings = r.list("rings") if r.has("rings") else [list(range(nranks))] * channels
@@ -1604,13 +1616,15 @@ def _plan_from_json(raw) -> Plan:
         rk = _Doc(raw_r, f"ranks[{i}]")
         rk.only(RANK_KEYS)
         ranks.append((rk.int("rank", 0, MAX_RANKS, required=True), rk.str("addr")))
+    for i, (_, a) in enumerate(ranks):
+        try:
+            ipaddress.ip_address(a)
+        except ValueError:
+            raise PlanError(f"ranks[{i}].addr {_short(a)} is not an IPv4 or IPv6 address") from None
     ranks.sort()
     if [x for x, _ in ranks] != list(range(nranks)):
         raise PlanError(f"ranks must list ranks 0..{nranks - 1} once each")
-    try:
-        addrs = tuple(str(ipaddress.ip_address(a)) for _, a in ranks)
-    except ValueError as e:
-        raise PlanError(f"ranks: {e}") from e
+    addrs = tuple(str(ipaddress.ip_address(a)) for _, a in ranks)
     nodes, nics = [], []
     for i, raw_r in enumerate(sorted(doc.list("ranks", required=True), key=lambda x: x.get("rank", 0))):
         rk = _Doc(raw_r, f"ranks[{i}]")
@@ -1638,6 +1652,8 @@ def _plan_from_json(raw) -> Plan:
         mirrors.append(Mirror(m.str("name", f"mirror{i}"), m.int("rank", 0, nranks - 1, required=True),
                               m.str("direction", "both", ("tx", "rx", "both")),
                               m.int("port", 0, MAX_PORTS - 1, 0)))
+        if mirrors[-1].name in [x.name for x in mirrors[:-1]]:  # the streams are told apart by name
+            raise PlanError(f"mirrors[{i}].name {mirrors[-1].name!r} is given twice")
     return Plan(tuple(params), first, rebuilt, ring_cfg, optimizer, addrs, tuple(mirrors),
                 doc.int("iterations", 1, MAX_ITERATIONS), doc.str("transport", "roce"), learn,
                 nodes=tuple(nodes) if any(isinstance(x, dict) and "node" in x for x in doc.list("ranks")) else (),

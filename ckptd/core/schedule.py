@@ -76,8 +76,9 @@ NCCL_VERSIONS = ((2, 14), (2, 32))  # the ring layouts RingConfig implements (do
 
 def parse_nccl_version(text) -> tuple[int, int]:
     """MAJOR.MINOR ("2.19") as (2, 19); ValueError for anything else (ASCII digits only:
-    int() takes other scripts' digits and fails on '2.²')."""
-    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", str(text))
+    int() takes other scripts' digits and fails on '2.²'; no leading zero: "2.020" is
+    not how a version is written, and would read 2.20)."""
+    m = re.fullmatch(r"(0|[1-9][0-9]{0,2})\.(0|[1-9][0-9]{0,2})", str(text))
     if m is None:
         raise ValueError(f"{str(text)[:40]!r} is not MAJOR.MINOR (e.g. 2.19)")
     return int(m[1]), int(m[2])

@@ -585,6 +585,11 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
+        its = self.plan.iterations
+        if cfg.join_from is not None and its is not None and cfg.join_from >= its:
+            raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: the job of the "
+                              f"plan {cfg.plan} has {its} iterations (0..{its - 1}); give an iteration it had "
+                              "reached when the capture began")
         ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
         require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
                        + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"
@@ -595,6 +600,8 @@ class Daemon:
         # a trainer's file that does not name its parameters is indexed in its optimizer's order
         self.start_state = load_checkpoint(cfg.init, self.plan.state_names)
         self.plan.check_start(self.start_state, cfg.init)
+        if extra := self.plan.not_in_plan(self.start_state, cfg.init, cfg.plan):
+            log.warning("%s: no checkpoint will carry it", extra)
         self.names = [i.name for i in cfg.interfaces]
         # /status `capture` and the metrics' `interface` label: the interface's name, or, for
         # the rings that share one (a fanout group, ERSPAN sessions), `<ifname>:<stream>`
@@ -1184,13 +1191,18 @@ class Daemon:
         """One capture process per interface; then the coordinator (this process, all
         its threads) is pinned to `cpus`, after the workers started so that a worker
         without a `cpu` of its own keeps the machine's CPUs."""
-        from ckptd.live.ring import turn_bytes
+        from ckptd.live.ring import CaptureSetupError, turn_bytes
         from ckptd.live.workers import CaptureWorkers
-        self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
-                                      busy_poll=self.cfg.busy_poll, huge_pages=self.cfg.huge_pages,
-                                      drop_capabilities=self.cfg.drop_capabilities,
-                                      icrc=self.fast,  # the fast path's kernel then skips the CRC
-                                      slot_bytes=turn_bytes(self.plan.least_link_bytes()))  # as ring_batches
+        try:
+            self.workers = CaptureWorkers(self.cfg.interfaces, bpf=self.plan.transport == "roce",
+                                          busy_poll=self.cfg.busy_poll, huge_pages=self.cfg.huge_pages,
+                                          drop_capabilities=self.cfg.drop_capabilities,
+                                          icrc=self.fast,  # the fast path's kernel then skips the CRC
+                                          slot_bytes=turn_bytes(self.plan.least_link_bytes()))  # as ring_batches
+        except CaptureSetupError as e:
+            if not self.cfg.source:
+                raise
+            raise CaptureSetupError(e.errno, f"{self.cfg.source}: {e.strerror or e}") from e
         self.captures = list(self.workers.captures)
         if self.cfg.cpus:
             for tid in os.listdir("/proc/self/task"):

@@ -278,11 +278,12 @@ class CaptureWorkers:
         for k, conn in enumerate(self.conns):
             if not conn.poll(30):
                 self.close()
-                raise CaptureSetupError(f"capture worker for {self.captures[k].ifname} did not start in 30 s")
+                raise CaptureSetupError(f"interfaces[{k}]: capture worker for {self.captures[k].ifname} did not "
+                                        "start in 30 s")
             msg = conn.recv()
-            if msg[0] == "error":
+            if msg[0] == "error":  # named by its config entry, as an in-process ring's is
                 self.close()
-                raise CaptureSetupError(msg[1])
+                raise CaptureSetupError(f"interfaces[{k}]: {msg[1]}")
             self.captures[k].last.update(msg[1])
 
     def batches(self, stop, errors: list[str],

@@ -239,7 +239,8 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mirrors", type=int, required=True, help="M: mirrored directed links of the ring (capped at N)")
     p.add_argument("--loss", type=float, required=True, help="p: loss probability of each mirrored packet copy")
     p.add_argument("--packets", type=float,
-                   help="K: allgather packets one link carries per iteration, all channels (or --plan)")
+                   help="K: allgather packets one link carries per iteration, all channels (or --plan): "
+                        "a whole number, at least N-1 (a link carries N-1 chunks, each at least one packet)")
     p.add_argument("--nodes", type=int,
                    help="H: multi-GPU nodes of consecutive ranks; only the ring's H hops between nodes can be "
                         "mirrored, so M is capped at H (default: every rank its own host; or --plan, "
@@ -257,7 +258,9 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=int, default=2000,
                    help=f"Monte Carlo iterations (default 2000, at most {MAX_TRIALS})")
     p.add_argument("--seed", type=int, default=0, help="Monte Carlo seed, >= 0 (default 0)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON (iterations_between_failures and seconds_between_failures "
+                        "are null where no failure is expected: P_fail is 0, or the wait is past 1.8e308)")
     p.set_defaults(func=run)
     return p
 
@@ -297,6 +300,11 @@ def run(a) -> int:
         problems.append(f"--ring N (2..{MAX_RANKS}) or --plan is needed")
     if k is None or not 1 <= k <= MAX_PACKETS:  # NaN fails this too
         problems.append(f"--packets K (1..{MAX_PACKETS:.0e}) or --plan is needed")
+    elif a.packets is not None and n is not None and 2 <= n <= MAX_RANKS and (not k.is_integer() or k < n - 1):
+        # a count of packets, at least one per chunk: with fewer the formula took
+        # fractional packets, the simulation one, and the two disagreed
+        problems.append(f"--packets K must be a whole number of packets, {n - 1}..{MAX_PACKETS:.0e} (a link of a "
+                        f"ring of {n} carries {n - 1} chunks, each at least one packet), not {k:g}")
     if a.iteration_seconds is not None and not 0 < a.iteration_seconds < math.inf:
         problems.append("--iteration-seconds must be a number > 0")
     if a.mirrors < 1:
@@ -348,10 +356,22 @@ def evaluate(n: int, m: int, p: float, k: float, iteration_seconds: float | None
            "ports_per_nic": ports, "mirror_ports": m_eff * ports, "loss": p, "packets_per_link": k,
            "packets_per_chunk": k / (n - 1),
            "chunks_by_copies": {str(c): copies.count(c) for c in sorted(set(copies))},
-           "p_fail": pf, "iterations_between_failures": (1.0 / pf) if pf > 0 else math.inf}
+           "p_fail": pf, "iterations_between_failures": _finite(1.0 / pf if pf > 0 else math.inf)}
     if iteration_seconds:
-        res["seconds_between_failures"] = res["iterations_between_failures"] * iteration_seconds
+        ibf = res["iterations_between_failures"]
+        res["seconds_between_failures"] = None if ibf is None else _finite(ibf * iteration_seconds)
     return res
+
+
+def _finite(x: float) -> float | None:
+    """None for a wait with no end (P_fail 0) or past the float range: JSON has no Infinity."""
+    return x if math.isfinite(x) else None
+
+
+def _wait(x: float | None, p_fail: float, scale: float = 1.0, unit: str = "") -> str:
+    if x is None:
+        return "never" if p_fail == 0 else f"more than {sys.float_info.max / scale:.2g}{unit} (never, in practice)"
+    return f"{x / scale:.6g}{unit}"
 
 
 def check(n: int, m: int, p: float, k: float, trials: int, seed: int, nodes: int | None = None) -> dict:
@@ -383,10 +403,11 @@ def format_result(r: dict) -> str:
         "chunks by number of mirrored copies: "
         + ", ".join(f"{cnt} chunk(s) with {c}" for c, cnt in r["chunks_by_copies"].items()),
         f"P(iteration cannot be completed) = {r['p_fail']:.6g}",
-        f"expected iterations between failures: {r['iterations_between_failures']:.6g}",
+        f"expected iterations between failures: {_wait(r['iterations_between_failures'], r['p_fail'])}",
     ]
     if "seconds_between_failures" in r:
-        lines.append(f"expected time between failures: {r['seconds_between_failures'] / 3600:.6g} h")
+        lines.append("expected time between failures: "
+                     + _wait(r["seconds_between_failures"], r["p_fail"], 3600, " h"))
     s = r.get("simulation")
     if s:
         lines.append(

@@ -1304,7 +1304,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the trainer's torch.optim class (default adamw)")
     pl.add_argument("--momentum", type=_ranged(float, 0, 1), default=None, help="sgd, rmsprop (default 0)")
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach",
-                    help="the optimizer's implementation: for-loop, foreach (default) or fused")
+                    help="the optimizer's implementation: for-loop, foreach (default) or fused (torch has a "
+                         "fused step for sgd, adam, adamw and adagrad; refused for the others)")
     pl.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (default 0.001)")
     pl.add_argument("--beta1", type=float, default=None, help="adam, adamw (default 0.9)")
     pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")

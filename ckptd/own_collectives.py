@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ckptd.core.plan import collective_entry, dtype_name
+from ckptd.core.plan import collective_entry, collective_json, dtype_name
 
 # torch.distributed's functions -> the plan's op names
 OPS = {"all_reduce": "allreduce", "broadcast": "broadcast", "all_gather": "allgather",
@@ -107,8 +107,7 @@ def _text(e: tuple) -> str:
 
 
 def _json(e: tuple) -> str:
-    op, n, d, root = e
-    return "{" + f"'op': '{op}', 'count': {n}, 'dtype': '{d}'" + (f", 'root': {root}" if root is not None else "") + "}"
+    return repr(collective_json(*e))
 
 
 class OwnCollectives:
@@ -123,9 +122,9 @@ class OwnCollectives:
 
         def listed(key):
             return [e for e in map(collective_entry, own.get(key, ())) if e[0] in self.ops]
-        self.between = listed("after") + listed("before")
-        start = listed("start") + listed("before")
-        self.ways = [start, listed("before")] if listed("start") else [start]  # start may have run already
+        before, start = listed("before"), listed("start")
+        self.between = listed("after") + before
+        self.ways = [start + before, before] if start else [before]  # start may have run before write_plan
         self.rounds = 0
         self.warned: set = set()
 
@@ -136,7 +135,7 @@ class OwnCollectives:
         if call[0] not in self.ops:
             return
         what = what or _text(call)
-        fits = [w[1:] for w in self.ways if w and w[0][:3] == call[:3] and (call[0] != "broadcast" or w[0] == call)]
+        fits = [w[1:] for w in self.ways if w and w[0] == call]  # (a broadcast's root too: root None elsewhere)
         if fits:
             self.ways = fits
             return

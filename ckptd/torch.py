@@ -552,7 +552,7 @@ def _refuse_sync_batchnorm(ddp):
     """SyncBatchNorm allreduces its batch statistics in every training forward and backward,
     on DDP's group unless given its own: between the gradient buckets, in the backward
     too, where no plan can list them."""
-    group = ddp.process_group if hasattr(ddp, "process_group") else None
+    group = getattr(ddp, "process_group", None)
     for name, mod in unwrap(ddp)[0].named_modules():
         if not isinstance(mod, torch.nn.SyncBatchNorm):
             continue

@@ -1486,7 +1486,7 @@ PLAN_FIELDS = {
     "start_iteration": lambda p: UNSET if p.start_iteration is None else p.start_iteration,
     "transport": lambda p: UNSET if p.transport == "roce" else p.transport,
     "comm_hook": lambda p: UNSET if p.comm_hook == "allreduce" else p.comm_hook,
-    "collectives": lambda p: {k: [_collective_json(e) for e in v] for k, v in p.collectives.items()}
+    "collectives": lambda p: {k: [collective_json(*collective_entry(e)) for e in v] for k, v in p.collectives.items()}
     if p.collectives else UNSET,
     "buffers": lambda p: p.buffers.to_json() if p.buffers.tensors else UNSET,
     "allreduces_per_step": lambda p: UNSET if p.allreduces_per_step == 1 else p.allreduces_per_step,
@@ -1615,16 +1615,15 @@ def _plan_from_json(raw) -> Plan:
     for i, raw_r in enumerate(doc.list("ranks", required=True)):
         rk = _Doc(raw_r, f"ranks[{i}]")
         rk.only(RANK_KEYS)
-        ranks.append((rk.int("rank", 0, MAX_RANKS, required=True), rk.str("addr")))
-    for i, (_, a) in enumerate(ranks):
+        rank, addr = rk.int("rank", 0, MAX_RANKS, required=True), rk.str("addr")
         try:
-            ipaddress.ip_address(a)
+            ranks.append((rank, str(ipaddress.ip_address(addr))))
         except ValueError:
-            raise PlanError(f"ranks[{i}].addr {_short(a)} is not an IPv4 or IPv6 address") from None
+            raise PlanError(f"ranks[{i}].addr {_short(addr)} is not an IPv4 or IPv6 address") from None
     ranks.sort()
     if [x for x, _ in ranks] != list(range(nranks)):
         raise PlanError(f"ranks must list ranks 0..{nranks - 1} once each")
-    addrs = tuple(str(ipaddress.ip_address(a)) for _, a in ranks)
+    addrs = tuple(a for _, a in ranks)
     nodes, nics = [], []
     for i, raw_r in enumerate(sorted(doc.list("ranks", required=True), key=lambda x: x.get("rank", 0))):
         rk = _Doc(raw_r, f"ranks[{i}]")
@@ -1748,8 +1747,8 @@ def collective_entry(e) -> tuple[str, int, str, int | None]:
     return str(e[2]), int(e[0]), str(e[1]), int(e[3])
 
 
-def _collective_json(e) -> dict:
-    op, n, d, root = collective_entry(e)
+def collective_json(op: str, n: int, d: str, root: int | None) -> dict:
+    """A collective (collective_entry's fields) in the plan's JSON form."""
     out = {"op": op, "count": n, "dtype": d}
     if op == "broadcast":
         out["root"] = root

@@ -1626,3 +1626,13 @@ def test_captures_joined_with_cat_are_named_where_the_second_begins(scenario, tm
     assert f"joined.pcap: frame {frames + 1}: another capture file's header starts here (files joined with cat?)" \
         in r.stderr, r.stderr
     assert "mergecap -a" in r.stderr and "1 iterations, 1 committed" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["synth", "demo"])
+def test_out_where_no_directory_can_be_made_names_the_option(tmp_path, capsys, cmd):
+    """/proc takes no new directory: it was the bare "[Errno 2] No such file or
+    directory: '/proc/...'", naming no option."""
+    out = Path("/proc") / f"ckptd-test-{os.getpid()}"
+    r = ckptd_main(capsys, cmd, "--out", out, "--iterations", "1", "--model", "tiny")
+    _one_line_error(r, None, f"--out {out}: cannot make the directory: No such file or directory")
+    assert not out.exists()

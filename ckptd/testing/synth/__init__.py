@@ -952,8 +952,11 @@ def synthesize(opts: SynthOptions, progress=None) -> Plan:
 def _write(opts, plan, model, buffers, optimizer, scheduler, base_lrs, scaler, wire, rng, out: Path,
            created: _Created, progress) -> Plan:
     """Train and write everything under --out (every path it creates told to `created`)."""
-    created.mkdir(out / "mirrors")
-    created.mkdir(out / "reference")
+    try:
+        created.mkdir(out / "mirrors")
+        created.mkdir(out / "reference")
+    except OSError as e:  # named as the option it came from, not as a bare errno line
+        raise SynthOptionError(f"--out {out}: cannot make the directory: {e.strerror or e}") from None
     plan.save(created.file(out / "plan.json"))
     save_checkpoint(created.file(out / "init.pt"), -1,
                     {**{n: p.detach().clone() for n, p in model.named_parameters()},

@@ -939,7 +939,17 @@ def out_directory(path: str, option: str = "--out") -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one `error: ...` line (exit 2) like every other."""
+    """argparse, with its errors as one `error: ...` line (exit 2) like every other.
+    A value that begins with '-' is taken as an option's argument when it reads as a
+    number: argparse's own rule (-1, -.5) left out -1e-3 and -inf, and `--grad-norm-type
+    -inf` was "expected one argument" instead of the option's own check."""
+
+    NEGATIVE_NUMBER = re.compile(r"^-(\d[\d_]*(\.[\d_]*)?|\.\d[\d_]*)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                 re.IGNORECASE)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = self.NEGATIVE_NUMBER
 
     def error(self, message):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")

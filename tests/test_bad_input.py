@@ -696,6 +696,11 @@ ARG_CASES = [
     ("synth-iterations", lambda d: ["synth", "--out", d / "s", "--iterations", "1e12"], "--iterations"),
     ("synth-iterations-huge", lambda d: ["synth", "--out", d / "s", "--iterations", str(10 ** 12)], "--iterations"),
     ("synth-loss", lambda d: ["synth", "--out", d / "s", "--loss", "nan"], "--loss"),
+    # a value beginning with '-' that argparse's own rule did not read as a number: it was
+    # "expected one argument", not the option's check
+    ("synth-norm-type-minus-inf", lambda d: ["synth", "--out", d / "s", "--max-grad-norm", "1",
+                                             "--grad-norm-type", "-inf"], "--grad-norm-type: -inf is not > 0"),
+    ("synth-loss-minus-exponent", lambda d: ["synth", "--out", d / "s", "--loss", "-1e-3"], "--loss: -1e-3 is not in 0..1"),
     ("synth-model", lambda d: ["synth", "--out", d / "s-model", "--model", "huge"], "not a synthetic model size"),
     ("demo-model", lambda d: ["demo", "--out", d / "d-model", "--model", "huge"], "not a synthetic model size"),
     ("synth-optim", lambda d: ["synth", "--out", d / "s-optim", "--optim", "lamb"], "--optim 'lamb'"),

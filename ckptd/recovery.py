@@ -270,7 +270,9 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
     """(the open response, the URL asked) of GET <url>/checkpoint; HTTP and socket errors,
     here or while the body is read, as one-line CheckpointErrors naming the URL."""
     try:
-        path = urllib.parse.urlsplit(url).path
+        parts = urllib.parse.urlsplit(url)
+        path = parts.path
+        parts.port  # noqa: B018 -- "Port out of range": 99999 was tried as another port, "Connection refused"
     except ValueError as e:  # "http://[::1": Invalid IPv6 URL
         raise CheckpointError(f"{url}: cannot fetch checkpoint: {e}") from None
     if path in ("", "/"):

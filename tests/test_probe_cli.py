@@ -344,6 +344,8 @@ def test_a_plan_written_by_write_plan_keeps_its_note(scenario, capsys):
 @pytest.mark.parametrize("url,message", [
     ("http://[::1", "cannot fetch checkpoint: Invalid IPv6 URL"),  # ValueError from urlsplit
     ("http://" + "a" * 70, "cannot fetch checkpoint: encoding with 'idna' codec failed"),  # UnicodeError
+    # a port out of range was tried as another one and read "Connection refused"
+    ("http://127.0.0.1:99999", "cannot fetch checkpoint: Port out of range 0-65535"),
 ])
 def test_resume_from_a_url_urllib_cannot_use_is_one_line(scenario, capsys, url, message):
     r = _replay(capsys, scenario, scenario / "plan.json", "--resume", url)

@@ -328,6 +328,9 @@ def _daemon_worker(conn):
         try:
             if cmd == "start":
                 ifs = [InterfaceConfig(**i) for i in arg.pop("interfaces")]
+                if "persist_nice" in arg:  # benchmarks/persist_priority.py: the writer's nice value
+                    import ckptd.live.persist
+                    ckptd.live.persist.PERSIST_NICE = arg.pop("persist_nice")
                 daemon = Daemon(DaemonConfig(interfaces=ifs, **arg))
                 box.clear()
                 thread = Thread(target=lambda: box.setdefault("rc", daemon.run(install_signals=False)),
@@ -445,6 +448,8 @@ def trial_daemon(links, wl, a, dp: DaemonProc, t: Trial, paths, tmp: Path):
            # --verify every: every commit's file written in the commit path (it stalls the
            # capture loop for the write); chain: the daemon's default persistence tier
            **({"persist_sync": True} if a.verify == "every" else {}),
+           # benchmarks/persist_priority.py: how often the persistence tier writes, at what nice
+           **{k: getattr(a, k) for k in ("persist_every", "persist_nice") if getattr(a, k, None) is not None},
            "interfaces": [{"name": f"mirror{k}", "ifname": f"rx{k}", "netns": links.cap_ns,
                            "block_size": a.block_kb * 1024, "block_nr": a.ring_mib * 1024 // a.block_kb}
                           for k in range(len(paths))]}

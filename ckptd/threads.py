@@ -11,6 +11,7 @@ inherits its name.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 COMM_BYTES = 15  # TASK_COMM_LEN 16, less the terminating NUL
@@ -35,6 +36,18 @@ def name_os_thread(name: str | None = None) -> None:
     if _prctl is not None:
         _prctl(PR_SET_NAME, (name or threading.current_thread().name).encode("utf-8", "replace")[:COMM_BYTES],
                0, 0, 0)
+
+
+def lower_priority(nice: int) -> bool:
+    """Give the calling thread the nice value `nice` (Linux keeps one per thread, and a
+    thread it starts inherits it): for a stage that may fall behind without losing
+    anything, so that on a busy host the stages that can lose data run first. False
+    where that is not permitted (the thread keeps the process's priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 class Thread(threading.Thread):

@@ -237,3 +237,33 @@ def test_a_busy_writer_takes_the_newest_state_due(tmp_path):
     assert tier.superseded == 2
     assert [e["iteration"] for e in read_manifest(tmp_path)["checkpoints"]] == [0, 1, 3]
     assert tier.keeper.last_persisted == 3 and not tier.keeper.failing
+
+
+def test_the_writer_and_its_hashing_threads_yield_the_cpu_to_capture(tmp_path, monkeypatch):
+    """The writer thread, and the threads it starts to hash the tensors, run at nice
+    PERSIST_NICE: on a host whose cores are busy, a late frame loses its iteration and a
+    late checkpoint file only is older. The thread that commits keeps its priority."""
+    import threading
+
+    from ckptd.core import manifest
+    from ckptd.live.persist import PERSIST_NICE
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = nice()
+    if before > PERSIST_NICE:
+        pytest.skip(f"this test runs at nice {before}, above the writer's {PERSIST_NICE}")
+    seen = {}
+    digest = manifest.tensor_digest
+    monkeypatch.setattr(manifest, "tensor_digest",
+                        lambda t: (seen.setdefault(threading.current_thread().name, nice()), digest(t))[1])
+    tier = PersistTier(tmp_path, every=1, interval_s=None, keep_last=None, keep_every=None)
+    write = tier._write
+    tier._write = lambda h, older=False: (seen.setdefault("writer", nice()), write(h, older))[1]
+    tier.offer(held(0))
+    tier.close()
+    assert read_manifest(tmp_path)["checkpoints"][0]["iteration"] == 0
+    hashing = {k: v for k, v in seen.items() if k.startswith("ckptd-digest")}
+    assert seen["writer"] == PERSIST_NICE and hashing and set(hashing.values()) == {PERSIST_NICE}, seen
+    assert nice() == before

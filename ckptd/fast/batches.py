@@ -29,7 +29,7 @@ from parsers.capfile import CaptureError, CapturedFrame, capture_format, open_ca
 from parsers.pcap import MAGIC_NS, MAGIC_US
 
 from ckptd.errors import CaptureDamage
-from ckptd.threads import Thread
+from ckptd.threads import Thread, lower_priority
 
 # Bytes of a file stream_batches indexes at a time: the grain of a merged Batch, so of
 # how often the fast pipeline moves the streams' clocks (agreement windows), and of the
@@ -436,10 +436,7 @@ class ReaderStage:
         if self.cpu is None:
             # Sharing cores with the other stages, reading ahead is the least urgent
             # work: the optimizer's step (the commit waits for it) goes first.
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
-            except OSError:
-                pass  # not permitted here: the reader keeps the process's priority
+            lower_priority(READER_NICE)
         try:
             while True:
                 self._go.wait()

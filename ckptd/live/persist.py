@@ -7,7 +7,11 @@ writer thread takes it and writes it with the CheckpointKeeper (ckptd.core.keep:
 write, back-off after failures, retention), then the manifest. So neither capture nor
 commits ever wait for the disk. If the writer is still busy when the next one is due,
 the newer state replaces the waiting one (the older would be stale anyway; counted as
-`superseded`).
+`superseded`). Nor do they wait for the writer's CPU: the writer thread, and the
+hashing threads it starts, run at nice PERSIST_NICE. On a host whose cores are all busy
+(a burst at line rate), a frame the capture loop is late for is lost with its iteration,
+while a checkpoint written late is only older on disk (the memory tier holds the newest);
+so the writer takes the CPU the capture and the optimizer leave.
 
 The manifest (`manifest.json` beside the checkpoints, written atomically after each
 checkpoint; its format is ckptd.core.manifest's) lists each checkpoint on disk: iteration, file, the file's SHA-256, every
@@ -33,9 +37,11 @@ from ckptd.core.checkpoint import CheckpointError, CheckpointWriteError, checkpo
 from ckptd.core.keep import CheckpointKeeper
 from ckptd.core.manifest import read_manifest, write_manifest
 from ckptd.core.store import open_store
-from ckptd.threads import Thread
+from ckptd.threads import Thread, lower_priority
 
 log = logging.getLogger("ckptd")
+
+PERSIST_NICE = 10  # the writer thread's nice value (and its hashing threads', inherited)
 
 
 class PersistTier:
@@ -120,6 +126,7 @@ class PersistTier:
             return self._pending is None and self._older is None and not self._busy
 
     def _writer(self):
+        lower_priority(PERSIST_NICE)
         while True:
             with self._cv:
                 while self._pending is None and self._older is None and not self._closing:

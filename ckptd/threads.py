@@ -40,11 +40,14 @@ def name_os_thread(name: str | None = None) -> None:
 
 def lower_priority(nice: int) -> bool:
     """Give the calling thread the nice value `nice` (Linux keeps one per thread, and a
-    thread it starts inherits it): for a stage that may fall behind without losing
-    anything, so that on a busy host the stages that can lose data run first. False
-    where that is not permitted (the thread keeps the process's priority)."""
+    thread it starts inherits it), or leave it where it is already nicer (a daemon
+    started under `nice -n 15` keeps its writer below its capture loop, never above):
+    for a stage that may fall behind without losing anything, so that on a busy host the
+    stages that can lose data run first. False where that is not permitted (the thread
+    keeps the priority it had)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except (OSError, AttributeError):
         return False
     return True

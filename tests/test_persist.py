@@ -267,3 +267,27 @@ def test_the_writer_and_its_hashing_threads_yield_the_cpu_to_capture(tmp_path, m
     hashing = {k: v for k, v in seen.items() if k.startswith("ckptd-digest")}
     assert seen["writer"] == PERSIST_NICE and hashing and set(hashing.values()) == {PERSIST_NICE}, seen
     assert nice() == before
+
+
+def test_a_thread_already_nicer_keeps_its_priority():
+    """lower_priority never raises a thread's priority: under `nice -n 15` the writer
+    would otherwise have run ahead of the capture loop (root may lower a nice value)."""
+    import threading
+
+    from ckptd.threads import lower_priority
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # raising a nice value needs no privilege
+    if base > 15:
+        pytest.skip(f"this test runs at nice {base}")
+    got = {}
+
+    def body(start):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, start)
+        got[start] = (lower_priority(10), os.getpriority(os.PRIO_PROCESS, tid))
+
+    for start in (15, base):
+        t = threading.Thread(target=body, args=(start,))
+        t.start()
+        t.join()
+    assert got == {15: (True, 15), base: (True, max(10, base))}

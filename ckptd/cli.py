@@ -195,10 +195,9 @@ def cmd_replay(a) -> int:
     from ckptd.core.plan import load_plan
     from ckptd.core.streams import stream_faults
     plan = load_plan(a.plan)
-    if a.join_from is not None and plan.iterations is not None and a.join_from >= plan.iterations:
+    if past := plan.past_the_job(a.join_from, a.plan):
         # it joined there, printed the iterations past the job's end, then refused them
-        raise UsageError(f"--join-from {a.join_from}: the job of the plan {a.plan} has {plan.iterations} iterations "
-                         f"(0..{plan.iterations - 1}); give an iteration it had reached when the capture began")
+        raise UsageError(f"--join-from {a.join_from}: {past}")
     a.pcap = _stdin_capture(a.pcap)
     names = _stream_names(a.pcap, a.names)
     _distinct_captures(a.pcap)

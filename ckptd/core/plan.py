@@ -808,6 +808,15 @@ class Plan:
                                   f"{self.iterations} iterations (0..{self.iterations - 1})")
         self.check_resume(state, where)
 
+    def past_the_job(self, join_from: int | None, plan_name) -> str | None:
+        """Where joining from `join_from` is past the job's last iteration, the reason
+        (the caller puts the option or key in front), else None."""
+        its = self.iterations
+        if join_from is None or its is None or join_from < its:
+            return None
+        return (f"the job of the plan {plan_name} has {its} iterations (0..{its - 1}); give an iteration it had "
+                "reached when the capture began")
+
     def not_in_plan(self, state: dict, where: str, plan_name) -> str | None:
         """Where a state's model holds entries this plan has no parameter, tied name or
         buffer for, the sentence that says so (the caller adds what follows), else None."""

@@ -585,11 +585,8 @@ class Daemon:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
-        its = self.plan.iterations
-        if cfg.join_from is not None and its is not None and cfg.join_from >= its:
-            raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: the job of the "
-                              f"plan {cfg.plan} has {its} iterations (0..{its - 1}); give an iteration it had "
-                              "reached when the capture began")
+        if past := self.plan.past_the_job(cfg.join_from, cfg.plan):
+            raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: {past}")
         ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
         require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
                        + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"

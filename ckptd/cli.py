@@ -1337,6 +1337,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _file_names_as_bytes():
+    """Print a file name that is not UTF-8 (Linux names are bytes; Python holds the bytes
+    it cannot decode as lone surrogates) as the bytes it is, as ls does. Python does so
+    for stdout in the C locale only: under en_US.UTF-8, say, printing a stream's name
+    or an error naming the file was a UnicodeEncodeError traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and getattr(stream, "errors", None) == "strict":
+            stream.reconfigure(errors="surrogateescape")
+
+
 def main(argv=None) -> int:
     """Every error ckptd raises on purpose (CkptdError) and every OS error on a path the
     user gave becomes one line on stderr and exit 2; CKPTD_DEBUG=1 shows the traceback."""
@@ -1349,6 +1359,7 @@ def main(argv=None) -> int:
         # a daemon ignores SIGHUP (docs/DAEMON.md) from its first moment, not only once
         # Daemon.run logs it: the imports below take a second or two
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _file_names_as_bytes()
     try:
         args = build_parser().parse_args(argv)  # imports torch: Ctrl-C here is no traceback either
         return args.func(args)

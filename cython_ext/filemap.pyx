@@ -167,7 +167,8 @@ cdef class MappedFiles:
     cdef _guard(self, path, size_t at, size_t n):
         msg = (f"ckptd: error: {os.fsdecode(path)}: the capture file shrank below {n} bytes while "
                "being replayed (rotated or truncated under it?); stopped, exit 2: checkpoints "
-               "committed before stay whole, nothing after them was committed\n").encode()
+               "committed before stay whole, nothing after them was committed\n").encode("utf-8", "surrogateescape")
+        # (a file name that is not UTF-8 goes to stderr as the bytes it is on disk)
         cdef const char *m = msg
         slot = ckptd_guard_add(<char *>self.base + at, <char *>self.base + at + n, m, len(msg))
         self.guards.append((slot, msg))

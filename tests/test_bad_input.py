@@ -560,6 +560,24 @@ def test_stream_names_rules():
     assert _stream_names(["a.pcap", "b.pcap"], "left,right") == ["left", "right"]
 
 
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_a_capture_name_that_is_not_utf8_replays(scenario, tmp_path, path):
+    """A file name is bytes on Linux. The fast path's file map encoded its name strictly
+    (for the message it leaves with the kernel, should the file shrink), and the report
+    printed it to a stdout that is strict under a UTF-8 locale (PYTHONIOENCODING=utf-8
+    here; Python relaxes it in the C locale only): a name that is not UTF-8 was a
+    UnicodeEncodeError traceback. It is printed as the bytes it is, as ls does."""
+    raw = b"bad\xff\xfename.pcap"
+    (pcap,) = _copies(tmp_path, _pcap0(scenario), os.fsdecode(raw))
+    flag = ["--reference-path"] if path == "reference" else []
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8"}
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(scenario / "plan.json"),
+                        "--init", str(scenario / "init.pt"), *flag, "--out", str(tmp_path / "out"), pcap],
+                       cwd=REPO, env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert b"1 iterations, 1 committed" in r.stdout and b"coverage[bad\xff\xfename=100.00%]" in r.stdout, r.stdout
+
+
 def test_names_override_the_stream_names(scenario, tmp_path, capsys):
     pcap = _pcap0(scenario)
     a, b = _copies(tmp_path, pcap, "a.pcap", "b.pcap")

@@ -546,7 +546,7 @@ def _verify_source(src: str, plan):
 
 
 def cmd_verify(a) -> int:
-    from ckptd.core.checkpoint import diff_checkpoints
+    from ckptd.core.checkpoint import diff_checkpoints, one_sided
     from ckptd.core.plan import load_plan
     plan = load_plan(a.plan, check_optimizer=False) if a.plan else None
     names = plan.state_names if plan else None
@@ -564,7 +564,8 @@ def cmd_verify(a) -> int:
     diffs = diff_checkpoints(first, second, limit=a.limit)
     from ckptd.core.store import redact
     if not diffs:
-        print(f"identical: {redact(a.a)} == {redact(a.b)}")
+        unseen = one_sided(first, second)  # e.g. a trainer's scheduler state against ckptd's file
+        print(f"identical: {redact(a.a)} == {redact(a.b)}" + (f" (not compared: {', '.join(unseen)})" if unseen else ""))
         return 0
     print(f"differ: {redact(a.a)} != {redact(a.b)}")
     for d in diffs:
@@ -674,13 +675,14 @@ def cmd_run(a) -> int:
             if a.check:
                 daemon = Daemon(cfg)
                 daemon.check()
+                from ckptd.core.store import redact
                 plan = daemon.plan
                 print(f"{a.config}: ok: {len(cfg.interfaces)} interface(s) opened "
                       f"({', '.join(f'{i.name}={i.ifname}' for i in cfg.interfaces)}); plan {cfg.plan}: "
                       f"{plan.nranks} ranks, {len(plan.parameters)} parameters, {plan.transport}, shadow "
                       f"{plan.shadow_bytes() / 2**20:.1f} MiB; {'fast' if daemon.fast else 'reference'} path"
                       f"{', capture workers' if cfg.capture_workers else ''}; checkpoints to "
-                      f"{daemon.persist_target}")
+                      f"{redact(daemon.persist_target)}")  # (user:password@ never shown)
                 return 0
             return Daemon(cfg).run()
     except ConfigError as e:

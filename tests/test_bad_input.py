@@ -814,6 +814,9 @@ CONFIG_CASES = [
     ("ifname-slash", "interfaces:\n  - ifname: eth0/1\n", "interfaces[0].ifname"),
     ("ifname-int", "interfaces:\n  - ifname: 5\n", "interfaces[0].ifname"),
     ("same-interface", IF + "  - ifname: hdnone0\n", "again"),
+    # an alias label is its device: a second stream of the same frames, each counted twice
+    ("ifname-alias", IF + "  - {ifname: 'hdnone0:x', name: b}\n",
+     "interfaces[1].ifname' 'hdnone0:x' is an address alias label, not a device: it captures 'hdnone0'"),
     ("erspan-session-range", IF + "    erspan_session: 1024\n", "interfaces[0].erspan_session"),
     ("same-erspan-session", IF + "    erspan_session: 5\n  - {ifname: hdnone0, name: b, erspan_session: 5}\n",
      "(erspan_session 5) again"),
@@ -1659,3 +1662,67 @@ def test_out_where_no_directory_can_be_made_names_the_option(tmp_path, capsys, c
     r = ckptd_main(capsys, cmd, "--out", out, "--iterations", "1", "--model", "tiny")
     _one_line_error(r, None, f"--out {out}: cannot make the directory: No such file or directory")
     assert not out.exists()
+
+
+def test_a_reference_directory_with_two_different_files_of_an_iteration_is_refused(scenario, tmp_path, capsys):
+    """Which of two files of one iteration --reference compared with depended on their
+    names: a rename turned `NOT bit-exact`, exit 4, into `bit-exact`, exit 0. Two that
+    differ are refused, naming both; identical copies are one reference."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    good = torch.load(scenario / "reference" / "iter_000000.pt", weights_only=True)
+    torch.save(good, ref / "b.pt")
+    torch.save(good, ref / "c.pt")
+    argv = ["replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt", "--reference", ref,
+            _pcap0(scenario)]
+    r = ckptd_main(capsys, *argv)
+    assert r.returncode == 0 and "bit-exact" in r.stdout and "NOT" not in r.stdout, r.stdout + r.stderr
+    bad = copy.deepcopy(good)
+    name = next(iter(bad["model"]))
+    bad["model"][name].view(-1)[0] += 1
+    for other in ("a.pt", "d.pt"):  # sorted before the good ones, and after them
+        torch.save(bad, ref / other)
+        r = ckptd_main(capsys, *argv)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.startswith(f"error: {ref}: ") and r.stderr.count("\n") == 1, r.stderr
+        first, second = sorted(["b.pt", other])
+        assert f"{first} and {second} both hold iteration 0 and differ (model.{name}: 1 of" in r.stderr, r.stderr
+        (ref / other).unlink()
+
+
+def test_verify_compares_a_trainers_hyperparameters_and_scheduler(scenario, tmp_path, capsys):
+    """verify ("exit 0 only if two checkpoints are bit-identical") read a trainer's file
+    as model and optimizer state only: two files whose param_groups (lr, betas,
+    weight_decay: what optimizer.load_state_dict takes back) or lr_scheduler state
+    differed were `identical`, exit 0, and ckptd's scalar lr was compared with ==
+    (-0.0 == 0.0). What only one file holds is named as not compared."""
+    a = tmp_path / "a.pt"
+    assert ckptd_main(capsys, "export", scenario / "reference" / "iter_000000.pt", "--format", "torch",
+                      "--plan", scenario / "plan.json", "--out", a).returncode == 0
+    doc = torch.load(a, weights_only=True)
+    assert doc.get("lr_scheduler") is not None  # (the synthesized job has a scheduler)
+    groups = copy.deepcopy(doc)
+    groups["optimizer"]["param_groups"][0].update(lr=0.5, betas=(0.9, 0.5))
+    torch.save(groups, tmp_path / "groups.pt")
+    sched = copy.deepcopy(doc)
+    sched["lr_scheduler"]["last_epoch"] += 7
+    torch.save(sched, tmp_path / "sched.pt")
+    r = ckptd_main(capsys, "verify", a, tmp_path / "groups.pt")
+    assert r.returncode == 1 and "param_groups[0].lr: " in r.stdout and "!= 0.5" in r.stdout, r.stdout
+    assert "param_groups[0].betas[1]: " in r.stdout, r.stdout
+    r = ckptd_main(capsys, "verify", a, tmp_path / "sched.pt")
+    assert r.returncode == 1 and "lr_scheduler.last_epoch: " in r.stdout, r.stdout
+    r = ckptd_main(capsys, "verify", a, a)
+    assert r.returncode == 0 and r.stdout == f"identical: {a} == {a}\n", r.stdout
+    # ckptd's own file holds no hyperparameters (the plan does): compared on what both hold
+    own = scenario / "reference" / "iter_000000.pt"
+    r = ckptd_main(capsys, "verify", own, a)
+    assert r.returncode == 0, r.stdout
+    assert "(not compared: param_groups (only in second), lr_scheduler (only in second))" in r.stdout, r.stdout
+    mine = torch.load(own, weights_only=True)
+    zero = copy.deepcopy(mine)
+    zero["optimizer"]["lr"], mine["optimizer"]["lr"] = 0.0, -0.0
+    torch.save(zero, tmp_path / "zero.pt")
+    torch.save(mine, tmp_path / "minus.pt")
+    r = ckptd_main(capsys, "verify", tmp_path / "zero.pt", tmp_path / "minus.pt")
+    assert r.returncode == 1 and "optimizer.lr: 0.0 != -0.0" in r.stdout, r.stdout

@@ -453,6 +453,9 @@ def test_check_opens_what_a_start_opens_and_captures_nothing(run, tmp_path):
         (tmp_path / "w").mkdir()   # the capture workers start, open their rings and stop
         rc, out = check(_config(run, tmp_path / "w", interfaces_netns=ns, capture_workers="true"))
         assert rc == 0 and out.count("\n") == 1 and "path, capture workers;" in out, out
+        (tmp_path / "p").mkdir()  # where it writes, less the URL's password (docs/DAEMON.md persist_url)
+        rc, out = check(_config(run, tmp_path / "p", interfaces_netns=ns, persist_url="memory://alice:s3cret@x/ck"))
+        assert rc == 0 and "checkpoints to memory://***@x/ck" in out and "s3cret" not in out, out
         (tmp_path / "b").mkdir()
         bad = _config(run, tmp_path / "b", interfaces_netns=ns, second="nosuch")
         rc, out = check(bad)
@@ -524,3 +527,34 @@ def test_a_fragmented_mirror_tunnel_is_logged_once_and_counted_in_status(run, tm
     assert len(warned) == 1 and warned[0].startswith("stream mirror1: ") and "MTU" in warned[0], warned
     assert daemon.pipe.classes[1]["gre_fragment"] == 2 * cut and "gre_fragment" not in daemon.pipe.classes[0]
     assert [r.status for r in daemon.pipe.reports] == ["committed"] * 4  # mirror0 had every copy
+
+
+def test_an_out_holding_checkpoints_the_daemon_did_not_write_is_refused(run, tmp_path):
+    """A trainer's directory as `out` (and `resume`, as docs/DAEMON.md suggests for
+    resume): retention pruned the trainer's files as the daemon's own and commits replaced
+    those of the same iterations, without a word, and restore(out) then took the newest
+    foreign one. Refused at start, naming the key and the files. The daemon's own
+    directory (every file listed in its manifest, or newer than it: a write a crash caught
+    before its manifest line) is taken as before."""
+    import shutil
+    from ckptd.core.checkpoint import checkpoint_name
+    out = tmp_path / "ck"
+    out.mkdir()
+    for it in range(4):  # the trainer's files
+        shutil.copy(run / "reference" / checkpoint_name(it % 2), out / checkpoint_name(it))
+    for extra in ({}, {"resume": out}, {"persist_sync": "true"}):
+        with pytest.raises(ConfigError, match=r"ckptd.yaml: 'out' .*ck holds checkpoints this daemon did not write "
+                                              r"\(iter_000000.pt, iter_000001.pt, iter_000002.pt and 1 more: no "
+                                              r"manifest.json there lists them\)"):
+            Daemon(load_config(_config(run, tmp_path, **extra)))
+    assert sorted(p.name for p in out.iterdir()) == [checkpoint_name(i) for i in range(4)]  # untouched
+    shutil.rmtree(out)
+    daemon = Daemon(load_config(_config(run, tmp_path, keep_last=2, persist_every=1)))
+    assert daemon.run(source=file_source(pcaps(run), []), install_signals=False) == 0
+    own = sorted(p.name for p in out.iterdir())  # (a busy writer skips to the newest commit due)
+    assert checkpoint_name(3) in own and "manifest.json" in own and checkpoint_name(1) not in own, own
+    shutil.copy(out / checkpoint_name(3), out / checkpoint_name(9))  # the crash's newest write
+    Daemon(load_config(_config(run, tmp_path)))  # a restart over its own directory
+    shutil.copy(out / checkpoint_name(3), out / checkpoint_name(1))  # older than the manifest, not in it
+    with pytest.raises(ConfigError, match=r"\(iter_000001.pt: no manifest.json there lists them\)"):
+        Daemon(load_config(_config(run, tmp_path)))

@@ -274,6 +274,9 @@ def test_persist_url_config_key(tmp_path):
     assert "s3cret" not in str(e.value)
     with pytest.raises(ConfigError, match="persist_url"):
         cfg("persist_url: /just/a/path")
+    with pytest.raises(ConfigError, match="file:// URL takes an absolute path") as e:
+        cfg("persist_url: file://alice:s3cret@host/x")
+    assert "s3cret" not in str(e.value) and "***@host" in str(e.value)
     with pytest.raises(ConfigError, match="persist_sync"):
         cfg("persist_url: memory://ckpts", "persist_sync: true")
     assert MANIFEST == "manifest.json"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ckptd.core.checkpoint import CHECKPOINT_FORMAT, CheckpointError, check_checkpoint, load_checkpoint, torch_load
+from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, check_checkpoint, iteration_of_name, load_checkpoint,
+                                   torch_load)
 from ckptd.core.raw_layout import HASH_THREADS, as_bytes, new_digest, state_tensors
 from ckptd.core.store import Store, open_store
 from ckptd.errors import show
@@ -88,6 +89,23 @@ def _bad_entry(entry) -> str | None:
     if not isinstance(digest, str) or len(digest) != 64:
         return f"sha256 {show(digest)} is no SHA-256 digest"
     return None
+
+
+def unlisted_checkpoints(directory: str | Path | Store) -> list[str]:
+    """The checkpoint files (iter_NNNNNN.pt) in a local directory that its manifest does
+    not list and that are not newer than the manifest's newest entry: files some other
+    writer put there (a trainer, a replay, another daemon). A file newer than the newest
+    entry is the daemon's own write that a crash caught before its manifest line (the
+    tier writes the file, then the manifest). Retention would prune such files as its
+    own and a commit of the same iteration overwrite one, so the daemon refuses them."""
+    store = open_store(directory)
+    names = store.names()
+    man = read_manifest(store)
+    entries = man["checkpoints"] if man else []
+    listed = {e["file"] for e in entries}
+    newest = max((e["iteration"] for e in entries), default=-1)
+    return sorted(n for n in names if (it := iteration_of_name(n)) is not None
+                  and n not in listed and (not entries or it <= newest))
 
 
 def write_manifest(store: Store, plan_hash: str | None, entries: list[dict]) -> None:

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, checkpoint_name, load_checkpoint
 from ckptd.core.docload import strict_yaml
 from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
@@ -135,7 +135,7 @@ class DaemonConfig:
 QUIET_S = 0.5  # a capture this long without a frame is quiet (Daemon._counting)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # IFNAMSIZ is 16 with the NUL; a netns name is a file under /run/netns.
-_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")
+_IFNAME = re.compile(r"[A-Za-z0-9_.@-]{1,15}")  # (the kernel's dev_valid_name refuses ':' too)
 _NETNS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _UNIX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 _SIZE = re.compile(r"\s*([0-9]{1,20})\s*([KMG]i?B?)?\s*", re.IGNORECASE)  # ASCII digits, and few: int() of 5000 raises
@@ -241,7 +241,13 @@ def _interface(path, i: int, x) -> InterfaceConfig:
         raise ConfigError(why)
     k = _Keys(path, x, f"interfaces[{i}].")
     page = mmap.PAGESIZE
-    ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . : @ -)",
+    if isinstance(x["ifname"], str) and ":" in x["ifname"]:
+        # an old-style alias label (eth0:1): no device has ':' in its name, and the kernel
+        # takes the label for the device before it, so a second entry captured every frame
+        # of the first one's device again, counted twice as a stream of its own
+        k.fail("ifname", f"{show(x['ifname'])} is an address alias label, not a device: it captures "
+               f"{show(x['ifname'].split(':', 1)[0])}; name the device")
+    ifname = k.str("ifname", pattern=_IFNAME, what="an interface name (1-15 of A-Z a-z 0-9 _ . @ -)",
                    required=True)
     frame_size = k.size("frame_size", TPACKET3_MIN_FRAME, 1 << 20, 16384)
     if frame_size % 16:
@@ -405,7 +411,7 @@ def _persist_url(k: _Keys) -> str | None:
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", protocol):
         k.fail("persist_url", f"{redact(url)[:100]!r} has no protocol before '://' (memory://, file:///..., s3://...)")
     if protocol.lower() in ("file", "local") and not rest.startswith("/"):
-        k.fail("persist_url", f"{url[:100]!r}: a file:// URL takes an absolute path (file:///var/lib/ckptd), "
+        k.fail("persist_url", f"{redact(url)[:100]!r}: a file:// URL takes an absolute path (file:///var/lib/ckptd), "
                "not one relative to wherever the daemon was started")
     if protocol.lower() in READ_ONLY_PROTOCOLS:
         k.fail("persist_url", f"{redact(url)[:100]!r}: fsspec reads {protocol}:// but never writes there, so no "
@@ -587,6 +593,7 @@ class Daemon:
             raise ConfigError(str(e)) from e
         if past := self.plan.past_the_job(cfg.join_from, cfg.plan):
             raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: {past}")
+        self._refuse_foreign_checkpoints()
         ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
         require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
                        + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"
@@ -676,6 +683,28 @@ class Daemon:
                 self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self.pipe.on_commit.append(self._committed)
+
+    def _refuse_foreign_checkpoints(self):
+        """Checkpoints in the directory the daemon writes that it did not write (a
+        trainer's, with `resume` the same directory; a replay's): retention pruned them
+        as its own and a commit of the same iteration replaced one, without a word, and
+        restore(out) took the newest of them. Refused before anything is captured."""
+        from ckptd.core.manifest import unlisted_checkpoints
+        from ckptd.core.store import open_store
+        key = "persist_url" if self.cfg.persist_url else "out"
+        store = open_store(self.persist_target, self.cfg.persist_options)
+        if not store.local or not store.path.is_dir():
+            return  # (a remote listing may be slow or down at start; an `out` in the way is refused later)
+        try:
+            foreign = unlisted_checkpoints(store)
+        except (CheckpointError, OSError) as e:
+            raise ConfigError(f"{self.cfg.source + ': ' if self.cfg.source else ''}'{key}' {store.path}: {e}") from e
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ConfigError(
+                f"{self.cfg.source + ': ' if self.cfg.source else ''}'{key}' {store.path} holds checkpoints this "
+                f"daemon did not write ({shown}: no manifest.json there lists them); retention would delete them "
+                "and commits overwrite them: give it a directory of its own, or move them away")
 
     @property
     def persist_target(self) -> str:

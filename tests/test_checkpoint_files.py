@@ -167,6 +167,17 @@ STRUCTURE_CASES = [
     ("scaler-str", lambda d: d["optimizer"].update(grad_scaler="x"), "optimizer.grad_scaler is a str"),
     ("iteration-str", lambda d: d.update(iteration="zero"), "iteration must be an integer"),
     ("iteration-float", lambda d: d.update(iteration=1.5), "iteration must be an integer"),
+    # a parameter's step count, as a trainer's file is held to (restored, a NaN step made the
+    # job's weights NaN at its next step; 100 at iteration 0 bias-corrected Adam wrongly)
+    ("step-nan", lambda d: d["optimizer"]["state"]["w"].update(step=torch.tensor(float("nan"))),
+     "optimizer.state.w.step is nan, not a count of steps"),
+    ("step-negative", lambda d: d["optimizer"]["state"]["b"].update(step=torch.tensor(-3.0)),
+     "optimizer.state.b.step is -3.0, not a count of steps"),
+    ("step-fraction", lambda d: d["optimizer"]["state"]["w"].update(step=1.5), "optimizer.state.w.step is 1.5"),
+    ("step-two-elements", lambda d: d["optimizer"]["state"]["w"].update(step=torch.ones(2)),
+     "optimizer.state.w.step is a tensor float32[2], not a count of steps"),
+    ("step-past-iteration", lambda d: d["optimizer"]["state"]["w"].update(step=torch.tensor(100.0)),
+     "optimizer.state.w.step is 100, more steps than iteration 0 has done (1)"),
 ]
 
 

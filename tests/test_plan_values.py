@@ -239,3 +239,17 @@ def test_runtime_messages_name_the_key_too():
     from ckptd.core.plan import Optimizer
     with pytest.raises(OptimizerError, match=r"optimizer\.groups\[0\]\.lr is -1\.0"):
         full_groups(Optimizer(kind="adamw", groups=({"params": ["w"], "lr": -1.0},)), ["w"])
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_a_hyperparameter_left_out_is_the_torch_class_default(plan_doc, tmp_path, kind):
+    """docs/PLAN.md: a hyperparameter the plan leaves out takes the optimizer class's
+    default. AdamW's weight_decay was read as 0.0, not torch's 0.01: a hand-written plan
+    without it stepped every iteration wrong, with exit 0."""
+    import torch
+    doc = json.loads(json.dumps(plan_doc))
+    doc["optimizer"] = {"kind": kind, "lr_schedule": {"kind": "constant"}}
+    opt = _load(tmp_path, doc).optimizer
+    default = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]([torch.zeros(1)]).defaults
+    assert (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.amsgrad) == \
+        (default["lr"], default["betas"], default["eps"], default["weight_decay"], default["amsgrad"])

@@ -135,7 +135,9 @@ def test_a_header_that_does_not_fit_the_model_is_refused_with_the_model_unchange
 
 OTHER_OPTIMIZERS = {  # what each served state must not load into, and what its message names
     "adam": [(lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9), "keeps ['momentum_buffer']"),
-             (lambda ps: torch.optim.Adam(ps, lr=LR, amsgrad=True), "keeps ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step']")],
+             (lambda ps: torch.optim.Adam(ps, lr=LR, amsgrad=True), "keeps ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step']"),
+             # a class whose step needs a closure: the probe's step failed and the check was skipped
+             (lambda ps: torch.optim.LBFGS(ps, lr=LR), "this LBFGS (param group 0) keeps ['H_diag', 'd',")],
     "sgd_momentum": [(lambda ps: torch.optim.Adam(ps, lr=LR), "holds ['momentum_buffer']"),
                      (lambda ps: torch.optim.SGD(ps, lr=LR), "SGD {'momentum': 0")],
 }

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import stat
+import struct
 import warnings
 from pathlib import Path
 
@@ -266,6 +267,7 @@ def check_checkpoint(doc: dict, where) -> dict:
             raise CheckpointError(f"{where}: optimizer.state lacks a dict of tensors for {n!r} "
                                   f"(it holds {_short(st)})")
         _check_values(st, f"optimizer.state.{n}", where)
+        _check_step(st.get("step"), f"optimizer.state.{n}.step", it, where)
     scaler = opt.get("grad_scaler")
     if scaler is not None:
         if not isinstance(scaler, dict):
@@ -296,6 +298,27 @@ def _check_lr(lr, where) -> None:
     if not math.isfinite(value) or value < 0:
         raise CheckpointError(f"{where}: optimizer.lr is {shown or repr(value)}, not a finite lr >= 0: "
                               "a damaged checkpoint")
+
+
+def _check_step(step, key: str, iteration: int, where) -> None:
+    """A parameter's optimizer step count: a whole number from 0 to the steps the
+    checkpoint's iteration has done (iteration + 1; fewer where steps were skipped: AMP's
+    inf steps, a parameter unused so far). A trainer's file was held to this
+    (ckptd.core.formats._steps) and ckptd's own was not: a NaN step was restored and the
+    job's next step made every weight NaN, a step of 100 at iteration 1 bias-corrected
+    Adam wrongly from then on."""
+    if step is None:
+        return
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
+            raise CheckpointError(f"{where}: {key} is {_short(step)}, not a count of steps")
+        step = step.item()
+    value = float(step)
+    if not math.isfinite(value) or value < 0 or value != int(value):
+        raise CheckpointError(f"{where}: {key} is {value!r}, not a count of steps")
+    if value > iteration + 1:
+        raise CheckpointError(f"{where}: {key} is {int(value)}, more steps than iteration {iteration} has done "
+                              f"({iteration + 1}): a damaged checkpoint")
 
 
 def _check_values(d: dict, key: str, where) -> None:
@@ -585,20 +608,45 @@ def _state_keys_kept(optimizer, group: dict) -> set[str] | None:
         probe_param = torch.zeros(1, requires_grad=True)
         probe = type(optimizer)([probe_param], **args)
         probe_param.grad = torch.ones(1)
-        probe.step()
+
+        def closure():  # for a class whose step needs one (LBFGS): the loss, its gradient set
+            probe_param.grad = torch.ones(1)
+            return torch.ones(())
+        try:
+            probe.step()
+        except Exception:  # noqa: BLE001 -- then with a closure (an LBFGS "restored" AdamW state unchecked)
+            probe.step(closure)
     except Exception:  # noqa: BLE001 -- an optimizer the probe cannot build or step: unchecked
         return None
     return {k for k, v in probe.state[probe_param].items() if v is not None}
 
 
+# What a trainer's file holds beside model and optimizer state (ckptd.core.formats
+# from_torch_doc), compared where both checkpoints hold it: ckptd's own format holds none
+# of them (the plan has the hyperparameters), and a trainer's file against ckptd's differs
+# in that by design.
+TRAINER_ENTRIES = ("param_groups", "lr_scheduler", "scaler")
+
+
 def diff_checkpoints(a: dict, b: dict, limit: int = 10) -> list[str]:
-    """Names of what differs between two checkpoints, bit for bit; empty if identical."""
+    """Names of what differs between two checkpoints, bit for bit; empty if identical.
+    The TRAINER_ENTRIES are compared where both hold them (`one_sided` names the others)."""
     out: list[str] = []
     if a.get("iteration") != b.get("iteration"):
         out.append(f"iteration: {a.get('iteration')} != {b.get('iteration')}")
     _diff(a.get("model"), b.get("model"), "model", out)
     _diff(a.get("optimizer"), b.get("optimizer"), "optimizer", out)
+    for key in TRAINER_ENTRIES:
+        if a.get(key) is not None and b.get(key) is not None:
+            _diff(a[key], b[key], key, out)
     return out[:limit] if limit else out
+
+
+def one_sided(a: dict, b: dict) -> list[str]:
+    """The TRAINER_ENTRIES only one of two checkpoints holds, each as `key (only in
+    first|second)`: not compared by diff_checkpoints."""
+    return [f"{k} (only in {'first' if a.get(k) is not None else 'second'})" for k in TRAINER_ENTRIES
+            if (a.get(k) is None) != (b.get(k) is None)]
 
 
 def _diff(x, y, where: str, out: list[str]):
@@ -608,6 +656,9 @@ def _diff(x, y, where: str, out: list[str]):
                 out.append(f"{where}.{k}: only in {'second' if k not in x else 'first'}")
             else:
                 _diff(x[k], y[k], f"{where}.{k}", out)
+    elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
+        for i, (u, v) in enumerate(zip(x, y)):  # (param_groups[0].betas[1]: where, not "a tuple")
+            _diff(u, v, f"{where}[{i}]", out)
     elif isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         if x.dtype != y.dtype or x.shape != y.shape:
             out.append(f"{where}: {x.dtype}{list(x.shape)} != {y.dtype}{list(y.shape)}")
@@ -620,8 +671,8 @@ def _diff(x, y, where: str, out: list[str]):
 
 
 def _same(x, y) -> bool:
-    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:
-        return True  # both nan
+    if isinstance(x, float) and isinstance(y, float):  # bit for bit, as tensors: -0.0 is not 0.0
+        return struct.pack("<d", x) == struct.pack("<d", y) or (x != x and y != y)
     try:
         return bool(x == y)  # a 1-element tensor against its number: equal
     except Exception:  # noqa: BLE001 -- a tensor against a number, lists of tensors: no truth value

@@ -116,6 +116,11 @@ def from_torch_doc(doc, path: Path, names: list[str] | None) -> dict:
     for key in ("lr_scheduler", "scaler"):
         if doc.get(key) is not None:
             out[key] = doc[key]
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        # the hyperparameters a trainer's optimizer.load_state_dict takes back (verify
+        # compares them; ckptd's own format holds none: the plan has them)
+        out["param_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups]
     return out
 
 
@@ -524,12 +529,13 @@ def checkpoints_in(directory: str | Path) -> list[Path]:
 
 def find_checkpoint(directory: str | Path, iteration: int, names: list[str] | None = None) -> dict | None:
     """The checkpoint of `iteration` in a directory: ckptd's iter_NNNNNN.pt, or any of the
-    trainer's files whose steps done say so (each read once per call)."""
-    from ckptd.core.checkpoint import checkpoint_name, load_checkpoint
+    trainer's files whose steps done say so (each read once per call). Two files of the
+    iteration that differ are refused, naming both: which one was taken depended on their
+    names (a --reference verdict flipped with a rename)."""
+    from ckptd.core.checkpoint import checkpoint_name, diff_checkpoints, load_checkpoint
     d = Path(directory)
     own = d / checkpoint_name(iteration)
-    if own.exists():
-        return load_checkpoint(own, names)
+    found = [(own, load_checkpoint(own, names))] if own.exists() else []
     for p in sorted(checkpoints_in(d)):
         if p.name.startswith("iter_") and p.suffix == ".pt":
             continue  # ckptd's own: named by iteration, checked above
@@ -538,5 +544,12 @@ def find_checkpoint(directory: str | Path, iteration: int, names: list[str] | No
         except CheckpointError:
             continue
         if int(doc.get("iteration", -2)) == iteration:
-            return doc
-    return None
+            found.append((p, doc))
+    if not found:
+        return None
+    (first, doc), *others = found
+    for p, other in others:
+        if diffs := diff_checkpoints(doc, other, limit=1):
+            raise CheckpointError(f"{d}: {first.name} and {p.name} both hold iteration {iteration} and differ "
+                                  f"({diffs[0]}): keep one checkpoint of each iteration there")
+    return doc

@@ -1607,10 +1607,13 @@ def _plan_from_json(raw) -> Plan:
             raise PlanError(f"optimizer.lr_schedule must be an object, not {_kind(sched)}")
         _Doc(sched, "optimizer.lr_schedule").only(LR_SCHEDULE_KEYS)
         mgn = o.get("max_grad_norm")
+        kind = o.str("kind", "adamw")
         optimizer = Optimizer(
-            kind=o.str("kind", "adamw"), lr=o.num("lr", 1e-3),
+            kind=kind, lr=o.num("lr", 1e-3),
             betas=tuple(_Doc({"b": x}, "optimizer.betas").num("b", 0) for x in betas),
-            eps=o.num("eps", 1e-8), weight_decay=o.num("weight_decay", 0.0),
+            # a hyperparameter left out is the torch class's default, as in `groups`: AdamW's
+            # weight_decay is 0.01 (0.0 here stepped every iteration of such a job wrong)
+            eps=o.num("eps", 1e-8), weight_decay=o.num("weight_decay", 0.01 if kind == "adamw" else 0.0),
             amsgrad=o.get("amsgrad", False), implementation=o.str("implementation", "foreach"),
             lr_schedule=dict(sched),
             max_grad_norm=None if mgn is None else o.num("max_grad_norm", None),

@@ -223,6 +223,7 @@ def build_sessions(cabling: Cabling, chosen) -> list[Session]:
     to one collector becomes one BOTH source where the switch can; then one session
     per direction (SONiC has one direction per session), split at max_source_ports."""
     sessions = []
+    parts: dict[int, int] = {}  # id(session) -> its part of a split (max_source_ports)
     for sw in cabling.switches:
         index = 0
         for col in cabling.collectors:
@@ -246,16 +247,38 @@ def build_sessions(cabling: Cabling, chosen) -> list[Session]:
                     index += 1
                     sessions.append(Session(_session_name(col.name, d, i // step), sw, col, d,
                                             [p for p, _ in part], [r for _, r in part], index))
+                    parts[id(sessions[-1])] = i // step
+    _distinct_names(sessions, parts)
     for n, s in enumerate((s for s in sessions if s.switch.mode == "erspan"), 1):
         s.erspan_id = n
     return sessions
 
 
-def _session_name(collector: str, direction: str, part: int) -> str:
-    # SONiC's YANG allows [a-zA-Z0-9][-a-zA-Z0-9_]{0,31}: keep names inside that everywhere.
-    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in collector)
-    name = f"ckptd_{safe}_{direction}" + (f"{part + 1}" if part else "")
-    return name[:32]
+def _session_name(collector: str, direction: str, part: int, tag: str = "") -> str:
+    """ckptd_<collector>[tag]_<direction>[part]. SONiC's YANG allows
+    [a-zA-Z0-9][-a-zA-Z0-9_]{0,31}: names stay inside that everywhere, the collector's
+    part cut short, never the direction and part (they were cut off the end)."""
+    safe = "".join(ch if ch.isascii() and (ch.isalnum() or ch in "-_") else "_" for ch in collector)
+    suffix = f"_{direction}" + (f"{part + 1}" if part else "")
+    return f"ckptd_{safe[:32 - len('ckptd_') - len(tag) - len(suffix)]}{tag}{suffix}"
+
+
+def _distinct_names(sessions: list[Session], parts: dict[int, int]):
+    """Sessions of one switch that got one name (collectors `ck.a` and `ck_a`, long names
+    alike in their first 20 characters) take a tag of their collector's name's hash: a
+    switch keeps one session per name (SONiC's MIRROR_SESSION table kept the last, EOS
+    merged both into one session), and the configs mirrored fewer links than the
+    selection said, exit 0."""
+    import hashlib
+    from collections import Counter
+    seen = Counter((s.switch.name, s.name) for s in sessions)
+    for s in sessions:
+        if seen[(s.switch.name, s.name)] > 1:
+            tag = "-" + hashlib.sha256(s.collector.name.encode()).hexdigest()[:6]
+            s.name = _session_name(s.collector.name, s.direction, parts[id(s)], tag)
+    clash = next((k for k, n in Counter((s.switch.name, s.name) for s in sessions).items() if n > 1), None)
+    if clash:  # (a hash collision: not met in practice, never written)
+        raise SelectionError(f"two mirror sessions on {clash[0]} would both be named {clash[1]}: rename a collector")
 
 
 def _why_not(cabling: Cabling, chosen, point: Point, col: Collector) -> str | None:

@@ -101,3 +101,28 @@ def test_safe_names_still_render_every_vendor():
     assert "monitor session ckptd_cap0_rx source Ethernet1/1 rx\n" in files["tor.eos.cfg"]
     assert "  source interface Ethernet1/1 rx\n" in files["tor.nxos.cfg"]
     assert "mirroring-port Ethernet1/1 inbound\n" in files["tor.comware.cfg"]
+
+
+@pytest.mark.parametrize("names", [
+    ("ck.a", "ckpt-b", "ck_a"),  # one name once '.' becomes '_'
+    ("checkpoint-host-rack12-nic-a", "ckpt-b", "checkpoint-host-rack12-nic-b"),  # alike in the part kept
+])
+def test_collectors_whose_names_look_alike_get_sessions_of_their_own(names):
+    """Two collectors' sessions on one switch got one name: SONiC's MIRROR_SESSION kept the
+    last (a mirrored link gone), EOS merged both into one session, and mirror-config said
+    every chunk reached 2 streams, exit 0. Each session of a switch has a name of its
+    own, every SONiC session is in its table, and the direction stays at the end."""
+    import yaml
+    doc = yaml.safe_load((GOLDEN / "cabling_erspan.yaml").read_text())
+    for col, name in zip(doc["collectors"], names):
+        col["name"] = name
+    sel = select_mirrors(load_plan(GOLDEN / "plan.json").ring, cabling_from_doc(doc))
+    for sw in {s.switch.name for s in sel.sessions}:
+        mine = sel.sessions_on(sw)
+        assert len({s.name for s in mine}) == len(mine), [s.name for s in mine]
+        assert all(len(s.name) <= 32 and s.name.endswith(f"_{s.direction}") for s in mine), [s.name for s in mine]
+    files = render_all(sel, ["sonic", "eos"])
+    for sw in {s.switch.name for s in sel.sessions if s.switch.os == "sonic"}:
+        table = json.loads(files[f"{sw}.config_db.json"])["MIRROR_SESSION"]
+        assert set(table) == {s.name for s in sel.sessions_on(sw)}
+    assert {s.collector.name for s in sel.sessions} >= {names[0], names[2]}  # both alike ones are used

@@ -142,6 +142,19 @@ def _frozen(ddp, params: list[torch.Tensor]) -> tuple[list[str], list[torch.Tens
     return [n for n, _ in named], [p for _, p in named]
 
 
+def _refuse_sparse(model):
+    """A parameter with sparse gradients, by DDP's own test (its _build_params_for_reducer:
+    an Embedding or EmbeddingBag with sparse=True): DDP allreduces them apart from its
+    buckets. For write_plan and `ckptd plan` alike (the latter read the buckets of such a
+    model and failed inside with torch's "Expected a proper Tensor but got None")."""
+    sparse = next((f"{m}.weight" if m else "weight" for m, mod in unwrap(model)[0].named_modules()
+                   if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse
+                   and mod.weight.requires_grad), None)
+    if sparse is not None:
+        raise TrainerError(f"parameter {sparse} has sparse gradients (an Embedding with sparse=True): DDP "
+                           "allreduces those apart from its buckets, which ckptd does not decode; use sparse=False")
+
+
 def _layout(ddp, names_of: dict[int, str]) -> tuple[BucketLayout, ...]:
     """The reducer's buckets now, in allreduce order, each in buffer order."""
     out = []
@@ -440,6 +453,11 @@ def _check_replay(opt: Optimizer, names: list[str], optimizer, scheduler,
             if k in ("params", "initial_lr") or (k == "lr" and opt.lr_per_step):
                 continue  # a hand-set lr is written into the groups inside the loop
             if _jsonable(v, k) != _jsonable(mine.get(k), k):
+                if isinstance(v, float) and not math.isfinite(v):  # (nan != nan: torch's SGD takes a nan momentum)
+                    raise TrainerError(f"optimizer.param_groups[{i}] {k} is {v!r}: it must be a finite number")
+                if not opt.lr_scheduler:
+                    raise TrainerError(f"optimizer.param_groups[{i}] {k}: the plan's groups replay it as "
+                                       f"{mine.get(k)!r}, the trainer's is {v!r}")
                 raise TrainerError(f"lr scheduler {opt.lr_scheduler['class']}: replayed group {i} {k} "
                                    f"is {mine.get(k)!r}, the trainer's is {v!r}; pass scheduler_args")
     if scheduler is not None and replay.sched is not None:
@@ -579,12 +597,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
         raise TrainerError(f"iterations must be an integer >= 1 (or None), not {iterations!r}")
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
-    sparse = next((f"{m}.weight" if m else "weight" for m, mod in unwrap(ddp)[0].named_modules()
-                   if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.sparse
-                   and mod.weight.requires_grad), None)
-    if sparse is not None:  # DDP's test (its _build_params_for_reducer): such a module's grad is sparse
-        raise TrainerError(f"parameter {sparse} has sparse gradients (an Embedding with sparse=True): DDP "
-                           "allreduces those apart from its buckets, which ckptd does not decode; use sparse=False")
+    _refuse_sparse(ddp)
     _refuse_sync_batchnorm(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
@@ -1561,6 +1574,7 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits
     one, else model(batch).sum()) and the next forward (where DDP rebuilds); None
     without a batch. `limits_out` (a dict) receives the bucket size limits that DDP
     used (the plan's buckets.limits)."""
+    _refuse_sparse(model)
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

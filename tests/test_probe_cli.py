@@ -552,3 +552,23 @@ def test_demo_names_its_own_seed_option(capsys):
     r = ckptd_main(capsys, "demo", "--seed", "-1")
     assert r.returncode == 2 and "ckptd demo: argument --seed: -1 is not in 0..4294967295" in r.stderr \
         and "synth" not in r.stderr
+
+
+def sparse_embedding():
+    import torch
+    return torch.nn.Embedding(10, 3, sparse=True)
+
+
+@pytest.mark.parametrize("sample", [[], ["--sample", "test_probe_cli:sparse_index"]])
+def test_plan_of_a_sparse_embedding_is_refused_as_write_plan_refuses_it(capsys, tmp_path, sample):
+    """write_plan named the sparse gradients; `ckptd plan` read the buckets of such a model
+    and failed inside ("Expected a proper Tensor but got None"), blamed on --sample."""
+    r = ckptd_main(capsys, "plan", "--model", "test_probe_cli:sparse_embedding", *sample, "--transport", "gloo",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
+    _one_line_error(r, None, "parameter weight has sparse gradients (an Embedding with sparse=True)")
+    assert not (tmp_path / "p.json").exists()
+
+
+def sparse_index():
+    import torch
+    return torch.tensor([1, 2, 3])

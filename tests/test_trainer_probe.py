@@ -275,6 +275,18 @@ def test_a_bad_argument_is_named_as_write_plan_takes_it(world_of_two, tmp_path, 
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.parametrize("key", ["momentum", "dampening"])
+def test_a_nan_group_value_torch_takes_is_named(world_of_two, tmp_path, key):
+    """torch's SGD checks momentum < 0, which nan passes; the replay's comparison then
+    built a scheduler's message with no scheduler: TypeError from inside ckptd."""
+    m = _ddp()
+    opt = _sgd(m)
+    opt.param_groups[0][key] = float("nan")
+    with pytest.raises(ct.TrainerError, match=rf"^optimizer.param_groups\[0\] {key} is nan: it must be a finite number$"):
+        ct.write_plan(m, opt, tmp_path / "plan.json", addresses=world_of_two)
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_scheduler_args_without_a_scheduler_is_refused(world_of_two, tmp_path):
     """scheduler_args with no scheduler was ignored: the plan replayed a constant lr."""
     m = _ddp()

@@ -5,6 +5,7 @@ from typing import Iterator
 
 import os
 import stat
+import struct
 
 from .frame import (DECODED_LINKTYPES, LINKTYPE_ETHERNET, LINKTYPE_IPV4, LINKTYPE_IPV6, LINKTYPE_LINUX_SLL,
                     LINKTYPE_LINUX_SLL2, LINKTYPE_RAW, CaptureError, CapturedFrame, NotACaptureError,
@@ -43,6 +44,9 @@ def _sniff(head: bytes, path) -> str:
         # replay ended "not recovered" (exit 3) without a word on why
         if len(head) == 24:
             order = _MAGICS[head[:4]][0]
+            major, minor = struct.unpack(order + "HH", head[4:8])
+            if major != 2:  # as the reader says it: a link type read from such a header is no link type
+                raise CaptureError(f"{path}: pcap version {major}.{minor}, not 2.x (a damaged or foreign file header)")
             linktype = int.from_bytes(head[20:24], "little" if order == "<" else "big") & 0xFFFF
             if linktype not in DECODED_LINKTYPES:
                 raise UndecodedLinkTypeError(f"{path}: {undecoded_linktype(linktype)}")

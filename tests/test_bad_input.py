@@ -287,6 +287,8 @@ CAPTURES = {
     "caplen-over-origlen": _pcap_header() + _record(b"\x00" * 64) + _record(b"\x00" * 64, origlen=60),
     "pcapng-version": _pcapng(major=2),
     "pcapng-caplen-over-origlen": _pcapng(caplen=64, origlen=60),
+    # a big-endian magic over a little-endian header: it was "link type 0 is not one ckptd decodes"
+    "pcap-magic-order": struct.pack(">I", 0xA1B2C3D4) + _pcap_header()[4:] + _record(b"\x00" * 64),
 }
 CAPTURE_MESSAGE = {
     "missing": "No such file", "empty": "neither pcap nor pcapng", "garbage": "neither pcap nor pcapng",
@@ -294,6 +296,7 @@ CAPTURE_MESSAGE = {
     "huge-record": "frame 1: captured length 268435456 is more than the largest snaplen",
     "pcapng-bad-block": "bad block length 7",
     "pcap-version": "pcap version 1.0, not 2.x",
+    "pcap-magic-order": "pcap version 512.1024, not 2.x",
     "caplen-over-origlen": "frame 2: captured length 64 is more than the length on the wire (60)",
     "pcapng-version": "block 1 (after frame 0): section version 2.0, not 1.x",
     "pcapng-caplen-over-origlen": "block 3 (frame 1): captured length 64 is more than the length on the wire (60)",

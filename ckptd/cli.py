@@ -1339,6 +1339,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _printable(text: str) -> str:
+    """`text` with every character a terminal would act on written as its escape (\\x1b):
+    an error line quotes what came from outside (an HTTP server's reason and body, a
+    file or key name), and ESC, BEL, backspace or NUL in it set the terminal's title,
+    cleared the screen or hid the real error."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 def _file_names_as_bytes():
     """Print a file name that is not UTF-8 (Linux names are bytes; Python holds the bytes
     it cannot decode as lone surrogates) as the bytes it is, as ls does. Python does so
@@ -1371,7 +1379,7 @@ def main(argv=None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptd inspect x | head`
             _quiet_stdout()
             return 0
-        print("error: " + _as_given(" ".join(str(e).split())), file=sys.stderr)  # one line, always
+        print("error: " + _printable(_as_given(" ".join(str(e).split()))), file=sys.stderr)  # one line, always
         return 2
     except ImportError as e:
         if os.environ.get("CKPTD_DEBUG") or not (e.name or "").startswith("cython_ext"):

@@ -572,3 +572,31 @@ def test_plan_of_a_sparse_embedding_is_refused_as_write_plan_refuses_it(capsys, 
 def sparse_index():
     import torch
     return torch.tensor([1, 2, 3])
+
+
+def test_a_servers_control_bytes_never_reach_the_terminal(scenario, capsys):
+    """The error line quotes an HTTP server's reason and body: ESC, BEL, NUL and
+    backspace in them went to the terminal as they were (a server set its title,
+    cleared the screen, hid the real error behind backspaces). They are written as
+    escapes."""
+    import http.server
+    import threading
+
+    class Junk(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(500, "Oops\x1b]0;PWNED\x07")
+            self.send_header("Content-Length", "16")
+            self.end_headers()
+            self.wfile.write(b"\x1b[2Jcleared\x00\x08\x08\x08zz")
+
+        def log_message(self, *args):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Junk)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = ckptd_main(capsys, "verify", f"http://127.0.0.1:{srv.server_port}", scenario / "init.pt")
+    finally:
+        srv.shutdown()
+    _one_line_error(r, None, "HTTP 500")
+    assert not any(ord(ch) < 32 and ch != "\n" for ch in r.stderr), repr(r.stderr)
+    assert "\\x1b]0;PWNED\\x07" in r.stderr and "\\x1b[2Jcleared\\x00\\x08" in r.stderr, r.stderr

@@ -558,3 +558,16 @@ def test_an_out_holding_checkpoints_the_daemon_did_not_write_is_refused(run, tmp
     shutil.copy(out / checkpoint_name(3), out / checkpoint_name(1))  # older than the manifest, not in it
     with pytest.raises(ConfigError, match=r"\(iter_000001.pt: no manifest.json there lists them\)"):
         Daemon(load_config(_config(run, tmp_path)))
+
+
+def test_a_snaplen_that_cuts_the_plans_data_frames_is_refused_at_start(run, tmp_path):
+    """`--check` said ok and the daemon started, then lost every iteration to frames cut
+    short (exit 3). The plan's MTU says it at start."""
+    cfg = _config(run, tmp_path)
+    text = cfg.read_text().replace("ifname: m1}", "ifname: m1, snaplen: 1097}")
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=r"ckptd.yaml: 'interfaces\[1\].snaplen' 1097 cuts the plan's data frames "
+                                          r"\(ring.mtu 1024: at least 1098 bytes each"):
+        Daemon(load_config(cfg))
+    cfg.write_text(text.replace("snaplen: 1097", "snaplen: 1098"))
+    Daemon(load_config(cfg))

@@ -67,6 +67,11 @@ MAX_BLOCK_SIZE = 1 << 28
 MAX_BLOCK_NR = 1 << 16
 
 
+# the least a RoCEv2 data frame adds to its payload: Ethernet 14, IPv4 20, UDP 8, BTH 12,
+# RETH 16 (the first packet of a write), ICRC 4
+ROCE_FRAME_OVERHEAD = 14 + 20 + 8 + 12 + 16 + 4
+
+
 class ConfigError(CkptdError, ValueError):
     """A daemon config that cannot be used; the message names the file and the key."""
 
@@ -594,6 +599,7 @@ class Daemon:
         if past := self.plan.past_the_job(cfg.join_from, cfg.plan):
             raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: {past}")
         self._refuse_foreign_checkpoints()
+        self._refuse_short_snaplen()
         ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
         require_memory(self.plan.shadow_bytes() + ncopies * self.plan.state_bytes(), f"shadowing the plan {cfg.plan}"
                        + (f" with the memory tier's {ncopies} copies (memory_tier: false to go without)"
@@ -683,6 +689,20 @@ class Daemon:
                 self.memory.reserve(*shadow.state_template(), writer=self.persist is not None)
         self._newest = None  # the newest committed state's copy handed to a tier (HeldState)
         self.pipe.on_commit.append(self._committed)
+
+    def _refuse_short_snaplen(self):
+        """A snaplen that cuts the plan's full data frames (a RoCE write of path MTU
+        bytes: Ethernet, IPv4, UDP, BTH, RETH, the payload, the ICRC, at the least) loses
+        every iteration, found only once frames came in: refused at start."""
+        if self.plan.transport != "roce":
+            return
+        least = self.plan.ring.mtu + ROCE_FRAME_OVERHEAD
+        for k, i in enumerate(self.cfg.interfaces):
+            if i.snaplen < least:
+                raise ConfigError(f"{self.cfg.source + ': ' if self.cfg.source else ''}'interfaces[{k}].snaplen' "
+                                  f"{i.snaplen} cuts the plan's data frames (ring.mtu {self.plan.ring.mtu}: at least "
+                                  f"{least} bytes each, more with VLAN tags, IPv6 or ERSPAN): every iteration would "
+                                  "be lost; leave snaplen out (65535)")
 
     def _refuse_foreign_checkpoints(self):
         """Checkpoints in the directory the daemon writes that it did not write (a

@@ -571,3 +571,25 @@ def test_a_snaplen_that_cuts_the_plans_data_frames_is_refused_at_start(run, tmp_
         Daemon(load_config(cfg))
     cfg.write_text(text.replace("snaplen: 1097", "snaplen: 1098"))
     Daemon(load_config(cfg))
+
+
+def test_status_clock_goes_on_while_no_frame_comes(run, tmp_path):
+    """/status is the last snapshot, published while frames flow: on a quiet link its
+    uptime_s stood still (0.391 over seconds of requests), so a monitor could not tell a
+    quiet daemon from a hung one. uptime_s and snapshot_age_s are read at the request."""
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    seen = []
+
+    def source():
+        frames = list(file_source(pcaps(run), []))
+        yield from frames[:len(frames) // 2]
+        for _ in range(2):  # the link goes quiet: the loop waits here for the next frame
+            seen.append(json.loads(urllib.request.urlopen(f"http://127.0.0.1:{daemon.address[1]}/status").read()))
+            time.sleep(0.4)
+        yield from frames[len(frames) // 2:]
+
+    assert daemon.run(source=source(), install_signals=False) == 0
+    first, second = seen
+    assert second["uptime_s"] - first["uptime_s"] >= 0.35, (first["uptime_s"], second["uptime_s"])
+    assert second["snapshot_age_s"] - first["snapshot_age_s"] >= 0.35
+    assert first["last_committed"] == second["last_committed"]  # the same snapshot under both

@@ -1069,12 +1069,17 @@ class Daemon:
 
     def _live_status(self) -> dict:
         """Read at each /status request: the memory tier takes its copy off the commit
-        path (on the optimizer's thread), after the snapshot of that commit was published."""
+        path (on the optimizer's thread), after the snapshot of that commit was published.
+        The clock too: snapshots are taken while frames flow, and on a quiet link the last
+        one's uptime_s stood still, so a monitor could not tell a quiet daemon from a hung
+        one; `snapshot_age_s` says how old the rest of the document is."""
+        clock = {"uptime_s": round(time.time() - self.started, 3),
+                 "snapshot_age_s": round(time.monotonic() - self.snapshot.published, 3)}
         if self.memory is None:
-            return {"memory": None}
+            return {**clock, "memory": None}
         held = self.memory.latest()
-        return {"memory": {"iterations": self.memory.iterations(),
-                           "copy_s": round(held.copy_seconds, 6) if held else None}}
+        return {**clock, "memory": {"iterations": self.memory.iterations(),
+                                    "copy_s": round(held.copy_seconds, 6) if held else None}}
 
     def _pipeline_stats(self) -> dict:
         if not self.fast:

@@ -28,10 +28,12 @@ class Snapshot:
     def __init__(self):
         self._lock = threading.Lock()
         self._doc: dict = {"state": "starting"}
+        self.published = time.monotonic()  # when the last one was published
 
     def publish(self, doc: dict):
         with self._lock:
             self._doc = doc
+            self.published = time.monotonic()
 
     def get(self) -> dict:
         with self._lock:

@@ -35,6 +35,7 @@ import torch
 from ckptd.core.checkpoint import (CheckpointError, as_checkpoint, check_optimizer_fits, check_state_tensors,
                                    load_checkpoint, load_failure, optimizer_params_in, set_group_lrs, torch_load)
 from ckptd.core.finite import diverged_state, first_nonfinite, nonfinite_in, refused_state
+from ckptd.core.store import redact
 from ckptd.core.wrappers import unwrap
 from ckptd.errors import show
 
@@ -274,7 +275,12 @@ def _request(url: str, token: str | None, timeout: float, accept: str):
         path = parts.path
         parts.port  # noqa: B018 -- "Port out of range": 99999 was tried as another port, "Connection refused"
     except ValueError as e:  # "http://[::1": Invalid IPv6 URL
-        raise CheckpointError(f"{url}: cannot fetch checkpoint: {e}") from None
+        raise CheckpointError(f"{redact(url)}: cannot fetch checkpoint: {e}") from None
+    if parts.username is not None or parts.password is not None:
+        # urllib takes user:password@ for part of the host name ("Name or service not
+        # known"), and the message showed the password
+        raise CheckpointError(f"{redact(url)}: user:password@ in a daemon's URL is not used: give the daemon's "
+                              "token in $CKPTD_TOKEN (or token=)")
     if path in ("", "/"):
         url = url.rstrip("/") + "/checkpoint"
     headers = {"Accept": accept}

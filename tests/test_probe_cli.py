@@ -352,6 +352,14 @@ def test_resume_from_a_url_urllib_cannot_use_is_one_line(scenario, capsys, url, 
     _one_line_error(r, None, message)
 
 
+def test_a_password_in_a_daemon_url_is_refused_and_never_shown(scenario, capsys):
+    """urllib took user:password@ for part of the host: "Name or service not known", with
+    the password in the line. The daemon takes a token ($CKPTD_TOKEN)."""
+    r = ckptd_main(capsys, "verify", "http://alice:s3cret@127.0.0.1:1/x", scenario / "init.pt")
+    _one_line_error(r, "http://***@127.0.0.1:1/x", "user:password@ in a daemon's URL is not used")
+    assert "s3cret" not in r.stderr + r.stdout
+
+
 def test_verify_of_a_daemon_url_nothing_answers_is_one_line_naming_it(scenario, capsys):
     """It was read as the path "http:/127.0.0.1:1" (No such file or directory); verify
     now reads the daemon's URL as restore does (tests/test_cli.py), and one that nothing

@@ -418,3 +418,24 @@ def test_cabling_keys_are_checked(tmp_path, capsys, where, change, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_second_run_into_the_same_out_removes_the_first_runs_stale_configs(tmp_path, capsys):
+    """A run with --vendor all, then one with the default vendors, into one --out: the first
+    run's eos/nxos/comware files stayed beside the second's, two configurations of one
+    switch with nothing saying which was current. The files an earlier run wrote
+    (its selection.json lists them) and this one does not are removed; others stay."""
+    out = tmp_path / "out"
+    base = ["--plan", GOLDEN / "plan.json", "--cabling", GOLDEN / "cabling_erspan.yaml", "--out", out]
+    assert run_cli([*base, "--vendor", "all"]) == 0
+    first = {p.name for p in out.iterdir()}
+    (out / "notes.txt").write_text("mine")  # not ckptd's: stays
+    capsys.readouterr()
+    assert run_cli(base) == 0
+    printed = capsys.readouterr().out
+    now = {p.name for p in out.iterdir()}
+    listed = set(json.loads((out / "selection.json").read_text())["files"])
+    assert now == listed | {"notes.txt"}, now
+    assert {"leaf1.eos.cfg", "leaf2.config_db.json"} <= first - now  # sonic leaf1, eos leaf2 by default
+    for gone in sorted(first - now):
+        assert f"removed {out / gone} (an earlier run's: not in this selection)" in printed

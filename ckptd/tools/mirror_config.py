@@ -117,10 +117,11 @@ def run(a) -> int:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return EXIT_UNMET
     summary = sel.to_json()
-    files["selection.json"] = compact_json(summary)
     daemon, notes = daemon_interfaces(sel)
     if daemon is not None:
         files["daemon-interfaces.yaml"] = daemon
+    summary["files"] = sorted({*files, "selection.json"})  # what this run wrote: the next run's stale ones
+    files["selection.json"] = compact_json(summary)
     print(format_summary(summary))
     for n in notes:
         print(f"note: {n}")
@@ -132,15 +133,35 @@ def run(a) -> int:
         if Path(name).name != name or name.startswith("."):
             print(f"error: refusing to write {name!r}: not a plain file name inside {out}", file=sys.stderr)
             return EXIT_INPUT
+    stale = _earlier_files(out) - set(files)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in sorted(files.items()):
             _write_new(out / name, text)
             print(f"wrote {out / name}")
+        for name in sorted(stale):
+            (out / name).unlink(missing_ok=True)
+            print(f"removed {out / name} (an earlier run's: not in this selection)")
     except OSError as e:
         print(f"error: cannot write into {out}: {e}", file=sys.stderr)
         return EXIT_INPUT
     return 0
+
+
+def _earlier_files(out: Path) -> set[str]:
+    """The files an earlier run wrote into `out`, as its selection.json lists them. Left
+    there, a switch had two configurations in `out` (an earlier run's eos.cfg beside this
+    run's config_db.json), and nothing said which was current. A selection.json that is
+    not ckptd's, or of a version that listed no files, names none."""
+    try:
+        doc = json.loads((out / "selection.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    names = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(names, list):
+        return set()
+    return {n for n in names if isinstance(n, str) and Path(n).name == n and not n.startswith(".")
+            and (out / n).is_file()}
 
 
 def _write_new(path: Path, text: str) -> None:

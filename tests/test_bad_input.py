@@ -1729,3 +1729,15 @@ def test_verify_compares_a_trainers_hyperparameters_and_scheduler(scenario, tmp_
     torch.save(mine, tmp_path / "minus.pt")
     r = ckptd_main(capsys, "verify", tmp_path / "zero.pt", tmp_path / "minus.pt")
     assert r.returncode == 1 and "optimizer.lr: 0.0 != -0.0" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("command", ["export", "init"])
+def test_a_directory_of_checkpoints_where_one_is_read_is_named_so(scenario, tmp_path, capsys, command):
+    """export and --init read one checkpoint: given the trainer's directory they said "not a
+    torch.distributed.checkpoint", though verify and restore take such a directory."""
+    ref = scenario / "reference"
+    argv = (["export", ref, "--format", "torch", "--out", tmp_path / "x.pt"] if command == "export" else
+            ["replay", "--plan", scenario / "plan.json", "--init", ref, _pcap0(scenario)])
+    r = ckptd_main(capsys, *argv)
+    _one_line_error(r, str(ref), f"a directory of 1 checkpoint(s) (iter_000000.pt), not one checkpoint: give one "
+                                 f"file (e.g. {ref / 'iter_000000.pt'}) or a torch.distributed.checkpoint directory")

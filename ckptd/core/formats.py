@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ckptd.core.checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointWriteError, as_checkpoint, atomic_write,
-                                   fsync_dir, load_failure, named_optimizer_state, param_groups_of,
+                                   fsync_dir, iteration_of_name, load_failure, named_optimizer_state, param_groups_of,
                                    set_group_lrs, torch_load, torch_optimizer_state)
 from ckptd.core.readfile import misplaced_file
 from ckptd.core.wrappers import wrapper_prefix
@@ -58,6 +58,12 @@ def load_standard(path: Path, names: list[str] | None) -> dict:
     """A DCP directory or a safetensors file (a torch.save goes through from_torch_doc)."""
     if path.is_dir():
         if not (path / ".metadata").is_file():
+            held = sorted(p.name for p in checkpoints_in(path))
+            if held:  # (verify and restore take a directory's newest; one checkpoint is read here)
+                newest = max(held, key=lambda n: (iteration_of_name(n) is not None, iteration_of_name(n) or 0, n))
+                raise CheckpointError(f"{path}: a directory of {len(held)} checkpoint(s) ({held[0]}"
+                                      f"{' ... ' + held[-1] if len(held) > 1 else ''}), not one checkpoint: give one "
+                                      f"file (e.g. {path / newest}) or a torch.distributed.checkpoint directory")
             raise CheckpointError(f"{path}: a directory without .metadata is not a "
                                   f"torch.distributed.checkpoint checkpoint")
         for p in path.iterdir():  # DCP opens its shards blind: a FIFO would block it forever

@@ -665,6 +665,8 @@ without a stop (every ring or capture worker failed: the daemon was blind to the
 def cmd_run(a) -> int:
     from ckptd.live.daemon import (ConfigError, Daemon, load_config, made_dirs_removed_on_failure, parse_listen,
                                    setup_logging)
+    from ckptd.live.privilege import PrivilegeError
+    cfg = None
     try:
         cfg = load_config(a.config)
         if a.listen:
@@ -685,8 +687,12 @@ def cmd_run(a) -> int:
                       f"{redact(daemon.persist_target)}")  # (user:password@ never shown)
                 return 0
             return Daemon(cfg).run()
-    except ConfigError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+    except (ConfigError, PrivilegeError) as e:
+        line = " ".join(str(e).split())
+        if cfg is not None and cfg.source and not line.startswith(f"{cfg.source}:"):
+            # a check made once the file was read (listen, user, the directories): named by the file too
+            line = f"{cfg.source}: {line}"
+        print("error: " + _printable(line), file=sys.stderr)
         return 2
 
 

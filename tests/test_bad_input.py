@@ -817,6 +817,11 @@ CONFIG_CASES = [
     ("ifname-slash", "interfaces:\n  - ifname: eth0/1\n", "interfaces[0].ifname"),
     ("ifname-int", "interfaces:\n  - ifname: 5\n", "interfaces[0].ifname"),
     ("same-interface", IF + "  - ifname: hdnone0\n", "again"),
+    # checked once the file was read: named by the file too (they were not)
+    ("listen-not-loopback", IF + "listen: '0.0.0.0:0'\n", "listen 0.0.0.0:0 is not a loopback address"),
+    ("user-missing", IF + "user: ckptd-nosuchuser\n", "user: no user named 'ckptd-nosuchuser' on this host"),
+    ("persist-url-under-a-file", IF + "persist_url: 'file:///proc/version/x'\n",
+     "'persist_url': /proc/version/x: cannot create the checkpoint directory"),
     # an alias label is its device: a second stream of the same frames, each counted twice
     ("ifname-alias", IF + "  - {ifname: 'hdnone0:x', name: b}\n",
      "interfaces[1].ifname' 'hdnone0:x' is an address alias label, not a device: it captures 'hdnone0'"),

@@ -183,7 +183,7 @@ def test_an_out_the_daemon_cannot_write_stops_it_at_the_start(run, tmp_path):
                        "listen: 127.0.0.1:0\ninterfaces:\n  - {name: mirror0, ifname: lo}\n")
         r = subprocess.run(["ckptd", "run", "--config", str(cfg)], capture_output=True, text=True, timeout=120)
         err = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and err[-1].startswith(f"error: out {mnt}: the daemon cannot write there"), r.stderr
+        assert r.returncode == 2 and err[-1].startswith(f"error: {cfg}: out {mnt}: the daemon cannot write there"), r.stderr
         assert "Read-only file system" in err[-1] and "Traceback" not in r.stderr
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

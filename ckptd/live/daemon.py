@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.core.checkpoint import CheckpointError, checkpoint_name, load_checkpoint
+from ckptd.core.checkpoint import CheckpointError, CheckpointWriteError, checkpoint_name, load_checkpoint
 from ckptd.core.docload import strict_yaml
 from ckptd.core.memory import available_memory, require_memory
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
@@ -680,8 +680,13 @@ class Daemon:
         self.persist = None
         if not cfg.persist_sync:
             from ckptd.live.persist import PersistTier
-            self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s, cfg.keep_last,
-                                       cfg.keep_every, self.plan_hash(), options=cfg.persist_options)
+            try:
+                self.persist = PersistTier(self.persist_target, cfg.persist_every, cfg.persist_interval_s,
+                                           cfg.keep_last, cfg.keep_every, self.plan_hash(),
+                                           options=cfg.persist_options)
+            except (CheckpointError, CheckpointWriteError) as e:  # a directory that cannot be made: named by its key
+                key = "persist_url" if cfg.persist_url else "out"
+                raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'{key}': {e}") from e
         shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
         if shadow is not None:
             shadow.prepare_state()  # nor in the first step

@@ -400,6 +400,16 @@ def test_a_yaml_integer_past_4300_digits_is_named_not_a_traceback(scenario, caps
     _one_line_error(r, str(cfg), "is read by YAML as an integer of 16000 bits (octal, hex or base 60)")
 
 
+def test_a_decimal_yaml_integer_of_5000_digits_is_named_by_its_line(scenario, capsys):
+    """It was Python's "Exceeds the limit (4300 digits) ... use sys.set_int_max_str_digits()"."""
+    cfg = scenario / "cfg-decimal-digits.yaml"
+    cfg.write_text("plan: plan.json\ninit: init.pt\nout: ckpt\ninterfaces:\n  - {ifname: hdnone0}\nkeep_last: "
+                   + "9" * 5000 + "\n")
+    r = ckptd_main(capsys, "run", "--config", cfg)
+    _one_line_error(r, str(cfg), "line 6: an integer of 5000 digits: no setting takes one that long")
+    assert "set_int_max_str_digits" not in r.stderr
+
+
 def test_a_size_string_of_5000_digits_is_named_not_a_traceback(scenario, capsys):
     """'999...9M': int() of the digits raised ValueError (Exceeds the limit ...)."""
     cfg = scenario / "cfg-size-digits.yaml"

@@ -27,6 +27,7 @@ def _no_duplicate_keys(pairs: list) -> dict:
 
 # An integer YAML 1.1 reads as it looks: 010 is octal 8, 0x10 is 16 and 1:30 is 90 (base 60).
 DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9_]*)")
+MAX_DECIMAL_DIGITS = 4000  # below Python's int() limit (4300): past it the key's own range check never runs
 
 
 def strict_yaml(text: str, decimal_only: bool = True, check_scalar=None):
@@ -64,6 +65,9 @@ def strict_yaml(text: str, decimal_only: bool = True, check_scalar=None):
             value = yaml.SafeLoader.construct_yaml_int(loader, node)
             raise ValueError(f"line {node.start_mark.line + 1}: {text[:40]} is read by YAML as {show(value)} "
                              "(octal, hex or base 60): write the number in decimal (or quote it where text is meant)")
+        if len(text) > MAX_DECIMAL_DIGITS:  # int() stops at 4300 with Python's advice on raising the limit
+            raise ValueError(f"line {node.start_mark.line + 1}: an integer of {len(text)} digits: no setting "
+                             "takes one that long")
         return yaml.SafeLoader.construct_yaml_int(loader, node)
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)

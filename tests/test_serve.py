@@ -66,6 +66,26 @@ def test_routes_and_errors(server):
     s.close()
 
 
+def _raw(address, request: bytes) -> bytes:
+    """The whole answer to one raw request (the server closes each connection)."""
+    with socket.create_connection(address, timeout=5) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_head_is_answered_without_a_body_whatever_the_answer(server):
+    """The refusals (404 here; 400, 401, 403, 500 alike) sent their body to a HEAD too:
+    RFC 9110 9.3.2, a client reading the next response met it."""
+    for path, status in (("/hello", b"200"), ("/nope", b"404")):
+        head, _, body = _raw(server.address, f"HEAD {path} HTTP/1.1\r\n\r\n".encode()).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 " + status) and b"Content-Length: " in head and body == b"", (head, body)
+    head, _, body = _raw(server.address, b"GET /nope HTTP/1.1\r\n\r\n").partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404") and body.startswith(b"try ")
+
+
 def test_excess_connections_are_refused_at_once_and_service_resumes(server):
     idle = [socket.create_connection(server.address) for _ in range(8)]
     time.sleep(0.3)

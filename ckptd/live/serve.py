@@ -243,6 +243,10 @@ class HttpServer:
         method, target = parts[0], parts[1]
         if method not in ("GET", "HEAD"):
             return text(405, "GET only"), False
+        # a HEAD is answered without a body whatever the answer (the refusals below had one)
+        return self._route(target, lines), method == "HEAD"
+
+    def _route(self, target: str, lines: list[str]) -> Response:
         headers = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
@@ -250,9 +254,9 @@ class HttpServer:
         if self.token is not None:
             scheme, _, given = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer":  # the scheme is case-insensitive (RFC 9110 11.1)
-                return text(401, "a bearer token is required (Authorization: Bearer ...)"), False
+                return text(401, "a bearer token is required (Authorization: Bearer ...)")
             if not hmac.compare_digest(given.strip().encode("latin-1", "replace"), self.token.encode()):
-                return text(403, "wrong token"), False
+                return text(403, "wrong token")
         path = target.split("?", 1)[0]
         route = self.routes.get(path)
         arg = ""
@@ -262,11 +266,11 @@ class HttpServer:
                     route, arg = fn, path[len(prefix):]
                     break
         if route is None:
-            return text(404, "try " + ", ".join(sorted(self.routes))), False
+            return text(404, "try " + ", ".join(sorted(self.routes)))
         try:
-            return route(arg, headers), method == "HEAD"
+            return route(arg, headers)
         except Exception as e:  # a route's bug must not kill the worker
-            return text(500, " ".join(str(e).split())[:300]), False
+            return text(500, " ".join(str(e).split())[:300])
 
 
 def _head(status: int, ctype: str, length: int | None, headers: dict | None = None) -> bytes:

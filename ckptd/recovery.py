@@ -231,11 +231,19 @@ def newest_at_url(url: str, finite: bool = False) -> tuple[dict, str]:
     """The newest checkpoint a persistence tier's manifest at an fsspec URL lists that
     verifies (file SHA-256, every tensor's digest), with `finite` the newest finite one;
     messages never show credentials."""
-    from ckptd.core.store import open_store, redact
-    from ckptd.core.manifest import newest_verified
+    from ckptd.core.store import READ_ONLY_PROTOCOLS, open_store, redact
+    from ckptd.core.manifest import newest_verified, read_manifest
+    protocol = url.split("://", 1)[0].lower()
+    if protocol in READ_ONLY_PROTOCOLS:  # ("not enough values to unpack", the working directory's name)
+        raise CheckpointError(f"{redact(url)}: fsspec only reads {protocol}://, where no persistence tier writes: "
+                              "give the tier's persist_url, or the daemon's http:// URL")
     try:
         store = open_store(url)
         store.check_bucket()  # a missing bucket named as such, not as "no manifest"
+        if read_manifest(store) is None:  # (it said "no manifest entry there verifies")
+            why = "no such directory" if store.local and not store.path.is_dir() else \
+                "holds no manifest.json: no persistence tier writes there"
+            raise CheckpointError(f"{redact(url)}: {why}")
         got = newest_verified(store, finite)
     except (OSError, ValueError) as e:
         raise CheckpointError(redact(" ".join(str(e).split()))) from None

@@ -618,3 +618,17 @@ def test_a_servers_control_bytes_never_reach_the_terminal(scenario, capsys):
     _one_line_error(r, None, "HTTP 500")
     assert not any(ord(ch) < 32 and ch != "\n" for ch in r.stderr), repr(r.stderr)
     assert "\\x1b]0;PWNED\\x07" in r.stderr and "\\x1b[2Jcleared\\x00\\x08" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("url,message", [
+    ("file:///nonexistent-ckptd-dir", "file:///nonexistent-ckptd-dir: no such directory"),
+    ("file:///proc/self", "file:///proc/self: holds no manifest.json: no persistence tier writes there"),
+    ("zip://x", "zip://x: fsspec only reads zip://, where no persistence tier writes"),
+    ("data://x", "data://x: fsspec only reads data://"),
+], ids=["missing", "no-manifest", "zip", "data"])
+def test_a_tier_url_that_holds_no_tier_says_why(scenario, capsys, url, message):
+    """They said "no manifest entry there verifies" (a directory that is not there, one no
+    tier wrote), the working directory's name (zip://) or "not enough values to unpack"
+    (data://)."""
+    r = ckptd_main(capsys, "verify", url, scenario / "init.pt")
+    _one_line_error(r, None, message)

@@ -41,6 +41,11 @@ from pathlib import Path
 
 from ckptd.core.checkpoint import CheckpointWriteError, atomic_write
 
+# fsspec protocols whose filesystems only read (an archive opened from a URL, a web
+# server, a repository): no persistence tier writes there (persist_url refuses them),
+# so no manifest is there to read either
+READ_ONLY_PROTOCOLS = frozenset({"http", "https", "zip", "tar", "libarchive", "github", "git", "reference", "data"})
+
 _USERINFO = re.compile(r"(?<=://)[^@\s]*@")  # a "/" in a password too: err on the safe side
 # storage-option keys whose values are credentials (s3fs key/secret/token, gcsfs token,
 # adlfs account_key/sas_token/client_secret, botocore aws_secret_access_key, ...)

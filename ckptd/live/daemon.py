@@ -40,6 +40,7 @@ from pathlib import Path
 from ckptd.core.checkpoint import CheckpointError, CheckpointWriteError, checkpoint_name, load_checkpoint
 from ckptd.core.docload import strict_yaml
 from ckptd.core.memory import available_memory, require_memory
+from ckptd.core.store import READ_ONLY_PROTOCOLS
 from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.core.readfile import read_bounded
@@ -426,11 +427,6 @@ def _persist_url(k: _Keys) -> str | None:
     except (ImportError, ValueError) as e:
         k.fail("persist_url", f"{redact(url)}: {redact(one_line(e))}")
     return url
-
-
-# fsspec protocols whose filesystems only read (an archive opened from a URL, a web
-# server, a repository): every checkpoint write would fail at run time
-READ_ONLY_PROTOCOLS = frozenset({"http", "https", "zip", "tar", "libarchive", "github", "git", "reference", "data"})
 
 
 MAX_PERSIST_OPTION_VALUES = 10_000

@@ -44,11 +44,11 @@ def _sniff(head: bytes, path) -> str:
         # replay ended "not recovered" (exit 3) without a word on why
         if len(head) == 24:
             order = _MAGICS[head[:4]][0]
-            major, minor = struct.unpack(order + "HH", head[4:8])
-            if major != 2:  # as the reader says it: a link type read from such a header is no link type
-                raise CaptureError(f"{path}: pcap version {major}.{minor}, not 2.x (a damaged or foreign file header)")
+            major = struct.unpack(order + "H", head[4:6])[0]
             linktype = int.from_bytes(head[20:24], "little" if order == "<" else "big") & 0xFFFF
-            if linktype not in DECODED_LINKTYPES:
+            # (a header of another version is the reader's to report, as damage: a link type
+            # read from it is none, and was refused as "link type 0")
+            if major == 2 and linktype not in DECODED_LINKTYPES:
                 raise UndecodedLinkTypeError(f"{path}: {undecoded_linktype(linktype)}")
         return "pcap"
     if is_pcapng(head):

@@ -396,11 +396,14 @@ def _checkpoints_in(out: str | None) -> dict[str, tuple[int, int]]:
     """{name: (iteration, mtime_ns)} of the checkpoint files (iter_NNNNNN.pt) in `out`."""
     from ckptd.core.checkpoint import iteration_of_name
     found = {}
-    if out and Path(out).is_dir():
-        for p in Path(out).iterdir():
-            it = iteration_of_name(p.name)
-            if it is not None and p.is_file():
-                found[p.name] = (it, p.stat().st_mtime_ns)
+    try:
+        if out and Path(out).is_dir():
+            for p in Path(out).iterdir():
+                it = iteration_of_name(p.name)
+                if it is not None and p.is_file():
+                    found[p.name] = (it, p.stat().st_mtime_ns)
+    except OSError as e:  # a name too long, a loop of links: the path itself is wrong
+        raise UsageError(f"--out {out}: {e.strerror or e}") from None
     return found
 
 

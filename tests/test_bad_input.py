@@ -1746,3 +1746,23 @@ def test_a_directory_of_checkpoints_where_one_is_read_is_named_so(scenario, tmp_
     r = ckptd_main(capsys, *argv)
     _one_line_error(r, str(ref), f"a directory of 1 checkpoint(s) (iter_000000.pt), not one checkpoint: give one "
                                  f"file (e.g. {ref / 'iter_000000.pt'}) or a torch.distributed.checkpoint directory")
+
+
+@pytest.mark.parametrize("fmt,out,message", [
+    ("torch", "new/", "new/: ends in / (a directory); --format torch writes a file"),
+    ("dcp", "afile", "afile: a file is in the way; DCP writes a directory"),
+], ids=["trailing-slash", "dcp-onto-a-file"])
+def test_export_out_that_asks_for_the_other_kind_is_named(scenario, tmp_path, capsys, fmt, out, message):
+    """`--out new/` (a directory, by its slash) was written as a file `new`; DCP onto a
+    file said "exists and is not an empty directory"."""
+    (tmp_path / "afile").write_text("x")
+    target = f"{tmp_path}/{out}"
+    r = ckptd_main(capsys, "export", scenario / "init.pt", "--format", fmt, "--out", target)
+    _one_line_error(r, None, f"{tmp_path}/{message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "x"
+
+
+def test_replay_out_too_long_names_the_option(scenario, capsys):
+    r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
+                   "--out", "a" * 300, _pcap0(scenario))
+    _one_line_error(r, None, f"--out {'a' * 300}: File name too long")

@@ -452,9 +452,11 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
     is written whole or not at all (atomic_write) and, unlike ckptd's own checkpoints
     (owner only), readable as the umask allows: it is made for a trainer to load, often
     as another user. Any failure is one CheckpointError naming `out`."""
-    out = Path(out)
     if fmt not in EXPORT_FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
+    if fmt != "dcp" and str(out).endswith("/"):  # Path() drops the slash: `new/` was written as a file `new`
+        raise CheckpointError(f"{out}: ends in / (a directory); --format {fmt} writes a file")
+    out = Path(out)
     if fmt != "dcp" and out.is_dir():
         raise CheckpointError(f"{out}: is a directory; --format {fmt} writes a file")
     # into a directory that is there, for every format alike (DCP made the missing ones,
@@ -481,7 +483,9 @@ def export_checkpoint(ckpt: dict, out: str | Path, fmt: str, plan=None) -> Path:
         return out
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: a file is in the way; DCP writes a directory")
+    if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not an empty directory; DCP writes a directory")
     # Written whole or not at all, as a file is: into a new sibling directory, renamed into
     # place (over an empty directory too); a failure removes it, so a retry finds out as

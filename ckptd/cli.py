@@ -105,27 +105,33 @@ def _other_broadcasts(specs: list[str], out: dict) -> dict:
     return out
 
 
+AMP_GROWTH_INTERVAL = 2000  # torch's GradScaler default
+
+
 def _synth_training(a) -> dict:
     """The trainer's optimizer, groups, lr, AMP, comm hook and parameter dtype options."""
     from ckptd.testing.synth import parse_lr_per_step, parse_spec
     out = {}
     option = None
     try:
-        if a.optim:
+        # (`is not None`: an empty value was taken as not given, and the default trained)
+        if a.optim is not None:
             option = "--optim"
             kind, hyper = parse_spec(a.optim)
             out.update(opt_kind=kind.lower(), opt_hyper=hyper)
-        if a.lr_scheduler:
+        if a.lr_scheduler is not None:
             option = "--lr-scheduler"
             cls, args = parse_spec(a.lr_scheduler)
             out["lr_scheduler"] = {"class": cls, "args": args}
-        if a.lr_per_step:
+        if a.lr_per_step is not None:
             option = "--lr-per-step"
             out["lr_per_step"] = parse_lr_per_step(a.lr_per_step)
     except ValueError as e:
         raise UsageError(f"{option} {e}") from None
+    if a.amp is None and a.amp_growth_interval is not None:  # (it was dropped without a word)
+        raise UsageError("--amp-growth-interval is the GradScaler's growth_interval: it needs --amp")
     if a.amp is not None:
-        out.update(amp_init_scale=a.amp, amp_growth_interval=a.amp_growth_interval)
+        out.update(amp_init_scale=a.amp, amp_growth_interval=a.amp_growth_interval or AMP_GROWTH_INTERVAL)
     return dict(out, no_decay_group=a.param_groups == "no-decay", inf_at=tuple(a.inf_at),
                 comm_hook=a.comm_hook, param_dtype=a.param_dtype)
 
@@ -1114,8 +1120,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--amp", type=_ranged(float, 1.0, 2.0 ** 64), default=None, metavar="INIT_SCALE",
                    help="a GradScaler with this init_scale: the wire carries scaled gradients, steps with "
                         "inf/nan gradients are skipped and the scale backs off")
-    s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=2000,
-                   help="the GradScaler's growth_interval with --amp (default 2000)")
+    s.add_argument("--amp-growth-interval", type=_ranged(int, 1, 1 << 30), default=None,
+                   help=f"the GradScaler's growth_interval with --amp (default {AMP_GROWTH_INTERVAL})")
     s.add_argument("--inf-at", type=_ranged(int, 0, 10_000), action="append", default=[], metavar="ITER",
                    help="put an inf into rank 0's gradient at iteration ITER, as an fp16 overflow would: "
                         "with --amp the step is skipped, without it the job steps it and diverges (NaN "

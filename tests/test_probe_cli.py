@@ -376,7 +376,13 @@ _SYNTH = ["synth", "--model", "tiny", "--iterations", "2", "--ranks", "2", "--ch
     (["--optim", "sgd:lr=0.1,momentun=0.9"], "--optim sgd: SGD takes no 'momentun'"),
     (["--optim", "sgd:lr=0.1,lr=0.2"], "'lr' given twice"),
     (["--amp", "1024", "--inf-at", "5"], "--inf-at 5: the job runs iterations 0..1"),
-], ids=["misspelt-hyperparameter", "key-twice", "inf-at-past-the-end"])
+    # each of these was taken as not given: the scenario trained without it, exit 0
+    (["--amp-growth-interval", "5"], "--amp-growth-interval is the GradScaler's growth_interval: it needs --amp"),
+    (["--optim", ""], "--optim '': NAME[:key=value,...]"),
+    (["--lr-per-step", ""], "--lr-per-step '': entry 1 ('') is not LR or LR/LR/..."),
+    (["--lr-per-step", "0.1,,0.2"], "--lr-per-step '0.1,,0.2': entry 2 ('') is not LR"),
+], ids=["misspelt-hyperparameter", "key-twice", "inf-at-past-the-end", "growth-without-amp", "optim-empty",
+        "lr-per-step-empty", "lr-per-step-hole"])
 def test_synth_options_that_would_do_nothing_are_refused_before_out(capsys, tmp_path, extra, message):
     """Each was taken and had no effect: torch keeps any key in a param group (SGD trained
     without momentum), the last of two values won, an --inf-at past the last iteration

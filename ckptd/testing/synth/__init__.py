@@ -197,8 +197,12 @@ def _spec_value(v: str):
 def parse_lr_per_step(text: str) -> tuple:
     """The CLI's --lr-per-step: `LR,LR,...` one per step; `A/B` sets each group's own."""
     out = []
-    for item in text.split(","):
-        vals = [float(x) for x in item.split("/")]
+    for i, item in enumerate(text.split(","), 1):
+        try:
+            vals = [float(x) for x in item.split("/")]
+        except ValueError:  # (it said "could not convert string to float: ''")
+            raise ValueError(f"{text!r}: entry {i} ({item!r}) is not LR or LR/LR/...: give LR,LR,..., "
+                             "one per step") from None
         out.append(vals if "/" in item else vals[0])
     return tuple(out)
 

@@ -509,7 +509,7 @@ def two_iterations(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("step,message", [
-    ("vector", "step is float32[2]; torch's adamw keeps one float step"),
+    ("vector", "step is a tensor float32[2], not a count of steps"),  # (the checkpoint's own check, session 36)
     ("int64", "step is int64[]; torch's adamw keeps one float step"),
 ])
 def test_an_init_whose_adam_step_is_not_one_float_is_refused(two_iterations, capsys, tmp_path, step, message):

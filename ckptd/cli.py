@@ -1020,10 +1020,14 @@ def _norm_type_arg(text: str) -> float:
 def _ip_address(text: str) -> str:
     """An argparse type: an IPv4 or IPv6 address, in canonical text."""
     import ipaddress
+    from ckptd.core.hostaddr import not_a_host
     try:
-        return str(ipaddress.ip_address(text))
+        addr = str(ipaddress.ip_address(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 or IPv6 address") from None
+    if why := not_a_host(addr):
+        raise argparse.ArgumentTypeError(f"{addr} is {why}, not a NIC's")
+    return addr
 
 
 def _version() -> str:

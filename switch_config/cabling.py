@@ -26,6 +26,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from ckptd.core.hostaddr import not_a_host
 from ckptd.errors import CkptdError, show, unknown_keys
 
 CABLING_FORMAT = "ckptd-cabling"
@@ -377,9 +378,12 @@ def _ip(d, key, ctx, required):
     try:
         if not isinstance(v, str):   # str() of a list walks it whole; an int is no address here
             raise ValueError(v)
-        return str(ipaddress.ip_address(v))
+        addr = str(ipaddress.ip_address(v))
     except ValueError:
         raise CablingError(f"{ctx}: {key} {show(v)} is not an IP address") from None
+    if why := not_a_host(addr):  # a tunnel end is one host
+        raise CablingError(f"{ctx}: {key} {addr} is {why}: an ERSPAN tunnel ends at one host's unicast address")
+    return addr
 
 
 def _unique(items, what):

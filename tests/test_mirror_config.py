@@ -165,6 +165,12 @@ def test_cabling_errors(tmp_path):
     bad.append((d, r"erspan.src_ip fd00::1 is IPv6 but collectors\[0\] \(c0\) has the IPv4 ip 10.9.0.1"))
     d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["src_ip"] = "10.9.0.2"
     bad.append((d, r"erspan.src_ip 10.9.0.2 is collectors\[1\] \(c1\)'s own ip"))
+    # no host's address: a tunnel into a multicast group or 0.0.0.0 was written out, exit 0
+    for addr, why in (("239.1.1.1", "a multicast address"), ("0.0.0.0", "the unspecified address")):
+        d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["src_ip"] = addr
+        bad.append((d, rf"erspan: src_ip {addr} is {why}: an ERSPAN tunnel ends at one host's unicast address"))
+    d = cabling(4, mode="erspan"); d["collectors"][0]["ip"] = "255.255.255.255"
+    bad.append((d, r"collectors\[0\].*ip 255.255.255.255 is the broadcast address"))
     for doc, text in bad:
         with pytest.raises(CablingError, match=text):
             cabling_from_doc(doc)

@@ -638,3 +638,13 @@ def test_a_tier_url_that_holds_no_tier_says_why(scenario, capsys, url, message):
     (data://)."""
     r = ckptd_main(capsys, "verify", url, scenario / "init.pt")
     _one_line_error(r, None, message)
+
+
+@pytest.mark.parametrize("addr,why", [("224.0.0.1", "a multicast address"), ("0.0.0.0", "the unspecified address"),
+                                      ("ff02::1", "a multicast address")])
+def test_plan_addr_that_is_no_nics_is_refused(capsys, tmp_path, addr, why):
+    """A multicast, unspecified or broadcast --addr was written into the plan as a NIC."""
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", addr, "--out", tmp_path / "p.json")
+    _one_line_error(r, None, f"argument --addr: {addr} is {why}, not a NIC's")
+    assert not (tmp_path / "p.json").exists()

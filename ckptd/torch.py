@@ -1139,6 +1139,10 @@ def _ddp_limits(ddp) -> dict | None:
     first, rebuild = cfg.compute_bucket_size_limits(static_graph=bool(getattr(ddp, "static_graph", False)),
                                                     find_unused_parameters=ddp.find_unused_parameters)
     rebuild = list(rebuild) or [cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap]
+    if min(int(x) for x in [*first, *rebuild]) < 1:  # torch takes bucket_cap_mb=0 (a bucket a parameter)
+        raise TrainerError("DDP was built with bucket_cap_mb=0: the plan's bucket size limits are at least 1 "
+                           "byte (buckets.limits); give bucket_cap_mb a size > 0 (e.g. 1e-6 for a bucket a "
+                           "parameter)")
     return {"first": [int(x) for x in first], "rebuilt": [int(x) for x in rebuild]}
 
 

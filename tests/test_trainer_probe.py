@@ -287,6 +287,17 @@ def test_a_nan_group_value_torch_takes_is_named(world_of_two, tmp_path, key):
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_bucket_cap_mb_zero_is_named_by_ddps_argument(world_of_two, tmp_path):
+    """torch builds DDP(bucket_cap_mb=0); the refusal named the plan's buckets.limits.rebuilt,
+    a field the user never passed."""
+    torch.manual_seed(0)
+    m = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)),
+                                                  bucket_cap_mb=0)
+    with pytest.raises(ct.TrainerError, match=r"^DDP was built with bucket_cap_mb=0: "):
+        ct.write_plan(m, _sgd(m), tmp_path / "plan.json", addresses=world_of_two)
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_scheduler_args_without_a_scheduler_is_refused(world_of_two, tmp_path):
     """scheduler_args with no scheduler was ignored: the plan replayed a constant lr."""
     m = _ddp()

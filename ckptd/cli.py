@@ -784,7 +784,9 @@ def cmd_plan(a) -> int:
         first, rebuilt = ddp_layouts(model, a.bucket_cap_mb, batch, limits_out=limits)
     except CkptdError:
         raise
-    except Exception as e:  # the model's forward or backward on the sample
+    except Exception as e:  # DDP's constructor on the model, or its forward or backward on the sample
+        if a.sample is None:  # no step ran: DDP refused the model (no trainable parameter, ...)
+            raise UsageError(f"--model {a.model!r}: DistributedDataParallel around it {_raised(e)}") from e
         raise UsageError(f"--sample {a.sample!r}: a training step of --model {a.model!r} on it {_raised(e)}") from e
     if rebuilt is None and a.transport == "nccl":
         raise UsageError("--transport nccl needs --sample: the layout DDP rebuilds after "

@@ -648,3 +648,20 @@ def test_plan_addr_that_is_no_nics_is_refused(capsys, tmp_path, addr, why):
                    "--ranks", "2", "--addr", "10.0.0.1", "--addr", addr, "--out", tmp_path / "p.json")
     _one_line_error(r, None, f"argument --addr: {addr} is {why}, not a NIC's")
     assert not (tmp_path / "p.json").exists()
+
+
+def frozen_linear():
+    import torch
+    m = torch.nn.Linear(4, 3)
+    m.requires_grad_(False)
+    return m
+
+
+def test_plan_without_sample_never_blames_the_sample(capsys, tmp_path):
+    """A model DDP refuses (nothing trainable) said "--sample None: a training step of
+    --model ... on it raised": no --sample was given and no step ran."""
+    r = ckptd_main(capsys, "plan", "--model", "test_probe_cli:frozen_linear", "--transport", "gloo",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
+    _one_line_error(r, None, "--model 'test_probe_cli:frozen_linear': DistributedDataParallel around it raised "
+                             "RuntimeError: DistributedDataParallel is not needed")
+    assert "--sample" not in r.stderr

@@ -87,6 +87,10 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, sou
         raise TypeError(f"ckptd.restore: source must be a str or os.PathLike (a checkpoint file, directory "
                         f"or URL), not {type(source).__name__}")
     model, _ = unwrap(model)
+    meta = next((n for n, t in model.state_dict().items() if isinstance(t, torch.Tensor) and t.is_meta), None)
+    if meta is not None:  # (torch's "Tensor.item() cannot be called on meta tensors" came out of the load)
+        raise TypeError(f"ckptd.restore: the model's {meta} is on the meta device (no data to restore into): "
+                        "build the model on a real device (model.to_empty(device=...)) first")
     names = [n for n, _ in model.named_parameters()]
     limit = body_limit(model)
     src = str(source)

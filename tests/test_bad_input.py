@@ -1766,3 +1766,14 @@ def test_replay_out_too_long_names_the_option(scenario, capsys):
     r = ckptd_main(capsys, "replay", "--plan", scenario / "plan.json", "--init", scenario / "init.pt",
                    "--out", "a" * 300, _pcap0(scenario))
     _one_line_error(r, None, f"--out {'a' * 300}: File name too long")
+
+
+def test_restore_into_a_model_on_the_meta_device_is_named(scenario):
+    """torch's "Tensor.item() cannot be called on meta tensors" came out of the load."""
+    import ckptd
+    from ckptd.testing.synth.model import build_model
+    with torch.device("meta"):
+        model = build_model("tiny", 0)
+    with pytest.raises(TypeError, match=r"^ckptd\.restore: the model's \S+ is on the meta device \(no data to "
+                                        r"restore into\): build the model on a real device"):
+        ckptd.restore(model, None, scenario / "reference" / "iter_000000.pt")

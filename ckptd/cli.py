@@ -331,6 +331,10 @@ def cmd_replay(a) -> int:
             origin = f"{'--init ' + a.init if a.init else 'the job start'} (iteration {start})"
             cause = "the init is not the state where the capture began"
         misfit = _schedule_misfit(plan, a.plan, pipe)
+        broke = pipe.extract.counters.get("schedule_mismatch", 0)
+        if not misfit and broke:  # few among many that fit: still the likelier cause than the init
+            misfit = (f"{broke} packet(s) broke the schedule of the plan {a.plan} (its ranks[].addr or ring.rings "
+                      "may not be the job's)")
         if misfit:
             # packets that fit no message of the schedule are counted as rounds of their own:
             # a ring of another NCCL version or protocol makes "iterations" out of its pieces

@@ -1777,3 +1777,21 @@ def test_restore_into_a_model_on_the_meta_device_is_named(scenario):
     with pytest.raises(TypeError, match=r"^ckptd\.restore: the model's \S+ is on the meta device \(no data to "
                                         r"restore into\): build the model on a real device"):
         ckptd.restore(model, None, scenario / "reference" / "iter_000000.pt")
+
+
+def test_a_plan_with_swapped_rank_addresses_names_the_schedule_not_the_init(tmp_path, capsys):
+    """The error blamed --init and the plan's iterations (the captures "hold iterations up
+    to 3") and said nothing of the packets that broke the schedule: a few among many that
+    fitted (2 channels: each rank pair is a ring hop either way), so the ring's own check
+    stayed quiet."""
+    synth(tmp_path, iterations=3, ranks=2, channels=2, mirrors=2)
+
+    def swap(doc):
+        a, b = doc["ranks"][0]["addr"], doc["ranks"][1]["addr"]
+        doc["ranks"][0]["addr"], doc["ranks"][1]["addr"] = b, a
+    plan = _plan(tmp_path, swap, "swapped")
+    r = ckptd_main(capsys, "replay", "--plan", plan, "--init", tmp_path / "init.pt",
+                   *sorted((tmp_path / "mirrors").glob("*.pcap")))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"packet(s) broke the schedule of the plan {plan} (its ranks[].addr or ring.rings may not be the job's), " \
+           "or the init is not the state" in r.stderr, r.stderr

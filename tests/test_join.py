@@ -5,6 +5,7 @@ some instant gives what a daemon started at that instant would have seen.
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -296,3 +297,18 @@ def test_a_join_taken_before_every_flow_was_seen_says_which(job, tmp_path, fast)
         "joined here before every flow of rank 2 -> rank 3, rank 3 -> rank 0 was bound (taken 2 iterations on "
         "without them): their packets of it may have passed before the capture saw them")
     assert all(r.exact for r in pipe.reports if r.status == "committed")
+
+
+def test_join_from_on_a_capture_from_the_jobs_start_stays_within_the_job(job, capsys):
+    """A capture from the job's start (PSN 0) with --join-from 1: its packets were placed a
+    PSN wrap later, at iterations ~10^5-10^6 of a job of a few, and the error read as if
+    the captures held them. A position past the plan's iterations is no fit: nothing
+    joins, and the line says the join may be wrong."""
+    from ckptd.cli import main
+    rc = main(["replay", "--plan", str(job / "plan.json"), "--init", str(job / "init.pt"), "--join-from", "1"]
+              + pcaps(job))
+    out, err = capsys.readouterr()
+    assert rc == 2, out + err
+    assert "--join-from 1: no flow of the job" in err and "1 is not an iteration the job had reached when the " \
+        "capture began" in err, err
+    assert not re.search(r"iteration +\d{4,}", out), out

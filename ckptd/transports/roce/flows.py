@@ -653,6 +653,11 @@ class FlowBinder:
         earliest = (cand.first_psn + cand.min_rel) % PSN_MOD
         floor = tl.iteration_start(self.join_from)
         wraps = max(0, -(-(floor - earliest) // PSN_MOD))
+        its = self.plan.iterations  # (a join_from past it is refused by the caller: Plan.past_the_job)
+        if its is not None and self.join_from < its and earliest + wraps * PSN_MOD >= tl.iteration_start(its):
+            # past the job's last iteration: a capture from before join_from (from the job's
+            # start, PSN 0) was placed a PSN wrap later, at iteration ~932068 of a 3-iteration job
+            return None
         base_rel = cand.min_rel - (earliest + wraps * PSN_MOD)
         return base_rel if self._explains(tl, cand, base_rel) else None
 

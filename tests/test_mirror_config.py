@@ -200,6 +200,8 @@ def test_a_cabling_key_given_twice_is_refused_not_the_last_taken(tmp_path):
 @pytest.mark.parametrize("args,message", [(["--min-streams", "0"], "--min-streams must be at least 1, not 0"),
                                           (["--links", "-1"], "--links must be at least 1, not -1"),
                                           (["--vendor", "cisco"], "unknown vendor 'cisco'"),
+                                          # it said "unknown vendor 'all'", all being among those it listed
+                                          (["--vendor", "all,sonic"], "--vendor: all stands alone, not in a list"),
                                           (["--vendor", " , "], "--vendor names no vendor")])
 def test_bad_options_are_bad_input_not_an_unmet_request(tmp_path, capsys, args, message):
     """Exit 2 (the request is malformed), not 3 (a well-formed request the cabling

@@ -104,7 +104,8 @@ def run(a) -> int:
             return EXIT_INPUT
     vendors = a.vendor if a.vendor in ("auto", "all") else [v.strip() for v in a.vendor.split(",") if v.strip()]
     bad = [f"--{k} must be at least 1, not {v}" for k, v in (("links", a.links), ("min-streams", a.min_streams)) if v < 1]
-    bad += [f"--vendor: unknown vendor {v!r} (known: {', '.join(RENDERERS)}, or auto, all)"
+    bad += [f"--vendor: {v} stands alone, not in a list" if v in ("auto", "all") else
+            f"--vendor: unknown vendor {v!r} (known: {', '.join(RENDERERS)}, or auto, all)"
             for v in (vendors if isinstance(vendors, list) else []) if v not in RENDERERS]
     if bad or vendors == []:
         print("error: " + "; ".join(bad or ["--vendor names no vendor"]), file=sys.stderr)

@@ -1342,11 +1342,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--implementation", choices=["for-loop", "foreach", "fused"], default="foreach",
                     help="the optimizer's implementation: for-loop, foreach (default) or fused (torch has a "
                          "fused step for sgd, adam, adamw and adagrad; refused for the others)")
-    pl.add_argument("--lr", type=float, default=1e-3, help="the optimizer's lr (default 0.001)")
-    pl.add_argument("--beta1", type=float, default=None, help="adam, adamw (default 0.9)")
-    pl.add_argument("--beta2", type=float, default=None, help="adam, adamw (default 0.999)")
-    pl.add_argument("--eps", type=float, default=None, help="adam, adamw (default 1e-8)")
-    pl.add_argument("--weight-decay", type=float, default=0.01, help="the optimizer's weight_decay (default 0.01)")
+    # each checked here, so a bad one is named by its option (the plan's check named optimizer.lr)
+    pl.add_argument("--lr", type=_ranged(float, 0, 1e30), default=1e-3, help="the optimizer's lr (default 0.001)")
+    pl.add_argument("--beta1", type=_ranged(float, 0, 1), default=None, help="adam, adamw (default 0.9)")
+    pl.add_argument("--beta2", type=_ranged(float, 0, 1), default=None, help="adam, adamw (default 0.999)")
+    pl.add_argument("--eps", type=_ranged(float, 0, 1e30), default=None, help="adam, adamw (default 1e-8)")
+    pl.add_argument("--weight-decay", type=_ranged(float, 0, 1e30), default=0.01,
+                    help="the optimizer's weight_decay (default 0.01)")
     _clip_options(pl)
     pl.add_argument("--other-allreduce", action="append", default=[], metavar="WHEN:COUNT[:DTYPE]",
                     help="the job's own allreduce on DDP's process group (a loss, a metric), listed in the "

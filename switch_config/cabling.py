@@ -390,8 +390,8 @@ def _unique(items, what):
     seen = set()
     for x in items:
         if x in seen:
-            raise CablingError(f"{what} must be unique; {show(x) if not isinstance(x, tuple) else x!r} "
-                               "appears twice")
+            shown = repr(x) if isinstance(x, tuple) else show(x)  # (a `!r` here applied to both: "'leaf1'")
+            raise CablingError(f"{what} must be unique; {shown} appears twice")
         seen.add(x)
 
 

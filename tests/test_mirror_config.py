@@ -157,6 +157,8 @@ def test_cabling_errors(tmp_path):
     d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["gre_type"] = "0x1234"; bad.append((d, "gre_type"))
     d = cabling(4, mode="erspan"); d["switches"][0]["erspan"]["dscp"] = 64; bad.append((d, "dscp"))
     d = copy.deepcopy(base); d["ranks"][1]["port"] = "Ethernet0"; bad.append((d, "unique"))
+    d = cabling(4, switches=2); d["switches"][1]["name"] = d["switches"][0]["name"]  # quoted once (it was "'sw0'")
+    bad.append((d, r"switch names must be unique; 'sw0' appears twice$"))
     d = copy.deepcopy(base); d["format"] = "x"; bad.append((d, "not a ckptd cabling"))
     d = copy.deepcopy(base); d["switches"][0].update(os="comware", mode="erspan",
                                                       erspan={"src_ip": "10.0.0.1"}); bad.append((d, "egress_port"))

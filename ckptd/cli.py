@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ckptd.errors import CaptureDamage, CkptdError
+from ckptd.errors import CaptureDamage, CkptdError, one_line
 
 EXIT_UNRECOVERED = 3
 
@@ -1406,7 +1406,7 @@ def main(argv=None) -> int:
         if isinstance(e, BrokenPipeError):  # `ckptd inspect x | head`
             _quiet_stdout()
             return 0
-        print("error: " + _printable(_as_given(" ".join(str(e).split()))), file=sys.stderr)  # one line, always
+        print("error: " + _printable(_as_given(one_line(e))), file=sys.stderr)  # one line, always
         return 2
     except ImportError as e:
         if os.environ.get("CKPTD_DEBUG") or not (e.name or "").startswith("cython_ext"):

@@ -1,6 +1,7 @@
 """The one base of every error ckptd raises on purpose: the command line turns each into
 one line naming what was wrong and where (file, frame, flow, config key) and exit 2."""
 import datetime
+import os
 
 
 class CkptdError(Exception):
@@ -28,8 +29,14 @@ class CaptureDamage(str):
 
 
 def one_line(e: BaseException) -> str:
-    """An exception's message on one line (its type's name where it has none)."""
-    return " ".join(str(e).split()) or type(e).__name__
+    """An exception's message on one line (its type's name where it has none); an OS
+    error of a path as `path: reason`, not Python's "[Errno 40] Too many levels of
+    symbolic links: 'x'"."""
+    if isinstance(e, OSError) and not isinstance(e, CkptdError) and e.filename is not None and e.strerror:
+        text = f"{os.fsdecode(e.filename)}: {e.strerror}"
+    else:
+        text = str(e)
+    return " ".join(text.split()) or type(e).__name__
 
 
 def show(v, limit: int = 60) -> str:

@@ -1795,3 +1795,14 @@ def test_a_plan_with_swapped_rank_addresses_names_the_schedule_not_the_init(tmp_
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"packet(s) broke the schedule of the plan {plan} (its ranks[].addr or ring.rings may not be the job's), " \
            "or the init is not the state" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "replay"])
+def test_an_os_error_on_a_path_reads_path_then_reason(scenario, tmp_path, capsys, command):
+    """It was Python's "[Errno 40] Too many levels of symbolic links: 'loop1'"."""
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    argv = ["inspect"] if command == "inspect" else ["replay", "--plan", scenario / "plan.json"]
+    r = ckptd_main(capsys, *argv, tmp_path / "loop1")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == f"error: {tmp_path / 'loop1'}: Too many levels of symbolic links", r.stderr

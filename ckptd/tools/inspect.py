@@ -52,6 +52,7 @@ from pathlib import Path
 
 from ckptd.core.clock import shift_note, stream_shifts
 from ckptd.core.psn import PSN_MASK, psn_diff
+from ckptd.errors import one_line
 from ckptd.transports.gloo.framing import OPCODE_NAMES, SLOT_PREFIXES, GlooFramer
 from ckptd.transports.gloo.tcpstream import TcpReassembler
 from parsers.capfile import CaptureError, open_capture
@@ -287,8 +288,8 @@ def inspect_captures(paths, names: list[str] | None = None) -> dict:
                     flows[key] = _Flow(*key)
                 flows[key].add(d, path, fr.ts_ns)
         except (CaptureError, OSError) as e:
-            fi["error"] = str(e)
-            errors.append(str(e))
+            fi["error"] = one_line(e)
+            errors.append(one_line(e))
 
     tcp = _Conversations()
     if tcp_frames:  # the files as mirror copies of one another, merged in capture-time order

@@ -725,7 +725,9 @@ class Daemon:
             raise ConfigError(
                 f"{self.cfg.source + ': ' if self.cfg.source else ''}'{key}' {store.path} holds checkpoints this "
                 f"daemon did not write ({shown}: no manifest.json there lists them); retention would delete them "
-                "and commits overwrite them: give it a directory of its own, or move them away")
+                "and commits overwrite them: give it a directory of its own, or move them away"
+                + (" (persist_sync writes no manifest: its own files of an earlier run count as others')"
+                   if self.cfg.persist_sync else ""))
 
     @property
     def persist_target(self) -> str:

@@ -145,6 +145,11 @@ def test_token_required_refused_and_accepted():
 def test_a_name_for_loopback_needs_no_token_and_a_dotted_non_address_is_refused(run, tmp_path):
     from ckptd.live.serve import is_loopback
     assert is_loopback("localhost") and is_loopback("127.0.0.1") and not is_loopback("10.1.2.3")
+    assert is_loopback("::ffff:127.0.0.1") and not is_loopback("::ffff:10.1.2.3")  # IPv4's, mapped
+    # a name that does not resolve: it said "not a loopback address: set token_file"
+    with pytest.raises(ConfigError, match=r"^listen nosuchhost.invalid:0: the host name nosuchhost.invalid "
+                                          r"does not resolve$"):
+        http_server(load_config(_config(run, tmp_path, listen="nosuchhost.invalid:0")), {})
     srv = http_server(load_config(_config(run, tmp_path, listen="localhost:0")), {})
     srv.stop()
     for bad in ("999.1.1.1:0", "127.1:0"):

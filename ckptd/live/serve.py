@@ -67,17 +67,28 @@ def resolve_listen(host: str, port: int) -> tuple[int, tuple]:
 
 
 def is_loopback(host: str) -> bool:
-    """A loopback address, or a name that resolves to loopback addresses only (localhost)."""
+    """A loopback address (::ffff:127.0.0.1 too: IPv6 says it is not one, it is IPv4's),
+    or a name that resolves to loopback addresses only (localhost)."""
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        return _loopback(host)
     except ValueError:
         pass
+    addrs = resolved(host)
+    return bool(addrs) and all(_loopback(a) for a in addrs)
+
+
+def _loopback(addr: str) -> bool:
+    a = ipaddress.ip_address(addr.split("%")[0])
+    return (getattr(a, "ipv4_mapped", None) or a).is_loopback
+
+
+def resolved(host: str) -> set[str]:
+    """The addresses a host name resolves to (none where it does not)."""
     import socket
     try:
-        addrs = {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        return {a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except (OSError, UnicodeError):
-        return False
-    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+        return set()
 
 
 class _Conn:

@@ -1028,9 +1028,12 @@ def _ip_address(text: str) -> str:
     import ipaddress
     from ckptd.core.hostaddr import not_a_host
     try:
-        addr = str(ipaddress.ip_address(text))
+        a = ipaddress.ip_address(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an IPv4 or IPv6 address") from None
+    # ::ffff:a.b.c.d (a RoCE GID of an IPv4 address) is the IPv4 address on the wire: it was
+    # taken for another NIC than a.b.c.d
+    addr = str(getattr(a, "ipv4_mapped", None) or a)
     if why := not_a_host(addr):
         raise argparse.ArgumentTypeError(f"{addr} is {why}, not a NIC's")
     return addr

@@ -665,3 +665,15 @@ def test_plan_without_sample_never_blames_the_sample(capsys, tmp_path):
     _one_line_error(r, None, "--model 'test_probe_cli:frozen_linear': DistributedDataParallel around it raised "
                              "RuntimeError: DistributedDataParallel is not needed")
     assert "--sample" not in r.stderr
+
+
+def test_plan_addr_ipv4_mapped_is_the_ipv4_address(capsys, tmp_path):
+    """--addr ::ffff:10.0.0.1 (how a RoCE GID shows an IPv4 address) was a NIC other than
+    10.0.0.1: the plan then expected IPv6 frames the wire never carries."""
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "10.0.0.1", "--addr", "::ffff:10.0.0.1", "--out", tmp_path / "p.json")
+    _one_line_error(r, None, "ranks 0 and 1 share NIC 10.0.0.1")
+    r = ckptd_main(capsys, "plan", "--model", "test_cli:build_model", "--sample", "test_cli:sample_batch",
+                   "--ranks", "2", "--addr", "::ffff:10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
+    assert r.returncode == 0, r.stderr
+    assert [x["addr"] for x in json.loads((tmp_path / "p.json").read_text())["ranks"]] == ["10.0.0.1", "10.0.0.2"]

@@ -137,6 +137,11 @@ class DaemonConfig:
     notice: NoticeConfig | None = None  # tell the job about unrecoverable iterations (ckptd.live.notice)
     extra: dict = field(default_factory=dict)
 
+    @property
+    def where(self) -> str:
+        """`<config file>: ` in front of a message about one of its keys (nothing without a file)."""
+        return f"{self.source}: " if self.source else ""
+
 
 QUIET_S = 0.5  # a capture this long without a frame is quiet (Daemon._counting)
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -597,14 +602,14 @@ class Daemon:
         self.cfg = cfg
         for key in ("plan", "init"):  # named by its key (and file), not as a bare path
             if not os.path.exists(getattr(cfg, key)):
-                raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'{key}' {getattr(cfg, key)}: "
+                raise ConfigError(f"{cfg.where}'{key}' {getattr(cfg, key)}: "
                                   "no such file")
         try:
             self.plan = load_plan(cfg.plan)
         except PlanError as e:
             raise ConfigError(str(e)) from e
         if past := self.plan.past_the_job(cfg.join_from, cfg.plan):
-            raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'join_from' {cfg.join_from}: {past}")
+            raise ConfigError(f"{cfg.where}'join_from' {cfg.join_from}: {past}")
         self._refuse_foreign_checkpoints()
         self._refuse_short_snaplen()
         ncopies = MemoryTier.copies(writer=not cfg.persist_sync) if cfg.memory_tier else 0
@@ -693,7 +698,7 @@ class Daemon:
                                            options=cfg.persist_options)
             except (CheckpointError, CheckpointWriteError) as e:  # a directory that cannot be made: named by its key
                 key = "persist_url" if cfg.persist_url else "out"
-                raise ConfigError(f"{cfg.source + ': ' if cfg.source else ''}'{key}': {e}") from e
+                raise ConfigError(f"{cfg.where}'{key}': {e}") from e
         shadow = getattr(self.pipe, "pipeline", self.pipe).shadow
         if shadow is not None:
             shadow.prepare_state()  # nor in the first step
@@ -711,7 +716,7 @@ class Daemon:
         least = self.plan.ring.mtu + ROCE_FRAME_OVERHEAD
         for k, i in enumerate(self.cfg.interfaces):
             if i.snaplen < least:
-                raise ConfigError(f"{self.cfg.source + ': ' if self.cfg.source else ''}'interfaces[{k}].snaplen' "
+                raise ConfigError(f"{self.cfg.where}'interfaces[{k}].snaplen' "
                                   f"{i.snaplen} cuts the plan's data frames (ring.mtu {self.plan.ring.mtu}: at least "
                                   f"{least} bytes each, more with VLAN tags, IPv6 or ERSPAN): every iteration would "
                                   "be lost; leave snaplen out (65535)")
@@ -730,11 +735,11 @@ class Daemon:
         try:
             foreign = unlisted_checkpoints(store)
         except (CheckpointError, OSError) as e:
-            raise ConfigError(f"{self.cfg.source + ': ' if self.cfg.source else ''}'{key}' {store.path}: {e}") from e
+            raise ConfigError(f"{self.cfg.where}'{key}' {store.path}: {e}") from e
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ConfigError(
-                f"{self.cfg.source + ': ' if self.cfg.source else ''}'{key}' {store.path} holds checkpoints this "
+                f"{self.cfg.where}'{key}' {store.path} holds checkpoints this "
                 f"daemon did not write ({shown}: no manifest.json there lists them); retention would delete them "
                 "and commits overwrite them: give it a directory of its own, or move them away"
                 + (" (persist_sync writes no manifest: its own files of an earlier run count as others')"
@@ -1214,8 +1219,7 @@ class Daemon:
                                                  # the kernel filter passes RoCEv2 and GRE only
                                                  bpf=self.plan.transport == "roce"))
             except CaptureSetupError as e:  # which config entry: the message names the interface
-                where = f"{self.cfg.source}: " if self.cfg.source else ""
-                raise CaptureSetupError(e.errno, f"{where}interfaces[{k}]: {e}") from e
+                raise CaptureSetupError(e.errno, f"{self.cfg.where}interfaces[{k}]: {e}") from e
 
     def check(self) -> None:
         """`ckptd run --check`: what a start does before its first frame, then stop. The

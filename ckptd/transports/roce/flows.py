@@ -653,7 +653,9 @@ class FlowBinder:
         earliest = (cand.first_psn + cand.min_rel) % PSN_MOD
         floor = tl.iteration_start(self.join_from)
         wraps = max(0, -(-(floor - earliest) // PSN_MOD))
-        its = self.plan.iterations  # (a join_from past it is refused by the caller: Plan.past_the_job)
+        # the job's wire rounds (join_from counts them: allreduces_per_step a training
+        # iteration); a join_from past them is refused by the caller (Plan.past_the_job)
+        its = None if self.plan.iterations is None else self.plan.iterations * self.plan.allreduces_per_step
         if its is not None and self.join_from < its and earliest + wraps * PSN_MOD >= tl.iteration_start(its):
             # past the job's last iteration: a capture from before join_from (from the job's
             # start, PSN 0) was placed a PSN wrap later, at iteration ~932068 of a 3-iteration job

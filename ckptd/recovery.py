@@ -244,11 +244,11 @@ def newest_at_url(url: str, finite: bool = False) -> tuple[dict, str]:
     try:
         store = open_store(url)
         store.check_bucket()  # a missing bucket named as such, not as "no manifest"
-        if read_manifest(store) is None:  # (it said "no manifest entry there verifies")
+        got = newest_verified(store, finite)
+        if got is None and read_manifest(store) is None:  # why, read only then (it said "no manifest entry there verifies")
             why = "no such directory" if store.local and not store.path.is_dir() else \
                 "holds no manifest.json: no persistence tier writes there"
             raise CheckpointError(f"{redact(url)}: {why}")
-        got = newest_verified(store, finite)
     except (OSError, ValueError) as e:
         raise CheckpointError(redact(" ".join(str(e).split()))) from None
     if got is None:

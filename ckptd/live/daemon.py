@@ -485,14 +485,6 @@ def read_token(path: str, where: str) -> str:
     return tok
 
 
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    return True
-
-
 def http_server(cfg: DaemonConfig, routes: dict):
     """The status server on cfg.listen (ckptd.live.serve). Off loopback it needs a token:
     /checkpoint hands out the model, /status the job's shape."""
@@ -500,8 +492,8 @@ def http_server(cfg: DaemonConfig, routes: dict):
     host, port = parse_listen(cfg.listen)
     token = read_token(cfg.token_file, "token_file") if cfg.token_file else None
     if token is None and not is_loopback(host):
-        if not _is_address(host) and not resolved(host):
-            # (a name that does not resolve was "not a loopback address: set token_file")
+        if not resolved(host):  # (an address resolves to itself, without a lookup)
+            # a name that does not resolve was "not a loopback address: set token_file"
             raise ConfigError(f"listen {cfg.listen}: the host name {host} does not resolve")
         raise ConfigError(f"listen {cfg.listen} is not a loopback address: set token_file "
                           "(clients then send Authorization: Bearer <token>)")

@@ -26,6 +26,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from ckptd.core.docload import DECIMAL
 from ckptd.core.hostaddr import not_a_host
 from ckptd.errors import CkptdError, show, unknown_keys
 
@@ -149,8 +150,9 @@ def _yaml11_check(where: str):
     collector in the configs, so each is refused naming its key and line."""
     def check(path, line, written, value):
         key = next((k for k in reversed(path) if isinstance(k, str)), None)
-        if key in INT_KEYS and (type(value) is not int or written.lstrip("+-")[:2].lower() in ("0x", "0b")):
-            return  # a number in a base it names; a float or boolean here is _int's to refuse
+        if key in INT_KEYS and (type(value) is not int or written.lstrip("+-")[:2].lower() in ("0x", "0b")
+                                or DECIMAL.fullmatch(written)):
+            return  # a number in a base it names, or digits grouped (6_4); a float or boolean is _int's to refuse
         at = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
         quoted = f' ("{written}")' if len(written) <= 40 else ""   # a 5000-digit hex stays out of the line
         fix = "write the number in decimal" if key in INT_KEYS else f"quote it{quoted} to mean the text"

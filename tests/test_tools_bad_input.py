@@ -207,6 +207,7 @@ YAML11 = [  # (golden text, replacement, key path, what YAML read)
     ("port: Ethernet0}", "port: 010}", "ranks[0].port is written 010 (line 34)", "the number 8: quote it"),
     ("port: Ethernet0}", "port: 0x10}", "ranks[0].port is written 0x10 (line 34)", "the number 16"),
     ("port: Ethernet0}", "port: 1:30}", "ranks[0].port is written 1:30 (line 34)", "the number 90"),
+    ("port: Ethernet0}", "port: 1_0}", "ranks[0].port is written 1_0 (line 34)", 'the number 10: quote it ("1_0")'),
     ("name: ckpt-a,", "name: no,", "collectors[0].name is written no (line 30)", "the boolean False"),
     ("ifname: ens1f0}", "ifname: on}", "collectors[0].ifname is written on (line 30)", "the boolean True"),
     ("dscp: 8", "dscp: 010", "switches[0].erspan.dscp is written 010 (line 14)", "the number 8: write the number in decimal"),
@@ -227,9 +228,12 @@ def test_yaml11_scalars_are_refused_naming_key_and_line(tmp_path, capsys, old, n
 
 
 def test_yaml_numbers_that_mean_what_they_say_still_load(tmp_path, capsys):
-    """An int port (port: 10) is common; gre_type in hex is the format's own; a quoted 1.10 is text."""
+    """An int port (port: 10) is common; gre_type in hex is the format's own; a quoted 1.10 is
+    text; a number key may group its digits (1_0 is 10 there, as Python reads it)."""
     text = (GOLDEN / "cabling_erspan.yaml").read_text()
     text = text.replace("port: Ethernet0}", "port: 10}", 1).replace("port: Ethernet4}", "port: '1.10'}", 1)
+    assert "dscp: 8" in text and "ttl: 64" in text
+    text = text.replace("ttl: 64", "ttl: 6_4", 1)
     (tmp_path / "c.yaml").write_text(text.replace("dscp: 8", "dscp: 0x8", 1))
     assert main(["mirror-config", "--plan", str(GOLDEN / "plan.json"), "--cabling", str(tmp_path / "c.yaml"),
                  "--out", str(tmp_path / "out"), "--vendor", "eos"]) == 0, capsys.readouterr().err

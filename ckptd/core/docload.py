@@ -92,7 +92,9 @@ def yaml11_scalars(root):
     """(path, node) of every unquoted scalar under a composed YAML node that YAML 1.1 reads
     otherwise than it looks: a boolean (yes, no, on, off), a float (1.10 is 1.1) or an
     integer not in decimal (DECIMAL). path: the keys and list indexes down to it, in
-    document order. Each node is visited once: an alias bomb is a few nodes, shared."""
+    document order. Each node is visited once: an alias bomb is a few nodes, shared.
+    A decimal with digits grouped (1_0 is 10) is one too: as a number it means what it says,
+    but where text is meant (a port named 1_0) the underscore is gone."""
     import yaml
     seen = set()
     stack = [((), root)]
@@ -107,5 +109,6 @@ def yaml11_scalars(root):
         elif isinstance(node, yaml.SequenceNode):
             stack += reversed([(path + (i,), v) for i, v in enumerate(node.value)])
         elif node.style is None and (node.tag in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
-                                     or node.tag == "tag:yaml.org,2002:int" and not DECIMAL.fullmatch(node.value)):
+                                     or node.tag == "tag:yaml.org,2002:int"
+                                     and (not DECIMAL.fullmatch(node.value) or "_" in node.value)):
             yield path, node

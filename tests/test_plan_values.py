@@ -221,6 +221,12 @@ def test_torch_refusal_names_the_group_key(plan_doc, tmp_path):
     _refused(tmp_path, "optimizer.groups[0].nesterov is True: torch.optim.SGD refuses it", doc)
 
 
+def test_a_pair_of_three_values_is_refused_naming_the_key(plan_doc, tmp_path):
+    """torch's Adam checks betas[0] and betas[1] and unpacks the pair at its first step."""
+    doc = _opt(plan_doc, groups=[{"params": _names(plan_doc), "lr": 0.001, "betas": [0.9, 0.99, 0.5]}])
+    _refused(tmp_path, "optimizer.groups[0].betas is [0.9, 0.99, 0.5]: torch.optim.AdamW takes two values there", doc)
+
+
 def test_a_misspelt_hyperparameter_in_a_group_is_refused_a_trainers_own_key_kept(plan_doc, tmp_path):
     """torch keeps any key in a param group (the trainer's own: a name, an lr scale), so
     the plan does too; but `weight_decy` would have the shadow step with AdamW's own

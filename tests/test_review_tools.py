@@ -93,6 +93,11 @@ def test_nccl_log_other_value_error_is_not_called_a_long_number(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--optim", "lamb"], "--optim 'lamb': one of"),
     (["--model", "huge"], "--model 'huge' is not a synthetic model size (tiny, small, default"),
+    # torch checks a pair's first two values and unpacks it at the first step: three betas
+    # ended in "too many values to unpack", after --out was made
+    (["--optim", "adam:betas=0.9/0.9/0.9"],
+     "--optim adam: optimizer.groups[0].betas is [0.9, 0.9, 0.9]: torch.optim.Adam takes two values there"),
+    (["--optim", "rprop:step_sizes=1"], "optimizer.groups[0].step_sizes is 1: torch.optim.Rprop takes two"),
 ])
 def test_synth_model_and_optim_are_refused_before_out(tmp_path, capsys, argv, message):
     from ckptd.cli import main

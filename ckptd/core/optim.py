@@ -249,6 +249,10 @@ def construct(kind: str, groups: list[dict], stand_in: bool = False) -> torch.op
     return cls(groups, **defaults)
 
 
+# Hyperparameters that are pairs (Adam's family's betas, Rprop's etas and step_sizes).
+PAIRS = ("betas", "etas", "step_sizes")
+
+
 def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     """Every param group with every hyperparameter filled in as torch fills it: the plan's
     values over the class's defaults (resolved by constructing the class itself)."""
@@ -269,6 +273,12 @@ def full_groups(opt: Optimizer, names: list[str]) -> list[dict]:
     out = []
     for i, (g, f) in enumerate(zip(groups, filled)):
         h = {k: v for k, v in f.items() if k != "params"}
+        for k in PAIRS:
+            # torch's constructors check a pair's first two values and unpack it at the
+            # first step: betas of three values failed there ("too many values to unpack")
+            if k in h and not (isinstance(h[k], (list, tuple)) and len(h[k]) == 2):
+                key = f"optimizer.groups[{i}].{k}" if opt.groups else f"optimizer.{k}"
+                raise OptimizerError(f"{key} is {_short(g.get(k, h[k]))}: torch.optim.{cls.__name__} takes two values there")
         if isinstance(h.get("lr"), torch.Tensor):
             raise OptimizerError(f"optimizer {cls.__name__}: a tensor lr is not supported")
         if h.get("capturable"):  # torch asserts CUDA (or XLA, ...) tensors on its first step

@@ -155,6 +155,16 @@ def _refuse_sparse(model):
                            "allreduces those apart from its buckets, which ckptd does not decode; use sparse=False")
 
 
+def _refuse_odd_buffers(model):
+    """A module buffer of a dtype the plan cannot record (bool, complex, float8) is refused
+    by name before DDP's constructor: its broadcast of a float8 buffer raised torch's
+    "Invalid scalar type", which named no buffer."""
+    odd = next(((n, b) for n, b in unwrap(model)[0].named_buffers() if dtype_name(b.dtype) not in DTYPES), None)
+    if odd is not None:
+        raise TrainerError(f"buffer {odd[0]} has dtype {dtype_name(odd[1].dtype)}: ckptd records "
+                           f"{', '.join(DTYPES)}")
+
+
 def _layout(ddp, names_of: dict[int, str]) -> tuple[BucketLayout, ...]:
     """The reducer's buckets now, in allreduce order, each in buffer order."""
     out = []
@@ -598,6 +608,7 @@ def build_plan(ddp, optimizer, scheduler=None, scaler=None, max_grad_norm: float
     _refuse_sharding(ddp, optimizer)
     _refuse_ddp_modes(ddp)
     _refuse_sparse(ddp)
+    _refuse_odd_buffers(ddp)
     _refuse_sync_batchnorm(ddp)
     hook = _comm_hook(ddp)
     names, params = _names(ddp)
@@ -1579,6 +1590,7 @@ def ddp_layouts(model: torch.nn.Module, bucket_cap_mb: float, batch=None, limits
     without a batch. `limits_out` (a dict) receives the bucket size limits that DDP
     used (the plan's buckets.limits)."""
     _refuse_sparse(model)
+    _refuse_odd_buffers(model)
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

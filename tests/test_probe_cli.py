@@ -677,3 +677,27 @@ def test_plan_addr_ipv4_mapped_is_the_ipv4_address(capsys, tmp_path):
                    "--ranks", "2", "--addr", "::ffff:10.0.0.1", "--addr", "10.0.0.2", "--out", tmp_path / "p.json")
     assert r.returncode == 0, r.stderr
     assert [x["addr"] for x in json.loads((tmp_path / "p.json").read_text())["ranks"]] == ["10.0.0.1", "10.0.0.2"]
+
+
+def linear_with_float8_buffer():
+    import torch
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("amax", torch.zeros(3, dtype=torch.float8_e4m3fn))
+    return model
+
+
+def linear_sample():
+    import torch
+    return torch.randn(2, 4)
+
+
+@pytest.mark.parametrize("sample", [[], ["--sample", "test_probe_cli:linear_sample"]])
+def test_plan_of_a_float8_buffer_names_the_buffer_and_dtype(capsys, tmp_path, sample):
+    """DDP's constructor broadcast the float8 buffer and raised torch's "Invalid scalar
+    type", which named neither the buffer nor its dtype (a bool buffer got past DDP and was
+    named by the plan's own check)."""
+    r = ckptd_main(capsys, "plan", "--model", "test_probe_cli:linear_with_float8_buffer", *sample,
+                   "--transport", "gloo", "--ranks", "2", "--addr", "10.0.0.1", "--addr", "10.0.0.2",
+                   "--out", tmp_path / "p.json")
+    _one_line_error(r, None, "buffer amax has dtype float8_e4m3fn: ckptd records float32, float64")
+    assert not (tmp_path / "p.json").exists()

@@ -949,6 +949,9 @@ def out_directory(path: str, option: str = "--out") -> None:
     above it was the bare "Not a directory" or "File exists" of the first file written
     under it, naming neither the option nor what to do."""
     import os
+    from ckptd.core.kernelfs import not_storage
+    if why := not_storage(path):  # /proc/x: "No such file or directory" of the first file written
+        raise UsageError(f"{option} {path}: {why}; give a directory on a disk")
     p = Path(path)
     while not p.is_dir():
         if os.path.lexists(p):

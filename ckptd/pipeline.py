@@ -32,6 +32,7 @@ daemon's notice asks the trainer for a checkpoint, ckptd.live.notice).
 from __future__ import annotations
 
 import copy
+import errno
 import heapq
 import logging
 import os
@@ -229,6 +230,9 @@ def _make_dump_dir(path: str) -> None:
     """The gradient dump directory, made if missing. A file (or a link loop) in the way
     was the bare `[Errno 17] File exists: ...`, which reads as if a directory were wanted
     gone: one error naming the path and why, as the checkpoint directory's."""
+    from ckptd.core.kernelfs import not_storage
+    if why := not_storage(path):
+        raise CheckpointWriteError(errno.EINVAL, f"{path}: cannot keep gradient dumps there: {why}")
     try:
         Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:

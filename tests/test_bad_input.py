@@ -754,7 +754,7 @@ ARG_CASES = [
                                             _dangling(d), _pcap0(d)],
      "cannot create the checkpoint directory: a broken symbolic link is in the way"),  # it said "File exists"
     ("replay-out-proc", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
-                                   "/proc/ckptd-out", _pcap0(d)], "/proc/ckptd-out: cannot create the checkpoint directory"),
+                                   "/proc/ckptd-out", _pcap0(d)], "/proc/ckptd-out: cannot keep checkpoints there: it lies on proc"),
     # it was the bare "[Errno 17] File exists", after --out had been made
     ("dump-gradients-a-file", lambda d: ["replay", "--plan", d / "plan.json", "--init", d / "init.pt", "--out",
                                          d / "o-dump", "--dump-gradients", d / "plan.json", _pcap0(d)],
@@ -821,7 +821,7 @@ CONFIG_CASES = [
     ("listen-not-loopback", IF + "listen: '0.0.0.0:0'\n", "listen 0.0.0.0:0 is not a loopback address"),
     ("user-missing", IF + "user: ckptd-nosuchuser\n", "user: no user named 'ckptd-nosuchuser' on this host"),
     ("persist-url-under-a-file", IF + "persist_url: 'file:///proc/version/x'\n",
-     "'persist_url': /proc/version/x: cannot create the checkpoint directory"),
+     "'persist_url': /proc/version/x: cannot keep checkpoints there: it lies on proc"),
     # an alias label is its device: a second stream of the same frames, each counted twice
     ("ifname-alias", IF + "  - {ifname: 'hdnone0:x', name: b}\n",
      "interfaces[1].ifname' 'hdnone0:x' is an address alias label, not a device: it captures 'hdnone0'"),
@@ -1665,10 +1665,12 @@ def test_captures_joined_with_cat_are_named_where_the_second_begins(scenario, tm
 @pytest.mark.parametrize("cmd", ["synth", "demo"])
 def test_out_where_no_directory_can_be_made_names_the_option(tmp_path, capsys, cmd):
     """/proc takes no new directory: it was the bare "[Errno 2] No such file or
-    directory: '/proc/...'", naming no option."""
+    directory: '/proc/...'", naming no option; then "cannot make the directory: No such
+    file or directory", which did not say why."""
     out = Path("/proc") / f"ckptd-test-{os.getpid()}"
     r = ckptd_main(capsys, cmd, "--out", out, "--iterations", "1", "--model", "tiny")
-    _one_line_error(r, None, f"--out {out}: cannot make the directory: No such file or directory")
+    _one_line_error(r, None, f"--out {out}: it lies on proc, a filesystem of the kernel's, not storage; give a "
+                    "directory on a disk")
     assert not out.exists()
 
 

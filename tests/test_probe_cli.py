@@ -701,3 +701,51 @@ def test_plan_of_a_float8_buffer_names_the_buffer_and_dtype(capsys, tmp_path, sa
                    "--out", tmp_path / "p.json")
     _one_line_error(r, None, "buffer amax has dtype float8_e4m3fn: ckptd records float32, float64")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_kernel_filesystem_reads_the_mount_table(tmp_path):
+    """The longest mount point over the path wins, a later mount on the same point is on
+    top, a space in a mount point is written \\040, and a path not yet made counts by
+    the ancestor that is."""
+    from ckptd.core.kernelfs import kernel_filesystem
+    d = tmp_path / "my disk"
+    (d / "proc").mkdir(parents=True)
+    mounts = tmp_path / "mountinfo"
+    point = str(d).replace(" ", "\\040")
+    mounts.write_text(f"1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                      f"2 1 0:5 / {point} rw shared:1 - devtmpfs udev rw\n"
+                      f"3 2 0:6 / {point} rw - tmpfs tmpfs rw\n"
+                      f"4 3 0:7 / {point}/proc rw - proc proc rw\n")
+    assert kernel_filesystem(d, str(mounts)) is None  # tmpfs on top of devtmpfs
+    assert kernel_filesystem(d / "proc" / "not" / "made", str(mounts)) == "proc"
+    assert kernel_filesystem(tmp_path / "my diskette", str(mounts)) is None  # a prefix, not a parent
+    assert kernel_filesystem(d, str(tmp_path / "no-mountinfo")) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--plan", "{s}/plan.json", "--init", "{s}/init.pt", "--out", "/proc/self", "{s}/mirrors/mirror0.pcap"],
+     "/proc/self: cannot keep checkpoints there: it lies on proc, a filesystem of the kernel's, not storage"),
+    (["replay", "--plan", "{s}/plan.json", "--init", "{s}/init.pt", "--out", "{t}/ckpt", "--dump-gradients",
+      "/proc/self/grads", "{s}/mirrors/mirror0.pcap"], "/proc/self/grads: cannot keep gradient dumps there: it lies on proc"),
+])
+def test_a_directory_on_a_kernel_filesystem_is_refused_up_front(scenario, tmp_path, capsys, argv, message):
+    """replay --out /proc/self said "cannot create iter_000000.pt.tmp: No such file or
+    directory" of a directory that exists; under /dev it wrote checkpoints among the device
+    nodes, in memory, without a word."""
+    from ckptd.core.kernelfs import kernel_filesystem
+    if kernel_filesystem("/proc/self") != "proc":
+        pytest.skip("this machine's /proc is not the kernel's own filesystem")
+    r = ckptd_main(capsys, *[a.format(s=scenario, t=tmp_path) for a in argv])
+    _one_line_error(r, None, message)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_daemons_out_on_a_kernel_filesystem_is_refused_naming_the_key(scenario, tmp_path, capsys):
+    from ckptd.core.kernelfs import kernel_filesystem
+    if kernel_filesystem("/proc/self") != "proc":
+        pytest.skip("this machine's /proc is not the kernel's own filesystem")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plan: {scenario}/plan.json\ninit: {scenario}/init.pt\nout: /proc/self\n"
+                   "interfaces: [{ifname: lo}]\n")
+    _one_line_error(ckptd_main(capsys, "run", "--config", cfg, "--check"), f"{cfg}: 'out': /proc/self",
+                    "cannot keep checkpoints there: it lies on proc")

@@ -151,6 +151,9 @@ class Store:
         """The directory, made if missing; on a bucket store only the bucket's presence is
         checked (an object store has no directories, and ckptd creates no bucket)."""
         if self.local:
+            from ckptd.core.kernelfs import not_storage
+            if why := not_storage(self.path):
+                raise CheckpointWriteError(_errno.EINVAL, f"{self.path}: cannot keep checkpoints there: {why}")
             try:
                 self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError as e:  # /proc/x, a file in the way, no permission: the path, not a bare errno

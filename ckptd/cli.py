@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import re
 import shutil
 import sys
@@ -1380,6 +1381,22 @@ def _printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
+class _CommandLog(logging.Handler):
+    """ckptd's log records in a command other than `run` (whose log is JSON lines): one
+    `warning: ...` line each, as the commands print their own warnings, with the record's
+    fields after it. Without a handler Python printed the bare message (a pcapng
+    interface's link type, with no `warning:`) and dropped the fields (the error of a
+    checkpoint not written). sys.stderr is looked up at each record, not kept."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record):
+        fields = getattr(record, "fields", None) or {}
+        text = record.getMessage() + (" (" + ", ".join(f"{k}: {v}" for k, v in fields.items()) + ")" if fields else "")
+        print(f"{record.levelname.lower()}: {_printable(text)}", file=sys.stderr)
+
+
 def _file_names_as_bytes():
     """Print a file name that is not UTF-8 (Linux names are bytes; Python holds the bytes
     it cannot decode as lone surrogates) as the bytes it is, as ls does. Python does so
@@ -1403,6 +1420,8 @@ def main(argv=None) -> int:
         # Daemon.run logs it: the imports below take a second or two
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _file_names_as_bytes()
+    if (sys.argv[1:] if argv is None else list(argv))[:1] != ["run"]:  # (the daemon sets up its own)
+        logging.getLogger("ckptd").handlers[:] = [_CommandLog()]
     try:
         args = build_parser().parse_args(argv)  # imports torch: Ctrl-C here is no traceback either
         return args.func(args)

@@ -153,6 +153,8 @@ def test_a_pcapng_mixing_interfaces_replays_with_one_warning_per_other_one(scena
                       "113 Linux SLL, 228 IPv4, 229 IPv6, 276 Linux SLL2): its frames are read as other traffic",
                       f"{f}: interface 3 (block 5): link type 148 is not one ckptd decodes (1 Ethernet, 101 raw IP, "
                       "113 Linux SLL, 228 IPv4, 229 IPv6, 276 Linux SLL2): its frames are read as other traffic"]
+    # on the terminal as the command's own warnings are (it was the bare message)
+    assert [line for line in r.stderr.splitlines() if "link type" in line] == [f"warning: {m}" for m in warned]
 
 
 def test_inspect_of_a_mixed_pcapng_warns_once(scenario, capsys, caplog, tmp_path):
@@ -318,3 +320,20 @@ def test_mirror_risk_refuses_rings_of_different_hops_and_a_plan_on_one_node(five
     plan = _with_nodes(five, "aaaaa", "one")
     _one_line_error(ckptd_main(capsys, "mirror-risk", "--plan", plan, "--mirrors", "2", "--loss", "0.01"),
                     str(plan), "every rank is on node 'a': no hop of the ring crosses the network")
+
+
+def test_a_logged_warning_in_a_command_keeps_its_fields(capsys):
+    """Python's last-resort handler printed a record's message alone: "checkpoint not
+    written", without the error it carries in its fields."""
+    import logging
+    from ckptd.cli import _CommandLog
+    log = logging.getLogger("ckptd.test-command-log")
+    keep = log.handlers[:], log.propagate
+    log.handlers[:], log.propagate = [_CommandLog()], False
+    try:
+        log.info("not shown")
+        log.warning("checkpoint not written", extra={"fields": {"iteration": 3, "error": "disk full\x1b[2J"}})
+    finally:
+        log.handlers[:], log.propagate = keep
+    assert capsys.readouterr().err == \
+        "warning: checkpoint not written (iteration: 3, error: disk full\\x1b[2J)\n"

@@ -141,6 +141,24 @@ def test_reassembly_merges_mirror_streams_and_flags_conflicts():
     assert r2.conflicts == [(150, 200, 1)]
 
 
+def test_a_late_copy_over_a_hole_and_delivered_bytes_is_compared_where_delivered():
+    """A retransmission covering a given-up hole and the bytes after it: its copy of the
+    delivered bytes was never compared (the whole segment skipped for touching the hole),
+    so a delivered copy that differed from it was committed without a word."""
+    data = bytes(range(256)) * 8
+    d = Direction(("k",))
+    d.add(seg(b"", 99, flags=SYN), 0)
+    d.add(seg(data[:100], 100), 0)
+    bad = bytearray(data[300:600])
+    bad[50] ^= 1  # byte 350 as the first copy delivered it
+    d.add(seg(bytes(bad), 400), 0)
+    d.flush()  # 100..300 given up
+    assert d.holes == [(100, 300)]
+    d.add(seg(data[50:500], 150), 1)  # bytes 50..500 again: delivered, the hole, delivered
+    assert d.conflicts == [(300, 500, 1)] and d.holes == [(100, 300)]
+    assert d._outside_holes(0, 400) == [(0, 100), (300, 400)] and d._outside_holes(120, 200) == []
+
+
 def test_a_mirror_copy_lagging_past_what_is_retained_is_counted_unchecked():
     """A copy of bytes delivered more than RETAIN ago cannot be compared any more: the
     first copy stands, and the bytes are counted (a diagnostic), never silently passed."""

@@ -138,8 +138,11 @@ class Direction:
 
     def _insert(self, off: int, data: bytes, stream: int):
         end = off + len(data)
-        if off < self.delivered and off >= 0 and not self._in_hole(off, min(end, self.delivered)):
-            self._compare_delivered(off, data[:self.delivered - off], stream)
+        # a copy of bytes handed out already: compared wherever they were delivered (a
+        # segment that also covers a given-up hole was skipped whole, and its copy of the
+        # delivered bytes beside the hole never compared)
+        for lo, hi in self._outside_holes(max(off, 0), min(end, self.delivered)):
+            self._compare_delivered(lo, data[lo - off:hi - off], stream)
         if end <= self.delivered:
             self.counts["duplicate_bytes" if off >= 0 and not self._in_hole(off, end) else
                         "late_bytes"] += len(data)
@@ -225,6 +228,19 @@ class Direction:
 
     def _in_hole(self, lo: int, hi: int) -> bool:
         return any(s < hi and lo < e for s, e in self.holes[-64:])
+
+    def _outside_holes(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) less the given-up holes (the recent ones _in_hole looks at), in order."""
+        out = []
+        for s, e in self.holes[-64:]:  # ascending: each is given up after the one before
+            if e <= lo or s >= hi:
+                continue
+            if s > lo:
+                out.append((lo, s))
+            lo = max(lo, e)
+        if lo < hi:
+            out.append((lo, hi))
+        return out
 
     # -- output --------------------------------------------------------------------
     def _release(self, give_up: bool = False) -> list[Piece]:

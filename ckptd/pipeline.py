@@ -613,6 +613,10 @@ class Pipeline:
             what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
             rep.status = "conflict"
             rep.note = f"mirror copies of {what} disagree (first: {where}): plan or capture is wrong"
+        elif layout := self.extract.layout_conflict(wire):  # learned from the first copy: not known
+            rep.status = "conflict"
+            rep.note = (f"copies of DDP's rebuilt-bucket broadcast, which the plan's layout was learned from, "
+                        f"disagree (first: {layout}): the layout its gradients lie in is not known")
         elif self.shadow is not None and (self.plan.find_unused_parameters or self.plan.static_graph):
             try:
                 self.shadow.used_of(wire, asm.gradients())

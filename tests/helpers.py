@@ -67,3 +67,30 @@ def drain_writer(tier):
             return
         time.sleep(0.01)
     raise AssertionError("writer did not finish")
+
+
+def patch_tcp_bytes(pcap, out: Path, key: tuple, offset: int, new: bytes) -> str:
+    """A copy of capture `pcap` in which TCP direction `key` (src, sport, dst, dport)
+    carries `new` at stream offset `offset` (counted from the byte after its SYN), in
+    every frame that carries those bytes (a resent one too): one receiver's copy of a
+    message, changed."""
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    from parsers.tcp import SYN, decode_tcp_frame
+    base, written = None, 0
+    with open(out, "wb") as f, PcapWriter(f) as w:
+        for fr in open_capture(pcap):
+            data = bytearray(fr.data)
+            seg, _ = decode_tcp_frame(data, fr.linktype, fr.origlen)  # its payload is a view of data
+            if seg is not None and seg.key == key:
+                if seg.tcp.flags & SYN:
+                    base = (seg.seq + 1) % (1 << 32)
+                elif base is not None:
+                    start = (seg.seq - base) % (1 << 32)
+                    for i, b in enumerate(new):
+                        if 0 <= offset + i - start < len(seg.payload):
+                            seg.payload[offset + i - start] = b
+                            written += 1
+            w.write(bytes(data), fr.ts_ns, fr.origlen)
+    assert written >= len(new), f"{key} carries no byte [{offset}, {offset + len(new)})"
+    return str(out)

@@ -283,6 +283,39 @@ def test_batchnorm_buffers_from_ddps_broadcast_equal_rank0s(jobs, tmp_path):
     assert model_buffers(build("tiny", 0, batchnorm=True)) == plan.buffers
 
 
+def test_buffer_broadcast_copies_that_disagree_commit_no_buffers(jobs, tmp_path, monkeypatch):
+    """One receiver's copy of DDP's broadcast of the buffers after iteration 0, changed:
+    the first copy to arrive was committed (the other only named among the examples), and
+    as a mirror copy beside the true capture it was never compared, so the order of the
+    files decided which buffers the checkpoint held."""
+    from ckptd.core.plan import load_plan
+    from ckptd.pipeline import ReplayOptions, replay
+    from ckptd.transports.gloo.extract import GlooExtractor
+    from tests.helpers import patch_tcp_bytes
+    run, pcap = jobs("batchnorm")
+    seen = []  # (tag, direction, first byte) of every buffer broadcast copy
+    keep = GlooExtractor._keep_copy
+
+    def spy(self, key, m, payloads, spans, clash, what):
+        if what == "buffer broadcast":
+            seen.append((m.header.tag, key, m.offset))
+        return keep(self, key, m, payloads, spans, clash, what)
+    monkeypatch.setattr(GlooExtractor, "_keep_copy", spy)
+
+    def go(paths):
+        return replay(load_plan(run / "plan.json"), [str(p) for p in paths], load_checkpoint(run / "init.pt"),
+                      ReplayOptions(reference=str(run / "rank0")))
+    tags = go([pcap]).extract._buffer_tags(0)
+    _, key, lo = min(s for s in seen if s[0] == tags[0])
+    bad = patch_tcp_bytes(pcap, tmp_path / "buffers.pcap", key, lo + 48, b"\x7f\x7f\x7f\x7f")
+    for paths in ([bad], [pcap, bad], [bad, pcap]):
+        reps = {r.iteration: r for r in go(paths).reports}
+        assert reps[0].status == "conflict" and "module buffers after iteration 0: copies of DDP's broadcast" \
+            in reps[0].note, (paths, reps[0].note)
+        assert all(reps[i].status == "committed" and reps[i].exact for i in range(1, ITERATIONS - 1)), \
+            [(i, r.status, r.note) for i, r in reps.items()]
+
+
 def test_accumulation_with_an_allreduce_every_micro_batch(jobs):
     """DDP allreduces param.grad (the last reduced value plus this micro-batch's) every
     micro-batch; the step uses the third round of each step, and the buffers broadcast

@@ -462,6 +462,33 @@ def test_rebuilt_layout_learned_from_the_wire(ddp_capture):
     assert checked.extract.counters["rebuilt_mismatch"] == 0
 
 
+def test_a_layout_learned_from_copies_that_disagree_commits_nothing_placed_in_it(ddp_capture):
+    """One receiver's copy of DDP's rebuilt-bucket broadcast with its first two indices
+    swapped (still a layout): a "learn" plan took whichever copy came first and committed
+    iterations 1 and 2 NOT bit-exact; as a mirror copy beside the true capture it was
+    never compared. Which copy is rank 0's is not known: nothing in that layout commits."""
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    from ckptd.core.plan import plan_from_json
+    from tests.helpers import patch_tcp_bytes
+    doc = _plan_doc(tmp)
+    doc["buckets"]["rebuilt"] = "learn"
+    ex = _replay(tmp, [str(pcap)], plan_from_json(doc)).extract
+    t = ex.rebuilt_tag
+    assert len(ex.bcast_spans[t]) == 2  # rank 0 sends it to ranks 1 and 2
+    key, lo, _ = min(ex.bcast_spans[t])
+    head = ex.rebuilt_payloads[t][:8]
+    assert head[:4] != head[4:]
+    bad = patch_tcp_bytes(pcap, tmp / "layout-swapped.pcap", key, lo + 48, head[4:] + head[:4])
+    for paths in ([bad], [str(pcap), bad], [bad, str(pcap)]):
+        reps = list(_replay(tmp, paths, plan_from_json(doc)).reports)  # (learning changes the plan)
+        assert reps[0].status == "committed" and reps[0].exact, (paths, reps[0].note)
+        assert [r.status for r in reps[1:]] == ["conflict", "conflict"], (paths, [r.note for r in reps])
+        assert all("rebuilt-bucket broadcast, which the plan's layout was learned from, disagree" in r.note
+                   for r in reps[1:]), reps[1].note
+
+
 def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(ddp_capture):
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):

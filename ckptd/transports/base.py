@@ -92,6 +92,11 @@ class Transport(Protocol):
         disagreed, or None."""
         return None
 
+    def layout_conflict(self, iteration: int) -> str | None:
+        """Where copies of what `iteration`'s bucket layout was learned from disagreed
+        (gloo: DDP's rebuilt-bucket broadcast, with a plan that says learn), or None."""
+        return None
+
     def why_unplaced(self, iteration: int) -> str | None:
         """Why nothing (more) of training iteration `iteration` can be placed (gloo: a
         capture gap hid whole collectives), or None."""

@@ -80,6 +80,11 @@ MAP_LAG = 8
 REBUILD_WAIT = 64  # tags past iteration 1's first allreduce before giving up on the broadcast
 
 
+def _where(key) -> str:
+    """A TCP direction, for messages: src:port -> dst:port."""
+    return f"{key[0]}:{key[1]} -> {key[2]}:{key[3]}"
+
+
 @dataclass
 class _Data:
     key: tuple
@@ -204,6 +209,12 @@ class GlooExtractor(Transport):
         self.expected_ag = [self._expected_ag(sc) for sc in self.sched]
         self.nparams = len(plan.parameters)
         self.bcast: dict[int, bytes] = {}  # broadcast tag -> payload (small complete ones)
+        # where their copies lay on the wire, by tag ((direction, first byte, end): mirror
+        # copies that disagree are found by range, as the allgather's are), and where two
+        # receivers' copies differed (rank 0 sends each the same bytes)
+        self.bcast_spans: dict[int, list[tuple]] = defaultdict(list)
+        self.bcast_clash: dict[int, str] = {}
+        self.rebuilt_payloads: dict[int, bytes] = {}  # the two the layout came from, by tag
         self.rebuilt: str = "pending"  # pending | ok | mismatch | not_seen | never
         self.rebuilt_tag: int | None = None  # the indices broadcast's tag
         self.wire_rebuilt: tuple[BucketLayout, ...] | None = None
@@ -228,6 +239,8 @@ class GlooExtractor(Transport):
         # payloads of that size seen, by tag (dropped once taken)
         self.buffer_sizes = plan.buffer_broadcast_bytes() if plan.buffers.captured else []
         self.buffer_payloads: dict[int, bytes] = {}
+        self.buffer_spans: dict[int, list[tuple]] = defaultdict(list)  # as bcast_spans
+        self.buffer_clash: dict[int, str] = {}
         # where each iteration's allgather messages (final values, the used map) lay on
         # the wire, (direction, first byte, end, bucket): the reassembler keeps the first copy of a
         # byte, so mirror copies that disagree there are found by range (copies_conflict)
@@ -385,18 +398,17 @@ class GlooExtractor(Transport):
 
     # -- the rebuilt layout ------------------------------------------------------------
     def _broadcast(self, key, m: GlooMessage):
-        """Keep small broadcast payloads; the rebuilt layout is two of them."""
+        """Keep small broadcast payloads; the rebuilt layout is two of them. Once it is
+        resolved, later copies of those two are still compared (layout_conflict)."""
         h = m.header
+        if h.tag in self.rebuilt_payloads:
+            self._keep_copy(key, m, self.rebuilt_payloads, self.bcast_spans, self.bcast_clash, "broadcast")
         if self.rebuilt != "pending" or h.length > 4 * (self.nparams + 1) or h.length % 4:
             return
         if not m.complete:
             self.counters["broadcast_partial"] += 1
             return
-        have = self.bcast.get(h.tag)
-        if have is None:
-            self.bcast[h.tag] = bytes(m.payload)
-        elif have != bytes(m.payload):  # every receiver gets the root's bytes
-            self._example("broadcast_conflict", f"{key}: broadcast tag {h.tag} differs between copies")
+        self._keep_copy(key, m, self.bcast, self.bcast_spans, self.bcast_clash, "broadcast")
         self._resolve_rebuilt()
 
     def _buffer_broadcast(self, key, m: GlooMessage):
@@ -407,11 +419,40 @@ class GlooExtractor(Transport):
         if not m.complete:
             self.counters["buffer_broadcast_partial"] += 1
             return
-        have = self.buffer_payloads.get(h.tag)
-        if have is None:
-            self.buffer_payloads[h.tag] = bytes(m.payload)
-        elif have != bytes(m.payload):
-            self._example("broadcast_conflict", f"{key}: buffer broadcast tag {h.tag} differs between copies")
+        self._keep_copy(key, m, self.buffer_payloads, self.buffer_spans, self.buffer_clash, "buffer broadcast")
+
+    def _keep_copy(self, key, m: GlooMessage, payloads: dict, spans: dict, clash: dict, what: str):
+        """The first complete copy of a broadcast's payload is kept, by tag; where another
+        receiver's copy differs, the tag is a clash: which is rank 0's is not known."""
+        tag = m.header.tag
+        if key in {s[0] for s in spans[tag]}:
+            return  # the direction's own message again (a resent frame is the reassembler's)
+        spans[tag].append((key, m.offset, m.offset + 48 + len(m.payload)))
+        have = payloads.setdefault(tag, bytes(m.payload))
+        if have != m.payload and tag not in clash:  # every receiver gets the root's bytes
+            clash[tag] = f"{_where(key)}: {what} tag {tag} differs from another receiver's copy"
+            self._example("broadcast_conflict", clash[tag])
+
+    def _broadcast_clash(self, tags, spans: dict, clash: dict) -> str | None:
+        """Where copies of the broadcasts of `tags` disagreed: two receivers', or mirror
+        copies of one message (compared by the reassembler, which delivered the first)."""
+        for t in tags:
+            if t in clash:
+                return clash[t]
+            for key, lo, hi in spans.get(t, ()):
+                for s, e, stream in self.reasm.dirs[key].conflicts:
+                    if s < hi and lo < e:
+                        return f"stream {stream}: {_where(key)} bytes [{s}, {e}) (broadcast tag {t})"
+        return None
+
+    def layout_conflict(self, iteration: int) -> str | None:
+        """Where copies of the broadcast the plan's rebuilt layout was learned from
+        disagreed, for an iteration placed in that layout; else None. The layout came
+        from the first copy: which is rank 0's is not known."""
+        if self.rebuilt_tag is None or not self.plan.rebuilt_learn or \
+                self.plan.last_wire_iteration(iteration) < self.plan.rebuild_round:
+            return None
+        return self._broadcast_clash((self.rebuilt_tag, self.rebuilt_tag + 1), self.bcast_spans, self.bcast_clash)
 
     def _buffer_tags(self, iteration: int) -> range | None:
         """The tags of DDP's buffer broadcasts at the forward after training iteration
@@ -429,7 +470,7 @@ class GlooExtractor(Transport):
         """The payloads of DDP's buffer broadcasts that carry rank 0's buffers after
         `iteration`, or None while (or if) they are not all seen whole."""
         tags = self._buffer_tags(iteration)
-        if tags is None or any(t not in self.buffer_payloads for t in tags):
+        if tags is None or any(t not in self.buffer_payloads for t in tags) or self.buffers_conflict(iteration):
             return None
         got = [self.buffer_payloads[t] for t in tags]
         return got if [len(p) for p in got] == self.buffer_sizes else None
@@ -439,11 +480,18 @@ class GlooExtractor(Transport):
         got = self.buffers_after(iteration)
         tags = self._buffer_tags(iteration)
         if tags is not None:
-            for t in [t for t in self.buffer_payloads if t < tags.stop]:
-                del self.buffer_payloads[t]
+            for kept in (self.buffer_payloads, self.buffer_spans, self.buffer_clash):
+                for t in [t for t in kept if t < tags.stop]:
+                    del kept[t]
         if got is None:
             self.counters["buffers_not_seen"] += 1
         return got
+
+    def buffers_conflict(self, iteration: int) -> str | None:
+        """Where copies of DDP's broadcasts of the buffers after `iteration` disagreed
+        (never resolved by which came first), or None."""
+        tags = self._buffer_tags(iteration)
+        return None if tags is None else self._broadcast_clash(tags, self.buffer_spans, self.buffer_clash)
 
     def copies_conflict(self, iteration: int) -> tuple[int, int, str] | None:
         """Where mirror copies of the bytes of `iteration`'s allgather messages disagreed
@@ -454,7 +502,7 @@ class GlooExtractor(Transport):
         for key, lo, hi, b in self.spans.pop(iteration, ()):
             for s, e, stream in self.reasm.dirs[key].conflicts:
                 if s < hi and lo < e:
-                    return b, stream, f"{key[0]}:{key[1]} -> {key[2]}:{key[3]} bytes [{s}, {e})"
+                    return b, stream, f"{_where(key)} bytes [{s}, {e})"
         return None
 
     def _resolve_rebuilt(self):
@@ -467,7 +515,10 @@ class GlooExtractor(Transport):
             names = [p.name for p in self.plan.parameters]
             self.wire_rebuilt = tuple(BucketLayout(params=tuple(names[i] for i in b)) for b in got)
             self.rebuilt_tag = t
+            self.rebuilt_payloads = {t: self.bcast[t], t + 1: self.bcast[t + 1]}
             self.bcast.clear()
+            for u in [u for u in self.bcast_spans if u not in self.rebuilt_payloads]:
+                del self.bcast_spans[u]
             if self.plan.rebuilt_learn:
                 self.plan.learn_rebuilt(self.wire_rebuilt)
                 self._set_rebuilt_schedule()

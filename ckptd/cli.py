@@ -380,10 +380,11 @@ def _schedule_misfit(plan, path: str, pipe) -> str:
     if plan.transport == "gloo" and misfits:
         # gloo numbers every collective of the group by one counter: the job's own allreduce
         # (a loss, a metric) on DDP's group takes a bucket's place in the count
-        return (f"{misfits} gloo message(s) have sizes no bucket of the plan {path} has: the job runs collectives "
-                "of its own on DDP's process group (a loss or metric allreduce?) other than the plan lists (list "
-                "them in its collectives: write_plan(collectives=...), docs/TRAINING.md; or run them on a group "
-                "of their own: dist.new_group), or the plan is another job's")
+        return (f"{misfits} gloo message(s) have sizes the plan {path} does not give them there: the job's "
+                "collectives on DDP's process group are not the ones the plan lists (one of its own the plan "
+                "does not list, a loss or metric allreduce?, or one listed that the job does not run; list them "
+                "in its collectives: write_plan(collectives=...), docs/TRAINING.md; or run them on a group of "
+                "their own: dist.new_group), or the plan is another job's")
     mtu = pipe.extract.wire_mtu()
     if mtu and (flows or misfits):  # the MTU cuts messages into packets: nothing else fits then
         return f"{mtu} (the NICs' active MTU: write the plan with `ckptd plan --mtu`, or set its ring.mtu)"

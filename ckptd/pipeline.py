@@ -589,7 +589,9 @@ class Pipeline:
             rep.note = (f"{len(asm.conflicts)} packets disagree with another intact copy of their elements "
                         f"(first: {self._clash(asm, s, b, lo, hi)}, {what}, elements [{lo}, {hi})): plan or "
                         "capture is wrong")
-        elif not asm.complete:
+        elif not asm.complete or self.extract.why_unplaced(wire):
+            # (gloo: where the count of allreduces broke, even a complete assembly may be
+            # another iteration's gradients, placed before the break was seen)
             rep.missing = asm.missing(lambda b: self.plan.param_ranges(wire, b))
             rep.status = "unrecoverable"
             if not asm.packets and self.extract.unmatched_flows():  # packets there were, placed nowhere

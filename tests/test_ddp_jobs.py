@@ -369,8 +369,10 @@ def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
     """The loss allreduced each step on DDP's group (a common logging pattern) takes a
     bucket's place in gloo's count: every other iteration was unrecoverable, with "4 bytes,
     the schedule says N" among the rejects, and the error blamed the init (helper 72).
-    Never a wrong commit; now the error (or without the plan's iterations, a warning)
-    names the job's own collectives."""
+    Never a wrong commit; now the warning names the job's own collectives. (It was an error,
+    the loss rounds counted as iterations past the plan's 10, and iteration 0's commit set
+    aside as suspect: the count now stops at the first allreduce that breaks the schedule,
+    the loss's, and iteration 0 is before it.)"""
     run, pcap = jobs("lossreduce")
     # write_plan told the job itself, once on each rank, at its own call
     warned = [ln for ln in (run.parent / "train.err").read_text().splitlines() if "RuntimeWarning: ckptd:" in ln]
@@ -378,12 +380,13 @@ def test_a_collective_of_the_job_on_ddps_group_is_named(jobs, tmp_path):
                                     "(after 1 round of gradient allreduces) is not in write_plan's collectives"
                                     in ln for ln in warned), warned
     r = _cli_replay(run / "plan.json", run, pcap, tmp_path / "ckpts")
-    # the loss rounds count as more iterations than the plan's 10: the error names them first
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
     assert "NOT bit-exact" not in r.stdout and len(r.stderr.splitlines()) == 1, r.stderr
-    assert "past the 10 of the plan" in r.stderr
-    assert "the job runs collectives of its own on DDP's process group" in r.stderr, r.stderr
-    assert not list((tmp_path / "ckpts").glob("*.pt"))  # its one commit set aside as suspect
+    assert r.stderr.startswith("warning: 9 iteration(s) not recovered") and \
+        "the job's collectives on DDP's process group are not the ones the plan lists" in r.stderr, r.stderr
+    assert "10 iterations, 1 committed" in r.stdout and r.stdout.count(" bit-exact") == 1
+    assert "does not fit the plan's schedule (4 bytes where it says" in r.stdout
+    assert [p.name for p in (tmp_path / "ckpts").glob("*.pt")] == ["iter_000000.pt"]
 
 
 def test_a_collective_of_the_job_listed_in_the_plan_is_skipped_on_gloo(jobs, tmp_path):
@@ -406,6 +409,27 @@ def test_a_collective_of_the_job_listed_in_the_plan_is_skipped_on_gloo(jobs, tmp
                   ReplayOptions(reference=str(run / "rank0")))
     assert all(r.exact is not False for r in pipe.reports)
     assert sum(r.ok for r in pipe.reports) <= 1 and pipe.extract.counters["schedule_mismatch"] > 0
+
+
+def test_a_plan_listing_an_allreduce_the_job_does_not_run_commits_nothing_after_it(jobs):
+    """The plan lists an allreduce of the job's own after the bucket, which the job does
+    not run: iteration 1's bucket was numbered as that one (refused on its size), and
+    iteration 2's then placed and committed as iteration 1, NOT bit-exact (one bucket a
+    round: every later one fits). A message framed from its direction's start that breaks
+    the schedule shows the count is off: nothing from there on is placed or committed."""
+    from ckptd.core.plan import plan_from_json
+    from ckptd.pipeline import ReplayOptions, replay
+    run, pcap = jobs("sgd")
+    doc = json.loads((run / "plan.json").read_text())
+    assert len(doc["buckets"]["first"]) == 1 and not doc.get("collectives")
+    doc["collectives"] = {"after": [{"count": 4, "dtype": "float32"}]}
+    pipe = replay(plan_from_json(doc), [str(pcap)], load_checkpoint(run / "init.pt"),
+                  ReplayOptions(reference=str(run / "rank0")))
+    reps = list(pipe.reports)
+    assert reps[0].status == "committed" and reps[0].exact, reps[0].note
+    assert all(r.status == "unrecoverable" and "does not fit the plan's schedule" in r.note for r in reps[1:]), \
+        [(r.iteration, r.status, r.exact, r.note) for r in reps]
+    assert pipe.extract.counters["after_misfit"] > 0
 
 
 def _copies(pcap: Path, out: Path, loss: float, seeds=(1, 2)) -> tuple[list[str], str, int]:

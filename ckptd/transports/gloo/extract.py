@@ -229,6 +229,15 @@ class GlooExtractor(Transport):
         self.loss_tags: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # by direction
         self.dir_last: dict[tuple, int] = {}  # direction -> tag of the last message framed on it
         self.dir_first: dict[tuple, int] = {}  # ring direction -> its first allreduce tag
+        self.dir_first_at: dict[tuple, int] = {}  # ... and that message's stream offset
+        # why the first allreduce seen cannot be told the job's first (no ring direction
+        # framed from its first byte to it: _start_unseen); "" once it can; None until known
+        self.start_unseen: str | None = None
+        # an allreduce that broke the schedule where its framing was sure (a message
+        # framed from its direction's start, whole): (allreduce number, tag, the first
+        # training iteration its misnumbering reaches, what broke); nothing is placed from
+        # that number on, since the count no longer says which iteration an allreduce is
+        self.misfit: tuple[int, int, int, str] | None = None
         # where numbering stopped: (first allreduce number not known, the unseen tags,
         # the last tag numbered)
         self.count_lost: tuple[int, list[int], int] | None = None
@@ -358,6 +367,7 @@ class GlooExtractor(Transport):
             return  # nothing after the numbering stopped can be placed: not kept either
         if h.is_allreduce:
             self.dir_first.setdefault(key, h.tag)
+            self.dir_first_at.setdefault(key, m.offset)
         if h.tag > self.dir_top.get(key, -1):
             self.dir_top[key] = h.tag
             for k in [k for k in self.tail if k[0] == key and self._past(key, k[1])]:
@@ -581,9 +591,22 @@ class GlooExtractor(Transport):
         direction witnesses that it was no allreduce (_witness). Waiting while one
         still may; else numbering stops for good (count_lost) and the data held for
         later tags is dropped."""
+        if not self.map_pos and self.start_unseen is None:
+            why = self._start_unseen(t)
+            if not why:
+                self.start_unseen = ""
+            elif not final:
+                return True  # a ring direction framed from its start may still show it
+            else:  # allreduces before t may have passed unseen: t's number is not known
+                self.start_unseen = why
+                self.count_lost = (self.next_number, [], t - 1)
+                self.counters["after_count_lost"] += sum(map(len, self.data.values())) + \
+                    sum(map(len, self.tail.values()))
+                self.data.clear()
+                self.tail.clear()
+                return True
         # before the first allreduce (number 0): from the first tag the capture saw. The
-        # collectives before that are DDP's start-up ones, which a capture begun just
-        # after them (as the daemon's often is) never sees: unseen, they say nothing
+        # collectives before that are DDP's start-up ones (_start_seen: no allreduce)
         prev = self.tags[self.map_pos - 1] if self.map_pos else min(self.seen_tags, default=t)
         if self.map_pos and not self.map_pos % 1024:  # a long job keeps what is still needed
             self.seen_tags = {u for u in self.seen_tags if u > prev}
@@ -612,6 +635,31 @@ class GlooExtractor(Transport):
         for k in [k for k in self.tail if k[1] >= t]:
             del self.tail[k]
         return True
+
+    def _start_unseen(self, t: int) -> str:
+        """Why tag t cannot be told the job's first allreduce, or "" where it can: a ring
+        direction (every allreduce crosses every one) framed from its connection's first
+        byte (its SYN seen), with nothing lost up to its first allreduce message, has t as
+        that first tag. A capture begun after the connections were made shows none: it
+        numbered the first allreduce it saw as iteration 0's and committed later
+        iterations' gradients as earlier ones'."""
+        gap = False
+        for key, first in self.dir_first.items():
+            rk = self._ranks(key)
+            if first != t or rk is None or (rk[0] - rk[1]) % self.nranks not in (1, self.nranks - 1):
+                continue
+            d, fr, at = self.reasm.dirs[key], self.framers[key], self.dir_first_at[key]
+            if d.syn and fr.from_start:
+                if not any(lo < at for lo, _ in fr.lost) and not any(s < at for s, _ in d.holes):
+                    return ""
+                gap = True
+        if gap:
+            return (f"a capture gap hid whole collectives (before gloo tag {t}, the first allreduce seen, bytes "
+                    "were lost on every ring connection): whether any was an allreduce is not known, so no "
+                    "allreduce can be told its iteration and bucket;")
+        return ("the capture began after the job had: no ring connection was seen from its first byte (its SYN), "
+                "so which allreduce is iteration 0's is not known (gloo numbers allreduces by their place in the "
+                "group's count); capture from before the job starts;")
 
     def _boundary(self, n: int) -> str | None:
         """The kind of round boundary right before allreduce number n: "rebuild" (DDP's
@@ -654,6 +702,13 @@ class GlooExtractor(Transport):
         first = self.unplaced_from()
         if first is None or iteration < first:
             return None
+        if self.misfit is not None and first == self.misfit[2]:
+            n, tag, _, what = self.misfit
+            return (f"gloo allreduce tag {tag} (number {n}) does not fit the plan's schedule ({what}): the job's "
+                    "allreduces are not the ones the plan lists (a collective of its own it does not list, or one "
+                    "listed it does not run), so no later allreduce can be told its iteration and bucket;")
+        if self.start_unseen:
+            return self.start_unseen
         unseen = self.count_lost[1]
         tags = f"{unseen[0]}" if len(unseen) == 1 else f"{unseen[0]}..{unseen[-1]}"
         return (f"a capture gap hid whole collectives (gloo tag(s) {tags}, never seen where bytes were lost): "
@@ -663,9 +718,8 @@ class GlooExtractor(Transport):
     def unplaced_from(self) -> int | None:
         """The first training iteration the numbering did not reach the end of, where
         it stopped (count_lost); else None."""
-        if self.count_lost is None:
-            return None
-        return self._round_of(self.count_lost[0])[0] // self.per_step
+        lost = None if self.count_lost is None else self._round_of(self.count_lost[0])[0] // self.per_step
+        return min((x for x in (lost, self.misfit and self.misfit[2]) if x is not None), default=None)
 
     def _position(self, n: int, count: int) -> tuple[int | None, int, int, int | None] | None:
         """(training iteration or None, wire layout, index in the round's schedule,
@@ -694,6 +748,16 @@ class GlooExtractor(Transport):
         # (static_graph: the used map first on the wire, last in the assembly)
         b = self.plan.wire_order(0)[i - first] if w == 0 else i - first
         return it, lay, first + b, b
+
+    def _misfit(self, n: int, tag: int, lay: int, k: int, what: str):
+        """Allreduce number n broke the schedule, its message framed from its direction's
+        start: the count is off from n on (the plan lists another job's collectives). The
+        first training iteration that reaches: n's round's, or the next one's where n
+        follows the round's buckets (one of the job's own after them)."""
+        w = self._round_of(n)[0] + (k >= self.nb[lay] - len(self.own_after))
+        first = w // self.per_step
+        if self.misfit is None or n < self.misfit[0]:
+            self.misfit = (n, tag, first, what)
 
     def _round_of(self, n: int) -> tuple[int, int]:
         """(wire round, index within it) of allreduce number n (past the job's own start
@@ -724,7 +788,7 @@ class GlooExtractor(Transport):
         pos = self._position(n, len(data))
         if pos is not None:
             for d in data:
-                self._place(*pos, d, out)
+                self._place(*pos, d, out, n=n)
         for key in [k for k in self.tail if k[1] == t]:
             self._from_the_end(key, out)
 
@@ -774,7 +838,8 @@ class GlooExtractor(Transport):
         for d in group:
             self._place(it, lay, k, b, d, out)
 
-    def _place(self, it: int | None, lay: int, k: int, b: int | None, d: _Data, out: list[Placement]):
+    def _place(self, it: int | None, lay: int, k: int, b: int | None, d: _Data, out: list[Placement],
+               n: int | None = None):
         """Check one data message against allreduce k of wire layout `lay`'s schedule and
         place its allgather elements into bucket b of training iteration `it` (it None:
         an earlier micro-batch of a step, b None: one of the job's own allreduces; checked
@@ -783,6 +848,9 @@ class GlooExtractor(Transport):
         sends = sched.connection_sends(d.src, k)
         h = d.msg.header
         what = f"bucket {b}" if b is not None else f"the job's own allreduce (plan collectives, {k})"
+        if self.misfit is not None and (n is None or n >= self.misfit[0]):
+            self.counters["after_misfit"] += 1
+            return
         if d.index >= len(sends):
             self._example("schedule_mismatch", f"{d.key} iteration {it} {what}: data message "
                           f"{d.index} of tag {h.tag}, the schedule has {len(sends)}")
@@ -791,6 +859,8 @@ class GlooExtractor(Transport):
         if h.length != send.nbytes:
             self._example("schedule_mismatch", f"{d.key} iteration {it} {what} message {d.index}: "
                           f"{h.length} bytes, the schedule says {send.nbytes}")
+            if n is not None and d.epoch == 0 and not d.msg.resync and self.framers[d.key].from_start:
+                self._misfit(n, h.tag, lay, k, f"{h.length} bytes where it says {send.nbytes}")
             return
         if b is None:
             self.counters["own_allreduce_messages"] += 1
@@ -829,7 +899,14 @@ class GlooExtractor(Transport):
 
     def diagnostics(self) -> list[str]:
         out = []
-        if self.count_lost is not None:
+        if self.misfit is not None:
+            out.append(f"allreduces numbered up to number {self.misfit[0]} (tag {self.misfit[1]}), which broke the "
+                       f"schedule: {self.counters['after_misfit']} later allreduce message(s) not placed")
+        if self.start_unseen:
+            out.append(f"no allreduce numbered: tags before the first one seen ({self.count_lost[2] + 1}) were never "
+                       "seen where bytes were lost or before the capture began (no ring connection seen whole from "
+                       f"its SYN to it): {self.counters['after_count_lost']} allreduce message(s) not placed")
+        elif self.count_lost is not None:
             n, unseen, prev = self.count_lost
             out.append(f"allreduces numbered up to tag {prev}, then tag(s) {unseen[0]}"
                        + (f"..{unseen[-1]}" if len(unseen) > 1 else "") + " were never seen where bytes were "

@@ -125,6 +125,7 @@ class GlooFramer:
         self.plausible = plausible
         self.pos = 0  # stream offset of the next byte this framer expects
         self.synced = preamble is not None
+        self.from_start = self.synced  # framed from the connection's first byte
         self.need_preamble = bool(preamble)
         self.sequence: int | None = None  # the connector's sequence number
         self.hbuf = bytearray()  # preamble / header bytes gathered so far

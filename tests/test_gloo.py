@@ -554,6 +554,27 @@ def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(
     assert reps[0].status == "committed" and reps[0].exact
     assert [r.iteration for r in pipe.reports if r.status == "committed"] == [0]
     assert all(r.exact is not False for r in pipe.reports)
+    # each says why (it was "no packet of it was captured on any stream")
+    assert all("DDP's rebuilt buckets, broadcast after iteration 0, are not the plan's" in reps[i].note
+               for i in (1, 2)), reps[1].note
+
+
+def test_connections_whose_ranks_are_not_known_are_named(ddp_capture):
+    """Without the connection setup (the SYNs and the connector's rank) and with every
+    rank at one address, no message can be placed: each iteration said "no packet of it
+    was captured on any stream" of a capture full of them. The connections are listed."""
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    from parsers.capfile import open_capture
+    syns = {fr.index for fr in open_capture(pcap)
+            if (s := decode_tcp_frame(fr.data, fr.linktype, fr.origlen)[0]) is not None and s.tcp.flags & SYN}
+    pipe = _replay(tmp, [_split(pcap, tmp / "no-syn.pcap", lambda i: i not in syns)])
+    reps = list(pipe.reports)
+    assert reps and all(r.status == "unrecoverable" and "flows of the captures fit none of the plan's (listed "
+                        "below)" in r.note for r in reps), [r.note for r in reps]
+    named = [d for d in pipe.extract.diagnostics() if d.startswith("unmatched connection: 127.0.0.1:")]
+    assert len(named) >= 2 and all("the ranks at its ends are not known" in d for d in named), named
 
 
 def _extract(plan, frames, drop: set, quiet_ms: float, cls=None):

@@ -189,6 +189,7 @@ class GlooExtractor(Transport):
         self.bounded: Counter = Counter()  # direction -> framing losses whose tags are bounded
         self.uncertain_upto: dict[tuple, int] = {}  # direction -> tags <= this are unplaceable
         self.waiting: dict[tuple, list[GlooMessage]] = defaultdict(list)  # ranks not known yet
+        self.rankless: Counter = Counter()  # direction -> its messages never placed: ranks not known
         self.tags: list[int] = []  # allreduce tags seen, sorted
         self.tagset: set[int] = set()
         self.mapped: dict[int, int] = {}  # tag -> allreduce number
@@ -278,6 +279,7 @@ class GlooExtractor(Transport):
         for key in list(self.waiting):
             for m in self.waiting.pop(key):
                 self._note(key, m, "ranks_unknown")
+                self.rankless[key] += 1
         self._map(out, final=True)
         for key in list(self.tail):  # every direction has ended: its tail groups are whole
             self._from_the_end(key, out, final=True)
@@ -698,7 +700,15 @@ class GlooExtractor(Transport):
 
     def why_unplaced(self, iteration: int) -> str | None:
         """Why nothing (more) of training iteration `iteration` was placed, where the
-        numbering stopped at or before it; else None."""
+        numbering stopped at or before it, or the layout it would be placed in is not known;
+        else None."""
+        if self.plan.last_wire_iteration(iteration) >= self.plan.rebuild_round:
+            if self.rebuilt == "mismatch":  # (it said "no packet of it was captured")
+                return ("DDP's rebuilt buckets, broadcast after iteration 0, are not the plan's (see the rejects): "
+                        "nothing after iteration 0 is placed;")
+            if self.rebuilt == "not_seen" and self.plan.rebuilt_learn:
+                return ("DDP's rebuilt-bucket broadcast was not seen whole and the plan says learn: the layout "
+                        "of the iterations after 0 is not known;")
         first = self.unplaced_from()
         if first is None or iteration < first:
             return None
@@ -912,6 +922,7 @@ class GlooExtractor(Transport):
                        + (f"..{unseen[-1]}" if len(unseen) > 1 else "") + " were never seen where bytes were "
                        f"lost: {self.counters['after_count_lost']} later allreduce message(s) not placed (gloo "
                        "numbers each allreduce by its place in the group's count, which the gap hid)")
+        out += [f"unmatched connection: {e}" for e in self.unmatched_flows()]
         if self.rebuilt == "mismatch":
             out.append("rebuilt buckets: the order DDP broadcast differs from the plan's")
         for (sa, sp, da, dp), holes in self.holes().items():
@@ -927,7 +938,12 @@ class GlooExtractor(Transport):
         return []
 
     def unmatched_flows(self) -> list[str]:
-        return []  # a connection is the plan's by its addresses and ports: none is bound by guesswork
+        """The directions whose gloo messages were never placed because the ranks at their
+        ends are not known: no connection setup seen (its SYN and the connector's rank),
+        and the plan's rank addresses do not tell them apart (none is bound by guesswork)."""
+        return [f"{_where(key)}: {n} gloo message(s) not placed: the ranks at its ends are not known (its "
+                "connection setup was not captured, and no one rank of the plan has each address)"
+                for key, n in sorted(self.rankless.items())]
 
     def join_iteration(self, force: bool = False) -> int | None:
         return None  # refused at construction (transport_for): TCP gives no positions to join by

@@ -614,7 +614,8 @@ class Pipeline:
             where = f"{self.stream_name(stream)}, {where}"
             what = f"bucket {b}" + (f" = {USED_MAP}" if self.plan.is_used_map(wire, b) else "")
             rep.status = "conflict"
-            rep.note = f"mirror copies of {what} disagree (first: {where}): plan or capture is wrong"
+            # (mirror copies, or a retransmission on one stream: the reassembler compares both)
+            rep.note = f"copies of {what} disagree (first: {where}): plan or capture is wrong"
         elif layout := self.extract.layout_conflict(wire):  # learned from the first copy: not known
             rep.status = "conflict"
             rep.note = (f"copies of DDP's rebuilt-bucket broadcast, which the plan's layout was learned from, "

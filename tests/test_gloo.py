@@ -577,6 +577,23 @@ def test_connections_whose_ranks_are_not_known_are_named(ddp_capture):
     assert len(named) >= 2 and all("the ranks at its ends are not known" in d for d in named), named
 
 
+def test_segments_cut_by_the_snapshot_length_are_named(ddp_capture, tmp_path):
+    """A capture taken with a snapshot length under the frames: the loss showed (96% of
+    the bytes) with no cause; the connections say their segments were cut short."""
+    tmp, pcap, dropped = ddp_capture
+    if dropped and not dropped[0].startswith("0 "):
+        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    with open(tmp_path / "snap.pcap", "wb") as f, PcapWriter(f) as w:
+        for fr in open_capture(pcap):
+            w.write(fr.data[:1500], fr.ts_ns, fr.origlen)
+    pipe = _replay(tmp, [str(tmp_path / "snap.pcap")])
+    assert not [r for r in pipe.reports if r.status == "committed"]
+    cut = [d for d in pipe.extract.diagnostics() if "cut short by the capture's snapshot length" in d]
+    assert cut and all(d.startswith("connection 127.0.0.1:") for d in cut), pipe.extract.diagnostics()
+
+
 def _extract(plan, frames, drop: set, quiet_ms: float, cls=None):
     """GlooExtractor (or cls) fed frame by frame as the daemon feeds it, told the
     capture is quiet (idle) wherever the next frame comes more than quiet_ms later."""

@@ -928,6 +928,10 @@ class GlooExtractor(Transport):
         for (sa, sp, da, dp), holes in self.holes().items():
             out.append(f"connection {sa}:{sp} -> {da}:{dp}: {len(holes)} byte range(s) no stream delivered")
         for (sa, sp, da, dp), d in self.reasm.dirs.items():
+            if d.counts["truncated_segments"]:  # else only a loss shows, with no cause
+                out.append(f"connection {sa}:{sp} -> {da}:{dp}: {d.counts['truncated_segments']} segment(s) cut short "
+                           "by the capture's snapshot length: their bytes past it were never captured (capture "
+                           "whole frames: tcpdump -s 0)")
             if d.counts["unchecked_copy_bytes"]:  # the first copy stands unverified by it
                 out.append(f"connection {sa}:{sp} -> {da}:{dp}: {d.counts['unchecked_copy_bytes']} bytes of a mirror "
                            "copy came too late to be compared with the copy delivered")

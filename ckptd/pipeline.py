@@ -370,19 +370,22 @@ class Pipeline:
             return self.reports
         if abandon:
             # complete iterations still in their agreement window: every copy captured
-            # has been placed and compared, and no more will come
-            while (nxt := self.open.get(self.done + 1)) is not None and nxt.complete:
+            # has been placed and compared, and no more will come. One whose copies
+            # disagree is a conflict, not in flight: no copy still to come undoes that
+            # (it was "abandoned", and the daemon's exit status 0)
+            while (nxt := self.open.get(self.done + 1)) is not None and (nxt.complete or nxt.conflicts):
                 self._finalize_through(self.done + 1)
             for it in sorted(self.open):
                 asm = self.open.pop(it)
                 self.done = max(self.done, it)
                 note = f"stopped with {100 * (1 - asm.coverage()):.2f}% missing"
-                if asm.conflicts:  # whole coverage can still be held back by copies that disagree
+                if asm.conflicts:  # (after a conflict above: the shadow stopped there)
                     s, b, lo, hi = asm.conflicts[0]
                     note += (f" and {len(asm.conflicts)} conflicting copies (first: {self._clash(asm, s, b, lo, hi)}, "
                              f"bucket {b}, elements {lo}-{hi})")
                 rep = IterationReport(it + self.offset, "abandoned", asm.packets, asm.bytes,
-                                      [asm.coverage(s) for s in range(self.nstreams)], note=note)
+                                      [asm.coverage(s) for s in range(self.nstreams)], note=note,
+                                      missing=asm.missing(lambda b, w=asm.iteration: self.plan.param_ranges(w, b)))
                 self._close(asm)
                 self.reports.append(rep)
                 if self.on_iteration:

@@ -179,11 +179,9 @@ def test_the_fast_path_reading_in_small_chunks_commits_through_the_window(three_
     assert reps and all(r.status == "committed" for r in reps), [(r.iteration, r.status) for r in reps]
 
 
-def test_a_daemon_stopped_on_a_conflict_says_so_not_only_missing(three_mirrors, tmp_path):
-    """A daemon stopped while the last iteration holds copies that disagree: whole
-    coverage, yet never committed. The abandoned report names the conflict, so an
-    operator does not read "0.00% missing" as a capture that fell just short."""
-    from ckptd.pipeline import Pipeline, file_source
+def _last_iteration_altered(three_mirrors, tmp_path) -> tuple[list[str], int]:
+    """The scenario's files, mirror 0 with one allgather packet of the last iteration
+    altered (its ICRC kept right): (paths, that iteration)."""
     plan = load_plan(three_mirrors / "plan.json")
     paths = pcaps(three_mirrors)
     last = plan.iterations - 1 if plan.iterations else 3
@@ -193,13 +191,37 @@ def test_a_daemon_stopped_on_a_conflict_says_so_not_only_missing(three_mirrors, 
     write_pcap(out[0], altered)
     for src, dst in zip(paths[1:], out[1:]):
         write_pcap(dst, list(open_capture(src)))
+    return out, last
+
+
+def test_a_daemon_stopped_on_a_conflict_says_so_not_only_missing(three_mirrors, tmp_path):
+    """A daemon stopped while the last iteration holds copies that disagree: whole
+    coverage, yet never committed. It was "abandoned" (the conflict only in its note) and
+    the daemon's exit status 0: no copy still to come undoes a disagreement, so it is a
+    conflict, as a replay reports it."""
+    from ckptd.pipeline import Pipeline, file_source
+    out, last = _last_iteration_altered(three_mirrors, tmp_path)
+    plan = load_plan(three_mirrors / "plan.json")
     pipe = Pipeline(plan, load_checkpoint(three_mirrors / "init.pt"), len(out), ReplayOptions())
     pipe.run(file_source(out, pipe.errors), abandon=True)
     rep = pipe.reports[-1]
-    assert rep.iteration == last and rep.status == "abandoned", [(r.iteration, r.status) for r in pipe.reports]
-    assert re.fullmatch(r"stopped with 0\.00% missing and \d+ conflicting copies \(first: stream \d against "
-                        r"stream \d(, stream \d)?, "
-                        r"bucket \d+, elements \d+-\d+\)", rep.note), rep.note
+    assert rep.iteration == last and rep.status == "conflict", [(r.iteration, r.status) for r in pipe.reports]
+    assert re.match(r"\d+ packets disagree with another intact copy of their elements \(first: stream \d against "
+                    r"stream \d", rep.note), rep.note
+
+
+def test_a_daemon_whose_capture_ends_on_a_conflict_exits_3_naming_it(three_mirrors, tmp_path):
+    from ckptd.live.daemon import Daemon, load_config
+    from ckptd.pipeline import file_source
+    out, last = _last_iteration_altered(three_mirrors, tmp_path)
+    cfg = tmp_path / "ckptd.yaml"
+    cfg.write_text(f"plan: {three_mirrors / 'plan.json'}\ninit: {three_mirrors / 'init.pt'}\nout: {tmp_path / 'ck'}\n"
+                   "listen: 127.0.0.1:0\ninterfaces:\n" + "".join(f"  - {{name: mirror{m}, ifname: m{m}}}\n"
+                                                                 for m in range(len(out))))
+    daemon = Daemon(load_config(cfg))
+    assert daemon.run(source=file_source(out, []), install_signals=False) == 3
+    assert [r.status for r in daemon.pipe.reports if r.iteration == last] == ["conflict"]
+    assert last in [u["iteration"] for u in daemon.unrecovered]
 
 
 def test_a_conflict_note_names_the_stream_by_its_file_and_the_shadow_after_a_semicolon(three_mirrors, tmp_path,

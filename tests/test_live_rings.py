@@ -400,6 +400,66 @@ def test_every_capture_worker_killed_ends_the_daemon_with_exit_6(run, links, tmp
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 
+def test_capture_workers_commit_the_last_iteration_while_the_ports_are_quiet(run, links, tmp_path):
+    """With capture workers, no batch came while the ports were quiet, so the capture
+    clock stood still: the job's last iteration, complete, waited in its agreement window
+    for the next traffic or the stop (1.5 s after the job, /status said 4 where the
+    in-process loop said 5). The workers' quiet waits now move the clock as the rings'."""
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], True, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
+            time.sleep(0.05)
+        send_streams(run, links[0], 4000)
+        deadline = time.time() + 5
+        while time.time() < deadline and daemon.snapshot.get().get("last_committed") != 5:
+            time.sleep(0.05)
+        assert daemon.snapshot.get()["last_committed"] == 5, daemon.snapshot.get()["last_committed"]
+        assert not daemon.stop.is_set()
+    finally:
+        daemon.stop.set()
+        t.join(60)
+    assert_every_iteration_exact(run, daemon, tmp_path / "ck", result["rc"])
+
+
+@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_path, workers):
+    """Both capture interfaces deleted mid-run: the daemon logged ENETDOWN (in-process;
+    the workers said nothing) and went on capturing nothing, /status "running", exit 0.
+    The kernel unbinds a packet socket from a device it unregisters, and one made again
+    under the name is another device: a deleted interface's capture ends, and with none
+    left the daemon ends by itself, exit 6, as when every capture worker dies."""
+    from pyroute2 import IPRoute
+    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16,
+                                  block_nr=64, retire_ms=10))
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
+            time.sleep(0.05)
+        streams = [[f.data for f in read_pcap(p)] for p in pcaps(run)]
+        for k, frames in enumerate(streams):
+            send_frames(frames[:len(frames) // 3], f"tx{k}", links[0], timing="rate", pps=4000)
+        with IPRoute(netns=links[1], flags=0) as ipr:
+            for k in range(2):
+                ipr.link("del", index=ipr.link_lookup(ifname=f"rx{k}")[0])
+        t.join(15)  # it ends by itself: nothing asked it to stop
+        assert not t.is_alive(), "the daemon went on with no interface left"
+    finally:
+        daemon.stop.set()
+        t.join(60)
+    assert result["rc"] == 6 and daemon.capture_ended
+    gone = [e for e in daemon.pipe.errors if "the interface is gone (deleted): its capture ends" in e]
+    assert len(gone) == 2 and all(f"rx{k}" in " ".join(gone) for k in range(2)), daemon.pipe.errors
+    assert_committed_are_exact(run, daemon, tmp_path / "ck")
+
+
 def test_capture_worker_config_is_checked(run, tmp_path):
     from ckptd.live.daemon import ConfigError, load_config
 

@@ -973,7 +973,7 @@ class Daemon:
         before each batch."""
         from ckptd.live.ring import ring_batches, turn_bytes
         if self.workers is not None:
-            batches = self.workers.batches(self.stop, self.pipe.errors, on_poll=self.loop.polled)
+            batches = self.workers.batches(self.stop, self.pipe.errors, on_poll=self.loop.polled, idle=True)
         else:
             batches = ring_batches(self.captures, self.stop, self.pipe.errors, idle=True,
                                    on_poll=self.loop.polled, turn=turn_bytes(self.plan.least_link_bytes()))
@@ -982,17 +982,17 @@ class Daemon:
         settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000
         reported = len(self.pipe.errors)
         for _, batch in batches:
+            if len(self.pipe.errors) > reported:  # a worker died, a link went down: say so now
+                for e in self.pipe.errors[reported:]:
+                    log.error("capture error", extra={"fields": {"error": e}})
+                reported = len(self.pipe.errors)
+                self._publish()
             if batch is None:  # the mirror ports are quiet: the capture clock moves on
                 self.pipe.advance_clock([time.time_ns() - settled_ns] * len(self.captures))
                 if self._snapshot_due(quiet=True):
                     self._publish()
                 continue
             self._watch_drops()
-            if len(self.pipe.errors) > reported:  # e.g. a capture worker died: say so now
-                for e in self.pipe.errors[reported:]:
-                    log.error("capture error", extra={"fields": {"error": e}})
-                reported = len(self.pipe.errors)
-                self._publish()
             yield batch
         self._watch_drops(force=True)
 

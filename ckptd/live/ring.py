@@ -538,6 +538,17 @@ class RingCapture:
             self._errors[name] = self._errors.get(name, 0) + 1
         return f"{self._where}: {name} ({os.strerror(err)})"
 
+    def gone(self) -> bool:
+        """Whether the interface the socket was bound to no longer exists: the kernel
+        unbinds a packet socket from a device it unregisters (getsockname then names no
+        interface), and one made again under the name is another device, never
+        captured. A link that only went down keeps its name: capture resumes when it
+        comes back up."""
+        try:
+            return self.sock.getsockname()[0] == ""
+        except OSError:
+            return True
+
     def _take_block(self) -> list[CapturedFrame]:
         mv, base = self._mv, self._block * self.block_size
         _, num, off = _BLOCK.unpack_from(mv, base + _BLOCK_STATUS_OFF)
@@ -736,6 +747,9 @@ def ring_batches(captures: list[RingCapture], stop_event: threading.Event,
     return _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, batch, release=True)
 
 
+GONE = "the interface is gone (deleted): its capture ends"
+
+
 def _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, read, release: bool = False):
     """The loop of ring_source and ring_batches: `read(k, capture)` gives the items one
     ring has ready (None: nothing); with `release` the ring's blocks go back to the
@@ -778,9 +792,12 @@ def _round_robin(captures, stop_event, errors, poll_s, idle, on_poll, read, rele
             ready = timed_wait(on_poll, poller.poll, int(poll_s * 1000))
             for fd, ev in ready:
                 if ev & select.POLLERR and by_fd.get(fd) in live:
-                    msg = captures[by_fd[fd]].take_error()  # e.g. the link went down
-                    if msg:
-                        errors.append(f"capture stream {by_fd[fd]}: {msg}")
+                    k = by_fd[fd]
+                    msg = captures[k].take_error()  # e.g. the link went down
+                    if captures[k].gone():  # deleted: this ring captures nothing again
+                        fail(k, f"{msg + ': ' if msg else ''}{GONE}")
+                    elif msg:
+                        errors.append(f"capture stream {k}: {msg}")
             if idle and not ready:
                 yield -1, None
     # Stop: hand over the blocks already retired, so nothing captured is silently lost.

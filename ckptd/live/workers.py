@@ -145,6 +145,7 @@ def _worker_main(stream: int, spec: dict, shm: SharedArea, conn, cpu: int | None
 
 
 def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, slot_bytes: int, checker=None):
+    from ckptd.live.ring import GONE
     bs = cap.block_size
     per_slot = slot_blocks(bs, slot_bytes)
     views = [_slot_views(shm, s, bs, slot_bytes) for s in range(SLOTS)]
@@ -171,7 +172,16 @@ def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, slot
             if not busy_poll:
                 for fd, ev in poller.poll(50):
                     if fd == cap.fileno() and ev & select.POLLERR:
-                        cap.take_error()
+                        # the link went down (told to the coordinator, as the in-process
+                        # loop tells it), or the interface is gone: nothing more will come
+                        msg = cap.take_error()
+                        if cap.gone():
+                            conn.send(("error", f"{msg + ': ' if msg else ''}{GONE}"))
+                            cap.close()
+                            conn.send(("done", cap.stats()))
+                            return
+                        if msg:
+                            conn.send(("error", msg))
             continue
         slot = int(free[0])
         data, meta, checked = views[slot]
@@ -286,12 +296,14 @@ class CaptureWorkers:
                 raise CaptureSetupError(f"interfaces[{k}]: {msg[1]}")
             self.captures[k].last.update(msg[1])
 
-    def batches(self, stop, errors: list[str],
-                on_poll: Callable[[float], None] | None = None) -> Iterator[tuple[int, Batch]]:
+    def batches(self, stop, errors: list[str], on_poll: Callable[[float], None] | None = None,
+                idle: bool = False) -> Iterator[tuple[int, Batch | None]]:
         """(stream, Batch) as the workers hand blocks over, until stop is set and every
         worker has drained its ring (or died). A Batch's slot goes back to its worker
         when the next item is asked for. on_poll gets the seconds each wait for the
-        workers took.
+        workers took. With idle=True a wait that brought nothing yields (-1, None), as
+        ring_batches does: the consumer's clock moves on while the ports are quiet (without
+        it a complete iteration waited for the next traffic, or the stop, to commit).
 
         One poll(2) set for the whole run (each worker's pipe and its process sentinel,
         which turns readable when the process ends): the coordinator pays this per batch,
@@ -329,6 +341,8 @@ class CaptureWorkers:
                     killed.add(k)
                     self.procs[k].kill()
             ready = timed_wait(on_poll, poller.poll, 50)
+            if idle and not ready:
+                yield -1, None
             for fd, _ in ready:
                 k, sentinel = which.get(fd, (None, False))
                 if sentinel:  # the process ended; what it sent before is still in its pipe
@@ -352,6 +366,8 @@ class CaptureWorkers:
                     cap.received += n
                     yield k, self._batch(k, slot, n)
                     self._busy[k][slot] = 0
+                elif msg[0] == "error":  # the link went down, or the interface is gone
+                    errors.append(f"capture stream {k}: {msg[1]}")
                 elif msg[0] == "done":
                     self.captures[k].last.update(msg[1])
                     self.captures[k].done = True

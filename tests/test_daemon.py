@@ -593,3 +593,25 @@ def test_status_clock_goes_on_while_no_frame_comes(run, tmp_path):
     assert second["uptime_s"] - first["uptime_s"] >= 0.35, (first["uptime_s"], second["uptime_s"])
     assert second["snapshot_age_s"] - first["snapshot_age_s"] >= 0.35
     assert first["last_committed"] == second["last_committed"]  # the same snapshot under both
+
+
+def test_a_daemon_that_lost_iterations_logs_the_diagnosis_replay_prints(run, tmp_path, caplog):
+    """A capture begun mid-job (the first 40% of each mirror's frames missing) without
+    `join`: replay says the capture began mid-job and to replay with --join; the daemon
+    only called the iterations' copies in conflict ("plan or capture is wrong"). At the
+    stop it now logs the extractor's diagnosis, as replay prints it under its table."""
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    late = []
+    for p in pcaps(run):
+        frames = list(open_capture(p))
+        late.append(str(tmp_path / os.path.basename(p)))
+        with open(late[-1], "wb") as f, PcapWriter(f) as w:
+            for fr in frames[len(frames) * 2 // 5:]:
+                w.write(fr.data, fr.ts_ns, fr.origlen)
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        rc = daemon.run(source=file_source(late, []), install_signals=False)
+    assert rc == 3
+    said = [r.fields["detail"] for r in caplog.records if r.getMessage() == "diagnosis"]
+    assert any("mid-job" in d and "--join" in d for d in said), said

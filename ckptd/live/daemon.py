@@ -1342,6 +1342,13 @@ class Daemon:
                             if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
+        if any(u["status"] not in ("abandoned", "dropped", "not-captured") for u in self.unrecovered):
+            # what replay prints under its table: why packets were rejected (the first few),
+            # flows no connection explains, a capture begun mid-job (`join: true`), suspects.
+            # The notes alone called a mid-job start copies "in conflict"
+            ex = self.pipe.extract
+            for line in [f"rejected: {e}" for e in ex.examples[:5]] + ex.diagnostics() + ex.suspects():
+                log.warning("diagnosis", extra={"fields": {"detail": line}})
         if self.capture_ended:
             last = max((r.iteration for r in self.pipe.reports), default=None)
             log.error("capture ended without a stop: every mirror port's capture failed (the capture errors above "

@@ -1418,8 +1418,11 @@ def main(argv=None) -> int:
     if (sys.argv[1:] if argv is None else list(argv))[:1] == ["run"] and \
             threading.current_thread() is threading.main_thread():
         # a daemon ignores SIGHUP (docs/DAEMON.md) from its first moment, not only once
-        # Daemon.run logs it: the imports below take a second or two
+        # Daemon.run logs it: the imports below take a second or two. A SIGTERM before
+        # Daemon.run takes it (a stop) ends the start as Ctrl-C does, with a line: it
+        # killed the process without a word, exit 143
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _interrupted)
     _file_names_as_bytes()
     if (sys.argv[1:] if argv is None else list(argv))[:1] != ["run"]:  # (the daemon sets up its own)
         logging.getLogger("ckptd").handlers[:] = [_CommandLog()]
@@ -1449,6 +1452,10 @@ def main(argv=None) -> int:
         print("ckptd: interrupted; the files written before are whole, none is left half-written",
               file=sys.stderr)
         return 130
+
+
+def _interrupted(*_):
+    raise KeyboardInterrupt
 
 
 def _quiet_stdout():

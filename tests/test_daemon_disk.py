@@ -187,3 +187,35 @@ def test_an_out_the_daemon_cannot_write_stops_it_at_the_start(run, tmp_path):
         assert "Read-only file system" in err[-1] and "Traceback" not in r.stderr
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_sigterm_while_the_daemon_starts_ends_it_with_a_line(tmp_path):
+    """Before Daemon.run takes SIGTERM as a stop (imports, the config, the shadow), the
+    default action killed the process without a word, exit 143 (SIGINT said a line and
+    exited 130). Here the config is a FIFO nobody writes into: the start waits on it."""
+    import subprocess
+    import sys
+    fifo = tmp_path / "ckptd.yaml"
+    os.mkfifo(fifo)
+    p = subprocess.Popen([sys.executable, "-m", "ckptd", "run", "--config", str(fifo)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _holds(p.pid, fifo):  # the start waits on the FIFO
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and err.count("\n") == 1 and "interrupted" in err, (p.returncode, err)
+
+
+def _holds(pid: int, path) -> bool:
+    """Whether process pid has `path` open."""
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    return True
+            except OSError:
+                continue  # closed meanwhile
+    except OSError:
+        pass
+    return False

@@ -221,6 +221,15 @@ def test_torch_refusal_names_the_group_key(plan_doc, tmp_path):
     _refused(tmp_path, "optimizer.groups[0].nesterov is True: torch.optim.SGD refuses it", doc)
 
 
+def test_a_plan_without_parameters_whose_buckets_name_some_says_so(plan_doc, tmp_path):
+    """It said the optimizer's groups name unknown parameters (the gloo probe)."""
+    doc = json.loads(json.dumps(plan_doc))
+    first = doc["buckets"]["first"][0]["params"][0]
+    del doc["parameters"]
+    _refused(tmp_path, f"parameters: missing, and the buckets name {sum(len(b['params']) for b in doc['buckets']['first'])}"
+             f" (first: '{first}')", doc)
+
+
 def test_a_pair_of_three_values_is_refused_naming_the_key(plan_doc, tmp_path):
     """torch's Adam checks betas[0] and betas[1] and unpacks the pair at its first step."""
     doc = _opt(plan_doc, groups=[{"params": _names(plan_doc), "lr": 0.001, "betas": [0.9, 0.99, 0.5]}])

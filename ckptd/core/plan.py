@@ -1544,6 +1544,10 @@ def _plan_from_json(raw) -> Plan:
         return tuple(out)
 
     first = layout("first")
+    named = [n for b in first for n in b.params]
+    if named and "parameters" not in raw:  # (it said the optimizer's groups name unknown parameters)
+        raise PlanError(f"parameters: missing, and the buckets name {len(named)} (first: {_short(named[0])}): "
+                        "the plan lists each parameter's name, shape and dtype there")
     limits = bk.get("limits")
     if limits is not None and not isinstance(limits, dict):
         raise PlanError(f"buckets.limits must be an object, not {_kind(limits)}")

@@ -290,7 +290,10 @@ def cmd_replay(a) -> int:
         shown = ", ".join(str(r.iteration) for r in [r for r in reps if r.ok][:5])
         print(f"warning: --reference {a.reference}: no checkpoint there is of a committed iteration "
               f"({shown}{', ...' if committed > 5 else ''}): nothing was compared", file=sys.stderr)
-    print(f"{len(reps)} iterations, {committed} committed, {len(bad)} not recovered"
+    past = [r.iteration for r in reps if plan.iterations is not None and r.iteration >= plan.iterations]
+    # (the summary said "3 committed, 0 not recovered" above the error that sets them aside)
+    print(f"{len(reps)} iterations, {committed} committed{' but suspect (see the error)' * bool(past and committed)}, "
+          f"{len(bad)} not recovered"
           + (f" ({', '.join(str(r.iteration) for r in bad[:20])})" if bad else "")
           + f"; {time.time() - t0:.1f}s")
     if before:
@@ -317,7 +320,6 @@ def cmd_replay(a) -> int:
         raise UsageError(f"the captures ({frames} frames) hold no iteration of the job in {a.plan}: "
                          "captures of another job, or a plan with other addresses or QPs "
                          "(`ckptd inspect` lists the captures' flows)")
-    past = [r.iteration for r in reps if plan.iterations is not None and r.iteration >= plan.iterations]
     if past:
         # the captures held more allreduce rounds than the job has iterations after the
         # start state: the rounds were numbered (and stepped) from the init's iteration + 1,

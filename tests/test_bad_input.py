@@ -1290,6 +1290,8 @@ def test_an_init_of_a_later_iteration_than_the_captures_is_refused(tmp_path, cap
     assert "past the 3 of the plan" in r.stderr
     # what it committed is not left as committed state (helper review, session 28): set aside
     assert "the 3 written are set aside in" in r.stderr
+    # the summary above the error does not call them committed alone (gloo probe, session 37)
+    assert "3 committed but suspect (see the error)" in r.stdout, r.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         f"iter_{i:06d}.pt.suspect" for i in (1, 2, 3)]
     # a join from an iteration the capture did not begin at: named as the cause, not the init

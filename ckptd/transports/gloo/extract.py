@@ -413,7 +413,7 @@ class GlooExtractor(Transport):
         """Keep small broadcast payloads; the rebuilt layout is two of them. Once it is
         resolved, later copies of those two are still compared (layout_conflict)."""
         h = m.header
-        if h.tag in self.rebuilt_payloads:
+        if h.tag in self.rebuilt_payloads and m.complete:  # (a partial copy's holes read as zeros)
             self._keep_copy(key, m, self.rebuilt_payloads, self.bcast_spans, self.bcast_clash, "broadcast")
         if self.rebuilt != "pending" or h.length > 4 * (self.nparams + 1) or h.length % 4:
             return

@@ -615,3 +615,30 @@ def test_a_daemon_that_lost_iterations_logs_the_diagnosis_replay_prints(run, tmp
     assert rc == 3
     said = [r.fields["detail"] for r in caplog.records if r.getMessage() == "diagnosis"]
     assert any("mid-job" in d and "--join" in d for d in said), said
+
+
+def test_two_daemons_with_one_out_are_refused(run, tmp_path):
+    """Two daemons writing one `out` deleted each other's temporary files as a crash's
+    leftovers, and each manifest listed only its own commits (the next start called the
+    other's files foreign). The second is refused while the first runs; once the first has
+    stopped, the directory is free again."""
+    first = Daemon(load_config(_config(run, tmp_path)))
+    running, release = threading.Event(), threading.Event()
+
+    def source():
+        running.set()
+        release.wait(30)
+        yield from ()
+
+    t = threading.Thread(target=lambda: first.run(source=source(), install_signals=False))
+    t.start()
+    try:
+        assert running.wait(30)
+        second = Daemon(load_config(_config(run, tmp_path)))
+        with pytest.raises(ConfigError, match=r"'out' .* is in use by another ckptd daemon"):
+            second.run(source=iter(()), install_signals=False)
+    finally:
+        release.set()
+        t.join(60)
+    third = Daemon(load_config(_config(run, tmp_path)))
+    assert third.run(source=iter(()), install_signals=False) in (0, 3)

@@ -1156,6 +1156,27 @@ class Daemon:
                 raise ConfigError(f"{key} {d}: the daemon cannot write there ({who}): "
                                   f"{e.strerror or e}") from None
 
+    def _lock_out(self):
+        """An exclusive lock on the `out` directory for as long as the daemon runs: two
+        daemons with one `out` deleted each other's temporary files as a crash's leftovers
+        (a write failed, "No such file or directory"), and each one's manifest listed only
+        its own commits, so the next start refused the other's as foreign. Released when
+        the process ends, however it ends."""
+        import fcntl
+        fd = os.open(self.cfg.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"{self.cfg.where}'out' {self.cfg.out} is in use by another ckptd daemon (it holds "
+                              "the directory's lock): give each daemon an `out` of its own") from None
+        self._out_fd = fd
+
+    def _unlock_out(self):
+        fd, self._out_fd = getattr(self, "_out_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
     def _persist_dir(self) -> str | None:
         """persist_url naming a local directory (file://): it is the daemon's to write too."""
         from ckptd.core.store import open_store
@@ -1306,6 +1327,7 @@ class Daemon:
                     source = ring_source(self.captures, self.stop, self.pipe.errors, idle=True,
                                          on_poll=self.loop.polled)
             self._check_writable()
+            self._lock_out()
             self._publish()
             host, port = self.address[:2]
             bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # the port listen: ...:0 got
@@ -1332,6 +1354,7 @@ class Daemon:
                 c.close()
             self._close_interfaces(warn=True)
             server.stop()
+            self._unlock_out()
         abandoned = [r.iteration for r in self.pipe.reports if r.status == "abandoned"]
         dropped = [r.iteration for r in self.pipe.reports if r.status == "dropped"]
         log.warning("stopped", extra={"fields": {

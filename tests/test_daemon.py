@@ -642,3 +642,23 @@ def test_two_daemons_with_one_out_are_refused(run, tmp_path):
         t.join(60)
     third = Daemon(load_config(_config(run, tmp_path)))
     assert third.run(source=iter(()), install_signals=False) in (0, 3)
+
+
+def test_late_copies_are_counted_in_status_and_named_at_the_stop(run, tmp_path, caplog):
+    """A mirror stream 1 s behind the other: its copies come after their iterations were
+    committed on the first stream's alone, and are never compared. They were counted in
+    no status, metric or log line (the probe's lagging mirror hid a disagreement so)."""
+    from parsers.capfile import open_capture
+    from parsers.pcap import PcapWriter
+    paths = pcaps(run)
+    behind = str(tmp_path / "behind.pcap")
+    with open(behind, "wb") as f, PcapWriter(f) as w:
+        for fr in open_capture(paths[1]):
+            w.write(fr.data, fr.ts_ns + 1_000_000_000, fr.origlen)
+    daemon = Daemon(load_config(_config(run, tmp_path)))
+    with caplog.at_level("WARNING", logger="ckptd"):
+        daemon.run(source=file_source([paths[0], behind], []), install_signals=False)
+    late = daemon.snapshot.get()["late_copies"]
+    assert late > 0 and late == daemon.pipe.late
+    said = [r for r in caplog.records if r.getMessage().startswith("copies arrived after their iteration")]
+    assert len(said) == 1 and said[0].fields["late_copies"] == late

@@ -1047,6 +1047,9 @@ class Daemon:
             "commit_lag_s": committed.commit_lag if committed else None,
             "checkpoint_write_s": committed.write_seconds if committed else None,
             "iterations_by_status": dict(self.by_status),
+            # copies of iterations already finalized: not compared with what was committed
+            # (a stream more than agree_window_ms behind the others shows here first)
+            "late_copies": self.pipe.late,
             "shadow_stopped_after": self.pipe.stopped_after,
             "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
@@ -1365,6 +1368,11 @@ class Daemon:
                             if u["status"] not in ("abandoned", "dropped")]}})
         for e in self.pipe.errors:
             log.error("capture error", extra={"fields": {"error": e}})
+        if self.pipe.late:  # their iteration was finalized: a disagreement among them is never seen
+            log.warning("copies arrived after their iteration was finalized and were not compared with what was "
+                        "committed: a mirror stream more than agree_window_ms behind the others can hide a "
+                        "disagreement this way (raise agree_window_ms)", extra={"fields": {
+                            "late_copies": self.pipe.late, "agree_window_ms": self.cfg.agree_window_ms}})
         if any(u["status"] not in ("abandoned", "dropped", "not-captured") for u in self.unrecovered):
             # what replay prints under its table: why packets were rejected (the first few),
             # flows no connection explains, a capture begun mid-job (`join: true`), suspects.

@@ -107,6 +107,10 @@ class _Collector:
         for status, n in doc.get("iterations_by_status", {}).items():
             c.add_metric([status], n)
         yield c
+        c = CounterMetricFamily("ckptd_late_copies", "Copies of iterations already finalized, never compared with "
+                                "what was committed (a mirror stream more than agree_window_ms behind the others?)")
+        c.add_metric([], doc.get("late_copies", 0))
+        yield c
         div = doc.get("diverged")
         g = GaugeMetricFamily("ckptd_diverged_since_iteration", "The first committed iteration whose parameters "
                               "hold NaN or inf (-1: they are finite)")

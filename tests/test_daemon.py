@@ -614,7 +614,8 @@ def test_a_daemon_that_lost_iterations_logs_the_diagnosis_replay_prints(run, tmp
         rc = daemon.run(source=file_source(late, []), install_signals=False)
     assert rc == 3
     said = [r.fields["detail"] for r in caplog.records if r.getMessage() == "diagnosis"]
-    assert any("mid-job" in d and "--join" in d for d in said), said
+    # in the daemon's words: its config's join, not replay's option
+    assert any("mid-job" in d and "set join: true" in d and "--join" not in d for d in said), said
 
 
 def test_two_daemons_with_one_out_are_refused(run, tmp_path):

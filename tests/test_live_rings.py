@@ -427,7 +427,7 @@ def test_capture_workers_commit_the_last_iteration_while_the_ports_are_quiet(run
 
 
 @pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
-def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_path, workers):
+def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_path, workers, caplog):
     """Both capture interfaces deleted mid-run: the daemon logged ENETDOWN (in-process;
     the workers said nothing) and went on capturing nothing, /status "running", exit 0.
     The kernel unbinds a packet socket from a device it unregisters, and one made again
@@ -438,6 +438,7 @@ def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_pat
                                   block_nr=64, retire_ms=10))
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
+    caplog.set_level("ERROR", logger="ckptd")
     t.start()
     try:
         deadline = time.time() + 30
@@ -449,6 +450,7 @@ def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_pat
         with IPRoute(netns=links[1], flags=0) as ipr:
             for k in range(2):
                 ipr.link("del", index=ipr.link_lookup(ifname=f"rx{k}")[0])
+                time.sleep(0.5)  # the first one's error is logged while the other ring goes on
         t.join(15)  # it ends by itself: nothing asked it to stop
         assert not t.is_alive(), "the daemon went on with no interface left"
     finally:
@@ -457,6 +459,9 @@ def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_pat
     assert result["rc"] == 6 and daemon.capture_ended
     gone = [e for e in daemon.pipe.errors if "the interface is gone (deleted): its capture ends" in e]
     assert len(gone) == 2 and all(f"rx{k}" in " ".join(gone) for k in range(2)), daemon.pipe.errors
+    # each error once: as it came, not again at the stop
+    logged = [r.fields["error"] for r in caplog.records if r.getMessage() == "capture error"]
+    assert sorted(logged) == sorted(daemon.pipe.errors), logged
     assert_committed_are_exact(run, daemon, tmp_path / "ck")
 
 

@@ -636,6 +636,7 @@ class Daemon:
         self.loop = LoopClock()
         self.unrecovered: list[dict] = []
         self.capture_ended = False  # every capture failed, with no stop asked for (exit 6)
+        self.errors_logged = 0  # capture errors logged as they came (the rest are at the stop)
         self.unrecovered_statuses: set[str] = set()
         self.started = time.time()
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
@@ -980,12 +981,11 @@ class Daemon:
         # frames wait in a ring block for at most retire_ms before it is handed over: all
         # frames older than that have been placed when the rings are quiet
         settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000
-        reported = len(self.pipe.errors)
         for _, batch in batches:
-            if len(self.pipe.errors) > reported:  # a worker died, a link went down: say so now
-                for e in self.pipe.errors[reported:]:
+            if len(self.pipe.errors) > self.errors_logged:  # a worker died, a link went down: say so now
+                for e in self.pipe.errors[self.errors_logged:]:
                     log.error("capture error", extra={"fields": {"error": e}})
-                reported = len(self.pipe.errors)
+                self.errors_logged = len(self.pipe.errors)
                 self._publish()
             if batch is None:  # the mirror ports are quiet: the capture clock moves on
                 self.pipe.advance_clock([time.time_ns() - settled_ns] * len(self.captures))
@@ -1366,7 +1366,7 @@ class Daemon:
             "diverged_since": self.diverged["since"] if self.diverged else None,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})
-        for e in self.pipe.errors:
+        for e in self.pipe.errors[self.errors_logged:]:  # (those logged as they came are not again)
             log.error("capture error", extra={"fields": {"error": e}})
         if self.pipe.late:  # their iteration was finalized: a disagreement among them is never seen
             log.warning("copies arrived after their iteration was finalized and were not compared with what was "
@@ -1379,6 +1379,7 @@ class Daemon:
             # The notes alone called a mid-job start copies "in conflict"
             ex = self.pipe.extract
             for line in [f"rejected: {e}" for e in ex.examples[:5]] + ex.diagnostics() + ex.suspects():
+                line = line.replace("replay with --join (or --join-from N)", "set join: true (or join_from: N)")
                 log.warning("diagnosis", extra={"fields": {"detail": line}})
         if self.capture_ended:
             last = max((r.iteration for r in self.pipe.reports), default=None)

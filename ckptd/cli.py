@@ -1424,7 +1424,9 @@ def main(argv=None) -> int:
         # Daemon.run takes it (a stop) ends the start as Ctrl-C does, with a line: it
         # killed the process without a word, exit 143
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, _interrupted)
+        if argv is None:  # the process's own command line: not a caller's process (tests)
+            _STARTING_PID[:] = [os.getpid()]
+            signal.signal(signal.SIGTERM, _interrupted)
     _file_names_as_bytes()
     if (sys.argv[1:] if argv is None else list(argv))[:1] != ["run"]:  # (the daemon sets up its own)
         logging.getLogger("ckptd").handlers[:] = [_CommandLog()]
@@ -1456,7 +1458,19 @@ def main(argv=None) -> int:
         return 130
 
 
-def _interrupted(*_):
+_STARTING_PID: list[int] = []  # the process whose start a SIGTERM interrupts
+
+
+def _interrupted(signum, _frame):
+    """SIGTERM during the daemon's start: Ctrl-C's way out, with its line. A process forked
+    from this one meanwhile (a capture worker, a helper) gets the default action: it must
+    end, not run this process's exit path."""
+    import os
+    import signal
+    if os.getpid() not in _STARTING_PID:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt
 
 

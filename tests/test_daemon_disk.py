@@ -219,3 +219,22 @@ def _holds(pid: int, path) -> bool:
     except OSError:
         pass
     return False
+
+
+def test_a_process_forked_during_the_start_ends_on_sigterm():
+    """The start-up handler raised KeyboardInterrupt in a process forked meanwhile (a
+    capture worker, or a test's helper): the child ran its parent's exit path instead of
+    ending (CI stopped at 16%). A forked child gets the default action."""
+    import ckptd.cli as cli
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's start is the one the handler was set for
+        try:
+            cli._STARTING_PID[:] = [os.getppid()]
+            signal.signal(signal.SIGTERM, cli._interrupted)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException:
+            os._exit(7)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status

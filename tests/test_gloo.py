@@ -489,50 +489,6 @@ def test_a_layout_learned_from_copies_that_disagree_commits_nothing_placed_in_it
                    for r in reps[1:]), reps[1].note
 
 
-def _distinct_addresses(pcap: Path, out: Path, endpoint: dict) -> str:
-    """The capture with rank r's address 10.0.0.(r+1) (the job ran on 127.0.0.1), and only
-    the job's connections: the ranks are then known from the plan, without the
-    connection setup."""
-    import ipaddress
-    from parsers.capfile import open_capture
-    from parsers.pcap import PcapWriter
-    with open(out, "wb") as f, PcapWriter(f) as w:
-        for fr in open_capture(pcap):
-            s, _ = decode_tcp_frame(fr.data, fr.linktype, fr.origlen)
-            ends = (endpoint.get((str(s.src), s.tcp.sport)), endpoint.get((str(s.dst), s.tcp.dport))) if s else ()
-            if None in ends or not ends:
-                continue
-            data = bytearray(fr.data)  # Ethernet, IPv4: source at 26, destination at 30
-            data[26:30], data[30:34] = (ipaddress.IPv4Address(f"10.0.0.{r + 1}").packed for r in ends)
-            w.write(bytes(data), fr.ts_ns, fr.origlen)
-    return str(out)
-
-
-def test_a_capture_begun_after_the_job_commits_nothing(ddp_capture):
-    """Ranks at distinct addresses, so a capture without the connection setup still maps
-    them: the first allreduce it saw was numbered iteration 0's, and later iterations'
-    gradients were committed as earlier ones' (NOT bit-exact, exit 0 without a reference).
-    Without a ring connection seen from its SYN, nothing proves which allreduce is the
-    first: nothing is placed, and each iteration says why."""
-    tmp, pcap, dropped = ddp_capture
-    if dropped and not dropped[0].startswith("0 "):
-        pytest.skip(f"tcpdump lost packets ({dropped[0]}): the capture is not complete")
-    from ckptd.core.plan import plan_from_json
-    from parsers.capfile import open_capture
-    doc = _plan_doc(tmp)
-    doc["ranks"] = [{"rank": r["rank"], "addr": f"10.0.0.{r['rank'] + 1}"} for r in doc["ranks"]]
-    endpoint = _replay(tmp, [str(pcap)]).extract.ranks.endpoint
-    moved = _distinct_addresses(pcap, tmp / "distinct.pcap", endpoint)
-    whole = list(_replay(tmp, [moved], plan_from_json(doc)).reports)
-    assert all(r.status == "committed" and r.exact for r in whole), [(r.status, r.note) for r in whole]
-    frames = list(open_capture(moved))
-    for cut in (len(frames) // 5, len(frames) // 3, len(frames) // 2):
-        late = _split(Path(moved), tmp / f"from{cut}.pcap", lambda i, cut=cut: i > cut)
-        reps = list(_replay(tmp, [late], plan_from_json(doc)).reports)
-        assert not [r for r in reps if r.status == "committed"], (cut, [(r.status, r.exact) for r in reps])
-        assert all("the capture began after the job had" in r.note for r in reps), (cut, reps[0].note)
-
-
 def test_wrong_rebuilt_layout_is_reported_and_nothing_after_iteration_0_commits(ddp_capture):
     tmp, pcap, dropped = ddp_capture
     if dropped and not dropped[0].startswith("0 "):

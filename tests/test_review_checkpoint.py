@@ -24,7 +24,7 @@ from ckptd.core.manifest import (MANIFEST, MANIFEST_FORMAT, file_digest, newest_
                                  verify_checkpoint)
 from ckptd.live.serve import HttpServer, Response
 from ckptd.recovery import fetch
-from tests.test_checkpoint_files import flip_byte, main, member_data_offset, one_line_error, small_doc, tensor_member
+from tests.test_checkpoint_files import flip_byte, main, member_data_offset, small_doc, tensor_member
 
 
 def _manifest(entry: dict) -> bytes:
@@ -53,7 +53,12 @@ def test_a_remote_persisted_checkpoint_of_the_wrong_structure_is_refused_naming_
     with caplog.at_level(logging.WARNING, logger="ckptd"):
         assert newest_verified(store) is None  # skipped with a warning, as a tampered file is
     assert any("model is a list" in r.fields["error"] for r in caplog.records if hasattr(r, "fields"))
-    one_line_error(main(capsys, "verify", store.url, "unused.pt"), store.url, "no manifest entry there verifies")
+    # the entry's own reason as a warning line (session 37: logged warnings print in commands), then the error
+    rc, _, err = main(capsys, "verify", store.url, "unused.pt")
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 2 and "Traceback" not in err, err
+    assert lines[0].startswith("warning: persisted checkpoint does not verify") and "model is a list" in lines[0]
+    assert lines[1].startswith("error: ") and store.url in lines[1] and "no manifest entry there verifies" in lines[1]
 
 
 def test_the_daemon_url_body_of_the_wrong_structure_is_refused_naming_the_key():

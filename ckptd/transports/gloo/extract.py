@@ -230,10 +230,6 @@ class GlooExtractor(Transport):
         self.loss_tags: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # by direction
         self.dir_last: dict[tuple, int] = {}  # direction -> tag of the last message framed on it
         self.dir_first: dict[tuple, int] = {}  # ring direction -> its first allreduce tag
-        self.dir_first_at: dict[tuple, int] = {}  # ... and that message's stream offset
-        # why the first allreduce seen cannot be told the job's first (no ring direction
-        # framed from its first byte to it: _start_unseen); "" once it can; None until known
-        self.start_unseen: str | None = None
         # an allreduce that broke the schedule where its framing was sure (a message
         # framed from its direction's start, whole): (allreduce number, tag, the first
         # training iteration its misnumbering reaches, what broke); nothing is placed from
@@ -369,7 +365,6 @@ class GlooExtractor(Transport):
             return  # nothing after the numbering stopped can be placed: not kept either
         if h.is_allreduce:
             self.dir_first.setdefault(key, h.tag)
-            self.dir_first_at.setdefault(key, m.offset)
         if h.tag > self.dir_top.get(key, -1):
             self.dir_top[key] = h.tag
             for k in [k for k in self.tail if k[0] == key and self._past(key, k[1])]:
@@ -593,20 +588,6 @@ class GlooExtractor(Transport):
         direction witnesses that it was no allreduce (_witness). Waiting while one
         still may; else numbering stops for good (count_lost) and the data held for
         later tags is dropped."""
-        if not self.map_pos and self.start_unseen is None:
-            why = self._start_unseen(t)
-            if not why:
-                self.start_unseen = ""
-            elif not final:
-                return True  # a ring direction framed from its start may still show it
-            else:  # allreduces before t may have passed unseen: t's number is not known
-                self.start_unseen = why
-                self.count_lost = (self.next_number, [], t - 1)
-                self.counters["after_count_lost"] += sum(map(len, self.data.values())) + \
-                    sum(map(len, self.tail.values()))
-                self.data.clear()
-                self.tail.clear()
-                return True
         # before the first allreduce (number 0): from the first tag the capture saw. The
         # collectives before that are DDP's start-up ones (_start_seen: no allreduce)
         prev = self.tags[self.map_pos - 1] if self.map_pos else min(self.seen_tags, default=t)
@@ -637,31 +618,6 @@ class GlooExtractor(Transport):
         for k in [k for k in self.tail if k[1] >= t]:
             del self.tail[k]
         return True
-
-    def _start_unseen(self, t: int) -> str:
-        """Why tag t cannot be told the job's first allreduce, or "" where it can: a ring
-        direction (every allreduce crosses every one) framed from its connection's first
-        byte (its SYN seen), with nothing lost up to its first allreduce message, has t as
-        that first tag. A capture begun after the connections were made shows none: it
-        numbered the first allreduce it saw as iteration 0's and committed later
-        iterations' gradients as earlier ones'."""
-        gap = False
-        for key, first in self.dir_first.items():
-            rk = self._ranks(key)
-            if first != t or rk is None or (rk[0] - rk[1]) % self.nranks not in (1, self.nranks - 1):
-                continue
-            d, fr, at = self.reasm.dirs[key], self.framers[key], self.dir_first_at[key]
-            if d.syn and fr.from_start:
-                if not any(lo < at for lo, _ in fr.lost) and not any(s < at for s, _ in d.holes):
-                    return ""
-                gap = True
-        if gap:
-            return (f"a capture gap hid whole collectives (before gloo tag {t}, the first allreduce seen, bytes "
-                    "were lost on every ring connection): whether any was an allreduce is not known, so no "
-                    "allreduce can be told its iteration and bucket;")
-        return ("the capture began after the job had: no ring connection was seen from its first byte (its SYN), "
-                "so which allreduce is iteration 0's is not known (gloo numbers allreduces by their place in the "
-                "group's count); capture from before the job starts;")
 
     def _boundary(self, n: int) -> str | None:
         """The kind of round boundary right before allreduce number n: "rebuild" (DDP's
@@ -717,8 +673,6 @@ class GlooExtractor(Transport):
             return (f"gloo allreduce tag {tag} (number {n}) does not fit the plan's schedule ({what}): the job's "
                     "allreduces are not the ones the plan lists (a collective of its own it does not list, or one "
                     "listed it does not run), so no later allreduce can be told its iteration and bucket;")
-        if self.start_unseen:
-            return self.start_unseen
         unseen = self.count_lost[1]
         tags = f"{unseen[0]}" if len(unseen) == 1 else f"{unseen[0]}..{unseen[-1]}"
         return (f"a capture gap hid whole collectives (gloo tag(s) {tags}, never seen where bytes were lost): "
@@ -912,11 +866,7 @@ class GlooExtractor(Transport):
         if self.misfit is not None:
             out.append(f"allreduces numbered up to number {self.misfit[0]} (tag {self.misfit[1]}), which broke the "
                        f"schedule: {self.counters['after_misfit']} later allreduce message(s) not placed")
-        if self.start_unseen:
-            out.append(f"no allreduce numbered: tags before the first one seen ({self.count_lost[2] + 1}) were never "
-                       "seen where bytes were lost or before the capture began (no ring connection seen whole from "
-                       f"its SYN to it): {self.counters['after_count_lost']} allreduce message(s) not placed")
-        elif self.count_lost is not None:
+        if self.count_lost is not None:
             n, unseen, prev = self.count_lost
             out.append(f"allreduces numbered up to tag {prev}, then tag(s) {unseen[0]}"
                        + (f"..{unseen[-1]}" if len(unseen) > 1 else "") + " were never seen where bytes were "

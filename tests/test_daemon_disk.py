@@ -217,7 +217,7 @@ def _holds(pid: int, path) -> bool:
             except OSError:
                 continue  # closed meanwhile
     except OSError:
-        pass
+        return False  # the process has ended
     return False
 
 

@@ -80,16 +80,23 @@ def send_streams(run, ns, pps, midway=None, wrap=None, link_of=lambda k: k):
             midway()
 
 
-def run_until_done(daemon, run, ns, pps=4000, midway=None, wrap=None, link_of=lambda k: k) -> int:
-    """The daemon on its own thread while the streams are sent; stopped once iteration 5
-    is reported (or 30 s after the last frame). Returns its exit status."""
+def started(daemon) -> tuple[threading.Thread, dict]:
+    """The daemon running on its own thread (its capture open): the thread, and the dict
+    its exit status lands in ("rc")."""
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
     t.start()
+    deadline = time.time() + 30
+    while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
+        time.sleep(0.05)
+    return t, result
+
+
+def run_until_done(daemon, run, ns, pps=4000, midway=None, wrap=None, link_of=lambda k: k) -> int:
+    """The daemon on its own thread while the streams are sent; stopped once iteration 5
+    is reported (or 30 s after the last frame). Returns its exit status."""
+    t, result = started(daemon)
     try:
-        deadline = time.time() + 30
-        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
-            time.sleep(0.05)
         send_streams(run, ns, pps, midway, wrap, link_of)
         deadline = time.time() + 30
         while time.time() < deadline and not any(r.iteration == 5 for r in daemon.pipe.reports):
@@ -407,13 +414,8 @@ def test_capture_workers_commit_the_last_iteration_while_the_ports_are_quiet(run
     in-process loop said 5). The workers' quiet waits now move the clock as the rings'."""
     daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], True, block_size=1 << 16,
                                   block_nr=64, retire_ms=10))
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
-    t.start()
+    t, result = started(daemon)
     try:
-        deadline = time.time() + 30
-        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
-            time.sleep(0.05)
         send_streams(run, links[0], 4000)
         deadline = time.time() + 5
         while time.time() < deadline and daemon.snapshot.get().get("last_committed") != 5:
@@ -436,14 +438,9 @@ def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_pat
     from pyroute2 import IPRoute
     daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16,
                                   block_nr=64, retire_ms=10))
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("rc", daemon.run(install_signals=False)))
     caplog.set_level("ERROR", logger="ckptd")
-    t.start()
+    t, result = started(daemon)
     try:
-        deadline = time.time() + 30
-        while daemon.snapshot.get().get("state") != "running" and time.time() < deadline:
-            time.sleep(0.05)
         streams = [[f.data for f in read_pcap(p)] for p in pcaps(run)]
         for k, frames in enumerate(streams):
             send_frames(frames[:len(frames) // 3], f"tx{k}", links[0], timing="rate", pps=4000)

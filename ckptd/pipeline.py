@@ -79,6 +79,9 @@ FINALIZE_LAG = 2
 # Pipeline.errors' entry when joining found nothing to join (`ckptd replay` makes it its one error line)
 NOTHING_JOINED = "joining: no flow of the job was recognised, no iteration joined"
 SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer holds commits
+# Complete iterations held open at most, waiting for a live stream's copies (_copies_due):
+# the memory of that many iterations' buffers (the fast path's kernel has 8 slots).
+MAX_HELD = 6
 
 
 # -- source --------------------------------------------------------------------------
@@ -306,6 +309,19 @@ class Pipeline:
         self.stream_time = [0] * nstreams
         self.now_ns = 0
         self.held_since: dict[int, int] = {}
+        # how far each stream's copies have come (copies_seen): the newest wire iteration
+        # it carried a packet of, and the capture time of its newest such packet. A clock
+        # says when a stream's frames were captured, not which iteration they carry: a
+        # mirror link that lags delivers old iterations' copies at today's times.
+        self.stream_iter = [-1] * nstreams
+        self.stream_copy_ns = [0] * nstreams
+        self.first_copy_ns = 0
+        self.full_streams: dict[int, set[int]] = {}  # iteration -> streams that delivered all of it
+        self.held_for: dict[int, int] = {}  # iteration -> the stream it waited for, when forced on
+        # RoCE: every copy is placed and compared (IterationAssembly); gloo compares its
+        # copies in the reassembler and places the bytes once, so its placements do not
+        # show how far a stream's copies have come
+        self.gate_copies = getattr(self.extract, "places_every_copy", False)
         self.buffers_since: dict[int, int] = {}  # when the buffers after an iteration were whole (NCCL)
         self.classes = [Counter() for _ in range(nstreams)]
         self.errors: list[str] = []
@@ -373,12 +389,16 @@ class Pipeline:
             # has been placed and compared, and no more will come. One whose copies
             # disagree is a conflict, not in flight: no copy still to come undoes that
             # (it was "abandoned", and the daemon's exit status 0)
-            while (nxt := self.open.get(self.done + 1)) is not None and (nxt.complete or nxt.conflicts):
-                self._finalize_through(self.done + 1)
+            # A complete one a live stream still owes copies of is not: they were on their way.
+            while (nxt := self.open.get(self.done + 1)) is not None and (
+                    nxt.conflicts or nxt.complete and self._copies_due(nxt.iteration) is None):
+                self._finalize_through(self.done + 1, hold=False)
             for it in sorted(self.open):
                 asm = self.open.pop(it)
                 self.done = max(self.done, it)
                 note = f"stopped with {100 * (1 - asm.coverage()):.2f}% missing"
+                if asm.complete and (due := self._copies_due(it)) is not None:
+                    note = f"stopped while {self._owed(due, it)}"
                 if asm.conflicts:  # (after a conflict above: the shadow stopped there)
                     s, b, lo, hi = asm.conflicts[0]
                     note += (f" and {len(asm.conflicts)} conflicting copies (first: {self._clash(asm, s, b, lo, hi)}, "
@@ -398,7 +418,7 @@ class Pipeline:
             last = max(last, unplaced)
         if self.plan.iterations is not None:  # the job's total: missing ones are reported
             last = max(last, self.plan.iterations - 1 - self.offset)
-        self._finalize_through(last)
+        self._finalize_through(last, hold=False)  # every copy captured is in
         self._dump_rs(upto=last)
         self._close_applier()
         return self.reports
@@ -413,6 +433,7 @@ class Pipeline:
         """Assemble one placement (and whatever it sets off: finalizing iterations that
         are two behind, joining, stepping the shadow, committing)."""
         it = pl.iteration
+        self.copies_seen(pl.stream, it, self.now_ns)
         if pl.phase == RS:
             if self.opts.dump_gradients and pl.ring_step == 0:
                 # a loop's first reduce-scatter send carries the sender's own values
@@ -439,6 +460,17 @@ class Pipeline:
     def joining(self) -> bool:
         """Joining a running job, and not yet known where."""
         return self.opts.join and self.joined is None
+
+    def copies_seen(self, stream: int, it: int, ns: int):
+        """Stream `stream` carried a packet of wire iteration `it`, captured at `ns` (the
+        fast path's kernel reports its packets in bulk): _copies_due reads how far each
+        stream's copies have come."""
+        if it > self.stream_iter[stream]:
+            self.stream_iter[stream] = it
+        if ns > self.stream_copy_ns[stream]:
+            self.stream_copy_ns[stream] = ns
+            if not self.first_copy_ns:
+                self.first_copy_ns = ns
 
     def count_late(self, n: int):
         """Packets of iterations already done: late, or while joining, before the join."""
@@ -540,7 +572,37 @@ class Pipeline:
         commits when it is finalized, FINALIZE_LAG iterations on or at the end."""
         if self.window_ns <= 0:
             return True
-        return self._window_passed(self.held_since.setdefault(it, self.now_ns or max(self.stream_time)))
+        if not self._window_passed(self.held_since.setdefault(it, self.now_ns or max(self.stream_time))):
+            return False
+        return self._copies_due(it) is None
+
+    def _copies_due(self, it: int) -> int | None:
+        """A stream whose copies of complete iteration `it` may still come, or None. A
+        stream is done with it once it carried a packet of a later iteration (a mirror
+        link delivers in order, and a rank starts the next iteration's allreduce only
+        after this one's), or delivered all of it, or has carried no packet of the job
+        for SILENT_STREAM_WINDOWS windows (it stopped; from the capture's first packet,
+        for a stream that has carried none yet). Waiting for them is what keeps a mirror
+        that lags from having its copies arrive after a commit, uncompared."""
+        if not self.gate_copies or self.window_ns <= 0:
+            return None
+        # (the fast path moves the streams' clocks after each batch, its copies as it goes)
+        now = max(max(self.stream_time), max(self.stream_copy_ns), self.now_ns)
+        if not now:  # no capture times (pcapng simple blocks): no stream can be told silent
+            return None
+        silent = SILENT_STREAM_WINDOWS * self.window_ns
+        full = self.full_streams.setdefault(it, set())
+        asm = self.open.get(it)
+        for s in range(self.nstreams):
+            if self.stream_iter[s] > it or s in full:
+                continue
+            if now - (self.stream_copy_ns[s] or self.first_copy_ns or now) >= silent:
+                continue
+            if asm is not None and asm.coverage(s) >= 1.0:
+                full.add(s)
+                continue
+            return s
+        return None
 
     def _window_passed(self, since: int) -> bool:
         """Every stream that carries anything has delivered what it captured up to one
@@ -567,11 +629,21 @@ class Pipeline:
             self.close_assembly(asm)
 
     # -- finalize, apply, keep -------------------------------------------------------
-    def _finalize_through(self, upto: int):
+    def _finalize_through(self, upto: int, hold: bool = True):
+        """Finalize every iteration up to `upto`, in order (FINALIZE_LAG on from the newest,
+        or the end of input: hold=False). A complete iteration whose copies a live stream
+        still owes (_copies_due) is held instead, up to MAX_HELD iterations; past that it
+        is refused, never committed on the copies that came first."""
         while self.done < upto:
             it = self.done + 1
+            asm = self.open.get(it)
+            if hold and asm is not None and asm.complete and (due := self._copies_due(it)) is not None:
+                if self.highest - it < MAX_HELD:
+                    return
+                self.held_for[it] = due
             self.held_since.pop(it, None)
             self.buffers_since.pop(it, None)
+            self.full_streams.pop(it, None)
             asm = self.open.pop(it, None) or self.open_assembly(it)
             self.done = self.extract.done = it
             self._finalize(asm)
@@ -612,6 +684,11 @@ class Pipeline:
                     f"joined here before every flow of {', '.join(self.join_unbound)} was bound (taken "
                     f"{FINALIZE_LAG} iterations on without them): their packets of it may have passed "
                     "before the capture saw them")
+        elif (due := self.held_for.pop(wire, None)) is not None:  # never committed on the first copies
+            rep.status = "unrecoverable"
+            rep.note = (f"not committed: {self._owed(due, wire)} when iteration {self.highest + self.offset} "
+                        f"began ({MAX_HELD} held); a mirror stream that lags this far, or has stopped for less "
+                        f"than {SILENT_STREAM_WINDOWS} agreement windows, holds commits")
         elif clash:  # never resolved by which copy came first
             b, stream, where = clash
             where = f"{self.stream_name(stream)}, {where}"
@@ -658,6 +735,12 @@ class Pipeline:
         if not others:
             return f"{self.stream_name(s)}, within itself"
         return f"{self.stream_name(s)} against {', '.join(self.stream_name(t) for t in others)}"
+
+    def _owed(self, s: int, wire: int) -> str:
+        """Words for stream s still owing copies of wire iteration `wire` (_copies_due)."""
+        seen = self.stream_iter[s]
+        where = "none of the job's packets yet" if seen < 0 else f"packets of iteration {seen + self.offset} last"
+        return f"{self.stream_name(s)} had not delivered its copies of iteration {wire + self.offset} (it carried {where})"
 
     def stream_name(self, s: int) -> str:
         """What notes call stream s: its file's or interface's name, where known."""

@@ -628,6 +628,12 @@ cdef class BatchKernel:
     cdef int64_t[:, ::1] slot_counts          # [slot, 0 packets | 1 bytes | 2 stop after any placement]
     cdef int64_t[:, :, ::1] slot_bucket       # [slot, bucket, 0 newly covered | 1 still uncovered]
 
+    # how far each stream's copies have come (Pipeline.copies_seen, read by progress):
+    # the newest training iteration it carried a packet of, and the batch frame of that
+    # stream's newest such packet since the last read (-1: none)
+    cdef int64_t[::1] s_iter, s_frame
+    cdef int64_t cur_frame
+
     # outputs, folded into the reference's objects by drain
     cdef int64_t[:, ::1] classes              # [stream, class]
     cdef int64_t[::1] counters
@@ -653,6 +659,9 @@ cdef class BatchKernel:
         self.crc_impl = 0
         self.crc_fn = ckptd_crc_zlib
         self.nconflicts = 0
+        self.s_iter = np.full(max(nstreams, 1), -1, np.int64)
+        self.s_frame = np.full(max(nstreams, 1), -1, np.int64)
+        self.cur_frame = -1
         self._flow_arrays(FLOWS_START, 0)
 
     def set_crc(self, int impl, size_t external=0):
@@ -964,6 +973,18 @@ cdef class BatchKernel:
                 (self.conflicts[r, 1], self.conflicts[r, 2], self.conflicts[r, 3], self.conflicts[r, 4]))
         self.nconflicts = 0
         return late
+
+    def progress(self):
+        """(stream, newest iteration it carried a packet of, batch frame of its newest
+        such packet) for each stream that carried one since the last call: what
+        Pipeline.copies_seen records for the reference path."""
+        out = []
+        cdef Py_ssize_t s
+        for s in range(self.s_frame.shape[0]):
+            if self.s_frame[s] >= 0:
+                out.append((s, self.s_iter[s], self.s_frame[s]))
+                self.s_frame[s] = -1
+        return out
 
     def stream_newest(self, const int32_t[:] stream, const int64_t[:] ts):
         """The newest capture time of each stream in a batch (0 where it has none): the
@@ -1554,6 +1575,9 @@ cdef class BatchKernel:
         # commit
         if u > self.fe_last[e]:
             self.fe_last[e] = u
+        if it > self.s_iter[stream]:
+            self.s_iter[stream] = it
+        self.s_frame[stream] = self.cur_frame
         if recv != NULL:
             recv[0] = 1
         self.counters[C_AG_PACKETS if phase == 1 else C_RS_PACKETS] += 1
@@ -1718,6 +1742,7 @@ cdef class BatchKernel:
                     __builtin_prefetch(d + 64)
                 d = &buf[offsets[i]] if caplen[i] else NULL
                 s = stream[i]
+                self.cur_frame = i
                 flow = -1
                 cls = self.decode_frame(d, caplen[i], origlen[i], linktype[i], &f,
                                         has_checked and checked[i])

@@ -19,8 +19,8 @@ from parsers.roce import FrameClass, decode_frame
 from ckptd.core.checkpoint import load_checkpoint
 from ckptd.core.plan import load_plan
 from ckptd.core.schedule import AG
-from ckptd.fast.pipeline import fast_replay
-from ckptd.pipeline import ReplayOptions, replay
+from ckptd.fast.pipeline import FastPipeline, fast_replay
+from ckptd.pipeline import Pipeline, ReplayOptions, file_source, replay
 from ckptd.transports.roce.transport import RoceTransport
 from helpers import pcaps, synth
 
@@ -64,18 +64,23 @@ def _alter(frames, k: int, flip_bit: bool = False) -> tuple[list, bytes]:
 LATER_NS = 10_000_000  # the other mirror ports' copies reach the capture host 10 ms later
 
 
-def _altered_scenario(tmp: Path, src: Path, flip_bit: bool = False) -> tuple[list[str], int]:
+def _altered_scenario(tmp: Path, src: Path, flip_bit: bool = False, later_ns: int = LATER_NS,
+                      lag_from_ns: int = 0) -> tuple[list[str], int]:
     """The three mirror captures with one allgather packet of iteration 1 altered in the
     first, whose port (both directions of rank 0: two links of the ring) sees every
     element first; the other two streams' copies, the intact ones, arrive 10 ms later,
     as on the real switch where this was found. Returns the paths and the training
-    iteration the packet belongs to."""
+    iteration the packet belongs to. lag_from_ns: the later copies are on time until
+    that long into the capture (a mirror queue that builds up; a constant offset over
+    the whole files is taken for two hosts' clocks and taken off: ckptd.core.clock)."""
     plan = load_plan(src / "plan.json")
     paths = pcaps(src)
     k = _allgather_frame(plan, paths[0], 1)
     frames = list(open_capture(paths[0]))
     altered, original = _alter(frames, k, flip_bit)
-    later = [[type(fr)(fr.index, fr.ts_ns + LATER_NS, fr.linktype, fr.caplen, fr.origlen, fr.data)
+    t0 = frames[0].ts_ns
+    later = [[type(fr)(fr.index, fr.ts_ns + (later_ns if fr.ts_ns - t0 >= lag_from_ns else 0), fr.linktype,
+                       fr.caplen, fr.origlen, fr.data)
               for fr in open_capture(p)] for p in paths[1:]]
     assert original in {bytes(fr.data) for fs in later for fr in fs}, \
         "the altered packet must have an intact copy in another stream"
@@ -124,6 +129,33 @@ def test_without_the_window_the_altered_copy_commits_wrong_state(three_mirrors, 
     pipe = _run(three_mirrors, paths, False, tmp_path / "out", window_ms=0)
     rep = next(r for r in pipe.reports if r.iteration == bad)
     assert rep.status == "committed" and rep.exact is False
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("lag_ms", [150, 350])
+def test_mirrors_lagging_past_the_window_are_waited_for_not_committed_over(three_mirrors, tmp_path, fast, lag_ms):
+    """From iteration 1 on, the intact copies come 150 or 350 ms after the altered one:
+    past the 50 ms window, and 1.5 or 3.5 iterations behind (the scenario's iterations
+    are 100 ms apart). A capture clock says when those frames came, not which iteration
+    they carry: the lagging streams' clocks passed the window while their copies of the
+    iteration were still to come, and the altered copy was committed (the live probe's
+    mirror lagged 150-300 ms). The commit now waits until each stream has carried a
+    later iteration or all of this one."""
+    paths, bad = _altered_scenario(tmp_path, three_mirrors, later_ns=lag_ms * 1_000_000,
+                                   lag_from_ns=50_000_000)
+    # one capture host's clock, as in the daemon: no offset between files to take off
+    plan = load_plan(three_mirrors / "plan.json")
+    opts = ReplayOptions(out=str(tmp_path / "out"), reference=str(three_mirrors / "reference"))
+    start = load_checkpoint(three_mirrors / "init.pt")
+    pipe = (FastPipeline if fast else Pipeline)(plan, start, len(paths), opts)
+    errors = []
+    pipe.run(file_source(paths, errors))
+    assert not errors
+    st = _statuses(pipe)
+    assert st[0] == "committed" and st[bad] == "conflict", st
+    assert all(r.exact is not False for r in pipe.reports)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]
+    assert pipe.late == 0
 
 
 def test_a_bit_flip_through_trust_icrc_is_caught_by_the_other_copies(three_mirrors, tmp_path):
@@ -277,3 +309,61 @@ def test_captures_without_timestamps_interleave_and_recover_what_each_lost(tmp_p
     assert [r.status for r in timed.reports] == ["committed"] * 6
     assert [(r.iteration, r.status, r.exact) for r in untimed.reports] == [(i, "committed", True) for i in range(6)], \
         [(r.iteration, r.status, r.note) for r in untimed.reports]
+
+
+def _lagging_run(src: Path, paths, fast: bool, out: Path, window_ms=None, until_ns=None, abandon=False):
+    """The pipeline fed as the daemon feeds it: one capture clock, no offset between the
+    files taken off (replay's ckptd.core.clock would take a lag over a whole file for
+    two hosts' clocks); until_ns: only the frames of the first that long, then a stop."""
+    plan = load_plan(src / "plan.json")
+    opts = ReplayOptions(out=str(out), reference=str(src / "reference"))
+    if window_ms is not None:
+        opts.agree_window_ms = window_ms
+    pipe = (FastPipeline if fast else Pipeline)(plan, load_checkpoint(src / "init.pt"), len(paths), opts)
+    errors = []
+    frames = file_source(paths, errors)
+    if until_ns is not None:
+        t0 = next(iter(open_capture(paths[0]))).ts_ns
+        frames = [(s, fr) for s, fr in frames if fr.ts_ns - t0 < until_ns]
+    pipe.run(frames, abandon=abandon)
+    assert not errors
+    return pipe
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_stop_before_a_lagging_streams_copies_came_abandons_the_iteration(three_mirrors, tmp_path, fast):
+    """The daemon told to stop while the lagging streams still owe iteration 1's copies
+    (it is complete in the altered stream alone): abandoned, with why; it was committed,
+    with the altered copy in it."""
+    paths, bad = _altered_scenario(tmp_path, three_mirrors, later_ns=350_000_000, lag_from_ns=50_000_000)
+    pipe = _lagging_run(three_mirrors, paths, fast, tmp_path / "out", until_ns=250_000_000, abandon=True)
+    rep = {r.iteration: r for r in pipe.reports}
+    assert rep[0].status == "committed" and rep[bad].status == "abandoned", [(r.iteration, r.status) for r in pipe.reports]
+    assert re.search(r"stopped while stream [12] had not delivered its copies of iteration 1 "
+                     r"\(it carried packets of iteration 0 last\)", rep[bad].note), rep[bad].note
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_an_iteration_held_past_max_held_for_a_lagging_stream_is_refused_not_committed(tmp_path, fast):
+    """A stream 750 ms (7.5 iterations) behind and still delivering, with a 100 ms
+    window (a stream silent for 1 s stops holding): iteration 1 is held for its copies
+    until the newest iteration is MAX_HELD (6) past it, then refused, naming the stream.
+    It was committed on the first stream's copies alone."""
+    from ckptd.pipeline import MAX_HELD
+    src = tmp_path / "src"
+    synth(src, ranks=4, channels=1, mirrors=2, iterations=9, seed=3)
+    plain = pcaps(src)
+    t0 = next(iter(open_capture(plain[0]))).ts_ns
+    paths = [str(tmp_path / "mirror0.pcap"), str(tmp_path / "mirror1.pcap")]
+    write_pcap(paths[0], list(open_capture(plain[0])))
+    write_pcap(paths[1], [type(fr)(fr.index, fr.ts_ns + (750_000_000 if fr.ts_ns - t0 >= 50_000_000 else 0),
+                                   fr.linktype, fr.caplen, fr.origlen, fr.data) for fr in open_capture(plain[1])])
+    pipe = _lagging_run(src, paths, fast, tmp_path / "out", window_ms=100)
+    rep = {r.iteration: r for r in pipe.reports}
+    assert rep[0].status == "committed" and rep[1].status == "unrecoverable", [(r.iteration, r.status) for r in pipe.reports]
+    assert re.search(rf"not committed: stream 1 had not delivered its copies of iteration 1 \(it carried packets "
+                     rf"of iteration 0 last\) when iteration {1 + MAX_HELD} began \({MAX_HELD} held\)", rep[1].note), rep[1].note
+    assert not any(r.status == "committed" for r in pipe.reports if r.iteration > 0)
+    assert all(r.exact is not False for r in pipe.reports)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]

@@ -81,6 +81,11 @@ class Transport(Protocol):
         may lack their packets from before the capture saw them."""
         return []
 
+    # Whether each stream's copy of the data becomes a placement of its own (RoCE), so
+    # the pipeline can tell from placements how far a stream's copies have come; gloo
+    # compares copies in its reassembler and places the bytes once.
+    places_every_copy = False
+
     def copies_conflict(self, iteration: int) -> tuple[int, int, str] | None:
         """Where mirror copies of `iteration`'s gradient bytes disagreed, found by the
         transport itself (gloo's reassembler): (bucket, stream whose copy differed, where);

@@ -41,6 +41,10 @@ def ll_unpack(payload, expected_flag: int | None) -> tuple[bytes, int | None, bo
 
 
 class Extractor(Transport):
+    # each stream's copy of a packet is placed and compared in the iteration's assembly,
+    # so its placements show how far that stream's copies have come (Pipeline._copies_due)
+    places_every_copy = True
+
     def __init__(self, plan: Plan, join_from: int | None = None):
         self.plan = plan
         self.cfg = plan.ring

@@ -428,16 +428,19 @@ def test_capture_workers_commit_the_last_iteration_while_the_ports_are_quiet(run
     assert_every_iteration_exact(run, daemon, tmp_path / "ck", result["rc"])
 
 
-@pytest.mark.parametrize("workers", [False, True], ids=["in-process", "capture-workers"])
+@pytest.mark.parametrize("workers", [False, True, "busy"], ids=["in-process", "capture-workers", "busy-poll"])
 def test_every_interface_deleted_ends_the_daemon_with_exit_6(run, links, tmp_path, workers, caplog):
     """Both capture interfaces deleted mid-run: the daemon logged ENETDOWN (in-process;
     the workers said nothing) and went on capturing nothing, /status "running", exit 0.
     The kernel unbinds a packet socket from a device it unregisters, and one made again
     under the name is another device: a deleted interface's capture ends, and with none
-    left the daemon ends by itself, exit 6, as when every capture worker dies."""
+    left the daemon ends by itself, exit 6, as when every capture worker dies. Busy-polling
+    workers never called poll(2), where the socket's error shows: they spun on."""
     from pyroute2 import IPRoute
-    daemon = Daemon(daemon_config(run, tmp_path / "ck", links[1], workers, block_size=1 << 16,
-                                  block_nr=64, retire_ms=10))
+    cfg = daemon_config(run, tmp_path / "ck", links[1], bool(workers), block_size=1 << 16,
+                        block_nr=64, retire_ms=10)
+    cfg.busy_poll = workers == "busy"
+    daemon = Daemon(cfg)
     caplog.set_level("ERROR", logger="ckptd")
     t, result = started(daemon)
     try:

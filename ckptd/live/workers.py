@@ -46,6 +46,7 @@ SLOTS = 8  # shared-memory slots per worker, each a turn's bytes of ring blocks 
 _MIN_FRAME_SPACE = 64  # a frame takes more than this much of a block (as in ring.py)
 _META = 5  # int64 arrays per slot: offsets, caplen, origlen, ts, frame_no; then a byte per
 # frame: 1 where the worker found the frame RoCE with a good ICRC
+ERROR_CHECK_S = 0.05  # busy polling: how often a worker looks for its socket's error (poll(2))
 STOP_DRAIN_S = 1.0  # after stop, a worker hands over what its ring holds for at most this long
 # A worker still running this long after the stop is hung (a healthy one ends within
 # STOP_DRAIN_S): it is killed, so the daemon stops in bounded time. What it handed over
@@ -154,6 +155,7 @@ def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, slot
     poller.register(cap.fileno(), select.POLLIN | select.POLLERR)
     poller.register(conn.fileno(), select.POLLIN)
     stop_at = None
+    next_check = 0.0  # busy polling: when the socket's error is next looked at
     conn.send(("ready", cap.stats()))
     while True:
         while conn.poll(0):
@@ -169,19 +171,24 @@ def _capture_loop(stream: int, cap, shm: SharedArea, conn, busy_poll: bool, slot
         if batch is None:
             if stop_at is not None and not _more_soon(cap, poller):
                 break
-            if not busy_poll:
-                for fd, ev in poller.poll(50):
-                    if fd == cap.fileno() and ev & select.POLLERR:
-                        # the link went down (told to the coordinator, as the in-process
-                        # loop tells it), or the interface is gone: nothing more will come
-                        msg = cap.take_error()
-                        if cap.gone():
-                            conn.send(("error", f"{msg + ': ' if msg else ''}{GONE}"))
-                            cap.close()
-                            conn.send(("done", cap.stats()))
-                            return
-                        if msg:
-                            conn.send(("error", msg))
+            # busy polling spins on the ring, yet the socket's error (a link down, the
+            # interface deleted) is only seen through poll(2): looked at every ERROR_CHECK_S
+            if busy_poll:
+                if time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + ERROR_CHECK_S
+            for fd, ev in poller.poll(0 if busy_poll else 50):
+                if fd == cap.fileno() and ev & select.POLLERR:
+                    # the link went down (told to the coordinator, as the in-process
+                    # loop tells it), or the interface is gone: nothing more will come
+                    msg = cap.take_error()
+                    if cap.gone():
+                        conn.send(("error", f"{msg + ': ' if msg else ''}{GONE}"))
+                        cap.close()
+                        conn.send(("done", cap.stats()))
+                        return
+                    if msg:
+                        conn.send(("error", msg))
             continue
         slot = int(free[0])
         data, meta, checked = views[slot]

@@ -598,7 +598,8 @@ class Pipeline:
                 continue
             if now - (self.stream_copy_ns[s] or self.first_copy_ns or now) >= silent:
                 continue
-            if asm is not None and asm.coverage(s) >= 1.0:
+            # (all of it only once it carries it: the bitmaps are counted no sooner)
+            if asm is not None and self.stream_iter[s] == it and asm.coverage(s) >= 1.0:
                 full.add(s)
                 continue
             return s

@@ -1033,7 +1033,8 @@ class Daemon:
             for kind, line in stream_faults(name, cls).items():
                 if (k, kind) not in self._faults_logged:  # once: /status streams[].classes keeps counting
                     self._faults_logged.add((k, kind))
-                    log.warning(line, extra={"fields": {"stream": name, "class": kind}})
+                    log.warning(f"{line} (so far: /status counts on, the stop logs the total)",
+                                extra={"fields": {"stream": name, "class": kind}})
             streams.append({"name": name, "frames": cls.get("frames", 0),
                             "classes": {c: v for c, v in cls.items() if c != "frames"},
                             "coverage": last.coverage[k] if last and last.coverage else None,
@@ -1366,6 +1367,11 @@ class Daemon:
             "diverged_since": self.diverged["since"] if self.diverged else None,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})
+        for k, kind in sorted(self._faults_logged):  # logged with the count when first seen: the total
+            line = stream_faults(self.names[k], self.pipe.classes[k]).get(kind)
+            if line:
+                log.warning(f"{line} (in all)", extra={"fields": {"stream": self.names[k], "class": kind,
+                                                                  "frames": self.pipe.classes[k][kind]}})
         for e in self.pipe.errors[self.errors_logged:]:  # (those logged as they came are not again)
             log.error("capture error", extra={"fields": {"error": e}})
         if self.pipe.late:  # their iteration was finalized: a disagreement among them is never seen

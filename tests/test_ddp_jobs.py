@@ -500,6 +500,8 @@ def test_inspect_shows_the_gloo_conversations(jobs):
     assert len(seqs) == 3 and all(0 <= q < 3 for q in seqs)
     text = format_inspect(res)
     assert "TCP conversations" in text and "gloo" in text and "allreduce:" in text
+    # the sequence number is shown as what it is: inspect has no plan to tell a rank by
+    assert all(f"gloo seq {q} " in text for q in seqs) and "gloo rank" not in text
 
 
 def test_lr_set_by_hand_each_step(jobs):

@@ -374,12 +374,15 @@ def format_inspect(result: dict) -> str:
                        "DMA lengths", "opcodes"], rows)
     if result.get("tcp"):
         out.append("")
-        out.append("TCP conversations (one direction each; gloo: torch.distributed's gloo protocol)")
+        # (the sequence number a connecting side presents is its rank in a gloo job; without a
+        # plan inspect cannot tell whether it is one: "gloo rank 7" in a 3-rank job misled)
+        out.append("TCP conversations (one direction each; gloo: torch.distributed's gloo protocol, "
+                   "seq: the sequence number the connecting side presented, its rank in a job)")
         rows = []
         for c in result["tcp"]:
             g = c["gloo"]
             what = "" if g is None else (
-                f"gloo rank {g['sequence']} " if g["sequence"] is not None else "gloo ") + \
+                f"gloo seq {g['sequence']} " if g["sequence"] is not None else "gloo ") + \
                 " ".join(f"{k}:{v}" for k, v in sorted(g["collectives"].items())) + \
                 (f" tags {g['tags'][0]}-{g['tags'][1]}" if g["tags"] else "") + \
                 (f" framing lost {g['framing_lost']}x" if g["framing_lost"] else "")

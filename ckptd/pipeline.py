@@ -82,6 +82,9 @@ SILENT_STREAM_WINDOWS = 10  # a stream silent for this many windows no longer ho
 # Complete iterations held open at most, waiting for a live stream's copies (_copies_due):
 # the memory of that many iterations' buffers (the fast path's kernel has 8 slots).
 MAX_HELD = 6
+# iterations committed while a stream was written off, remembered so copies it delivers
+# of them later mark them unverified (Pipeline.copies_seen)
+UNVERIFIED_KEPT = 1024
 
 
 # -- source --------------------------------------------------------------------------
@@ -317,6 +320,13 @@ class Pipeline:
         self.stream_copy_ns = [0] * nstreams
         self.first_copy_ns = 0
         self.full_streams: dict[int, set[int]] = {}  # iteration -> streams that delivered all of it
+        # streams taken for stopped while they owed copies (capture time then), and per
+        # iteration committed meanwhile, which ones; a stream written off that then
+        # delivers copies of such an iteration makes it `unverified` (training
+        # iteration -> the streams whose copies came after its commit, uncompared)
+        self.written_off: dict[int, int] = {}
+        self.committed_without: dict[int, set[int]] = {}
+        self.unverified: dict[int, set[int]] = {}
         self.held_for: dict[int, int] = {}  # iteration -> the stream it waited for, when forced on
         # RoCE: every copy is placed and compared (IterationAssembly); gloo compares its
         # copies in the reassembler and places the bytes once, so its placements do not
@@ -461,10 +471,21 @@ class Pipeline:
         """Joining a running job, and not yet known where."""
         return self.opts.join and self.joined is None
 
-    def copies_seen(self, stream: int, it: int, ns: int):
+    def copies_seen(self, stream: int, it: int, ns: int, low: int | None = None):
         """Stream `stream` carried a packet of wire iteration `it`, captured at `ns` (the
-        fast path's kernel reports its packets in bulk): _copies_due reads how far each
+        fast path's kernel reports its packets in bulk: the newest iteration it carried,
+        and `low`, the oldest since its last report): _copies_due reads how far each
         stream's copies have come."""
+        low = it if low is None else low
+        if self.committed_without:
+            # copies from a stream written off, of iterations committed without it: they
+            # came after all, and were never compared with what was committed (a stream
+            # back from a link down carries only new ones)
+            for k in [k for k, ss in self.committed_without.items() if low <= k <= it and stream in ss]:
+                self.committed_without[k].discard(stream)
+                self.unverified.setdefault(k + self.offset, set()).add(stream)
+        if stream in self.written_off and it > self.done:
+            del self.written_off[stream]  # back in step: its copies are waited for again
         if it > self.stream_iter[stream]:
             self.stream_iter[stream] = it
         if ns > self.stream_copy_ns[stream]:
@@ -581,9 +602,10 @@ class Pipeline:
         stream is done with it once it carried a packet of a later iteration (a mirror
         link delivers in order, and a rank starts the next iteration's allreduce only
         after this one's), or delivered all of it, or has carried no packet of the job
-        for SILENT_STREAM_WINDOWS windows (it stopped; from the capture's first packet,
-        for a stream that has carried none yet). Waiting for them is what keeps a mirror
-        that lags from having its copies arrive after a commit, uncompared."""
+        for SILENT_STREAM_WINDOWS windows (it stopped, or lags that far: written off, see
+        copies_seen; from the capture's first packet, for a stream that has carried none
+        yet). Waiting for them is what keeps a mirror that lags
+        from having its copies arrive after a commit, uncompared."""
         if not self.gate_copies or self.window_ns <= 0:
             return None
         # (the fast path moves the streams' clocks after each batch, its copies as it goes)
@@ -594,13 +616,14 @@ class Pipeline:
         full = self.full_streams.setdefault(it, set())
         asm = self.open.get(it)
         for s in range(self.nstreams):
-            if self.stream_iter[s] > it or s in full:
+            if self.stream_iter[s] > it:
+                continue
+            if s not in full and asm is not None and self.stream_iter[s] == it and asm.coverage(s) >= 1.0:
+                full.add(s)  # (counted only once it carries the iteration)
+            if s in full:
                 continue
             if now - (self.stream_copy_ns[s] or self.first_copy_ns or now) >= silent:
-                continue
-            # (all of it only once it carries it: the bitmaps are counted no sooner)
-            if asm is not None and self.stream_iter[s] == it and asm.coverage(s) >= 1.0:
-                full.add(s)
+                self.written_off.setdefault(s, now)
                 continue
             return s
         return None
@@ -725,6 +748,10 @@ class Pipeline:
         # per-stream statistics after the commit: they do not hold it up
         rep.coverage = [asm.coverage(s) for s in range(self.nstreams)]
         rep.loss = [self.extract.stream_loss(s, wire) for s in range(self.nstreams)]
+        if self.written_off and rep.status in ("committed", "complete"):  # without their copies
+            self.committed_without[wire] = set(self.written_off)
+            for k in [k for k in self.committed_without if k < wire - UNVERIFIED_KEPT]:
+                del self.committed_without[k]
         self.reports.append(rep)
         if self.on_iteration:
             self.on_iteration(rep)

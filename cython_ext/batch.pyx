@@ -147,6 +147,7 @@ cdef enum:
     LL128_HALF_DATA = 960
 
 MAX_SLOTS = 8                  # open iterations the kernel holds at once
+cdef int64_t INT64_MAX_ITER = 0x7FFFFFFFFFFFFFFF  # s_low before any packet
 FLOWS_START = 64               # flow entries allocated at first (the table grows itself)
 CONFLICT_CAP = 4096
 
@@ -631,7 +632,7 @@ cdef class BatchKernel:
     # how far each stream's copies have come (Pipeline.copies_seen, read by progress):
     # the newest training iteration it carried a packet of, and the batch frame of that
     # stream's newest such packet since the last read (-1: none)
-    cdef int64_t[::1] s_iter, s_frame
+    cdef int64_t[::1] s_iter, s_frame, s_low   # s_low: its oldest iteration since the last read
     cdef int64_t cur_frame
 
     # outputs, folded into the reference's objects by drain
@@ -661,6 +662,7 @@ cdef class BatchKernel:
         self.nconflicts = 0
         self.s_iter = np.full(max(nstreams, 1), -1, np.int64)
         self.s_frame = np.full(max(nstreams, 1), -1, np.int64)
+        self.s_low = np.full(max(nstreams, 1), INT64_MAX_ITER, np.int64)
         self.cur_frame = -1
         self._flow_arrays(FLOWS_START, 0)
 
@@ -976,14 +978,16 @@ cdef class BatchKernel:
 
     def progress(self):
         """(stream, newest iteration it carried a packet of, batch frame of its newest
-        such packet) for each stream that carried one since the last call: what
-        Pipeline.copies_seen records for the reference path."""
+        such packet, oldest iteration it carried one of since the last call) for each
+        stream that carried one since the last call: what Pipeline.copies_seen records
+        for the reference path, packet by packet."""
         out = []
         cdef Py_ssize_t s
         for s in range(self.s_frame.shape[0]):
             if self.s_frame[s] >= 0:
-                out.append((s, self.s_iter[s], self.s_frame[s]))
+                out.append((s, self.s_iter[s], self.s_frame[s], self.s_low[s]))
                 self.s_frame[s] = -1
+                self.s_low[s] = INT64_MAX_ITER
         return out
 
     def stream_newest(self, const int32_t[:] stream, const int64_t[:] ts):
@@ -1577,6 +1581,8 @@ cdef class BatchKernel:
             self.fe_last[e] = u
         if it > self.s_iter[stream]:
             self.s_iter[stream] = it
+        if it < self.s_low[stream]:
+            self.s_low[stream] = it
         self.s_frame[stream] = self.cur_frame
         if recv != NULL:
             recv[0] = 1

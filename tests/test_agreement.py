@@ -367,3 +367,69 @@ def test_an_iteration_held_past_max_held_for_a_lagging_stream_is_refused_not_com
     assert not any(r.status == "committed" for r in pipe.reports if r.iteration > 0)
     assert all(r.exact is not False for r in pipe.reports)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["iter_000000.pt"]
+
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_copies_from_a_stream_written_off_mark_what_was_committed_without_them_unverified(
+        three_mirrors, tmp_path, fast):
+    """The other two streams stall for 700 ms after iteration 0, then deliver the rest:
+    the capture quiet meanwhile (the daemon's idle clock), they have carried no packet of
+    the job for ten windows and are written off (a mirror that stopped), so iterations
+    1-3 commit on the first stream's copies, the altered one among them. Their copies
+    that then come were counted `late` and nothing else: the wrong checkpoint stood,
+    exit 0 (the live probe). Those iterations are now `unverified`, by stream."""
+    from ckptd.fast.batches import batch_from_frames
+    paths, bad = _altered_scenario(tmp_path, three_mirrors, later_ns=700_000_000, lag_from_ns=50_000_000)
+    plan = load_plan(three_mirrors / "plan.json")
+    opts = ReplayOptions(out=str(tmp_path / "out"), reference=str(three_mirrors / "reference"))
+    pipe = (FastPipeline if fast else Pipeline)(plan, load_checkpoint(three_mirrors / "init.pt"), 3, opts)
+    t0 = next(iter(open_capture(paths[0]))).ts_ns
+    frames = list(file_source(paths, []))
+    before = [(s, fr) for s, fr in frames if fr.ts_ns - t0 < 400_000_000]
+    after = frames[len(before):]
+    quiet = [t0 + 700_000_000] * 3
+    if fast:
+        pipe.run_batch(batch_from_frames(before))
+        pipe.advance_clock(quiet)
+        pipe.run_batch(batch_from_frames(after))
+        pipe.finish()
+    else:
+        def source():
+            yield from before
+            pipe.advance_clock(quiet)
+            yield from after
+        pipe.run(source())
+    st = _statuses(pipe)
+    assert st == {0: "committed", 1: "committed", 2: "committed", 3: "committed"}, st
+    assert {r.iteration: r.exact for r in pipe.reports}[bad] is False  # what the flag is for
+    assert pipe.written_off.keys() == {1, 2} and pipe.late > 0
+    assert pipe.unverified == {1: {1, 2}, 2: {1, 2}, 3: {1, 2}}, pipe.unverified
+
+
+def test_replay_sets_aside_what_a_stream_written_off_then_contradicted_and_exits_3(tmp_path):
+    """The CLI: iterations committed without two streams that stalled past ten windows
+    (10 ms windows here) and then delivered their copies of them are unverified: named
+    on stderr with the streams, their checkpoints and every later one set aside as
+    iter_*.pt.suspect, exit 3 (it was 0, every checkpoint standing)."""
+    src = tmp_path / "src"
+    synth(src, ranks=4, channels=1, mirrors=3, iterations=10, seed=3)
+    plain = pcaps(src)
+    t0 = next(iter(open_capture(plain[0]))).ts_ns
+    paths = [str(tmp_path / f"m{m}.pcap") for m in range(3)]
+    write_pcap(paths[0], list(open_capture(plain[0])))
+    for p, out in zip(plain[1:], paths[1:]):  # (most frames on time: no clock offset is taken off)
+        write_pcap(out, [type(fr)(fr.index, fr.ts_ns + (700_000_000 if fr.ts_ns - t0 >= 550_000_000 else 0),
+                                  fr.linktype, fr.caplen, fr.origlen, fr.data) for fr in open_capture(p)])
+    out = tmp_path / "ck"
+    r = subprocess.run([sys.executable, "-m", "ckptd", "replay", "--plan", str(src / "plan.json"),
+                        "--init", str(src / "init.pt"), "--out", str(out), "--agree-window-ms", "10", *paths],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if "unverified" in ln]
+    assert len(warned) == 1 and "stream(s) m1, m2" in warned[0] and "iter_*.pt.suspect" in warned[0], r.stderr
+    first = int(warned[0].split("commits from iteration ")[1].split(" ")[0])
+    assert 6 <= first <= 9
+    kept = sorted(p.name for p in out.iterdir())
+    assert kept == [f"iter_{k:06d}.pt" for k in range(first)] + [f"iter_{k:06d}.pt.suspect" for k in range(first, 10)]

@@ -659,7 +659,7 @@ def test_late_copies_are_counted_in_status_and_named_at_the_stop(run, tmp_path, 
     for ten windows (100 ms) while the other carried the job, so it is taken for stopped
     (Pipeline._copies_due), and its copies come after their iterations were committed on
     the first stream's alone, never compared. They were counted in no status, metric or
-    log line (the probe's lagging mirror hid a disagreement so)."""
+    log line (the probe's lagging mirror hid a disagreement so), and the daemon exited 0."""
     from parsers.capfile import open_capture
     from parsers.pcap import PcapWriter
     paths = pcaps(run)
@@ -669,7 +669,17 @@ def test_late_copies_are_counted_in_status_and_named_at_the_stop(run, tmp_path, 
             w.write(fr.data, fr.ts_ns + 1_000_000_000, fr.origlen)
     daemon = Daemon(load_config(_config(run, tmp_path, agree_window_ms=10)))
     with caplog.at_level("WARNING", logger="ckptd"):
-        daemon.run(source=file_source([paths[0], behind], []), install_signals=False)
+        rc = daemon.run(source=file_source([paths[0], behind], []), install_signals=False)
+    # the stream taken for stopped is said when it happens, and the iterations committed
+    # without it are unverified once its copies come after all: exit 3, not 0
+    off = [r for r in caplog.records if r.getMessage().startswith("stream mirror1 carried no packet of the job")]
+    assert len(off) == 1 and "taken for stopped" in off[0].getMessage()
+    unverified = daemon.snapshot.get()["unverified"]
+    assert unverified and unverified == sorted(daemon.pipe.unverified) and rc == 3
+    said = [r.getMessage() for r in caplog.records if "are unverified" in r.getMessage()]
+    assert said and all("stream(s) mirror1" in m for m in said)
+    assert {int(x) for m in said for x in m.split(" were committed")[0].split("iteration(s) ")[1].split(", ")} \
+        == set(unverified)
     late = daemon.snapshot.get()["late_copies"]
     assert late > 0 and late == daemon.pipe.late
     said = [r for r in caplog.records if r.getMessage().startswith("copies arrived after their iteration")]

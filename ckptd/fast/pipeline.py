@@ -452,8 +452,8 @@ class FastPipeline:
             j, reason, entry = ex.run(batch, i, n)
             self.kernel_seconds += time.perf_counter() - t0
             pipe.count_late(ex.drain(pipe.classes, pipe.open))
-            for stream, it, k in self.kernel.progress():
-                pipe.copies_seen(stream, it, int(batch.ts[k]))
+            for stream, it, k, low in self.kernel.progress():
+                pipe.copies_seen(stream, it, int(batch.ts[k]), low)
             self.kernel_frames += j - i
             i = j
             if reason == "end":

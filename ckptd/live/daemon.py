@@ -41,7 +41,7 @@ from ckptd.core.checkpoint import CheckpointError, CheckpointWriteError, checkpo
 from ckptd.core.docload import strict_yaml
 from ckptd.core.memory import available_memory, require_memory
 from ckptd.core.store import READ_ONLY_PROTOCOLS
-from ckptd.pipeline import AGREE_WINDOW_MS, IterationReport, Pipeline, ReplayOptions
+from ckptd.pipeline import AGREE_WINDOW_MS, SILENT_STREAM_WINDOWS, IterationReport, Pipeline, ReplayOptions
 from ckptd.core.plan import PlanError, load_plan
 from ckptd.core.readfile import read_bounded
 from ckptd.core.streams import stream_faults
@@ -642,6 +642,8 @@ class Daemon:
         self.notifier = Notifier(cfg.notice) if cfg.notice is not None else None
         self._join_logged = False
         self._faults_logged: set[tuple[int, str]] = set()  # (stream, class) of stream_faults logged
+        self._written_off_logged: set[int] = set()  # streams logged as taken for stopped
+        self._unverified_logged: set[int] = set()  # iterations logged as unverified
         self.drop_iterations: set[int] = set()  # iterations in flight while the kernel dropped
         self._drops_seen: list[int] = []  # kernel drops per ring at the last look
         self._nic_drops: dict[tuple, tuple[float, int]] = {}  # (ifname, netns): (read at, frames lost)
@@ -1024,6 +1026,7 @@ class Daemon:
                 log.warning("joined before every flow was seen: the joined iteration may lack their packets",
                             extra={"fields": {"iteration": self.pipe.joined,
                                               "links": ", ".join(self.pipe.join_unbound)}})
+        self._watch_written_off()
         committed = self.last_committed
         keeper = self.pipe.keeper or (self.persist.keeper if self.persist else None)
         last = self.last_report
@@ -1051,6 +1054,9 @@ class Daemon:
             # copies of iterations already finalized: not compared with what was committed
             # (a stream more than agree_window_ms behind the others shows here first)
             "late_copies": self.pipe.late,
+            # committed without a stream taken for stopped, whose copies of them came after
+            # (Pipeline.copies_seen): never compared, and every later state stems from them
+            "unverified": sorted(self.pipe.unverified),
             "shadow_stopped_after": self.pipe.stopped_after,
             "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
@@ -1374,11 +1380,15 @@ class Daemon:
                                                                   "frames": self.pipe.classes[k][kind]}})
         for e in self.pipe.errors[self.errors_logged:]:  # (those logged as they came are not again)
             log.error("capture error", extra={"fields": {"error": e}})
+        self._watch_written_off()  # (what came since the last snapshot)
         if self.pipe.late:  # their iteration was finalized: a disagreement among them is never seen
             log.warning("copies arrived after their iteration was finalized and were not compared with what was "
                         "committed: a mirror stream more than agree_window_ms behind the others can hide a "
                         "disagreement this way (raise agree_window_ms)", extra={"fields": {
-                            "late_copies": self.pipe.late, "agree_window_ms": self.cfg.agree_window_ms}})
+                            "late_copies": self.pipe.late,
+            # committed without a stream taken for stopped, whose copies of them came after
+            # (Pipeline.copies_seen): never compared, and every later state stems from them
+            "unverified": sorted(self.pipe.unverified), "agree_window_ms": self.cfg.agree_window_ms}})
         if any(u["status"] not in ("abandoned", "dropped", "not-captured") for u in self.unrecovered):
             # what replay prints under its table: why packets were rejected (the first few),
             # flows no connection explains, a capture begun mid-job (`join: true`), suspects.
@@ -1407,13 +1417,37 @@ class Daemon:
             return None
         return last.iteration
 
+    def _watch_written_off(self):
+        """Log once each stream the pipeline takes for stopped while it owed copies
+        (Pipeline._copies_due), and each iteration found unverified (its copies came
+        after all): the operator hears of both as they happen."""
+        pipe = self.pipe
+        for k in [k for k in self._written_off_logged if k not in pipe.written_off]:
+            self._written_off_logged.discard(k)  # back in step; logged again if it stops again
+        for k in pipe.written_off:
+            if k not in self._written_off_logged:
+                self._written_off_logged.add(k)
+                log.warning(f"stream {self.names[k]} carried no packet of the job for {SILENT_STREAM_WINDOWS} "
+                            "agreement windows while it owed copies: taken for stopped, iterations commit without "
+                            "its copies (if they come after all, those iterations are reported unverified)",
+                            extra={"fields": {"stream": self.names[k], "agree_window_ms": self.cfg.agree_window_ms}})
+        new = sorted(set(pipe.unverified) - self._unverified_logged)
+        if new:
+            self._unverified_logged |= set(new)
+            names = sorted({self.names[k] for it in new for k in pipe.unverified[it]})
+            log.error(f"iteration(s) {', '.join(map(str, new))} were committed without the copies of stream(s) "
+                      f"{', '.join(names)}, taken for stopped, which then came: never compared, so the checkpoints "
+                      f"from iteration {min(pipe.unverified)} on are unverified (/status unverified; exit 3)",
+                      extra={"fields": {"iterations": new, "streams": names}})
+
     def _exit_status(self) -> int:
         """0: every iteration seen committed or was merely in flight at the stop;
         3: an iteration could not be recovered (the capture had no copy of some of its
         data); 4: an iteration lost data to kernel ring drops (rings too small, or the
         daemon too slow for the link: docs/DAEMON.md, sizing) or to its interface's
         (ckptd.live.nic); 5: the newest committed checkpoint could not be written. 4 and
-        5 win over 3: they name what the operator can fix; 6: capture ended without a stop
+        5 win over 3: they name what the operator can fix (3 also where committed
+        iterations are unverified: Pipeline.copies_seen); 6: capture ended without a stop
         (every ring or capture worker failed), which wins over all: nothing after it is
         known."""
         if self.capture_ended:
@@ -1423,5 +1457,7 @@ class Daemon:
             return 4
         if self._unpersisted() is not None:
             return 5
+        if self.pipe.unverified:  # committed, then copies came that were never compared
+            return 3
         # not-captured: ran before this daemon saw the job (reported, and noticed)
         return 3 if statuses - {"abandoned", "not-captured"} else 0

@@ -326,6 +326,7 @@ class Pipeline:
         # iteration -> the streams whose copies came after its commit, uncompared)
         self.written_off: dict[int, int] = {}
         self.committed_without: dict[int, set[int]] = {}
+        self.quiet_owing: dict[int, set[int]] = {}  # iteration -> streams it went on without in a quiet
         self.unverified: dict[int, set[int]] = {}
         self.held_for: dict[int, int] = {}  # iteration -> the stream it waited for, when forced on
         # RoCE: every copy is placed and compared (IterationAssembly); gloo compares its
@@ -602,9 +603,9 @@ class Pipeline:
         stream is done with it once it carried a packet of a later iteration (a mirror
         link delivers in order, and a rank starts the next iteration's allreduce only
         after this one's), or delivered all of it, or has carried no packet of the job
-        for SILENT_STREAM_WINDOWS windows (it stopped, or lags that far: written off, see
-        copies_seen; from the capture's first packet, for a stream that has carried none
-        yet). Waiting for them is what keeps a mirror that lags
+        for SILENT_STREAM_WINDOWS windows: while the others did (it stopped, or stalls that
+        long: written off, see copies_seen; from the capture's first packet, for a stream
+        that has carried none yet), or with the whole capture quiet. Waiting for them is what keeps a mirror that lags
         from having its copies arrive after a commit, uncompared."""
         if not self.gate_copies or self.window_ns <= 0:
             return None
@@ -622,8 +623,17 @@ class Pipeline:
                 full.add(s)  # (counted only once it carries the iteration)
             if s in full:
                 continue
-            if now - (self.stream_copy_ns[s] or self.first_copy_ns or now) >= silent:
+            last = self.stream_copy_ns[s] or self.first_copy_ns or now
+            if max(self.stream_copy_ns) - last >= silent:
+                # the others carried the job ten windows past its last packet: it stopped,
+                # or stalls (written off: copies_seen)
                 self.written_off.setdefault(s, now)
+                continue
+            if now - last >= silent:
+                # the whole capture quiet that long (a job between iterations): nothing of
+                # this stream is on its way, since one that lags delivers its backlog then;
+                # what it lacks of the iteration it lost (or holds back: copies_seen)
+                self.quiet_owing.setdefault(it, set()).add(s)
                 continue
             return s
         return None
@@ -748,8 +758,9 @@ class Pipeline:
         # per-stream statistics after the commit: they do not hold it up
         rep.coverage = [asm.coverage(s) for s in range(self.nstreams)]
         rep.loss = [self.extract.stream_loss(s, wire) for s in range(self.nstreams)]
-        if self.written_off and rep.status in ("committed", "complete"):  # without their copies
-            self.committed_without[wire] = set(self.written_off)
+        without = set(self.written_off) | self.quiet_owing.pop(wire, set())
+        if without and rep.status in ("committed", "complete"):  # without their copies
+            self.committed_without[wire] = without
             for k in [k for k in self.committed_without if k < wire - UNVERIFIED_KEPT]:
                 del self.committed_without[k]
         self.reports.append(rep)

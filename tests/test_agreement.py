@@ -374,11 +374,12 @@ def test_an_iteration_held_past_max_held_for_a_lagging_stream_is_refused_not_com
 def test_copies_from_a_stream_written_off_mark_what_was_committed_without_them_unverified(
         three_mirrors, tmp_path, fast):
     """The other two streams stall for 700 ms after iteration 0, then deliver the rest:
-    the capture quiet meanwhile (the daemon's idle clock), they have carried no packet of
-    the job for ten windows and are written off (a mirror that stopped), so iterations
-    1-3 commit on the first stream's copies, the altered one among them. Their copies
-    that then come were counted `late` and nothing else: the wrong checkpoint stood,
-    exit 0 (the live probe). Those iterations are now `unverified`, by stream."""
+    the capture quiet meanwhile (the daemon's idle clock) for ten windows, nothing seems
+    on its way, so iterations 1-3 commit on the first stream's copies, the altered one
+    among them. Their copies that then come were counted `late` and nothing else: the
+    wrong checkpoint stood, exit 0 (the live probe). Those iterations are now
+    `unverified`, by stream. (A stream silent while the others carry the job is written
+    off: the daemon's test and the CLI's below.)"""
     from ckptd.fast.batches import batch_from_frames
     paths, bad = _altered_scenario(tmp_path, three_mirrors, later_ns=700_000_000, lag_from_ns=50_000_000)
     plan = load_plan(three_mirrors / "plan.json")
@@ -403,7 +404,9 @@ def test_copies_from_a_stream_written_off_mark_what_was_committed_without_them_u
     st = _statuses(pipe)
     assert st == {0: "committed", 1: "committed", 2: "committed", 3: "committed"}, st
     assert {r.iteration: r.exact for r in pipe.reports}[bad] is False  # what the flag is for
-    assert pipe.written_off.keys() == {1, 2} and pipe.late > 0
+    # (the capture was quiet meanwhile: no stream was written off, iterations went on
+    # without what the two owed, which they then delivered)
+    assert pipe.written_off == {} and pipe.late > 0
     assert pipe.unverified == {1: {1, 2}, 2: {1, 2}, 3: {1, 2}}, pipe.unverified
 
 

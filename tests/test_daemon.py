@@ -676,6 +676,14 @@ def test_late_copies_are_counted_in_status_and_named_at_the_stop(run, tmp_path, 
     assert len(off) == 1 and "taken for stopped" in off[0].getMessage()
     unverified = daemon.snapshot.get()["unverified"]
     assert unverified and unverified == sorted(daemon.pipe.unverified) and rc == 3
+    # every later state stems from the first: /status says from where, and the memory
+    # tier's states from there on are refused, not served as good (a probe's trainer got
+    # the newest with a plain 200)
+    first = daemon.snapshot.get()["unverified_from"]
+    assert first == unverified[0]
+    assert daemon.memory is not None and daemon.memory.latest().iteration >= first
+    r = daemon.routes()["/checkpoint"]("", {})
+    assert r.status == 409 and f"iteration {first} was committed without" in r.body.decode(), r.status
     said = [r.getMessage() for r in caplog.records if "are unverified" in r.getMessage()]
     assert said and all("stream(s) mirror1" in m for m in said)
     assert {int(x) for m in said for x in m.split(" were committed")[0].split("iteration(s) ")[1].split(", ")} \

@@ -1057,6 +1057,7 @@ class Daemon:
             # committed without a stream taken for stopped, whose copies of them came after
             # (Pipeline.copies_seen): never compared, and every later state stems from them
             "unverified": sorted(self.pipe.unverified),
+            "unverified_from": min(self.pipe.unverified, default=None),  # every later checkpoint too
             "shadow_stopped_after": self.pipe.stopped_after,
             "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
@@ -1085,7 +1086,8 @@ class Daemon:
 
             def hyper_for(held):  # the hyperparameters move with the schedule: each state its own
                 return trainer_hyper(self.plan, held.checkpoint()) if held.optimizer is not None else None
-            ckpt = checkpoint_routes(self.memory, names, hyper_for, plan_hash)
+            ckpt = checkpoint_routes(self.memory, names, hyper_for, plan_hash,
+                                     unverified_from=lambda: min(self.pipe.unverified, default=None))
         return routes(self.snapshot, self.cfg.status_details, ckpt, live=self._live_status)
 
     def _live_status(self) -> dict:
@@ -1370,6 +1372,7 @@ class Daemon:
         log.warning("stopped", extra={"fields": {
             "last_committed": self.last_committed.iteration if self.last_committed else -1,
             "joined_at": self.pipe.joined, "abandoned": abandoned, "dropped": dropped,
+            "unverified": sorted(self.pipe.unverified),
             "diverged_since": self.diverged["since"] if self.diverged else None,
             "unrecovered": [u["iteration"] for u in self.unrecovered
                             if u["status"] not in ("abandoned", "dropped")]}})
@@ -1385,10 +1388,8 @@ class Daemon:
             log.warning("copies arrived after their iteration was finalized and were not compared with what was "
                         "committed: a mirror stream more than agree_window_ms behind the others can hide a "
                         "disagreement this way (raise agree_window_ms)", extra={"fields": {
-                            "late_copies": self.pipe.late,
-            # committed without a stream taken for stopped, whose copies of them came after
-            # (Pipeline.copies_seen): never compared, and every later state stems from them
-            "unverified": sorted(self.pipe.unverified), "agree_window_ms": self.cfg.agree_window_ms}})
+                            "late_copies": self.pipe.late, "unverified": sorted(self.pipe.unverified),
+                            "agree_window_ms": self.cfg.agree_window_ms}})
         if any(u["status"] not in ("abandoned", "dropped", "not-captured") for u in self.unrecovered):
             # what replay prints under its table: why packets were rejected (the first few),
             # flows no connection explains, a capture begun mid-job (`join: true`), suspects.

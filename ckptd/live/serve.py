@@ -41,7 +41,7 @@ MAX_HEAD = 8192  # bytes of a request head, its blank line included
 # left to time out.
 _BLANK_LINE = re.compile(rb"\n\r?\n")
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+           405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 431: "Request Header Fields Too Large",
            500: "Internal Server Error", 503: "Service Unavailable"}
 
 

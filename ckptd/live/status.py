@@ -228,17 +228,25 @@ def routes(snap: Snapshot, details: bool = False, checkpoints=None, live=None) -
     return {"/status": status, "/metrics": metrics, **(checkpoints or {})}
 
 
-def checkpoint_routes(tier, names: list[str], hyper_for, plan_hash: str | None) -> dict:
+def checkpoint_routes(tier, names: list[str], hyper_for, plan_hash: str | None,
+                      unverified_from=lambda: None) -> dict:
     """GET /checkpoint: the latest committed state; /checkpoint/<iteration>: that one, if
     the memory tier still holds it (the latest or the one before). The body is a torch.save
     of the trainer format (ckptd.core.formats.torch_doc), sent in chunks; the headers name
     the iteration (X-Ckptd-Iteration) and the body's SHA-256 (X-Ckptd-SHA256). A request
     with `Accept: application/x-ckptd-raw` (ckptd.restore's) gets the raw layout instead
     (ckptd.core.raw_layout: a JSON header, then each tensor's bytes, straight from the
-    held tensors: nothing encoded, nothing copied)."""
+    held tensors: nothing encoded, nothing copied). `unverified_from()`: the first
+    iteration found unverified (Pipeline.copies_seen), or None: that state and every
+    later one is refused, 409, never handed to a trainer as good."""
     def send(held, headers):
         if held is None:
             return text(404, "no committed iteration in memory yet")
+        first = unverified_from()
+        if first is not None and held.iteration >= first:
+            return text(409, f"iteration {held.iteration} is unverified: iteration {first} was committed without "
+                             "a mirror stream's copies, which came after and were never compared, and every later "
+                             "state stems from it (/status unverified)")
         if MEDIA_TYPE in headers.get("accept", ""):  # the lr its step used, as in ckptd's files
             head, parts = held.raw(names, (held.optimizer or {}).get("lr"), plan_hash)
             return Response(200, _raw_chunks(head, parts), MEDIA_TYPE,

@@ -850,6 +850,14 @@ class Daemon:
         if held is not None:
             self.persist.write_older(held)
 
+    def _log_new_errors(self):
+        """A worker died, a link went down: said now, not at the stop (both loops)."""
+        if len(self.pipe.errors) > self.errors_logged:
+            for e in self.pipe.errors[self.errors_logged:]:
+                log.error("capture error", extra={"fields": {"error": e}})
+            self.errors_logged = len(self.pipe.errors)
+            self._publish()
+
     def _counting(self, source):
         """Frames to the pipeline, counted. A quiet tick from the rings ((-1, None)) moves
         the capture clock on (the agreement window); after QUIET_S without a frame the
@@ -858,6 +866,7 @@ class Daemon:
         settled_ns = (max((i.retire_ms for i in self.cfg.interfaces), default=0) + 5) * 1_000_000
         last = time.monotonic()
         for k, fr in source:
+            self._log_new_errors()
             if fr is None:
                 quiet = time.monotonic() - last >= QUIET_S
                 self.pipe.idle(time.time_ns() - settled_ns, place_held=quiet)
@@ -984,11 +993,7 @@ class Daemon:
         # frames older than that have been placed when the rings are quiet
         settled_ns = (max(i.retire_ms for i in self.cfg.interfaces) + 5) * 1_000_000
         for _, batch in batches:
-            if len(self.pipe.errors) > self.errors_logged:  # a worker died, a link went down: say so now
-                for e in self.pipe.errors[self.errors_logged:]:
-                    log.error("capture error", extra={"fields": {"error": e}})
-                self.errors_logged = len(self.pipe.errors)
-                self._publish()
+            self._log_new_errors()
             if batch is None:  # the mirror ports are quiet: the capture clock moves on
                 self.pipe.advance_clock([time.time_ns() - settled_ns] * len(self.captures))
                 if self._snapshot_due(quiet=True):

@@ -687,6 +687,8 @@ def test_late_copies_are_counted_in_status_and_named_at_the_stop(run, tmp_path, 
     # the newest with a plain 200)
     first = daemon.snapshot.get()["unverified_from"]
     assert first == unverified[0]
+    metrics = daemon.routes()["/metrics"]("", {}).body.decode()
+    assert f"ckptd_unverified_from_iteration {float(first)}" in metrics
     assert daemon.memory is not None and daemon.memory.latest().iteration >= first
     r = daemon.routes()["/checkpoint"]("", {})
     assert r.status == 409 and f"iteration {first} was committed without" in r.body.decode(), r.status

@@ -111,6 +111,11 @@ class _Collector:
                                 "what was committed (a mirror stream more than agree_window_ms behind the others?)")
         c.add_metric([], doc.get("late_copies", 0))
         yield c
+        first = doc.get("unverified_from")
+        g = GaugeMetricFamily("ckptd_unverified_from_iteration", "The first committed iteration a mirror stream's "
+                              "copies came after, never compared; every later one stems from it (-1: none)")
+        g.add_metric([], -1 if first is None else first)
+        yield g
         div = doc.get("diverged")
         g = GaugeMetricFamily("ckptd_diverged_since_iteration", "The first committed iteration whose parameters "
                               "hold NaN or inf (-1: they are finite)")

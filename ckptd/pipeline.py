@@ -478,7 +478,7 @@ class Pipeline:
         and `low`, the oldest since its last report): _copies_due reads how far each
         stream's copies have come."""
         low = it if low is None else low
-        if self.committed_without:
+        if self.committed_without and low <= self.done:
             # copies from a stream written off, of iterations committed without it: they
             # came after all, and were never compared with what was committed (a stream
             # back from a link down carries only new ones)
@@ -605,8 +605,9 @@ class Pipeline:
         after this one's), or delivered all of it, or has carried no packet of the job
         for SILENT_STREAM_WINDOWS windows: while the others did (it stopped, or stalls that
         long: written off, see copies_seen; from the capture's first packet, for a stream
-        that has carried none yet), or with the whole capture quiet. Waiting for them is what keeps a mirror that lags
-        from having its copies arrive after a commit, uncompared."""
+        that has carried none yet), or with the whole capture quiet. Waiting for them is
+        what keeps a mirror that lags from having its copies arrive after a commit,
+        uncompared."""
         if not self.gate_copies or self.window_ns <= 0:
             return None
         # (the fast path moves the streams' clocks after each batch, its copies as it goes)

@@ -197,7 +197,7 @@ def _resume_from_url(url: str, names: list[str]) -> str:
 
 def cmd_replay(a) -> int:
     from ckptd.core.checkpoint import load_checkpoint
-    from ckptd.pipeline import NOTHING_JOINED, SILENT_STREAM_WINDOWS, ReplayOptions, replay
+    from ckptd.pipeline import NOTHING_JOINED, ReplayOptions, replay
     from ckptd.core.memory import require_memory
     from ckptd.core.plan import load_plan
     from ckptd.core.streams import stream_faults
@@ -360,13 +360,10 @@ def cmd_replay(a) -> int:
     if pipe.unverified:
         # committed without a stream taken for stopped (silent ten windows), whose copies of
         # them came after all: never compared, and every later state stems from the first
-        first = min(pipe.unverified)
-        streams = sorted({names[k] for ks in pipe.unverified.values() for k in ks})
+        first = pipe.unverified_from
         aside = _set_aside(a.out, [r.iteration for r in reps if r.ok and r.iteration >= first]) if a.out else 0
-        print(f"warning: iteration(s) {', '.join(map(str, sorted(pipe.unverified)))} were committed without the "
-              f"copies of stream(s) {', '.join(streams)}, taken for stopped after {SILENT_STREAM_WINDOWS} silent "
-              f"agreement windows, which then came: never compared, so the commits from iteration {first} on are "
-              "unverified" + (f": the {aside} written are set aside in {a.out} as iter_*.pt.suspect" if aside else ""),
+        print(f"warning: {pipe.unverified_note()}"
+              + (f": the {aside} written are set aside in {a.out} as iter_*.pt.suspect" if aside else ""),
               file=sys.stderr)
     if any(r.exact is False for r in reps):
         return 4

@@ -326,9 +326,8 @@ class Pipeline:
         # iteration -> the streams whose copies came after its commit, uncompared)
         self.written_off: dict[int, int] = {}
         self.committed_without: dict[int, set[int]] = {}
-        self.quiet_owing: dict[int, set[int]] = {}  # iteration -> streams it went on without in a quiet
+        self.went_without: dict[int, set[int]] = {}  # iteration -> streams _copies_due let it go without
         self.unverified: dict[int, set[int]] = {}
-        self.held_for: dict[int, int] = {}  # iteration -> the stream it waited for, when forced on
         # RoCE: every copy is placed and compared (IterationAssembly); gloo compares its
         # copies in the reassembler and places the bytes once, so its placements do not
         # show how far a stream's copies have come
@@ -494,6 +493,20 @@ class Pipeline:
             if not self.first_copy_ns:
                 self.first_copy_ns = ns
 
+    @property
+    def unverified_from(self) -> int | None:
+        """The first unverified (training) iteration: every later state stems from it."""
+        return min(self.unverified, default=None)
+
+    def unverified_note(self) -> str:
+        """One line for the unverified iterations and the streams whose copies came late."""
+        names = self.opts.stream_names
+        streams = sorted({names[k] if names else str(k) for ks in self.unverified.values() for k in ks})
+        return (f"iteration(s) {', '.join(map(str, sorted(self.unverified)))} were committed without the copies "
+                f"of stream(s) {', '.join(streams)}, taken for stopped after {SILENT_STREAM_WINDOWS} silent "
+                f"agreement windows, which then came: never compared, so the commits from iteration "
+                f"{self.unverified_from} on are unverified")
+
     def count_late(self, n: int):
         """Packets of iterations already done: late, or while joining, before the join."""
         if self.joining:
@@ -617,6 +630,7 @@ class Pipeline:
         silent = SILENT_STREAM_WINDOWS * self.window_ns
         full = self.full_streams.setdefault(it, set())
         asm = self.open.get(it)
+        without = set()
         for s in range(self.nstreams):
             if self.stream_iter[s] > it:
                 continue
@@ -629,14 +643,15 @@ class Pipeline:
                 # the others carried the job ten windows past its last packet: it stopped,
                 # or stalls (written off: copies_seen)
                 self.written_off.setdefault(s, now)
-                continue
-            if now - last >= silent:
+                without.add(s)
+            elif now - last >= silent:
                 # the whole capture quiet that long (a job between iterations): nothing of
                 # this stream is on its way, since one that lags delivers its backlog then;
                 # what it lacks of the iteration it lost (or holds back: copies_seen)
-                self.quiet_owing.setdefault(it, set()).add(s)
-                continue
-            return s
+                without.add(s)
+            else:
+                return s
+        self.went_without[it] = without  # (what a commit now goes without: _finalize)
         return None
 
     def _window_passed(self, since: int) -> bool:
@@ -672,19 +687,21 @@ class Pipeline:
         while self.done < upto:
             it = self.done + 1
             asm = self.open.get(it)
+            due = None
             if hold and asm is not None and asm.complete and (due := self._copies_due(it)) is not None:
                 if self.highest - it < MAX_HELD:
                     return
-                self.held_for[it] = due
             self.held_since.pop(it, None)
             self.buffers_since.pop(it, None)
             self.full_streams.pop(it, None)
             asm = self.open.pop(it, None) or self.open_assembly(it)
             self.done = self.extract.done = it
-            self._finalize(asm)
+            self._finalize(asm, owed=due)
             self._close(asm)
 
-    def _finalize(self, asm: IterationAssembly):
+    def _finalize(self, asm: IterationAssembly, owed: int | None = None):
+        """Report, and commit where it may; owed: the stream whose copies a complete
+        iteration still waited for when it could be held no longer (refused)."""
         wire = asm.iteration
         it = wire + self.offset
         rep = IterationReport(it, "", asm.packets, asm.bytes)
@@ -719,9 +736,9 @@ class Pipeline:
                     f"joined here before every flow of {', '.join(self.join_unbound)} was bound (taken "
                     f"{FINALIZE_LAG} iterations on without them): their packets of it may have passed "
                     "before the capture saw them")
-        elif (due := self.held_for.pop(wire, None)) is not None:  # never committed on the first copies
+        elif owed is not None:  # never committed on the first copies
             rep.status = "unrecoverable"
-            rep.note = (f"not committed: {self._owed(due, wire)} when iteration {self.highest + self.offset} "
+            rep.note = (f"not committed: {self._owed(owed, wire)} when iteration {self.highest + self.offset} "
                         f"began ({MAX_HELD} held); a mirror stream that lags this far, or has stopped for less "
                         f"than {SILENT_STREAM_WINDOWS} agreement windows, holds commits")
         elif clash:  # never resolved by which copy came first
@@ -759,7 +776,7 @@ class Pipeline:
         # per-stream statistics after the commit: they do not hold it up
         rep.coverage = [asm.coverage(s) for s in range(self.nstreams)]
         rep.loss = [self.extract.stream_loss(s, wire) for s in range(self.nstreams)]
-        without = set(self.written_off) | self.quiet_owing.pop(wire, set())
+        without = self.went_without.pop(wire, set())
         if without and rep.status in ("committed", "complete"):  # without their copies
             self.committed_without[wire] = without
             for k in [k for k in self.committed_without if k < wire - UNVERIFIED_KEPT]:

@@ -57,14 +57,14 @@ def _record(pipe):
 
     finalize, apply_ready = inner._finalize, inner._apply_ready_buckets
 
-    def _finalize(asm):
+    def _finalize(asm, **kw):
         pipe.snaps.append(dict(
             it=asm.iteration, data=[d.copy() for d in asm.data], cov=[c.copy() for c in asm.covered],
             by_stream=[[c.copy() for c in maps] for maps in asm.by_stream],
             conflicts=list(asm.conflicts), packets=asm.packets, bytes=asm.bytes,
             ncovered=asm.ncovered, bucket_covered=list(asm.bucket_covered)))
         pipe.events.append(("finalize", asm.iteration, frames()))
-        finalize(asm)
+        finalize(asm, **kw)
 
     def _apply_ready_buckets(asm):
         before = inner.next_bucket

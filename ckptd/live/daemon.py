@@ -1062,7 +1062,7 @@ class Daemon:
             # committed without a stream taken for stopped, whose copies of them came after
             # (Pipeline.copies_seen): never compared, and every later state stems from them
             "unverified": sorted(self.pipe.unverified),
-            "unverified_from": min(self.pipe.unverified, default=None),  # every later checkpoint too
+            "unverified_from": self.pipe.unverified_from,  # every later checkpoint too
             "shadow_stopped_after": self.pipe.stopped_after,
             "diverged": self.diverged,
             "join": ({"joining": self.pipe.joining, "joined_at": self.pipe.joined,
@@ -1092,7 +1092,7 @@ class Daemon:
             def hyper_for(held):  # the hyperparameters move with the schedule: each state its own
                 return trainer_hyper(self.plan, held.checkpoint()) if held.optimizer is not None else None
             ckpt = checkpoint_routes(self.memory, names, hyper_for, plan_hash,
-                                     unverified_from=lambda: min(self.pipe.unverified, default=None))
+                                     unverified_from=lambda: self.pipe.unverified_from)
         return routes(self.snapshot, self.cfg.status_details, ckpt, live=self._live_status)
 
     def _live_status(self) -> dict:
@@ -1438,13 +1438,10 @@ class Daemon:
                             "its copies (if they come after all, those iterations are reported unverified)",
                             extra={"fields": {"stream": self.names[k], "agree_window_ms": self.cfg.agree_window_ms}})
         new = sorted(set(pipe.unverified) - self._unverified_logged)
-        if new:
+        if new:  # (the line names every one so far: each error says all that is known)
             self._unverified_logged |= set(new)
-            names = sorted({self.names[k] for it in new for k in pipe.unverified[it]})
-            log.error(f"iteration(s) {', '.join(map(str, new))} were committed without the copies of stream(s) "
-                      f"{', '.join(names)}, taken for stopped, which then came: never compared, so the checkpoints "
-                      f"from iteration {min(pipe.unverified)} on are unverified (/status unverified; exit 3)",
-                      extra={"fields": {"iterations": new, "streams": names}})
+            log.error(f"{pipe.unverified_note()} (/status unverified; exit 3)",
+                      extra={"fields": {"iterations": new}})
 
     def _exit_status(self) -> int:
         """0: every iteration seen committed or was merely in flight at the stop;
